@@ -1,0 +1,156 @@
+"""The attention backend interface: a backend class names its implementation, its metadata and
+the builder that turns CommonAttentionMetadata into that metadata once per step."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from pagedserve.scheduler.metadata import CommonAttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionLayerConfig:
+    """What one attention layer asks of a backend."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    sliding_window: int | None = None  # tokens a query sees, itself included
+    logits_soft_cap: float | None = None
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class BuilderConfig:
+    """Sizes a metadata builder allocates its persistent buffers for."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int
+    max_num_reqs: int
+    max_num_tokens: int
+    max_blocks_per_seq: int
+    device: torch.device
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    kv_cache_dtype: str = "auto"
+
+
+class AttentionMetadataBuilder(ABC):
+    def __init__(self, config: BuilderConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        """Host work once per step (plan); the result is handed to every layer's forward."""
+
+
+class AttentionImpl(ABC):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                             f"{num_kv_heads}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.kv_cache_dtype = kv_cache_dtype
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any,
+                output: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D] for the step's new tokens. Writes the new K/V
+        into `kv_cache` through the slot mapping first, then attends (prefill, decode or mixed)
+        and returns [T, H, D]."""
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+    supported_head_sizes: ClassVar[tuple[int, ...]] = ()  # empty: any
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.float32, torch.float16, torch.bfloat16)
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    supports_sliding_window: ClassVar[bool] = False
+    supports_soft_cap: ClassVar[bool] = False
+    supports_cuda_graphs: ClassVar[bool] = False
+    description: ClassVar[str] = ""
+
+    @classmethod
+    def get_name(cls) -> str:
+        return cls.name
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_metadata_cls() -> type: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]: ...
+
+    @staticmethod
+    def kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views [num_blocks, block_size, num_kv_heads, head_size] of the cache
+        (K/V outermost here; backends with another layout override this)."""
+        return kv_cache[0], kv_cache[1]
+
+    @classmethod
+    def get_kv_cache_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """(True, what runs) or (False, why not and how to fix it)."""
+
+    @classmethod
+    def validate_configuration(cls, layer: AttentionLayerConfig, block_size: int,
+                               device: torch.device) -> list[str]:
+        """Reasons this backend cannot run the layer; empty when it can."""
+        reasons = []
+        if cls.supported_head_sizes and layer.head_size not in cls.supported_head_sizes:
+            reasons.append(f"head size {layer.head_size} not in {list(cls.supported_head_sizes)}")
+        if layer.dtype not in cls.supported_dtypes:
+            reasons.append(f"dtype {layer.dtype} not supported")
+        if layer.sliding_window is not None and not cls.supports_sliding_window:
+            reasons.append("sliding window not supported")
+        if layer.logits_soft_cap is not None and not cls.supports_soft_cap:
+            reasons.append("logits soft-cap not supported")
+        if layer.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            reasons.append(f"kv_cache_dtype {layer.kv_cache_dtype!r} not in "
+                           f"{list(cls.supported_kv_cache_dtypes)}")
+        return reasons
+
+    @classmethod
+    def features(cls) -> list[str]:
+        out = []
+        if cls.supports_sliding_window:
+            out.append("sliding-window")
+        if cls.supports_soft_cap:
+            out.append("soft-cap")
+        if cls.supported_kv_cache_dtypes != ("auto",):
+            quant = [d for d in cls.supported_kv_cache_dtypes if d != "auto"]
+            out.append("quantized-kv(" + ",".join(quant) + ")")
+        if cls.supports_cuda_graphs:
+            out.append("cuda-graphs")
+        return out

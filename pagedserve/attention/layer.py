@@ -1,0 +1,50 @@
+"""The attention layer a model uses: it declares what cache it needs and calls the backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.attention.backend import AttentionImpl, AttentionLayerConfig
+from pagedserve.attention.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """query [T, H*D], key/value [T, Hkv*D] in; [T, H*D] out. The model runner binds an impl of
+    the selected backend (`bind`) and sets the step's metadata and caches around forward."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 layer_idx: int, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.impl: AttentionImpl | None = None
+        self.layer_config: AttentionLayerConfig | None = None
+
+    def config(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> AttentionLayerConfig:
+        return AttentionLayerConfig(self.num_heads, self.num_kv_heads, self.head_size, dtype,
+                                    self.sliding_window, self.logits_soft_cap, kv_cache_dtype)
+
+    def bind(self, impl: AttentionImpl, layer_config: AttentionLayerConfig) -> None:
+        self.impl = impl
+        self.layer_config = layer_config
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if self.impl is None:
+            raise RuntimeError("attention layer has no backend bound")
+        ctx = get_forward_context()
+        t = query.shape[0]
+        out = self.impl.forward(
+            query.view(t, self.num_heads, self.head_size),
+            key.view(t, self.num_kv_heads, self.head_size),
+            value.view(t, self.num_kv_heads, self.head_size),
+            ctx.kv_caches[self.layer_idx],
+            ctx.attn_metadata[self.layer_config],
+        )
+        return out.reshape(t, self.num_heads * self.head_size)

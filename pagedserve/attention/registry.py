@@ -1,0 +1,126 @@
+"""Attention backends by name, and the selector that validates a user's choice.
+
+Backends are registered as import paths so that listing them imports no GPU-only package; a
+backend module imports its kernels lazily, inside `is_available()` and its impl.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from pagedserve.attention.backend import AttentionBackend, AttentionLayerConfig
+
+ENV_VAR = "PAGEDSERVE_ATTENTION_BACKEND"
+
+_REGISTRY: dict[str, str] = {}
+
+# Auto-selection order per device type; the first available backend that supports every layer.
+AUTO_ORDER = {
+    "cuda": ("FLASHINFER", "FLASH_ATTN", "TRITON"),
+    "hip": ("ROCM", "TRITON"),
+    "cpu": ("CPU",),
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    """`target` is 'module.path:ClassName'."""
+    _REGISTRY[name.upper()] = target
+
+
+def registered_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_backend_cls(name: str) -> type[AttentionBackend]:
+    key = name.upper()
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; registered: "
+                         f"{', '.join(_REGISTRY)}")
+    module_name, _, cls_name = _REGISTRY[key].partition(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
+def backend_status() -> dict[str, tuple[bool, str]]:
+    """name -> (available, what runs or why not), for every registered backend."""
+    status = {}
+    for name in _REGISTRY:
+        try:
+            status[name] = get_backend_cls(name).is_available()
+        except Exception as exc:  # a broken optional install must not hide the others
+            status[name] = (False, f"import failed: {exc}")
+    return status
+
+
+def _device_kind(device: torch.device) -> str:
+    if device.type == "cuda" and torch.version.hip:
+        return "hip"
+    return device.type
+
+
+class BackendSelectionError(ValueError):
+    pass
+
+
+def select_backend(name: str | None, device: torch.device, layers: list[AttentionLayerConfig],
+                   block_size: int) -> type[AttentionBackend]:
+    """The backend named by `name` (the CLI flag), else by $PAGEDSERVE_ATTENTION_BACKEND, else
+    the best available for the device. A named backend that is unknown, unavailable or cannot
+    run these layers is an error listing what is available; it is never silently replaced."""
+    requested = name or os.environ.get(ENV_VAR) or None
+    status = backend_status()
+    available = [n for n, (ok, _) in status.items() if ok]
+
+    def explain() -> str:
+        lines = [f"available here: {', '.join(available) or 'none'}"]
+        lines += [f"  {n}: {why}" for n, (ok, why) in status.items() if not ok]
+        return "\n".join(lines)
+
+    if requested:
+        key = requested.upper()
+        if key not in status:
+            raise BackendSelectionError(
+                f"unknown attention backend {requested!r}; valid names: "
+                f"{', '.join(status)}\n{explain()}")
+        ok, why = status[key]
+        if not ok:
+            raise BackendSelectionError(
+                f"attention backend {key} is not available: {why}\n{explain()}")
+        cls = get_backend_cls(key)
+        reasons = _layer_problems(cls, layers, block_size, device)
+        if reasons:
+            raise BackendSelectionError(
+                f"attention backend {key} cannot run this model: {'; '.join(reasons)}\n"
+                f"{explain()}")
+        return cls
+
+    tried = []
+    for key in AUTO_ORDER.get(_device_kind(device), ()):
+        if key not in status:
+            continue
+        ok, why = status[key]
+        if not ok:
+            tried.append(f"{key}: {why}")
+            continue
+        cls = get_backend_cls(key)
+        reasons = _layer_problems(cls, layers, block_size, device)
+        if not reasons:
+            return cls
+        tried.append(f"{key}: {'; '.join(reasons)}")
+    raise BackendSelectionError(
+        f"no attention backend can run this model on {device}:\n  " + "\n  ".join(tried))
+
+
+def _layer_problems(cls: type[AttentionBackend], layers: list[AttentionLayerConfig],
+                    block_size: int, device: torch.device) -> list[str]:
+    reasons: list[str] = []
+    for layer in dict.fromkeys(layers):
+        for reason in cls.validate_configuration(layer, block_size, device):
+            if reason not in reasons:
+                reasons.append(reason)
+    return reasons
+
+
+register_backend("CPU", "pagedserve.attention.backends.cpu:CPUAttentionBackend")

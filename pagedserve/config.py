@@ -1,0 +1,152 @@
+"""Engine configuration: ModelConfig + CacheConfig + SchedulerConfig, loadable from YAML presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` is float32 on the CPU and bfloat16 on CUDA."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string such as '2GiB', '512MiB', '1.5GB'."""
+    if isinstance(value, int):
+        return value
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
+             "gb": 10**9, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
+    text = value.strip().lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit):
+            number = text[: -len(unit)].strip()
+            try:
+                return int(float(number) * units[unit])
+            except ValueError:
+                break
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"memory size {value!r} is not a number of bytes or e.g. '2GiB'") from None
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"  # the budget on the CPU
+    gpu_memory_utilization: float = 0.9  # the fraction of the GPU the engine may fill
+    kv_cache_dtype: str = "auto"
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_waiting_requests: int = 4096  # the server answers 503 beyond this
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str | None = None  # None: PAGEDSERVE_ATTENTION_BACKEND, then auto
+    device: str | None = None  # None: cuda when available, else cpu
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Flat snake-case keyword arguments (as `LLM(...)` and the CLI take them) -> config.
+
+        Unknown names are an error that names them; None values keep the default.
+        """
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        split: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        top: dict[str, Any] = {}
+        top_names = {f.name for f in fields(cls)} - set(sections)
+        for key, value in kwargs.items():
+            if value is None:
+                continue
+            for name, section in sections.items():
+                if key in {f.name for f in fields(section)}:
+                    split[name][key] = value
+                    break
+            else:
+                if key not in top_names:
+                    raise ValueError(f"unknown engine argument {key!r}")
+                top[key] = value
+        return cls(**{name: sections[name](**split[name]) for name in sections}, **top)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
+        """A YAML preset (flat keys, or grouped under model/cache/scheduler), then overrides."""
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of engine settings")
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in ("model", "cache", "scheduler") and isinstance(value, dict):
+                flat.update(value)
+            else:
+                flat[key] = value
+        flat.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls.from_kwargs(**flat)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

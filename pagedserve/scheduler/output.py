@@ -1,0 +1,38 @@
+"""What one scheduling step decided."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedserve.scheduler.request import Request
+
+
+@dataclass
+class SchedulerOutput:
+    """The requests of one step in batch order (prefills first, then decodes: a decode is a
+    request with exactly one new token), with arrays aligned to that order."""
+
+    requests: list[Request]
+    num_scheduled_tokens: np.ndarray  # int32 [B]: new tokens of each request this step
+    num_computed_tokens: np.ndarray  # int32 [B]: tokens already in the cache before this step
+    new_block_ids: list[list[int]]  # per request: block ids appended this step
+    is_new: list[bool]  # the request needs a fresh row (just admitted, or resumed)
+    num_prefills: int
+    # Requests whose rows the model runner drops before this step (finished, aborted or
+    # preempted since the last step).
+    freed_request_ids: list[str] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.requests)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return int(self.num_scheduled_tokens.sum())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests

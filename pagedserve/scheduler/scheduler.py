@@ -1,0 +1,163 @@
+"""Continuous batching: FCFS admission under seat and token budgets, chunked prefill, and
+preemption by recompute when the KV pool runs out."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import numpy as np
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.kv_cache import KVCacheManager
+from pagedserve.scheduler.output import SchedulerOutput
+from pagedserve.scheduler.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._freed_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- requests in and out ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        worst_case = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        if self.kv.blocks_needed(worst_case) > self.kv.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} may need {worst_case} tokens of KV cache but the"
+                f" pool holds only {self.kv.num_blocks * self.kv.block_size}: raise the KV cache"
+                " memory or lower max_tokens")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (stop string) or abort requests wherever they are; unknown ids are ignored so
+        an abort racing a normal finish is harmless. Their blocks are freed at once."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self.kv.forget(request)
+        del self.requests[request.request_id]
+        self._freed_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int, list[int], bool]] = []
+        num_preempted = 0
+
+        # Running requests first (decodes and unfinished prompt chunks), in admission order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            blocks = self.kv.allocate_slots(request, num_new)
+            while blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is request:
+                    break
+                blocks = self.kv.allocate_slots(request, num_new)
+            if blocks is None:
+                break
+            scheduled.append((request, num_new, [b.block_id for b in blocks], False))
+            budget -= num_new
+            i += 1
+
+        # Then admit waiting requests, FCFS, unless this step had to preempt.
+        while (not num_preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            blocks = self.kv.allocate_slots(request, num_new, hits)
+            if blocks is None:
+                break
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            self.running.append(request)
+            scheduled.append((request, num_new, self.kv.block_ids(request.request_id), True))
+            budget -= num_new
+
+        # Batch order: prefills (more than one new token) first, then decodes.
+        scheduled.sort(key=lambda item: item[1] == 1)
+        num_prefills = sum(1 for item in scheduled if item[1] > 1)
+        freed, self._freed_ids = self._freed_ids, []
+        return SchedulerOutput(
+            requests=[item[0] for item in scheduled],
+            num_scheduled_tokens=np.array([item[1] for item in scheduled], dtype=np.int32),
+            num_computed_tokens=np.array([item[0].num_computed_tokens for item in scheduled],
+                                         dtype=np.int32),
+            new_block_ids=[item[2] for item in scheduled],
+            is_new=[item[3] for item in scheduled],
+            num_prefills=num_prefills,
+            freed_request_ids=freed,
+            num_preempted=num_preempted,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute policy: drop the request's KV and put it back at the head of the queue; its
+        output so far is kept and becomes part of the prompt it recomputes."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._freed_ids.append(request.request_id)
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled_token_ids: np.ndarray) -> list[tuple[Request, int | None]]:
+        """Advance each scheduled request by its tokens; a request whose whole context is now
+        cached takes its sampled token (a partial prompt chunk's sample is discarded). Returns
+        (request, new token or None) in batch order; finished requests are already freed."""
+        results: list[tuple[Request, int | None]] = []
+        for request, num_new, token in zip(output.requests, output.num_scheduled_tokens.tolist(),
+                                           sampled_token_ids.tolist(), strict=True):
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens < request.num_tokens:
+                results.append((request, None))
+                continue
+            request.append_output_token(token)
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            results.append((request, token))
+        return results

@@ -1,0 +1,125 @@
+"""Attention-backend conformance harness: random paged caches with shuffled block ids, run a
+backend's builder + impl, compare with a float32 reference written plainly here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.attention import AttentionBackend, BuilderConfig
+from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+
+# (context_len, query_len) per request; a decode has query_len 1. Prefills come first.
+BATCHES = {
+    "prefill": [(0, 17), (0, 5), (0, 32), (0, 1 + 16)],
+    "chunked_prefill": [(16, 16), (15, 9), (33, 31), (7, 2)],
+    "decode": [(15, 1), (16, 1), (31, 1), (32, 1), (0, 1), (47, 1)],
+    "mixed": [(0, 20), (17, 15), (31, 1), (32, 1), (63, 1), (5, 1)],
+}
+
+
+@dataclass
+class Case:
+    batch: list[tuple[int, int]]
+    block_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    seed: int = 0
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
+                        scale: float, sliding_window: int | None,
+                        soft_cap: float | None) -> torch.Tensor:
+    """One request in float32: q [Lq, H, D] for positions context_len.., k/v [Lk, Hkv, D]."""
+    lq, h, _ = q.shape
+    lk, hkv, _ = k.shape
+    k = k.float().repeat_interleave(h // hkv, dim=1)
+    v = v.float().repeat_interleave(h // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    q_pos = torch.arange(lq)[:, None] + context_len
+    k_pos = torch.arange(lk)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+
+
+def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(case.seed)
+    bs, hkv, d = case.block_size, case.num_kv_heads, case.head_size
+    batch = case.batch
+    blocks_per_req = [math.ceil((c + q) / bs) for c, q in batch]
+    num_blocks = sum(blocks_per_req) + 3
+    # Shuffled block ids so a backend that assumes contiguous pages fails.
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    block_ids, pos = [], 0
+    for n in blocks_per_req:
+        block_ids.append(perm[pos:pos + n])
+        pos += n
+
+    cache_dtype = backend.get_kv_cache_dtype("auto", case.dtype)
+    kv_cache = torch.randn(backend.get_kv_cache_shape(num_blocks, bs, hkv, d),
+                           generator=gen).to(cache_dtype).to(device)
+    # K/V of every token of every request; the context part is written into the cache below.
+    full_k = [torch.randn(c + q, hkv, d, generator=gen).to(case.dtype) for c, q in batch]
+    full_v = [torch.randn(c + q, hkv, d, generator=gen).to(case.dtype) for c, q in batch]
+    queries = [torch.randn(q, case.num_heads, d, generator=gen).to(case.dtype) for _, q in batch]
+    k_view, v_view = backend.kv_cache_views(kv_cache)
+    for ids, (c, _), k, v in zip(block_ids, batch, full_k, full_v, strict=True):
+        for t in range(c):
+            blk, off = ids[t // bs], t % bs
+            k_view[blk, off] = k[t].to(device)
+            v_view[blk, off] = v[t].to(device)
+
+    num_prefills = sum(1 for _, q in batch if q > 1)
+    max_blocks = max(blocks_per_req) + 2
+    table = BlockTable(len(batch), max_blocks)
+    for row, ids in enumerate(block_ids):
+        table.add_row(row, ids)
+    common_builder = CommonMetadataBuilder(len(batch), sum(q for _, q in batch), max_blocks,
+                                           bs, device)
+    common = common_builder.build(
+        rows=np.arange(len(batch)),
+        num_computed=np.array([c for c, _ in batch], dtype=np.int32),
+        num_scheduled=np.array([q for _, q in batch], dtype=np.int32),
+        num_prefills=num_prefills, block_table=table)
+    config = BuilderConfig(case.num_heads, hkv, d, case.dtype, bs, len(batch),
+                           common.num_actual_tokens, max_blocks, device, case.sliding_window,
+                           case.logits_soft_cap)
+    metadata = backend.get_builder_cls()(config).build(common)
+    scale = d ** -0.5
+    impl = backend.get_impl_cls()(case.num_heads, d, scale, hkv, case.sliding_window,
+                                  case.logits_soft_cap)
+    query = torch.cat(queries).to(device)
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, batch, strict=True)]).to(device)
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, batch, strict=True)]).to(device)
+    out = impl.forward(query, key, value, kv_cache, metadata)
+
+    tol = 1e-5 if case.dtype == torch.float32 else 2e-2
+    start = 0
+    for i, (c, q) in enumerate(batch):
+        ref = reference_attention(queries[i], full_k[i], full_v[i], c, scale,
+                                  case.sliding_window, case.logits_soft_cap)
+        got = out[start:start + q].float().cpu()
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol,
+                                   msg=lambda m, i=i: f"request {i} {batch[i]}: {m}")
+        start += q
+    # The new tokens' K/V landed in their slots.
+    for ids, (c, q), k, v in zip(block_ids, batch, full_k, full_v, strict=True):
+        for t in range(c, c + q):
+            blk, off = ids[t // bs], t % bs
+            torch.testing.assert_close(k_view[blk, off].float().cpu(), k[t].float(),
+                                       rtol=0, atol=0 if cache_dtype == case.dtype else 0.1)
+            torch.testing.assert_close(v_view[blk, off].float().cpu(), v[t].float(),
+                                       rtol=0, atol=0 if cache_dtype == case.dtype else 0.1)
+

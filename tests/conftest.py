@@ -1,0 +1,20 @@
+import os
+
+# Triton kernels run on CPU tensors in the interpreter; it must be set before triton is imported.
+if not os.environ.get("CUDA_VISIBLE_DEVICES_FORCE_GPU"):
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

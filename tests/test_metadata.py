@@ -1,0 +1,84 @@
+"""CommonAttentionMetadata: DESIGN.md's worked CSR example, and buffer reuse across steps."""
+
+import numpy as np
+import torch
+
+from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+
+
+def _build(builder, table, computed, scheduled, num_prefills=0, rows=None):
+    rows = np.arange(len(computed)) if rows is None else np.asarray(rows)
+    return builder.build(rows, np.asarray(computed, dtype=np.int32),
+                         np.asarray(scheduled, dtype=np.int32), num_prefills, table)
+
+
+def test_design_worked_example():
+    table = BlockTable(max_num_reqs=4, max_blocks_per_seq=6)
+    for row, ids in enumerate([[0, 1, 3], [2, 5], [4, 6, 7, 8]]):
+        table.add_row(row, ids)
+    builder = CommonMetadataBuilder(4, 64, 6, 16, torch.device("cpu"))
+    # seq_lens 40, 25, 50 as decodes: 39 + 1, 24 + 1, 49 + 1.
+    md = _build(builder, table, [39, 24, 49], [1, 1, 1])
+    assert md.paged_kv_indptr.tolist() == [0, 3, 5, 9]
+    assert md.paged_kv_indices.tolist() == [0, 1, 3, 2, 5, 4, 6, 7, 8]
+    assert md.paged_kv_last_page_len.tolist() == [8, 9, 2]
+    assert md.seq_lens.tolist() == [40, 25, 50]
+    assert md.context_lens.tolist() == [39, 24, 49]
+    assert md.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert md.block_table.tolist() == [[0, 1, 3, -1, -1, -1], [2, 5, -1, -1, -1, -1],
+                                       [4, 6, 7, 8, -1, -1]]
+    # Token 39 of request 0 is in its third block (id 3) at offset 7.
+    assert md.slot_mapping.tolist() == [3 * 16 + 7, 5 * 16 + 8, 8 * 16 + 1]
+    assert md.positions.tolist() == [39, 24, 49]
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (3, 3, 0)
+    assert (md.max_query_len, md.max_seq_len) == (1, 50)
+
+
+def test_full_last_page_has_block_size_length():
+    table = BlockTable(2, 4)
+    table.add_row(0, [7, 3])
+    builder = CommonMetadataBuilder(2, 64, 4, 16, torch.device("cpu"))
+    md = _build(builder, table, [0], [32], num_prefills=1)
+    assert md.paged_kv_last_page_len.tolist() == [16]
+    assert md.slot_mapping.tolist() == [7 * 16 + i for i in range(16)] + \
+        [3 * 16 + i for i in range(16)]
+
+
+def _expected(table, rows, computed, scheduled, bs):
+    slots, indices, last = [], [], []
+    for row, c, s in zip(rows, computed, scheduled, strict=True):
+        ids = table.table[row]
+        for p in range(c, c + s):
+            slots.append(int(ids[p // bs]) * bs + p % bs)
+        n = -(-(c + s) // bs)
+        indices += ids[:n].tolist()
+        last.append(c + s - (n - 1) * bs)
+    return slots, indices, last
+
+
+def test_larger_then_smaller_batch_reuses_buffers():
+    bs = 4
+    rng = np.random.default_rng(0)
+    table = BlockTable(16, 32)
+    perm = rng.permutation(16 * 32)
+    for row in range(16):
+        table.add_row(row, perm[row * 32:(row + 1) * 32].tolist())
+    builder = CommonMetadataBuilder(16, 512, 32, bs, torch.device("cpu"))
+    pointers = None
+    for rows, computed, scheduled, num_prefills in [
+        ([3, 0, 7, 9, 12, 15, 1], [0, 5, 17, 30, 8, 60, 2], [13, 40, 1, 1, 1, 1, 1], 2),
+        ([5, 2], [10, 3], [1, 1], 0),
+        ([11, 4, 6], [0, 0, 99], [20, 3, 1], 2),
+    ]:
+        md = _build(builder, table, computed, scheduled, num_prefills, rows)
+        slots, indices, last = _expected(table, rows, computed, scheduled, bs)
+        assert md.slot_mapping.tolist() == slots
+        assert md.paged_kv_indices.tolist() == indices
+        assert md.paged_kv_last_page_len.tolist() == last
+        assert md.query_start_loc.tolist() == [0, *np.cumsum(scheduled).tolist()]
+        assert md.num_prefill_tokens == sum(scheduled[:num_prefills])
+        assert md.block_table.tolist() == table.table[rows].tolist()
+        now = (md.slot_mapping.data_ptr(), md.paged_kv_indices.data_ptr(),
+               md.query_start_loc.data_ptr(), md.block_table.data_ptr())
+        assert pointers is None or now == pointers  # views of the same persistent buffers
+        pointers = now

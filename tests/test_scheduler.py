@@ -1,0 +1,120 @@
+"""Scheduler invariants under random workloads, chunked prefill and forced preemption."""
+
+import random
+
+import numpy as np
+import pytest
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.kv_cache import KVCacheManager
+from pagedserve.scheduler import Request, RequestStatus, Scheduler
+
+
+class Params:
+    def __init__(self, max_tokens):
+        self.max_tokens = max_tokens
+        self.ignore_eos = True
+
+
+def _run(seed, num_blocks, block_size, max_seqs, budget, num_reqs=40, caching=False):
+    rng = random.Random(seed)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv,
+                      max_model_len=512)
+    requests = []
+    for i in range(num_reqs):
+        prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 60))]
+        requests.append(Request(f"r{i}", prompt, Params(rng.randint(1, 30))))
+    pending = list(requests)
+    steps = 0
+    while pending or sched.has_unfinished_requests():
+        # Requests arrive over time.
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                sched.add_request(pending.pop(0))
+        out = sched.schedule()
+        steps += 1
+        assert steps < 5000
+        if out.is_empty:
+            assert not sched.running
+            continue
+        n = out.num_scheduled_tokens
+        assert n.sum() <= budget and len(out.requests) <= max_seqs
+        assert (n >= 1).all()
+        # Prefills (more than one new token) first, then decodes.
+        assert list(n > 1) == sorted(n > 1, reverse=True)
+        assert out.num_prefills == int((n > 1).sum())
+        for req, c, k in zip(out.requests, out.num_computed_tokens, n, strict=True):
+            assert req.status == RequestStatus.RUNNING
+            assert c == req.num_computed_tokens and c + k <= req.num_tokens
+            assert len(kv.req_to_blocks[req.request_id]) * block_size >= c + k
+        ids = [b for r in sched.running for b in kv.block_ids(r.request_id)]
+        if not caching:
+            assert len(ids) == len(set(ids))  # no block in two requests
+        sampled = np.array([rng.randrange(1000) for _ in out.requests])
+        sched.update_from_output(out, sampled)
+    for req in requests:
+        assert req.status == RequestStatus.FINISHED_LENGTH
+        assert req.num_output_tokens == req.max_tokens
+        assert req.num_tokens == req.num_prompt_tokens + req.max_tokens
+    assert kv.num_free_blocks == num_blocks
+    assert not kv.req_to_blocks
+    return sched
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_roomy(seed):
+    sched = _run(seed, num_blocks=400, block_size=16, max_seqs=8, budget=64)
+    assert sched.num_preemptions == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_preempts_and_resumes(seed):
+    # 96 tokens of KV for requests up to 90 tokens: preemption is certain.
+    sched = _run(seed, num_blocks=24, block_size=4, max_seqs=16, budget=32)
+    assert sched.num_preemptions > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_workload_with_prefix_caching(seed):
+    _run(seed, num_blocks=30, block_size=4, max_seqs=6, budget=24, caching=True)
+
+
+def test_chunked_prefill_keeps_decodes_going():
+    kv = KVCacheManager(100, 16, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), kv, 512)
+    a = Request("a", [1] * 5, Params(20))
+    sched.add_request(a)
+    out = sched.schedule()
+    sched.update_from_output(out, np.array([7]))
+    b = Request("b", list(range(40)), Params(5))  # longer than the budget
+    sched.add_request(b)
+    chunks = []
+    while b.num_output_tokens == 0:
+        out = sched.schedule()
+        assert out.requests[-1] is a  # the decode runs every step
+        chunks.append(dict(zip([r.request_id for r in out.requests],
+                               out.num_scheduled_tokens.tolist(), strict=True))["b"])
+        sched.update_from_output(out, np.array([3] * len(out.requests)))
+    assert chunks == [15, 15, 10]
+    assert a.num_output_tokens == 4
+
+
+def test_abort_frees_blocks_and_unknown_ids_are_ignored():
+    kv = KVCacheManager(10, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(), kv, 512)
+    for i in range(3):
+        sched.add_request(Request(f"r{i}", [1, 2, 3, 4, 5], Params(4)))
+    sched.schedule()
+    finished = sched.finish_requests(["r0", "r2", "nope"], RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in finished] == ["r0", "r2"]
+    assert kv.num_free_blocks == 10 - 2
+    sched.finish_requests(["r1"], RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 10 and not sched.has_unfinished_requests()
+
+
+def test_request_larger_than_pool_is_refused():
+    kv = KVCacheManager(4, 4)
+    sched = Scheduler(SchedulerConfig(), kv, 512)
+    with pytest.raises(ValueError, match="pool holds only 16"):
+        sched.add_request(Request("big", [1] * 10, Params(10)))
