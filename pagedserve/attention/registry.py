@@ -123,4 +123,13 @@ def _layer_problems(cls: type[AttentionBackend], layers: list[AttentionLayerConf
     return reasons
 
 
-register_backend("CPU", "pagedserve.attention.backends.cpu:CPUAttentionBackend")
+_BUILTIN = {
+    "FLASHINFER": "flashinfer:FlashInferBackend",
+    "FLASH_ATTN": "flash_attn:FlashAttentionBackend",
+    "TRITON": "triton_attn:TritonAttentionBackend",
+    "CPU": "cpu:CPUAttentionBackend",
+    "ROCM": "rocm:RocmAttentionBackend",
+    "TURBOQUANT": "turboquant:TurboQuantBackend",
+}
+for _name, _target in _BUILTIN.items():
+    register_backend(_name, f"pagedserve.attention.backends.{_target}")
