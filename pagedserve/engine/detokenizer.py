@@ -1,0 +1,120 @@
+"""Incremental detokenization with stop-string detection for one request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.engine.sampling_params import SamplingParams
+
+# Prompt tokens decoded ahead of the first output token. Tokenizers that drop the leading
+# space of a decode's first token (SentencePiece) need some context to render it correctly.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text, O(1) decode work per token.
+
+    Keeps two offsets into the id list: text of ``ids[prefix_offset:read_offset]`` has
+    already been emitted; each step decodes ``ids[prefix_offset:]`` and emits what it adds
+    beyond that prefix. Decoding with the prefix (rather than the new ids alone) keeps
+    context-dependent spacing correct, and a decode that ends in U+FFFD is an incomplete
+    multi-byte character, so the offsets wait for the bytes that complete it.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self._stop: list[str] = list(params.stop or ())
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        # Only the context window of the prompt is kept; earlier ids are never decoded again.
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._num_output_tokens = 0
+        self._text = ""
+        self._sent = 0  # chars of _text already returned by get_next_delta
+        self._stop_reason: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        return self._text
+
+    @property
+    def finished(self) -> bool:
+        """True once a stop string matched."""
+        return self._stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append tokens; return the stop string they completed, if any."""
+        if self._stop_reason is not None:
+            return None  # the request ended; trailing ids cannot change the text
+        old_len = len(self._text)
+        pieces = []
+        for token_id in new_token_ids:
+            self._ids.append(token_id)
+            pieces.append(self._decode_next())
+        self._num_output_tokens += len(new_token_ids)
+        self._text += "".join(pieces)
+        # Like min_tokens for EOS, stop strings may only end the request after min_tokens.
+        if self._stop and self._num_output_tokens > self.params.min_tokens:
+            self._check_stop(old_len)
+        return self._stop_reason
+
+    def get_next_delta(self, finished: bool = False) -> str:
+        """Text not returned yet.
+
+        Until the request finishes, the last ``len(longest stop string) - 1`` chars are
+        held back: they could be the start of a stop string that later tokens complete.
+        Pass ``finished=True`` when the request ended for another reason (EOS, length)
+        to flush them.
+        """
+        end = len(self._text)
+        if not (finished or self.finished) and self._max_stop_len > 1:
+            end = max(self._sent, end - (self._max_stop_len - 1))
+        delta = self._text[self._sent : end]
+        self._sent = end
+        return delta
+
+    def _decode_next(self) -> str:
+        ids = self._ids
+        skip = self.params.skip_special_tokens
+        prefix = self._decode(ids[self._prefix_offset : self._read_offset], skip)
+        full = self._decode(ids[self._prefix_offset :], skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        # Drop ids before the window so memory stays bounded as well as decode cost.
+        del ids[: self._prefix_offset]
+        self._read_offset -= self._prefix_offset
+        self._prefix_offset = 0
+        return full[len(prefix) :]
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def _check_stop(self, old_len: int) -> None:
+        # Any match must end in the new text (an older one would have stopped us already),
+        # so it starts at most max_stop_len - 1 chars before it.
+        start = max(0, old_len - self._max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for stop in self._stop:
+            idx = self._text.find(stop, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return
+        idx, stop = best
+        self._stop_reason = stop
+        end = idx + len(stop) if self.params.include_stop_str_in_output else idx
+        self._text = self._text[:end]
+        self._sent = min(self._sent, end)

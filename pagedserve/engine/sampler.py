@@ -1,0 +1,268 @@
+"""Batched token sampler: one vectorised pass over the whole batch.
+
+Per-request parameters live in [B] tensors so mixed batches (greedy, top-k, seeded, ...)
+run as a handful of tensor ops. The only per-row Python loop is over rows that own a seeded
+``torch.Generator``, since each such row must draw its noise from its own RNG stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from pagedserve.engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-batch sampling state. Build it with :meth:`build`."""
+
+    temperature: Tensor  # [B] float32; 1.0 on greedy rows so dividing by it is always safe
+    is_greedy: Tensor  # [B] bool
+    top_k: Tensor  # [B] int64; vocab size where disabled
+    top_p: Tensor  # [B] float32; 1.0 where disabled
+    min_p: Tensor  # [B] float32; 0.0 where disabled
+    presence_penalties: Tensor  # [B] float32
+    frequency_penalties: Tensor  # [B] float32
+    repetition_penalties: Tensor  # [B] float32
+    output_token_counts: Tensor | None  # [B, V] int32; None when no_penalties
+    prompt_token_mask: Tensor | None  # [B, V] bool; None unless a row has a repetition penalty
+    banned_token_mask: Tensor | None  # [B, V] bool; EOS/stop ids of rows below min_tokens
+    generators: dict[int, torch.Generator]  # row -> generator, for seeded requests
+    max_num_logprobs: int | None  # max over rows of params.logprobs; None if no row asks
+    all_greedy: bool
+    all_random: bool
+    no_penalties: bool
+    no_freq_presence: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+
+    @property
+    def no_top_k_top_p_min_p(self) -> bool:
+        return self.no_top_k and self.no_top_p and self.no_min_p
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: dict[int, torch.Generator],
+        eos_token_id: int | None,
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        """Gather a batch's parameters into tensors.
+
+        ``generators`` must persist across steps for a request (created once from its seed);
+        a fresh generator per step would replay the same noise every step.
+        """
+        n = len(params)
+        if not (len(prompt_token_ids) == n == len(output_token_ids)):
+            raise ValueError("params, prompt_token_ids and output_token_ids differ in length")
+        v = vocab_size
+        greedy = [p.greedy for p in params]
+        # Greedy rows get neutral filter values so they never trigger the filtering work.
+        temperature = [1.0 if p.greedy else p.temperature for p in params]
+        top_k = [v if p.greedy or p.top_k <= 0 else min(p.top_k, v) for p in params]
+        top_p = [1.0 if p.greedy else p.top_p for p in params]
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
+        rep = [p.repetition_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+
+        no_rep = all(r == 1.0 for r in rep)
+        no_freq_presence = not any(pres) and not any(freq)
+        no_penalties = no_rep and no_freq_presence
+        counts = None if no_penalties else _token_counts(output_token_ids, v, device)
+        prompt_mask = None if no_rep else _token_counts(prompt_token_ids, v, device) > 0
+
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
+        for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
+            if len(out) >= p.min_tokens:
+                continue
+            ids = set(p.stop_token_ids or ())
+            if eos_token_id is not None and not p.ignore_eos:
+                ids.add(eos_token_id)
+            ban_rows.extend([row] * len(ids))
+            ban_cols.extend(ids)
+        banned = None
+        if ban_rows:
+            banned = torch.zeros(n, v, dtype=torch.bool, device=device)
+            banned[_long(ban_rows, device), _long(ban_cols, device)] = True
+
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+
+        def f32(xs: list[float]) -> Tensor:
+            return torch.tensor(xs, dtype=torch.float32, device=device)
+
+        return cls(
+            temperature=f32(temperature),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=_long(top_k, device),
+            top_p=f32(top_p),
+            min_p=f32(min_p),
+            presence_penalties=f32(pres),
+            frequency_penalties=f32(freq),
+            repetition_penalties=f32(rep),
+            output_token_counts=counts,
+            prompt_token_mask=prompt_mask,
+            banned_token_mask=banned,
+            generators=generators,
+            max_num_logprobs=max(asked) if asked else None,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            no_penalties=no_penalties,
+            no_freq_presence=no_freq_presence,
+            no_top_k=all(k >= v for k in top_k),
+            no_top_p=all(p >= 1.0 for p in top_p),
+            no_min_p=not any(min_p),
+        )
+
+
+def _long(xs: list[int], device: torch.device | str) -> Tensor:
+    return torch.tensor(xs, dtype=torch.int64, device=device)
+
+
+def _token_counts(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device | str
+) -> Tensor:
+    """[B, V] int32 occurrence counts, from one scatter over the flattened ids."""
+    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.int32, device=device)
+    lengths = _long([len(ids) for ids in token_ids], device)
+    flat = _long(list(chain.from_iterable(token_ids)), device)
+    if flat.numel():
+        rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)
+        ones = torch.ones_like(flat, dtype=torch.int32)
+        counts.index_put_((rows, flat), ones, accumulate=True)
+    return counts
+
+
+class LogprobsTensors(NamedTuple):
+    logprobs: Tensor  # [N, K+1] float32; column 0 is the chosen token, then the top-K
+    token_ids: Tensor  # [N, K+1] int64
+    ranks: Tensor  # [N] int64; 1-based rank of the chosen token (ties share the best rank)
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: Tensor  # [B] int64
+    logprobs: Tensor | None = None  # [B, K+1] float32
+    logprob_token_ids: Tensor | None = None  # [B, K+1] int64
+    sampled_token_ranks: Tensor | None = None  # [B] int64
+
+
+def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """min_tokens ban, then repetition, then frequency/presence penalties. Out of place."""
+    if meta.banned_token_mask is not None:
+        logits = logits.masked_fill(meta.banned_token_mask, _NEG_INF)
+    if meta.no_penalties:
+        return logits
+    counts = meta.output_token_counts
+    assert counts is not None
+    if meta.prompt_token_mask is not None:
+        # Transformers' rule, over prompt and output tokens: shrink positive logits, grow
+        # negative ones, so a penalty > 1 always makes a seen token less likely.
+        seen = meta.prompt_token_mask | (counts > 0)
+        penalty = meta.repetition_penalties.unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if not meta.no_freq_presence:
+        # OpenAI's rule, over output tokens only.
+        logits = (
+            logits
+            - meta.frequency_penalties.unsqueeze(1) * counts
+            - meta.presence_penalties.unsqueeze(1) * (counts > 0)
+        )
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Mask filtered-out tokens to -inf. Modifies ``logits`` in place and returns it."""
+    if not (meta.no_top_k and meta.no_top_p):
+        # One ascending sort serves both top-k (threshold at column V-k) and top-p (cumsum).
+        sorted_logits, order = logits.sort(dim=-1)
+        if not meta.no_top_k:
+            kth = sorted_logits.gather(1, (logits.shape[-1] - meta.top_k).unsqueeze(1))
+            # `<` keeps ties with the k-th value, as transformers' TopKLogitsWarper does.
+            sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+        if not meta.no_top_p:
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            remove = cum <= (1 - meta.top_p).unsqueeze(1)
+            remove[:, -1] = False  # the most likely token always survives
+            sorted_logits.masked_fill_(remove, _NEG_INF)
+        logits.scatter_(1, order, sorted_logits)
+    if not meta.no_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p.unsqueeze(1)
+        logits.masked_fill_(probs < threshold, _NEG_INF)
+    return logits
+
+
+def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
+    """Sample one index per row: argmax(p / E) with E ~ Exp(1) is distributed as p."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, gen in generators.items():
+        # A row's own V draws: its token depends only on its seed, never on the batch.
+        noise[row].exponential_(generator=gen)
+    # exponential_ may return exactly 0; 0/0 = nan would win argmax on a masked token.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _gather_logprobs(logprobs: Tensor, token_ids: Tensor, k: int) -> LogprobsTensors:
+    token_ids = token_ids.to(torch.int64)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    if k <= 0:
+        return LogprobsTensors(chosen, token_ids.unsqueeze(1), ranks)
+    top_lp, top_ids = logprobs.topk(k, dim=-1)
+    return LogprobsTensors(
+        torch.cat([chosen, top_lp], dim=1),
+        torch.cat([token_ids.unsqueeze(1), top_ids], dim=1),
+        ranks,
+    )
+
+
+def compute_prompt_logprobs(logits: Tensor, target_token_ids: Tensor, k: int) -> LogprobsTensors:
+    """Logprobs of each prompt token (row t of ``logits`` predicts ``target_token_ids[t]``)."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return _gather_logprobs(logprobs, target_token_ids, k)
+
+
+class Sampler(torch.nn.Module):
+    def forward(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.to(torch.float32)
+        # Logprobs describe the model's raw distribution, before any request-side processing.
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        sampled = self._sample(apply_penalties(logits, meta), meta)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled)
+        lp = _gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs or 0)
+        return SamplerOutput(sampled, lp.logprobs, lp.token_ids, lp.ranks)
+
+    @staticmethod
+    def _sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        if greedy is not None and meta.all_greedy:
+            return greedy
+        # Division allocates a fresh tensor, so the in-place steps below never touch the
+        # caller's logits.
+        logits = logits / meta.temperature.unsqueeze(1)
+        logits = apply_top_k_top_p_min_p(logits, meta)
+        sampled = _exponential_race(logits.softmax(dim=-1), meta.generators)
+        if greedy is not None:
+            sampled = torch.where(meta.is_greedy, greedy, sampled)
+        return sampled

