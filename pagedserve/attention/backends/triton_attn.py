@@ -1,0 +1,185 @@
+"""TRITON backend: our own Triton kernels over the paged cache (attention/ops/).
+
+Per step the builder does all host work once for every layer: it picks the launch shape (decode
+tiles for an all-decode step, prefill tiles otherwise), builds the query-block map (request and
+first token of every BLOCK_Q-token block), chooses the split-KV factor for small decode batches
+and copies the map into persistent device buffers. Each layer's forward is then two or three
+launches with no host sync: reshape_and_cache, unified_attention, and for split decodes the
+merge kernel. Cache layout [2, num_blocks, block_size, num_kv_heads, head_size] (as CPU's).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerConfig,
+    AttentionMetadataBuilder,
+    BuilderConfig,
+)
+from pagedserve.scheduler.metadata import CommonAttentionMetadata
+
+MAX_BLOCK_SIZE = 1024  # tiles read pages through the block table one key at a time: any size
+
+
+def _device_sm_count(device: torch.device) -> int:
+    """SMs to fill; 0 on the CPU (the interpreter never splits unless a test asks it to)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass
+class TritonAttentionMetadata:
+    common: CommonAttentionMetadata
+    qblock_req: torch.Tensor  # [num_qblocks] int32, request of each query block
+    qblock_start: torch.Tensor  # [num_qblocks] int32, its first token within the request
+    num_qblocks: int
+    block_q: int
+    block_m: int
+    tiles: object  # ops.unified_attention.TileConfig
+    num_splits: int  # > 1: split-KV decode through `partials`
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, config: BuilderConfig) -> None:
+        super().__init__(config)
+        from pagedserve.attention.ops.decode_split_kv import MAX_SPLITS, allocate_partials
+
+        device = torch.device(config.device)
+        self.device = device
+        self.num_queries_per_kv = config.num_heads // config.num_kv_heads
+        self.num_sms = _device_sm_count(device)
+        # A query block holds at least one token, so there are at most max_num_tokens blocks.
+        n = max(config.max_num_tokens, 1)
+        on_gpu = device.type != "cpu"
+        self._host_map = torch.zeros((2, n), dtype=torch.int32, pin_memory=on_gpu)
+        self._dev_map = (torch.zeros((2, n), dtype=torch.int32, device=device) if on_gpu
+                         else self._host_map)
+        # Split decodes only happen while decodes x KV heads < SMs: size the partials for that.
+        split_tokens = min(config.max_num_reqs,
+                           max(1, -(-self.num_sms // config.num_kv_heads)))
+        self.max_split_tokens = split_tokens if self.num_sms else 0
+        self.partials = (allocate_partials(self.max_split_tokens, config.num_heads,
+                                           config.head_size, MAX_SPLITS, device)
+                         if self.max_split_tokens else None)
+
+    def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        from pagedserve.attention.ops.decode_split_kv import choose_num_splits
+        from pagedserve.attention.ops.unified_attention import (
+            query_block_map,
+            query_block_shape,
+            select_tiles,
+        )
+
+        c = self.config
+        b = common.num_reqs
+        decode_only = common.max_query_len <= 1
+        tiles = select_tiles(self.device, c.head_size, c.dtype, decode_only)
+        block_q, block_m = query_block_shape(self.num_queries_per_kv, tiles, decode_only)
+        req, start = query_block_map(common.query_start_loc_cpu[:b + 1],
+                                     common.seq_lens_cpu[:b], block_q)
+        num_qblocks = len(req)
+        self._host_map[0, :num_qblocks] = torch.from_numpy(req)
+        self._host_map[1, :num_qblocks] = torch.from_numpy(start)
+        if self._dev_map is not self._host_map:
+            self._dev_map[:, :num_qblocks].copy_(self._host_map[:, :num_qblocks],
+                                                 non_blocking=True)
+
+        num_splits = 1
+        if decode_only and b <= self.max_split_tokens:
+            num_splits = choose_num_splits(b, c.num_kv_heads, common.max_seq_len, self.num_sms,
+                                           tiles.block_n)
+        return TritonAttentionMetadata(
+            common=common, qblock_req=self._dev_map[0], qblock_start=self._dev_map[1],
+            num_qblocks=num_qblocks, block_q=block_q, block_m=block_m, tiles=tiles,
+            num_splits=num_splits, partials=self.partials if num_splits > 1 else None)
+
+
+class TritonAttentionImpl(AttentionImpl):
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata,
+                output: torch.Tensor | None = None) -> torch.Tensor:
+        from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
+
+        common = attn_metadata.common
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        reshape_and_cache(key, value, k_cache, v_cache, common.slot_mapping)
+        if output is None:
+            output = torch.empty_like(query)
+        self._attend(query, k_cache, v_cache, output, attn_metadata)
+        return output
+
+    def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                output: torch.Tensor, md: TritonAttentionMetadata) -> None:
+        from pagedserve.attention.ops.decode_split_kv import split_kv_decode
+        from pagedserve.attention.ops.unified_attention import unified_attention
+
+        common = md.common
+        if md.num_splits > 1:
+            split_kv_decode(query, k_cache, v_cache, output, common.block_table,
+                            common.query_start_loc, common.seq_lens, md.qblock_req,
+                            md.qblock_start, md.num_qblocks, md.block_m, self.scale, md.tiles,
+                            md.num_splits, md.partials, self.sliding_window,
+                            self.logits_soft_cap)
+            return
+        unified_attention(query, k_cache, v_cache, output, common.block_table,
+                          common.query_start_loc, common.seq_lens, md.qblock_req,
+                          md.qblock_start, md.num_qblocks, md.block_q, md.block_m, self.scale,
+                          md.tiles, self.sliding_window, self.logits_soft_cap)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "TRITON"
+    supported_head_sizes = (64, 80, 96, 128, 256)
+    supports_sliding_window = True
+    supports_soft_cap = True
+    supports_cuda_graphs = True
+    description = "Triton unified paged attention (one launch per step) + split-KV decode"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder
+
+    @staticmethod
+    def get_metadata_cls() -> type:
+        return TritonAttentionMetadata
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        try:
+            import triton
+        except ImportError as exc:
+            return False, f"triton is not importable ({exc}); pip install triton"
+        if torch.cuda.is_available():
+            where = "ROCm" if torch.version.hip else "CUDA"
+            return True, f"Triton {triton.__version__} kernels on {where}"
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return True, "Triton interpreter on CPU (testing only)"
+        return False, ("no GPU; set TRITON_INTERPRET=1 to run the kernels in the Triton "
+                       "interpreter on the CPU (testing only)")
+
+    @classmethod
+    def validate_configuration(cls, layer: AttentionLayerConfig, block_size: int,
+                               device: torch.device) -> list[str]:
+        reasons = super().validate_configuration(layer, block_size, device)
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            reasons.append(f"block size {block_size} not in 1..{MAX_BLOCK_SIZE}")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            reasons.append("CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)")
+        return reasons

@@ -1,0 +1,312 @@
+"""Paged attention for a whole step in one launch: prefills (with a cached prefix), chunked
+prefills and decodes together, reading K/V straight from the pages through the block table.
+
+Kernel `_unified_attention_kernel`
+  grid:    (num_kv_heads, num_query_blocks, num_splits)
+  tiling:  a query block is BLOCK_Q consecutive new tokens of one request; the program takes all
+           num_queries_per_kv query heads of its KV head for them, so its tile has
+           BLOCK_M >= BLOCK_Q * num_queries_per_kv rows (row r: token r // qpk, head r % qpk of
+           the group; padded rows are masked) and every K/V tile is loaded once for the group.
+           Keys are walked in tiles of BLOCK_N (any multiple of 16, independent of the page
+           size): the tile's page ids come from one vector load of the request's block-table row.
+           Tiles that lie wholly inside every row's causal window run without masks; only the
+           tiles at the diagonal, the sequence end and the window start are masked.
+           Online softmax in base 2 with fp32 statistics and accumulator. The request of each
+           query block and its first token come from a per-step map built on the host
+           (`query_block_map`), so no search runs on the device.
+  split:   with num_splits > 1 the key range of each program is cut into num_splits equal,
+           BLOCK_N-aligned partitions (sized on the device from the sequence length, so the grid
+           depends only on the batch size); each writes its partial (max, sum, acc) to fp32
+           buffers for `decode_split_kv.reduce_split_kv`.
+  layout:  query/out [T, H, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] (any strides);
+           block_table [B, max_blocks] int32; query_start_loc [B+1]; seq_lens [B].
+  masks:   query i of a request with context c sits at position c + i and sees keys k with
+           k <= c + i and, with a sliding window W, k > c + i - W.
+  dtypes:  fp32/fp16/bf16. UPCAST converts every tile to fp32 right after its load (used for fp32
+           and by the Triton interpreter, whose bf16 arithmetic is broken); otherwise the two
+           dots run in the input dtype on tensor cores with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape. block_m: target rows per program (query tokens x heads of one KV group);
+    block_n: keys per tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Hopper-oriented defaults (the benchmark can override them to tune). Shared memory per
+# program is about (block_m + 2 * num_stages * block_n) * D_PAD * element size; these stay under
+# ~130 KB for 16-bit inputs so two decode programs fit on an SM.
+PREFILL_TILES = TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+PREFILL_TILES_LARGE_HEAD = TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+DECODE_TILES_LARGE_HEAD = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
+FP32_TILES = TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
+# The interpreter runs programs one after another: few, large programs are fastest.
+INTERPRETER_TILES = TileConfig(block_m=64, block_n=64, num_warps=1, num_stages=1)
+
+
+def padded_head_size(head_size: int) -> int:
+    """Channels a tile holds: the next power of two, at least 16 (the smallest dot)."""
+    return max(16, triton.next_power_of_2(head_size))
+
+
+def interpreting(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+def select_tiles(device: torch.device, head_size: int, dtype: torch.dtype,
+                 decode_only: bool) -> TileConfig:
+    if interpreting(device):
+        return INTERPRETER_TILES
+    if dtype == torch.float32:
+        return FP32_TILES
+    if decode_only:
+        return DECODE_TILES_LARGE_HEAD if head_size > 128 else DECODE_TILES
+    return PREFILL_TILES_LARGE_HEAD if head_size > 128 else PREFILL_TILES
+
+
+def query_block_shape(num_queries_per_kv: int, tiles: TileConfig,
+                      decode_only: bool) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_M): tokens per query block and the padded row count of its tile."""
+    block_q = 1 if decode_only else max(1, tiles.block_m // num_queries_per_kv)
+    block_m = max(16, triton.next_power_of_2(block_q * num_queries_per_kv))
+    return block_q, block_m
+
+
+def query_block_map(query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                    block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host side, once per step: (request, first query token within the request) of every query
+    block, heaviest (most keys) first so the long causal blocks do not finish last."""
+    q_lens = np.diff(query_start_loc).astype(np.int64)
+    blocks = (q_lens + block_q - 1) // block_q
+    total = int(blocks.sum())
+    req = np.repeat(np.arange(len(q_lens)), blocks)
+    first_block = np.cumsum(blocks) - blocks
+    start = (np.arange(total) - first_block[req]) * block_q
+    context = seq_lens.astype(np.int64)[req] - q_lens[req]
+    keys = np.minimum(context + start + block_q, seq_lens[req])
+    order = np.argsort(-keys, kind="stable")
+    return req[order].astype(np.int32), start[order].astype(np.int32)
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, tile_start, tile_end, seq_len,
+    sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_SIZE
+    for tile in range(tile_start, tile_end, BLOCK_N):
+        k_pos = tile + offs_n
+        k_ok = k_pos < seq_len
+        if MASKED:
+            page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        else:
+            page = tl.load(table_row + k_pos // BLOCK_SIZE)
+        slot = page.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
+        k_ptrs = k_base + slot[None, :] + offs_d[:, None] * stride_cd  # [D_PAD, BLOCK_N]
+        v_ptrs = v_base + slot[:, None] + offs_d[None, :] * stride_cd  # [BLOCK_N, D_PAD]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        elif HEAD_SIZE != D_PAD:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if USE_SOFT_CAP:
+            s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * 1.4426950408889634
+        else:
+            s = s * (sm_scale * 1.4426950408889634)
+        if MASKED:
+            seen = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            if USE_WINDOW:
+                seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(seen, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps max -inf; subtract 0 instead so no NaN appears.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_table_ptr, query_start_loc_ptr, seq_lens_ptr, qblock_req_ptr, qblock_start_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    sm_scale, soft_cap, window,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    qblock = tl.program_id(1)
+    split = tl.program_id(2)
+    req = tl.load(qblock_req_ptr + qblock)
+    q_off = tl.load(qblock_start_ptr + qblock)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_off + rows // QPK
+    head = kv_head * QPK + rows % QPK
+    row_ok = (rows < BLOCK_Q * QPK) & (q_idx < q_len)
+    q_pos = context + q_idx
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_SIZE
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys this block needs: [lo, hi), walked in BLOCK_N tiles aligned at tile_lo.
+    q_first = context + q_off
+    q_last = tl.minimum(q_first + BLOCK_Q, seq_len) - 1
+    hi = q_last + 1
+    if USE_WINDOW:
+        lo = tl.maximum(q_first - window + 1, 0)
+    else:
+        lo = 0
+    tile_lo = (lo // BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:
+        part = tl.cdiv(tl.cdiv(hi - tile_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        part_lo = tile_lo + split * part
+        part_hi = tl.minimum(part_lo + part, hi)
+    else:
+        part_lo = tile_lo
+        part_hi = hi
+    # Unmasked tiles: end at or before every row's position, start inside every row's window.
+    full_lo = tile_lo
+    if USE_WINDOW:
+        full_lo = tl.maximum(tile_lo, tl.cdiv(q_last - window + 1, BLOCK_N) * BLOCK_N)
+    full_hi = ((q_first + 1) // BLOCK_N) * BLOCK_N
+    front_end = tl.minimum(full_lo, hi)
+    mid_end = tl.maximum(front_end, full_hi)
+
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row,
+        tl.maximum(tile_lo, part_lo), tl.minimum(front_end, part_hi), seq_len,
+        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, USE_SOFT_CAP, UPCAST,
+        DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row,
+        tl.maximum(front_end, part_lo), tl.minimum(mid_end, part_hi), seq_len,
+        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, USE_SOFT_CAP, UPCAST,
+        DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row,
+        tl.maximum(mid_end, part_lo), tl.minimum(hi, part_hi), seq_len,
+        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, USE_SOFT_CAP, UPCAST,
+        DOT_PRECISION)
+
+    if NUM_SPLITS > 1:
+        # Partial results, indexed [token, head, split(, channel)].
+        part_row = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part_row, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part_row, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part_row[:, None] * D_PAD + offs_d[None, :], acc,
+                 mask=row_ok[:, None])
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+                 + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+def unified_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    qblock_req: torch.Tensor, qblock_start: torch.Tensor, num_qblocks: int, block_q: int,
+    block_m: int, scale: float, tiles: TileConfig, sliding_window: int | None = None,
+    soft_cap: float | None = None, num_splits: int = 1,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Attention of query [T, H, D] over the paged cache into `out` [T, H, D].
+
+    qblock_req/qblock_start: the first `num_qblocks` entries of the per-step map of
+    `query_block_map` (device int32). With num_splits > 1 (decode batches only: block_q 1) the
+    results go to `partials` = (m [T, H, S], l [T, H, S], acc [T, H, S, D_PAD]) fp32 instead of
+    `out` (flat buffers, see `decode_split_kv.allocate_partials`) and `reduce_split_kv` merges
+    them. All sizes are host ints: no sync."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if num_qblocks == 0:
+        return
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same strides")
+    if num_splits > 1 and (partials is None or block_q != 1):
+        raise ValueError("the split-KV path is for decode batches and needs partial buffers")
+    upcast = query.dtype == torch.float32 or interpreting(query.device)
+    if partials is None:
+        part_m = part_l = part_acc = out  # unused
+    else:
+        part_m, part_l, part_acc = partials
+    grid = (num_kv_heads, num_qblocks, num_splits)
+    _unified_attention_kernel[grid](
+        query, k_cache, v_cache, out,
+        block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
+        part_m, part_l, part_acc,
+        scale, soft_cap or 0.0, sliding_window or 0,
+        *query.stride(), *out.stride(), *k_cache.stride(), block_table.stride(0),
+        NUM_HEADS=num_heads, QPK=num_heads // num_kv_heads, HEAD_SIZE=head_size,
+        D_PAD=padded_head_size(head_size), BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )

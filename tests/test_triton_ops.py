@@ -1,0 +1,199 @@
+"""The Triton kernels of attention/ops against plain torch / the float32 reference. On the CPU
+they run in the Triton interpreter (small shapes); the `gpu` tests run the full shape grid."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conformance import BATCHES, Case, reference_attention, run_case
+from pagedserve.attention import get_backend_cls
+
+triton = pytest.importorskip("triton")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and not get_backend_cls("TRITON").is_available()[0]:
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from pagedserve.attention.backends import triton_attn  # noqa: E402
+from pagedserve.attention.ops import decode_split_kv, unified_attention  # noqa: E402
+from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache  # noqa: E402
+from pagedserve.attention.ops.unified_attention import TileConfig, query_block_map  # noqa: E402
+
+TRITON = get_backend_cls("TRITON")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_reshape_and_cache_matches_scatter(dtype, block_size):
+    gen = torch.Generator().manual_seed(0)
+    hkv, d, t = 3, 80, 37
+    num_blocks = 64 // block_size
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(DEVICE)
+    # key/value as strided views of a fused projection, as a model hands them over.
+    qkv = torch.randn(t, 4 * hkv * d, generator=gen).to(dtype).to(DEVICE)
+    key = qkv[:, hkv * d:2 * hkv * d].view(t, hkv, d)
+    value = qkv[:, 2 * hkv * d:3 * hkv * d].view(t, hkv, d)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    slots[::5] = -1  # padding tokens
+    expected = cache.clone()
+    keep = slots >= 0
+    expected[0].view(-1, hkv, d)[slots[keep]] = key.cpu()[keep].to(DEVICE)
+    expected[1].view(-1, hkv, d)[slots[keep]] = value.cpu()[keep].to(DEVICE)
+
+    reshape_and_cache(key, value, cache[0], cache[1], slots.to(DEVICE), block_t=8)
+    assert torch.equal(cache, expected)
+
+
+def test_query_block_map():
+    # Requests with 5, 1, 9 new tokens and 3 cached in each; blocks of 4 tokens.
+    qsl = np.array([0, 5, 6, 15])
+    seq_lens = np.array([8, 4, 12])
+    req, start = query_block_map(qsl, seq_lens, 4)
+    blocks = sorted(zip(req.tolist(), start.tolist(), strict=True))
+    assert blocks == [(0, 0), (0, 4), (1, 0), (2, 0), (2, 4), (2, 8)]
+    keys = np.minimum(seq_lens[req] - np.diff(qsl)[req] + start + 4, seq_lens[req])
+    assert (np.diff(keys) <= 0).all()  # heaviest first
+
+
+def _paged_decode_inputs(seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    pages = [math.ceil(s / block_size) for s in seq_lens]
+    perm = torch.randperm(sum(pages) + 2, generator=gen)
+    cache = torch.randn(2, sum(pages) + 2, block_size, num_kv_heads, head_size,
+                        generator=gen).to(dtype)
+    table = torch.full((len(seq_lens), max(pages)), -1, dtype=torch.int32)
+    keys, values, pos = [], [], 0
+    for i, (s, n) in enumerate(zip(seq_lens, pages, strict=True)):
+        ids = perm[pos:pos + n]
+        pos += n
+        table[i, :n] = ids.int()
+        keys.append(cache[0][ids].flatten(0, 1)[:s])
+        values.append(cache[1][ids].flatten(0, 1)[:s])
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen).to(dtype)
+    return cache, table, query, keys, values
+
+
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (40, None), (None, 10.0)])
+def test_split_kv_decode_matches_reference(window, soft_cap):
+    seq_lens = [70, 1, 33, 129]
+    h, hkv, d, bs = 8, 2, 64, 16
+    dtype = torch.float16
+    cache, table, query, keys, values = _paged_decode_inputs(seq_lens, h, hkv, d, bs, dtype, 1)
+    num_splits = 4
+    tiles = TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)  # 16-key partitions
+    qsl = np.arange(len(seq_lens) + 1)
+    req, start = query_block_map(qsl, np.array(seq_lens), 1)
+    partials = decode_split_kv.allocate_partials(len(seq_lens), h, d, num_splits, DEVICE)
+    out = torch.full_like(query, float("nan")).to(DEVICE)
+    scale = d ** -0.5
+    decode_split_kv.split_kv_decode(
+        query.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), out, table.to(DEVICE),
+        torch.from_numpy(qsl).int().to(DEVICE), torch.tensor(seq_lens).int().to(DEVICE),
+        torch.from_numpy(req).to(DEVICE), torch.from_numpy(start).to(DEVICE), len(seq_lens), 16,
+        scale, tiles, num_splits, partials, window, soft_cap)
+    for i, s in enumerate(seq_lens):
+        ref = reference_attention(query[i:i + 1], keys[i], values[i], s - 1, scale, window,
+                                  soft_cap)
+        torch.testing.assert_close(out[i:i + 1].float().cpu(), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_backend_takes_split_path_for_small_decode_batches(monkeypatch):
+    calls = []
+    real = decode_split_kv.split_kv_decode
+
+    def counting(*args, **kwargs):
+        calls.append(args[13])  # num_splits
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attn, "_device_sm_count", lambda device: 64)
+    monkeypatch.setattr(decode_split_kv, "SPLIT_MIN_SEQ_LEN", 0)
+    monkeypatch.setattr(decode_split_kv, "MIN_TILES_PER_SPLIT", 1)
+    monkeypatch.setattr(decode_split_kv, "split_kv_decode", counting)
+    monkeypatch.setattr(unified_attention, "INTERPRETER_TILES", TileConfig(16, 16, 4, 2))
+    monkeypatch.setattr(unified_attention, "DECODE_TILES", TileConfig(16, 16, 4, 2))
+    case = Case(BATCHES["decode"], 16, 8, 2, 64, torch.float32, sliding_window=20)
+    run_case(TRITON, case, DEVICE)
+    assert calls and calls[0] > 1
+
+
+@pytest.mark.parametrize("batch", ["mixed", "chunked_prefill"])
+@pytest.mark.parametrize("window", [None, 8])
+def test_small_tiles_walk_masked_and_unmasked_ranges(monkeypatch, batch, window):
+    # 16-key tiles and 4-token query blocks: many blocks per request, and tiles before, inside
+    # and after the unmasked middle range of each block.
+    small = TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    monkeypatch.setattr(unified_attention, "INTERPRETER_TILES", small)
+    monkeypatch.setattr(unified_attention, "PREFILL_TILES", small)
+    monkeypatch.setattr(unified_attention, "DECODE_TILES", small)
+    run_case(TRITON, Case(BATCHES[batch], 16, 8, 2, 64, torch.float32, window), DEVICE)
+
+
+@pytest.mark.parametrize("head_size,dtype", [(80, torch.float32), (96, torch.float16)])
+def test_odd_head_size_block_64(head_size, dtype):
+    run_case(TRITON, Case(BATCHES["mixed"], 64, 8, 2, head_size, dtype, sliding_window=24),
+             DEVICE)
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads", [(1, 6, 1), (32, 12, 2)])
+def test_mqa_and_odd_group_sizes(block_size, num_heads, num_kv_heads):
+    # 6 query heads per KV head: the row tile is padded past BLOCK_Q * group size.
+    run_case(TRITON, Case(BATCHES["mixed"], block_size, num_heads, num_kv_heads, 64,
+                          torch.float32, sliding_window=16), DEVICE)
+
+
+def test_soft_cap_with_window_and_gqa():
+    run_case(TRITON, Case(BATCHES["chunked_prefill"], 32, 8, 2, 64, torch.float32,
+                          sliding_window=12, logits_soft_cap=3.0), DEVICE)
+
+
+def test_rocm_backend_runs_the_triton_path():
+    rocm = get_backend_cls("ROCM")
+    assert issubclass(rocm, TRITON)
+    run_case(rocm, Case(BATCHES["mixed"], 16, 4, 2, 64, torch.float16), DEVICE)
+
+
+def test_refuses_what_it_cannot_do():
+    from pagedserve.attention import AttentionLayerConfig
+
+    layer = AttentionLayerConfig(8, 2, 64, torch.float16)
+    assert TRITON.validate_configuration(layer, 16, DEVICE) == []
+    assert TRITON.validate_configuration(layer, 0, DEVICE)
+    assert TRITON.validate_configuration(AttentionLayerConfig(8, 2, 72, torch.float16), 16,
+                                         DEVICE)
+
+
+# --- GPU: the full shape grid in bf16 -------------------------------------------------------
+
+GPU_GRID = [
+    pytest.param(batch, bs, ratio, d, window, id=f"{batch}-bs{bs}-gqa{ratio}-d{d}-w{window}")
+    for batch in BATCHES for bs in (16, 32, 64) for ratio in (1, 4, 8)
+    for d in (64, 80, 96, 128, 256) for window in (None, 8)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,block_size,ratio,head_size,window", GPU_GRID)
+def test_gpu_shape_grid_bf16(batch, block_size, ratio, head_size, window):
+    case = Case(BATCHES[batch], block_size, 2 * ratio, 2, head_size, torch.bfloat16, window)
+    run_case(TRITON, case, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (700, None), (None, 30.0)])
+def test_gpu_split_kv_long_decodes_bf16(window, soft_cap):
+    # Three long decodes x 8 KV heads fill few SMs: the builder chooses the split path.
+    from pagedserve.attention.ops.decode_split_kv import choose_num_splits
+
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    assert choose_num_splits(3, 8, 4001, sms, 64) > 1
+    case = Case([(4000, 1), (2500, 1), (1100, 1)], 16, 32, 8, 128, torch.bfloat16, window,
+                soft_cap)
+    run_case(TRITON, case, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", ["mixed", "decode"])
+def test_gpu_float32(batch):
+    run_case(TRITON, Case(BATCHES[batch], 16, 8, 2, 128, torch.float32, 8), DEVICE)
