@@ -1,0 +1,457 @@
+"""FlashInfer backend: paged prefill and decode kernels from `flashinfer-python`.
+
+The split of work follows FlashInfer's own: the builder does the host work once per step (it
+slices the step's CSR page table into a prefill part and a decode part and `plan()`s one wrapper
+for each), and every layer's `forward` only launches kernels (`run()`). Prefill requests come
+first in a step, so the prefill wrapper sees tokens [0, num_prefill_tokens) and the decode
+wrapper the rest. One builder serves one layer configuration: window and soft-cap are baked into
+a plan, so layers that differ in them get builders of their own.
+
+The cache is FlashInfer's NHD layout, [num_blocks, 2 (K, V), block_size, num_kv_heads,
+head_size]. `flashinfer` is imported lazily: listing backends on a machine without it or without
+CUDA imports nothing GPU-only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerConfig,
+    AttentionMetadataBuilder,
+    BuilderConfig,
+)
+from pagedserve.scheduler.metadata import (
+    BlockTable,
+    CommonAttentionMetadata,
+    CommonMetadataBuilder,
+)
+
+logger = logging.getLogger(__name__)
+
+WORKSPACE_BYTES = 128 << 20
+INSTALL_HINT = ("pip install flashinfer-python (or the project's cuda extra: "
+                "pip install 'pagedserve[cuda]')")
+
+
+# ---- host-side CSR slicing (no flashinfer needed; tested on the CPU) --------------------------
+
+@dataclass
+class CSRPart:
+    """A contiguous run of a step's requests [req_start, req_end) in FlashInfer's CSR form.
+
+    The arrays are host (numpy) and rebased to start at 0; the page ids themselves stay on the
+    device as `paged_kv_indices[page_start:page_end]` of the step's metadata.
+    """
+
+    req_start: int
+    req_end: int
+    token_start: int
+    token_end: int
+    page_start: int
+    page_end: int
+    qo_indptr: np.ndarray  # [n+1] int32
+    kv_indptr: np.ndarray  # [n+1] int32
+    kv_last_page_len: np.ndarray  # [n] int32
+
+    @property
+    def num_reqs(self) -> int:
+        return self.req_end - self.req_start
+
+
+def csr_part(query_start_loc: np.ndarray, paged_kv_indptr: np.ndarray,
+             paged_kv_last_page_len: np.ndarray, start: int, end: int,
+             qo_out: np.ndarray | None = None, kv_out: np.ndarray | None = None) -> CSRPart:
+    """Requests [start, end) of a step's CSR page table. The part starting at request 0 is
+    returned as views; a later part has its indptrs rebased into `qo_out`/`kv_out` (persistent
+    buffers, so host memory stays pinned) or into new arrays."""
+    n = end - start
+    qo, kv = query_start_loc[start:end + 1], paged_kv_indptr[start:end + 1]
+    if start:
+        qo = np.subtract(qo, qo[0], out=None if qo_out is None else qo_out[:n + 1])
+        kv = np.subtract(kv, kv[0], out=None if kv_out is None else kv_out[:n + 1])
+    return CSRPart(start, end, int(query_start_loc[start]), int(query_start_loc[end]),
+                   int(paged_kv_indptr[start]), int(paged_kv_indptr[end]), qo, kv,
+                   paged_kv_last_page_len[start:end])
+
+
+def split_prefill_decode(common: CommonAttentionMetadata, qo_out: np.ndarray | None = None,
+                         kv_out: np.ndarray | None = None
+                         ) -> tuple[CSRPart | None, CSRPart | None]:
+    """The step's prefill part [0, num_prefills) and decode part [num_prefills, num_reqs)."""
+    args = (common.query_start_loc_cpu, common.paged_kv_indptr_cpu,
+            common.paged_kv_last_page_len_cpu)
+    p, b = common.num_prefills, common.num_reqs
+    prefill = csr_part(*args, 0, p) if p else None
+    decode = csr_part(*args, p, b, qo_out, kv_out) if b > p else None
+    return prefill, decode
+
+
+def pad_decode_csr(part: CSRPart, num_reqs_padded: int, kv_indptr_out: np.ndarray,
+                   last_page_len_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The decode part's indptr and last-page lengths padded to `num_reqs_padded` requests for
+    a captured CUDA graph: each padding request owns one page (whose id the caller sets, e.g. 0)
+    holding one token, so the kernels read valid memory and their outputs are simply unused."""
+    n, total = part.num_reqs, part.page_end - part.page_start
+    indptr = kv_indptr_out[:num_reqs_padded + 1]
+    indptr[:n + 1] = part.kv_indptr
+    indptr[n + 1:] = total + np.arange(1, num_reqs_padded - n + 1)
+    last = last_page_len_out[:num_reqs_padded]
+    last[:n] = part.kv_last_page_len
+    last[n:] = 1
+    return indptr, last
+
+
+def kv_write_rows(slot_mapping: torch.Tensor, block_size: int,
+                  k_out: torch.Tensor | None = None,
+                  v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `kv_cache.view(-1, num_kv_heads, head_size)` (the NHD cache flattened over
+    block, K/V and offset) where each slot's K and V live: block * 2 * block_size + offset for
+    K, block_size further for V. Computed once per step, used by every layer's write."""
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    k_rows = torch.add(slot_mapping, blocks * block_size, out=k_out)
+    v_rows = torch.add(k_rows, block_size, out=v_out)
+    return k_rows, v_rows
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             k_rows: torch.Tensor, v_rows: torch.Tensor, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
+    """Store new K/V [T, Hkv, D] into the NHD cache at precomputed rows; a quantised (fp8) cache
+    stores K / k_scale and V / v_scale.
+
+    A plain torch `index_copy_` on the contiguous cache flattened to rows. The alternatives,
+    `flashinfer.page.append_paged_kv_cache` (needs per-token batch indices and positions built
+    by `get_batch_indices_positions`, a Triton launch per step) and the project's Triton
+    `reshape_and_cache` (fuses the fp8 cast; skips slot -1), are to be measured on the GPU.
+    """
+    flat = kv_cache.view(-1, *kv_cache.shape[-2:])
+    if flat.dtype != key.dtype:
+        key = (key if k_scale == 1.0 else key / k_scale).to(flat.dtype)
+        value = (value if v_scale == 1.0 else value / v_scale).to(flat.dtype)
+    if flat.element_size() == 1:  # index_copy_ has no fp8 kernels; the bytes are the same
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat.index_copy_(0, k_rows, key)
+    flat.index_copy_(0, v_rows, value)
+
+
+# ---- metadata and builder ---------------------------------------------------------------------
+
+@dataclass
+class FlashInferMetadata:
+    """What every layer of one configuration needs for one step (or one CUDA-graph size)."""
+
+    num_write_tokens: int  # tokens whose K/V each layer writes (the padded size in a graph)
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    k_rows: torch.Tensor  # [num_write_tokens] int64, see kv_write_rows
+    v_rows: torch.Tensor
+    # Graph mode: which token each written row takes; padding repeats the last real token, so
+    # duplicate rows get identical values and no real slot is overwritten with garbage.
+    write_src: torch.Tensor | None
+    prefill: Any  # flashinfer.BatchPrefillWithPagedKVCacheWrapper, planned, or None
+    decode: Any  # flashinfer.BatchDecodeWithPagedKVCacheWrapper, planned, or None
+
+
+@dataclass
+class _GraphDecode:
+    wrapper: Any
+    metadata: FlashInferMetadata
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder):
+    """Plans FlashInfer's wrappers once per step for one layer configuration.
+
+    Eager steps: `build(common)`. CUDA-graph decode steps (pure decode, padded to a captured
+    batch size): `build_for_cudagraph(common, num_reqs_padded)`; see its docstring.
+    """
+
+    def __init__(self, config: BuilderConfig) -> None:
+        super().__init__(config)
+        import flashinfer
+
+        self._flashinfer = flashinfer
+        self.device = config.device
+        self.kv_cache_dtype = FlashInferBackend.get_kv_cache_dtype(config.kv_cache_dtype,
+                                                                   config.dtype)
+        # FlashInfer's window is the keys a query sees besides itself.
+        self.window_left = -1 if config.sliding_window is None else config.sliding_window - 1
+        # One workspace for both wrappers: it only holds a run's transient split-KV partials,
+        # and runs are serialised on the stream.
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD")
+        self.decode_wrapper = self._decode_wrapper()
+        # Rebased indptrs of the decode part, in pinned memory so plan()'s copies are async.
+        pin = self.device.type == "cuda"
+        n = config.max_num_reqs + 1
+        self._qo_indptr_host = torch.zeros(n, dtype=torch.int32, pin_memory=pin).numpy()
+        self._kv_indptr_host = torch.zeros(n, dtype=torch.int32, pin_memory=pin).numpy()
+        self._graphs: dict[int, _GraphDecode] = {}
+        self._graph_buffers: dict[str, torch.Tensor] | None = None
+
+    def _decode_wrapper(self, **graph_buffers: torch.Tensor) -> Any:
+        # Tensor cores always: the measured GQA decode is 1.4x faster with them, and the
+        # decode then shares the prefill's fa2 kernel, so there is one JIT compile, not two.
+        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=bool(graph_buffers), use_tensor_cores=True,
+            **graph_buffers)
+
+    def _plan_kwargs(self) -> dict[str, Any]:
+        c = self.config
+        return dict(window_left=self.window_left, logits_soft_cap=c.logits_soft_cap,
+                    q_data_type=c.dtype, kv_data_type=self.kv_cache_dtype)
+
+    def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        c = self.config
+        prefill, decode = split_prefill_decode(common, self._qo_indptr_host,
+                                               self._kv_indptr_host)
+        # plan() reads indptrs and last-page lengths on the host (its scheduler) and copies
+        # them over; page ids it only copies, so they go from the device copy.
+        if prefill is not None:
+            self.prefill_wrapper.plan(
+                torch.from_numpy(prefill.qo_indptr), torch.from_numpy(prefill.kv_indptr),
+                common.paged_kv_indices[prefill.page_start:prefill.page_end],
+                torch.from_numpy(prefill.kv_last_page_len), c.num_heads, c.num_kv_heads,
+                c.head_size, c.block_size, causal=True, **self._plan_kwargs())
+        if decode is not None:
+            self.decode_wrapper.plan(
+                torch.from_numpy(decode.kv_indptr),
+                common.paged_kv_indices[decode.page_start:decode.page_end],
+                torch.from_numpy(decode.kv_last_page_len), c.num_heads, c.num_kv_heads,
+                c.head_size, c.block_size, **self._plan_kwargs())
+        n = common.num_actual_tokens
+        k_rows, v_rows = kv_write_rows(common.slot_mapping[:n], c.block_size)
+        return FlashInferMetadata(
+            num_write_tokens=n, num_prefill_tokens=common.num_prefill_tokens,
+            num_decode_tokens=common.num_decode_tokens, k_rows=k_rows, v_rows=v_rows,
+            write_src=None, prefill=self.prefill_wrapper if prefill else None,
+            decode=self.decode_wrapper if decode else None)
+
+    def build_for_cudagraph(self, common: CommonAttentionMetadata,
+                            num_reqs_padded: int) -> FlashInferMetadata:
+        """Metadata for a pure-decode step run as a CUDA graph of `num_reqs_padded` requests.
+
+        Returns the same object, over the same persistent buffers, every time for a given
+        padded size. The model runner uses it twice:
+
+        - capture (once per size, at start-up): build `common` for a dummy decode batch of
+          at most `num_reqs_padded` requests, call this, run the model once eagerly with
+          inputs padded to `num_reqs_padded` tokens, then capture the model forward under
+          `set_forward_context({config: metadata}, kv_caches)`;
+        - replay (each pure-decode step with num_decodes <= num_reqs_padded): build `common`
+          as usual, call this (it rewrites the buffers in place and re-plans the size's
+          wrapper, host work of a fraction of a millisecond), copy the step's input ids and
+          positions into the graph's static inputs, replay.
+
+        Padding requests attend over one token of block 0 and their K/V writes repeat the
+        last real token's, so they change nothing; their outputs are to be dropped.
+        """
+        c = self.config
+        n, bp = common.num_decodes, num_reqs_padded
+        if common.num_prefills or not 0 < n <= bp:
+            raise ValueError(f"a CUDA-graph step is 1..{bp} decodes and no prefill, got "
+                             f"{common.num_prefills} prefills and {n} decodes")
+        bufs = self._graph_buffers or self._alloc_graph_buffers()
+        graph = self._graphs.get(bp) or self._new_graph(bp, bufs)
+        _, part = split_prefill_decode(common, self._qo_indptr_host, self._kv_indptr_host)
+        indptr, last = pad_decode_csr(part, bp, bufs["kv_indptr_host"].numpy(),
+                                      bufs["last_page_len_host"].numpy())
+        total = part.page_end - part.page_start
+        indices = bufs["kv_indices"]
+        indices[:total].copy_(common.paged_kv_indices[part.page_start:part.page_end])
+        indices[total:total + bp - n].zero_()
+        # plan() copies the page ids into the wrapper's buffer, which is this one: a copy of a
+        # view onto itself, which torch skips.
+        graph.wrapper.plan(torch.from_numpy(indptr), indices[:total + bp - n],
+                           torch.from_numpy(last), c.num_heads, c.num_kv_heads, c.head_size,
+                           c.block_size, **self._plan_kwargs())
+
+        src_host = bufs["write_src_host"].numpy()[:bp]
+        np.minimum(np.arange(bp), n - 1, out=src_host)
+        src = bufs["write_src"][:bp]
+        src.copy_(bufs["write_src_host"][:bp], non_blocking=True)
+        slots = torch.index_select(common.slot_mapping, 0, src, out=bufs["slots"][:bp])
+        kv_write_rows(slots, c.block_size, bufs["k_rows"][:bp], bufs["v_rows"][:bp])
+        return graph.metadata
+
+    def _alloc_graph_buffers(self) -> dict[str, torch.Tensor]:
+        c = self.config
+        r = c.max_num_reqs
+        pin = self.device.type == "cuda"
+        dev = {"kv_indptr": (r + 1, torch.int32), "last_page_len": (r, torch.int32),
+               "kv_indices": (r * c.max_blocks_per_seq, torch.int32),
+               "write_src": (r, torch.int64), "slots": (r, torch.int64),
+               "k_rows": (r, torch.int64), "v_rows": (r, torch.int64)}
+        bufs = {name: torch.zeros(n, dtype=dt, device=self.device) for name, (n, dt) in
+                dev.items()}
+        for name in ("kv_indptr", "last_page_len", "write_src"):
+            n, dt = dev[name]
+            bufs[name + "_host"] = torch.zeros(n, dtype=dt, pin_memory=pin)
+        self._graph_buffers = bufs
+        return bufs
+
+    def _new_graph(self, bp: int, bufs: dict[str, torch.Tensor]) -> _GraphDecode:
+        # Every size's wrapper reads views of the same device buffers: one graph replays per
+        # step, and its plan() rewrites them just before.
+        wrapper = self._decode_wrapper(paged_kv_indptr_buffer=bufs["kv_indptr"][:bp + 1],
+                                       paged_kv_indices_buffer=bufs["kv_indices"],
+                                       paged_kv_last_page_len_buffer=bufs["last_page_len"][:bp])
+        metadata = FlashInferMetadata(
+            num_write_tokens=bp, num_prefill_tokens=0, num_decode_tokens=bp,
+            k_rows=bufs["k_rows"][:bp], v_rows=bufs["v_rows"][:bp],
+            write_src=bufs["write_src"][:bp], prefill=None, decode=wrapper)
+        self._graphs[bp] = _GraphDecode(wrapper, metadata)
+        return self._graphs[bp]
+
+    def warmup(self) -> None:
+        """Plan and run a tiny step of each kernel this configuration uses, so FlashInfer's JIT
+        compiles them at start-up instead of during the first request. Prefill takes FlashInfer's
+        fa2 kernel for queries up to 64 tokens and fa3 (SM90) above, so both run."""
+        c = self.config
+        logger.info("FlashInfer: compiling kernels for head_dim=%d (%s, KV %s, window %s, "
+                    "soft-cap %s), this takes ~90 s once", c.head_size, c.dtype,
+                    self.kv_cache_dtype, c.sliding_window, c.logits_soft_cap)
+        t0 = time.perf_counter()
+        long_prompt = 80
+        blocks = -(-(long_prompt + 2) // c.block_size)
+        table = BlockTable(2, blocks)
+        table.add_row(0, list(range(blocks)))
+        table.add_row(1, [blocks])
+        common_builder = CommonMetadataBuilder(2, long_prompt + 1, blocks, c.block_size,
+                                               self.device)
+        impl = FlashInferImpl(c.num_heads, c.head_size, c.head_size ** -0.5, c.num_kv_heads,
+                              c.sliding_window, c.logits_soft_cap, c.kv_cache_dtype)
+        kv_cache = torch.zeros(FlashInferBackend.get_kv_cache_shape(
+            blocks + 1, c.block_size, c.num_kv_heads, c.head_size), dtype=self.kv_cache_dtype,
+            device=self.device)
+        # A long prompt with a one-token decode (fa3 prefill, decode), then a short chunk of
+        # the same prompt (fa2 prefill).
+        for computed, scheduled in (([0, 0], [long_prompt, 1]), ([long_prompt], [2])):
+            common = common_builder.build(np.arange(len(computed)),
+                                          np.array(computed, dtype=np.int32),
+                                          np.array(scheduled, dtype=np.int32), 1, table)
+            t = common.num_actual_tokens
+            q = torch.randn(t, c.num_heads, c.head_size, dtype=c.dtype, device=self.device)
+            kv = torch.randn(t, c.num_kv_heads, c.head_size, dtype=c.dtype, device=self.device)
+            impl.forward(q, kv, kv, kv_cache, self.build(common))
+            if self.device.type == "cuda":
+                # The next step rewrites the pinned host buffers this one copies from.
+                torch.cuda.synchronize(self.device)
+        logger.info("FlashInfer: kernels ready for head_dim=%d in %.1f s", c.head_size,
+                    time.perf_counter() - t0)
+
+
+# ---- implementation ---------------------------------------------------------------------------
+
+class FlashInferImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window,
+                         logits_soft_cap, kv_cache_dtype)
+        # Per-layer quantisation scales of an fp8 cache (the cache holds K / k_scale); a weight
+        # loader may set them. FlashInfer folds k_scale into the softmax scale.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        # The plan uses FlashInfer's default softmax scale 1/sqrt(head_size); a model's own
+        # scale rides on k_scale, which multiplies the same product q.k.
+        self._scale_ratio = scale * head_size ** 0.5
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: FlashInferMetadata,
+                output: torch.Tensor | None = None) -> torch.Tensor:
+        md = attn_metadata
+        n = md.num_write_tokens
+        if md.write_src is None:
+            key, value = key[:n], value[:n]
+        else:
+            key, value = key.index_select(0, md.write_src), value.index_select(0, md.write_src)
+        # Scales belong to a quantised cache; a cache in the model dtype holds K/V as they are.
+        quantized = kv_cache.dtype != query.dtype
+        k_scale, v_scale = (self.k_scale, self.v_scale) if quantized else (1.0, 1.0)
+        write_kv(kv_cache, key, value, md.k_rows, md.v_rows, k_scale, v_scale)
+        if output is None:
+            output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        scales = dict(k_scale=float(k_scale * self._scale_ratio), v_scale=float(v_scale))
+        p, d = md.num_prefill_tokens, md.num_decode_tokens
+        if md.prefill is not None:
+            md.prefill.run(query[:p], kv_cache, out=output[:p], **scales)
+        if md.decode is not None:
+            md.decode.run(query[p:p + d], kv_cache, out=output[p:p + d], **scales)
+        return output
+
+
+# ---- backend ----------------------------------------------------------------------------------
+
+class FlashInferBackend(AttentionBackend):
+    name = "FLASHINFER"
+    supported_head_sizes = (64, 128, 256)
+    supported_dtypes = (torch.float16, torch.bfloat16)
+    supported_kv_cache_dtypes = ("auto", "fp8")
+    supports_sliding_window = True
+    supports_soft_cap = True
+    supports_cuda_graphs = True
+    description = "FlashInfer paged prefill (fa2/fa3) and tensor-core decode, NHD cache"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return FlashInferImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return FlashInferMetadataBuilder
+
+    @staticmethod
+    def get_metadata_cls() -> type:
+        return FlashInferMetadata
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]:
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_cache[:, 0], kv_cache[:, 1]
+
+    @classmethod
+    def get_kv_cache_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        if kv_cache_dtype == "auto":
+            return model_dtype
+        if kv_cache_dtype == "fp8":  # e4m3: the kernels read it; casts to it saturate at 448
+            return torch.float8_e4m3fn
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} not in "
+                         f"{list(cls.supported_kv_cache_dtypes)}")
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        reasons = []
+        if importlib.util.find_spec("flashinfer") is None:
+            reasons.append(f"flashinfer-python is not installed: {INSTALL_HINT}")
+        if not torch.cuda.is_available() or torch.version.hip:
+            reasons.append("needs an NVIDIA CUDA GPU, and none is visible")
+        if reasons:
+            return False, "; ".join(reasons)
+        try:
+            import flashinfer
+        except Exception as exc:  # a broken install names itself rather than crash listing
+            return False, f"flashinfer failed to import ({exc}); reinstall: {INSTALL_HINT}"
+        return True, f"FlashInfer {flashinfer.__version__} paged prefill/decode"
+
+    @classmethod
+    def validate_configuration(cls, layer: AttentionLayerConfig, block_size: int,
+                               device: torch.device) -> list[str]:
+        reasons = super().validate_configuration(layer, block_size, device)
+        if device.type != "cuda":
+            reasons.append(f"FlashInfer runs on CUDA devices, not {device.type}")
+        return reasons
