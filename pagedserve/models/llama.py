@@ -1,0 +1,308 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) for the paged engine.
+
+Tokens of every request in the step are flattened into one batch: `input_ids` [T] and
+`positions` [T]; attention goes through `Attention`, which reads the step's paged cache from the
+forward context. q/k/v and gate/up are fused projections; `load_weights` takes Hugging Face names
+and fills the fused rows. The arithmetic follows transformers' modeling code op for op (RMSNorm
+in float32, cos/sin cast to the model dtype, logits in the model dtype) so greedy outputs agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from pagedserve.attention.layer import Attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As transformers: normalise in float32, cast back, then scale in the model dtype.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """The rope settings in one shape for transformers 4.x (`rope_theta` + `rope_scaling`) and
+    5.x (`rope_parameters`)."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim // 2] float32 and the cos/sin scale, from transformers' own rope init
+    functions (`default` is not among them in transformers 5, so it is computed here as
+    transformers' Llama does).
+
+    `dynamic` NTK in transformers recomputes inv_freq only once a sequence grows past
+    max_position_embeddings; at or below it the frequencies are the init-time ones. The engine
+    caps max_model_len at max_position_embeddings, so the init-time frequencies are exact for
+    every length it serves."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        return inv_freq.float(), float(scaling)
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported; transformers knows "
+                         f"{', '.join(ROPE_INIT_FUNCTIONS)}")
+    base = params["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    return inv_freq, 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of every position up to max_position_embeddings, computed once ([P, D/2] each,
+    in the model dtype as transformers casts them), gathered by position each step."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = head_dim
+        self.max_positions = config.max_position_embeddings
+        self.register_buffer("cos_sin_cache", torch.empty(self.max_positions, head_dim),
+                             persistent=False)
+        if self.cos_sin_cache.device.type != "meta":
+            self.build_cache(self.cos_sin_cache.device, torch.get_default_dtype())
+
+    def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq, scaling = rope_inv_freq(self.config, self.head_dim)
+        positions = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        cache = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
+        self.cos_sin_cache = cache.to(device=device, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [T, H, D], key [T, Hkv, D] -> rotated (rotate-half convention)."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads, layer_idx, sliding_window=sliding_window)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = rotary(positions, q.view(t, self.num_heads, self.head_dim),
+                      k.view(t, self.num_kv_heads, self.head_dim))
+        out = self.attn(q.reshape(t, self.q_size), k.reshape(t, self.kv_size), v)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias, sliding_window)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool,
+                 sliding_windows: list[int | None]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, sliding_windows[i])
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary_emb = RotaryEmbedding(config, head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, self.rotary_emb)
+        return self.norm(hidden)
+
+
+# Hugging Face parameter -> (our fused parameter, shard id).
+_FUSED = {
+    ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+    ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+    ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", "gate"),
+    ".mlp.up_proj.": (".mlp.gate_up_proj.", "up"),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        windows = [self.sliding_window_for_layer(config, i)
+                   for i in range(config.num_hidden_layers)]
+        self.model = LlamaModel(config, self.qkv_bias(config), self.o_bias(config), windows)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # Architecture differences, overridden by the Mistral and Qwen2 subclasses.
+    @staticmethod
+    def qkv_bias(config: PretrainedConfig) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    @staticmethod
+    def o_bias(config: PretrainedConfig) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    @staticmethod
+    def sliding_window_for_layer(config: PretrainedConfig, layer_idx: int) -> int | None:
+        return None
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (the matmul in the model dtype, as
+        transformers does)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (possibly fused) parameters, converting dtype
+        and device per tensor. Every parameter must be covered; then the rope cache is built on
+        the weights' device in their dtype."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, shard = name, None
+            for hf_part, (ours, shard_id) in _FUSED.items():
+                if hf_part in name:
+                    target, shard = name.replace(hf_part, ours), shard_id
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
+                                 f"{type(self).__name__}")
+            param = params[target]
+            dst = param.data if shard is None else self._shard(target, param, shard)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(f"{target}:{shard}" if shard else target)
+        missing = [n for n in self._expected_names(params) if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        emb = self.model.embed_tokens.weight
+        self.model.rotary_emb.build_cache(emb.device, emb.dtype)
+
+    def _shard(self, target: str, param: torch.Tensor, shard: str) -> torch.Tensor:
+        if ".qkv_proj." in target:
+            attn = self.model.layers[0].self_attn
+            q, kv = attn.q_size, attn.kv_size
+            start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+        else:
+            n = self.config.intermediate_size
+            start, size = {"gate": (0, n), "up": (n, n)}[shard]
+        return param.data.narrow(0, start, size)
+
+    @staticmethod
+    def _expected_names(params: dict[str, torch.Tensor]) -> list[str]:
+        names = []
+        for name in params:
+            if ".qkv_proj." in name:
+                names += [f"{name}:{s}" for s in ("q", "k", "v")]
+            elif ".gate_up_proj." in name:
+                names += [f"{name}:{s}" for s in ("gate", "up")]
+            else:
+                names.append(name)
+        return names
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def sliding_window_for_layer(config: PretrainedConfig, layer_idx: int) -> int | None:
+        # transformers' Mistral mask keeps keys k with q - window < k <= q: the same convention
+        # as Attention(sliding_window=...), so the value passes through unchanged.
+        return getattr(config, "sliding_window", None)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def qkv_bias(config: PretrainedConfig) -> bool:
+        return True
+
+    @staticmethod
+    def o_bias(config: PretrainedConfig) -> bool:
+        return False
+
+    @staticmethod
+    def sliding_window_for_layer(config: PretrainedConfig, layer_idx: int) -> int | None:
+        window = getattr(config, "sliding_window", None)
+        if not getattr(config, "use_sliding_window", False) or window is None:
+            return None
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None:
+            return window if layer_types[layer_idx] == "sliding_attention" else None
+        return window if layer_idx >= getattr(config, "max_window_layers", 0) else None

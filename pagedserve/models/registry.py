@@ -1,0 +1,37 @@
+"""Model classes by the architecture name in a Hugging Face config (`config.architectures`).
+
+Entries are import paths, so registering a model (e.g. Mamba, added by its own module) imports
+nothing until that architecture is asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+from transformers import PretrainedConfig
+
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "pagedserve.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "pagedserve.models.llama:Qwen2ForCausalLM",
+}
+
+
+def register_model(architecture: str, target: str) -> None:
+    """`target` is 'module.path:ClassName'."""
+    _MODELS[architecture] = target
+
+
+def supported_architectures() -> list[str]:
+    return list(_MODELS)
+
+
+def get_model_cls(config: PretrainedConfig) -> type[nn.Module]:
+    """The class of the first of `config.architectures` that is registered."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in _MODELS:
+            module_name, _, cls_name = _MODELS[arch].partition(":")
+            return getattr(importlib.import_module(module_name), cls_name)
+    raise ValueError(f"model architecture {architectures or '(none given)'} is not supported; "
+                     f"supported: {', '.join(_MODELS)}")

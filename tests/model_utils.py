@@ -1,0 +1,112 @@
+"""Run a model through the paged attention path without the engine: bind backend impls to every
+Attention layer, give each layer a paged KV cache, build the step metadata the way the runner
+does and call the model under the forward context."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.attention.backend import BuilderConfig
+from pagedserve.attention.forward_context import set_forward_context
+from pagedserve.attention.layer import Attention
+from pagedserve.attention.registry import get_backend_cls
+from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+
+
+class PagedHarness:
+    """One request per row; its blocks are reserved up front from a shuffled pool so pages are
+    not contiguous."""
+
+    def __init__(self, model: nn.Module, seq_lens: list[int], backend_name: str = "CPU",
+                 block_size: int = 16, seed: int = 0) -> None:
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = block_size
+        backend = get_backend_cls(backend_name)
+        self.layers = sorted((m for m in model.modules() if isinstance(m, Attention)),
+                             key=lambda m: m.layer_idx)
+        blocks_per_req = [-(-n // block_size) for n in seq_lens]
+        max_blocks = max(blocks_per_req)
+        num_blocks = sum(blocks_per_req) + 1
+        max_reqs, max_tokens = len(seq_lens), sum(seq_lens)
+
+        perm = np.random.default_rng(seed).permutation(num_blocks).tolist()
+        self.block_table = BlockTable(max_reqs, max_blocks)
+        start = 0
+        for row, n in enumerate(blocks_per_req):
+            self.block_table.add_row(row, perm[start:start + n])
+            start += n
+        self.common_builder = CommonMetadataBuilder(max_reqs, max_tokens, max_blocks, block_size,
+                                                    self.device)
+
+        self.builders = {}
+        self.kv_caches = []
+        for layer in self.layers:
+            cfg = layer.config(self.dtype)
+            impl = backend.get_impl_cls()(layer.num_heads, layer.head_size, layer.scale,
+                                          layer.num_kv_heads, layer.sliding_window,
+                                          layer.logits_soft_cap)
+            layer.bind(impl, cfg)
+            if cfg not in self.builders:
+                self.builders[cfg] = backend.get_builder_cls()(BuilderConfig(
+                    layer.num_heads, layer.num_kv_heads, layer.head_size, self.dtype, block_size,
+                    max_reqs, max_tokens, max_blocks, self.device, layer.sliding_window,
+                    layer.logits_soft_cap))
+            shape = backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads,
+                                               layer.head_size)
+            self.kv_caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    @torch.no_grad()
+    def step(self, rows: list[int], new_tokens: list[list[int]], num_computed: list[int],
+             num_prefills: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the requests in `rows` (prefills first). Returns the logits of every
+        new token [T, vocab] and query_start_loc [B+1]."""
+        scheduled = np.array([len(t) for t in new_tokens], dtype=np.int32)
+        common = self.common_builder.build(np.array(rows), np.array(num_computed, np.int32),
+                                           scheduled, num_prefills, self.block_table)
+        metadata = {cfg: builder.build(common) for cfg, builder in self.builders.items()}
+        input_ids = torch.tensor([t for toks in new_tokens for t in toks], device=self.device)
+        with set_forward_context(metadata, self.kv_caches):
+            hidden = self.model(input_ids, common.positions)
+        return self.model.compute_logits(hidden), common.query_start_loc.clone()
+
+
+def run_prefill(model: nn.Module, prompts: list[list[int]], backend_name: str = "CPU",
+                block_size: int = 16) -> list[torch.Tensor]:
+    """All prompts prefilled in one step; the logits [len(prompt), vocab] of each."""
+    harness = PagedHarness(model, [len(p) for p in prompts], backend_name, block_size)
+    logits, qsl = harness.step(list(range(len(prompts))), prompts, [0] * len(prompts),
+                               len(prompts))
+    return [logits[int(qsl[i]):int(qsl[i + 1])] for i in range(len(prompts))]
+
+
+def generate_greedy(model: nn.Module, prompts: list[list[int]], max_new_tokens: int,
+                    backend_name: str = "CPU", block_size: int = 16,
+                    staggered: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy decoding through the paged cache. All prompts prefill in the first step, or, with
+    `staggered`, request i joins at step i so its prefill shares a step with the others'
+    decodes (a mixed batch). Returns the new tokens of each request and the logits [n, vocab]
+    that chose them."""
+    harness = PagedHarness(model, [len(p) + max_new_tokens for p in prompts], backend_name,
+                           block_size)
+    out: list[list[int]] = [[] for _ in prompts]
+    chosen: list[list[torch.Tensor]] = [[] for _ in prompts]
+    computed = [0] * len(prompts)
+    step = 0
+    while any(len(o) < max_new_tokens for o in out):
+        joined = range(len(prompts)) if not staggered else range(min(step + 1, len(prompts)))
+        prefills = [r for r in joined if computed[r] == 0]
+        decodes = [r for r in joined if computed[r] > 0 and len(out[r]) < max_new_tokens]
+        rows = prefills + decodes
+        tokens = [prompts[r] for r in prefills] + [[out[r][-1]] for r in decodes]
+        logits, qsl = harness.step(rows, tokens, [computed[r] for r in rows], len(prefills))
+        last = logits[qsl[1:].long() - 1]
+        for i, r in enumerate(rows):
+            computed[r] += len(tokens[i])
+            out[r].append(int(last[i].argmax()))
+            chosen[r].append(last[i])
+        step += 1
+    return out, [torch.stack(c) for c in chosen]
