@@ -18,3 +18,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def make_llm():
+    """Build LLMs for a test; afterwards every KV block of each must be free again."""
+    from pagedserve import LLM
+
+    made = []
+
+    def make(**kwargs):
+        llm = LLM(**kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        engine = llm.engine
+        assert not engine.has_unfinished_requests(), "requests left in the engine"
+        assert engine.check_blocks_free(), (
+            f"{engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks} KV blocks leaked")

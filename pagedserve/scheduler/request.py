@@ -52,6 +52,9 @@ class Request:
         self.min_tokens: int = getattr(sampling_params, "min_tokens", 0) or 0
         self.ignore_eos: bool = bool(getattr(sampling_params, "ignore_eos", False))
         self.stop_token_ids = frozenset(getattr(sampling_params, "stop_token_ids", None) or ())
+        # Teacher forcing (scoring): the runner emits these tokens instead of sampled ones and
+        # keeps the full next-token distribution at each of them.
+        self.forced_output_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,143 @@
+"""LLM: offline batch generation over an LLMEngine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+Message = dict[str, Any]
+
+
+class LLM:
+    """`LLM(model=None, **engine_args)`: engine arguments are the CLI's flags in snake case
+    (dtype, attention_backend, max_model_len, max_num_seqs, max_num_batched_tokens,
+    block_size, kv_cache_memory, ...); `config=` loads a YAML preset first."""
+
+    def __init__(self, model: str | None = None, config: str | None = None,
+                 log_stats: bool = False, **engine_args: Any) -> None:
+        if config is not None:
+            engine_config = EngineConfig.from_yaml(config, model=model, **engine_args)
+        else:
+            engine_config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.engine = LLMEngine(engine_config, log_stats=log_stats)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts as strings, token-id lists or {"prompt_token_ids": [...]} dicts; one
+        SamplingParams for all or one per prompt. Outputs come back in prompt order."""
+        if isinstance(prompts, str | dict) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, _prompt_input(prompt), p)
+                ids.append(request_id)
+            return self.wait_for(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+
+    def score(self, prompts: Sequence[list[int]], continuations: Sequence[list[int]],
+              use_tqdm: bool = False) -> list[Any]:
+        """Teacher-forced scoring: for each prompt, feed its continuation token by token (decode
+        steps against the KV cache) and return a [len(continuation), vocab] tensor of the
+        next-token log-distributions (row i predicts continuation[i])."""
+        ids = []
+        try:
+            for prompt, continuation in zip(prompts, continuations, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, list(prompt), SamplingParams(temperature=0),
+                                        forced_output_ids=list(continuation))
+                ids.append(request_id)
+            outputs = self.wait_for(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return [o.outputs[0].forced_logprobs for o in outputs]
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} messages) or a list of them, rendered
+        with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        return render_chat(tokenizer, messages, add_generation_prompt, chat_template)
+
+    def wait_for(self, ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
+        """Step the engine until the requests `ids` (already added) finish."""
+        pending = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm)
+        start = time.perf_counter()
+        out_tokens = 0
+        while pending:
+            for output in self.engine.step():
+                if output.finished and output.request_id in pending:
+                    pending.discard(output.request_id)
+                    final[output.request_id] = output
+                    out_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)
+                    bar.update(1)
+            if pending and not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"requests {sorted(pending)} vanished from the engine")
+        bar.close()
+        return [final[i] for i in ids]
+
+
+def _prompt_input(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    return prompt
+
+
+def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True,
+                chat_template: str | None = None) -> list[int]:
+    """Messages -> prompt token ids with the tokenizer's chat template."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model has no chat template")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        chat_template=chat_template, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns an encoding
+        ids = ids["input_ids"]
+    return list(ids)

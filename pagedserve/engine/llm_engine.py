@@ -1,0 +1,381 @@
+"""LLMEngine: requests in, one batched step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.config import EngineConfig, resolve_dtype
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput
+from pagedserve.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedserve.engine.sampler import LogprobsTensors
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.kv_cache import KVCacheManager
+from pagedserve.scheduler import Request, RequestStatus, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceState:
+    """Engine-side state of one sequence (one of a request's `n` samples)."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+    text: str = ""  # streamed so far
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+    forced_logprobs: list[Any] | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[SequenceState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    finished_seqs: set[int] = field(default_factory=set)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finished_seqs) == len(self.sequences)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+        from pagedserve.models.loader import load_model
+
+        self.config = config
+        device = config.torch_device
+        dtype = resolve_dtype(config.model.dtype, device)
+        t0 = time.perf_counter()
+        loaded = load_model(config.model.model, dtype, device, config.model.max_model_len)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.model_name = config.model.served_model_name or loaded.name
+        eos_ids = list(loaded.eos_token_ids)
+        self.eos_token_id = eos_ids[0] if eos_ids else None
+        self.extra_eos_ids = eos_ids[1:]
+        logger.info("loaded %s (%s, %s) in %.1f s", self.model_name, dtype, device,
+                    time.perf_counter() - t0)
+
+        self.runner = ModelRunner(config, loaded.model, loaded.hf_config.vocab_size,
+                                  self.max_model_len,
+                                  self.eos_token_id)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.warmup()
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
+                                       config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens); backend %s", num_blocks,
+                    config.cache.block_size, num_blocks * config.cache.block_size,
+                    self.runner.backend.get_name())
+        self.states: dict[str, RequestState] = {}
+        self._seq_of: dict[str, tuple[RequestState, SequenceState]] = {}
+        self.log_stats = log_stats
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self._last_log = time.monotonic()
+        self._logged_tokens = 0
+        # Hooks for the server's metrics: called with (state) when a request finishes.
+        self.on_finish: Callable[[RequestState], None] | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.runner.vocab_size
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, but the model's context length is "
+                             f"{self.max_model_len} tokens (no room to generate)")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{n + params.max_tokens} were requested ({n} in the prompt, "
+                f"{params.max_tokens} to generate)")
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None,
+                    forced_output_ids: list[int] | None = None) -> None:
+        """Queue a request; `n` > 1 fans out into n sequences sharing the prompt (a seeded
+        request's i-th sequence uses seed + i). `forced_output_ids` makes it a teacher-forced
+        scoring request: those tokens are emitted instead of sampled ones and the full
+        next-token log-distribution before each is returned (`forced_logprobs`)."""
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if forced_output_ids is not None:
+            params = copy.copy(params)
+            params.max_tokens, params.ignore_eos, params.n = len(forced_output_ids), True, 1
+            self.validate_prompt(token_ids + list(forced_output_ids), SamplingParams(max_tokens=1))
+        self.validate_prompt(token_ids, params)
+        if params.max_tokens is None:
+            params = copy.copy(params)
+            params.max_tokens = self.max_model_len - len(token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        state = RequestState(request_id, text, token_ids, [], RequestMetrics(arrival))
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        requests = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = copy.copy(params)
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + i
+                if i > 0:
+                    child_params.prompt_logprobs = None
+            child_params = self._with_extra_eos(child_params)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            request = Request(seq_id, token_ids, child_params, self.eos_token_id, arrival,
+                              cache_salt)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, token_ids, child_params)
+            wants_lp = child_params.logprobs is not None
+            seq = SequenceState(request, i, detok, [] if wants_lp else None,
+                                0.0 if wants_lp else None)
+            if forced_output_ids is not None:
+                request.forced_output_ids = list(forced_output_ids)
+                seq.forced_logprobs = []
+            state.sequences.append(seq)
+            requests.append(request)
+        for request in requests:
+            self.scheduler.add_request(request)
+            self.runner.add_request(request)
+        self.states[request_id] = state
+        for seq in state.sequences:
+            self._seq_of[seq.request.request_id] = (state, seq)
+
+    def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
+        """Models with several end tokens (generation_config) stop on all of them."""
+        if not self.extra_eos_ids or params.ignore_eos:
+            return params
+        params = copy.copy(params)
+        params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *self.extra_eos_ids]))
+        return params
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests (by the id given to add_request); their blocks are freed at once."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            state = self.states.pop(request_id, None)
+            if state is None:
+                continue
+            seq_ids = [s.request.request_id for s in state.sequences]
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            for seq_id in seq_ids:
+                self._seq_of.pop(seq_id, None)
+                self.runner.finish_request(seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.states)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        now = time.monotonic()
+        for request, is_new in zip(batch.requests, batch.is_new, strict=True):
+            state, _ = self._seq_of[request.request_id]
+            if is_new and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+                state.num_cached_tokens = int(request.num_computed_tokens)
+        output = self.runner.execute(batch)
+        self.prompt_tokens += int(batch.num_scheduled_tokens.sum()) - int(
+            (batch.num_scheduled_tokens == 1).sum())
+        results = self.scheduler.update_from_output(batch, output.sampled_token_ids)
+        return self._process(batch, output, results)
+
+    def _process(self, batch, output: ModelRunnerOutput, results) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        row_of = {r.request_id: i for i, r in enumerate(batch.requests)}
+        stopped: list[str] = []
+        for request, token in results:
+            state, seq = self._seq_of[request.request_id]
+            if request.request_id in output.prompt_logprobs and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(
+                    self._positions(output.prompt_logprobs[request.request_id]))
+            if token is None:
+                continue
+            if seq.forced_logprobs is not None:
+                seq.forced_logprobs.append(output.forced_logprobs[request.request_id])
+            touched[state.request_id] = state
+            self.generation_tokens += 1
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            if seq.logprobs is not None and output.logprobs is not None:
+                row = row_of[request.request_id]
+                k = request.sampling_params.logprobs
+                lp = LogprobsTensors(output.logprobs.logprobs[row:row + 1, :k + 1],
+                                     output.logprobs.token_ids[row:row + 1, :k + 1],
+                                     output.logprobs.ranks[row:row + 1])
+                position = self._positions(lp)[0]
+                seq.logprobs.append(position)
+                seq.cumulative_logprob += position[token].logprob
+            ended_by_token = request.status == RequestStatus.FINISHED_STOPPED
+            if ended_by_token:
+                # EOS and stop token ids end the sequence without adding their text.
+                if token in request.stop_token_ids:
+                    seq.stop_reason = token
+            elif seq.detokenizer is not None and not seq.detokenizer.finished:
+                stop = seq.detokenizer.update([token])
+                if stop is not None:
+                    seq.stop_reason = stop
+                    if not request.is_finished:
+                        stopped.append(request.request_id)
+                    else:  # the length limit and a stop string met on the same token
+                        request.status = RequestStatus.FINISHED_STOPPED
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        outputs = [self._make_output(state, now) for state in touched.values()]
+        self._maybe_log_stats()
+        return outputs
+
+    def _positions(self, lp: LogprobsTensors) -> list[PositionLogprobs]:
+        """LogprobsTensors rows -> per-position dicts {token id: Logprob}; column 0 is the
+        chosen token (its rank computed), the rest the top alternatives ranked 1..K."""
+        ids = lp.token_ids.tolist()
+        values = lp.logprobs.tolist()
+        ranks = lp.ranks.tolist()
+        out = []
+        for row_ids, row_values, rank in zip(ids, values, ranks, strict=True):
+            position: PositionLogprobs = {}
+            for j, (tid, value) in enumerate(zip(row_ids, row_values, strict=True)):
+                if tid in position:
+                    continue
+                position[tid] = Logprob(value, rank if j == 0 else j, self._token_text(tid))
+            out.append(position)
+        return out
+
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _make_output(self, state: RequestState, now: float) -> RequestOutput:
+        completions = []
+        for seq in state.sequences:
+            request = seq.request
+            finish_reason = request.status.finish_reason
+            if finish_reason is not None and seq.index not in state.finished_seqs:
+                state.finished_seqs.add(seq.index)
+                self._seq_of.pop(request.request_id, None)
+                self.runner.finish_request(request.request_id)
+            delta = ""
+            if seq.detokenizer is not None:
+                delta = seq.detokenizer.get_next_delta(finished=finish_reason is not None)
+                seq.text += delta
+            new_ids = request.output_token_ids[seq.num_sent_tokens:]
+            seq.num_sent_tokens = request.num_output_tokens
+            delta_lp = None
+            if seq.logprobs is not None:
+                delta_lp = seq.logprobs[seq.num_sent_logprobs:]
+                seq.num_sent_logprobs = len(seq.logprobs)
+            completions.append(CompletionOutput(
+                index=seq.index, text=seq.text, token_ids=list(request.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
+                finish_reason=finish_reason, stop_reason=seq.stop_reason, delta_text=delta,
+                delta_token_ids=new_ids, delta_logprobs=delta_lp,
+                forced_logprobs=_stack(seq.forced_logprobs) if finish_reason else None))
+        state.metrics.num_preemptions = sum(s.request.num_preemptions for s in state.sequences)
+        if state.finished:
+            state.metrics.finished_time = now
+            self.states.pop(state.request_id, None)
+            if self.on_finish is not None:
+                self.on_finish(state)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                             state.prompt_logprobs, completions, state.finished, state.metrics,
+                             state.num_cached_tokens)
+
+    # ---- stats --------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache.usage, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv_cache.prefix_queries,
+            prefix_cache_hits=self.kv_cache.prefix_hits, prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens)
+
+    def _maybe_log_stats(self, interval: float = 10.0) -> None:
+        if not self.log_stats:
+            return
+        now = time.monotonic()
+        if now - self._last_log < interval:
+            return
+        s = self.stats()
+        rate = (s.generation_tokens - self._logged_tokens) / (now - self._last_log)
+        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0
+        logger.info("generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
+                    "prefix cache hit rate %.1f%%, preemptions %d", rate, s.num_running,
+                    s.num_waiting, 100 * s.kv_cache_usage, 100 * hit_rate, s.num_preemptions)
+        self._last_log, self._logged_tokens = now, s.generation_tokens
+
+    def check_blocks_free(self) -> bool:
+        """True when no request holds a KV block (all free or cached-evictable)."""
+        return self.kv_cache.num_free_blocks == self.kv_cache.num_blocks
+
+
+def _stack(rows: list[Any] | None) -> Any:
+    if not rows:
+        return None
+    import torch
+
+    return torch.stack(rows)

@@ -1,0 +1,311 @@
+"""ModelRunner: binds the attention backend to the model, owns the KV cache, turns a
+SchedulerOutput into one forward pass and samples the next tokens.
+
+Per-request state lives in persistent rows (token ids, block table) so that a step gathers
+with index arrays instead of rebuilding Python lists: a decode step's host work is O(batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedserve.attention import (
+    AttentionLayerConfig,
+    BuilderConfig,
+    select_backend,
+)
+from pagedserve.attention.forward_context import set_forward_context
+from pagedserve.attention.layer import Attention
+from pagedserve.config import EngineConfig
+from pagedserve.engine.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+)
+from pagedserve.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedserve.kv_cache.specs import (
+    bytes_per_block,
+    gpu_kv_cache_budget,
+    num_blocks_for_budget,
+)
+from pagedserve.scheduler import BlockTable, CommonMetadataBuilder, Request, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: np.ndarray  # [B] in batch order
+    # Sampled-token logprobs and top alternatives, [B, K+1], when a request asked for them.
+    logprobs: LogprobsTensors | None = None
+    # request id -> logprobs of the prompt tokens this step predicted (rows in prompt order).
+    prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
+    # request id -> full next-token log-distribution [V] of a teacher-forced request.
+    forced_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class InputRows:
+    """Row bookkeeping: each live request owns a row of the token table and the block table."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_seq: int) -> None:
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.block_table = BlockTable(max_num_reqs, max_blocks_per_seq)
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.max_model_len = max_model_len
+
+    def add(self, request: Request, block_ids: list[int]) -> int:
+        row = self._free_rows.pop()
+        self.row_of[request.request_id] = row
+        self.token_ids[row, :request.num_tokens] = request.all_token_ids
+        self.block_table.add_row(row, block_ids)
+        return row
+
+    def remove(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, vocab_size: int,
+                 max_model_len: int, eos_token_id: int | None) -> None:
+        self.config = config
+        self.device = config.torch_device
+        self.model = model
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.dtype = next(model.parameters()).dtype
+        cache = config.cache
+        self.block_size = cache.block_size
+        self.max_num_reqs = config.scheduler.max_num_seqs
+        self.max_num_tokens = config.scheduler.max_num_batched_tokens
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+
+        self.attn_layers = sorted((m for m in model.modules() if isinstance(m, Attention)),
+                                  key=lambda m: m.layer_idx)
+        if [m.layer_idx for m in self.attn_layers] != list(range(len(self.attn_layers))):
+            raise ValueError("attention layer indices must be 0..N-1")
+        layer_configs = [m.config(self.dtype, cache.kv_cache_dtype) for m in self.attn_layers]
+        self.backend = select_backend(config.attention_backend, self.device, layer_configs,
+                                      self.block_size)
+        logger.info("attention backend: %s (%s)", self.backend.get_name(),
+                    self.backend.is_available()[1])
+        self.kv_cache_dtype = self.backend.get_kv_cache_dtype(cache.kv_cache_dtype, self.dtype)
+        impl_cls = self.backend.get_impl_cls()
+        for layer, layer_cfg in zip(self.attn_layers, layer_configs, strict=True):
+            layer.bind(impl_cls(layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads,
+                                layer.sliding_window, layer.logits_soft_cap,
+                                cache.kv_cache_dtype), layer_cfg)
+        self.builders = {cfg: self.backend.get_builder_cls()(self._builder_config(cfg))
+                         for cfg in dict.fromkeys(layer_configs)}
+        self.kv_specs = [self._spec(cfg) for cfg in layer_configs]
+
+        self.rows = InputRows(self.max_num_reqs, max_model_len, self.max_blocks_per_seq)
+        self.common_builder = CommonMetadataBuilder(self.max_num_reqs, self.max_num_tokens,
+                                                    self.max_blocks_per_seq, self.block_size,
+                                                    self.device)
+        pin = self.device.type == "cuda"
+        self._input_ids_host = torch.zeros(self.max_num_tokens, dtype=torch.int64, pin_memory=pin)
+        self._input_ids = self._input_ids_host if not pin else torch.zeros_like(
+            self._input_ids_host, device=self.device)
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+
+    def _builder_config(self, cfg: AttentionLayerConfig) -> BuilderConfig:
+        return BuilderConfig(cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.dtype,
+                             self.block_size, self.max_num_reqs, self.max_num_tokens,
+                             self.max_blocks_per_seq, self.device, cfg.sliding_window,
+                             cfg.logits_soft_cap, cfg.kv_cache_dtype)
+
+    def _spec(self, cfg: AttentionLayerConfig) -> KVCacheSpec:
+        if cfg.sliding_window is not None:
+            return SlidingWindowSpec(self.block_size, cfg.num_kv_heads, cfg.head_size,
+                                     self.kv_cache_dtype, sliding_window=cfg.sliding_window)
+        return FullAttentionSpec(self.block_size, cfg.num_kv_heads, cfg.head_size,
+                                 self.kv_cache_dtype)
+
+    # ---- KV cache sizing ----------------------------------------------------------------
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if self.device.type != "cuda":
+            return num_blocks_for_budget(self.kv_specs, int(cache.kv_cache_memory))
+        peak = self.profile_peak_memory()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = gpu_kv_cache_budget(total, peak, cache.gpu_memory_utilization)
+        return num_blocks_for_budget(self.kv_specs, budget)
+
+    @torch.inference_mode()
+    def profile_peak_memory(self) -> int:
+        """Peak bytes in use during a forward over the largest batch the scheduler can form,
+        with a KV cache just big enough for it (weights included)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.max_num_tokens, self.max_model_len)
+        needed = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(needed)
+        probe = Request("__profile__", [0] * num_tokens, None)
+        rows = InputRows(1, self.max_model_len, self.max_blocks_per_seq)
+        rows.add(probe, list(range(needed)))
+        batch = SchedulerOutput([probe], np.array([num_tokens], dtype=np.int32),
+                                np.zeros(1, dtype=np.int32), [list(range(needed))], [False], 1)
+        saved, self.rows = self.rows, rows
+        try:
+            hidden = self._forward(batch)
+            self.model.compute_logits(hidden[-self.max_num_reqs:])
+            torch.cuda.synchronize(self.device)
+        finally:
+            self.rows = saved
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        # The cache we just used counts against the peak but will be allocated anew.
+        return peak - needed * bytes_per_block(self.kv_specs)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
+        for spec in self.kv_specs:
+            shape = self.backend.get_kv_cache_shape(num_blocks, self.block_size,
+                                                    spec.num_kv_heads, spec.head_size)
+            self.kv_caches.append(torch.zeros(shape, dtype=self.kv_cache_dtype,
+                                              device=self.device))
+        self.num_blocks = num_blocks
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        seed = getattr(request.sampling_params, "seed", None)
+        if seed is not None:
+            self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
+
+    def finish_request(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def _update_rows(self, batch: SchedulerOutput) -> np.ndarray:
+        for request_id in batch.freed_request_ids:
+            self.rows.remove(request_id)
+        rows = np.empty(batch.num_reqs, dtype=np.int64)
+        for i, (request, block_ids, is_new) in enumerate(
+                zip(batch.requests, batch.new_block_ids, batch.is_new, strict=True)):
+            if is_new:
+                rows[i] = self.rows.add(request, block_ids)
+            else:
+                rows[i] = self.rows.row_of[request.request_id]
+                self.rows.block_table.append(int(rows[i]), block_ids)
+        return rows
+
+    def _forward(self, batch: SchedulerOutput, rows: np.ndarray | None = None) -> torch.Tensor:
+        if rows is None:
+            rows = np.arange(batch.num_reqs)
+        common = self.common_builder.build(rows, batch.num_computed_tokens,
+                                           batch.num_scheduled_tokens, batch.num_prefills,
+                                           self.rows.block_table)
+        t = common.num_actual_tokens
+        positions_np = self.common_builder.np["positions"][:t]
+        token_rows = np.repeat(rows, batch.num_scheduled_tokens)
+        host_ids = self._input_ids_host[:t].numpy()
+        np.take(self.rows.token_ids.reshape(-1), token_rows * self.max_model_len + positions_np,
+                out=host_ids)
+        input_ids = self._input_ids[:t]
+        if input_ids is not self._input_ids_host[:t]:
+            input_ids.copy_(self._input_ids_host[:t], non_blocking=True)
+        attn_metadata = {cfg: builder.build(common) for cfg, builder in self.builders.items()}
+        with set_forward_context(attn_metadata, self.kv_caches):
+            return self.model(input_ids, common.positions)
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        rows = self._update_rows(batch)
+        hidden = self._forward(batch, rows)
+        qsl = np.zeros(batch.num_reqs + 1, dtype=np.int64)
+        np.cumsum(batch.num_scheduled_tokens, out=qsl[1:])
+        last = torch.from_numpy(qsl[1:] - 1).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[last])
+
+        meta = self._sampling_metadata(batch)
+        out = self.sampler(logits, meta)
+        sampled = out.sampled_token_ids.cpu().numpy()
+
+        # Requests whose whole context is now cached take the sampled token into their row.
+        seq_lens = batch.num_computed_tokens + batch.num_scheduled_tokens
+        num_tokens = np.array([r.num_tokens for r in batch.requests], dtype=np.int64)
+        done = seq_lens >= num_tokens
+        forced = self._apply_forced_tokens(batch, done, logits, sampled)
+        done &= seq_lens < self.max_model_len
+        self.rows.token_ids[rows[done], seq_lens[done]] = sampled[done]
+
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = LogprobsTensors(out.logprobs.cpu(), out.logprob_token_ids.cpu(),
+                                       out.sampled_token_ranks.cpu())
+        return ModelRunnerOutput(sampled, logprobs, self._prompt_logprobs(batch, rows, hidden),
+                                 forced)
+
+    @staticmethod
+    def _apply_forced_tokens(batch: SchedulerOutput, done: np.ndarray, logits: torch.Tensor,
+                             sampled: np.ndarray) -> dict[str, torch.Tensor]:
+        """Teacher forcing for scoring requests (rare, so a loop over just those)."""
+        index = [i for i, r in enumerate(batch.requests)
+                 if r.forced_output_ids is not None and done[i]]
+        if not index:
+            return {}
+        logprobs = torch.log_softmax(logits[index].float(), dim=-1).cpu()
+        result = {}
+        for j, i in enumerate(index):
+            request = batch.requests[i]
+            sampled[i] = request.forced_output_ids[request.num_output_tokens]
+            result[request.request_id] = logprobs[j]
+        return result
+
+    def _sampling_metadata(self, batch: SchedulerOutput) -> SamplingMetadata:
+        requests = batch.requests
+        generators = {i: self.generators[r.request_id] for i, r in enumerate(requests)
+                      if r.request_id in self.generators}
+        params = [r.sampling_params for r in requests]
+        needs_tokens = any(p.repetition_penalty != 1.0 or p.presence_penalty
+                           or p.frequency_penalty or p.min_tokens for p in params)
+        prompts = [r.prompt_token_ids for r in requests] if needs_tokens else [[]] * len(params)
+        outputs = [r.output_token_ids for r in requests] if needs_tokens else [[]] * len(params)
+        return SamplingMetadata.build(params, prompts, outputs, generators, self.eos_token_id,
+                                      self.vocab_size, self.device)
+
+    def _prompt_logprobs(self, batch: SchedulerOutput, rows: np.ndarray,
+                         hidden: torch.Tensor) -> dict[str, LogprobsTensors]:
+        """For requests that asked: logprobs of the prompt tokens predicted in this step (the
+        token after each scheduled position, while that token is still in the prompt)."""
+        result: dict[str, LogprobsTensors] = {}
+        start = 0
+        for request, n, c in zip(batch.requests, batch.num_scheduled_tokens.tolist(),
+                                 batch.num_computed_tokens.tolist(), strict=True):
+            k = getattr(request.sampling_params, "prompt_logprobs", None)
+            if k is not None and c < request.num_prompt_tokens - 1:
+                end_pos = min(c + n, request.num_prompt_tokens - 1)
+                targets = torch.tensor(request.prompt_token_ids[c + 1:end_pos + 1],
+                                       device=self.device)
+                logits = self.model.compute_logits(hidden[start:start + end_pos - c])
+                lp = compute_prompt_logprobs(logits, targets, k)
+                result[request.request_id] = LogprobsTensors(*(t.cpu() for t in lp))
+            start += n
+        return result
+
+    def warmup(self) -> None:
+        """Compile/JIT whatever the backend needs before the first request."""
+        t0 = time.perf_counter()
+        for builder in self.builders.values():
+            warm = getattr(builder, "warmup", None)
+            if warm is not None:
+                warm()
+        logger.debug("backend warm-up took %.1f s", time.perf_counter() - t0)
