@@ -3,6 +3,7 @@ the builder that turns CommonAttentionMetadata into that metadata once per step.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -113,6 +114,13 @@ class AttentionBackend(ABC):
         """K and V views [num_blocks, block_size, num_kv_heads, head_size] of the cache
         (K/V outermost here; backends with another layout override this)."""
         return kv_cache[0], kv_cache[1]
+
+    @classmethod
+    def get_page_size_bytes(cls, block_size: int, num_kv_heads: int, head_size: int,
+                            cache_dtype: torch.dtype) -> int:
+        """Bytes one block of one layer takes in this backend's layout (memory sizing)."""
+        numel = math.prod(cls.get_kv_cache_shape(1, block_size, num_kv_heads, head_size))
+        return numel * torch.empty((), dtype=cache_dtype).element_size()
 
     @classmethod
     def get_kv_cache_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

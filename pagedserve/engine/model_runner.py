@@ -128,11 +128,14 @@ class ModelRunner:
                              cfg.logits_soft_cap, cfg.kv_cache_dtype)
 
     def _spec(self, cfg: AttentionLayerConfig) -> KVCacheSpec:
+        page_bytes = self.backend.get_page_size_bytes(self.block_size, cfg.num_kv_heads,
+                                                      cfg.head_size, self.kv_cache_dtype)
         if cfg.sliding_window is not None:
             return SlidingWindowSpec(self.block_size, cfg.num_kv_heads, cfg.head_size,
-                                     self.kv_cache_dtype, sliding_window=cfg.sliding_window)
+                                     self.kv_cache_dtype, page_bytes,
+                                     sliding_window=cfg.sliding_window)
         return FullAttentionSpec(self.block_size, cfg.num_kv_heads, cfg.head_size,
-                                 self.kv_cache_dtype)
+                                 self.kv_cache_dtype, page_bytes)
 
     # ---- KV cache sizing ----------------------------------------------------------------
 

@@ -15,10 +15,15 @@ class KVCacheSpec:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+    # The backend's real bytes per block when its layout is not plain K and V in `dtype`
+    # (quantized caches with packed codes and scales); None: computed from the dtype.
+    page_bytes: int | None = None
 
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one block of this layer (K and V)."""
+        if self.page_bytes is not None:
+            return self.page_bytes
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
 
