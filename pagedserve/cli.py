@@ -206,12 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=_cmd_generate)
 
-    try:
-        from pagedserve.server.cli import add_serve_parser
-    except ImportError:
-        pass
-    else:
-        add_serve_parser(sub)
+    from pagedserve.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
     try:
         from pagedserve.bench import add_bench_parser
     except ImportError:

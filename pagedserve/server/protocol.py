@@ -1,0 +1,271 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic v2).
+
+Request models forbid unknown fields, as OpenAI does; the engine's sampling fields that OpenAI
+lacks (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+skip_special_tokens, include_stop_str_in_output, cache_salt) are accepted as vLLM accepts them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from pagedserve.engine.sampling_params import SamplingParams
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- shared pieces ------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+# Engine sampling fields a request may set; None (or absent) keeps the engine default.
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_tokens", "stop",
+                   "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                   "include_stop_str_in_output")
+
+
+class SamplingRequest(OpenAIModel):
+    model: str | None = None
+    n: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, unused
+    logit_bias: dict[str, float] | None = None  # accepted only empty: not supported
+
+    def base_sampling_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS
+                if getattr(self, name) is not None}
+
+
+# ---- /v1/completions ----------------------------------------------------------------------
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput
+    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: StrictInt | None = None
+    suffix: str | None = None  # rejected when given: no fill-in-the-middle
+
+    def sampling_params(self) -> SamplingParams:
+        fields = self.base_sampling_fields()
+        fields["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            fields["logprobs"] = self.logprobs
+            if self.echo:
+                fields["prompt_logprobs"] = self.logprobs
+        return SamplingParams(**fields)
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """A streamed chunk has the same shape as the full response (object text_completion)."""
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: StrictInt | None = None
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        fields = self.base_sampling_fields()
+        # Absent: generate up to the context length (the engine fills it in per prompt).
+        fields["max_tokens"] = (self.max_completion_tokens if self.max_completion_tokens
+                                is not None else self.max_tokens)
+        if self.logprobs:
+            fields["logprobs"] = self.top_logprobs or 0
+        return SamplingParams(**fields)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+# ---- models, tokenizer, version -----------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: {"model", "prompt"} or {"model", "messages"} (chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    # Default off: what /v1/completions feeds the model for the same string.
+    add_special_tokens: bool = False
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
