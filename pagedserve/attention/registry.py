@@ -130,6 +130,9 @@ _BUILTIN = {
     "CPU": "cpu:CPUAttentionBackend",
     "ROCM": "rocm:RocmAttentionBackend",
     "TURBOQUANT": "turboquant:TurboQuantBackend",
+    # Mamba layers' state slots; the model runner picks it for them (never auto-selected for
+    # attention).
+    "MAMBA": "mamba:MambaBackend",
 }
 for _name, _target in _BUILTIN.items():
     register_backend(_name, f"pagedserve.attention.backends.{_target}")

@@ -96,12 +96,18 @@ class LLMEngine:
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.warmup()
-        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
-                                       config.cache.enable_prefix_caching)
+        if self.runner.mamba_layers:
+            # Per-request state, not per block: no prefix caching (turned off automatically).
+            self.kv_cache = KVCacheManager.for_state_slots(num_blocks, self.runner.block_size)
+            logger.info("Mamba state: %d slots (one per running request); backend %s",
+                        num_blocks, self.runner.backend.get_name())
+        else:
+            self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
+                                           config.cache.enable_prefix_caching)
+            logger.info("KV cache: %d blocks of %d tokens (%d tokens); backend %s", num_blocks,
+                        config.cache.block_size, num_blocks * config.cache.block_size,
+                        self.runner.backend.get_name())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens); backend %s", num_blocks,
-                    config.cache.block_size, num_blocks * config.cache.block_size,
-                    self.runner.backend.get_name())
         self.states: dict[str, RequestState] = {}
         self._seq_of: dict[str, tuple[RequestState, SequenceState]] = {}
         self.log_stats = log_stats
@@ -369,7 +375,8 @@ class LLMEngine:
         self._last_log, self._logged_tokens = now, s.generation_tokens
 
     def check_blocks_free(self) -> bool:
-        """True when no request holds a KV block (all free or cached-evictable)."""
+        """True when no request holds a KV block (all free or cached-evictable); for a Mamba
+        model the manager's blocks are its state slots, so this covers them too."""
         return self.kv_cache.num_free_blocks == self.kv_cache.num_blocks
 
 

@@ -21,6 +21,8 @@ from pagedserve.attention import (
 )
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
+from pagedserve.attention.mamba import MambaLayer
+from pagedserve.attention.registry import get_backend_cls
 from pagedserve.config import EngineConfig
 from pagedserve.engine.sampler import (
     LogprobsTensors,
@@ -94,8 +96,14 @@ class ModelRunner:
         if [m.layer_idx for m in self.attn_layers] != list(range(len(self.attn_layers))):
             raise ValueError("attention layer indices must be 0..N-1")
         layer_configs = [m.config(self.dtype, cache.kv_cache_dtype) for m in self.attn_layers]
-        self.backend = select_backend(config.attention_backend, self.device, layer_configs,
-                                      self.block_size)
+        self.mamba_layers = sorted((m for m in model.modules() if isinstance(m, MambaLayer)),
+                                   key=lambda m: m.layer_idx)
+        self.backend = (self._mamba_backend() if self.mamba_layers else
+                        select_backend(config.attention_backend, self.device, layer_configs,
+                                       self.block_size))
+        bind_preset = getattr(self.backend, "for_preset", None)
+        if bind_preset is not None:  # a cache whose layout depends on kv_cache_dtype
+            self.backend = bind_preset(cache.kv_cache_dtype)
         logger.info("attention backend: %s (%s)", self.backend.get_name(),
                     self.backend.is_available()[1])
         self.kv_cache_dtype = self.backend.get_kv_cache_dtype(cache.kv_cache_dtype, self.dtype)
@@ -107,6 +115,8 @@ class ModelRunner:
         self.builders = {cfg: self.backend.get_builder_cls()(self._builder_config(cfg))
                          for cfg in dict.fromkeys(layer_configs)}
         self.kv_specs = [self._spec(cfg) for cfg in layer_configs]
+        if self.mamba_layers:
+            self._bind_mamba_layers()
 
         self.rows = InputRows(self.max_num_reqs, max_model_len, self.max_blocks_per_seq)
         self.common_builder = CommonMetadataBuilder(self.max_num_reqs, self.max_num_tokens,
@@ -137,6 +147,41 @@ class ModelRunner:
         return FullAttentionSpec(self.block_size, cfg.num_kv_heads, cfg.head_size,
                                  self.kv_cache_dtype, page_bytes)
 
+    # ---- Mamba layers: a state slot per request instead of KV blocks ----------------------
+
+    def _mamba_backend(self) -> type:
+        if self.attn_layers:
+            raise ValueError("models mixing attention and Mamba layers are not supported yet")
+        if self.config.attention_backend not in (None, "MAMBA", "mamba"):
+            logger.info("a Mamba model always uses the MAMBA backend; attention_backend=%s "
+                        "does not apply", self.config.attention_backend)
+        return get_backend_cls("MAMBA")
+
+    def _bind_mamba_layers(self) -> None:
+        """One state slot per request: the slot id is the request's only "block" (block_size =
+        max_model_len), so it reaches the MAMBA builder in the block table's first column."""
+        from pagedserve.attention.backends.mamba import use_triton_kernels
+
+        if [m.layer_idx for m in self.mamba_layers] != list(range(len(self.mamba_layers))):
+            raise ValueError("mamba layer indices must be 0..N-1")
+        self.block_size = self.max_model_len
+        self.max_blocks_per_seq = 1
+        triton = use_triton_kernels(self.device)
+        self.kv_specs = [m.spec(self.dtype) for m in self.mamba_layers]
+        self.builders = {spec: self.backend.get_builder_cls()(spec, self.device, triton)
+                         for spec in dict.fromkeys(self.kv_specs)}
+        for layer, spec in zip(self.mamba_layers, self.kv_specs, strict=True):
+            layer.bind(self.backend.get_impl_cls()(triton), spec)
+
+    def _allocate_state_slots(self, num_slots: int) -> None:
+        self.kv_caches = []
+        for spec in self.kv_specs:
+            conv_shape, ssm_shape = self.backend.get_state_shapes(num_slots, spec)
+            self.kv_caches.append((
+                torch.zeros(conv_shape, dtype=spec.dtype, device=self.device),
+                torch.zeros(ssm_shape, dtype=spec.ssm_dtype, device=self.device)))
+        self.num_blocks = num_slots
+
     # ---- KV cache sizing ----------------------------------------------------------------
 
     def determine_num_blocks(self) -> int:
@@ -144,11 +189,14 @@ class ModelRunner:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if self.device.type != "cuda":
-            return num_blocks_for_budget(self.kv_specs, int(cache.kv_cache_memory))
-        peak = self.profile_peak_memory()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = gpu_kv_cache_budget(total, peak, cache.gpu_memory_utilization)
-        return num_blocks_for_budget(self.kv_specs, budget)
+            num_blocks = num_blocks_for_budget(self.kv_specs, int(cache.kv_cache_memory))
+        else:
+            peak = self.profile_peak_memory()
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = gpu_kv_cache_budget(total, peak, cache.gpu_memory_utilization)
+            num_blocks = num_blocks_for_budget(self.kv_specs, budget)
+        # A state slot serves one running request: slots beyond max_num_seqs would sit idle.
+        return min(num_blocks, self.max_num_reqs) if self.mamba_layers else num_blocks
 
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
@@ -179,6 +227,8 @@ class ModelRunner:
         return peak - needed * bytes_per_block(self.kv_specs)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.mamba_layers:
+            return self._allocate_state_slots(num_blocks)
         self.kv_caches = []
         for spec in self.kv_specs:
             shape = self.backend.get_kv_cache_shape(num_blocks, self.block_size,

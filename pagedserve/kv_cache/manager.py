@@ -25,10 +25,18 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: str | No
     """SHA-256 of a full block, chained from its parent's hash so equal token blocks at
     different positions (or after different prefixes) never collide. The salt keeps tenants'
     prefixes apart."""
+    token_bytes = np.asarray(token_ids, dtype=np.int64).tobytes()
+    return _chain_hash(parent_hash, token_bytes, _salt_bytes(extra_key))
+
+
+def _salt_bytes(extra_key: str | None) -> bytes:
+    return b"\x01salt:" + extra_key.encode() if extra_key else b""
+
+
+def _chain_hash(parent_hash: bytes, token_bytes: bytes, salt: bytes) -> bytes:
     h = hashlib.sha256(parent_hash)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    if extra_key:
-        h.update(b"\x01salt:" + extra_key.encode())
+    h.update(token_bytes)
+    h.update(salt)
     return h.digest()
 
 
@@ -47,6 +55,16 @@ class KVCacheManager:
         # Prefix-cache statistics, in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
+
+    @classmethod
+    def for_state_slots(cls, num_slots: int, max_model_len: int) -> KVCacheManager:
+        """The manager of a model whose layers keep per-request state (Mamba) instead of K/V
+        pages. Each block is a state slot spanning a whole request (block_size =
+        max_model_len), so a request takes exactly one on admission and holds it until it
+        finishes or is preempted; admission waits while none is free, and its block id is its
+        slot index (the runner's block table carries it). Prefix caching is off: the state sums
+        up the whole prefix, it is not kept per block."""
+        return cls(num_slots, max_model_len, enable_prefix_caching=False)
 
     @property
     def num_blocks(self) -> int:
@@ -68,11 +86,19 @@ class KVCacheManager:
 
     def _block_hashes(self, request: CacheableRequest, num_full_blocks: int) -> list[bytes]:
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
+        start = len(hashes)
+        if num_full_blocks <= start:
+            return hashes
         bs = self.block_size
-        tokens = request.all_token_ids
-        for i in range(len(hashes), num_full_blocks):
-            parent = hashes[-1] if hashes else NONE_HASH
-            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt))
+        # One conversion for all new blocks: per-block numpy calls cost more than SHA-256.
+        data = np.asarray(request.all_token_ids[start * bs:num_full_blocks * bs],
+                          dtype=np.int64).tobytes()
+        salt = _salt_bytes(request.cache_salt)
+        parent = hashes[-1] if hashes else NONE_HASH
+        width = bs * 8
+        for offset in range(0, len(data), width):
+            parent = _chain_hash(parent, data[offset:offset + width], salt)
+            hashes.append(parent)
         return hashes
 
     def get_computed_blocks(self, request: CacheableRequest) -> tuple[list[KVCacheBlock], int]:
@@ -125,7 +151,10 @@ class KVCacheManager:
         blocks.extend(appended)
         if self.enable_prefix_caching and not request.skip_prefix_cache:
             total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-            self._cache_full_blocks(request, blocks, total + num_new_tokens)
+            end = total + num_new_tokens
+            # Most steps are decodes that fill no block: skip the bookkeeping for them.
+            if end // self.block_size > total // self.block_size:
+                self._cache_full_blocks(request, blocks, end)
         return appended
 
     def _cache_full_blocks(self, request: CacheableRequest, blocks: list[KVCacheBlock],

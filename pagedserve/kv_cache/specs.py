@@ -43,22 +43,59 @@ class SlidingWindowSpec(KVCacheSpec):
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
 
-def bytes_per_block(specs: list[KVCacheSpec]) -> int:
-    """Every layer keeps its own page for a block id, so one block costs the sum over layers."""
+@dataclass(frozen=True)
+class MambaSpec:
+    """One Mamba layer's cache: a state slot per running request (not per block) holding the
+    conv state [d_inner, conv_kernel - 1] (the last inputs the causal conv still needs) and the
+    SSM state [d_inner, state_size]. The SSM state is float32 by default: it accumulates over
+    the whole sequence, and transformers' reference keeps it in float32 too."""
+
+    d_inner: int
+    conv_kernel: int
+    state_size: int
+    dtype: torch.dtype  # conv state (the model dtype)
+    ssm_dtype: torch.dtype = torch.float32
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.d_inner, self.conv_kernel - 1)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int]:
+        return (self.d_inner, self.state_size)
+
+    @property
+    def slot_size_bytes(self) -> int:
+        conv = self.d_inner * (self.conv_kernel - 1) * torch.empty((), dtype=self.dtype).itemsize
+        ssm = self.d_inner * self.state_size * torch.empty((), dtype=self.ssm_dtype).itemsize
+        return conv + ssm
+
+
+def bytes_per_slot(specs: list[MambaSpec]) -> int:
+    """A state slot id indexes every Mamba layer's state, so one slot costs the sum over them."""
+    return sum(spec.slot_size_bytes for spec in specs)
+
+
+def bytes_per_block(specs: list[KVCacheSpec] | list[MambaSpec]) -> int:
+    """Every layer keeps its own page for a block id, so one block costs the sum over layers.
+    For a pure Mamba model the unit the manager hands out is a state slot (its bytes)."""
     if not specs:
         raise ValueError("the model declares no KV cache layers")
+    if all(isinstance(spec, MambaSpec) for spec in specs):
+        return bytes_per_slot(specs)
     sizes = {spec.block_size for spec in specs}
     if len(sizes) != 1:
         raise ValueError(f"all layers must share one block size, got {sorted(sizes)}")
     return sum(spec.page_size_bytes for spec in specs)
 
 
-def num_blocks_for_budget(specs: list[KVCacheSpec], budget_bytes: int) -> int:
+def num_blocks_for_budget(specs: list[KVCacheSpec] | list[MambaSpec], budget_bytes: int) -> int:
     num_blocks = budget_bytes // bytes_per_block(specs)
     if num_blocks < 1:
+        unit = "state slot" if isinstance(specs[0], MambaSpec) else "block"
         raise ValueError(
-            f"a KV cache budget of {budget_bytes} bytes holds no block "
-            f"({bytes_per_block(specs)} bytes per block): raise the memory budget")
+            f"a KV cache budget of {budget_bytes} bytes holds no {unit} "
+            f"({bytes_per_block(specs)} bytes per {unit}): raise the memory budget")
     return int(num_blocks)
 
 

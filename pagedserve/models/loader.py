@@ -72,8 +72,15 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     raise ValueError(f"model {str(path)!r} is neither a directory nor a .gguf file")
 
 
+# Context length for models without positional limits (Mamba) when none is requested.
+DEFAULT_UNBOUNDED_MAX_MODEL_LEN = 4096
+
+
 def resolve_max_model_len(requested: int | None, config: PretrainedConfig) -> int:
-    model_max = int(config.max_position_embeddings)
+    model_max = getattr(config, "max_position_embeddings", None)
+    if model_max is None:  # no positional limit: what was asked for, else a default
+        return requested or DEFAULT_UNBOUNDED_MAX_MODEL_LEN
+    model_max = int(model_max)
     if requested is None:
         return model_max
     if requested > model_max:

@@ -14,6 +14,7 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pagedserve.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "pagedserve.models.llama:Qwen2ForCausalLM",
+    "MambaForCausalLM": "pagedserve.models.mamba:MambaForCausalLM",
 }
 
 

@@ -1,0 +1,393 @@
+"""Mamba-1 through the engine against transformers' MambaForCausalLM (float32, CPU, greedy):
+token ids equal for prompts of different lengths, also with chunked prefill, with fewer state
+slots than requests and with forced preemption; prompt logprobs within 1e-4 relative. The state
+ops (torch, and the Triton kernels in the interpreter) against a plain per-token loop; state
+slot accounting; the CLI on a Mamba directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from pagedserve import SamplingParams
+from pagedserve.attention.mamba import torch_ops
+from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.kv_cache.specs import MambaSpec
+from pagedserve.scheduler import Request
+
+NUM_NEW = 32
+PROMPT_LENS = [3, 17, 8, 40, 1, 25, 12, 33]
+
+
+def _config(tie: bool) -> transformers.MambaConfig:
+    # max_position_embeddings: Mamba configs have none; the loader reads it for max_model_len.
+    return transformers.MambaConfig(
+        vocab_size=211, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2,
+        conv_kernel=4, time_step_rank=8, use_bias=not tie, use_conv_bias=True,
+        tie_word_embeddings=tie, max_position_embeddings=256)
+
+
+def _save(config: transformers.MambaConfig, path, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # wider weights than the default init: varied greedy tokens
+        for name, p in model.named_parameters():
+            if "embeddings" in name:
+                p.normal_(0, 0.3)
+            elif "out_proj.weight" in name:
+                p.normal_(0, 3.0 / p.shape[-1] ** 0.5)
+            elif name.endswith(("in_proj.weight", "x_proj.weight", "lm_head.weight")):
+                p.normal_(0, 1.0 / p.shape[-1] ** 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+def _prompts(vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
+                         min_new_tokens=num_new, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def mamba_models(tmp_path_factory):
+    models = {}
+    for i, (name, tie) in enumerate([("untied", False), ("tied", True)]):
+        path = tmp_path_factory.mktemp(f"mamba_{name}")
+        hf = _save(_config(tie), path, seed=i)
+        prompts = _prompts(211, seed=100 + i)
+        expected = [hf_greedy(hf, p, NUM_NEW) for p in prompts]
+        models[name] = (str(path), hf, prompts, expected)
+    return models
+
+
+def _make(make_llm, path: str, **kwargs):
+    kwargs.setdefault("kv_cache_memory", "16MiB")
+    return make_llm(model=path, dtype="float32", device="cpu", **kwargs)
+
+
+def _greedy(llm, prompts):
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_slots_free(llm) -> None:
+    kv = llm.engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks, "state slots leaked"
+    assert not kv.req_to_blocks
+
+
+# ---- greedy tokens and logprobs against transformers --------------------------------------
+
+@pytest.mark.parametrize("name", ["untied", "tied"])
+def test_greedy_matches_transformers(mamba_models, make_llm, name):
+    path, _, prompts, expected = mamba_models[name]
+    llm = _make(make_llm, path)
+    assert llm.engine.runner.backend.get_name() == "MAMBA"
+    assert _greedy(llm, prompts) == expected
+    _assert_slots_free(llm)
+
+
+def test_chunked_prefill_matches_transformers(mamba_models, make_llm):
+    path, _, prompts, expected = mamba_models["untied"]
+    llm = _make(make_llm, path, max_num_batched_tokens=16)
+    assert max(PROMPT_LENS) > 16  # long prompts continue from a saved state chunk by chunk
+    assert _greedy(llm, prompts) == expected
+    _assert_slots_free(llm)
+
+
+def test_few_state_slots_matches_transformers(mamba_models, make_llm):
+    """A budget of 3 slots for 8 prompts: requests wait for a slot to free up."""
+    path, _, prompts, expected = mamba_models["untied"]
+    slot_bytes = 2 * MambaSpec(128, 4, 8, torch.float32).slot_size_bytes  # 2 layers
+    budget = 3 * slot_bytes + 100
+    llm = _make(make_llm, path, kv_cache_memory=budget, max_num_batched_tokens=24)
+    assert llm.engine.kv_cache.num_blocks == 3
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    got, most_running = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+        most_running = max(most_running, len(engine.scheduler.running))
+    assert most_running == 3
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    _assert_slots_free(llm)
+
+
+def test_forced_preemption_matches_transformers(mamba_models, make_llm):
+    """A running request's slot never runs out, so a pure Mamba model is preempted only by
+    force: every few steps the newest running request is preempted (recompute), as the
+    scheduler does when blocks run out. Its slot is freed and it restarts from zero state."""
+    path, _, prompts, expected = mamba_models["untied"]
+    llm = _make(make_llm, path, max_num_seqs=4, max_num_batched_tokens=20)
+    engine, sched = llm.engine, llm.engine.scheduler
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    got, step = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+        step += 1
+        if step % 7 == 0 and sched.running:
+            free_before = engine.kv_cache.num_free_blocks
+            sched._preempt(sched.running.pop())
+            assert engine.kv_cache.num_free_blocks == free_before + 1
+    assert sched.num_preemptions > 0
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    _assert_slots_free(llm)
+
+
+def test_prompt_logprobs_match_transformers(mamba_models, make_llm):
+    path, hf, prompts, _ = mamba_models["untied"]
+    llm = _make(make_llm, path, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ref = hf_logprobs(hf, prompt)
+        assert len(output.prompt_logprobs) == len(prompt)
+        for pos, entry in enumerate(output.prompt_logprobs[1:], start=1):
+            assert prompt[pos] in entry
+            for token_id, lp in entry.items():
+                assert lp.logprob == pytest.approx(ref[pos - 1, token_id].item(), rel=1e-4,
+                                                   abs=1e-5)
+            assert set(ref[pos - 1].topk(5).indices.tolist()) <= set(entry)
+    _assert_slots_free(llm)
+
+
+def test_teacher_forced_scoring_matches_transformers(mamba_models, make_llm):
+    path, hf, prompts, _ = mamba_models["tied"]
+    g = torch.Generator().manual_seed(7)
+    continuations = [torch.randint(3, 211, (10,), generator=g).tolist() for _ in prompts]
+    llm = _make(make_llm, path)
+    scores = llm.score(prompts, continuations)
+    for prompt, cont, got in zip(prompts, continuations, scores, strict=True):
+        ref = hf_logprobs(hf, prompt + cont)[len(prompt) - 1:-1]
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    _assert_slots_free(llm)
+
+
+def test_prefix_caching_off_and_aborts_free_slots(mamba_models, make_llm):
+    path, _, prompts, expected = mamba_models["untied"]
+    llm = _make(make_llm, path, enable_prefix_caching=True)
+    assert not llm.engine.kv_cache.enable_prefix_caching
+    # The same prompt twice: with per-block prefix hits it would skip the state it needs.
+    assert _greedy(llm, [prompts[3], prompts[3]]) == [expected[3], expected[3]]
+    engine = llm.engine
+    engine.add_request("a", prompts[7], SamplingParams(max_tokens=NUM_NEW))
+    engine.step()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - 1
+    engine.abort_request("a")
+    _assert_slots_free(llm)
+
+
+def test_cli_generate_on_mamba_directory(mamba_models, tmp_path, capsys):
+    from pagedserve.cli import main
+
+    path, _, prompts, expected = mamba_models["untied"]
+    lines = [{"prompt": p, "max_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True}
+             for p in prompts[:3]]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rc = main(["generate", "--model", path, "--input", str(tmp_path / "in.jsonl"), "--output",
+               str(tmp_path / "out.jsonl"), "--dtype", "float32", "--device", "cpu",
+               "--kv-cache-memory", "16MiB"])
+    assert rc == 0
+    records = [json.loads(r) for r in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in records] == expected[:3]
+
+
+# ---- slots, specs, backend ----------------------------------------------------------------
+
+def test_state_slot_sizing(mamba_models, make_llm):
+    spec = MambaSpec(d_inner=128, conv_kernel=4, state_size=8, dtype=torch.bfloat16)
+    assert spec.slot_size_bytes == 128 * 3 * 2 + 128 * 8 * 4
+    path = mamba_models["untied"][0]
+    llm = _make(make_llm, path, max_num_seqs=5)
+    assert llm.engine.kv_cache.num_blocks == 5  # capped: one slot per running request
+    conv, ssm = llm.engine.runner.kv_caches[0]
+    assert conv.shape == (5, 128, 3) and ssm.shape == (5, 128, 8) and ssm.dtype == torch.float32
+    with pytest.raises(ValueError, match="state slot"):
+        _make(make_llm, path, kv_cache_memory=1000)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        _make(make_llm, path, kv_cache_dtype="fp8")
+
+
+def test_slot_manager_one_slot_per_request():
+    kv = KVCacheManager.for_state_slots(num_slots=2, max_model_len=64)
+    reqs = [Request(str(i), list(range(1, 41)), None) for i in range(3)]
+    assert kv.allocate_slots(reqs[0], 40) is not None
+    reqs[0].num_computed_tokens = 40
+    assert kv.allocate_slots(reqs[0], 20) == []  # growing takes no second slot
+    assert len(kv.allocate_slots(reqs[1], 40)) == 1
+    assert kv.allocate_slots(reqs[2], 40) is None  # admission waits for a slot
+    kv.free(reqs[0])
+    assert kv.allocate_slots(reqs[2], 40) is not None
+    assert kv.get_computed_blocks(reqs[2]) == ([], 0)
+
+
+def test_mamba_backend_registered_but_not_for_attention():
+    from pagedserve.attention import AttentionLayerConfig, backend_status, get_backend_cls
+
+    ok, _ = backend_status()["MAMBA"]
+    assert ok
+    layer = AttentionLayerConfig(4, 2, 64, torch.float32)
+    assert get_backend_cls("MAMBA").validate_configuration(layer, 16, torch.device("cpu"))
+
+
+# ---- state ops against a plain loop -------------------------------------------------------
+
+def _naive(x, w, bias, conv0, dt, A, B, C, D, z, dt_bias, h0):
+    """One request, token by token, float64: returns y [L, d], final conv and SSM states."""
+    x, w, bias, conv0, dt, A, B, C, D, z, dt_bias, h0 = (
+        t.double() for t in (x, w, bias, conv0, dt, A, B, C, D, z, dt_bias, h0))
+    window, h, ys = conv0.clone(), h0.clone(), []
+    for t in range(x.shape[0]):
+        full = torch.cat([window, x[t, :, None]], dim=1)
+        u = F.silu((full * w).sum(-1) + bias)
+        window = full[:, 1:]
+        step = F.softplus(dt[t] + dt_bias)
+        h = torch.exp(step[:, None] * A) * h + step[:, None] * B[t][None, :] * u[:, None]
+        ys.append(((h @ C[t]) + D * u) * F.silu(z[t]))
+    return torch.stack(ys), window, h
+
+
+def _random_case(lens, d=24, n=8, k=4, num_slots=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return dict(x=r(t, d), w=r(d, k) * 0.5, bias=r(d) * 0.1, conv=r(num_slots, d, k - 1),
+                dt=r(t, d) * 0.5, A=-torch.rand(d, n, generator=g) * 2, B=r(t, n), C=r(t, n),
+                D=r(d), z=r(t, d), dt_bias=r(d) * 0.3, ssm=r(num_slots, d, n))
+
+
+def _grid_index(lens):
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    return qsl, req * max(lens) + torch.arange(sum(lens)) - qsl[req]
+
+
+def _expected(c, lens, slots, has_init):
+    qsl, _ = _grid_index(lens)
+    ys, convs, ssms = [], [], []
+    for i, (s, h) in enumerate(zip(slots, has_init, strict=True)):
+        a, b = int(qsl[i]), int(qsl[i + 1])
+        conv0 = c["conv"][s] if h else torch.zeros_like(c["conv"][s])
+        h0 = c["ssm"][s] if h else torch.zeros_like(c["ssm"][s])
+        y, conv, ssm = _naive(c["x"][a:b], c["w"], c["bias"], conv0, c["dt"][a:b], c["A"],
+                              c["B"][a:b], c["C"][a:b], c["D"], c["z"][a:b], c["dt_bias"], h0)
+        ys.append(y)
+        convs.append(conv)
+        ssms.append(ssm)
+    return torch.cat(ys).float(), torch.stack(convs).float(), torch.stack(ssms).float()
+
+
+LENS, SLOTS, HAS_INIT = [5, 1, 19, 2], [4, 0, 2, 5], [True, False, True, False]
+
+
+def test_torch_prefill_ops_match_loop():
+    c = _random_case(LENS)
+    y_ref, conv_ref, ssm_ref = _expected(c, LENS, SLOTS, HAS_INIT)
+    idx, has = torch.tensor(SLOTS), torch.tensor(HAS_INIT)
+    _, token_index = _grid_index(LENS)
+    conv, ssm = c["conv"].clone(), c["ssm"].clone()
+    u = torch_ops.causal_conv1d_prefill(c["x"], c["w"], c["bias"], conv, idx, has, token_index,
+                                        torch.tensor(LENS), max(LENS))
+    y = torch_ops.selective_scan_prefill(u, c["dt"], c["A"], c["B"], c["C"], c["D"], c["z"],
+                                         c["dt_bias"], ssm, idx, has, token_index, max(LENS))
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv[idx], conv_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ssm[idx], ssm_ref, rtol=1e-5, atol=1e-5)
+    untouched = [s for s in range(6) if s not in SLOTS]
+    assert torch.equal(ssm[untouched], c["ssm"][untouched])
+
+
+def test_torch_decode_ops_match_loop():
+    lens = [1, 1, 1, 1]
+    c = _random_case(lens, seed=1)
+    y_ref, conv_ref, ssm_ref = _expected(c, lens, SLOTS, HAS_INIT)
+    idx, has = torch.tensor(SLOTS), torch.tensor(HAS_INIT)
+    conv, ssm = c["conv"].clone(), c["ssm"].clone()
+    u = torch_ops.causal_conv1d_decode(c["x"], c["w"], c["bias"], conv, idx, has)
+    y = torch_ops.selective_state_update(u, c["dt"], c["A"], c["B"], c["C"], c["D"], c["z"],
+                                         c["dt_bias"], ssm, idx, has)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv[idx], conv_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ssm[idx], ssm_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lens", [LENS, [1, 1, 1, 1]], ids=["prefill", "decode"])
+def test_triton_kernels_match_loop(lens):
+    """The Triton kernels (in the interpreter on the CPU; small shapes) against the loop."""
+    pytest.importorskip("triton")
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from pagedserve.attention.ops import mamba_kernels as kernels
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    c = {k: v.to(device) for k, v in _random_case(lens, seed=2).items()}
+    y_ref, conv_ref, ssm_ref = _expected({k: v.cpu() for k, v in c.items()}, lens, SLOTS,
+                                         HAS_INIT)
+    idx = torch.tensor(SLOTS, device=device)
+    has = torch.tensor(HAS_INIT, device=device)
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                       device=device)
+    conv, ssm = c["conv"].clone(), c["ssm"].clone()
+    u = kernels.causal_conv1d(c["x"], c["w"], c["bias"], conv, qsl, idx, has, max(lens),
+                              block_t=8, block_d=16)
+    if max(lens) > 1:
+        y = kernels.selective_scan(u, c["dt"], c["A"], c["B"], c["C"], c["D"], c["z"],
+                                   c["dt_bias"], ssm, qsl, idx, has, chunk=8, block_d=16)
+    else:
+        y = kernels.selective_state_update(u, c["dt"], c["A"], c["B"], c["C"], c["D"], c["z"],
+                                           c["dt_bias"], ssm, idx, has, block_d=16)
+    torch.testing.assert_close(y.cpu(), y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv[idx].cpu(), conv_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ssm[idx].cpu(), ssm_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_on_triton_path_in_interpreter(mamba_models, make_llm, monkeypatch):
+    """The MAMBA impl's Triton dispatch (prefill/decode split, mixed chunked batches) through the
+    engine, its kernels run by the interpreter on the CPU: a few tokens of three prompts."""
+    pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    from pagedserve.attention.backends import mamba as backend
+
+    monkeypatch.setattr(backend, "use_triton_kernels", lambda device: True)
+    path, _, prompts, expected = mamba_models["untied"]
+    llm = _make(make_llm, path, max_num_batched_tokens=8)
+    assert llm.engine.runner.mamba_layers[0].impl.use_triton
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    # 17 tokens: chunks of 8 and 8 continue the state, the last token runs as a decode; a
+    # one-token prompt is a decode without an initial state.
+    picked = [1, 4]
+    outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in picked], params,
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[i][:3] for i in picked]
+    _assert_slots_free(llm)
