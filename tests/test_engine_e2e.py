@@ -48,10 +48,12 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
 
 @torch.no_grad()
 def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
+    """Exactly num_new greedy tokens with EOS neither stopping nor suppressed (ignore_eos)."""
+    model.generation_config.eos_token_id = None
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
-                         min_new_tokens=num_new, do_sample=False, eos_token_id=None,
-                         pad_token_id=0)
+                         do_sample=False, pad_token_id=0)
+    assert out.shape[1] == len(prompt) + num_new
     return out[0, len(prompt):].tolist()
 
 
