@@ -148,7 +148,10 @@ def _generate_file(llm, input_path: str, output_path: str | None) -> int:
     try:
         for result in results:
             completion = result.outputs[0]
-            record = {"line": lines[result.request_id], "prompt": result.prompt,
+            prompt = result.prompt
+            if prompt is None and llm.tokenizer is not None:  # chat or token-id prompts
+                prompt = llm.tokenizer.decode(result.prompt_token_ids)
+            record = {"line": lines[result.request_id], "prompt": prompt,
                       "text": completion.text, "token_ids": completion.token_ids,
                       "finish_reason": completion.finish_reason}
             if len(result.outputs) > 1:

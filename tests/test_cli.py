@@ -1,0 +1,69 @@
+"""`pagedserve generate` and `pagedserve backends` from the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from pagedserve.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+ENGINE = ["--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "8MiB"]
+
+
+def test_generate_file_reports_bad_lines_and_runs_the_rest(tiny_model_dir, tmp_path, capsys):
+    lines = [
+        {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
+        "{not json",
+        {"prompt": [5, 6], "max_tokens": -3},
+        {"prompt": [5, 6], "colour": "blue"},
+        {"prompt": [9, 10, 11, 12], "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+        {"prompt": [1], "messages": []},
+        {"prompt": [500]},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    dst = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", tiny_model_dir, *ENGINE, "--input", str(src),
+                 "--output", str(dst)]) == 0
+    err = capsys.readouterr().err
+    assert f"{src}:2: malformed JSON" in err
+    assert f"{src}:3: max_tokens" in err and "-3" in err
+    assert f"{src}:4: unknown sampling parameter 'colour'" in err
+    assert f"{src}:6: give exactly one of 'prompt' or 'messages'" in err
+    assert f"{src}:7: prompt token id 500 is out of range" in err
+    results = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [r["line"] for r in results] == [1, 5]
+    assert len(results[0]["token_ids"]) <= 4 and len(results[1]["token_ids"]) == 3
+
+
+def test_generate_rejects_bad_engine_value(tiny_model_dir):
+    with pytest.raises(SystemExit, match="block_size must be >= 1, got 0"):
+        main(["generate", "--model", tiny_model_dir, *ENGINE, "--block-size", "0",
+              "--input", "x.jsonl"])
+
+
+def test_unknown_backend_lists_available(tiny_model_dir):
+    with pytest.raises(SystemExit, match="(?s)unknown attention backend 'NOPE'.*available here"):
+        main(["generate", "--model", tiny_model_dir, *ENGINE, "--attention-backend", "NOPE",
+              "--prompt", "hi"])
+
+
+def test_backends_table(capsys):
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU" in out and "FLASHINFER" in out and "auto-selection order" in out
