@@ -255,8 +255,11 @@ class LLMEngine:
         for request, token in results:
             state, seq = self._seq_of[request.request_id]
             if request.request_id in output.prompt_logprobs and state.prompt_logprobs is not None:
-                state.prompt_logprobs.extend(
-                    self._positions(output.prompt_logprobs[request.request_id]))
+                # This chunk predicted prompt positions computed+1..; a request recomputing its
+                # prompt after preemption already has the first of them.
+                first = int(batch.num_computed_tokens[row_of[request.request_id]]) + 1
+                positions = self._positions(output.prompt_logprobs[request.request_id])
+                state.prompt_logprobs.extend(positions[len(state.prompt_logprobs) - first:])
             if token is None:
                 continue
             if seq.forced_logprobs is not None:
