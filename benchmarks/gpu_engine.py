@@ -1,0 +1,351 @@
+"""GPU engine measurement in one run (about 6 minutes on an H200 with the defaults):
+
+    python benchmarks/gpu_engine.py [--num-prompts 256] [--attention-backend TRITON] [--skip-...]
+
+1. SmolLM2-135M-shaped random bf16 model: output tok/s for N x 128 in / 512 out with and without
+   CUDA graphs, and whether the greedy tokens of the two runs are identical.
+2. Llama-3.1-8B-shaped random bf16 model (configs/llama3-8b-random.yaml):
+   - `bench throughput` workloads prefill-heavy (N x 1,024 in / 128 out) and decode-heavy
+     (N x 128 in / 1,024 out), each next to transformers' static batched `generate` on the
+     engine's own weights (a subset of the prompts, one batch) and next to its floor: for every
+     step the engine ran, max(bytes of weights + KV read / copy bandwidth, FLOPs / matmul rate),
+     both rates measured here;
+   - one decode step at batch 128 and 256 with 1,024-token contexts, next to its floor;
+   - host overhead: the fraction of wall time the GPU is busy during graphed decode steps
+     (torch.profiler kernel time over a window of steps).
+A compact table closes the run. Every part can be skipped by a flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.bench import random_prompts, run_throughput  # noqa: E402
+
+ROWS: list[tuple[str, str, str]] = []  # (what, measured, next to)
+
+
+def row(what: str, measured: str, ref: str = "") -> None:
+    ROWS.append((what, measured, ref))
+    print(f"  {what}: {measured}  {ref}", flush=True)
+
+
+def free(llm: LLM | None) -> None:
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---- ceilings -----------------------------------------------------------------------------------
+
+def measure_rates() -> tuple[float, float]:
+    """(bf16 matmul FLOP/s, device copy bytes/s counting read + write)."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    flops = 20 * 2 * 8192 ** 3 / (time.perf_counter() - t0)
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bw = 10 * 2 * src.numel() / (time.perf_counter() - t0)
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return flops, bw
+
+
+class Shape:
+    """Per-token costs of a Llama-shaped model for the floors."""
+
+    def __init__(self, llm: LLM) -> None:
+        cfg = llm.engine.loaded.hf_config
+        model = llm.engine.runner.model
+        embed = cfg.vocab_size * cfg.hidden_size
+        # Bytes a step reads: every weight but the embedding table (only rows are gathered),
+        # unless it doubles as the head.
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if getattr(model, "lm_head", None) is not None:
+            self.weight_bytes -= embed * model.model.embed_tokens.weight.element_size()
+        linear = sum(p.numel() for p in model.parameters()) - embed
+        if getattr(model, "lm_head", None) is not None:
+            linear -= embed  # the head runs once per request, not per token
+        self.linear_params = linear
+        self.head_params = embed
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.attn = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+        elem = 2  # bf16 KV
+        self.kv_bytes_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads
+                                   * head_dim * elem)
+
+    def step_cost(self, computed: np.ndarray, scheduled: np.ndarray) -> tuple[float, float]:
+        """(FLOPs, bytes) of one step with these per-request cached / new token counts."""
+        c, n = computed.astype(np.float64), scheduled.astype(np.float64)
+        tokens = n.sum()
+        flops = 2 * self.linear_params * tokens + 2 * self.head_params * len(n)
+        flops += 4 * self.attn * float((n * c + n * (n + 1) / 2).sum())  # QK^T and PV
+        nbytes = self.weight_bytes + self.kv_bytes_per_token * float((c + n).sum())
+        return flops, nbytes
+
+    def floor_s(self, step_log: list, flops_rate: float, bw: float) -> float:
+        total = 0.0
+        for computed, scheduled, *_ in step_log:
+            flops, nbytes = self.step_cost(computed, scheduled)
+            total += max(flops / flops_rate, nbytes / bw)
+        return total
+
+
+# ---- parts --------------------------------------------------------------------------------------
+
+def small_model(args: argparse.Namespace) -> None:
+    print("\n== SmolLM2-135M-shaped random bf16: graphs vs eager", flush=True)
+    n, in_len, out_len = args.small_num_prompts, 128, 512
+    results = {}
+    for eager in (False, True):
+        llm = LLM(config=str(ROOT / "configs/smollm2-random-gpu.yaml"),
+                  attention_backend=args.attention_backend, enforce_eager=eager,
+                  gpu_memory_utilization=0.3)
+        graphs = llm.engine.runner.decode_graphs
+        if not eager and graphs is None:
+            row("small: CUDA graphs", "NOT CAPTURED (see warning above)")
+        prompts = random_prompts(n, in_len, llm.engine.runner.vocab_size, seed=1)
+        run_throughput(llm, prompts[:2], 4)
+        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        results[eager] = tokens
+        tps = sum(map(len, tokens)) / wall
+        row(f"small {n}x{in_len}/{out_len} {'eager' if eager else 'graphs'}",
+            f"{tps:,.0f} out tok/s", f"({wall:.1f} s)")
+        free(llm)
+    same = sum(a == b for a, b in zip(results[False], results[True], strict=True))
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+                  for a, b in zip(results[False], results[True], strict=True)]
+    diffs = [d for d in first_diff if d is not None]
+    row("small greedy graphs == eager", f"{same}/{n} sequences identical",
+        f"(earliest divergence at token {min(diffs)})" if diffs else "")
+
+
+def hf_generate(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
+    """transformers' static batched greedy generate on the engine's own weights (shared
+    storage, no copy); returns output tok/s."""
+    import transformers
+
+    from pagedserve.models.loader import hf_state_dict
+
+    cfg = llm.engine.loaded.hf_config
+    device = llm.engine.runner.device
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(cfg)
+    hf.load_state_dict(hf_state_dict(llm.engine.runner.model), strict=False, assign=True)
+    with torch.device(device):  # its inv_freq buffer was left on the meta device
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg)
+    hf.eval()
+    ids = torch.tensor(prompts, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                  max_new_tokens=output_len, min_new_tokens=output_len)
+    with torch.inference_mode():
+        hf.generate(ids[:, :16], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4,
+                                    "attention_mask": torch.ones_like(ids[:, :16])})
+        sync()
+        t0 = time.perf_counter()
+        out = hf.generate(ids, **kwargs)
+        sync()
+        wall = time.perf_counter() - t0
+    new = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    del hf, out
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return new / wall
+
+
+def workload(llm: LLM, shape: Shape, name: str, n: int, in_len: int, out_len: int,
+             rates: tuple[float, float], args: argparse.Namespace) -> None:
+    runner = llm.engine.runner
+    prompts = random_prompts(n, in_len, runner.vocab_size, seed=in_len + out_len)
+    runner.step_log = []
+    r = run_throughput(llm, prompts, out_len)
+    log, runner.step_log = runner.step_log, None
+    floor = shape.floor_s(log, *rates)
+    graphed = sum(1 for *_, ran in log if ran)
+    row(f"8B {name} {n}x{in_len}/{out_len}",
+        f"{r['output_tokens_per_s']:,.0f} out tok/s, {r['total_tokens_per_s']:,.0f} tot tok/s, "
+        f"{r['elapsed_s']:.1f} s", f"floor {floor:.1f} s -> wall/floor {r['elapsed_s'] / floor:.2f}"
+        f" ({len(log)} steps, {graphed} graphed)")
+    if not args.skip_hf:
+        m = min(args.hf_num_prompts, n)
+        hf_out = out_len if out_len <= args.hf_max_output_len else args.hf_max_output_len
+        try:
+            tps = hf_generate(llm, prompts[:m], hf_out)
+            row(f"8B {name} transformers generate", f"{tps:,.0f} out tok/s",
+                f"({m} prompts x {in_len}/{hf_out}, one batch)")
+        except Exception as exc:  # report and go on: the engine figures still count
+            row(f"8B {name} transformers generate", f"failed: {type(exc).__name__}: {exc}")
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def decode_step_time(llm: LLM, shape: Shape, batch: int, context: int,
+                     rates: tuple[float, float]) -> None:
+    """One decode step (backend metadata, forward by graph when captured, logits, argmax, the
+    id copy; not the scheduler or the common metadata build) over `batch` requests of `context`
+    cached tokens laid out in the cache while no request runs (it overwrites blocks the prefix
+    cache may still list: later prompts here are random, so none hits them)."""
+    from pagedserve.attention.forward_context import set_forward_context
+    from pagedserve.engine.cuda_graphs import DecodeGraphs
+
+    runner = llm.engine.runner
+    graphs = runner.decode_graphs
+    helper = graphs or DecodeGraphs(runner, [batch], capture=False)
+    if (context // runner.block_size + 1) * batch > runner.num_blocks:
+        row(f"8B decode step b={batch}", "skipped: the KV cache is too small")
+        return
+
+    common = helper.dummy_decode(batch, [context] * batch)
+
+    def step() -> None:
+        hidden = graphs.run(common) if graphs is not None else None
+        if hidden is None:
+            md = {cfg: b.build(common) for cfg, b in runner.builders.items()}
+            with set_forward_context(md, runner.kv_caches):
+                hidden = runner.model(runner._input_ids[:batch], common.positions)
+        runner.model.compute_logits(hidden).argmax(-1).cpu()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    iters = 20
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    ms = (time.perf_counter() - t0) / iters * 1e3
+    flops, nbytes = shape.step_cost(np.full(batch, context), np.ones(batch))
+    floor_ms = max(flops / rates[0], nbytes / rates[1]) * 1e3
+    mode = "graph" if graphs is not None and batch <= max(graphs.sizes) else "eager"
+    row(f"8B decode step b={batch} ctx={context} ({mode})", f"{ms:.2f} ms",
+        f"floor {floor_ms:.2f} ms ({nbytes / 1e9:.1f} GB) -> {ms / floor_ms:.2f}x")
+
+
+def gpu_busy(llm: LLM, n: int, in_len: int, steps: int) -> None:
+    """Kernel time / wall time over `steps` decode steps of a running batch (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+    for i, p in enumerate(random_prompts(n, in_len, engine.runner.vocab_size, seed=7)):
+        engine.add_request(f"busy-{i}", p, params)
+    for _ in range(30):  # past the prefills
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernel_us = 0.0
+    for evt in prof.key_averages():
+        kernel_us += float(getattr(evt, "self_device_time_total", None)
+                           or getattr(evt, "self_cuda_time_total", 0) or 0)
+    if kernel_us <= 0:
+        row("8B GPU busy (graphed decode)", "n/a (the profiler saw no kernels)")
+        return
+    row(f"8B GPU busy in decode steps (batch {n})", f"{kernel_us / 1e6 / wall:.0%}",
+        f"({wall / steps * 1e3:.2f} ms/step with profiler on)")
+
+
+def big_model(args: argparse.Namespace, rates: tuple[float, float]) -> None:
+    print("\n== Llama-3.1-8B-shaped random bf16", flush=True)
+    t0 = time.perf_counter()
+    llm = LLM(config=str(ROOT / "configs/llama3-8b-random.yaml"),
+              attention_backend=args.attention_backend,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              enforce_eager=args.enforce_eager)
+    row("8B engine start-up (weights, profile, KV, graphs)", f"{time.perf_counter() - t0:.1f} s",
+        f"graphs: {'on' if llm.engine.runner.decode_graphs else 'OFF'}")
+    shape = Shape(llm)
+    run_throughput(llm, random_prompts(2, 32, llm.engine.runner.vocab_size, 0), 4)
+    n = args.num_prompts
+    if not args.skip_prefill_heavy:
+        workload(llm, shape, "prefill-heavy", n, 1024, 128, rates, args)
+    if not args.skip_decode_heavy:
+        workload(llm, shape, "decode-heavy", n, 128, args.decode_output_len, rates, args)
+    if not args.skip_step_time:
+        for batch in (128, 256):
+            decode_step_time(llm, shape, batch, 1024, rates)
+    if not args.skip_busy:
+        gpu_busy(llm, min(n, 256), 128, 40)
+    free(llm)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=256, help="8B workloads' N")
+    parser.add_argument("--small-num-prompts", type=int, default=256)
+    parser.add_argument("--decode-output-len", type=int, default=1024)
+    parser.add_argument("--attention-backend", default="TRITON",
+                        help="TRITON compiles in seconds; FLASHINFER JITs ~90 s per head size "
+                             "on a fresh machine")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.75,
+                        help="8B engine; leaves room for transformers on the same weights")
+    parser.add_argument("--enforce-eager", action="store_true", help="8B engine without graphs")
+    parser.add_argument("--hf-num-prompts", type=int, default=64)
+    parser.add_argument("--hf-max-output-len", type=int, default=256,
+                        help="transformers' generated tokens are capped at this (time)")
+    for part in ("small", "8b", "hf", "prefill-heavy", "decode-heavy", "step-time", "busy"):
+        parser.add_argument(f"--skip-{part}", action="store_true")
+    args = parser.parse_args()
+    print(f"settings: {vars(args)}", flush=True)
+    t0 = time.perf_counter()
+    rates = measure_rates()
+    row("bf16 matmul rate", f"{rates[0] / 1e12:.0f} TFLOP/s")
+    row("device copy bandwidth", f"{rates[1] / 1e12:.2f} TB/s")
+    for name, part, skip in (("small model", small_model, args.skip_small),
+                             ("8B model", lambda a: big_model(a, rates), args.skip_8b)):
+        if skip:
+            continue
+        try:
+            part(args)
+        except Exception as exc:  # one part failing must not lose the others' figures
+            import traceback
+
+            traceback.print_exc()
+            row(f"{name}", f"FAILED: {type(exc).__name__}: {exc}")
+            gc.collect()
+            torch.cuda.empty_cache()
+    print(f"\n== summary ({time.perf_counter() - t0:.0f} s)")
+    width = max(len(w) for w, _, _ in ROWS)
+    for what, measured, ref in ROWS:
+        print(f"{what:<{width}}  {measured}  {ref}")
+
+
+if __name__ == "__main__":
+    main()

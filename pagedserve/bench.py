@@ -1,0 +1,266 @@
+"""`pagedserve bench`: offline throughput of the engine and online load against a server.
+
+    pagedserve bench throughput [engine flags] --num-prompts 1000 --input-len 1024 --output-len 128
+    pagedserve bench serve --url http://127.0.0.1:8000 --request-rate 8 --num-prompts 200
+
+Prompts are random token ids (a fixed seed), so models without a tokenizer (`random:` models)
+work too; EOS is ignored by default so every request produces exactly --output-len tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int,
+                   seed: int = 0) -> list[list[int]]:
+    """`num_prompts` prompts of `input_len` token ids drawn uniformly from [0, vocab_size)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab_size, size=(num_prompts, input_len)).tolist()
+
+
+# ---- bench throughput ---------------------------------------------------------------------------
+
+def run_throughput(llm: Any, prompts: list[list[int]], output_len: int,
+                   ignore_eos: bool = True) -> dict[str, float]:
+    """Generate greedily for every prompt at once; the figures `vllm bench throughput` prints."""
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    prompt_tokens = sum(len(p) for p in prompts)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"num_requests": len(prompts), "elapsed_s": elapsed,
+            "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+            "requests_per_s": len(prompts) / elapsed,
+            "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+            "output_tokens_per_s": output_tokens / elapsed}
+
+
+def format_throughput(r: dict[str, float]) -> str:
+    return (f"Throughput: {r['requests_per_s']:.2f} requests/s, "
+            f"{r['total_tokens_per_s']:.2f} total tokens/s, "
+            f"{r['output_tokens_per_s']:.2f} output tokens/s\n"
+            f"Total num prompt tokens: {r['prompt_tokens']}\n"
+            f"Total num output tokens: {r['output_tokens']}\n"
+            f"Elapsed: {r['elapsed_s']:.2f} s for {r['num_requests']} requests")
+
+
+def _cmd_throughput(args: argparse.Namespace) -> int:
+    from pagedserve.cli import make_llm
+
+    llm = make_llm(args)
+    vocab = llm.engine.runner.vocab_size
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed)
+    if args.warmup:  # the first steps pay for lazy initialisation, not the engine
+        run_throughput(llm, prompts[:1], 2)
+    result = run_throughput(llm, prompts, args.output_len, args.ignore_eos)
+    print(format_throughput(result))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({**result, "input_len": args.input_len, "output_len": args.output_len},
+                      f, indent=2)
+    return 0
+
+
+# ---- bench serve --------------------------------------------------------------------------------
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0  # seconds to the first streamed token
+    latency: float = 0.0  # seconds to the last
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def _stats(name: str, values_s: list[float]) -> dict[str, float]:
+    ms = [v * 1e3 for v in values_s]
+    if not ms:
+        nan = float("nan")
+        return {f"mean_{name}_ms": nan, f"p50_{name}_ms": nan, f"p99_{name}_ms": nan}
+    return {f"mean_{name}_ms": statistics.fmean(ms),
+            f"p50_{name}_ms": float(np.percentile(ms, 50)),
+            f"p99_{name}_ms": float(np.percentile(ms, 99))}
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
+    """Request throughput, output tokens/s, and TTFT, TPOT, ITL and end-to-end latency
+    (mean, p50, p99, in ms) over the successful requests."""
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    summary: dict[str, Any] = {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": wall_s,
+        "request_throughput": len(ok) / wall_s if wall_s > 0 else float("nan"),
+        "output_throughput": out_tokens / wall_s if wall_s > 0 else float("nan"),
+        "total_output_tokens": out_tokens,
+    }
+    summary.update(_stats("ttft", [r.ttft for r in ok]))
+    summary.update(_stats("tpot", [r.tpot for r in ok if r.tpot is not None]))
+    summary.update(_stats("itl", [gap for r in ok for gap in r.itl]))
+    summary.update(_stats("e2el", [r.latency for r in ok]))
+    errors = [r.error for r in results if not r.ok]
+    summary["first_error"] = errors[0] if errors else ""
+    return summary
+
+
+def format_serve(s: dict[str, Any]) -> str:
+    lines = [f"Successful requests: {s['completed']}  failed: {s['failed']}",
+             f"Duration: {s['duration_s']:.2f} s",
+             f"Request throughput: {s['request_throughput']:.2f} req/s",
+             f"Output token throughput: {s['output_throughput']:.2f} tok/s"]
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"),
+                        ("e2el", "E2E latency")):
+        lines.append(f"{title:>12} ms: mean {s[f'mean_{name}_ms']:.2f}  "
+                     f"p50 {s[f'p50_{name}_ms']:.2f}  p99 {s[f'p99_{name}_ms']:.2f}")
+    if s["first_error"]:
+        lines.append(f"first error: {s['first_error']}")
+    return "\n".join(lines)
+
+
+def arrival_delays(num: int, request_rate: float, seed: int) -> list[float]:
+    """Gaps before each request: exponential (a Poisson process) at `request_rate`/s, all 0
+    when the rate is infinite."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    rng = np.random.default_rng(seed)
+    return rng.exponential(1.0 / request_rate, size=num).tolist()
+
+
+async def _one_request(client: Any, url: str, model: str | None, prompt: list[int],
+                       output_len: int, ignore_eos: bool) -> RequestResult:
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+            "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, last, tokens, itl = None, start, 0, []
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread())[:200]
+                return RequestResult(False, error=f"{resp.status_code}: {text!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                    if ttft is None:
+                        ttft = now - start
+                    else:
+                        itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        return RequestResult(False, error=repr(exc))
+    latency = time.perf_counter() - start
+    return RequestResult(True, ttft if ttft is not None else latency, latency, tokens, itl)
+
+
+async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    url = args.url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = args.max_concurrency or args.num_prompts
+    async with httpx.AsyncClient(timeout=args.timeout, headers=headers,
+                                 limits=httpx.Limits(max_connections=limit + 4)) as client:
+        model = args.model
+        if model is None:
+            model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        prompts = random_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
+        warm = await _one_request(client, url, model, prompts[0], 2, True)
+        if not warm.ok:
+            raise SystemExit(f"pagedserve bench serve: the warm-up request failed: {warm.error}")
+        semaphore = asyncio.Semaphore(limit)
+
+        async def limited(prompt: list[int]) -> RequestResult:
+            async with semaphore:
+                return await _one_request(client, url, model, prompt, args.output_len,
+                                          args.ignore_eos)
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt, delay in zip(prompts, arrival_delays(len(prompts), args.request_rate,
+                                                          args.seed), strict=True):
+            await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(limited(prompt)))
+        results = await asyncio.gather(*tasks)
+        return summarize(list(results), time.perf_counter() - start)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    summary = asyncio.run(run_serve(args))
+    print(format_serve(summary))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
+
+
+# ---- parser -------------------------------------------------------------------------------------
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from pagedserve.cli import add_engine_args
+
+    bench = subparsers.add_parser("bench", help="benchmarks: offline throughput, online serving")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = sub.add_parser("throughput", help="offline: random prompts through the engine")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly --output-len tokens (default: on)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run one short request before timing (default: on)")
+    p.add_argument("--prompt-seed", type=int, default=0,
+                   help="seed of the random prompts (--seed is the engine's)")
+    p.add_argument("--output-json", help="also write the figures to this file")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_throughput)
+
+    p = sub.add_parser("serve", help="online: load against a running OpenAI-compatible server")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the server's first model")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson arrivals (default: inf, all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight (default: unlimited)")
+    p.add_argument("--vocab-size", type=int, default=1000,
+                   help="prompt token ids are drawn from [0, vocab-size)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--output-json", help="also write the figures to this file")
+    p.set_defaults(func=_cmd_serve)
+    return bench
+
+
+if __name__ == "__main__":
+    sys.exit("run it as `pagedserve bench ...`")

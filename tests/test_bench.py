@@ -1,0 +1,129 @@
+"""CPU tests for `pagedserve bench`, random-weight models and the decode-graph padding:
+
+- `bench throughput` on a tiny random model runs and prints vLLM's figures;
+- a `random:<yaml>` model builds the configured shape, and the engine's greedy tokens on it
+  equal transformers' on the very same weights (through `hf_state_dict`);
+- graph sizes and padded-size selection; `--enforce-eager` parsing;
+- pure-decode steps padded to a captured size (run eagerly here: `DecodeGraphs(capture=False)`)
+  give the same greedy tokens as unpadded steps, on the CPU backend and on Triton's kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.bench import RequestResult, arrival_delays, random_prompts, summarize
+from pagedserve.cli import build_parser, engine_kwargs, main
+from pagedserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
+from pagedserve.models.loader import hf_state_dict, load_random_model
+
+CPU_ARGS = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_bench_throughput_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "throughput", "--model", "random:tiny", "--device", "cpu",
+               "--attention-backend", "CPU", "--kv-cache-memory", "16MiB", "--num-prompts", "3",
+               "--input-len", "12", "--output-len", "5", "--no-warmup"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "requests/s" in out and "total tokens/s" in out and "output tokens/s" in out
+    assert "Total num output tokens: 15" in out  # ignore_eos by default: exactly 3 x 5
+    assert "Elapsed:" in out
+
+
+def test_random_yaml_model_matches_transformers(tmp_path) -> None:
+    spec = tmp_path / "shape.yaml"
+    spec.write_text("base: tiny\nnum_hidden_layers: 3\nhidden_size: 64\nintermediate_size: 96\n"
+                    "num_attention_heads: 4\nnum_key_value_heads: 2\nrope_theta: 5000.0\n")
+    loaded = load_random_model(str(spec), torch.float32, torch.device("cpu"), seed=1)
+    cfg = loaded.hf_config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (3, 64, 512)
+    assert loaded.tokenizer is None and loaded.max_model_len == 1024
+    assert len(loaded.model.model.layers) == 3
+
+    llm = LLM(model=f"random:{spec}", attention_backend="CPU", **CPU_ARGS)
+    prompts = random_prompts(3, 9, cfg.vocab_size, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+    # transformers on the engine's own weights (the engine's seed is 0).
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    missing, unexpected = hf.load_state_dict(hf_state_dict(llm.engine.runner.model),
+                                             strict=False)
+    assert not unexpected and not [m for m in missing if "rotary" not in m]
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
+                          do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert list(tokens) == ref
+
+
+def test_graph_sizes_and_padding_choice() -> None:
+    assert graph_batch_sizes(32, 2048) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_batch_sizes(12, 2048) == [1, 2, 4, 8, 12]
+    assert graph_batch_sizes(256, 64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_batch_sizes(64, 2048, [48, 4, 1, 100]) == [1, 4, 48]
+    sizes = [1, 2, 4, 8, 16]
+    assert [padded_batch_size(sizes, n) for n in (1, 2, 3, 5, 8, 9, 16, 17)] == \
+        [1, 2, 4, 8, 8, 16, 16, None]
+
+
+def test_enforce_eager_flag_parses() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["bench", "throughput", "--enforce-eager", "--model", "random:tiny"])
+    assert engine_kwargs(args)["enforce_eager"] is True
+    assert args.num_prompts == 1000 and args.input_len == 1024 and args.output_len == 128
+    assert args.ignore_eos is True
+    args = parser.parse_args(["bench", "throughput"])
+    assert "enforce_eager" not in engine_kwargs(args)
+    args = parser.parse_args(["bench", "serve", "--request-rate", "4", "--max-concurrency", "8"])
+    assert args.request_rate == 4.0 and args.max_concurrency == 8
+
+
+def test_serve_summary_and_arrivals() -> None:
+    results = [RequestResult(True, ttft=0.1, latency=1.1, output_tokens=11, itl=[0.1] * 10),
+               RequestResult(True, ttft=0.3, latency=2.3, output_tokens=11, itl=[0.2] * 10),
+               RequestResult(False, error="500: boom")]
+    s = summarize(results, wall_s=4.0)
+    assert s["completed"] == 2 and s["failed"] == 1 and s["first_error"] == "500: boom"
+    assert s["request_throughput"] == pytest.approx(0.5)
+    assert s["output_throughput"] == pytest.approx(22 / 4)
+    assert s["mean_ttft_ms"] == pytest.approx(200.0)
+    assert s["mean_tpot_ms"] == pytest.approx(150.0)
+    assert s["p50_itl_ms"] == pytest.approx(150.0)
+    assert s["mean_e2el_ms"] == pytest.approx(1700.0)
+    assert arrival_delays(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    gaps = arrival_delays(4000, 10.0, 0)
+    assert np.mean(gaps) == pytest.approx(0.1, rel=0.1)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("backend", ["CPU", "TRITON"])
+def test_padded_decode_matches_unpadded(backend: str) -> None:
+    prompts = [random_prompts(1, n, 512, seed=n)[0] for n in (5, 21, 11)]
+    new = 6 if backend == "TRITON" else 10  # the Triton interpreter is slow
+    # Few blocks, so page 0 (what padding rows read) belongs to a live request.
+    llm = LLM(model="random:tiny", attention_backend=backend, max_num_seqs=8,
+              num_gpu_blocks_override=5, enable_prefix_caching=False, **CPU_ARGS)
+    eager = _greedy(llm, prompts, new)
+    runner = llm.engine.runner
+    assert runner.decode_graphs is None  # never on the CPU
+    graphs = DecodeGraphs(runner, graph_batch_sizes(8, runner.max_num_tokens), capture=False)
+    runner.decode_graphs = graphs
+    runner.step_log = []
+    padded = _greedy(llm, prompts, new)
+    assert padded == eager
+    assert graphs.replays[4] > 0  # 3 decodes ran padded to 4
+    assert any(ran for *_, ran in runner.step_log)
+    assert not any(ran for _, _, prefills, ran in runner.step_log if prefills)
