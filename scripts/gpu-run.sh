@@ -4,7 +4,9 @@
 # Stages: install (FlashInfer + small deps from the git-ignored .gpu/.gpu-deps folders carried
 # along, see ../shared/gpu/README.md), tests (GPU tests in parallel shards), e2e (engine vs
 # transformers on the SmolLM2 GGUF, joined from .gpu-smol-a/.gpu-smol-b), bench (attention
-# kernels), export (compiled FlashInfer kernels to $OUT). Logs go to $OUT; a summary prints last.
+# kernels), features (CUDA graphs, TurboQuant, Mamba, prefix caching GPU tests), engine
+# (benchmarks/gpu_engine.py), export (compiled FlashInfer kernels to $OUT, which install.sh
+# reuses when copied into .gpu/ as kernels*.tar.xz). Logs go to $OUT; a summary prints last.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -48,6 +50,23 @@ stage_tests() {
     shard fa tests/test_flash_attn_gpu.py -k "torch or fa4"
     shard models tests/test_models.py
     wait
+}
+
+stage_features() {  # the later features' GPU tests, in parallel
+    setup_env
+    SHARD_TIMEOUT=${FEATURE_TIMEOUT:-240}
+    shard graphs tests/test_cuda_graphs_gpu.py
+    shard turboquant tests/test_turboquant_gpu.py
+    shard mamba tests/test_mamba_gpu.py
+    shard prefix tests/test_prefix_caching.py
+    wait
+}
+
+stage_engine() {  # the engine's throughput figures (issue: GPU engine performance)
+    setup_env
+    timeout "${ENGINE_TIMEOUT:-300}" python3 benchmarks/gpu_engine.py \
+        --num-prompts "${NUM_PROMPTS:-128}" >"$OUT/engine.log" 2>&1
+    echo "exit $?" >>"$OUT/engine.log"
 }
 
 stage_e2e() {

@@ -1,0 +1,254 @@
+"""Quality and speed of the quantized KV cache (TURBOQUANT presets vs naive per-vector ints).
+
+Quality: teacher-forced on the bundled model. The unquantized engine (CPU backend on the CPU in
+float32, TRITON on CUDA in bf16) greedily continues a few natural prompts; every preset's
+engine then scores the same continuations (`LLM.score`: the continuation is fed as decode steps
+against its quantized cache) and the next-token distributions are compared with the
+unquantized engine's: mean KL(unquantized || preset) in nats and top-1 agreement.
+
+    python benchmarks/kv_quant_quality.py [--device cuda] [--num-prompts 8] [--num-tokens 128]
+    python benchmarks/kv_quant_quality.py --kernel-bench   # CUDA: decode 64 x 8,192, 32:8, d128
+
+`decode_benchmark()` (also importable) times one decode step of the TURBOQUANT kernels against
+the bf16 TRITON backend on the same K/V.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.attention.ops import turboquant_format as tqf
+
+PROMPTS = [
+    "The history of the printing press begins in",
+    "To make a simple loaf of bread, you will need",
+    "The main difference between a virus and a bacterium is",
+    "In the summer of 1969, astronauts",
+    "A good night's sleep is important because",
+    "The city of Kyoto is famous for",
+    "When learning a new programming language, the first step is",
+    "Rivers shape the landscape over thousands of years by",
+]
+PRESETS = ["tq_k8v4", "tq_4bit", "tq_3bit", "naive_int4", "naive_int3"]
+# Goals of the issue: tq_k8v4 absolute; the others relative to the naive preset of equal bits.
+GOALS = {"tq_k8v4": "KL < 0.01, top-1 >= 97%", "tq_4bit": "KL < naive_int4 / 2",
+         "tq_3bit": "KL < naive_int3 / 2"}
+
+
+@dataclass
+class QualityRow:
+    preset: str
+    kl: float
+    kl_p90: float
+    top1: float
+    bytes_per_token: int  # per layer, all KV heads, K + V
+    capacity: float  # blocks per memory budget vs a bf16 cache
+
+
+def compare(reference: list[torch.Tensor], scored: list[torch.Tensor]) -> tuple[float, float,
+                                                                               float]:
+    """(mean KL(ref || scored), its 90th percentile over positions, top-1 agreement)."""
+    kls, agree = [], []
+    for ref, got in zip(reference, scored, strict=True):
+        ref, got = ref.float(), got.float()
+        kls.append((ref.exp() * (ref - got)).sum(-1))
+        agree.append((ref.argmax(-1) == got.argmax(-1)).float())
+    kl = torch.cat(kls)
+    return float(kl.mean()), float(kl.quantile(0.9)), float(torch.cat(agree).mean())
+
+
+def run_quality(device: str, num_prompts: int, num_tokens: int, presets: list[str],
+                kv_cache_memory: str) -> list[QualityRow]:
+    from pagedserve import LLM, SamplingParams
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    common = dict(dtype=dtype, device=device, kv_cache_memory=kv_cache_memory)
+    if device == "cuda":
+        common["gpu_memory_utilization"] = 0.3
+    base_backend = "TRITON" if device == "cuda" else "CPU"
+    t0 = time.perf_counter()
+    base = LLM(attention_backend=base_backend, **common)
+    prompts = [base.tokenizer.encode(p) for p in PROMPTS[:num_prompts]]
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    continuations = [o.outputs[0].token_ids for o in base.generate(prompts, params,
+                                                                   use_tqdm=False)]
+    reference = base.score(prompts, continuations)
+    spec = base.engine.runner.kv_specs[0]
+    head_size, kv_heads = spec.head_size, spec.num_kv_heads
+    del base
+    _release_memory()
+    print(f"reference ({base_backend}, {dtype}): {time.perf_counter() - t0:.0f} s", flush=True)
+
+    rows = []
+    for preset in presets:
+        t0 = time.perf_counter()
+        llm = LLM(attention_backend="TURBOQUANT", kv_cache_dtype=preset, **common)
+        kl, kl_p90, top1 = compare(reference, llm.score(prompts, continuations))
+        p = tqf.PRESETS[preset]
+        rows.append(QualityRow(preset, kl, kl_p90, top1, kv_heads * p.slot_bytes(head_size),
+                               4 * head_size / p.slot_bytes(head_size)))
+        print(f"{preset}: {time.perf_counter() - t0:.0f} s", flush=True)
+        del llm
+        _release_memory()
+    return rows
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def print_quality(rows: list[QualityRow], device: str, num_prompts: int,
+                  num_tokens: int) -> None:
+    print(f"\nTeacher-forced next-token quality vs the unquantized cache "
+          f"({num_prompts} prompts x {num_tokens} tokens, {device})")
+    print(f"{'preset':<12} {'mean KL (nats)':>15} {'KL p90':>9} {'top-1':>8} "
+          f"{'bytes/token/layer':>18} {'x blocks vs bf16':>17}  goal")
+    by_name = {r.preset: r for r in rows}
+    for r in rows:
+        goal = GOALS.get(r.preset, "")
+        verdict = ""
+        if r.preset == "tq_k8v4":
+            verdict = "met" if r.kl < 0.01 and r.top1 >= 0.97 else "MISSED"
+        elif r.preset in ("tq_4bit", "tq_3bit"):
+            naive = by_name.get("naive_int" + r.preset[3])
+            if naive is not None:
+                verdict = "met" if r.kl < naive.kl / 2 else "MISSED"
+                goal += f" (ratio {r.kl / naive.kl:.2f})"
+        print(f"{r.preset:<12} {r.kl:>15.5f} {r.kl_p90:>9.5f} {100 * r.top1:>7.1f}% "
+              f"{r.bytes_per_token:>18} {r.capacity:>16.2f}x  {goal} {verdict}")
+
+
+# ---- decode kernel benchmark (CUDA) ------------------------------------------------------------
+
+def _median_seconds(fn, warmup: int = 5, iters: int = 30) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 32,
+                     num_kv_heads: int = 8, head_size: int = 128, block_size: int = 16,
+                     presets: tuple[str, ...] = ("tq_k8v4", "tq_4bit", "tq_3bit"),
+                     seed: int = 0) -> list[dict]:
+    """One decode step (each sequence has `context` tokens, the last one new) through the
+    backends' builder + impl.forward: TRITON on a bf16 cache and TURBOQUANT per preset on the
+    same K/V. Prints and returns rows {impl, us, cache_bytes, tb_s, speedup, rel_err}."""
+    from pagedserve.attention import BuilderConfig, get_backend_cls
+    from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
+    from pagedserve.attention.ops.turboquant_kernels import format_tensors, tq_store
+    from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+
+    dev = torch.device("cuda")
+    bf16 = torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    pages = -(-context // block_size)
+    num_blocks = num_seqs * pages + 1
+    perm = torch.randperm(num_blocks, device="cpu").tolist()
+    table = BlockTable(num_seqs, pages)
+    for row in range(num_seqs):
+        table.add_row(row, perm[row * pages:(row + 1) * pages])
+    common = CommonMetadataBuilder(num_seqs, num_seqs, pages, block_size, dev).build(
+        rows=np.arange(num_seqs), num_computed=np.full(num_seqs, context - 1, np.int32),
+        num_scheduled=np.ones(num_seqs, np.int32), num_prefills=0, block_table=table)
+
+    # Every cached token's slot, request by request, filled chunk by chunk with the same K/V.
+    positions = torch.arange(context - 1)
+    slots = torch.cat([torch.tensor(perm[r * pages:(r + 1) * pages])[positions // block_size]
+                       * block_size + positions % block_size for r in range(num_seqs)]).to(dev)
+    triton_cls = get_backend_cls("TRITON")
+    bf16_cache = torch.zeros(triton_cls.get_kv_cache_shape(num_blocks, block_size, num_kv_heads,
+                                                           head_size), dtype=bf16, device=dev)
+    tq_caches = {}
+    for preset in presets:
+        cls = get_backend_cls("TURBOQUANT").for_preset(preset)
+        tq_caches[preset] = torch.zeros(cls.get_kv_cache_shape(num_blocks, block_size,
+                                                               num_kv_heads, head_size),
+                                        dtype=torch.uint8, device=dev)
+    chunk = 1 << 16
+    for start in range(0, len(slots), chunk):
+        s = slots[start:start + chunk]
+        k = torch.randn(len(s), num_kv_heads, head_size, generator=gen, device=dev, dtype=bf16)
+        v = torch.randn(len(s), num_kv_heads, head_size, generator=gen, device=dev, dtype=bf16)
+        reshape_and_cache(k, v, bf16_cache[0], bf16_cache[1], s)
+        for preset, cache in tq_caches.items():
+            p = tqf.PRESETS[preset]
+            tq_store(p, format_tensors(p, head_size, dev), k, v, cache, s)
+
+    query = torch.randn(num_seqs, num_heads, head_size, generator=gen, device=dev, dtype=bf16)
+    key = torch.randn(num_seqs, num_kv_heads, head_size, generator=gen, device=dev, dtype=bf16)
+    value = torch.randn_like(key)
+
+    def run(name: str, kv_cache: torch.Tensor, preset: str = "auto"):
+        cls = get_backend_cls(name)
+        config = BuilderConfig(num_heads, num_kv_heads, head_size, bf16, block_size, num_seqs,
+                               num_seqs, pages, dev, kv_cache_dtype=preset)
+        metadata = cls.get_builder_cls()(config).build(common)
+        impl = cls.get_impl_cls()(num_heads, head_size, head_size ** -0.5, num_kv_heads,
+                                  None, None, preset)
+        out = torch.empty_like(query)
+        seconds = _median_seconds(lambda: impl.forward(query, key, value, kv_cache, metadata,
+                                                       output=out))
+        return seconds, out
+
+    tokens = num_seqs * context
+    base_s, base_out = run("TRITON", bf16_cache)
+    bf16_bytes = tokens * num_kv_heads * head_size * 2 * 2
+    rows = [dict(impl="TRITON bf16", us=base_s * 1e6, cache_bytes=bf16_bytes,
+                 tb_s=bf16_bytes / base_s / 1e12, speedup=1.0, rel_err=0.0)]
+    for preset, cache in tq_caches.items():
+        seconds, out = run("TURBOQUANT", cache, preset)
+        nbytes = tokens * num_kv_heads * tqf.PRESETS[preset].slot_bytes(head_size)
+        rel = float((out.float() - base_out.float()).norm() / base_out.float().norm())
+        rows.append(dict(impl=f"TURBOQUANT {preset}", us=seconds * 1e6, cache_bytes=nbytes,
+                         tb_s=nbytes / seconds / 1e12, speedup=base_s / seconds, rel_err=rel))
+    print(f"\ndecode {num_seqs} seqs x {context} context, {num_heads}:{num_kv_heads} heads, "
+          f"d{head_size}, bf16, page {block_size}")
+    print(f"{'impl':<22} {'us':>9} {'cache MB':>9} {'TB/s':>6} {'speedup':>8} {'rel err':>8}")
+    for r in rows:
+        print(f"{r['impl']:<22} {r['us']:>9.1f} {r['cache_bytes'] / 1e6:>9.1f} "
+              f"{r['tb_s']:>6.2f} {r['speedup']:>7.2f}x {r['rel_err']:>8.4f}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--num-tokens", type=int, default=128)
+    parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--kernel-bench", action="store_true",
+                        help="time the decode kernels (CUDA) instead of measuring quality")
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--context", type=int, default=8192)
+    args = parser.parse_args()
+    if args.kernel_bench:
+        decode_benchmark(args.num_seqs, args.context)
+        return
+    torch.manual_seed(0)
+    presets = [p for p in args.presets.split(",") if p]
+    rows = run_quality(args.device, args.num_prompts, args.num_tokens, presets,
+                       args.kv_cache_memory)
+    print_quality(rows, args.device, args.num_prompts, args.num_tokens)
+
+
+if __name__ == "__main__":
+    main()

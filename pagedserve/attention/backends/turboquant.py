@@ -1,0 +1,308 @@
+"""TURBOQUANT backend: a rotated low-bit quantized KV cache (TurboQuant, Zandieh et al.).
+
+Each new K/V vector is rotated by a fixed randomized Hadamard transform, its coordinates are
+quantized with the Lloyd-Max codebook of N(0, 1) and packed, with the vector's norm beside the
+codes (format and presets: ops/turboquant_format.py). Attention scores rotated queries against
+the dequantized rotated keys and rotates the output back once; the step's own new tokens are
+attended at full precision. Presets (`kv_cache_dtype`): tq_k8v4, tq_4bit (= "auto"), tq_3bit,
+and the unrotated comparison presets naive_int4, naive_int3.
+
+The cache layout depends on the preset, but `get_kv_cache_shape` takes none: the engine binds
+one with `TurboQuantBackend.for_preset(kv_cache_dtype)`, a subclass whose shape, dtype and page
+size are those of that preset (the unbound class stands for the default preset and refuses to
+size a cache for another one).
+
+On CUDA the builder plans the Triton kernels (ops/turboquant_kernels.py): one fused
+rotate-quantize-pack store and one attention launch per layer that dequantizes pages in
+registers. Elsewhere it builds the CPU backend's padded groups and the impl runs the plain torch
+format, dequantizing the pages it gathers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerConfig,
+    AttentionMetadataBuilder,
+    BuilderConfig,
+)
+from pagedserve.attention.backends.cpu import AttentionGroup, CPUAttentionMetadataBuilder
+from pagedserve.attention.ops import turboquant_format as tqf
+from pagedserve.scheduler.metadata import CommonAttentionMetadata
+
+MAX_KERNEL_HEAD_SIZE = 128
+
+
+@dataclass
+class KernelPlan:
+    """Launch plan of the Triton attention kernel for one step."""
+
+    qblock_req: torch.Tensor  # [num_qblocks] int32
+    qblock_start: torch.Tensor  # [num_qblocks] int32
+    num_qblocks: int
+    block_q: int
+    block_m: int
+    tiles: object  # ops.unified_attention.TileConfig
+
+
+@dataclass
+class TurboQuantMetadata:
+    common: CommonAttentionMetadata
+    kernel: KernelPlan | None = None  # set: the Triton path
+    groups: list[AttentionGroup] | None = None  # set: the torch path
+    # Per group: flat index of each new token in the group's [B * max_seq_len] key grid.
+    new_key_index: list[torch.Tensor] | None = None
+
+
+class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, config: BuilderConfig) -> None:
+        super().__init__(config)
+        device = torch.device(config.device)
+        self.device = device
+        self.use_kernels = device.type == "cuda"  # tests may turn it on under the interpreter
+        self.num_queries_per_kv = config.num_heads // config.num_kv_heads
+        self._groups = CPUAttentionMetadataBuilder(config)
+        n = max(config.max_num_tokens, 1)
+        on_gpu = device.type == "cuda"
+        self._host_map = torch.zeros((2, n), dtype=torch.int32, pin_memory=on_gpu)
+        self._dev_map = (torch.zeros((2, n), dtype=torch.int32, device=device) if on_gpu
+                         else self._host_map)
+
+    def build(self, common: CommonAttentionMetadata) -> TurboQuantMetadata:
+        if self.use_kernels:
+            return TurboQuantMetadata(common, kernel=self._plan(common))
+        groups = self._groups.build(common).groups
+        return TurboQuantMetadata(common, groups=groups,
+                                  new_key_index=[self._new_key_index(common, g, s)
+                                                 for g, s in zip(groups, self._group_starts(
+                                                     common), strict=True)])
+
+    @staticmethod
+    def _group_starts(common: CommonAttentionMetadata) -> list[int]:
+        starts = [0] if common.num_prefills else []
+        return starts + ([common.num_prefills] if common.num_decodes else [])
+
+    @staticmethod
+    def _new_key_index(common: CommonAttentionMetadata, group: AttentionGroup,
+                       first_req: int) -> torch.Tensor:
+        req = group.token_index // group.max_query_len
+        offset = group.token_index % group.max_query_len
+        context = common.context_lens[first_req:].long()[req]
+        return req * group.max_seq_len + context + offset
+
+    def _plan(self, common: CommonAttentionMetadata) -> KernelPlan:
+        from pagedserve.attention.ops.turboquant_kernels import select_tiles
+        from pagedserve.attention.ops.unified_attention import query_block_map, query_block_shape
+
+        b = common.num_reqs
+        decode_only = common.max_query_len <= 1
+        tiles = select_tiles(self.device, decode_only)
+        block_q, block_m = query_block_shape(self.num_queries_per_kv, tiles, decode_only)
+        req, start = query_block_map(common.query_start_loc_cpu[:b + 1],
+                                     common.seq_lens_cpu[:b], block_q)
+        num_qblocks = len(req)
+        self._host_map[0, :num_qblocks] = torch.from_numpy(req)
+        self._host_map[1, :num_qblocks] = torch.from_numpy(start)
+        if self._dev_map is not self._host_map:
+            self._dev_map[:, :num_qblocks].copy_(self._host_map[:, :num_qblocks],
+                                                 non_blocking=True)
+        return KernelPlan(self._dev_map[0], self._dev_map[1], num_qblocks, block_q, block_m,
+                          tiles)
+
+
+@functools.cache
+def _format_tensors(preset_name: str, head_size: int, device: str) -> object:
+    from pagedserve.attention.ops.turboquant_kernels import format_tensors
+
+    return format_tensors(tqf.get_preset(preset_name), head_size, torch.device(device))
+
+
+class TurboQuantImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window,
+                         logits_soft_cap, kv_cache_dtype)
+        self.preset = tqf.get_preset(kv_cache_dtype)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: TurboQuantMetadata,
+                output: torch.Tensor | None = None) -> torch.Tensor:
+        slot_bytes = self.preset.slot_bytes(self.head_size)
+        if kv_cache.dtype != torch.uint8 or kv_cache.shape[-1] != slot_bytes:
+            raise ValueError(
+                f"{self.preset.name} needs a uint8 cache of {slot_bytes}-byte slots, got "
+                f"{kv_cache.dtype} {tuple(kv_cache.shape)}: size it with "
+                f"TurboQuantBackend.for_preset({self.preset.name!r})")
+        if output is None:
+            output = torch.empty_like(query)
+        if attn_metadata.kernel is not None:
+            self._forward_kernels(query, key, value, kv_cache, attn_metadata, output)
+        else:
+            self._forward_torch(query, key, value, kv_cache, attn_metadata, output)
+        return output
+
+    # ---- Triton ---------------------------------------------------------------------------
+
+    def _forward_kernels(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: torch.Tensor, md: TurboQuantMetadata,
+                         output: torch.Tensor) -> None:
+        from pagedserve.attention.ops.turboquant_kernels import tq_attention, tq_store
+
+        common, plan = md.common, md.kernel
+        tensors = _format_tensors(self.preset.name, self.head_size, str(query.device))
+        tq_store(self.preset, tensors, key, value, kv_cache, common.slot_mapping)
+        tq_attention(self.preset, tensors, query, key, value, kv_cache, output,
+                     common.block_table, common.query_start_loc, common.seq_lens,
+                     plan.qblock_req, plan.qblock_start, plan.num_qblocks, plan.block_q,
+                     plan.block_m, self.scale, plan.tiles, self.sliding_window,
+                     self.logits_soft_cap)
+
+    # ---- torch ----------------------------------------------------------------------------
+
+    def _forward_torch(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, md: TurboQuantMetadata,
+                       output: torch.Tensor) -> None:
+        n = md.common.num_actual_tokens
+        tqf.store_kv(self.preset, kv_cache, key[:n], value[:n], md.common.slot_mapping[:n])
+        for group, new_keys in zip(md.groups, md.new_key_index, strict=True):
+            s, e = group.token_start, group.token_end
+            output[s:e] = self._attend_group(query[s:e], key[s:e], value[s:e], kv_cache, group,
+                                             new_keys).to(output.dtype)
+
+    def _attend_group(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      kv_cache: torch.Tensor, group: AttentionGroup,
+                      new_keys: torch.Tensor) -> torch.Tensor:
+        """float32 attention in the storage domain: the group's context dequantized from its
+        pages, its new tokens at full precision."""
+        b = group.page_index.shape[0]
+        h, d, hkv = self.num_heads, self.head_size, self.num_kv_heads
+        max_k, max_q = group.max_seq_len, group.max_query_len
+        # [B, P, Hkv, bs, S] -> [B, max_k, Hkv, S]
+        slots = kv_cache[group.page_index].transpose(2, 3).flatten(1, 2)[:, :max_k]
+        k, v = tqf.decode_kv(self.preset, slots, d)
+        k = k.reshape(b * max_k, hkv, d).index_copy(
+            0, new_keys, tqf.to_storage_domain(self.preset, key))
+        v = v.reshape(b * max_k, hkv, d).index_copy(
+            0, new_keys, tqf.to_storage_domain(self.preset, value))
+        k = k.view(b, max_k, hkv, d).transpose(1, 2)
+        v = v.view(b, max_k, hkv, d).transpose(1, 2)
+        q = query.new_zeros(b * max_q, h, d, dtype=torch.float32)
+        q[group.token_index] = tqf.to_storage_domain(self.preset, query)
+        q = q.view(b, max_q, h, d).transpose(1, 2)
+        if self.logits_soft_cap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale,
+                                                 enable_gqa=hkv != h)
+        else:
+            out = _soft_capped_attention(q, k, v, group.mask, self.scale, self.logits_soft_cap)
+        out = out.transpose(1, 2).reshape(b * max_q, h, d)[group.token_index]
+        return tqf.from_storage_domain(self.preset, out)
+
+
+def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                           scale: float, soft_cap: float) -> torch.Tensor:
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], mask [B, 1, Lq, Lk]; float32."""
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    scores = torch.matmul(q.view(b, hkv, h // hkv, lq, d), k[:, :, None].transpose(-1, -2))
+    scores = soft_cap * torch.tanh(scores * (scale / soft_cap))
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v[:, :, None])
+    return out.view(b, h, lq, d)
+
+
+class TurboQuantBackend(AttentionBackend):
+    name = "TURBOQUANT"
+    supported_head_sizes = (16, 32, 64, 128, 256)  # powers of two: the Hadamard rotation
+    supported_kv_cache_dtypes = ("auto", *tqf.PRESETS)
+    supports_sliding_window = True
+    supports_soft_cap = True
+    description = "rotated Lloyd-Max low-bit KV cache (TurboQuant), Triton on CUDA, torch else"
+    # Its cache is lossy: exact-tolerance conformance does not apply (tests/test_turboquant.py
+    # checks it with tolerances derived from the preset).
+    lossy_kv_cache: ClassVar[bool] = True
+    kv_cache_preset: ClassVar[str] = tqf.DEFAULT_PRESET
+
+    @classmethod
+    def for_preset(cls, kv_cache_dtype: str) -> type[TurboQuantBackend]:
+        """This backend with its cache layout bound to a preset (kv_cache_dtype; "auto" is the
+        default preset). The same class object for the same preset."""
+        return _bound_backend(tqf.get_preset(kv_cache_dtype).name)
+
+    @classmethod
+    def preset(cls) -> tqf.KVPreset:
+        return tqf.get_preset(cls.kv_cache_preset)
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TurboQuantImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TurboQuantMetadataBuilder
+
+    @staticmethod
+    def get_metadata_cls() -> type:
+        return TurboQuantMetadata
+
+    @classmethod
+    def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]:
+        """uint8 [num_blocks, num_kv_heads, block_size, slot_bytes]: the real packed bytes."""
+        return tqf.cache_shape(cls.preset(), num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("the TurboQuant cache holds packed codes, not K/V views: "
+                                  "read it with ops.turboquant_format.decode_kv")
+
+    @classmethod
+    def get_kv_cache_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        wanted = tqf.get_preset(kv_cache_dtype)
+        if wanted != cls.preset():
+            raise ValueError(f"{cls.__name__} is laid out for {cls.kv_cache_preset}, not "
+                             f"{wanted.name}: use TurboQuantBackend.for_preset("
+                             f"{kv_cache_dtype!r})")
+        return torch.uint8
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        if torch.cuda.is_available() and not torch.version.hip:
+            try:
+                import triton
+            except ImportError:
+                return True, "torch format only (triton missing: pip install triton for kernels)"
+            return True, f"Triton {triton.__version__} kernels on CUDA"
+        return True, "plain torch format (dequantizes gathered pages); kernels need CUDA"
+
+    @classmethod
+    def validate_configuration(cls, layer: AttentionLayerConfig, block_size: int,
+                               device: torch.device) -> list[str]:
+        reasons = super().validate_configuration(layer, block_size, device)
+        if layer.head_size & (layer.head_size - 1):
+            reasons.append(f"head size {layer.head_size} is not a power of two (the Hadamard "
+                           f"rotation needs one)")
+        if device.type == "cuda":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                reasons.append("CUDA tensors need triton for the TurboQuant kernels")
+            if layer.head_size > MAX_KERNEL_HEAD_SIZE:
+                # The kernels rotate with an fp32 [d, d] tl.dot operand: 256 KB at d = 256.
+                reasons.append(f"head size {layer.head_size} > {MAX_KERNEL_HEAD_SIZE} is not "
+                               f"supported by the TurboQuant kernels")
+        return reasons
+
+
+@functools.cache
+def _bound_backend(preset_name: str) -> type[TurboQuantBackend]:
+    return type(f"TurboQuantBackend_{preset_name}", (TurboQuantBackend,),
+                {"kv_cache_preset": preset_name, "__module__": __name__})
