@@ -139,7 +139,10 @@ def small_model(args: argparse.Namespace) -> None:
         tps = sum(map(len, tokens)) / wall
         row(f"small {n}x{in_len}/{out_len} {'eager' if eager else 'graphs'}",
             f"{tps:,.0f} out tok/s", f"({wall:.1f} s)")
-        free(llm)
+        # Drop every reference here (free() only drops its own) so the next engine's memory
+        # profile does not see this one's KV cache and graph pool.
+        del llm, graphs, outs
+        free(None)
     same = sum(a == b for a, b in zip(results[False], results[True], strict=True))
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
                   for a, b in zip(results[False], results[True], strict=True)]

@@ -65,7 +65,7 @@ stage_features() {  # the later features' GPU tests, in parallel
 stage_engine() {  # the engine's throughput figures (issue: GPU engine performance)
     setup_env
     timeout "${ENGINE_TIMEOUT:-300}" python3 benchmarks/gpu_engine.py \
-        --num-prompts "${NUM_PROMPTS:-128}" >"$OUT/engine.log" 2>&1
+        --num-prompts "${NUM_PROMPTS:-128}" ${ENGINE_ARGS:-} >"$OUT/engine.log" 2>&1
     echo "exit $?" >>"$OUT/engine.log"
 }
 

@@ -326,9 +326,10 @@ VARIANTS = {
 
 
 def _tiny_config(name: str) -> transformers.PretrainedConfig:
+    # head_dim 64: a size every GPU backend supports (the GPU tests reuse these models).
     common = dict(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  initializer_range=0.2, tie_word_embeddings=False)
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False)
     if name == "mistral_window":
         return transformers.MistralConfig(**common, sliding_window=24)
     return transformers.LlamaConfig(**common, rope_theta=10000.0)

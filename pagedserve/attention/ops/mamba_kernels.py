@@ -78,13 +78,14 @@ def _causal_conv1d_kernel(
 
     if tile == 0:
         tl.debug_barrier()  # every read of the old state in this tile is done
+        # Names differ from the loop above: Triton types a name once per scope.
         for j in tl.static_range(K - 1):
-            pos = length - (K - 1) + j
-            new = tl.load(x_ptr + (start + pos).to(tl.int64) * stride_xt + d * stride_xd,
-                          mask=d_mask & (pos >= 0), other=0.0)
-            old = tl.load(state_row + (K - 1 + pos) * stride_sk,
-                          mask=d_mask & (pos < 0) & has_init, other=0.0)
-            value = new.to(tl.float32) + old.to(tl.float32)
+            src = length - (K - 1) + j
+            tail_new = tl.load(x_ptr + (start + src).to(tl.int64) * stride_xt + d * stride_xd,
+                               mask=d_mask & (src >= 0), other=0.0)
+            tail_old = tl.load(state_row + (K - 1 + src) * stride_sk,
+                               mask=d_mask & (src < 0) & has_init, other=0.0)
+            value = tail_new.to(tl.float32) + tail_old.to(tl.float32)
             tl.store(state_row + j * stride_sk, value.to(state_ptr.dtype.element_ty),
                      mask=d_mask)
 
