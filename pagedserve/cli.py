@@ -136,7 +136,7 @@ def _generate_file(llm, input_path: str, output_path: str | None) -> int:
             try:
                 request_id = f"line-{number}"
                 prompt, params = parse_request_line(llm, raw)
-                llm.engine.add_request(request_id, prompt, params)
+                llm.engine.add_request(request_id, prompt, params, stream=False)
             except ValueError as exc:
                 errors += 1
                 print(f"{input_path}:{number}: {exc}", file=sys.stderr)

@@ -55,7 +55,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, _prompt_input(prompt), p)
+                self.engine.add_request(request_id, _prompt_input(prompt), p, stream=False)
                 ids.append(request_id)
             return self.wait_for(ids, use_tqdm)
         except BaseException:
@@ -72,7 +72,7 @@ class LLM:
             for prompt, continuation in zip(prompts, continuations, strict=True):
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, list(prompt), SamplingParams(temperature=0),
-                                        forced_output_ids=list(continuation))
+                                        forced_output_ids=list(continuation), stream=False)
                 ids.append(request_id)
             outputs = self.wait_for(ids, use_tqdm)
         except BaseException:

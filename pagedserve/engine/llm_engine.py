@@ -53,6 +53,8 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     finished_seqs: set[int] = field(default_factory=set)
+    # False: only the final RequestOutput is made (offline generation needs no per-step ones).
+    stream: bool = True
 
     @property
     def finished(self) -> bool:
@@ -149,11 +151,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None,
-                    forced_output_ids: list[int] | None = None) -> None:
+                    forced_output_ids: list[int] | None = None, stream: bool = True) -> None:
         """Queue a request; `n` > 1 fans out into n sequences sharing the prompt (a seeded
         request's i-th sequence uses seed + i). `forced_output_ids` makes it a teacher-forced
         scoring request: those tokens are emitted instead of sampled ones and the full
-        next-token log-distribution before each is returned (`forced_logprobs`)."""
+        next-token log-distribution before each is returned (`forced_logprobs`). With
+        `stream=False` step() reports the request only when it finishes."""
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -168,7 +171,8 @@ class LLMEngine:
             params = copy.copy(params)
             params.max_tokens = self.max_model_len - len(token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        state = RequestState(request_id, text, token_ids, [], RequestMetrics(arrival))
+        state = RequestState(request_id, text, token_ids, [], RequestMetrics(arrival),
+                             stream=stream)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         requests = []
@@ -293,7 +297,8 @@ class LLMEngine:
                         request.status = RequestStatus.FINISHED_STOPPED
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        outputs = [self._make_output(state, now) for state in touched.values()]
+        outputs = [self._make_output(state, now) for state in touched.values()
+                   if state.stream or _has_new_finish(state)]
         self._maybe_log_stats()
         return outputs
 
@@ -381,6 +386,11 @@ class LLMEngine:
         """True when no request holds a KV block (all free or cached-evictable); for a Mamba
         model the manager's blocks are its state slots, so this covers them too."""
         return self.kv_cache.num_free_blocks == self.kv_cache.num_blocks
+
+
+def _has_new_finish(state: RequestState) -> bool:
+    return any(seq.request.is_finished and seq.index not in state.finished_seqs
+               for seq in state.sequences)
 
 
 def _stack(rows: list[Any] | None) -> Any:

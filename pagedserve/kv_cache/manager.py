@@ -142,6 +142,13 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens (after `new_computed_blocks`, the prefix
         hits found on admission). Returns the blocks appended to the request, cache hits first,
         or None when the pool cannot supply them (nothing changes then)."""
+        held = self.req_to_blocks.get(request.request_id)
+        if (not new_computed_blocks and held is not None
+                and request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size):
+            # Room in the blocks it holds (most decode steps): no pool work at all.
+            self._maybe_cache_full_blocks(request, held, request.num_computed_tokens,
+                                          num_new_tokens)
+            return []
         num_new_blocks = self._num_blocks_to_take(request, num_new_tokens, new_computed_blocks)
         if num_new_blocks is None:
             return None
@@ -149,13 +156,18 @@ class KVCacheManager:
         self.pool.touch(new_computed_blocks)
         appended = list(new_computed_blocks) + self.pool.allocate(num_new_blocks)
         blocks.extend(appended)
-        if self.enable_prefix_caching and not request.skip_prefix_cache:
-            total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-            end = total + num_new_tokens
-            # Most steps are decodes that fill no block: skip the bookkeeping for them.
-            if end // self.block_size > total // self.block_size:
-                self._cache_full_blocks(request, blocks, end)
+        total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        self._maybe_cache_full_blocks(request, blocks, total, num_new_tokens)
         return appended
+
+    def _maybe_cache_full_blocks(self, request: CacheableRequest, blocks: list[KVCacheBlock],
+                                 num_computed: int, num_new_tokens: int) -> None:
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
+            return
+        end = num_computed + num_new_tokens
+        # Most steps are decodes that fill no block: skip the bookkeeping for them.
+        if end // self.block_size > num_computed // self.block_size:
+            self._cache_full_blocks(request, blocks, end)
 
     def _cache_full_blocks(self, request: CacheableRequest, blocks: list[KVCacheBlock],
                            num_tokens: int) -> None:
