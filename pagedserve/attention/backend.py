@@ -92,22 +92,28 @@ class AttentionBackend(ABC):
     def get_name(cls) -> str:
         return cls.name
 
-    @staticmethod
-    @abstractmethod
-    def get_impl_cls() -> type[AttentionImpl]: ...
+    # Each backend names its three classes; the get_* methods are the interface.
+    impl_cls: ClassVar[type[AttentionImpl]]
+    builder_cls: ClassVar[type[AttentionMetadataBuilder]]
+    metadata_cls: ClassVar[type]
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        return cls.impl_cls
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        return cls.builder_cls
+
+    @classmethod
+    def get_metadata_cls(cls) -> type:
+        return cls.metadata_cls
 
     @staticmethod
-    @abstractmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
-
-    @staticmethod
-    @abstractmethod
-    def get_metadata_cls() -> type: ...
-
-    @staticmethod
-    @abstractmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int) -> tuple[int, ...]: ...
+                           head_size: int) -> tuple[int, ...]:
+        """K/V outermost by default (the CPU, Triton and FlashAttention layout)."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -145,22 +145,9 @@ class CPUAttentionBackend(AttentionBackend):
     supports_soft_cap = True
     description = "torch scaled_dot_product_attention over gathered pages"
 
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return CPUAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return CPUAttentionMetadataBuilder
-
-    @staticmethod
-    def get_metadata_cls() -> type:
-        return CPUAttentionMetadata
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    impl_cls = CPUAttentionImpl
+    builder_cls = CPUAttentionMetadataBuilder
+    metadata_cls = CPUAttentionMetadata
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -531,22 +531,9 @@ class FlashAttentionBackend(AttentionBackend):
     supports_soft_cap = True  # fa2/fa3/fa4; the torch implementation refuses it
     description = "FlashAttention (FA3, FA2, FA4 or torch's FA2 over gathered pages)"
 
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return FlashAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return FlashAttentionMetadataBuilder
-
-    @staticmethod
-    def get_metadata_cls() -> type:
-        return FlashAttentionMetadata
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    impl_cls = FlashAttentionImpl
+    builder_cls = FlashAttentionMetadataBuilder
+    metadata_cls = FlashAttentionMetadata
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

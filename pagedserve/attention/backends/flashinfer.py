@@ -403,17 +403,9 @@ class FlashInferBackend(AttentionBackend):
     supports_cuda_graphs = True
     description = "FlashInfer paged prefill (fa2/fa3) and tensor-core decode, NHD cache"
 
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return FlashInferImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return FlashInferMetadataBuilder
-
-    @staticmethod
-    def get_metadata_cls() -> type:
-        return FlashInferMetadata
+    impl_cls = FlashInferImpl
+    builder_cls = FlashInferMetadataBuilder
+    metadata_cls = FlashInferMetadata
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,

@@ -147,17 +147,9 @@ class MambaBackend(AttentionBackend):
     name = "MAMBA"
     description = "Mamba state slots: causal conv1d + selective scan"
 
-    @staticmethod
-    def get_impl_cls() -> type:
-        return MambaImpl
-
-    @staticmethod
-    def get_builder_cls() -> type:
-        return MambaMetadataBuilder
-
-    @staticmethod
-    def get_metadata_cls() -> type:
-        return MambaMetadata
+    impl_cls = MambaImpl
+    builder_cls = MambaMetadataBuilder
+    metadata_cls = MambaMetadata
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.attention.backend import (
-    AttentionImpl,
-    AttentionMetadataBuilder,
     BuilderConfig,
 )
 from pagedserve.attention.backends.triton_attn import (
@@ -102,17 +100,9 @@ class RocmAttentionBackend(TritonAttentionBackend):
     name = "ROCM"
     description = "aiter paged attention for decodes on ROCm, Triton kernels otherwise"
 
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return RocmAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return RocmAttentionMetadataBuilder
-
-    @staticmethod
-    def get_metadata_cls() -> type:
-        return RocmAttentionMetadata
+    impl_cls = RocmAttentionImpl
+    builder_cls = RocmAttentionMetadataBuilder
+    metadata_cls = RocmAttentionMetadata
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

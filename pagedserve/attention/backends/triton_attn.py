@@ -143,22 +143,9 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
     description = "Triton unified paged attention (one launch per step) + split-KV decode"
 
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return TritonAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return TritonAttentionMetadataBuilder
-
-    @staticmethod
-    def get_metadata_cls() -> type:
-        return TritonAttentionMetadata
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    impl_cls = TritonAttentionImpl
+    builder_cls = TritonAttentionMetadataBuilder
+    metadata_cls = TritonAttentionMetadata
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -241,17 +241,9 @@ class TurboQuantBackend(AttentionBackend):
     def preset(cls) -> tqf.KVPreset:
         return tqf.get_preset(cls.kv_cache_preset)
 
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return TurboQuantImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return TurboQuantMetadataBuilder
-
-    @staticmethod
-    def get_metadata_cls() -> type:
-        return TurboQuantMetadata
+    impl_cls = TurboQuantImpl
+    builder_cls = TurboQuantMetadataBuilder
+    metadata_cls = TurboQuantMetadata
 
     @classmethod
     def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
