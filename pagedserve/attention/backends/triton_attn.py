@@ -22,6 +22,7 @@ from pagedserve.attention.backend import (
     AttentionMetadataBuilder,
     BuilderConfig,
 )
+from pagedserve.attention.ops.query_blocks import QueryBlockMap
 from pagedserve.scheduler.metadata import CommonAttentionMetadata
 
 MAX_BLOCK_SIZE = 1024  # tiles read pages through the block table one key at a time: any size
@@ -56,12 +57,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.device = device
         self.num_queries_per_kv = config.num_heads // config.num_kv_heads
         self.num_sms = _device_sm_count(device)
-        # A query block holds at least one token, so there are at most max_num_tokens blocks.
-        n = max(config.max_num_tokens, 1)
-        on_gpu = device.type != "cpu"
-        self._host_map = torch.zeros((2, n), dtype=torch.int32, pin_memory=on_gpu)
-        self._dev_map = (torch.zeros((2, n), dtype=torch.int32, device=device) if on_gpu
-                         else self._host_map)
+        self.query_blocks = QueryBlockMap(config.max_num_tokens, device)
         # Split decodes only happen while decodes x KV heads < SMs: size the partials for that.
         split_tokens = min(config.max_num_reqs,
                            max(1, -(-self.num_sms // config.num_kv_heads)))
@@ -72,32 +68,22 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         from pagedserve.attention.ops.decode_split_kv import choose_num_splits
-        from pagedserve.attention.ops.unified_attention import (
-            query_block_map,
-            query_block_shape,
-            select_tiles,
-        )
+        from pagedserve.attention.ops.unified_attention import query_block_shape, select_tiles
 
         c = self.config
         b = common.num_reqs
         decode_only = common.max_query_len <= 1
         tiles = select_tiles(self.device, c.head_size, c.dtype, decode_only)
         block_q, block_m = query_block_shape(self.num_queries_per_kv, tiles, decode_only)
-        req, start = query_block_map(common.query_start_loc_cpu[:b + 1],
-                                     common.seq_lens_cpu[:b], block_q)
-        num_qblocks = len(req)
-        self._host_map[0, :num_qblocks] = torch.from_numpy(req)
-        self._host_map[1, :num_qblocks] = torch.from_numpy(start)
-        if self._dev_map is not self._host_map:
-            self._dev_map[:, :num_qblocks].copy_(self._host_map[:, :num_qblocks],
-                                                 non_blocking=True)
+        num_qblocks = self.query_blocks.fill(common, block_q)
 
         num_splits = 1
         if decode_only and b <= self.max_split_tokens:
             num_splits = choose_num_splits(b, c.num_kv_heads, common.max_seq_len, self.num_sms,
                                            tiles.block_n)
         return TritonAttentionMetadata(
-            common=common, qblock_req=self._dev_map[0], qblock_start=self._dev_map[1],
+            common=common, qblock_req=self.query_blocks.req,
+            qblock_start=self.query_blocks.start,
             num_qblocks=num_qblocks, block_q=block_q, block_m=block_m, tiles=tiles,
             num_splits=num_splits, partials=self.partials if num_splits > 1 else None)
 

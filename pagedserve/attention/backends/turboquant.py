@@ -36,6 +36,7 @@ from pagedserve.attention.backend import (
 )
 from pagedserve.attention.backends.cpu import AttentionGroup, CPUAttentionMetadataBuilder
 from pagedserve.attention.ops import turboquant_format as tqf
+from pagedserve.attention.ops.query_blocks import QueryBlockMap
 from pagedserve.scheduler.metadata import CommonAttentionMetadata
 
 MAX_KERNEL_HEAD_SIZE = 128
@@ -70,11 +71,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         self.use_kernels = device.type == "cuda"  # tests may turn it on under the interpreter
         self.num_queries_per_kv = config.num_heads // config.num_kv_heads
         self._groups = CPUAttentionMetadataBuilder(config)
-        n = max(config.max_num_tokens, 1)
-        on_gpu = device.type == "cuda"
-        self._host_map = torch.zeros((2, n), dtype=torch.int32, pin_memory=on_gpu)
-        self._dev_map = (torch.zeros((2, n), dtype=torch.int32, device=device) if on_gpu
-                         else self._host_map)
+        self.query_blocks = QueryBlockMap(config.max_num_tokens, device)
 
     def build(self, common: CommonAttentionMetadata) -> TurboQuantMetadata:
         if self.use_kernels:
@@ -100,22 +97,14 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
 
     def _plan(self, common: CommonAttentionMetadata) -> KernelPlan:
         from pagedserve.attention.ops.turboquant_kernels import select_tiles
-        from pagedserve.attention.ops.unified_attention import query_block_map, query_block_shape
+        from pagedserve.attention.ops.unified_attention import query_block_shape
 
-        b = common.num_reqs
         decode_only = common.max_query_len <= 1
         tiles = select_tiles(self.device, decode_only)
         block_q, block_m = query_block_shape(self.num_queries_per_kv, tiles, decode_only)
-        req, start = query_block_map(common.query_start_loc_cpu[:b + 1],
-                                     common.seq_lens_cpu[:b], block_q)
-        num_qblocks = len(req)
-        self._host_map[0, :num_qblocks] = torch.from_numpy(req)
-        self._host_map[1, :num_qblocks] = torch.from_numpy(start)
-        if self._dev_map is not self._host_map:
-            self._dev_map[:, :num_qblocks].copy_(self._host_map[:, :num_qblocks],
-                                                 non_blocking=True)
-        return KernelPlan(self._dev_map[0], self._dev_map[1], num_qblocks, block_q, block_m,
-                          tiles)
+        num_qblocks = self.query_blocks.fill(common, block_q)
+        return KernelPlan(self.query_blocks.req, self.query_blocks.start, num_qblocks, block_q,
+                          block_m, tiles)
 
 
 @functools.cache

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from pagedserve.attention.ops.query_blocks import query_block_map  # noqa: F401 (re-export)
 
 
 @dataclass(frozen=True)
@@ -86,22 +87,6 @@ def query_block_shape(num_queries_per_kv: int, tiles: TileConfig,
     block_q = 1 if decode_only else max(1, tiles.block_m // num_queries_per_kv)
     block_m = max(16, triton.next_power_of_2(block_q * num_queries_per_kv))
     return block_q, block_m
-
-
-def query_block_map(query_start_loc: np.ndarray, seq_lens: np.ndarray,
-                    block_q: int) -> tuple[np.ndarray, np.ndarray]:
-    """Host side, once per step: (request, first query token within the request) of every query
-    block, heaviest (most keys) first so the long causal blocks do not finish last."""
-    q_lens = np.diff(query_start_loc).astype(np.int64)
-    blocks = (q_lens + block_q - 1) // block_q
-    total = int(blocks.sum())
-    req = np.repeat(np.arange(len(q_lens)), blocks)
-    first_block = np.cumsum(blocks) - blocks
-    start = (np.arange(total) - first_block[req]) * block_q
-    context = seq_lens.astype(np.int64)[req] - q_lens[req]
-    keys = np.minimum(context + start + block_q, seq_lens[req])
-    order = np.argsort(-keys, kind="stable")
-    return req[order].astype(np.int32), start[order].astype(np.int32)
 
 
 @triton.jit

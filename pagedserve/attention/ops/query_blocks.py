@@ -1,0 +1,51 @@
+"""Which request and query tokens each program of the paged-attention kernels takes: planned on
+the host once per step (numpy, no Triton needed) into persistent buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedserve.scheduler.metadata import CommonAttentionMetadata
+
+
+def query_block_map(query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                    block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host side, once per step: (request, first query token within the request) of every query
+    block, heaviest (most keys) first so the long causal blocks do not finish last."""
+    q_lens = np.diff(query_start_loc).astype(np.int64)
+    blocks = (q_lens + block_q - 1) // block_q
+    total = int(blocks.sum())
+    req = np.repeat(np.arange(len(q_lens)), blocks)
+    first_block = np.cumsum(blocks) - blocks
+    start = (np.arange(total) - first_block[req]) * block_q
+    context = seq_lens.astype(np.int64)[req] - q_lens[req]
+    keys = np.minimum(context + start + block_q, seq_lens[req])
+    order = np.argsort(-keys, kind="stable")
+    return req[order].astype(np.int32), start[order].astype(np.int32)
+
+
+class QueryBlockMap:
+    """The step's query-block map in a pinned host buffer and a device buffer allocated once (a
+    query block holds at least one token, so there are at most max_num_tokens of them); the
+    kernels read `req` and `start`, whose pointers never change (CUDA-graph safe)."""
+
+    def __init__(self, max_num_tokens: int, device: torch.device) -> None:
+        n = max(max_num_tokens, 1)
+        on_gpu = device.type != "cpu"
+        self._host = torch.zeros((2, n), dtype=torch.int32, pin_memory=on_gpu)
+        self._dev = (torch.zeros((2, n), dtype=torch.int32, device=device) if on_gpu
+                     else self._host)
+        self.req, self.start = self._dev[0], self._dev[1]
+
+    def fill(self, common: CommonAttentionMetadata, block_q: int) -> int:
+        """Plan the step's blocks of `block_q` query tokens; returns how many there are."""
+        b = common.num_reqs
+        req, start = query_block_map(common.query_start_loc_cpu[:b + 1],
+                                     common.seq_lens_cpu[:b], block_q)
+        n = len(req)
+        self._host[0, :n] = torch.from_numpy(req)
+        self._host[1, :n] = torch.from_numpy(start)
+        if self._dev is not self._host:
+            self._dev[:, :n].copy_(self._host[:, :n], non_blocking=True)
+        return n
