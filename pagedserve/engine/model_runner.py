@@ -132,6 +132,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
         self._ran_graph = False
+        self._common = None  # the last step's CommonAttentionMetadata
         # Set to a list to record every step's (num_computed, num_scheduled, num_prefills,
         # ran as a graph) for benchmarks' floors.
         self.step_log: list[tuple[np.ndarray, np.ndarray, int, bool]] | None = None
@@ -268,7 +269,7 @@ class ModelRunner:
     def _forward(self, batch: SchedulerOutput, rows: np.ndarray | None = None) -> torch.Tensor:
         if rows is None:
             rows = np.arange(batch.num_reqs)
-        common = self.common_builder.build(rows, batch.num_computed_tokens,
+        self._common = common = self.common_builder.build(rows, batch.num_computed_tokens,
                                            batch.num_scheduled_tokens, batch.num_prefills,
                                            self.rows.block_table)
         t = common.num_actual_tokens
@@ -301,9 +302,8 @@ class ModelRunner:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
                                   self._ran_graph))
-        qsl = np.zeros(batch.num_reqs + 1, dtype=np.int64)
-        np.cumsum(batch.num_scheduled_tokens, out=qsl[1:])
-        last = torch.from_numpy(qsl[1:] - 1).to(self.device, non_blocking=True)
+        # Each request's last new token, from the step's cu_seqlens already on the device.
+        last = self._common.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last])
 
         out = self.sampler(logits, meta)
