@@ -332,12 +332,12 @@ if _kernels_runnable():
     import triton
     import triton.language as tl
 
-    from pagedserve.attention.ops.turboquant_kernels import _fp32_to_e4m3_bits
+    from pagedserve.attention.ops.fp8 import fp32_to_e4m3_bits
 
     @triton.jit
     def _convert_fp8_kernel(x_ptr, out_ptr, N: tl.constexpr):
         offs = tl.arange(0, N)
-        tl.store(out_ptr + offs, _fp32_to_e4m3_bits(tl.load(x_ptr + offs)).to(tl.uint8))
+        tl.store(out_ptr + offs, fp32_to_e4m3_bits(tl.load(x_ptr + offs)).to(tl.uint8))
 
 
 @kernels

@@ -8,6 +8,8 @@ Kernel `_reshape_and_cache_kernel`
   layout:  key/value [T, Hkv, D] with any strides (a view of a fused qkv projection is fine);
            k_cache/v_cache [num_blocks, block_size, Hkv, D] with any strides; slot s lands at
            block s // block_size, offset s % block_size. Slots of -1 (padding) are skipped.
+  dtype:   values are cast to the cache's dtype; an fp8 e4m3 cache (passed as its uint8 bytes)
+           stores K * k_inv_scale and V * v_inv_scale, rounded from float32 as torch's cast.
 """
 
 from __future__ import annotations
@@ -16,16 +18,18 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.attention.ops.fp8 import fp32_to_e4m3_bits
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    num_tokens,
+    num_tokens, k_inv_scale, v_inv_scale,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_cb, stride_cs, stride_ch, stride_cd,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, FP8: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tokens < num_tokens
@@ -42,21 +46,32 @@ def _reshape_and_cache_kernel(
     block = slots // BLOCK_SIZE
     offset = slots % BLOCK_SIZE
     dst = (block * stride_cb + offset * stride_cs)[:, None] + head * stride_ch + chan * stride_cd
+    if FP8:
+        k = fp32_to_e4m3_bits(k.to(tl.float32) * k_inv_scale)
+        v = fp32_to_e4m3_bits(v.to(tl.float32) * v_inv_scale)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      block_t: int | None = None) -> None:
+                      block_t: int | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
     """Scatter key/value [T, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D] at
-    `slot_mapping` [T] (int32/int64, -1 = skip). Only the first len(slot_mapping) tokens are
-    written. No host sync."""
+    `slot_mapping` [T] (int32/int64, -1 = skip), storing K / k_scale and V / v_scale. Only the
+    first len(slot_mapping) tokens are written. No host sync."""
     num_tokens = min(key.shape[0], slot_mapping.shape[0])
     if num_tokens == 0:
         return
     if k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same strides")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    elif k_cache.element_size() == 1:
+        raise ValueError(f"reshape_and_cache writes fp8 caches as e4m3 only, not {k_cache.dtype}")
+    elif k_scale != 1.0 or v_scale != 1.0:
+        raise ValueError("k_scale/v_scale apply to an fp8 cache only")
     _, block_size, num_kv_heads, head_size = k_cache.shape
     hd = num_kv_heads * head_size
     hd_pad = triton.next_power_of_2(hd)
@@ -65,8 +80,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         block_t = 64 if key.device.type == "cpu" else max(1, min(64, 8192 // hd_pad))
     grid = (triton.cdiv(num_tokens, block_t),)
     _reshape_and_cache_kernel[grid](
-        key, value, k_cache, v_cache, slot_mapping, num_tokens,
+        key, value, k_cache, v_cache, slot_mapping, num_tokens, 1.0 / k_scale, 1.0 / v_scale,
         *key.stride(), *value.stride(), *k_cache.stride(),
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HD=hd, HD_PAD=hd_pad, BLOCK_T=block_t,
-        num_warps=4,
+        FP8=fp8, num_warps=4,
     )

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.attention.ops.fp8 import fp32_to_e4m3_bits
 from pagedserve.attention.ops.turboquant_format import (
     KVPreset,
     VectorCodec,
@@ -97,25 +98,6 @@ def _store_fp16_bytes(ptr, x, mask):
 
 
 @triton.jit
-def _fp32_to_e4m3_bits(x):
-    """fp8 e4m3 bit patterns of fp32 x (round to nearest even, saturating at 448), in integer
-    arithmetic: the same on the GPU and in the interpreter, whose fp8 cast mis-rounds carries."""
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 128
-    mag = bits & 0x7FFFFFFF
-    exp = mag >> 23  # fp32 biased exponent; e4m3 normals need exp >= 127 - 6
-    # Normal: keep 3 mantissa bits, rounding to even; a carry moves into the exponent by itself.
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - ((127 - 7) << 3)
-    # Subnormal (m * 2^-9): the significand shifted right by 20 + (121 - exp), rounded to even;
-    # below 2^-10 everything rounds to zero.
-    shift = tl.maximum(tl.minimum(20 + 121 - exp, 31), 1)  # clamped: unused outside 20..24
-    full = (mag & 0x7FFFFF) | 0x800000
-    sub = (full + ((1 << (shift - 1)) - 1) + ((full >> shift) & 1)) >> shift
-    sub = tl.where(exp < 117, 0, sub)
-    return sign | tl.minimum(tl.where(exp >= 121, normal, sub), 126)
-
-
-@triton.jit
 def _quantize_pack_store(
     x, rec_ptr, ok, rot_t, bounds_ptr,
     HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
@@ -141,7 +123,7 @@ def _quantize_pack_store(
         norm = tl.sqrt(tl.sum(y * y, 1))
         unit = y * (tl.sqrt(float(HEAD_SIZE)) / tl.maximum(norm, 1e-30))[:, None]
         if KIND == 1:
-            codes = _fp32_to_e4m3_bits(unit)
+            codes = fp32_to_e4m3_bits(unit)
         else:
             codes = tl.zeros([BLOCK_T, HEAD_SIZE], dtype=tl.int32)
             for i in tl.static_range((1 << BITS) - 1):
