@@ -21,7 +21,6 @@ from pagedserve.attention.backends import flashinfer as fi_backend
 from pagedserve.attention.backends.flashinfer import (
     FlashInferBackend,
     FlashInferImpl,
-    kv_write_rows,
     pad_decode_csr,
     split_prefill_decode,
     write_kv,
@@ -130,14 +129,15 @@ def test_write_kv_lands_in_the_slots_and_nowhere_else(cache_dtype):
     bs, hkv, d = 4, 2, 8
     kv = torch.randn(FlashInferBackend.get_kv_cache_shape(6, bs, hkv, d)).to(cache_dtype)
     before = kv.float().clone()
-    slots = torch.tensor([5, 0, 23, 12, 13])  # blocks 1, 0, 5, 3, 3
-    key, value = torch.randn(5, hkv, d), torch.randn(5, hkv, d)
+    slots = torch.tensor([5, 0, 23, -1, 12, 13])  # blocks 1, 0, 5, (padding), 3, 3
+    key, value = torch.randn(6, hkv, d), torch.randn(6, hkv, d)
     k_scale, v_scale = (0.5, 2.0) if cache_dtype != torch.float32 else (1.0, 1.0)
-    k_rows, v_rows = kv_write_rows(slots, bs)
-    write_kv(kv, key, value, k_rows, v_rows, k_scale, v_scale)
+    write_kv(kv, key, value, slots, k_scale, v_scale)
     k_view, v_view = FlashInferBackend.kv_cache_views(kv)
     written = torch.zeros(6, bs, dtype=torch.bool)
     for i, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
         blk, off = divmod(s, bs)
         written[blk, off] = True
         assert torch.equal(k_view[blk, off].float(), (key[i] / k_scale).to(cache_dtype).float())

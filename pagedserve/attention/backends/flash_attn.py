@@ -29,14 +29,14 @@ run makes the backend unavailable with the reason (never a silent fallback).
 Every implementation: causal attention aligned to the end of each request's KV (chunked prefill
 is right), GQA/MQA without repeating K/V, sliding window as `window_size=(w - 1, 0)`, head sizes
 64/128/256, float16 and bfloat16 (float32 is refused), KV cache `[2, num_blocks, block_size,
-num_kv_heads, head_size]` (K/V outermost), new K/V written through the slot mapping with
-`index_copy_`.
+num_kv_heads, head_size]` (K/V outermost), new K/V written through the slot mapping by the
+Triton `reshape_and_cache` kernel (one launch for K and V).
 
 CUDA graphs: the builder's device tensors live in buffers allocated once (pointers stay put).
 A step padded for a captured graph (slot_mapping longer than num_actual_tokens, padding slots
--1) is written without a host sync: padding tokens re-write the last real token's K/V into its
-own slot. A graph runner sets `builder.capture_max_seq_len` so that kernel launch bounds (max
-KV length, the gather grid) stay fixed across replays.
+-1) is written without a host sync: the write skips slot -1. A graph runner sets
+`builder.capture_max_seq_len` so that kernel launch bounds (max KV length, the gather grid)
+stay fixed across replays.
 
 The gather buffers (torch, and fa2 with small blocks) hold `capacity` tokens of K and of V:
 the smaller of `max_num_reqs * max_blocks_per_seq * block_size` (every seat full) and
@@ -65,6 +65,7 @@ from pagedserve.attention.backend import (
     AttentionMetadataBuilder,
     BuilderConfig,
 )
+from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
 from pagedserve.scheduler.metadata import CommonAttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -261,8 +262,7 @@ class FlashAttentionMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32 (cu_seqlens_q)
     seq_lens: torch.Tensor  # [B] int32 (seqused_k / cache_seqlens)
     block_table: torch.Tensor  # [B, max_blocks] int32
-    slot_mapping: torch.Tensor  # [T] int64, where each written token lands
-    slot_source: torch.Tensor | None = None  # [T] int64, token each slot gets (padded steps)
+    slot_mapping: torch.Tensor  # [T] int64, where each token's K/V lands (-1: padding)
     cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32, cumsum(seq_lens) (fa2 paged)
     # Gathered pages (torch, fa2 with small blocks); None when the kernel reads the cache.
     page_start: torch.Tensor | None = None  # [B] int32, first gathered page
@@ -301,10 +301,6 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.implementation = _require_implementation()
         self.capture_max_seq_len: int | None = None  # set by a CUDA-graph runner
         device = config.device
-        self._token_index = torch.arange(config.max_num_tokens, dtype=torch.int64,
-                                         device=device)
-        self._slot_source = torch.zeros(config.max_num_tokens, dtype=torch.int64, device=device)
-        self._slots = torch.zeros(config.max_num_tokens, dtype=torch.int64, device=device)
         self.gathers = gathers_pages(self.implementation, config.block_size)
         if self.implementation == "fa2" and not self.gathers:
             self._cu_seqlens_k = _Staged(config.max_num_reqs + 1, device)
@@ -320,10 +316,9 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
 
     def build(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
         max_seq_len = max(common.max_seq_len, self.capture_max_seq_len or 0)
-        slots, source = self._write_plan(common)
         md = FlashAttentionMetadata(
             self.implementation, common.num_actual_tokens, common.max_query_len, max_seq_len,
-            common.query_start_loc, common.seq_lens, common.block_table, slots, source)
+            common.query_start_loc, common.seq_lens, common.block_table, common.slot_mapping)
         b = common.num_reqs
         if self.gathers:
             self._plan_gather(common, md)
@@ -333,25 +328,6 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
             np.cumsum(common.seq_lens_cpu[:b], out=cu[1:b + 1])
             md.cu_seqlens_k = self._cu_seqlens_k.upload(b + 1)
         return md
-
-    def _write_plan(self, common: CommonAttentionMetadata
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Slots to write and, for a step padded for a CUDA graph, the token each slot takes.
-        Padding comes last, so padded tokens re-write the last real token into its own slot
-        (the same bytes; no host sync, no stray write). An all-padding step writes token 0
-        into slot 0."""
-        n, t = common.num_actual_tokens, common.slot_mapping.shape[0]
-        if t <= n:
-            return common.slot_mapping[:n], None
-        if t > self._slots.shape[0]:
-            raise ValueError(f"a padded step of {t} tokens exceeds max_num_tokens "
-                             f"{self._slots.shape[0]}")
-        source = self._slot_source[:t]
-        torch.clamp(self._token_index[:t], max=max(n - 1, 0), out=source)
-        slots = self._slots[:t]
-        torch.index_select(common.slot_mapping, 0, source, out=slots)
-        slots.clamp_(min=0)
-        return slots, source
 
     def _plan_gather(self, common: CommonAttentionMetadata, md: FlashAttentionMetadata) -> None:
         b, bs = common.num_reqs, self.config.block_size
@@ -512,15 +488,7 @@ def _load_kernel(implementation: str) -> Callable:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, md: FlashAttentionMetadata) -> None:
     """Scatter the step's new K/V [T, Hkv, D] into [num_blocks, block_size, Hkv, D] caches."""
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    if md.slot_source is None:
-        n = md.slot_mapping.shape[0]
-        flat_k.index_copy_(0, md.slot_mapping, key[:n])
-        flat_v.index_copy_(0, md.slot_mapping, value[:n])
-    else:
-        flat_k.index_copy_(0, md.slot_mapping, key.index_select(0, md.slot_source))
-        flat_v.index_copy_(0, md.slot_mapping, value.index_select(0, md.slot_source))
+    reshape_and_cache(key, value, k_cache, v_cache, md.slot_mapping)
 
 
 class FlashAttentionBackend(AttentionBackend):

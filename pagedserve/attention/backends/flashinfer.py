@@ -30,6 +30,7 @@ from pagedserve.attention.backend import (
     AttentionMetadataBuilder,
     BuilderConfig,
 )
+from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
 from pagedserve.scheduler.metadata import (
     BlockTable,
     CommonAttentionMetadata,
@@ -111,37 +112,20 @@ def pad_decode_csr(part: CSRPart, num_reqs_padded: int, kv_indptr_out: np.ndarra
     return indptr, last
 
 
-def kv_write_rows(slot_mapping: torch.Tensor, block_size: int,
-                  k_out: torch.Tensor | None = None,
-                  v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of `kv_cache.view(-1, num_kv_heads, head_size)` (the NHD cache flattened over
-    block, K/V and offset) where each slot's K and V live: block * 2 * block_size + offset for
-    K, block_size further for V. Computed once per step, used by every layer's write."""
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    k_rows = torch.add(slot_mapping, blocks * block_size, out=k_out)
-    v_rows = torch.add(k_rows, block_size, out=v_out)
-    return k_rows, v_rows
-
-
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             k_rows: torch.Tensor, v_rows: torch.Tensor, k_scale: float = 1.0,
-             v_scale: float = 1.0) -> None:
-    """Store new K/V [T, Hkv, D] into the NHD cache at precomputed rows; a quantised (fp8) cache
-    stores K / k_scale and V / v_scale.
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store new K/V [T, Hkv, D] into the NHD cache at `slot_mapping` (-1 = skip); a quantised
+    (fp8) cache stores K / k_scale and V / v_scale.
 
-    A plain torch `index_copy_` on the contiguous cache flattened to rows. The alternatives,
-    `flashinfer.page.append_paged_kv_cache` (needs per-token batch indices and positions built
-    by `get_batch_indices_positions`, a Triton launch per step) and the project's Triton
-    `reshape_and_cache` (fuses the fp8 cast; skips slot -1), are to be measured on the GPU.
+    One Triton `reshape_and_cache` launch for K and V together (it takes the strided K and V
+    views of the cache and fuses the fp8 cast); it replaced two `index_copy_`s and, for fp8, the
+    separate scale and cast kernels. FlashInfer's own `append_paged_kv_cache` needs per-token
+    batch indices and positions (one more launch per step); `benchmarks/attention_kernels.py
+    --write-bench` times the three.
     """
-    flat = kv_cache.view(-1, *kv_cache.shape[-2:])
-    if flat.dtype != key.dtype:
-        key = (key if k_scale == 1.0 else key / k_scale).to(flat.dtype)
-        value = (value if v_scale == 1.0 else value / v_scale).to(flat.dtype)
-    if flat.element_size() == 1:  # index_copy_ has no fp8 kernels; the bytes are the same
-        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
-    flat.index_copy_(0, k_rows, key)
-    flat.index_copy_(0, v_rows, value)
+    k_cache, v_cache = FlashInferBackend.kv_cache_views(kv_cache)
+    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale,
+                      v_scale=v_scale)
 
 
 # ---- metadata and builder ---------------------------------------------------------------------
@@ -150,14 +134,10 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 class FlashInferMetadata:
     """What every layer of one configuration needs for one step (or one CUDA-graph size)."""
 
-    num_write_tokens: int  # tokens whose K/V each layer writes (the padded size in a graph)
     num_prefill_tokens: int
     num_decode_tokens: int
-    k_rows: torch.Tensor  # [num_write_tokens] int64, see kv_write_rows
-    v_rows: torch.Tensor
-    # Graph mode: which token each written row takes; padding repeats the last real token, so
-    # duplicate rows get identical values and no real slot is overwritten with garbage.
-    write_src: torch.Tensor | None
+    # Where each token's K/V goes; in a graph, padded to the captured size with -1 (not written).
+    slot_mapping: torch.Tensor
     prefill: Any  # flashinfer.BatchPrefillWithPagedKVCacheWrapper, planned, or None
     decode: Any  # flashinfer.BatchDecodeWithPagedKVCacheWrapper, planned, or None
 
@@ -229,12 +209,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 common.paged_kv_indices[decode.page_start:decode.page_end],
                 torch.from_numpy(decode.kv_last_page_len), c.num_heads, c.num_kv_heads,
                 c.head_size, c.block_size, **self._plan_kwargs())
-        n = common.num_actual_tokens
-        k_rows, v_rows = kv_write_rows(common.slot_mapping[:n], c.block_size)
         return FlashInferMetadata(
-            num_write_tokens=n, num_prefill_tokens=common.num_prefill_tokens,
-            num_decode_tokens=common.num_decode_tokens, k_rows=k_rows, v_rows=v_rows,
-            write_src=None, prefill=self.prefill_wrapper if prefill else None,
+            num_prefill_tokens=common.num_prefill_tokens,
+            num_decode_tokens=common.num_decode_tokens,
+            slot_mapping=common.slot_mapping[:common.num_actual_tokens],
+            prefill=self.prefill_wrapper if prefill else None,
             decode=self.decode_wrapper if decode else None)
 
     def build_for_cudagraph(self, common: CommonAttentionMetadata,
@@ -253,8 +232,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
           wrapper, host work of a fraction of a millisecond), copy the step's input ids and
           positions into the graph's static inputs, replay.
 
-        Padding requests attend over one token of block 0 and their K/V writes repeat the
-        last real token's, so they change nothing; their outputs are to be dropped.
+        Padding requests attend over one token of block 0 and write no K/V (slot -1); their
+        outputs are to be dropped.
         """
         c = self.config
         n, bp = common.num_decodes, num_reqs_padded
@@ -275,13 +254,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         graph.wrapper.plan(torch.from_numpy(indptr), indices[:total + bp - n],
                            torch.from_numpy(last), c.num_heads, c.num_kv_heads, c.head_size,
                            c.block_size, **self._plan_kwargs())
-
-        src_host = bufs["write_src_host"].numpy()[:bp]
-        np.minimum(np.arange(bp), n - 1, out=src_host)
-        src = bufs["write_src"][:bp]
-        src.copy_(bufs["write_src_host"][:bp], non_blocking=True)
-        slots = torch.index_select(common.slot_mapping, 0, src, out=bufs["slots"][:bp])
-        kv_write_rows(slots, c.block_size, bufs["k_rows"][:bp], bufs["v_rows"][:bp])
+        bufs["slots"][:n].copy_(common.slot_mapping[:n])
+        bufs["slots"][n:bp].fill_(-1)
         return graph.metadata
 
     def _alloc_graph_buffers(self) -> dict[str, torch.Tensor]:
@@ -290,11 +264,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         pin = self.device.type == "cuda"
         dev = {"kv_indptr": (r + 1, torch.int32), "last_page_len": (r, torch.int32),
                "kv_indices": (r * c.max_blocks_per_seq, torch.int32),
-               "write_src": (r, torch.int64), "slots": (r, torch.int64),
-               "k_rows": (r, torch.int64), "v_rows": (r, torch.int64)}
+               "slots": (r, torch.int64)}
         bufs = {name: torch.zeros(n, dtype=dt, device=self.device) for name, (n, dt) in
                 dev.items()}
-        for name in ("kv_indptr", "last_page_len", "write_src"):
+        for name in ("kv_indptr", "last_page_len"):
             n, dt = dev[name]
             bufs[name + "_host"] = torch.zeros(n, dtype=dt, pin_memory=pin)
         self._graph_buffers = bufs
@@ -307,9 +280,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                                        paged_kv_indices_buffer=bufs["kv_indices"],
                                        paged_kv_last_page_len_buffer=bufs["last_page_len"][:bp])
         metadata = FlashInferMetadata(
-            num_write_tokens=bp, num_prefill_tokens=0, num_decode_tokens=bp,
-            k_rows=bufs["k_rows"][:bp], v_rows=bufs["v_rows"][:bp],
-            write_src=bufs["write_src"][:bp], prefill=None, decode=wrapper)
+            num_prefill_tokens=0, num_decode_tokens=bp, slot_mapping=bufs["slots"][:bp],
+            prefill=None, decode=wrapper)
         self._graphs[bp] = _GraphDecode(wrapper, metadata)
         return self._graphs[bp]
 
@@ -371,15 +343,10 @@ class FlashInferImpl(AttentionImpl):
                 kv_cache: torch.Tensor, attn_metadata: FlashInferMetadata,
                 output: torch.Tensor | None = None) -> torch.Tensor:
         md = attn_metadata
-        n = md.num_write_tokens
-        if md.write_src is None:
-            key, value = key[:n], value[:n]
-        else:
-            key, value = key.index_select(0, md.write_src), value.index_select(0, md.write_src)
         # Scales belong to a quantised cache; a cache in the model dtype holds K/V as they are.
         quantized = kv_cache.dtype != query.dtype
         k_scale, v_scale = (self.k_scale, self.v_scale) if quantized else (1.0, 1.0)
-        write_kv(kv_cache, key, value, md.k_rows, md.v_rows, k_scale, v_scale)
+        write_kv(kv_cache, key, value, md.slot_mapping, k_scale, v_scale)
         if output is None:
             output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         scales = dict(k_scale=float(k_scale * self._scale_ratio), v_scale=float(v_scale))
