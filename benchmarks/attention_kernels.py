@@ -7,6 +7,7 @@ FlashInfer's wrappers called directly on the same data.
 
     python benchmarks/attention_kernels.py [--backends TRITON,FLASHINFER,FLASH_ATTN]
         [--decode-tiles 16,64,4,3] [--prefill-tiles 128,64,8,3]   # block_m,block_n,warps,stages
+        [--write]   # also time the ways to write a step's K/V into FlashInfer's NHD cache
 """
 
 from __future__ import annotations
@@ -190,6 +191,40 @@ def flashinfer_runs(setup: Setup, args) -> tuple[Callable[[], torch.Tensor], str
     return (lambda: wrapper.run(setup.query, (setup.k_cache, setup.v_cache))), label
 
 
+def write_paths(setup: Setup, args) -> list[tuple[str, Callable[[], object]]]:
+    """Ways to store the step's new K/V into an NHD cache [N, 2, page, Hkv, D]: the backends'
+    Triton `reshape_and_cache` (one launch), two torch `index_copy_`s on the cache flattened to
+    rows, and FlashInfer's `append_paged_kv_cache` (with its per-token index build)."""
+    from pagedserve.attention.backends.flashinfer import write_kv
+
+    c, bs = setup.common, args.block_size
+    kv_cache = torch.zeros(setup.num_blocks, 2, bs, args.kv_heads, args.head_dim,
+                           dtype=torch.bfloat16, device=setup.device)
+    key, value, slots = setup.key, setup.value, c.slot_mapping
+    flat = kv_cache.view(-1, args.kv_heads, args.head_dim)
+
+    def index_copy():
+        k_rows = slots + torch.div(slots, bs, rounding_mode="floor") * bs
+        flat.index_copy_(0, k_rows, key)
+        flat.index_copy_(0, k_rows + bs, value)
+
+    paths = [("reshape_and_cache (Triton)", lambda: write_kv(kv_cache, key, value, slots)),
+             ("index_copy_ x2 (torch)", index_copy)]
+    try:
+        import flashinfer
+
+        def append():
+            batch, pos = flashinfer.page.get_batch_indices_positions(
+                c.query_start_loc, c.seq_lens, key.shape[0])
+            flashinfer.page.append_paged_kv_cache(
+                key, value, batch, pos, kv_cache, c.paged_kv_indices, c.paged_kv_indptr,
+                c.paged_kv_last_page_len, kv_layout="NHD")
+        paths.append(("flashinfer append_paged_kv_cache", append))
+    except Exception as exc:
+        print(f"  flashinfer append_paged_kv_cache: skipped ({exc})")
+    return paths
+
+
 def parse_tiles(text: str | None):
     from pagedserve.attention.ops.unified_attention import TileConfig
 
@@ -213,6 +248,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--decode-tiles", help="TRITON decode block_m,block_n,warps,stages")
     parser.add_argument("--prefill-tiles", help="TRITON prefill block_m,block_n,warps,stages")
+    parser.add_argument("--write", action="store_true",
+                        help="also time the K/V write paths into FlashInfer's cache layout")
     parser.add_argument("--device", default="cuda",
                         help="cpu: a smoke run of this script (TRITON_INTERPRET=1, tiny sizes)")
     args = parser.parse_args()
@@ -266,6 +303,16 @@ def main() -> None:
             else:
                 diff = (out.float() - reference[1]).abs().max().item()
                 print(f"    max |{name} - {reference[0]}| = {diff:.3g}")
+        if args.write:
+            for label, fn in write_paths(setup, args):
+                try:
+                    seconds = time_cuda(fn, args.warmup, args.iters)
+                except Exception as exc:
+                    print(f"  write {label}: failed ({type(exc).__name__}: {exc})")
+                    continue
+                moved = 2 * 2 * setup.key.numel() * setup.key.element_size()  # read + write
+                print(f"  write {label:32s} {seconds * 1e6:9.1f} us  "
+                      f"{moved / seconds / 1e12:6.2f} TB/s")
         direct = flashinfer_runs(setup, args)
         if isinstance(direct, str):
             print(f"  flashinfer direct: skipped ({direct})")

@@ -1,0 +1,135 @@
+"""Sweep the TRITON unified attention kernel's launch shapes on the GPU and print the fastest.
+
+Same workloads as `attention_kernels.py` (decode 64 x 2,048 context, prefill 8 x 2,048 new
+tokens, 32:8 heads, d128, bf16, page 16). Each TileConfig (block_m, block_n, num_warps,
+num_stages) and, for decode, each split-KV factor runs the kernel alone (no K/V write) on the
+same data; its output is checked against the first configuration's, and shapes that do not
+compile (shared memory) are reported and skipped. The winners go into
+`ops/unified_attention.py`'s DECODE_TILES / PREFILL_TILES by hand.
+
+    python benchmarks/triton_tiles.py [--workloads decode,prefill] [--top 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_kernels import (  # noqa: E402
+    Setup,
+    Workload,
+    attention_flops,
+    kv_bytes,
+    time_cuda,
+)
+
+from pagedserve.attention.ops.decode_split_kv import allocate_partials, split_kv_decode  # noqa: E402
+from pagedserve.attention.ops.query_blocks import QueryBlockMap  # noqa: E402
+from pagedserve.attention.ops.unified_attention import (  # noqa: E402
+    TileConfig,
+    query_block_shape,
+    unified_attention,
+)
+
+DECODE_GRID = dict(block_m=[16], block_n=[32, 64, 128], num_warps=[2, 4, 8],
+                   num_stages=[2, 3, 4])
+DECODE_SPLITS = [1, 2]
+PREFILL_GRID = dict(block_m=[64, 128], block_n=[32, 64, 128], num_warps=[4, 8],
+                    num_stages=[2, 3, 4])
+
+
+def configs(grid: dict[str, list[int]]) -> list[TileConfig]:
+    return [TileConfig(*values) for values in itertools.product(*grid.values())]
+
+
+def run_config(setup: Setup, args, tiles: TileConfig, num_splits: int, qmap: QueryBlockMap,
+               partials) -> tuple[float, torch.Tensor]:
+    w, common = setup.w, setup.common
+    decode = w.new == 1
+    block_q, block_m = query_block_shape(args.heads // args.kv_heads, tiles, decode)
+    num_qblocks = qmap.fill(common, block_q)
+    out = torch.empty_like(setup.query)
+    scale = args.head_dim ** -0.5
+
+    def step():
+        if num_splits > 1:
+            split_kv_decode(setup.query, setup.k_cache, setup.v_cache, out, common.block_table,
+                            common.query_start_loc, common.seq_lens, qmap.req, qmap.start,
+                            num_qblocks, block_m, scale, tiles, num_splits, partials)
+        else:
+            unified_attention(setup.query, setup.k_cache, setup.v_cache, out,
+                              common.block_table, common.query_start_loc, common.seq_lens,
+                              qmap.req, qmap.start, num_qblocks, block_q, block_m, scale, tiles)
+
+    step()  # compile
+    torch.cuda.synchronize()
+    return time_cuda(step, args.warmup, args.iters), out
+
+
+def sweep(w: Workload, args) -> None:
+    setup = Setup(w, args)
+    decode = w.new == 1
+    qmap = QueryBlockMap(w.seqs * w.new, setup.device)
+    partials = allocate_partials(w.seqs, args.heads, args.head_dim, max(DECODE_SPLITS),
+                                 setup.device) if decode else None
+    shapes = configs(DECODE_GRID if decode else PREFILL_GRID)
+    trials = [(t, s) for t in shapes for s in (DECODE_SPLITS if decode else [1])]
+    work = kv_bytes(w, args) if decode else attention_flops(w, args)
+    unit = "TB/s" if decode else "TFLOP/s"
+    print(f"\n{w.name}: {w.seqs} seqs x {w.seq_len}, {len(trials)} launch shapes", flush=True)
+    results, reference = [], None
+    for tiles, splits in trials:
+        try:
+            seconds, out = run_config(setup, args, tiles, splits, qmap, partials)
+        except Exception as exc:  # out of shared memory and the like
+            print(f"  {tiles} splits={splits}: failed ({type(exc).__name__})", flush=True)
+            continue
+        if reference is None:
+            reference = out.float()
+            err = 0.0
+        else:
+            err = (out.float() - reference).abs().max().item()
+        rate = work / seconds / 1e12
+        results.append((seconds, tiles, splits, rate, err))
+        print(f"  {tiles} splits={splits}: {seconds * 1e6:8.1f} us {rate:7.2f} {unit}"
+              f" (max diff {err:.2g})", flush=True)
+    results.sort(key=lambda r: r[0])
+    print(f"\n{w.name}: fastest {args.top}")
+    for seconds, tiles, splits, rate, err in results[:args.top]:
+        print(f"  {seconds * 1e6:8.1f} us {rate:7.2f} {unit}  block_m={tiles.block_m} "
+              f"block_n={tiles.block_n} warps={tiles.num_warps} stages={tiles.num_stages} "
+              f"splits={splits}  (max diff {err:.2g})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="decode,prefill")
+    parser.add_argument("--decode-seqs", type=int, default=64)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--prefill-seqs", type=int, default=8)
+    parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--top", type=int, default=8)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this sweep needs a CUDA GPU")
+    args.device = "cuda"
+    names = args.workloads.split(",")
+    if "decode" in names:
+        sweep(Workload("decode", args.context - 1, 1, args.decode_seqs), args)
+    if "prefill" in names:
+        sweep(Workload("prefill", 0, args.prefill_len, args.prefill_seqs), args)
+
+
+if __name__ == "__main__":
+    main()
