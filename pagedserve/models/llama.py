@@ -5,6 +5,8 @@ Tokens of every request in the step are flattened into one batch: `input_ids` [T
 forward context. q/k/v and gate/up are fused projections; `load_weights` takes Hugging Face names
 and fills the fused rows. The arithmetic follows transformers' modeling code op for op (RMSNorm
 in float32, cos/sin cast to the model dtype, logits in the model dtype) so greedy outputs agree.
+On CUDA in 16 bits the norm (with the residual add), rotary embedding and SiLU-and-mul run as
+fused Triton kernels (`layer_kernels`) that round at the same points.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from pagedserve.attention.layer import Attention
+from pagedserve.models import layer_kernels as lk
 
 
 class RMSNorm(nn.Module):
@@ -26,7 +29,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm(x) or, given the residual stream, (RMSNorm(x + residual), x + residual)."""
+        if lk.use_fused_kernels(x) and x.dim() == 2:
+            if residual is None:
+                return lk.rms_norm(x, self.weight, self.eps)
+            return lk.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # As transformers: normalise in float32, cast back, then scale in the model dtype.
         dtype = x.dtype
         x32 = x.float()
@@ -93,7 +108,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, H, D], key [T, Hkv, D] -> rotated (rotate-half convention)."""
+        """query [T, H, D], key [T, Hkv, D] -> rotated (rotate-half convention); on the fused
+        path in place."""
+        if lk.use_fused_kernels(query):
+            lk.rotary_embedding_(positions, query, key, self.cos_sin_cache)
+            return query, key
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
@@ -136,9 +155,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.fused_silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu and lk.use_fused_kernels(gate_up):
+            return self.down_proj(lk.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -152,9 +175,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                rotary: RotaryEmbedding) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+                residual: torch.Tensor | None,
+                rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it is added): the add is
+        fused into the next norm."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, rotary)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -171,9 +203,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, self.rotary_emb)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, self.rotary_emb)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 # Hugging Face parameter -> (our fused parameter, shard id).
