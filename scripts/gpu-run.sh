@@ -5,8 +5,10 @@
 # along, see ../shared/gpu/README.md), tests (GPU tests in parallel shards), e2e (engine vs
 # transformers on the SmolLM2 GGUF, joined from .gpu-smol-a/.gpu-smol-b), bench (attention
 # kernels), features (CUDA graphs, TurboQuant, Mamba, prefix caching GPU tests), engine
-# (benchmarks/gpu_engine.py), export (compiled FlashInfer kernels to $OUT, which install.sh
-# reuses when copied into .gpu/ as kernels*.tar.xz). Logs go to $OUT; a summary prints last.
+# (benchmarks/gpu_engine.py), tune (Triton launch-shape sweep, K/V write paths), measure
+# (prefix caching, Mamba decode and TurboQuant decode benchmarks), export (compiled FlashInfer
+# kernels to $OUT, which install.sh reuses when copied into .gpu/ as kernels*.tar.xz).
+# Logs go to $OUT; a summary prints last.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -48,7 +50,7 @@ stage_tests() {
     shard fi-a tests/test_flashinfer_gpu.py -k "d64 and not slow"
     shard fi-b tests/test_flashinfer_gpu.py -k "not d64 and not slow"
     shard fa tests/test_flash_attn_gpu.py -k "torch or fa4"
-    shard models tests/test_models.py
+    shard models tests/test_models.py tests/test_layer_kernels.py
     wait
 }
 
@@ -80,6 +82,24 @@ stage_bench() {
     setup_env
     timeout 300 python3 benchmarks/attention_kernels.py --backends TRITON,FLASHINFER,FLASH_ATTN \
         >"$OUT/bench.log" 2>&1; echo "exit $?" >>"$OUT/bench.log"
+}
+
+stage_tune() {  # issue 5's launch shapes and issue 6's K/V write, on a quiet GPU
+    setup_env
+    timeout 300 python3 benchmarks/triton_tiles.py >"$OUT/tune.log" 2>&1
+    echo "exit $?" >>"$OUT/tune.log"
+    timeout 200 python3 benchmarks/attention_kernels.py --backends TRITON,FLASHINFER,FLASH_ATTN \
+        --write >"$OUT/bench.log" 2>&1; echo "exit $?" >>"$OUT/bench.log"
+}
+
+stage_measure() {  # benchmarks of prefix caching, Mamba and TurboQuant on the H200
+    setup_env
+    timeout 240 python3 benchmarks/prefix_caching.py --device cuda --dtype bfloat16 \
+        --model random:smollm2-135m >"$OUT/prefix.log" 2>&1; echo "exit $?" >>"$OUT/prefix.log"
+    timeout 180 python3 benchmarks/mamba_decode.py >"$OUT/mamba.log" 2>&1
+    echo "exit $?" >>"$OUT/mamba.log"
+    timeout 120 python3 benchmarks/kv_quant_quality.py --kernel-bench >"$OUT/tq.log" 2>&1
+    echo "exit $?" >>"$OUT/tq.log"
 }
 
 stage_export() {
