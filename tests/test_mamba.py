@@ -181,11 +181,12 @@ def test_teacher_forced_scoring_matches_transformers(mamba_models, make_llm):
     path, hf, prompts, _ = mamba_models["tied"]
     g = torch.Generator().manual_seed(7)
     continuations = [torch.randint(3, 211, (10,), generator=g).tolist() for _ in prompts]
-    llm = _make(make_llm, path)
-    scores = llm.score(prompts, continuations)
-    for prompt, cont, got in zip(prompts, continuations, scores, strict=True):
-        ref = hf_logprobs(hf, prompt + cont)[len(prompt) - 1:-1]
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    llm = _make(make_llm, path, max_num_batched_tokens=16)
+    for mode in ("decode", "prefill"):
+        scores = llm.score(prompts, continuations, mode=mode)
+        for prompt, cont, got in zip(prompts, continuations, scores, strict=True):
+            ref = hf_logprobs(hf, prompt + cont)[len(prompt) - 1:-1]
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     _assert_slots_free(llm)
 
 

@@ -63,16 +63,36 @@ class LLM:
             raise
 
     def score(self, prompts: Sequence[list[int]], continuations: Sequence[list[int]],
-              use_tqdm: bool = False) -> list[Any]:
-        """Teacher-forced scoring: for each prompt, feed its continuation token by token (decode
-        steps against the KV cache) and return a [len(continuation), vocab] tensor of the
-        next-token log-distributions (row i predicts continuation[i])."""
+              use_tqdm: bool = False, mode: str = "decode") -> list[Any]:
+        """Teacher-forced scoring: for each prompt, a float32 CPU tensor [len(continuation),
+        vocab] of the next-token log-distributions (row i predicts continuation[i]).
+
+        mode="decode" feeds the continuation token by token (decode steps against the KV
+        cache); mode="prefill" computes prompt + continuation as one ordinary prompt (chunked
+        prefill allowed, prefix cache bypassed) and keeps the rows of its logits that predict
+        the continuation, the same shapes of work as a full-sequence forward."""
+        if mode not in ("decode", "prefill"):
+            raise ValueError(f"mode must be 'decode' or 'prefill', not {mode!r}")
+        prompts = [list(p) for p in prompts]
+        continuations = [list(c) for c in continuations]
+        if len(prompts) != len(continuations):
+            raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+        for i, (prompt, continuation) in enumerate(zip(prompts, continuations, strict=True)):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if not continuation:
+                raise ValueError(f"continuation {i} is empty: nothing to score")
         ids = []
         try:
             for prompt, continuation in zip(prompts, continuations, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, list(prompt), SamplingParams(temperature=0),
-                                        forced_output_ids=list(continuation), stream=False)
+                if mode == "decode":
+                    self.engine.add_request(request_id, prompt, SamplingParams(temperature=0),
+                                            forced_output_ids=continuation, stream=False)
+                else:
+                    self.engine.add_request(request_id, prompt + continuation,
+                                            SamplingParams(temperature=0), stream=False,
+                                            score_prompt_from=len(prompt) - 1)
                 ids.append(request_id)
             outputs = self.wait_for(ids, use_tqdm)
         except BaseException:

@@ -40,7 +40,9 @@ class SequenceState:
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
+    # Scoring (teacher-forced or by prefill): chunks [rows, V] of next-token log-distributions.
     forced_logprobs: list[Any] | None = None
+    num_scored: int = 0  # rows in forced_logprobs
 
 
 @dataclass
@@ -151,21 +153,38 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None,
-                    forced_output_ids: list[int] | None = None, stream: bool = True) -> None:
+                    forced_output_ids: list[int] | None = None, stream: bool = True,
+                    score_prompt_from: int | None = None) -> None:
         """Queue a request; `n` > 1 fans out into n sequences sharing the prompt (a seeded
         request's i-th sequence uses seed + i). `forced_output_ids` makes it a teacher-forced
         scoring request: those tokens are emitted instead of sampled ones and the full
-        next-token log-distribution before each is returned (`forced_logprobs`). With
+        next-token log-distribution before each is returned (`forced_logprobs`).
+        `score_prompt_from=s` scores by prefill instead: the prompt is computed as usual
+        (chunked, never from the prefix cache) and `forced_logprobs` holds the full
+        log-distributions at prompt positions s..len(prompt)-2, i.e. those predicting prompt
+        tokens s+1..; the request generates one token, which the caller ignores. With
         `stream=False` step() reports the request only when it finishes."""
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if forced_output_ids is not None and score_prompt_from is not None:
+            raise ValueError("forced_output_ids and score_prompt_from are two scoring modes: "
+                             "pass one")
         if forced_output_ids is not None:
+            self._validate_scoring(len(token_ids), len(forced_output_ids))
             params = copy.copy(params)
             params.max_tokens, params.ignore_eos, params.n = len(forced_output_ids), True, 1
             self.validate_prompt(token_ids + list(forced_output_ids), SamplingParams(max_tokens=1))
+        if score_prompt_from is not None:
+            if not 0 <= score_prompt_from < len(token_ids) - 1:
+                raise ValueError(
+                    f"score_prompt_from={score_prompt_from} must be in [0, {len(token_ids) - 2}]"
+                    f" for a {len(token_ids)}-token prompt (at least one token to score)")
+            self._validate_scoring(score_prompt_from + 1, len(token_ids) - score_prompt_from - 1)
+            params = copy.copy(params)
+            params.max_tokens, params.ignore_eos, params.n = 1, True, 1
         self.validate_prompt(token_ids, params)
         if params.max_tokens is None:
             params = copy.copy(params)
@@ -188,7 +207,7 @@ class LLMEngine:
             child_params = self._with_extra_eos(child_params)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             request = Request(seq_id, token_ids, child_params, self.eos_token_id, arrival,
-                              cache_salt)
+                              cache_salt, score_prompt_from)
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, token_ids, child_params)
@@ -197,6 +216,7 @@ class LLMEngine:
                                 0.0 if wants_lp else None)
             if forced_output_ids is not None:
                 request.forced_output_ids = list(forced_output_ids)
+            if forced_output_ids is not None or score_prompt_from is not None:
                 seq.forced_logprobs = []
             state.sequences.append(seq)
             requests.append(request)
@@ -206,6 +226,15 @@ class LLMEngine:
         self.states[request_id] = state
         for seq in state.sequences:
             self._seq_of[seq.request.request_id] = (state, seq)
+
+    def _validate_scoring(self, num_prompt: int, num_scored: int) -> None:
+        if num_scored < 1:
+            raise ValueError("the continuation to score is empty")
+        if num_prompt + num_scored >= self.max_model_len:
+            raise ValueError(
+                f"a prompt of {num_prompt} tokens and a continuation of {num_scored} tokens do not"
+                f" fit this model's context length for scoring: {num_prompt + num_scored} tokens"
+                f" must be fewer than max_model_len={self.max_model_len}")
 
     def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
         """Models with several end tokens (generation_config) stop on all of them."""
@@ -264,10 +293,20 @@ class LLMEngine:
                 first = int(batch.num_computed_tokens[row_of[request.request_id]]) + 1
                 positions = self._positions(output.prompt_logprobs[request.request_id])
                 state.prompt_logprobs.extend(positions[len(state.prompt_logprobs) - first:])
+            if request.request_id in output.score_logprobs and seq.forced_logprobs is not None:
+                # Rows by position: a request recomputing its prompt after preemption sends
+                # positions it already sent.
+                first, rows = output.score_logprobs[request.request_id]
+                skip = request.score_from + seq.num_scored - first
+                assert skip >= 0, "a gap in the scored positions"
+                if skip < rows.shape[0]:
+                    seq.forced_logprobs.append(rows[skip:])
+                    seq.num_scored += rows.shape[0] - skip
             if token is None:
                 continue
-            if seq.forced_logprobs is not None:
-                seq.forced_logprobs.append(output.forced_logprobs[request.request_id])
+            if request.forced_output_ids is not None and seq.forced_logprobs is not None:
+                seq.forced_logprobs.append(output.forced_logprobs[request.request_id][None])
+                seq.num_scored += 1
             touched[state.request_id] = state
             self.generation_tokens += 1
             if state.metrics.first_token_time is None:
@@ -347,7 +386,7 @@ class LLMEngine:
                 cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
                 finish_reason=finish_reason, stop_reason=seq.stop_reason, delta_text=delta,
                 delta_token_ids=new_ids, delta_logprobs=delta_lp,
-                forced_logprobs=_stack(seq.forced_logprobs) if finish_reason else None))
+                forced_logprobs=_concat(seq.forced_logprobs) if finish_reason else None))
         state.metrics.num_preemptions = sum(s.request.num_preemptions for s in state.sequences)
         if state.finished:
             state.metrics.finished_time = now
@@ -393,9 +432,9 @@ def _has_new_finish(state: RequestState) -> bool:
                for seq in state.sequences)
 
 
-def _stack(rows: list[Any] | None) -> Any:
-    if not rows:
+def _concat(chunks: list[Any] | None) -> Any:
+    if not chunks:
         return None
     import torch
 
-    return torch.stack(rows)
+    return torch.cat(chunks)

@@ -50,6 +50,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
     # request id -> full next-token log-distribution [V] of a teacher-forced request.
     forced_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # request id -> (first position p, float32 [rows, V] on the CPU): the full log-distributions
+    # this step computed at prompt positions p, p+1, ... of a request scored by prefill.
+    score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class InputRows:
@@ -322,7 +325,7 @@ class ModelRunner:
             logprobs = LogprobsTensors(out.logprobs.cpu(), out.logprob_token_ids.cpu(),
                                        out.sampled_token_ranks.cpu())
         return ModelRunnerOutput(sampled, logprobs, self._prompt_logprobs(batch, rows, hidden),
-                                 forced)
+                                 forced, self._score_logprobs(batch, hidden))
 
     @staticmethod
     def _apply_forced_tokens(batch: SchedulerOutput, done: np.ndarray, logits: torch.Tensor,
@@ -369,6 +372,28 @@ class ModelRunner:
                 lp = compute_prompt_logprobs(logits, targets, k)
                 result[request.request_id] = LogprobsTensors(*(t.cpu() for t in lp))
             start += n
+        return result
+
+    def _score_logprobs(self, batch: SchedulerOutput,
+                        hidden: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
+        """For requests scored by prefill (`score_from` set; rare, so a loop over just those):
+        log_softmax of the logits at this chunk's positions p with score_from <= p <=
+        num_prompt_tokens - 2 (position p predicts prompt token p + 1)."""
+        index = [i for i, r in enumerate(batch.requests) if r.score_from is not None]
+        if not index:
+            return {}
+        starts = np.cumsum(batch.num_scheduled_tokens) - batch.num_scheduled_tokens
+        result = {}
+        for i in index:
+            request = batch.requests[i]
+            c, n = int(batch.num_computed_tokens[i]), int(batch.num_scheduled_tokens[i])
+            lo, hi = max(c, request.score_from), min(c + n, request.num_prompt_tokens - 1)
+            if lo < hi:
+                # The head runs over the whole chunk, as transformers' forward does over the
+                # sequence: the same matmul shape, so the same rounding.
+                start = int(starts[i])
+                logits = self.model.compute_logits(hidden[start:start + n])[lo - c:hi - c]
+                result[request.request_id] = (lo, torch.log_softmax(logits.float(), -1).cpu())
         return result
 
     def warmup(self) -> None:

@@ -31,7 +31,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  eos_token_id: int | None = None, arrival_time: float | None = None,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, score_from: int | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must have at least one token")
         self.request_id = request_id
@@ -46,8 +46,13 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        # Prompt logprobs need logits at every prompt position, so cached prefixes are skipped.
-        self.skip_prefix_cache = getattr(sampling_params, "prompt_logprobs", None) is not None
+        # Scoring by prefill: the full next-token log-distributions at prompt positions
+        # score_from..num_prompt_tokens-2 (those predicting prompt tokens score_from+1..).
+        self.score_from = score_from
+        # Prompt logprobs and scoring need logits at every prompt position they cover, so
+        # cached prefixes are skipped.
+        self.skip_prefix_cache = (score_from is not None or
+                                  getattr(sampling_params, "prompt_logprobs", None) is not None)
         self.max_tokens: int = getattr(sampling_params, "max_tokens", None) or 1 << 62
         self.min_tokens: int = getattr(sampling_params, "min_tokens", 0) or 0
         self.ignore_eos: bool = bool(getattr(sampling_params, "ignore_eos", False))
