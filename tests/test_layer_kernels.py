@@ -64,7 +64,11 @@ def test_rotary_in_place_on_strided_views(device):
         want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         v_before = v.clone()
         lk.rotary_embedding_(positions, q, k, rope.cos_sin_cache)
-        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+        if dtype == torch.float32:  # the GPU may contract x1 * c - x2 * s into an FMA
+            _close(q, want_q)
+            _close(k, want_k)
+        else:  # every product rounds to 16 bits first, as in torch: bit-identical
+            assert torch.equal(q, want_q) and torch.equal(k, want_k)
         assert torch.equal(v, v_before)
 
 

@@ -26,15 +26,21 @@ TRITON = get_backend_cls("TRITON")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_reshape_and_cache_matches_scatter(dtype, block_size):
+@pytest.mark.parametrize("packed", [True, False])
+def test_reshape_and_cache_matches_scatter(dtype, block_size, packed):
     gen = torch.Generator().manual_seed(0)
     hkv, d, t = 3, 80, 37
     num_blocks = 64 // block_size
     cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(DEVICE)
-    # key/value as strided views of a fused projection, as a model hands them over.
+    # key/value as strided views of a fused projection, as a model hands them over (heads
+    # packed in a row), or with heads apart (the kernel's general addressing).
     qkv = torch.randn(t, 4 * hkv * d, generator=gen).to(dtype).to(DEVICE)
-    key = qkv[:, hkv * d:2 * hkv * d].view(t, hkv, d)
-    value = qkv[:, 2 * hkv * d:3 * hkv * d].view(t, hkv, d)
+    if packed:
+        key = qkv[:, hkv * d:2 * hkv * d].view(t, hkv, d)
+        value = qkv[:, 2 * hkv * d:3 * hkv * d].view(t, hkv, d)
+    else:
+        key = qkv.view(t, 2 * hkv, 2 * d)[:, ::2, :d]
+        value = qkv.view(t, 2 * hkv, 2 * d)[:, 1::2, d:]
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
     slots[::5] = -1  # padding tokens
     expected = cache.clone()

@@ -6,6 +6,8 @@ Kernel `_reshape_and_cache_kernel`
            num_kv_heads * head_size elements (padded to a power of two, masked), so a program moves
            a [BLOCK_T, HD_PAD] tile of K and one of V.
   layout:  key/value [T, Hkv, D] with any strides (a view of a fused qkv projection is fine);
+           when a token's heads are packed (strides D, 1), the [Hkv * D] row is addressed as one
+           contiguous run so loads and stores vectorise;
            k_cache/v_cache [num_blocks, block_size, Hkv, D] with any strides; slot s lands at
            block s // block_size, offset s % block_size. Slots of -1 (padding) are skipped.
   dtype:   values are cast to the cache's dtype; an fp8 e4m3 cache (passed as its uint8 bytes)
@@ -29,7 +31,8 @@ def _reshape_and_cache_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_cb, stride_cs, stride_ch, stride_cd,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr, FP8: tl.constexpr, FLAT_SRC: tl.constexpr,
+    FLAT_DST: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tokens < num_tokens
@@ -41,11 +44,19 @@ def _reshape_and_cache_kernel(
     mask = valid[:, None] & (flat < HD)[None, :]
     tok = tokens.to(tl.int64)[:, None]
 
-    k = tl.load(key_ptr + tok * stride_kt + head * stride_kh + chan * stride_kd, mask=mask)
-    v = tl.load(value_ptr + tok * stride_vt + head * stride_vh + chan * stride_vd, mask=mask)
-    block = slots // BLOCK_SIZE
-    offset = slots % BLOCK_SIZE
-    dst = (block * stride_cb + offset * stride_cs)[:, None] + head * stride_ch + chan * stride_cd
+    if FLAT_SRC:  # heads packed in each token's row: the compiler sees contiguous runs
+        k_off = tok * stride_kt + flat
+        v_off = tok * stride_vt + flat
+    else:
+        k_off = tok * stride_kt + head * stride_kh + chan * stride_kd
+        v_off = tok * stride_vt + head * stride_vh + chan * stride_vd
+    k = tl.load(key_ptr + k_off, mask=mask)
+    v = tl.load(value_ptr + v_off, mask=mask)
+    row = (slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_cs
+    if FLAT_DST:
+        dst = row[:, None] + flat
+    else:
+        dst = row[:, None] + head * stride_ch + chan * stride_cd
     if FP8:
         k = fp32_to_e4m3_bits(k.to(tl.float32) * k_inv_scale)
         v = fp32_to_e4m3_bits(v.to(tl.float32) * v_inv_scale)
@@ -83,5 +94,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         key, value, k_cache, v_cache, slot_mapping, num_tokens, 1.0 / k_scale, 1.0 / v_scale,
         *key.stride(), *value.stride(), *k_cache.stride(),
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HD=hd, HD_PAD=hd_pad, BLOCK_T=block_t,
-        FP8=fp8, num_warps=4,
+        FP8=fp8, FLAT_SRC=_heads_packed(key) and _heads_packed(value),
+        FLAT_DST=_heads_packed(k_cache), num_warps=4,
     )
+
+
+def _heads_packed(x: torch.Tensor) -> bool:
+    """A token's heads and channels form one contiguous row (strides D, 1 on the last dims), so
+    the kernel can address [Hkv * D] as one run and vectorise its loads and stores."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
