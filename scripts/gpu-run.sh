@@ -50,7 +50,7 @@ stage_tests() {
     shard fi-a tests/test_flashinfer_gpu.py -k "d64 and not slow"
     shard fi-b tests/test_flashinfer_gpu.py -k "not d64 and not slow"
     shard fa tests/test_flash_attn_gpu.py -k "torch or fa4"
-    shard models tests/test_models.py tests/test_layer_kernels.py
+    shard models tests/test_models.py tests/test_layer_kernels.py tests/test_cuda_graphs_gpu.py
     wait
 }
 
@@ -100,6 +100,13 @@ stage_measure() {  # benchmarks of prefix caching, Mamba and TurboQuant on the H
     echo "exit $?" >>"$OUT/mamba.log"
     timeout 120 python3 benchmarks/kv_quant_quality.py --kernel-bench >"$OUT/tq.log" 2>&1
     echo "exit $?" >>"$OUT/tq.log"
+}
+
+stage_prefix0() {  # what prefix caching costs with nothing to hit, more repeats
+    setup_env
+    timeout 200 python3 benchmarks/prefix_caching.py --device cuda --dtype bfloat16 \
+        --model random:smollm2-135m --workloads unique --repeats 6 >"$OUT/prefix0.log" 2>&1
+    echo "exit $?" >>"$OUT/prefix0.log"
 }
 
 stage_export() {
