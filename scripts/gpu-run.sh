@@ -25,10 +25,13 @@ setup_env() {
 stage_install() {
     [ -d .gpu ] && bash .gpu/install.sh >"$OUT/install.log" 2>&1
     [ -d .gpu-deps ] && bash .gpu-deps/install-deps.sh >>"$OUT/install.log" 2>&1
+    # The SmolLM2 GGUF (98 MB) travels in parts (.gpu-smol-a/part1, -b/part2, -c/part3), one
+    # per call on the same machine; once all are here they are joined.
     mkdir -p /tmp/smol
-    [ -f .gpu-smol-a/part1 ] && cp .gpu-smol-a/part1 /tmp/smol/part1
-    if [ -f .gpu-smol-b/part2 ] && [ -f /tmp/smol/part1 ]; then
-        cat /tmp/smol/part1 .gpu-smol-b/part2 >/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+    for part in .gpu-smol-*/part*; do [ -f "$part" ] && cp "$part" /tmp/smol/; done
+    if [ -f /tmp/smol/part1 ] && [ -f /tmp/smol/part2 ] && [ -f /tmp/smol/part3 ]; then
+        cat /tmp/smol/part1 /tmp/smol/part2 /tmp/smol/part3 \
+            >/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
     fi
     setup_env
     nvidia-smi -L
