@@ -17,6 +17,15 @@ prompts, so nothing is left to hit from the one before. All requests arrive at o
 (first_token_time - arrival_time) includes queueing. The scheduler's own time (schedule +
 update_from_output, where every hash, lookup and eviction happens) is timed separately: it is
 the overhead that machine noise cannot hide.
+
+--scheduler-only: no model, deterministic. The scheduler and KV cache manager alone run the
+workloads with fake samples, caching on and off, each run on a pool that an untimed round of other
+prompts left full (of cached blocks when caching is on, so taking fresh blocks evicts). It reports
+the CPU time of the timed round (best of --repeats) and the extra time per request with caching:
+what the engine's "extra scheduler time" line measures, without the model or machine noise.
+--overlap schedules each step before the previous one's samples are back (async scheduling).
+
+    python benchmarks/prefix_caching.py --scheduler-only      # unique: ~5 s on a 2-core CPU
 """
 
 from __future__ import annotations
@@ -34,7 +43,9 @@ import numpy as np
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import resolve_dtype
+from pagedserve.config import SchedulerConfig, resolve_dtype
+from pagedserve.kv_cache import KVCacheManager
+from pagedserve.scheduler import Request, Scheduler
 
 
 @dataclass
@@ -179,6 +190,100 @@ def summarize(results: list[RunResult], workload: str) -> dict[str, float]:
             "scheduler_overhead_median": med(sched_cost)}
 
 
+def drive_scheduler(sched: Scheduler, requests: list[Request], sampled: np.ndarray,
+                    overlap: bool = False) -> int:
+    """Run requests to completion through schedule/update_from_output with fake samples; with
+    `overlap`, each step is scheduled before the previous one's samples are back (as async
+    scheduling does)."""
+    for request in requests:
+        sched.add_request(request)
+    steps, in_flight = 0, None
+    while True:
+        out = sched.schedule()
+        done = in_flight if overlap else out
+        if done is not None and not done.is_empty:
+            offset = (steps * 131) % (len(sampled) // 2)  # fake samples, varied per step
+            sched.update_from_output(done, sampled[offset:offset + len(done.requests)])
+        elif out.is_empty:
+            if not sched.has_unfinished_requests():
+                return steps
+            raise RuntimeError("the scheduler makes no progress")
+        in_flight = out
+        steps += 1
+
+
+def scheduler_only_run(args: argparse.Namespace, workload: str, caching: bool, repeat: int,
+                       num_blocks: int, profiler: cProfile.Profile | None = None
+                       ) -> tuple[float, float]:
+    """(wall, cpu) seconds of one round of `workload` through a bare scheduler, after an
+    untimed round of other unique prompts has left the pool full."""
+    vocab = 50000
+    kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=caching)
+    config = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens)
+    sched = Scheduler(config, kv, max_model_len=1 << 20)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    sampled = np.random.default_rng(7).integers(100, vocab, 2 * args.max_num_seqs + 4096)
+
+    def requests(name: str, prompts: list[list[int]]) -> list[Request]:
+        return [Request(f"{name}{i}", p, params) for i, p in enumerate(prompts)]
+
+    # The same prompts for caching on and off in a repeat.
+    before = make_prompts("unique", args, vocab, seed=500 + repeat)
+    timed = make_prompts(workload, args, vocab, seed=1000 + repeat)
+    drive_scheduler(sched, requests("w", before), sampled, args.overlap)
+    reqs = requests("r", timed)
+    if profiler is not None:
+        profiler.enable()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    drive_scheduler(sched, reqs, sampled, args.overlap)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    if profiler is not None:
+        profiler.disable()
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(r.num_output_tokens == args.output_len for r in reqs)
+    return seconds, cpu_seconds
+
+
+def scheduler_only(args: argparse.Namespace) -> None:
+    bs = args.block_size
+    per_request = -(-(args.prefix_len + args.suffix_len + args.output_len) // bs)
+    num_blocks = args.num_blocks or (args.num_prompts * per_request
+                                     + args.num_prefixes * -(-args.prefix_len // bs) + 16)
+    print(f"scheduler only: {args.num_prompts} prompts of {args.prefix_len + args.suffix_len} "
+          f"tokens, {args.output_len} output tokens; {num_blocks} blocks of {bs}; "
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
+          f"{args.max_num_batched_tokens}", flush=True)
+    summary = {}
+    for workload in args.workloads.split(","):
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for repeat in range(args.repeats):
+            for caching in (True, False) if repeat % 2 == 0 else (False, True):
+                wall, cpu = scheduler_only_run(args, workload, caching, repeat, num_blocks)
+                times[caching].append(cpu)
+                print(f"  {workload:6} caching={'on ' if caching else 'off'} rep {repeat}: "
+                      f"{wall * 1e3:8.1f} ms (cpu {cpu * 1e3:8.1f} ms)", flush=True)
+        on, off = min(times[True]), min(times[False])
+        diffs = [a - b for a, b in zip(times[True], times[False], strict=True)]
+        per_req = 1e6 / args.num_prompts
+        print(f"{workload}: cpu time (best of {args.repeats}) on {on * 1e3:.1f} ms, off "
+              f"{off * 1e3:.1f} ms; per request on {on * per_req:.1f} us, off "
+              f"{off * per_req:.1f} us, extra {(on - off) * per_req:+.1f} us "
+              f"(median of paired differences {statistics.median(diffs) * per_req:+.1f} us, "
+              f"{100 * (on - off) / off:+.1f}%)", flush=True)
+        summary[workload] = {"on_seconds": on, "off_seconds": off,
+                             "extra_us_per_request": (on - off) * per_req}
+    if args.profile:
+        profiler = cProfile.Profile()
+        scheduler_only_run(args, "unique", True, 0, num_blocks, profiler)
+        stream = io.StringIO()
+        pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(20)
+        print("scheduler calls with caching on, 'unique' workload:\n" + stream.getvalue())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "summary": summary}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2")
@@ -190,8 +295,10 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=256)
     parser.add_argument("--suffix-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", default="shared,unique")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="default: 3 (15 with --scheduler-only)")
+    parser.add_argument("--workloads", default=None,
+                        help="default: shared,unique (unique with --scheduler-only)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV blocks; default: the whole workload plus its prefixes")
@@ -202,11 +309,27 @@ def main() -> None:
                         help="build a second engine with enable_prefix_caching=False instead of "
                              "toggling caching on one engine between runs")
     parser.add_argument("--profile", action="store_true",
-                        help="afterwards, cProfile the scheduler calls of one more 'unique' run")
+                        help="afterwards, cProfile the scheduler calls of one more 'unique' run "
+                             "(with --scheduler-only: of one scheduler-only run)")
     parser.add_argument("--json", default=None, help="write every run and the summary here")
+    parser.add_argument("--scheduler-only", action="store_true",
+                        help="no model: time the scheduler and KV cache manager alone, caching "
+                             "on and off (default --workloads unique, --num-prompts 100, "
+                             "--repeats 15)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="with --scheduler-only: schedule each step before the previous "
+                             "one's samples are back, as async scheduling does")
     args = parser.parse_args()
+    if args.scheduler_only:
+        args.num_prompts = 100 if args.num_prompts is None else args.num_prompts
+        args.workloads = "unique" if args.workloads is None else args.workloads
+        args.repeats = 15 if args.repeats is None else args.repeats
+        scheduler_only(args)
+        return
     if args.num_prompts is None:
         args.num_prompts = 100 if args.device == "cuda" else 8
+    args.workloads = "shared,unique" if args.workloads is None else args.workloads
+    args.repeats = 3 if args.repeats is None else args.repeats
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -50,6 +50,50 @@ def test_free_queue_order_is_lru():
     assert pool.num_evictions == 1
 
 
+def test_batched_allocate_and_free_keep_the_queue_in_lru_order():
+    pool = BlockPool(6)
+    blocks = pool.allocate(6)
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    for block, block_hash in zip(blocks, hashes, strict=True):
+        pool.cache_block(block, block_hash)
+    pool.free(blocks[3:])
+    # A double free raises with the blocks before it freed and the queue still linked.
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([blocks[0], blocks[1], blocks[1]])
+    assert [b.block_id for b in pool.free_queue] == [3, 4, 5, 0, 1]
+    assert pool.num_free_blocks == 5 and blocks[2].ref_cnt == 1
+    taken = pool.allocate(4)  # from the head; each cached block taken loses its hash
+    assert taken == [blocks[3], blocks[4], blocks[5], blocks[0]]
+    assert all(b.ref_cnt == 1 and b.block_hash is None for b in taken)
+    assert pool.num_evictions == 4
+    assert pool.cached_blocks == {hashes[1]: blocks[1], hashes[2]: blocks[2]}
+    assert [b.block_id for b in pool.free_queue] == [1] and pool.num_free_blocks == 1
+    pool.free(taken)
+    assert [b.block_id for b in pool.free_queue] == [1, 3, 4, 5, 0]
+    assert pool.allocate(2) == [blocks[1], blocks[3]]
+    assert pool.num_evictions == 5 and pool.cached_blocks == {hashes[2]: blocks[2]}
+    assert [b.block_id for b in pool.free_queue] == [4, 5, 0] and pool.num_free_blocks == 3
+    assert pool.allocate(0) == [] and pool.num_free_blocks == 3
+
+
+def test_cache_blocks_keeps_the_first_published_copy():
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    pool.cache_blocks([a, b], hashes, 0, 2)
+    # c holds b's prefix (b stays the cached copy); a is published already (keeps its hash).
+    pool.cache_blocks([c, a], [hashes[1], hashes[2]], 0, 2)
+    assert pool.lookup(hashes[1]) is b and c.block_hash is None
+    assert a.block_hash == hashes[0] and pool.lookup(hashes[2]) is None
+    pool.cache_block(c, hashes[1])
+    assert c.block_hash is None
+    off = BlockPool(2, enable_caching=False)
+    d, e = off.allocate(2)
+    off.cache_blocks([d, e], hashes[:2], 0, 2)
+    off.cache_block(d, hashes[2])
+    assert not off.cached_blocks and d.block_hash is None and e.block_hash is None
+
+
 def test_hash_chaining_and_salt():
     h1 = hash_block(NONE_HASH, [1, 2, 3, 4], None)
     assert h1 == hash_block(NONE_HASH, [1, 2, 3, 4], None)

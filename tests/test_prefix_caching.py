@@ -79,6 +79,52 @@ def test_salt_changes_every_hash_of_the_chain():
     assert salted == _hashes(kv, _req("d", prompt, salt="tenant-1"))
 
 
+def _chain(tokens: list[int], block_size: int, salt: str | None) -> list[bytes]:
+    """hash_block's chain over the full blocks of `tokens`."""
+    hashes, parent = [], NONE_HASH
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_block(parent, tokens[start:start + block_size], salt)
+        hashes.append(parent)
+    return hashes
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-1"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_blocks_filled_by_decodes_are_published_under_the_chain(salt, overlap):
+    """The prompt's blocks are hashed in one pass on admission; blocks that decodes fill, one
+    at a time, take the per-block path (in allocate_slots, or once the sample is back when
+    the next step is scheduled before it: `overlap`). Both give hash_block's chain, published
+    as soon as the block is full."""
+    sched, kv = _scheduler(num_blocks=64, block_size=4, budget=64)
+    request = _req("a", list(range(10)), salt, max_tokens=15)
+    sched.add_request(request)
+    tokens = iter(range(100, 200))
+    pending, steps = None, 0
+    while True:
+        out = sched.schedule()
+        if not overlap:
+            pending = out
+        if pending is not None and not pending.is_empty:
+            sched.update_from_output(pending, np.array([next(tokens) for _ in pending.requests]))
+        pending = out
+        steps += 1
+        assert steps < 100
+        if not request.is_finished:  # every full block of known, computed tokens is published
+            known = request.all_token_ids[:min(request.num_computed_tokens, request.num_tokens)]
+            assert all(kv.pool.lookup(h) is not None for h in _chain(known, 4, salt))
+        elif pending.is_empty:
+            break
+    assert request.num_output_tokens == 15
+    computed = request.all_token_ids[:-1]  # the last sample is never fed back
+    expected = _chain(computed, 4, salt)
+    assert len(expected) == 6  # two prompt blocks, one the decodes finish, three of decodes
+    published = [kv.pool.lookup(h) for h in expected]
+    assert all(b is not None and b.block_hash == h for b, h in zip(published, expected,
+                                                                    strict=True))
+    assert len({b.block_id for b in published}) == 6
+    assert kv.get_computed_blocks(_req("b", computed + [7], salt))[1] == 24
+
+
 # ---- block pool through the manager -----------------------------------------------------------
 
 def _run_prompt(kv: KVCacheManager, rid: str, prompt: list[int], salt: str | None = None):

@@ -94,27 +94,60 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` fresh blocks from the head of the free queue (least recently freed
         first), evicting the prefix hash of any cached block taken."""
-        if num_blocks > self.free_queue.num_blocks:
+        queue = self.free_queue
+        if num_blocks > queue.num_blocks:
             raise ValueError(
-                f"cannot allocate {num_blocks} blocks, only {self.free_queue.num_blocks} free")
+                f"cannot allocate {num_blocks} blocks, only {queue.num_blocks} free")
+        if num_blocks <= 0:
+            return []
+        # Unlink the first `num_blocks` blocks in one pass (one splice instead of a removal per
+        # block). A block holding a hash is the one the map publishes under it (cache_block
+        # publishes a block only under a hash not yet taken), so eviction is a plain delete.
+        cached = self.cached_blocks
+        num_cached = len(cached)
+        head = queue._head
+        block = head.next_free
         out = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+        append = out.append
+        for _ in range(num_blocks):  # the queue holds at least num_blocks: none is the tail
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
             if block.block_hash is not None:
-                self._evict(block)
+                del cached[block.block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
-            out.append(block)
+            append(block)
+            block = nxt
+        assert block is not None
+        head.next_free = block
+        block.prev_free = head
+        queue.num_blocks -= num_blocks
+        self.num_evictions += num_cached - len(cached)  # each eviction deleted one entry
         return out
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks that reach zero join the free queue's tail
         in the order given (so callers pass the blocks they would rather keep cached last)."""
-        for block in blocks:
-            if block.ref_cnt <= 0:
-                raise ValueError(f"double free of block {block.block_id}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue.append(block)
+        queue = self.free_queue
+        tail = queue._tail
+        last = tail.prev_free
+        assert last is not None
+        appended = 0
+        try:
+            for block in blocks:
+                ref_cnt = block.ref_cnt
+                if ref_cnt <= 0:
+                    raise ValueError(f"double free of block {block.block_id}")
+                block.ref_cnt = ref_cnt - 1
+                if ref_cnt == 1:
+                    last.next_free = block
+                    block.prev_free = last
+                    last = block
+                    appended += 1
+        finally:  # close the queue over what was appended, also when a double free raises
+            last.next_free = tail
+            tail.prev_free = last
+            queue.num_blocks += appended
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference to cached blocks found by a prefix lookup; an evictable one leaves
@@ -130,19 +163,21 @@ class BlockPool:
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Publish a full block under its prefix hash. If an equal block is already published
         (two requests computed the same prefix at once) the first one stays the cached copy."""
-        if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash in self.cached_blocks:
-            return
-        block.block_hash = block_hash
-        self.cached_blocks[block_hash] = block
+        if (self.enable_caching and block.block_hash is None
+                and self.cached_blocks.setdefault(block_hash, block) is block):
+            block.block_hash = block_hash
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        assert block.block_hash is not None
-        if self.cached_blocks.get(block.block_hash) is block:
-            del self.cached_blocks[block.block_hash]
-        block.block_hash = None
-        self.num_evictions += 1
+    def cache_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes], start: int,
+                     end: int) -> None:
+        """cache_block(blocks[i], block_hashes[i]) for i in range(start, end), in one call."""
+        if not self.enable_caching:
+            return
+        setdefault = self.cached_blocks.setdefault
+        for i in range(start, end):
+            block = blocks[i]
+            # Published unless an equal block already is (that one stays the cached copy).
+            if block.block_hash is None and setdefault(block_hashes[i], block) is block:
+                block.block_hash = block_hashes[i]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""

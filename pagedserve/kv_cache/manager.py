@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -25,7 +26,7 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: str | No
     """SHA-256 of a full block, chained from its parent's hash so equal token blocks at
     different positions (or after different prefixes) never collide. The salt keeps tenants'
     prefixes apart."""
-    token_bytes = np.asarray(token_ids, dtype=np.int64).tobytes()
+    token_bytes = np.asarray(token_ids, dtype="<i8").tobytes()
     return _chain_hash(parent_hash, token_bytes, _salt_bytes(extra_key))
 
 
@@ -40,6 +41,19 @@ def _chain_hash(parent_hash: bytes, token_bytes: bytes, salt: bytes) -> bytes:
     return h.digest()
 
 
+_sha256 = hashlib.sha256
+_PACKERS: dict[int, struct.Struct] = {}
+
+
+def _pack_int64(token_ids: list[int]) -> bytes:
+    """The same bytes as np.asarray(token_ids, "<i8").tobytes() for a list of Python ints, at
+    half the cost; one compiled Struct per length (block multiples up to max_model_len)."""
+    packer = _PACKERS.get(len(token_ids))
+    if packer is None:
+        packer = _PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}q")
+    return packer.pack(*token_ids)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -49,6 +63,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._pack_block = struct.Struct(f"<{block_size}q").pack  # one block's token bytes
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -85,20 +100,30 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def _block_hashes(self, request: CacheableRequest, num_full_blocks: int) -> list[bytes]:
-        hashes = self.req_to_hashes.setdefault(request.request_id, [])
+        """The request's chained block hashes, extended to its first `num_full_blocks` blocks.
+        Hashes are computed once per block and kept until the request is forgotten."""
+        hashes = self.req_to_hashes.get(request.request_id)
+        if hashes is None:
+            hashes = self.req_to_hashes[request.request_id] = []
         start = len(hashes)
         if num_full_blocks <= start:
             return hashes
         bs = self.block_size
-        # One conversion for all new blocks: per-block numpy calls cost more than SHA-256.
-        data = np.asarray(request.all_token_ids[start * bs:num_full_blocks * bs],
-                          dtype=np.int64).tobytes()
+        parent = hashes[-1] if start else NONE_HASH
         salt = _salt_bytes(request.cache_salt)
-        parent = hashes[-1] if hashes else NONE_HASH
+        # One conversion for all new blocks (per-block conversions cost more than SHA-256),
+        # and SHA-256 over parent + tokens + salt in one call: the digest of _chain_hash.
+        data = _pack_int64(request.all_token_ids[start * bs:num_full_blocks * bs])
+        append = hashes.append
         width = bs * 8
-        for offset in range(0, len(data), width):
-            parent = _chain_hash(parent, data[offset:offset + width], salt)
-            hashes.append(parent)
+        if salt:
+            for offset in range(0, len(data), width):
+                parent = _sha256(parent + data[offset:offset + width] + salt).digest()
+                append(parent)
+        else:
+            for offset in range(0, len(data), width):
+                parent = _sha256(parent + data[offset:offset + width]).digest()
+                append(parent)
         return hashes
 
     def get_computed_blocks(self, request: CacheableRequest) -> tuple[list[KVCacheBlock], int]:
@@ -107,10 +132,13 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.skip_prefix_cache:
             return [], 0
         num_tokens = len(request.all_token_ids)
-        hashes = self._block_hashes(request, (num_tokens - 1) // self.block_size)
+        # Hash every full block now (one pass), also a last one that cannot be a hit: the
+        # admission step fills it and publishes it under this hash.
+        hashes = self._block_hashes(request, num_tokens // self.block_size)
+        lookup = self.pool.cached_blocks.get
         hits: list[KVCacheBlock] = []
-        for block_hash in hashes:
-            block = self.pool.lookup(block_hash)
+        for i in range((num_tokens - 1) // self.block_size):
+            block = lookup(hashes[i])
             if block is None:
                 break
             hits.append(block)
@@ -131,7 +159,8 @@ class KVCacheManager:
         total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_new_blocks = max(0, self.blocks_needed(total + num_new_tokens) - held)
         # A cache hit on an evictable block takes it off the free queue too.
-        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        evictable_hits = (sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+                          if new_computed_blocks else 0)
         if num_new_blocks + evictable_hits > self.pool.num_free_blocks:
             return None
         return num_new_blocks
@@ -142,44 +171,73 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens (after `new_computed_blocks`, the prefix
         hits found on admission). Returns the blocks appended to the request, cache hits first,
         or None when the pool cannot supply them (nothing changes then)."""
+        # The step fills a block when a multiple of block_size lies in (computed, end]: when
+        # end % block_size < num_new_tokens. Most decode steps fill none and skip all caching
+        # work on that one test (done first: it is as cheap with caching on as off).
         held = self.req_to_blocks.get(request.request_id)
-        if (not new_computed_blocks and held is not None
-                and request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size):
-            # Room in the blocks it holds (most decode steps): no pool work at all.
-            self._maybe_cache_full_blocks(request, held, request.num_computed_tokens,
-                                          num_new_tokens)
-            return []
+        if held is not None and not new_computed_blocks:
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(held) * self.block_size:
+                # Room in the blocks it holds (most decode steps): no pool work at all.
+                if (end % self.block_size < num_new_tokens and self.enable_prefix_caching
+                        and not request.skip_prefix_cache):
+                    self._cache_full_blocks(request, held, end)
+                return []
         num_new_blocks = self._num_blocks_to_take(request, num_new_tokens, new_computed_blocks)
         if num_new_blocks is None:
             return None
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        self.pool.touch(new_computed_blocks)
-        appended = list(new_computed_blocks) + self.pool.allocate(num_new_blocks)
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            appended = list(new_computed_blocks) + self.pool.allocate(num_new_blocks)
+        else:
+            appended = self.pool.allocate(num_new_blocks)
         blocks.extend(appended)
-        total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        self._maybe_cache_full_blocks(request, blocks, total, num_new_tokens)
-        return appended
-
-    def _maybe_cache_full_blocks(self, request: CacheableRequest, blocks: list[KVCacheBlock],
-                                 num_computed: int, num_new_tokens: int) -> None:
-        if not self.enable_prefix_caching or request.skip_prefix_cache:
-            return
-        end = num_computed + num_new_tokens
-        # Most steps are decodes that fill no block: skip the bookkeeping for them.
-        if end // self.block_size > num_computed // self.block_size:
+        end = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+               + num_new_tokens)
+        if (end % self.block_size < num_new_tokens and self.enable_prefix_caching
+                and not request.skip_prefix_cache):
             self._cache_full_blocks(request, blocks, end)
+        return appended
 
     def _cache_full_blocks(self, request: CacheableRequest, blocks: list[KVCacheBlock],
                            num_tokens: int) -> None:
         """Publish the blocks this step fills completely (their K/V is written by the step)."""
-        num_full = min(num_tokens, len(request.all_token_ids)) // self.block_size
-        start = self.num_cached_blocks.get(request.request_id, 0)
+        request_id = request.request_id
+        num_known = len(request.all_token_ids)  # with async scheduling, tokens can lag
+        num_full = (num_tokens if num_tokens < num_known else num_known) // self.block_size
+        start = self.num_cached_blocks.get(request_id, 0)
         if num_full <= start:
             return
-        hashes = self._block_hashes(request, num_full)
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
-        self.num_cached_blocks[request.request_id] = num_full
+        hashes = self.req_to_hashes.get(request_id)
+        if num_full == start + 1 and hashes is not None and len(hashes) == start:
+            # One block not hashed yet, the one a decode step fills: _block_hashes inlined
+            # (this runs every block_size tokens of every request).
+            bs = self.block_size
+            data = self._pack_block(*request.all_token_ids[start * bs:num_full * bs])
+            parent = hashes[-1] if start else NONE_HASH
+            salt = request.cache_salt
+            block_hash = _sha256(parent + data + _salt_bytes(salt) if salt
+                                 else parent + data).digest()
+            hashes.append(block_hash)
+            self.pool.cache_block(blocks[start], block_hash)
+        else:
+            hashes = self._block_hashes(request, num_full)
+            self.pool.cache_blocks(blocks, hashes, start, num_full)
+        self.num_cached_blocks[request_id] = num_full
+
+    def cache_computed_blocks(self, request: CacheableRequest) -> None:
+        """After a sampled token is appended: publish a block that this token completes when
+        its K/V is already scheduled (with async scheduling the step that writes a token's
+        K/V is scheduled before the token is known, so `allocate_slots` could not hash it)."""
+        num_tokens = len(request.all_token_ids)
+        # The block-boundary test first: it is the one that fails on most tokens.
+        if (num_tokens % self.block_size or not self.enable_prefix_caching
+                or request.skip_prefix_cache or request.num_computed_tokens < num_tokens):
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is not None:
+            self._cache_full_blocks(request, blocks, request.num_computed_tokens)
 
     def free(self, request: CacheableRequest) -> None:
         """Release a finished, aborted or preempted request's blocks. The tail goes to the free
