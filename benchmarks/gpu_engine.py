@@ -124,7 +124,7 @@ def small_model(args: argparse.Namespace) -> None:
     for eager in (False, True):
         llm = LLM(config=str(ROOT / "configs/smollm2-random-gpu.yaml"),
                   attention_backend=args.attention_backend, enforce_eager=eager,
-                  gpu_memory_utilization=0.3)
+                  gpu_memory_utilization=0.3, async_scheduling=args.async_scheduling)
         graphs = llm.engine.runner.decode_graphs
         if not eager and graphs is None:
             row("small: CUDA graphs", "NOT CAPTURED (see warning above)")
@@ -290,7 +290,7 @@ def big_model(args: argparse.Namespace, rates: tuple[float, float]) -> None:
     llm = LLM(config=str(ROOT / "configs/llama3-8b-random.yaml"),
               attention_backend=args.attention_backend,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     row("8B engine start-up (weights, profile, KV, graphs)", f"{time.perf_counter() - t0:.1f} s",
         f"graphs: {'on' if llm.engine.runner.decode_graphs else 'OFF'}")
     shape = Shape(llm)
@@ -320,6 +320,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.75,
                         help="8B engine; leaves room for transformers on the same weights")
     parser.add_argument("--enforce-eager", action="store_true", help="8B engine without graphs")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the engines schedule step N+1 while step N runs")
     parser.add_argument("--hf-num-prompts", type=int, default=64)
     parser.add_argument("--hf-max-output-len", type=int, default=256,
                         help="transformers' generated tokens are capped at this (time)")

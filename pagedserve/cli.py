@@ -44,6 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
                        help="reuse KV blocks of shared prompt prefixes (default: on)")
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="never capture CUDA graphs")
+    group.add_argument("--async-scheduling", dest="async_scheduling",
+                       action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule the next step and finish this one on the host while "
+                            "the GPU runs (default: off)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,6 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {name: getattr(args, name) for name in kwargs}
     kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     kwargs["enforce_eager"] = args.enforce_eager
+    kwargs["async_scheduling"] = args.async_scheduling
     kwargs["model"] = getattr(args, "model_pos", None) or args.model
     kwargs["config"] = args.config
     return {k: v for k, v in kwargs.items() if v is not None}

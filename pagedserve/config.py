@@ -98,6 +98,9 @@ class EngineConfig:
     device: str | None = None  # None: cuda when available, else cpu
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    # Schedule step N+1 and finish step N on the host while N+1 runs. Off by default until
+    # measured on the GPU (on the CPU there is nothing to overlap); tested on the CPU.
+    async_scheduling: bool = False
 
     @property
     def torch_device(self) -> torch.device:

@@ -16,7 +16,10 @@ class Params:
         self.ignore_eos = True
 
 
-def _run(seed, num_blocks, block_size, max_seqs, budget, num_reqs=40, caching=False):
+def _run(seed, num_blocks, block_size, max_seqs, budget, num_reqs=40, caching=False,
+         overlap=False):
+    """A random workload to the end. With `overlap` the next step is scheduled before the
+    previous one's samples are applied (async scheduling: one step in flight)."""
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv,
@@ -27,7 +30,8 @@ def _run(seed, num_blocks, block_size, max_seqs, budget, num_reqs=40, caching=Fa
         requests.append(Request(f"r{i}", prompt, Params(rng.randint(1, 30))))
     pending = list(requests)
     steps = 0
-    while pending or sched.has_unfinished_requests():
+    in_flight = None
+    while pending or sched.has_unfinished_requests() or in_flight is not None:
         # Requests arrive over time.
         for _ in range(rng.randint(0, 3)):
             if pending:
@@ -35,8 +39,11 @@ def _run(seed, num_blocks, block_size, max_seqs, budget, num_reqs=40, caching=Fa
         out = sched.schedule()
         steps += 1
         assert steps < 5000
+        if in_flight is not None:
+            prev, in_flight = in_flight, None
+            sched.update_from_output(prev, np.array([rng.randrange(1000) for _ in prev.requests]))
         if out.is_empty:
-            assert not sched.running
+            assert not sched.running or overlap
             continue
         n = out.num_scheduled_tokens
         assert n.sum() <= budget and len(out.requests) <= max_seqs
@@ -44,15 +51,26 @@ def _run(seed, num_blocks, block_size, max_seqs, budget, num_reqs=40, caching=Fa
         # Prefills (more than one new token) first, then decodes.
         assert list(n > 1) == sorted(n > 1, reverse=True)
         assert out.num_prefills == int((n > 1).sum())
-        for req, c, k in zip(out.requests, out.num_computed_tokens, n, strict=True):
-            assert req.status == RequestStatus.RUNNING
-            assert c == req.num_computed_tokens and c + k <= req.num_tokens
-            assert len(kv.req_to_blocks[req.request_id]) * block_size >= c + k
+        for req, c, k, sampling in zip(out.requests, out.num_computed_tokens, n,
+                                       out.will_sample, strict=True):
+            if req.is_finished:  # stopped by the previous step's sample (overlap only)
+                assert overlap
+                continue
+            # Scheduled tokens count as computed at once; a step that reaches the sequence's
+            # end leaves a placeholder for its sample (num_tokens + placeholders is unchanged
+            # when a sample replaces its placeholder).
+            end = req.num_tokens + req.num_output_placeholders
+            if req.status == RequestStatus.RUNNING:
+                assert c + k == req.num_computed_tokens
+                assert len(kv.req_to_blocks[req.request_id]) * block_size >= c + k
+            assert c + k == end - 1 if sampling else c + k < end
         ids = [b for r in sched.running for b in kv.block_ids(r.request_id)]
         if not caching:
             assert len(ids) == len(set(ids))  # no block in two requests
-        sampled = np.array([rng.randrange(1000) for _ in out.requests])
-        sched.update_from_output(out, sampled)
+        if overlap:
+            in_flight = out
+        else:
+            sched.update_from_output(out, np.array([rng.randrange(1000) for _ in out.requests]))
     for req in requests:
         assert req.status == RequestStatus.FINISHED_LENGTH
         assert req.num_output_tokens == req.max_tokens
@@ -78,6 +96,17 @@ def test_random_workload_preempts_and_resumes(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_random_workload_with_prefix_caching(seed):
     _run(seed, num_blocks=30, block_size=4, max_seqs=6, budget=24, caching=True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kind", ["roomy", "preempting", "caching"])
+def test_random_workload_with_a_step_in_flight(seed, kind):
+    """Async scheduling: every request still ends with exactly max_tokens outputs, nothing
+    is scheduled past its limit, and every block comes back."""
+    args = {"roomy": dict(num_blocks=400, block_size=16, max_seqs=8, budget=64),
+            "preempting": dict(num_blocks=24, block_size=4, max_seqs=16, budget=32),
+            "caching": dict(num_blocks=30, block_size=4, max_seqs=6, budget=24, caching=True)}
+    _run(seed, overlap=True, **args[kind])
 
 
 def test_chunked_prefill_keeps_decodes_going():

@@ -110,15 +110,15 @@ def test_prefill_scoring_preempted_mid_prefill(tiny, make_llm):
                max_num_batched_tokens=16)
     engine = llm.engine
     sent: dict[str, list[tuple[int, int]]] = {}
-    execute = engine.runner.execute
+    collect = engine.runner.collect
 
-    def spy(batch):
-        out = execute(batch)
+    def spy(pending):
+        out = collect(pending)
         for request_id, (first, rows) in out.score_logprobs.items():
             sent.setdefault(request_id, []).append((first, first + rows.shape[0]))
         return out
 
-    engine.runner.execute = spy
+    engine.runner.collect = spy
     g = torch.Generator().manual_seed(5)
     ids = []
     for i in range(2):

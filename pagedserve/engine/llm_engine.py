@@ -11,7 +11,7 @@ from typing import Any
 
 from pagedserve.config import EngineConfig, resolve_dtype
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput
+from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
 from pagedserve.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -22,7 +22,7 @@ from pagedserve.engine.outputs import (
 from pagedserve.engine.sampler import LogprobsTensors
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.kv_cache import KVCacheManager
-from pagedserve.scheduler import Request, RequestStatus, Scheduler
+from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,10 @@ class LLMEngine:
                         self.runner.backend.get_name())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.states: dict[str, RequestState] = {}
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        # Live sequences whose sampling needs all earlier tokens on the host (see step()).
+        self._sync_requests: set[str] = set()
         self._seq_of: dict[str, tuple[RequestState, SequenceState]] = {}
         self.log_stats = log_stats
         self.prompt_tokens = 0
@@ -218,6 +222,8 @@ class LLMEngine:
                 request.forced_output_ids = list(forced_output_ids)
             if forced_output_ids is not None or score_prompt_from is not None:
                 seq.forced_logprobs = []
+            if forced_output_ids is not None or _needs_host_history(child_params):
+                self._sync_requests.add(seq_id)
             state.sequences.append(seq)
             requests.append(request)
         for request in requests:
@@ -254,10 +260,17 @@ class LLMEngine:
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             for seq_id in seq_ids:
                 self._seq_of.pop(seq_id, None)
+                self._sync_requests.discard(seq_id)
                 self.runner.finish_request(seq_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests waiting, running, or with a sample still in flight. A step in flight whose
+        requests have all finished (their last sample was wasted) is completed by the next
+        step() and needs none."""
+        if self.scheduler.has_unfinished_requests():
+            return True
+        return self._in_flight is not None and not all(
+            r.is_finished for r in self._in_flight[0].requests)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.states)
@@ -265,18 +278,43 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step that completed.
+
+        With async scheduling the step launched here runs on the GPU while the host finishes
+        the previous one (its samples, stop checks, detokenization) and, on the next call,
+        schedules the step after: outputs come one call later. Requests whose sampling needs
+        every earlier token on the host (penalties, min_tokens, teacher forcing) make the
+        engine run step by step while any of them is live."""
+        outputs: list[RequestOutput] = []
+        overlap = self.async_scheduling and not self._sync_requests
+        if self._in_flight is not None and not overlap:
+            outputs += self._complete(*self._in_flight)
+            self._in_flight = None
         batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return []
+        launched = None
+        if not batch.is_empty:
+            self._note_scheduled(batch)
+            launched = (batch, self.runner.launch(batch))
+        if self._in_flight is not None:
+            outputs += self._complete(*self._in_flight)
+        self._in_flight = launched if overlap else None
+        if launched is not None and not overlap:
+            outputs += self._complete(*launched)
+        return outputs
+
+    def _note_scheduled(self, batch: SchedulerOutput) -> None:
         now = time.monotonic()
-        for request, is_new in zip(batch.requests, batch.is_new, strict=True):
+        for request, is_new, computed in zip(batch.requests, batch.is_new,
+                                             batch.num_computed_tokens.tolist(), strict=True):
             state, _ = self._seq_of[request.request_id]
             if is_new and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
-                state.num_cached_tokens = int(request.num_computed_tokens)
-        output = self.runner.execute(batch)
+                state.num_cached_tokens = computed
         self.prompt_tokens += int(batch.num_scheduled_tokens.sum()) - int(
             (batch.num_scheduled_tokens == 1).sum())
+
+    def _complete(self, batch: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
+        output = self.runner.collect(pending)
         results = self.scheduler.update_from_output(batch, output.sampled_token_ids)
         return self._process(batch, output, results)
 
@@ -370,6 +408,7 @@ class LLMEngine:
             if finish_reason is not None and seq.index not in state.finished_seqs:
                 state.finished_seqs.add(seq.index)
                 self._seq_of.pop(request.request_id, None)
+                self._sync_requests.discard(request.request_id)
                 self.runner.finish_request(request.request_id)
             delta = ""
             if seq.detokenizer is not None:
@@ -425,6 +464,13 @@ class LLMEngine:
         """True when no request holds a KV block (all free or cached-evictable); for a Mamba
         model the manager's blocks are its state slots, so this covers them too."""
         return self.kv_cache.num_free_blocks == self.kv_cache.num_blocks
+
+
+def _needs_host_history(params: SamplingParams) -> bool:
+    """Penalties and min_tokens read the request's earlier output tokens on the host when the
+    step is launched, so its previous sample must be back first."""
+    return bool(params.repetition_penalty != 1.0 or params.presence_penalty
+                or params.frequency_penalty or params.min_tokens)
 
 
 def _has_new_finish(state: RequestState) -> bool:

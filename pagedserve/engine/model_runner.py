@@ -27,6 +27,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.sampler import (
     LogprobsTensors,
     Sampler,
+    SamplerOutput,
     SamplingMetadata,
     compute_prompt_logprobs,
 )
@@ -53,6 +54,21 @@ class ModelRunnerOutput:
     # request id -> (first position p, float32 [rows, V] on the CPU): the full log-distributions
     # this step computed at prompt positions p, p+1, ... of a request scored by prefill.
     score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose samples may still be on their way to the host."""
+
+    batch: SchedulerOutput
+    rows: np.ndarray
+    out: SamplerOutput
+    host_copy: tuple[np.ndarray, torch.cuda.Event | None]  # (host view, copy done event)
+    forced: dict[str, torch.Tensor] = field(default_factory=dict)
+    forced_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
+    score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    sampled: np.ndarray | None = None  # set once the samples are on the host
 
 
 class InputRows:
@@ -130,6 +146,12 @@ class ModelRunner:
         self._input_ids = self._input_ids_host if not pin else torch.zeros_like(
             self._input_ids_host, device=self.device)
         self.sampler = Sampler()
+        # The launched step not yet collected, and two pinned buffers for sampled ids (a
+        # step's copy is read after the next step has been launched).
+        self._in_flight: PendingStep | None = None
+        self._host_parity = 0
+        self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64,
+                                          pin_memory=pin) for _ in range(2 if pin else 0)]
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -295,9 +317,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, synchronously: launch it and wait for its samples."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: SchedulerOutput) -> PendingStep:
+        """Queue one step's forward and sampling on the device and return at once; `collect`
+        waits for its samples. With async scheduling the engine launches step N+1 before it
+        collects step N: this first waits for N's samples (they are N+1's input ids) and
+        writes them into the token table, then builds N+1's inputs from it."""
+        if self._in_flight is not None:
+            self._record_samples(self._in_flight)
         rows = self._update_rows(batch)
         # Built before the forward: its small host->device copies wait for the stream, which
-        # is idle here (the last step ended on its sampled-ids copy), not behind this forward.
+        # is idle here (the last step has completed), not behind this forward.
         meta = self._sampling_metadata(batch)
         self._ran_graph = False
         hidden = self._forward(batch, rows)
@@ -308,40 +341,75 @@ class ModelRunner:
         # Each request's last new token, from the step's cu_seqlens already on the device.
         last = self._common.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last])
-
         out = self.sampler(logits, meta)
-        sampled = out.sampled_token_ids.cpu().numpy()
+        pending = PendingStep(batch, rows, out, self._copy_to_host(out.sampled_token_ids))
+        pending.forced, pending.forced_tokens = self._forced_logprobs(batch, logits)
+        pending.prompt_logprobs = self._prompt_logprobs(batch, rows, hidden)
+        pending.score_logprobs = self._score_logprobs(batch, hidden)
+        self._in_flight = pending
+        return pending
 
-        # Requests whose whole context is now cached take the sampled token into their row.
-        seq_lens = batch.num_computed_tokens + batch.num_scheduled_tokens
-        num_tokens = np.array([r.num_tokens for r in batch.requests], dtype=np.int64)
-        done = seq_lens >= num_tokens
-        forced = self._apply_forced_tokens(batch, done, logits, sampled)
-        done &= seq_lens < self.max_model_len
-        self.rows.token_ids[rows[done], seq_lens[done]] = sampled[done]
-
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        """The samples (and logprobs) of a launched step, waiting for them if need be."""
+        self._record_samples(pending)
+        if self._in_flight is pending:
+            self._in_flight = None
+        out = pending.out
         logprobs = None
         if out.logprobs is not None:
             logprobs = LogprobsTensors(out.logprobs.cpu(), out.logprob_token_ids.cpu(),
                                        out.sampled_token_ranks.cpu())
-        return ModelRunnerOutput(sampled, logprobs, self._prompt_logprobs(batch, rows, hidden),
-                                 forced, self._score_logprobs(batch, hidden))
+        return ModelRunnerOutput(pending.sampled, logprobs, pending.prompt_logprobs,
+                                 pending.forced, pending.score_logprobs)
+
+    def _copy_to_host(self, sampled: torch.Tensor) -> tuple[np.ndarray, torch.cuda.Event | None]:
+        """Start the sampled ids' copy to the host; on CUDA into one of two pinned buffers
+        (a step's buffer is read after the next step has been launched)."""
+        n = sampled.shape[0]
+        if sampled.device.type != "cuda":
+            return sampled.numpy(), None
+        self._host_parity ^= 1
+        host = self._sampled_host[self._host_parity][:n]
+        host.copy_(sampled, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host.numpy(), event
+
+    def _record_samples(self, pending: PendingStep) -> None:
+        """Once per step: wait for its samples, put teacher-forced tokens in their place, and
+        write each sampling request's new token into its row of the token table."""
+        if pending.sampled is not None:
+            return
+        host, event = pending.host_copy
+        if event is not None:
+            event.synchronize()
+        sampled = host.copy()
+        batch, rows = pending.batch, pending.rows
+        for i, token in pending.forced_tokens.values():
+            sampled[i] = token
+        seq_lens = batch.num_computed_tokens + batch.num_scheduled_tokens
+        done = batch.will_sample & (seq_lens < self.max_model_len)
+        self.rows.token_ids[rows[done], seq_lens[done]] = sampled[done]
+        pending.sampled = sampled
 
     @staticmethod
-    def _apply_forced_tokens(batch: SchedulerOutput, done: np.ndarray, logits: torch.Tensor,
-                             sampled: np.ndarray) -> dict[str, torch.Tensor]:
-        """Teacher forcing for scoring requests (rare, so a loop over just those)."""
+    def _forced_logprobs(batch: SchedulerOutput, logits: torch.Tensor
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
+        """Teacher forcing for scoring requests (rare, so a loop over just those): the full
+        next-token distribution at each forced position, and (batch index, token) to emit.
+        The engine runs such requests without async scheduling, so their outputs so far are
+        all on the host."""
         index = [i for i, r in enumerate(batch.requests)
-                 if r.forced_output_ids is not None and done[i]]
+                 if r.forced_output_ids is not None and batch.will_sample[i]]
         if not index:
-            return {}
+            return {}, {}
         logprobs = torch.log_softmax(logits[index].float(), dim=-1).cpu()
-        result = {}
+        result, tokens = {}, {}
         for j, i in enumerate(index):
             request = batch.requests[i]
-            sampled[i] = request.forced_output_ids[request.num_output_tokens]
+            tokens[request.request_id] = (i, request.forced_output_ids[request.num_output_tokens])
             result[request.request_id] = logprobs[j]
-        return result
+        return result, tokens
 
     def _sampling_metadata(self, batch: SchedulerOutput) -> SamplingMetadata:
         requests = batch.requests

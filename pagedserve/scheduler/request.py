@@ -44,7 +44,12 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
+        # Tokens whose K/V is in the cache or being written by a step already scheduled (the
+        # scheduler advances it when it schedules them).
         self.num_computed_tokens = 0
+        # Samples of scheduled steps not yet known on the host (at most one: with async
+        # scheduling the next step is scheduled while this request's last one still runs).
+        self.num_output_placeholders = 0
         self.num_preemptions = 0
         # Scoring by prefill: the full next-token log-distributions at prompt positions
         # score_from..num_prompt_tokens-2 (those predicting prompt tokens score_from+1..).

@@ -73,6 +73,10 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. A request's scheduled tokens count as computed from here on (their
+        K/V is written by the step), and a step that reaches the end of a request's sequence
+        leaves a placeholder for its sample, so with async scheduling the following step can be
+        scheduled before this one's samples are back (the runner feeds them on the device)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[int], bool]] = []
         num_preempted = 0
@@ -81,7 +85,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._at_limit(request):  # its in-flight sample is its last
+                i += 1
+                continue
+            num_new = min(request.num_tokens + request.num_output_placeholders
+                          - request.num_computed_tokens, budget)
             blocks = self.kv.allocate_slots(request, num_new)
             while blocks is None:
                 victim = self.running.pop()
@@ -116,18 +124,32 @@ class Scheduler:
         # Batch order: prefills (more than one new token) first, then decodes.
         scheduled.sort(key=lambda item: item[1] == 1)
         num_prefills = sum(1 for item in scheduled if item[1] > 1)
+        computed = np.array([item[0].num_computed_tokens for item in scheduled], dtype=np.int32)
+        will_sample = np.empty(len(scheduled), dtype=bool)
+        for j, (request, num_new, _, _) in enumerate(scheduled):
+            request.num_computed_tokens += num_new
+            will_sample[j] = (request.num_computed_tokens
+                              >= request.num_tokens + request.num_output_placeholders)
+            request.num_output_placeholders += int(will_sample[j])
         freed, self._freed_ids = self._freed_ids, []
         return SchedulerOutput(
             requests=[item[0] for item in scheduled],
             num_scheduled_tokens=np.array([item[1] for item in scheduled], dtype=np.int32),
-            num_computed_tokens=np.array([item[0].num_computed_tokens for item in scheduled],
-                                         dtype=np.int32),
+            num_computed_tokens=computed,
             new_block_ids=[item[2] for item in scheduled],
             is_new=[item[3] for item in scheduled],
             num_prefills=num_prefills,
+            will_sample=will_sample,
             freed_request_ids=freed,
             num_preempted=num_preempted,
         )
+
+    def _at_limit(self, request: Request) -> bool:
+        """The request's samples in flight already reach max_tokens or the model's length:
+        another step would be wasted."""
+        pending = request.num_output_placeholders
+        return pending > 0 and (request.num_output_tokens + pending >= request.max_tokens
+                                or request.num_tokens + pending >= self.max_model_len)
 
     def _preempt(self, request: Request) -> None:
         """Recompute policy: drop the request's KV and put it back at the head of the queue; its
@@ -142,22 +164,29 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled_token_ids: np.ndarray) -> list[tuple[Request, int | None]]:
-        """Advance each scheduled request by its tokens; a request whose whole context is now
-        cached takes its sampled token (a partial prompt chunk's sample is discarded). Returns
-        (request, new token or None) in batch order; finished requests are already freed."""
+        """Give each request that sampled in this step its token (a partial prompt chunk's
+        sample is discarded) and finish those that stop. Returns (request, new token or None)
+        in batch order; finished requests are already freed. Requests finished while the step
+        ran (aborted, or stopped by an earlier step with async scheduling) are skipped."""
         results: list[tuple[Request, int | None]] = []
-        for request, num_new, token in zip(output.requests, output.num_scheduled_tokens.tolist(),
+        for request, sampled, token in zip(output.requests, output.will_sample.tolist(),
                                            sampled_token_ids.tolist(), strict=True):
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished:
                 continue
-            request.num_computed_tokens += num_new
-            if request.num_computed_tokens < request.num_tokens:
+            if not sampled:
                 results.append((request, None))
                 continue
+            # A request preempted after this step was scheduled still gets its token: the
+            # step saw its whole context.
+            request.num_output_placeholders -= 1
             request.append_output_token(token)
+            self.kv.cache_computed_blocks(request)
             status = request.check_stop(self.max_model_len)
             if status is not None:
-                self.running.remove(request)
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
                 self._finish(request, status)
             results.append((request, token))
         return results
