@@ -233,9 +233,8 @@ def parse_tiles(text: str | None):
     return TileConfig(*(int(x) for x in text.split(",")))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", default="TRITON,FLASHINFER,FLASH_ATTN")
+def add_workload_args(parser: argparse.ArgumentParser, warmup: int, iters: int) -> None:
+    """The decode and prefill workloads' shape and timing flags (shared with triton_tiles)."""
     parser.add_argument("--decode-seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--prefill-seqs", type=int, default=8)
@@ -244,8 +243,14 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--iters", type=int, default=iters)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="TRITON,FLASHINFER,FLASH_ATTN")
+    add_workload_args(parser, warmup=20, iters=100)
     parser.add_argument("--decode-tiles", help="TRITON decode block_m,block_n,warps,stages")
     parser.add_argument("--prefill-tiles", help="TRITON prefill block_m,block_n,warps,stages")
     parser.add_argument("--write", action="store_true",

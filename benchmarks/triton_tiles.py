@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_kernels import (  # noqa: E402
     Setup,
     Workload,
+    add_workload_args,
     attention_flops,
     kv_bytes,
     time_cuda,
@@ -109,16 +110,7 @@ def sweep(w: Workload, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="decode,prefill")
-    parser.add_argument("--decode-seqs", type=int, default=64)
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--prefill-seqs", type=int, default=8)
-    parser.add_argument("--prefill-len", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=30)
+    add_workload_args(parser, warmup=5, iters=30)
     parser.add_argument("--top", type=int, default=8)
     args = parser.parse_args()
     if not torch.cuda.is_available():
