@@ -4,10 +4,12 @@ Same workloads as `attention_kernels.py` (decode 64 x 2,048 context, prefill 8 x
 tokens, 32:8 heads, d128, bf16, page 16). Each TileConfig (block_m, block_n, num_warps,
 num_stages) and, for decode, each split-KV factor runs the kernel alone (no K/V write) on the
 same data; its output is checked against the first configuration's, and shapes that do not
-compile (shared memory) are reported and skipped. The winners go into
-`ops/unified_attention.py`'s DECODE_TILES / PREFILL_TILES by hand.
+compile (shared memory) are reported and skipped. `write` times `reshape_and_cache` storing
+the prefill's 16,384 new tokens for each tokens-per-program and warp count. The winners go
+into `ops/unified_attention.py`'s DECODE_TILES / PREFILL_TILES (and reshape_and_cache's
+defaults) by hand.
 
-    python benchmarks/triton_tiles.py [--workloads decode,prefill] [--top 8]
+    python benchmarks/triton_tiles.py [--workloads decode,prefill,write] [--top 8]
 """
 
 from __future__ import annotations
@@ -107,9 +109,33 @@ def sweep(w: Workload, args) -> None:
               f"splits={splits}  (max diff {err:.2g})")
 
 
+def sweep_write(args) -> None:
+    """reshape_and_cache of the prefill workload's new K/V, per (block_t, num_warps)."""
+    from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
+
+    setup = Setup(Workload("prefill", 0, args.prefill_len, args.prefill_seqs), args)
+    k_cache, v_cache = torch.empty_like(setup.k_cache), torch.empty_like(setup.v_cache)
+    moved = 4 * setup.key.numel() * setup.key.element_size()  # K and V, read and written
+    slots = setup.common.slot_mapping
+    print(f"\nwrite: {setup.key.shape[0]} tokens of K and V ({moved / 2**20:.0f} MiB moved)")
+    results = []
+    for block_t, warps in itertools.product([1, 2, 4, 8, 16, 32], [1, 2, 4, 8]):
+        def step(block_t=block_t, warps=warps):
+            reshape_and_cache(setup.key, setup.value, k_cache, v_cache, slots, block_t=block_t,
+                              num_warps=warps)
+        step()
+        seconds = time_cuda(step, args.warmup, args.iters)
+        results.append((seconds, block_t, warps))
+        print(f"  block_t={block_t:2d} warps={warps}: {seconds * 1e6:7.1f} us "
+              f"{moved / seconds / 1e12:5.2f} TB/s", flush=True)
+    seconds, block_t, warps = min(results)
+    print(f"write: fastest block_t={block_t} warps={warps}: {seconds * 1e6:.1f} us "
+          f"({moved / seconds / 1e12:.2f} TB/s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="decode,prefill")
+    parser.add_argument("--workloads", default="decode,prefill,write")
     add_workload_args(parser, warmup=5, iters=30)
     parser.add_argument("--top", type=int, default=8)
     args = parser.parse_args()
@@ -121,6 +147,8 @@ def main() -> None:
         sweep(Workload("decode", args.context - 1, 1, args.decode_seqs), args)
     if "prefill" in names:
         sweep(Workload("prefill", 0, args.prefill_len, args.prefill_seqs), args)
+    if "write" in names:
+        sweep_write(args)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def _reshape_and_cache_kernel(
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       block_t: int | None = None, k_scale: float = 1.0,
-                      v_scale: float = 1.0) -> None:
+                      v_scale: float = 1.0, num_warps: int = 4) -> None:
     """Scatter key/value [T, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D] at
     `slot_mapping` [T] (int32/int64, -1 = skip), storing K / k_scale and V / v_scale. Only the
     first len(slot_mapping) tokens are written. No host sync."""
@@ -95,7 +95,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         *key.stride(), *value.stride(), *k_cache.stride(),
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HD=hd, HD_PAD=hd_pad, BLOCK_T=block_t,
         FP8=fp8, FLAT_SRC=_heads_packed(key) and _heads_packed(value),
-        FLAT_DST=_heads_packed(k_cache), num_warps=4,
+        FLAT_DST=_heads_packed(k_cache), num_warps=num_warps,
     )
 
 
