@@ -96,10 +96,11 @@ def _assert_slots_free(llm) -> None:
 
 # ---- greedy tokens and logprobs against transformers --------------------------------------
 
-@pytest.mark.parametrize("name", ["untied", "tied"])
-def test_greedy_matches_transformers(mamba_models, make_llm, name):
+@pytest.mark.parametrize("name,async_scheduling", [("untied", False), ("tied", False),
+                                                   ("untied", True)])
+def test_greedy_matches_transformers(mamba_models, make_llm, name, async_scheduling):
     path, _, prompts, expected = mamba_models[name]
-    llm = _make(make_llm, path)
+    llm = _make(make_llm, path, async_scheduling=async_scheduling)
     assert llm.engine.runner.backend.get_name() == "MAMBA"
     assert _greedy(llm, prompts) == expected
     _assert_slots_free(llm)
@@ -135,12 +136,15 @@ def test_few_state_slots_matches_transformers(mamba_models, make_llm):
     _assert_slots_free(llm)
 
 
-def test_forced_preemption_matches_transformers(mamba_models, make_llm):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_forced_preemption_matches_transformers(mamba_models, make_llm, async_scheduling):
     """A running request's slot never runs out, so a pure Mamba model is preempted only by
     force: every few steps the newest running request is preempted (recompute), as the
-    scheduler does when blocks run out. Its slot is freed and it restarts from zero state."""
+    scheduler does when blocks run out. Its slot is freed and it restarts from zero state;
+    with async scheduling its step may still be in flight then."""
     path, _, prompts, expected = mamba_models["untied"]
-    llm = _make(make_llm, path, max_num_seqs=4, max_num_batched_tokens=20)
+    llm = _make(make_llm, path, max_num_seqs=4, max_num_batched_tokens=20,
+                async_scheduling=async_scheduling)
     engine, sched = llm.engine, llm.engine.scheduler
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     for i, p in enumerate(prompts):

@@ -558,7 +558,7 @@ def test_metrics_exposition(server):
     assert read_metrics(server.url)[hits] >= first + 16
 
 
-# ---- authentication and the waiting-queue limit (a second server) -------------------------
+# ---- authentication, the waiting-queue limit, async scheduling (a second server) -----------
 
 API_KEY = "test-secret-key"
 
@@ -566,7 +566,7 @@ API_KEY = "test-secret-key"
 @pytest.fixture(scope="module")
 def key_server(server, tmp_path_factory) -> ServerProcess:
     srv = ServerProcess(["--max-num-seqs", "1", "--max-waiting-requests", "1",
-                         "--kv-cache-memory", "512MiB"],
+                         "--kv-cache-memory", "512MiB", "--async-scheduling"],
                         tmp_path_factory.mktemp("key_server") / "server.log",
                         env={"PAGEDSERVE_API_KEY": API_KEY})
     yield srv
@@ -685,3 +685,23 @@ def test_async_llm_abort_bad_request_and_cancel(ref):
     asyncio.run(main())
     assert not engine.has_unfinished_requests()
     assert engine.check_blocks_free()
+
+
+def test_async_scheduling_server_streams_the_same_text(key_server, ref):
+    """The second server keeps a step in flight (--async-scheduling): streamed greedy text,
+    a stop string and the usage equal the synchronous LLM's, and every block comes back."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", key_server.url + "/v1/completions", headers=headers, timeout=600,
+                      json={"prompt": PROMPTS[2], "max_tokens": REF_TOKENS, "stream": True,
+                            "stream_options": {"include_usage": True}, **GREEDY}) as resp:
+        events = sse_events(resp.iter_lines())
+    text = "".join(e["choices"][0]["text"] for e in events[:-2])
+    assert text == ref.texts[2][REF_TOKENS]
+    assert events[-2]["usage"]["completion_tokens"] == REF_TOKENS
+    full = ref.texts[0][REF_TOKENS]
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    body = post(key_server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": REF_TOKENS,
+                                                "stop": [stop], **GREEDY}, headers).json()
+    assert body["choices"][0]["text"] == full[:full.index(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert_all_blocks_free(key_server.url)
