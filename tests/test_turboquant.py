@@ -317,15 +317,17 @@ def test_kernels_store_and_attend(preset):
     ("decode", None, 5.0, 1, 8, torch.float32),
     ("prefill", None, None, 32, 2, torch.float16),
 ])
-def test_kernels_shapes_and_options(batch, window, soft_cap, block_size, num_heads, dtype):
+@pytest.mark.parametrize("preset", ["tq_3bit", "tq_4bit", "tq_k8v4"])  # each code-load path
+def test_kernels_shapes_and_options(batch, window, soft_cap, block_size, num_heads, dtype,
+                                    preset):
     args = dict(block_size=block_size, num_heads=num_heads, window=window, soft_cap=soft_cap,
                 dtype=dtype, head_size=32, seed=5, device=KERNEL_DEVICE)
     out, cache, reqs, new_slots, key, value = run_turboquant_case(
-        "tq_3bit", BATCHES[batch], use_kernels=True, **args)
-    dequant, _ = references("tq_3bit", reqs, window, soft_cap)
+        preset, BATCHES[batch], use_kernels=True, **args)
+    dequant, _ = references(preset, reqs, window, soft_cap)
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), dequant, rtol=tol, atol=tol)
-    _check_new_slots("tq_3bit", cache, new_slots, key, value)
+    _check_new_slots(preset, cache, new_slots, key, value)
 
 
 if _kernels_runnable():

@@ -15,9 +15,11 @@ Kernel `_tq_attention_kernel`
            and all query heads of its KV group (BLOCK_M rows). Two phases:
              1. the cached context [lo, context): the query is rotated once (tl.dot with R^T),
                 each BLOCK_N-key tile is read from the packed pages through the block table and
-                dequantized in registers (codes -> codebook levels -> times the per-token scale),
-                scored against the rotated query; online softmax (base 2, fp32) accumulates the
-                rotated-domain values. Then the accumulator is rotated back (one tl.dot with R).
+                decoded in registers (8- and 4-bit codes as one contiguous run of bytes per
+                record; codes -> codebook levels), scored against the rotated query with each
+                key's scale applied to its scores (and each value's to its probabilities, not
+                to every element); online softmax (base 2, fp32) accumulates the rotated-domain
+                values. Then the accumulator is rotated back (one tl.dot with R).
              2. the step's new tokens [context, seq_len) at full precision, read from the key and
                 value inputs (they are attended exactly, never through the cache), causally.
            No full-precision copy of the cache exists anywhere.
@@ -205,20 +207,43 @@ def _load_fp16_bytes(ptr, mask):
 
 
 @triton.jit
+def _load_codes(rec, ok, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr,
+                CODE_BYTES: tl.constexpr):
+    """rec [BLOCK_N] pointers to records -> codes [BLOCK_N, D] int32 in channel order. 8- and
+    4-bit codes load each record's code bytes once as one contiguous run (vectorisable; a
+    4-bit byte is split into its two nibbles and interleaved back into channel order); other
+    widths load, per channel, the byte (or two) holding its code."""
+    if BITS == 8:
+        offs = tl.arange(0, HEAD_SIZE)
+        codes = tl.load(rec[:, None] + offs[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    elif BITS == 4:
+        offs = tl.arange(0, CODE_BYTES)
+        b = tl.load(rec[:, None] + offs[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        codes = tl.interleave(b & 15, b >> 4)
+    else:
+        offs_d = tl.arange(0, HEAD_SIZE)
+        byte = offs_d * BITS // 8
+        shift = offs_d * BITS % 8
+        word = tl.load(rec[:, None] + byte[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        if 8 % BITS != 0:  # a code may straddle two bytes
+            nxt = tl.load(rec[:, None] + byte[None, :] + 1,
+                          mask=ok[:, None] & (byte + 1 < CODE_BYTES)[None, :], other=0)
+            word = word | (nxt.to(tl.int32) << 8)
+        codes = (word >> shift[None, :]) & ((1 << BITS) - 1)
+    return codes
+
+
+@triton.jit
 def _load_dequantized(
     rec, ok, levels_ptr,
     HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, CODE_BYTES: tl.constexpr,
 ):
-    """rec [BLOCK_N] pointers to records -> [BLOCK_N, D] fp32 vectors (storage domain)."""
-    offs_d = tl.arange(0, HEAD_SIZE)
-    byte = offs_d * BITS // 8
-    shift = offs_d * BITS % 8
-    word = tl.load(rec[:, None] + byte[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    if 8 % BITS != 0:  # a code may straddle two bytes
-        nxt = tl.load(rec[:, None] + byte[None, :] + 1,
-                      mask=ok[:, None] & (byte + 1 < CODE_BYTES)[None, :], other=0)
-        word = word | (nxt.to(tl.int32) << 8)
-    codes = (word >> shift[None, :]) & ((1 << BITS) - 1)
+    """rec [BLOCK_N] pointers to records -> (values [BLOCK_N, D] fp32, scale [BLOCK_N] fp32):
+    the storage-domain vectors are values * scale[:, None]. Scaled codecs (Lloyd-Max, fp8)
+    return the unit codes and the per-vector scale, which the caller folds into the scores (K)
+    or the probabilities (V) instead of multiplying every element; uniform codes return the
+    dequantized vectors and a scale of 1."""
+    codes = _load_codes(rec, ok, HEAD_SIZE, BITS, CODE_BYTES)
     if KIND == 1:
         unit = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -226,18 +251,20 @@ def _load_dequantized(
     first = _load_fp16_bytes(rec + CODE_BYTES, ok)
     if KIND == 2:
         lo = _load_fp16_bytes(rec + CODE_BYTES + 2, ok)
-        return unit * first[:, None] + lo[:, None]
-    return unit * (first * (1.0 / tl.sqrt(float(HEAD_SIZE))))[:, None]
+        return unit * first[:, None] + lo[:, None], tl.full(first.shape, 1.0, tl.float32)
+    return unit, first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, q, k, v, seen, sm_scale, soft_cap,
+def _softmax_step(acc, l_i, m_i, q, k, k_scale, v, v_scale, seen, sm_scale, soft_cap,
                   USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr):
-    """One online-softmax tile: q [M, D], k/v [N, D] fp32, seen [M, N]."""
+    """One online-softmax tile: q [M, D], k/v [N, D] fp32 scaled per key by k_scale/v_scale
+    [N] (the keys are k * k_scale[:, None]), seen [M, N]."""
     if UPCAST:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    s = s * k_scale[None, :]
     if USE_SOFT_CAP:
         s = soft_cap * (2.0 * tl.sigmoid(2.0 * s * (sm_scale / soft_cap)) - 1.0) \
             * 1.4426950408889634
@@ -250,6 +277,7 @@ def _softmax_step(acc, l_i, m_i, q, k, v, seen, sm_scale, soft_cap,
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    p = p * v_scale[None, :]
     if UPCAST:
         acc = tl.dot(p, v, acc, input_precision="ieee")
     else:
@@ -318,19 +346,21 @@ def _tq_attention_kernel(
         k_ok = (k_pos < context) & (k_pos >= lo)
         page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
         rec = head_base + page.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
-        k = _load_dequantized(rec, k_ok, k_levels_ptr, HEAD_SIZE, K_KIND, K_BITS, K_CODE_BYTES)
-        v = _load_dequantized(rec + V_OFF, k_ok, v_levels_ptr, HEAD_SIZE, V_KIND, V_BITS,
-                              V_CODE_BYTES)
+        k, k_scale = _load_dequantized(rec, k_ok, k_levels_ptr, HEAD_SIZE, K_KIND, K_BITS,
+                                       K_CODE_BYTES)
+        v, v_scale = _load_dequantized(rec + V_OFF, k_ok, v_levels_ptr, HEAD_SIZE, V_KIND,
+                                       V_BITS, V_CODE_BYTES)
         seen = k_ok[None, :]
         if USE_WINDOW:
             seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q_ctx, k, v, seen, sm_scale, soft_cap,
-                                      USE_SOFT_CAP, UPCAST)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q_ctx, k, k_scale, v, v_scale, seen,
+                                      sm_scale, soft_cap, USE_SOFT_CAP, UPCAST)
     if ROTATED:
         rot = tl.load(rot_ptr + offs_d[:, None] * HEAD_SIZE + offs_d[None, :])
         acc = tl.dot(acc, rot, input_precision="ieee")
 
     # Phase 2: this step's own tokens at full precision, causally.
+    ones = tl.full([BLOCK_N], 1.0, tl.float32)
     q_new = q
     if not UPCAST:
         q_new = q.to(q_ptr.dtype.element_ty)
@@ -345,8 +375,8 @@ def _tq_attention_kernel(
         seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q_new, k, v, seen, sm_scale, soft_cap,
-                                      USE_SOFT_CAP, UPCAST)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q_new, k, ones, v, ones, seen, sm_scale,
+                                      soft_cap, USE_SOFT_CAP, UPCAST)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
