@@ -76,7 +76,8 @@ class Scheduler:
         """The next step. A request's scheduled tokens count as computed from here on (their
         K/V is written by the step), and a step that reaches the end of a request's sequence
         leaves a placeholder for its sample, so with async scheduling the following step can be
-        scheduled before this one's samples are back (the runner feeds them on the device)."""
+        scheduled before this one's samples are back (the runner puts them into the next
+        step's inputs before launching it)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[int], bool]] = []
         num_preempted = 0
