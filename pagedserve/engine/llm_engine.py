@@ -304,12 +304,11 @@ class LLMEngine:
 
     def _note_scheduled(self, batch: SchedulerOutput) -> None:
         now = time.monotonic()
-        for request, is_new, computed in zip(batch.requests, batch.is_new,
-                                             batch.num_computed_tokens.tolist(), strict=True):
-            state, _ = self._seq_of[request.request_id]
-            if is_new and state.metrics.first_scheduled_time is None:
+        for i in (i for i, is_new in enumerate(batch.is_new) if is_new):
+            state, _ = self._seq_of[batch.requests[i].request_id]
+            if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
-                state.num_cached_tokens = computed
+                state.num_cached_tokens = int(batch.num_computed_tokens[i])
         self.prompt_tokens += int(batch.num_scheduled_tokens.sum()) - int(
             (batch.num_scheduled_tokens == 1).sum())
 
@@ -321,7 +320,9 @@ class LLMEngine:
     def _process(self, batch, output: ModelRunnerOutput, results) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
-        row_of = {r.request_id: i for i, r in enumerate(batch.requests)}
+        # Batch rows, needed only to find logprobs (results skip finished requests).
+        row_of = ({r.request_id: i for i, r in enumerate(batch.requests)}
+                  if output.prompt_logprobs or output.logprobs is not None else {})
         stopped: list[str] = []
         for request, token in results:
             state, seq = self._seq_of[request.request_id]

@@ -152,7 +152,11 @@ class ModelRunner:
         self._host_parity = 0
         self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64,
                                           pin_memory=pin) for _ in range(2 if pin else 0)]
+        self._copied = [torch.cuda.Event() for _ in range(2 if pin else 0)]
         self.generators: dict[str, torch.Generator] = {}
+        # Live requests that need more than the sampled token (teacher forcing, prompt
+        # logprobs, scoring by prefill): a step looks for them only while there are any.
+        self._wants_logits: set[str] = set()
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.decode_graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
@@ -243,7 +247,8 @@ class ModelRunner:
         rows = InputRows(1, self.max_model_len, self.max_blocks_per_seq)
         rows.add(probe, list(range(needed)))
         batch = SchedulerOutput([probe], np.array([num_tokens], dtype=np.int32),
-                                np.zeros(1, dtype=np.int32), [list(range(needed))], [False], 1)
+                                np.zeros(1, dtype=np.int32), [list(range(needed))], [False], 1,
+                                np.ones(1, dtype=bool))
         saved, self.rows = self.rows, rows
         try:
             hidden = self._forward(batch)
@@ -274,9 +279,13 @@ class ModelRunner:
         seed = getattr(request.sampling_params, "seed", None)
         if seed is not None:
             self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
+        if (request.forced_output_ids is not None or request.score_from is not None
+                or getattr(request.sampling_params, "prompt_logprobs", None) is not None):
+            self._wants_logits.add(request.request_id)
 
     def finish_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self._wants_logits.discard(request_id)
 
     def _update_rows(self, batch: SchedulerOutput) -> np.ndarray:
         for request_id in batch.freed_request_ids:
@@ -343,9 +352,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last])
         out = self.sampler(logits, meta)
         pending = PendingStep(batch, rows, out, self._copy_to_host(out.sampled_token_ids))
-        pending.forced, pending.forced_tokens = self._forced_logprobs(batch, logits)
-        pending.prompt_logprobs = self._prompt_logprobs(batch, rows, hidden)
-        pending.score_logprobs = self._score_logprobs(batch, hidden)
+        if self._wants_logits:
+            index = [i for i, r in enumerate(batch.requests)
+                     if r.request_id in self._wants_logits]
+            pending.forced, pending.forced_tokens = self._forced_logprobs(batch, index, logits)
+            pending.prompt_logprobs, pending.score_logprobs = self._prompt_position_logprobs(
+                batch, index, hidden)
         self._in_flight = pending
         return pending
 
@@ -364,14 +376,15 @@ class ModelRunner:
 
     def _copy_to_host(self, sampled: torch.Tensor) -> tuple[np.ndarray, torch.cuda.Event | None]:
         """Start the sampled ids' copy to the host; on CUDA into one of two pinned buffers
-        (a step's buffer is read after the next step has been launched)."""
+        with their events (a step's buffer is read after the next step has been launched, and
+        a launch first waits for the step before it, so two suffice)."""
         n = sampled.shape[0]
         if sampled.device.type != "cuda":
             return sampled.numpy(), None
         self._host_parity ^= 1
         host = self._sampled_host[self._host_parity][:n]
         host.copy_(sampled, non_blocking=True)
-        event = torch.cuda.Event()
+        event = self._copied[self._host_parity]
         event.record()
         return host.numpy(), event
 
@@ -393,14 +406,14 @@ class ModelRunner:
         pending.sampled = sampled
 
     @staticmethod
-    def _forced_logprobs(batch: SchedulerOutput, logits: torch.Tensor
+    def _forced_logprobs(batch: SchedulerOutput, index: list[int], logits: torch.Tensor
                          ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
-        """Teacher forcing for scoring requests (rare, so a loop over just those): the full
-        next-token distribution at each forced position, and (batch index, token) to emit.
-        The engine runs such requests without async scheduling, so their outputs so far are
-        all on the host."""
-        index = [i for i, r in enumerate(batch.requests)
-                 if r.forced_output_ids is not None and batch.will_sample[i]]
+        """Teacher forcing for the scoring requests among `index`: the full next-token
+        distribution at each forced position, and (batch index, token) to emit. The engine
+        runs such requests without async scheduling, so their outputs so far are all on the
+        host."""
+        index = [i for i in index
+                 if batch.requests[i].forced_output_ids is not None and batch.will_sample[i]]
         if not index:
             return {}, {}
         logprobs = torch.log_softmax(logits[index].float(), dim=-1).cpu()
@@ -414,7 +427,7 @@ class ModelRunner:
     def _sampling_metadata(self, batch: SchedulerOutput) -> SamplingMetadata:
         requests = batch.requests
         generators = {i: self.generators[r.request_id] for i, r in enumerate(requests)
-                      if r.request_id in self.generators}
+                      if r.request_id in self.generators} if self.generators else {}
         params = [r.sampling_params for r in requests]
         needs_tokens = any(p.repetition_penalty != 1.0 or p.presence_penalty
                            or p.frequency_penalty or p.min_tokens for p in params)
@@ -423,46 +436,38 @@ class ModelRunner:
         return SamplingMetadata.build(params, prompts, outputs, generators, self.eos_token_id,
                                       self.vocab_size, self.device)
 
-    def _prompt_logprobs(self, batch: SchedulerOutput, rows: np.ndarray,
-                         hidden: torch.Tensor) -> dict[str, LogprobsTensors]:
-        """For requests that asked: logprobs of the prompt tokens predicted in this step (the
-        token after each scheduled position, while that token is still in the prompt)."""
-        result: dict[str, LogprobsTensors] = {}
-        start = 0
-        for request, n, c in zip(batch.requests, batch.num_scheduled_tokens.tolist(),
-                                 batch.num_computed_tokens.tolist(), strict=True):
-            k = getattr(request.sampling_params, "prompt_logprobs", None)
-            if k is not None and c < request.num_prompt_tokens - 1:
-                end_pos = min(c + n, request.num_prompt_tokens - 1)
-                targets = torch.tensor(request.prompt_token_ids[c + 1:end_pos + 1],
-                                       device=self.device)
-                logits = self.model.compute_logits(hidden[start:start + end_pos - c])
-                lp = compute_prompt_logprobs(logits, targets, k)
-                result[request.request_id] = LogprobsTensors(*(t.cpu() for t in lp))
-            start += n
-        return result
-
-    def _score_logprobs(self, batch: SchedulerOutput,
-                        hidden: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
-        """For requests scored by prefill (`score_from` set; rare, so a loop over just those):
-        log_softmax of the logits at this chunk's positions p with score_from <= p <=
-        num_prompt_tokens - 2 (position p predicts prompt token p + 1)."""
-        index = [i for i, r in enumerate(batch.requests) if r.score_from is not None]
-        if not index:
-            return {}
+    def _prompt_position_logprobs(
+        self, batch: SchedulerOutput, index: list[int], hidden: torch.Tensor
+    ) -> tuple[dict[str, LogprobsTensors], dict[str, tuple[int, torch.Tensor]]]:
+        """For the requests among `index` that asked, from the logits of their chunk's prompt
+        positions (position p predicts prompt token p + 1):
+        - prompt logprobs: the logprobs of those prompt tokens (top `prompt_logprobs` beside);
+        - scoring by prefill (`score_from` set): (first position, the full log-distributions
+          at positions score_from..num_prompt_tokens-2 in this chunk).
+        The head runs over the whole chunk, as transformers' forward does over the sequence:
+        the same matmul shape, so the same rounding."""
+        prompt_lp: dict[str, LogprobsTensors] = {}
+        scores: dict[str, tuple[int, torch.Tensor]] = {}
         starts = np.cumsum(batch.num_scheduled_tokens) - batch.num_scheduled_tokens
-        result = {}
         for i in index:
             request = batch.requests[i]
             c, n = int(batch.num_computed_tokens[i]), int(batch.num_scheduled_tokens[i])
-            lo, hi = max(c, request.score_from), min(c + n, request.num_prompt_tokens - 1)
-            if lo < hi:
-                # The head runs over the whole chunk, as transformers' forward does over the
-                # sequence: the same matmul shape, so the same rounding.
-                start = int(starts[i])
-                logits = self.model.compute_logits(hidden[start:start + n])[lo - c:hi - c]
-                result[request.request_id] = (lo, torch.log_softmax(logits.float(), -1).cpu())
-        return result
+            end = min(c + n, request.num_prompt_tokens - 1)  # [c, end) predict prompt tokens
+            k = getattr(request.sampling_params, "prompt_logprobs", None)
+            lo = c if request.score_from is None else max(c, request.score_from)
+            wants_scores = request.score_from is not None and lo < end
+            if not (wants_scores or (k is not None and c < end)):
+                continue
+            logits = self.model.compute_logits(hidden[int(starts[i]):int(starts[i]) + n])
+            if k is not None and c < end:
+                targets = torch.tensor(request.prompt_token_ids[c + 1:end + 1],
+                                       device=self.device)
+                lp = compute_prompt_logprobs(logits[:end - c], targets, k)
+                prompt_lp[request.request_id] = LogprobsTensors(*(t.cpu() for t in lp))
+            if wants_scores:
+                scores[request.request_id] = (
+                    lo, torch.log_softmax(logits[lo - c:end - c].float(), -1).cpu())
+        return prompt_lp, scores
 
     def warmup(self) -> None:
         """Compile/JIT whatever the backend needs before the first request."""

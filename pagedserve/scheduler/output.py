@@ -22,7 +22,7 @@ class SchedulerOutput:
     num_prefills: int
     # bool [B]: the step reaches the end of the request's sequence, so its sample is the
     # request's next token (a prompt chunk that stops short samples nothing).
-    will_sample: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    will_sample: np.ndarray
     # Requests whose rows the model runner drops before this step (finished, aborted or
     # preempted since the last step).
     freed_request_ids: list[str] = field(default_factory=list)
