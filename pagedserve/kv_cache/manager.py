@@ -7,8 +7,6 @@ import struct
 from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
-
 from pagedserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 
 NONE_HASH = b"\x00" * 32
@@ -25,20 +23,12 @@ class CacheableRequest(Protocol):
 def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: str | None) -> bytes:
     """SHA-256 of a full block, chained from its parent's hash so equal token blocks at
     different positions (or after different prefixes) never collide. The salt keeps tenants'
-    prefixes apart."""
-    token_bytes = np.asarray(token_ids, dtype="<i8").tobytes()
-    return _chain_hash(parent_hash, token_bytes, _salt_bytes(extra_key))
+    prefixes apart. Hashed bytes: parent hash, token ids as little-endian int64, salt."""
+    return _sha256(parent_hash + _pack_int64(list(token_ids)) + _salt_bytes(extra_key)).digest()
 
 
 def _salt_bytes(extra_key: str | None) -> bytes:
     return b"\x01salt:" + extra_key.encode() if extra_key else b""
-
-
-def _chain_hash(parent_hash: bytes, token_bytes: bytes, salt: bytes) -> bytes:
-    h = hashlib.sha256(parent_hash)
-    h.update(token_bytes)
-    h.update(salt)
-    return h.digest()
 
 
 _sha256 = hashlib.sha256
@@ -63,7 +53,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self._pack_block = struct.Struct(f"<{block_size}q").pack  # one block's token bytes
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -112,18 +101,12 @@ class KVCacheManager:
         parent = hashes[-1] if start else NONE_HASH
         salt = _salt_bytes(request.cache_salt)
         # One conversion for all new blocks (per-block conversions cost more than SHA-256),
-        # and SHA-256 over parent + tokens + salt in one call: the digest of _chain_hash.
+        # then hash_block's digest per block.
         data = _pack_int64(request.all_token_ids[start * bs:num_full_blocks * bs])
-        append = hashes.append
         width = bs * 8
-        if salt:
-            for offset in range(0, len(data), width):
-                parent = _sha256(parent + data[offset:offset + width] + salt).digest()
-                append(parent)
-        else:
-            for offset in range(0, len(data), width):
-                parent = _sha256(parent + data[offset:offset + width]).digest()
-                append(parent)
+        for offset in range(0, len(data), width):
+            parent = _sha256(parent + data[offset:offset + width] + salt).digest()
+            hashes.append(parent)
         return hashes
 
     def get_computed_blocks(self, request: CacheableRequest) -> tuple[list[KVCacheBlock], int]:
@@ -209,21 +192,8 @@ class KVCacheManager:
         start = self.num_cached_blocks.get(request_id, 0)
         if num_full <= start:
             return
-        hashes = self.req_to_hashes.get(request_id)
-        if num_full == start + 1 and hashes is not None and len(hashes) == start:
-            # One block not hashed yet, the one a decode step fills: _block_hashes inlined
-            # (this runs every block_size tokens of every request).
-            bs = self.block_size
-            data = self._pack_block(*request.all_token_ids[start * bs:num_full * bs])
-            parent = hashes[-1] if start else NONE_HASH
-            salt = request.cache_salt
-            block_hash = _sha256(parent + data + _salt_bytes(salt) if salt
-                                 else parent + data).digest()
-            hashes.append(block_hash)
-            self.pool.cache_block(blocks[start], block_hash)
-        else:
-            hashes = self._block_hashes(request, num_full)
-            self.pool.cache_blocks(blocks, hashes, start, num_full)
+        hashes = self._block_hashes(request, num_full)
+        self.pool.cache_blocks(blocks, hashes, start, num_full)
         self.num_cached_blocks[request_id] = num_full
 
     def cache_computed_blocks(self, request: CacheableRequest) -> None:
