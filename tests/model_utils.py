@@ -110,3 +110,15 @@ def generate_greedy(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
             chosen[r].append(last[i])
         step += 1
     return out, [torch.stack(c) for c in chosen]
+
+
+@torch.no_grad()
+def hf_greedy(model: nn.Module, prompt: list[int], num_new: int) -> list[int]:
+    """transformers' greedy continuation of exactly num_new tokens on the model's device; EOS
+    neither stops nor is suppressed (as ignore_eos)."""
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
+                         do_sample=False, pad_token_id=0)
+    assert out.shape[1] == len(prompt) + num_new
+    return out[0, len(prompt):].tolist()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from model_utils import hf_greedy
 
 from pagedserve import SamplingParams
 
@@ -44,17 +45,6 @@ def _save(config: transformers.PretrainedConfig, path, seed: int) -> torch.nn.Mo
 def _prompts(vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-@torch.no_grad()
-def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
-    """Exactly num_new greedy tokens with EOS neither stopping nor suppressed (ignore_eos)."""
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
-                         do_sample=False, pad_token_id=0)
-    assert out.shape[1] == len(prompt) + num_new
-    return out[0, len(prompt):].tolist()
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_utils import hf_greedy
 
 from pagedserve import LLM
 from pagedserve.attention import backend_status
@@ -55,7 +56,7 @@ def reference():
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).cuda().eval()
     prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-    continuations = [_hf_greedy(hf, p, NUM_FORCED) for p in prompts]
+    continuations = [hf_greedy(hf, p, NUM_FORCED) for p in prompts]
     ref = _hf_teacher_forced(hf, prompts, continuations)
     # transformers' own bf16 error against float32: the noise floor of any bf16 engine.
     hf32 = transformers.AutoModelForCausalLM.from_pretrained(
@@ -75,16 +76,6 @@ def _compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[float, f
     kl = torch.cat([_kl(r, g) for r, g in zip(ref, got, strict=True)]).mean().item()
     agree = sum(int((r.argmax(-1) == g.argmax(-1)).sum()) for r, g in zip(ref, got, strict=True))
     return kl, agree / sum(r.shape[0] for r in ref)
-
-
-def _hf_greedy(hf, prompt: list[int], num_new: int) -> list[int]:
-    """Greedy continuation of exactly num_new tokens; EOS neither stops nor is suppressed."""
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        ids = torch.tensor([prompt], device="cuda")
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                          max_new_tokens=num_new, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def _hf_teacher_forced(hf, prompts, continuations) -> list[torch.Tensor]:
@@ -163,7 +154,7 @@ def test_triton_float32_greedy_matches_transformers(reference):
     path, prompts = reference[:2]
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).cuda().eval()
-    expected = [_hf_greedy(hf, p, 32) for p in prompts]
+    expected = [hf_greedy(hf, p, 32) for p in prompts]
     del hf
     from pagedserve import SamplingParams
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from model_utils import hf_greedy
 
 from pagedserve import SamplingParams
 from pagedserve.attention.mamba import torch_ops
@@ -49,15 +50,6 @@ def _save(config: transformers.MambaConfig, path, seed: int) -> torch.nn.Module:
 def _prompts(vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-@torch.no_grad()
-def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
-                         min_new_tokens=num_new, do_sample=False, eos_token_id=None,
-                         pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @torch.no_grad()

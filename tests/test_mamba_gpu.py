@@ -105,21 +105,15 @@ def test_decode_kernels_match_torch(dtype, d, n):
 @pytest.mark.parametrize("variant", [{}, {"max_num_batched_tokens": 16}])
 def test_engine_greedy_matches_transformers_on_gpu(tmp_path, make_llm, variant):
     """float32 on the GPU, the Triton path, against transformers' Mamba on the same GPU."""
-    from test_mamba import NUM_NEW, _config, _prompts, _save, hf_greedy
+    from model_utils import hf_greedy
+    from test_mamba import NUM_NEW, _config, _prompts, _save
 
     from pagedserve import SamplingParams
     from pagedserve.attention.backends.mamba import use_triton_kernels
 
     hf = _save(_config(tie=False), tmp_path, seed=0).to(CUDA)
     prompts = _prompts(211, seed=100)
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([p], device=CUDA)
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW,
-                              min_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
+    expected = [hf_greedy(hf, p, NUM_NEW) for p in prompts]  # on the GPU
     assert expected[0] == hf_greedy(hf.cpu(), prompts[0], NUM_NEW)  # the GPU reference is sane
     llm = make_llm(model=str(tmp_path), dtype="float32", device="cuda", **variant)
     assert use_triton_kernels(CUDA)
