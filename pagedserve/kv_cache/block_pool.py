@@ -56,6 +56,40 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_blocks += 1
 
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The first n blocks, unlinked in one pass and one splice (n <= num_blocks)."""
+        if n > self.num_blocks:
+            raise ValueError(f"cannot take {n} blocks, only {self.num_blocks} free")
+        if n <= 0:
+            return []
+        out = []
+        block = self._head.next_free
+        for _ in range(n):
+            assert block is not None
+            out.append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        assert block is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_blocks -= n
+        return out
+
+    def extend(self, blocks: list[KVCacheBlock]) -> None:
+        """Append blocks to the tail in order, with one splice."""
+        if not blocks:
+            return
+        last = self._tail.prev_free
+        assert last is not None
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+        last.next_free = self._tail
+        self._tail.prev_free = last
+        self.num_blocks += len(blocks)
+
     def remove(self, block: KVCacheBlock) -> None:
         if block.prev_free is None or block.next_free is None:
             raise ValueError(f"block {block.block_id} is not in the free queue")
@@ -94,60 +128,34 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` fresh blocks from the head of the free queue (least recently freed
         first), evicting the prefix hash of any cached block taken."""
-        queue = self.free_queue
-        if num_blocks > queue.num_blocks:
-            raise ValueError(
-                f"cannot allocate {num_blocks} blocks, only {queue.num_blocks} free")
-        if num_blocks <= 0:
-            return []
-        # Unlink the first `num_blocks` blocks in one pass (one splice instead of a removal per
-        # block). A block holding a hash is the one the map publishes under it (cache_block
-        # publishes a block only under a hash not yet taken), so eviction is a plain delete.
+        if num_blocks > self.free_queue.num_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks, only "
+                             f"{self.free_queue.num_blocks} free")
+        out = self.free_queue.popleft_n(num_blocks)
+        # A block holding a hash is the one the map publishes under it (cache_block publishes
+        # a block only under a hash not yet taken), so eviction is a plain delete.
         cached = self.cached_blocks
-        num_cached = len(cached)
-        head = queue._head
-        block = head.next_free
-        out = []
-        append = out.append
-        for _ in range(num_blocks):  # the queue holds at least num_blocks: none is the tail
-            nxt = block.next_free
-            block.prev_free = block.next_free = None
+        for block in out:
             if block.block_hash is not None:
                 del cached[block.block_hash]
                 block.block_hash = None
+                self.num_evictions += 1
             block.ref_cnt = 1
-            append(block)
-            block = nxt
-        assert block is not None
-        head.next_free = block
-        block.prev_free = head
-        queue.num_blocks -= num_blocks
-        self.num_evictions += num_cached - len(cached)  # each eviction deleted one entry
         return out
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks that reach zero join the free queue's tail
         in the order given (so callers pass the blocks they would rather keep cached last)."""
-        queue = self.free_queue
-        tail = queue._tail
-        last = tail.prev_free
-        assert last is not None
-        appended = 0
+        released: list[KVCacheBlock] = []
         try:
             for block in blocks:
-                ref_cnt = block.ref_cnt
-                if ref_cnt <= 0:
+                if block.ref_cnt <= 0:
                     raise ValueError(f"double free of block {block.block_id}")
-                block.ref_cnt = ref_cnt - 1
-                if ref_cnt == 1:
-                    last.next_free = block
-                    block.prev_free = last
-                    last = block
-                    appended += 1
-        finally:  # close the queue over what was appended, also when a double free raises
-            last.next_free = tail
-            tail.prev_free = last
-            queue.num_blocks += appended
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    released.append(block)
+        finally:  # the blocks released before a double free still join the queue
+            self.free_queue.extend(released)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference to cached blocks found by a prefix lookup; an evictable one leaves
