@@ -3,6 +3,8 @@ prefills and decodes together, reading K/V straight from the pages through the b
 
 Kernel `_unified_attention_kernel`
   grid:    (num_kv_heads, num_query_blocks, num_splits)
+  order:   query blocks run last-first (program 0 of axis 1 takes the last block), so the
+           blocks with the most keys start first and the final wave is the lightest.
   tiling:  a query block is BLOCK_Q consecutive new tokens of one request; the program takes all
            num_queries_per_kv query heads of its KV head for them, so its tile has
            BLOCK_M >= BLOCK_Q * num_queries_per_kv rows (row r: token r // qpk, head r % qpk of
@@ -169,7 +171,9 @@ def _unified_attention_kernel(
     USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
-    qblock = tl.program_id(1)
+    # Last query blocks first: in a causal prefill they see the most keys, so the longest
+    # programs start in the first waves and the last wave holds the shortest ones.
+    qblock = tl.num_programs(1) - 1 - tl.program_id(1)
     split = tl.program_id(2)
     req = tl.load(qblock_req_ptr + qblock)
     q_off = tl.load(qblock_start_ptr + qblock)
