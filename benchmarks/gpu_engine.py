@@ -11,8 +11,10 @@
      step the engine ran, max(bytes of weights + KV read / copy bandwidth, FLOPs / matmul rate),
      both rates measured here;
    - one decode step at batch 128 and 256 with 1,024-token contexts, next to its floor;
-   - host overhead: the fraction of wall time the GPU is busy during graphed decode steps
-     (torch.profiler kernel time over a window of steps).
+   - the graph's GPU time alone and the eager step's kernels by name;
+   - the engine's own decode steps at batch 128 and 256 (1,024-token prompts): wall time per
+     step next to its floor, and the fraction of wall time the GPU is busy (torch.profiler
+     kernel time over a window of steps).
 A compact table closes the run. Every part can be skipped by a flag.
 """
 
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.bench import random_prompts, run_throughput  # noqa: E402
+from pagedserve.engine.cuda_graphs import padded_batch_size  # noqa: E402
 
 ROWS: list[tuple[str, str, str]] = []  # (what, measured, next to)
 
@@ -252,20 +255,85 @@ def decode_step_time(llm: LLM, shape: Shape, batch: int, context: int,
     mode = "graph" if graphs is not None and batch <= max(graphs.sizes) else "eager"
     row(f"8B decode step b={batch} ctx={context} ({mode})", f"{ms:.2f} ms",
         f"floor {floor_ms:.2f} ms ({nbytes / 1e9:.1f} GB) -> {ms / floor_ms:.2f}x")
+    if mode == "graph":
+        gpu_ms = replay_time_ms(graphs, common)
+        row(f"8B decode step b={batch} GPU time of the graph alone", f"{gpu_ms:.2f} ms",
+            f"-> {gpu_ms / floor_ms:.2f}x the floor; host and logits {ms - gpu_ms:.2f} ms")
+    kernel_breakdown(runner, common, batch)
 
 
-def gpu_busy(llm: LLM, n: int, in_len: int, steps: int) -> None:
-    """Kernel time / wall time over `steps` decode steps of a running batch (profiler)."""
+def replay_time_ms(graphs, common) -> float:
+    """GPU time of one replay: back-to-back replays between two events, so no host gap."""
+    graphs.run(common)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    size = padded_batch_size(graphs.sizes, common.num_reqs)
+    iters = 20
+    start.record()
+    for _ in range(iters):
+        graphs.graphs[size].replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def kernel_breakdown(runner, common, batch: int, top: int = 8) -> None:
+    """Kernels of one eager decode step by name (torch.profiler): where the GPU time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
-    for i, p in enumerate(random_prompts(n, in_len, engine.runner.vocab_size, seed=7)):
-        engine.add_request(f"busy-{i}", p, params)
-    for _ in range(30):  # past the prefills
+    from pagedserve.attention.forward_context import set_forward_context
+
+    def forward() -> None:
+        md = {cfg: b.build(common) for cfg, b in runner.builders.items()}
+        with set_forward_context(md, runner.kv_caches):
+            hidden = runner.model(runner._input_ids[:batch], common.positions)
+        runner.model.compute_logits(hidden).argmax(-1)
+
+    forward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        forward()
+        torch.cuda.synchronize()
+    kernels = [(float(getattr(e, "self_device_time_total", 0) or 0), e.count, e.key)
+               for e in prof.key_averages()]
+    kernels = sorted((k for k in kernels if k[0] > 0), reverse=True)
+    total = sum(k[0] for k in kernels)
+    row(f"8B eager decode step b={batch} kernels", f"{total / 1e3:.2f} ms GPU",
+        f"({len(kernels)} kernel names)")
+    for us, count, name in kernels[:top]:
+        row(f"  {name[:60]}", f"{us / 1e3:.3f} ms", f"{us / total:.0%}, {count} launches")
+
+
+def engine_decode(llm: LLM, shape: Shape, rates: tuple[float, float], batch: int,
+                  context: int, steps: int = 40) -> None:
+    """The engine's own decode steps (scheduler, metadata, graph, sampling, outputs) over
+    `batch` requests with `context`-token prompts, once all have been prefilled: wall time per
+    step next to the floor of the same steps, then the fraction of wall time the GPU is busy
+    (torch.profiler kernel time over the same number of steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 40, ignore_eos=True)
+    prompts = random_prompts(batch, context, runner.vocab_size, seed=batch)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"decode-{batch}-{i}", p, params, stream=False)
+    while any(s.request.num_output_tokens == 0 for st in engine.states.values()
+              for s in st.sequences):
+        engine.step()
+    for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    runner.step_log = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    log, runner.step_log = runner.step_log, None
+    floor = shape.floor_s(log, *rates)
+    row(f"8B engine decode step b={batch} ctx~{context}",
+        f"{wall / steps * 1e3:.2f} ms", f"floor {floor / len(log) * 1e3:.2f} ms -> "
+        f"{wall / floor:.2f}x ({sum(1 for *_, g in log if g)}/{len(log)} graphed)")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -273,15 +341,11 @@ def gpu_busy(llm: LLM, n: int, in_len: int, steps: int) -> None:
         wall = time.perf_counter() - t0
     while engine.has_unfinished_requests():
         engine.step()
-    kernel_us = 0.0
-    for evt in prof.key_averages():
-        kernel_us += float(getattr(evt, "self_device_time_total", None)
-                           or getattr(evt, "self_cuda_time_total", 0) or 0)
-    if kernel_us <= 0:
-        row("8B GPU busy (graphed decode)", "n/a (the profiler saw no kernels)")
-        return
-    row(f"8B GPU busy in decode steps (batch {n})", f"{kernel_us / 1e6 / wall:.0%}",
-        f"({wall / steps * 1e3:.2f} ms/step with profiler on)")
+    kernel_us = sum(float(getattr(e, "self_device_time_total", 0) or 0)
+                    for e in prof.key_averages())
+    row(f"8B GPU busy in engine decode steps b={batch}",
+        f"{kernel_us / 1e6 / wall:.0%}" if kernel_us > 0 else "n/a (the profiler saw no kernels)",
+        f"({wall / steps * 1e3:.2f} ms/step with the profiler on)")
 
 
 def big_model(args: argparse.Namespace, rates: tuple[float, float]) -> None:
@@ -300,11 +364,11 @@ def big_model(args: argparse.Namespace, rates: tuple[float, float]) -> None:
         workload(llm, shape, "prefill-heavy", n, 1024, 128, rates, args)
     if not args.skip_decode_heavy:
         workload(llm, shape, "decode-heavy", n, 128, args.decode_output_len, rates, args)
-    if not args.skip_step_time:
-        for batch in (128, 256):
+    for batch in (128, 256):
+        if not args.skip_step_time:
             decode_step_time(llm, shape, batch, 1024, rates)
-    if not args.skip_busy:
-        gpu_busy(llm, min(n, 256), 128, 40)
+        if not args.skip_busy:
+            engine_decode(llm, shape, rates, batch, 1024)
     free(llm)
 
 
