@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One device call on the H200 machine, from the repository root:
 #   bash scripts/gpu-run.sh STAGE...
-# Stages: install (FlashInfer + small deps from the git-ignored .gpu/.gpu-deps folders carried
-# along, see ../shared/gpu/README.md), tests (GPU tests in parallel shards), e2e (engine vs
-# transformers on the SmolLM2 GGUF, joined from .gpu-smol-a/.gpu-smol-b), bench (attention
+# Stages: install (whatever git-ignored bundles were carried along: FlashInfer .gpu, small deps
+# .gpu-deps, FlashAttention-4 .gpu-fa4a/.gpu-fa4b, SmolLM2 GGUF parts .gpu-smol-*; see
+# ../shared/gpu/README.md), tests (GPU tests in parallel shards), quick (the GPU tests of
+# recently changed code), e2e (engine vs transformers on the SmolLM2 GGUF), bench (attention
 # kernels), features (CUDA graphs, TurboQuant, Mamba, prefix caching GPU tests), engine
-# (benchmarks/gpu_engine.py), tune (Triton launch-shape sweep, K/V write paths), measure
-# (prefix caching, Mamba decode and TurboQuant decode benchmarks), export (compiled FlashInfer
-# kernels to $OUT, which install.sh reuses when copied into .gpu/ as kernels*.tar.xz).
+# (benchmarks/gpu_engine.py), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
+# conformance and benchmark rows), tq (TurboQuant decode benchmark), measure (prefix caching,
+# Mamba decode and TurboQuant decode benchmarks), prefix0 (prefix caching at 0% hits), export
+# (compiled FlashInfer kernels to $OUT, which install.sh reuses when copied into .gpu/ as
+# kernels*.tar.xz).
 # Logs go to $OUT; a summary prints last.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -15,23 +18,35 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 SHARD_TIMEOUT=${SHARD_TIMEOUT:-420}
 
+export PAGEDSERVE_TEST_GGUF=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+
 setup_env() {
     [ -f /tmp/site/env.sh ] && . /tmp/site/env.sh
     [ -f /tmp/deps/env.sh ] && . /tmp/deps/env.sh
     [ -f /tmp/fa4site/env.sh ] && . /tmp/fa4site/env.sh
-    export PAGEDSERVE_TEST_GGUF=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
 }
 
 stage_install() {
     [ -d .gpu ] && bash .gpu/install.sh >"$OUT/install.log" 2>&1
     [ -d .gpu-deps ] && bash .gpu-deps/install-deps.sh >>"$OUT/install.log" 2>&1
-    # The SmolLM2 GGUF (98 MB) travels in parts (.gpu-smol-a/part1, -b/part2, -c/part3), one
-    # per call on the same machine; once all are here they are joined.
+    # FlashAttention-4 travels in two parts (.gpu-fa4a, then .gpu-fa4b in the next call on the
+    # same machine, see ../shared/gpu/README.md).
+    [ -d .gpu-fa4a ] && cp -r .gpu-fa4a /tmp/
+    [ -d .gpu-fa4b ] && bash .gpu-fa4b/install-fa4.sh >>"$OUT/install.log" 2>&1
+    # The SmolLM2 GGUF (98 MB) travels in parts (.gpu-smol-*/part*, one folder per call on the
+    # same machine, written by scripts/split-gguf.sh); .gpu-smol-*/manifest says how many
+    # parts and bytes the file has, and once all are here they are joined.
     mkdir -p /tmp/smol
-    for part in .gpu-smol-*/part*; do [ -f "$part" ] && cp "$part" /tmp/smol/; done
-    if [ -f /tmp/smol/part1 ] && [ -f /tmp/smol/part2 ] && [ -f /tmp/smol/part3 ]; then
-        cat /tmp/smol/part1 /tmp/smol/part2 /tmp/smol/part3 \
-            >/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+    for f in .gpu-smol-*/part* .gpu-smol-*/manifest; do [ -f "$f" ] && cp "$f" /tmp/smol/; done
+    if [ -f /tmp/smol/manifest ] && [ ! -f "$PAGEDSERVE_TEST_GGUF" ]; then
+        read -r nparts nbytes </tmp/smol/manifest
+        have=$(cat /tmp/smol/part* 2>/dev/null | wc -c)
+        if [ "$(ls /tmp/smol/part* | wc -l)" = "$nparts" ] && [ "$have" = "$nbytes" ]; then
+            cat $(ls /tmp/smol/part* | sort -V) >"$PAGEDSERVE_TEST_GGUF"
+            echo "GGUF joined from $nparts parts"
+        else
+            echo "GGUF: $have of $nbytes bytes here"
+        fi
     fi
     setup_env
     nvidia-smi -L
@@ -74,6 +89,13 @@ stage_engine() {  # the engine's throughput figures (issue: GPU engine performan
     echo "exit $?" >>"$OUT/engine.log"
 }
 
+stage_engine_async() {  # the same with the next step scheduled while this one runs
+    setup_env
+    timeout "${ENGINE_TIMEOUT:-300}" python3 benchmarks/gpu_engine.py --async-scheduling \
+        --num-prompts "${NUM_PROMPTS:-128}" ${ENGINE_ARGS:-} >"$OUT/engine-async.log" 2>&1
+    echo "exit $?" >>"$OUT/engine-async.log"
+}
+
 stage_e2e() {
     setup_env
     [ -f "$PAGEDSERVE_TEST_GGUF" ] || { echo "no GGUF at $PAGEDSERVE_TEST_GGUF"; return; }
@@ -87,12 +109,37 @@ stage_bench() {
         >"$OUT/bench.log" 2>&1; echo "exit $?" >>"$OUT/bench.log"
 }
 
-stage_tune() {  # issue 5's launch shapes and issue 6's K/V write, on a quiet GPU
+stage_quick() {  # the GPU tests of code changed since the last full run, in parallel
     setup_env
-    timeout 300 python3 benchmarks/triton_tiles.py >"$OUT/tune.log" 2>&1
+    shard triton-d128 tests/test_triton_ops.py -k "d128 or split_kv"
+    shard models tests/test_models.py tests/test_layer_kernels.py tests/test_cuda_graphs_gpu.py
+    wait
+}
+
+stage_tune() {  # issue 5's launch shapes and the K/V write, on a quiet GPU
+    setup_env
+    timeout 300 python3 benchmarks/triton_tiles.py --workloads "${TUNE_WORKLOADS:-write,prefill}" \
+        >"$OUT/tune.log" 2>&1
     echo "exit $?" >>"$OUT/tune.log"
     timeout 200 python3 benchmarks/attention_kernels.py --backends TRITON,FLASHINFER,FLASH_ATTN \
         --write >"$OUT/bench.log" 2>&1; echo "exit $?" >>"$OUT/bench.log"
+}
+
+stage_fa4() {  # FlashAttention-4: conformance on the H200 and the FLASH_ATTN benchmark rows
+    setup_env
+    PAGEDSERVE_FLASH_ATTN_IMPL=fa4 timeout "$SHARD_TIMEOUT" python3 -m pytest -q -m gpu \
+        -p no:cacheprovider -rs tests/test_flash_attn_gpu.py -k fa4 >"$OUT/fa4.log" 2>&1
+    echo "exit $?" >>"$OUT/fa4.log"
+    PAGEDSERVE_FLASH_ATTN_IMPL=fa4 timeout 200 python3 benchmarks/attention_kernels.py \
+        --backends FLASH_ATTN,TRITON --write >"$OUT/bench-fa4.log" 2>&1
+    echo "exit $?" >>"$OUT/bench-fa4.log"
+}
+
+stage_tq() {  # TurboQuant decode against bf16 Triton, 64 x 8,192
+    setup_env
+    timeout 200 python3 benchmarks/kv_quant_quality.py --kernel-bench ${TQ_ARGS:-} \
+        >"$OUT/tq.log" 2>&1
+    echo "exit $?" >>"$OUT/tq.log"
 }
 
 stage_measure() {  # benchmarks of prefix caching, Mamba and TurboQuant on the H200
