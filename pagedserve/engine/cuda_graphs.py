@@ -63,6 +63,7 @@ class DecodeGraphs:
         self.replays: Counter[int] = Counter()
         self._arange = np.arange(max(self.sizes, default=0) + 1, dtype=np.int64)
         self._pool: Any = None
+        self._metadata: dict[Any, Any] | None = None  # prepared for the next replay
 
     # ---- per step -------------------------------------------------------------------------
 
@@ -70,19 +71,31 @@ class DecodeGraphs:
         """Hidden states [num_reqs, hidden] of a pure-decode step through its graph (the
         step's input ids are already in the runner's buffer), or None when the step is not
         one to replay."""
+        size = self.prepare(common)
+        return None if size is None else self.replay(size, common.num_reqs)
+
+    def prepare(self, common: CommonAttentionMetadata) -> int | None:
+        """Pad the step's metadata into the graph buffers (host work and copies only); the
+        padded size to replay, or None when the step is not one to replay."""
         if common.num_prefills or common.max_query_len != 1 or not common.num_reqs:
             return None
         size = padded_batch_size(self.sizes, common.num_reqs)
         if size is None or (self.capture_graphs and size not in self.graphs):
             return None
-        metadata = self._graph_metadata(common, size)
+        self._metadata = self._graph_metadata(common, size)
+        return size
+
+    def replay(self, size: int, num_reqs: int) -> torch.Tensor:
+        """Queue the prepared step's forward: the graph, or the eager model on the padded
+        metadata when capture is off."""
+        metadata, self._metadata = self._metadata, None
         if self.capture_graphs:
             self.graphs[size].replay()
             hidden = self.outputs[size]
         else:
             hidden = self._forward(metadata, size)
         self.replays[size] += 1
-        return hidden[:common.num_reqs]
+        return hidden[:num_reqs]
 
     def _forward(self, metadata: dict[Any, Any], size: int) -> torch.Tensor:
         runner = self.runner

@@ -153,6 +153,17 @@ class ModelRunner:
         self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64,
                                           pin_memory=pin) for _ in range(2 if pin else 0)]
         self._copied = [torch.cuda.Event() for _ in range(2 if pin else 0)]
+        # Recorded once a step's host->device input copies are queued: the next step rewrites
+        # the same pinned buffers only after they have been read (with a step in flight they
+        # may not have been yet).
+        self._inputs_copied = torch.cuda.Event() if pin else None
+        # Where a step's previous samples still on the device go: pairs (index into this
+        # step's input ids, row of the previous step's samples), pinned and on the device.
+        self._patch_host = torch.zeros((2, self.max_num_reqs), dtype=torch.int64,
+                                       pin_memory=pin)
+        self._patch = (self._patch_host if not pin else
+                       torch.zeros_like(self._patch_host, device=self.device))
+        self._row_in_prev = np.full(self.max_num_reqs, -1, dtype=np.int64)
         self.generators: dict[str, torch.Generator] = {}
         # Live requests that need more than the sampled token (teacher forcing, prompt
         # logprobs, scoring by prefill): a step looks for them only while there are any.
@@ -300,9 +311,14 @@ class ModelRunner:
                 self.rows.block_table.append(int(rows[i]), block_ids)
         return rows
 
-    def _forward(self, batch: SchedulerOutput, rows: np.ndarray | None = None) -> torch.Tensor:
+    def _forward(self, batch: SchedulerOutput, rows: np.ndarray | None = None,
+                 prev: PendingStep | None = None) -> torch.Tensor:
+        """Build the step's inputs and queue its forward. `prev`: the step still in flight,
+        whose samples are some of this step's input ids (they are placed on the device)."""
         if rows is None:
             rows = np.arange(batch.num_reqs)
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()  # the last step's copies have read the buffers
         self._common = common = self.common_builder.build(rows, batch.num_computed_tokens,
                                            batch.num_scheduled_tokens, batch.num_prefills,
                                            self.rows.block_table)
@@ -315,14 +331,43 @@ class ModelRunner:
         input_ids = self._input_ids[:t]
         if input_ids is not self._input_ids_host[:t]:
             input_ids.copy_(self._input_ids_host[:t], non_blocking=True)
-        if self.decode_graphs is not None:
-            hidden = self.decode_graphs.run(common)
-            if hidden is not None:
-                self._ran_graph = True
-                return hidden
-        attn_metadata = {cfg: builder.build(common) for cfg, builder in self.builders.items()}
+        num_patched = self._queue_patch(prev, batch, rows, common) if prev is not None else 0
+        graph_size = self.decode_graphs.prepare(common) if self.decode_graphs else None
+        attn_metadata = None
+        if graph_size is None:
+            attn_metadata = {cfg: b.build(common) for cfg, b in self.builders.items()}
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        if num_patched:
+            dst, src = self._patch[0, :num_patched], self._patch[1, :num_patched]
+            self._input_ids.index_copy_(0, dst, prev.out.sampled_token_ids.index_select(0, src))
+        if graph_size is not None:
+            self._ran_graph = True
+            return self.decode_graphs.replay(graph_size, common.num_reqs)
         with set_forward_context(attn_metadata, self.kv_caches):
             return self.model(input_ids, common.positions)
+
+    def _queue_patch(self, prev: PendingStep, batch: SchedulerOutput, rows: np.ndarray,
+                     common) -> int:
+        """Copy to the device the pairs (input index, previous sample row) of the requests whose
+        first new token this step is the one the previous step sampled; returns their count.
+        A request new in this step may sit in a row a finished one used: it is never patched."""
+        prev_batch = prev.batch
+        self._row_in_prev[prev.rows] = np.arange(len(prev.rows))
+        j = self._row_in_prev[rows]
+        self._row_in_prev[prev.rows] = -1
+        prev_seq = prev_batch.num_computed_tokens + prev_batch.num_scheduled_tokens
+        jj = np.maximum(j, 0)
+        take = ((j >= 0) & ~np.asarray(batch.is_new, dtype=bool) & prev_batch.will_sample[jj]
+                & (prev_seq[jj] == batch.num_computed_tokens))
+        n = int(take.sum())
+        if n:
+            host = self._patch_host.numpy()
+            host[0, :n] = common.query_start_loc_cpu[:-1][take]
+            host[1, :n] = j[take]
+            if self._patch is not self._patch_host:
+                self._patch[:, :n].copy_(self._patch_host[:, :n], non_blocking=True)
+        return n
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
@@ -333,16 +378,15 @@ class ModelRunner:
     def launch(self, batch: SchedulerOutput) -> PendingStep:
         """Queue one step's forward and sampling on the device and return at once; `collect`
         waits for its samples. With async scheduling the engine launches step N+1 before it
-        collects step N: this first waits for N's samples (they are N+1's input ids) and
-        writes them into the token table, then builds N+1's inputs from it."""
-        if self._in_flight is not None:
-            self._record_samples(self._in_flight)
+        collects step N: N's samples, N+1's input ids, go from N's output into N+1's inputs
+        on the device, so the host never waits for N here."""
+        prev = self._in_flight
+        if prev is not None and prev.sampled is not None:
+            prev = None  # its samples are in the token table already
         rows = self._update_rows(batch)
-        # Built before the forward: its small host->device copies wait for the stream, which
-        # is idle here (the last step has completed), not behind this forward.
         meta = self._sampling_metadata(batch)
         self._ran_graph = False
-        hidden = self._forward(batch, rows)
+        hidden = self._forward(batch, rows, prev)
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,

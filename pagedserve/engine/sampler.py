@@ -100,19 +100,18 @@ class SamplingMetadata:
             banned[_long(ban_rows, device), _long(ban_cols, device)] = True
 
         asked = [p.logprobs for p in params if p.logprobs is not None]
-
-        def f32(xs: list[float]) -> Tensor:
-            return torch.tensor(xs, dtype=torch.float32, device=device)
-
+        # One transfer for the per-row values (top_k and vocab ids are exact in float32).
+        rows = _to_device(torch.tensor([temperature, top_p, min_p, pres, freq, rep, top_k,
+                                        greedy], dtype=torch.float32), device)
         return cls(
-            temperature=f32(temperature),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=_long(top_k, device),
-            top_p=f32(top_p),
-            min_p=f32(min_p),
-            presence_penalties=f32(pres),
-            frequency_penalties=f32(freq),
-            repetition_penalties=f32(rep),
+            temperature=rows[0],
+            is_greedy=rows[7] != 0,
+            top_k=rows[6].long(),
+            top_p=rows[1],
+            min_p=rows[2],
+            presence_penalties=rows[3],
+            frequency_penalties=rows[4],
+            repetition_penalties=rows[5],
             output_token_counts=counts,
             prompt_token_mask=prompt_mask,
             banned_token_mask=banned,
@@ -129,7 +128,18 @@ class SamplingMetadata:
 
 
 def _long(xs: list[int], device: torch.device | str) -> Tensor:
-    return torch.tensor(xs, dtype=torch.int64, device=device)
+    return _to_device(torch.tensor(xs, dtype=torch.int64), device)
+
+
+def _to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """A host tensor on `device` without waiting for the device: a copy from pageable memory
+    would first wait for the work already queued (with async scheduling, the step in
+    flight). Pinned memory comes from torch's caching host allocator, which keeps the block
+    until the copy has read it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _token_counts(
