@@ -136,6 +136,32 @@ def test_small_tiles_walk_masked_and_unmasked_ranges(monkeypatch, batch, window)
     run_case(TRITON, Case(BATCHES[batch], 16, 8, 2, 64, torch.float32, window), DEVICE)
 
 
+class _WriteFirstImpl(triton_attn.TritonAttentionImpl):
+    """K/V written by reshape_and_cache first, then attention reading every key from the
+    pages: the kernel without its fused write (as benchmarks time it alone)."""
+
+    def _attend(self, query, key, value, k_cache, v_cache, output, md):
+        common = md.common
+        reshape_and_cache(key, value, k_cache, v_cache, common.slot_mapping)
+        unified_attention.unified_attention(
+            query, k_cache, v_cache, output, common.block_table, common.query_start_loc,
+            common.seq_lens, md.qblock_req, md.qblock_start, md.num_qblocks, md.block_q,
+            md.block_m, self.scale, md.tiles, self.sliding_window, self.logits_soft_cap)
+
+
+class _WriteFirstBackend(triton_attn.TritonAttentionBackend):
+    impl_cls = _WriteFirstImpl
+
+
+@pytest.mark.parametrize("batch", ["mixed", "chunked_prefill"])
+@pytest.mark.parametrize("window", [None, 8])
+def test_unfused_kernel_reads_new_keys_from_the_pages(monkeypatch, batch, window):
+    small = TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    monkeypatch.setattr(unified_attention, "INTERPRETER_TILES", small)
+    run_case(_WriteFirstBackend, Case(BATCHES[batch], 16, 8, 2, 64, torch.float32, window),
+             DEVICE)
+
+
 @pytest.mark.parametrize("head_size,dtype", [(80, torch.float32), (96, torch.float16)])
 def test_odd_head_size_block_64(head_size, dtype):
     run_case(TRITON, Case(BATCHES["mixed"], 64, 8, 2, head_size, dtype, sliding_window=24),

@@ -80,12 +80,17 @@ class RocmAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
 
 
 class RocmAttentionImpl(TritonAttentionImpl):
-    def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                output: torch.Tensor, md: RocmAttentionMetadata) -> None:
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, output: torch.Tensor,
+                md: RocmAttentionMetadata) -> None:
         if not md.use_aiter:
-            super()._attend(query, k_cache, v_cache, output, md)
+            super()._attend(query, key, value, k_cache, v_cache, output, md)
             return
         import aiter
+
+        from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
+
+        reshape_and_cache(key, value, k_cache, v_cache, md.common.slot_mapping)
 
         common = md.common
         n = common.num_actual_tokens

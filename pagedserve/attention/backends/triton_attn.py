@@ -3,9 +3,10 @@
 Per step the builder does all host work once for every layer: it picks the launch shape (decode
 tiles for an all-decode step, prefill tiles otherwise), builds the query-block map (request and
 first token of every BLOCK_Q-token block), chooses the split-KV factor for small decode batches
-and copies the map into persistent device buffers. Each layer's forward is then two or three
-launches with no host sync: reshape_and_cache, unified_attention, and for split decodes the
-merge kernel. Cache layout [2, num_blocks, block_size, num_kv_heads, head_size] (as CPU's).
+and copies the map into persistent device buffers. Each layer's forward is then one launch
+with no host sync (two for split decodes: the merge kernel): unified_attention writes the
+step's K/V into the cache itself and reads the new keys from the key/value inputs. Cache
+layout [2, num_blocks, block_size, num_kv_heads, head_size] (as CPU's).
 """
 
 from __future__ import annotations
@@ -94,31 +95,37 @@ class TritonAttentionImpl(AttentionImpl):
                 output: torch.Tensor | None = None) -> torch.Tensor:
         from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
 
-        common = attn_metadata.common
+        md = attn_metadata
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(key, value, k_cache, v_cache, common.slot_mapping)
         if output is None:
             output = torch.empty_like(query)
-        self._attend(query, k_cache, v_cache, output, attn_metadata)
+        if md.num_qblocks == 0:  # nothing to attend, but the cache still takes the K/V
+            reshape_and_cache(key, value, k_cache, v_cache, md.common.slot_mapping)
+            return output
+        self._attend(query, key, value, k_cache, v_cache, output, md)
         return output
 
-    def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                output: torch.Tensor, md: TritonAttentionMetadata) -> None:
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, output: torch.Tensor,
+                md: TritonAttentionMetadata) -> None:
+        """One launch (two for a split decode) that also writes the step's K/V into the
+        cache and reads the new keys from key/value."""
         from pagedserve.attention.ops.decode_split_kv import split_kv_decode
         from pagedserve.attention.ops.unified_attention import unified_attention
 
         common = md.common
+        new_kv = dict(key=key, value=value, slot_mapping=common.slot_mapping)
         if md.num_splits > 1:
             split_kv_decode(query, k_cache, v_cache, output, common.block_table,
                             common.query_start_loc, common.seq_lens, md.qblock_req,
                             md.qblock_start, md.num_qblocks, md.block_m, self.scale, md.tiles,
                             md.num_splits, md.partials, self.sliding_window,
-                            self.logits_soft_cap)
+                            self.logits_soft_cap, **new_kv)
             return
         unified_attention(query, k_cache, v_cache, output, common.block_table,
                           common.query_start_loc, common.seq_lens, md.qblock_req,
                           md.qblock_start, md.num_qblocks, md.block_q, md.block_m, self.scale,
-                          md.tiles, self.sliding_window, self.logits_soft_cap)
+                          md.tiles, self.sliding_window, self.logits_soft_cap, **new_kv)
 
 
 class TritonAttentionBackend(AttentionBackend):

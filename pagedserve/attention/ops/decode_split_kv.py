@@ -95,11 +95,14 @@ def split_kv_decode(
     scale: float, tiles: TileConfig, num_splits: int,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     sliding_window: int | None = None, soft_cap: float | None = None,
+    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> None:
     """Decode attention (one query token per request) with each context split `num_splits`
     ways: the first launch writes the partial buffers (see `allocate_partials`), the second
-    merges them into `out`."""
+    merges them into `out`. key/value/slot_mapping: as `unified_attention` (the first split
+    writes the new K/V)."""
     unified_attention(query, k_cache, v_cache, out, block_table, query_start_loc, seq_lens,
                       qblock_req, qblock_start, num_decodes, 1, block_m, scale, tiles,
-                      sliding_window, soft_cap, num_splits, partials)
+                      sliding_window, soft_cap, num_splits, partials, key, value, slot_mapping)
     reduce_split_kv(partials, out, num_decodes, num_splits)

@@ -53,10 +53,11 @@ class TileConfig:
 
 # Hopper defaults, from `benchmarks/triton_tiles.py` on the H200 (d128, 32:8 heads, bf16, page
 # 16): decode 64 x 2,048 took 129 us with these (4.16 TB/s; the earlier 16/64/4 warps/3 stages
-# took ~189 us), prefill 8 x 2,048 896 us (307 TFLOP/s; 128/64/8 warps/3 stages: ~1,030 us).
+# took ~189 us); prefill 8 x 2,048 took 919 us with 128/32/4 warps/4 stages against 970 us with
+# 128/64/4/4 in the same sweep (and ~1,090 us with 128/128/8/3).
 # Shared memory per program is about (block_m + 2 * num_stages * block_n) * D_PAD * element
-# size: 160 KB for the prefill tiles at d128, within the H200's 227 KB.
-PREFILL_TILES = TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=4)
+# size: 96 KB for the prefill tiles at d128, within the H200's 227 KB.
+PREFILL_TILES = TileConfig(block_m=128, block_n=32, num_warps=4, num_stages=4)
 PREFILL_TILES_LARGE_HEAD = TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=2, num_stages=4)
 DECODE_TILES_LARGE_HEAD = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
@@ -100,25 +101,37 @@ def _tanh(x):
 
 @triton.jit
 def _attend_tiles(
-    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, tile_start, tile_end, seq_len,
-    sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+    tile_start, tile_end, sm_scale, soft_cap, window,
+    stride_cb, stride_cs, stride_cd, stride_kt, stride_kd, stride_vt, stride_vd,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    FROM_INPUT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """Keys [tile_start, tile_end) in BLOCK_N tiles, from the pages (or, FROM_INPUT, from the
+    step's key/value inputs: position k is token new_first + k). MASKED tiles check
+    k < tile_end, the causal mask (CAUSAL) and the window; the others must be whole tiles
+    that every row sees."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_SIZE
+    qk_scale = sm_scale * 1.4426950408889634  # base 2
     for tile in range(tile_start, tile_end, BLOCK_N):
         k_pos = tile + offs_n
-        k_ok = k_pos < seq_len
-        if MASKED:
-            page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        k_ok = k_pos < tile_end
+        if FROM_INPUT:
+            tok = (new_first + k_pos).to(tl.int64)
+            k_ptrs = new_k_base + tok[None, :] * stride_kt + offs_d[:, None] * stride_kd
+            v_ptrs = new_v_base + tok[:, None] * stride_vt + offs_d[None, :] * stride_vd
         else:
-            page = tl.load(table_row + k_pos // BLOCK_SIZE)
-        slot = page.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
-        k_ptrs = k_base + slot[None, :] + offs_d[:, None] * stride_cd  # [D_PAD, BLOCK_N]
-        v_ptrs = v_base + slot[:, None] + offs_d[None, :] * stride_cd  # [BLOCK_N, D_PAD]
+            if MASKED:
+                page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+            else:
+                page = tl.load(table_row + k_pos // BLOCK_SIZE)
+            slot = page.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
+            k_ptrs = k_base + slot[None, :] + offs_d[:, None] * stride_cd  # [D_PAD, BLOCK_N]
+            v_ptrs = v_base + slot[:, None] + offs_d[None, :] * stride_cd  # [BLOCK_N, D_PAD]
         if MASKED:
             k = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
@@ -135,18 +148,25 @@ def _attend_tiles(
         s = tl.dot(q, k, input_precision=DOT_PRECISION)
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * 1.4426950408889634
-        else:
-            s = s * (sm_scale * 1.4426950408889634)
         if MASKED:
-            seen = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            seen = k_ok[None, :]
+            if CAUSAL:
+                seen = seen & (k_pos[None, :] <= q_pos[:, None])
             if USE_WINDOW:
                 seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(seen, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Scores stay unscaled: the scale goes into the max and into one FMA per element.
+        if USE_SOFT_CAP:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         # A row that has seen no key yet keeps max -inf; subtract 0 instead so no NaN appears.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
+        if USE_SOFT_CAP:
+            p = tl.exp2(s - m_ref[:, None])
+        else:
+            p = tl.exp2(s * qk_scale - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -157,18 +177,20 @@ def _attend_tiles(
 
 @triton.jit
 def _unified_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, key_ptr, value_ptr, slot_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, qblock_req_ptr, qblock_start_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
     sm_scale, soft_cap, window,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_bt,
     NUM_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_Q_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    FUSED_WRITE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     # Last query blocks first: in a causal prefill they see the most keys, so the longest
@@ -182,20 +204,43 @@ def _unified_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     context = seq_len - q_len
 
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_SIZE
+    new_k_base = key_ptr + kv_head * stride_kh
+    new_v_base = value_ptr + kv_head * stride_vh
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    if FUSED_WRITE:
+        if split == 0:  # this block's new K/V of this head into the cache (slot -1: skipped)
+            w = tl.arange(0, BLOCK_Q_PAD)
+            w_tok = q_start + q_off + w
+            w_slot = tl.load(slot_ptr + w_tok, mask=(w < BLOCK_Q) & (q_off + w < q_len),
+                             other=-1).to(tl.int64)
+            w_ok = (w_slot >= 0)[:, None] & d_ok[None, :]
+            w_tok64 = w_tok.to(tl.int64)[:, None]
+            w_row = (w_slot // BLOCK_SIZE) * stride_cb + (w_slot % BLOCK_SIZE) * stride_cs
+            dst = w_row[:, None] + offs_d[None, :] * stride_cd
+            kw = tl.load(new_k_base + w_tok64 * stride_kt + offs_d[None, :] * stride_kd,
+                         mask=w_ok)
+            vw = tl.load(new_v_base + w_tok64 * stride_vt + offs_d[None, :] * stride_vd,
+                         mask=w_ok)
+            tl.store(k_base + dst, kw.to(k_cache_ptr.dtype.element_ty), mask=w_ok)
+            tl.store(v_base + dst, vw.to(v_cache_ptr.dtype.element_ty), mask=w_ok)
+
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_off + rows // QPK
     head = kv_head * QPK + rows % QPK
     row_ok = (rows < BLOCK_Q * QPK) & (q_idx < q_len)
     q_pos = context + q_idx
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_SIZE
     token = (q_start + q_idx).to(tl.int64)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys this block needs: [lo, hi), walked in BLOCK_N tiles aligned at tile_lo.
+    # Keys this block needs: [lo, hi), cut into the cached context [lo, context), read from
+    # the pages in BLOCK_N tiles aligned at tile_lo, and the step's new keys [context, hi),
+    # read from the key/value inputs when FUSED_WRITE (else from the pages too).
     q_first = context + q_off
     q_last = tl.minimum(q_first + BLOCK_Q, seq_len) - 1
     hi = q_last + 1
@@ -211,38 +256,68 @@ def _unified_attention_kernel(
     else:
         part_lo = tile_lo
         part_hi = hi
-    # Unmasked tiles: end at or before every row's position, start inside every row's window.
+    # Unmasked tiles start inside every row's window and end where the context (or, among the
+    # new keys, the first row's causal limit) ends.
     full_lo = tile_lo
+    new_full_lo = context
     if USE_WINDOW:
         full_lo = tl.maximum(tile_lo, tl.cdiv(q_last - window + 1, BLOCK_N) * BLOCK_N)
-    full_hi = ((q_first + 1) // BLOCK_N) * BLOCK_N
-    front_end = tl.minimum(full_lo, hi)
-    mid_end = tl.maximum(front_end, full_hi)
+        new_full_lo = tl.maximum(context, q_last - window + 1)
+    front_end = tl.minimum(full_lo, context)
+    mid_end = tl.maximum(front_end, (context // BLOCK_N) * BLOCK_N)
+    new_front_end = tl.minimum(new_full_lo, hi)
+    new_mid_end = new_front_end + tl.maximum(q_first + 1 - new_front_end, 0) // BLOCK_N * BLOCK_N
 
-    k_base = k_cache_ptr + kv_head * stride_ch
-    v_base = v_cache_ptr + kv_head * stride_ch
-    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    new_first = q_start - context
+    # Cached context: masked front (window start), whole tiles, masked tail (its end).
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row,
-        tl.maximum(tile_lo, part_lo), tl.minimum(front_end, part_hi), seq_len,
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        tl.maximum(tile_lo, part_lo), tl.minimum(front_end, part_hi),
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, USE_SOFT_CAP, UPCAST,
-        DOT_PRECISION)
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, False, False,
+        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row,
-        tl.maximum(front_end, part_lo), tl.minimum(mid_end, part_hi), seq_len,
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        tl.maximum(front_end, part_lo), tl.minimum(mid_end, part_hi),
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, USE_SOFT_CAP, UPCAST,
-        DOT_PRECISION)
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, False, False, False,
+        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row,
-        tl.maximum(mid_end, part_lo), tl.minimum(hi, part_hi), seq_len,
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        tl.maximum(mid_end, part_lo), tl.minimum(context, part_hi),
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, USE_SOFT_CAP, UPCAST,
-        DOT_PRECISION)
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, False, False,
+        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
+    # The step's new keys: masked front (window start), whole tiles every row sees, masked
+    # diagonal.
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        tl.maximum(context, part_lo), tl.minimum(new_front_end, part_hi),
+        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, True, FUSED_WRITE,
+        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        tl.maximum(new_front_end, part_lo), tl.minimum(new_mid_end, part_hi),
+        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, False, True, FUSED_WRITE,
+        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        tl.maximum(new_mid_end, part_lo), tl.minimum(hi, part_hi),
+        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, True, FUSED_WRITE,
+        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
 
     if NUM_SPLITS > 1:
         # Partial results, indexed [token, head, split(, channel)].
@@ -266,6 +341,8 @@ def unified_attention(
     block_m: int, scale: float, tiles: TileConfig, sliding_window: int | None = None,
     soft_cap: float | None = None, num_splits: int = 1,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> None:
     """Attention of query [T, H, D] over the paged cache into `out` [T, H, D].
 
@@ -273,7 +350,10 @@ def unified_attention(
     `query_block_map` (device int32). With num_splits > 1 (decode batches only: block_q 1) the
     results go to `partials` = (m [T, H, S], l [T, H, S], acc [T, H, S, D_PAD]) fp32 instead of
     `out` (flat buffers, see `decode_split_kv.allocate_partials`) and `reduce_split_kv` merges
-    them. All sizes are host ints: no sync."""
+    them. With key/value [T, Hkv, D] and slot_mapping [T] the kernel also writes the step's
+    new K/V into the cache (each program its own block's tokens; slot -1 skipped) and reads
+    the new keys from key/value; without them the cache must already hold them. All sizes
+    are host ints: no sync."""
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     if num_qblocks == 0:
@@ -282,21 +362,29 @@ def unified_attention(
         raise ValueError("k_cache and v_cache must have the same strides")
     if num_splits > 1 and (partials is None or block_q != 1):
         raise ValueError("the split-KV path is for decode batches and needs partial buffers")
+    fused = key is not None
+    if fused and (value is None or slot_mapping is None):
+        raise ValueError("writing K/V needs key, value and slot_mapping together")
     upcast = query.dtype == torch.float32 or interpreting(query.device)
     if partials is None:
         part_m = part_l = part_acc = out  # unused
     else:
         part_m, part_l, part_acc = partials
+    if not fused:
+        key = value = query  # unused
+        slot_mapping = seq_lens
     grid = (num_kv_heads, num_qblocks, num_splits)
     _unified_attention_kernel[grid](
-        query, k_cache, v_cache, out,
+        query, k_cache, v_cache, out, key, value, slot_mapping,
         block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
         part_m, part_l, part_acc,
         scale, soft_cap or 0.0, sliding_window or 0,
-        *query.stride(), *out.stride(), *k_cache.stride(), block_table.stride(0),
+        *query.stride(), *out.stride(), *k_cache.stride(), *key.stride(), *value.stride(),
+        block_table.stride(0),
         NUM_HEADS=num_heads, QPK=num_heads // num_kv_heads, HEAD_SIZE=head_size,
         D_PAD=padded_head_size(head_size), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
+        BLOCK_Q=block_q, BLOCK_Q_PAD=triton.next_power_of_2(block_q), BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits, FUSED_WRITE=fused,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast else None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
