@@ -69,6 +69,21 @@ def time_cuda(fn: Callable[[], object], warmup: int, iters: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
 
 
+def time_graph(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median seconds of one replay of `fn` captured in a CUDA graph: the GPU time alone, as
+    the engine's decode graphs run it, without the host's launch overhead."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_cuda(graph.replay, warmup, iters)
+
+
 def copy_bandwidth(warmup: int, iters: int) -> float:
     """TB/s of a 2 GiB device-to-device copy, counting the bytes read and written."""
     src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
@@ -130,8 +145,10 @@ class Setup:
         self.v_cache.view(-1, args.kv_heads, args.head_dim)[slots] = self.value
 
 
-def bench_backend(name: str, setup: Setup, args) -> tuple[float, torch.Tensor] | str:
-    """(seconds, output) of the backend's impl.forward, or why it was skipped."""
+def bench_backend(name: str, setup: Setup, args
+                  ) -> tuple[float, torch.Tensor, float | str] | str:
+    """(seconds, output, seconds as a CUDA graph or why not) of the backend's impl.forward,
+    or why it was skipped."""
     try:
         cls = get_backend_cls(name)
         ok, why = cls.is_available()
@@ -162,7 +179,13 @@ def bench_backend(name: str, setup: Setup, args) -> tuple[float, torch.Tensor] |
         impl.forward(setup.query, setup.key, setup.value, kv_cache, metadata, output=out)
 
     seconds = time_cuda(step, args.warmup, args.iters)
-    return seconds, out
+    graphed: float | str = "not on CUDA"
+    if dev.type == "cuda" and cls.supports_cuda_graphs:
+        try:
+            graphed = time_graph(step, args.warmup, args.iters)
+        except Exception as exc:  # a backend whose eager metadata cannot be captured
+            graphed = f"{type(exc).__name__}: {exc}"
+    return seconds, out, graphed
 
 
 def flashinfer_runs(setup: Setup, args) -> tuple[Callable[[], torch.Tensor], str] | str:
@@ -301,8 +324,12 @@ def main() -> None:
             if isinstance(result, str):
                 print(f"  {name}: skipped ({result})")
                 continue
-            seconds, out = result
+            seconds, out, graphed = result
             record(f"{name} impl.forward", seconds)
+            if isinstance(graphed, str):
+                print(f"  {name} impl.forward as a CUDA graph: skipped ({graphed})")
+            else:
+                record(f"{name} impl.forward (graph)", graphed)
             if reference is None:
                 reference = (name, out.float())
             else:

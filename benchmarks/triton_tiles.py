@@ -2,14 +2,17 @@
 
 Same workloads as `attention_kernels.py` (decode 64 x 2,048 context, prefill 8 x 2,048 new
 tokens, 32:8 heads, d128, bf16, page 16). Each TileConfig (block_m, block_n, num_warps,
-num_stages) and, for decode, each split-KV factor runs the kernel alone (no K/V write) on the
-same data; its output is checked against the first configuration's, and shapes that do not
-compile (shared memory) are reported and skipped. `write` times `reshape_and_cache` storing
-the prefill's 16,384 new tokens for each tokens-per-program and warp count. The winners go
+num_stages) and, for decode, each split-KV factor runs the kernel on the same data, by default
+as the TRITON backend runs it (writing the step's K/V itself; `--no-fused`: the kernel alone,
+every key read from the pages); its output is checked against the first configuration's,
+and shapes that do not compile (shared memory) are reported and skipped. `write` times
+`reshape_and_cache` storing the prefill's 16,384 new tokens for each tokens-per-program and
+warp count. The winners go
 into `ops/unified_attention.py`'s DECODE_TILES / PREFILL_TILES (and reshape_and_cache's
 defaults) by hand.
 
-    python benchmarks/triton_tiles.py [--workloads decode,prefill,write] [--top 8]
+    python benchmarks/triton_tiles.py [--workloads decode,prefill,write] [--top 8] [--no-fused]
+        [--prefill-shapes 128/32/4/4,128/64/4/4] [--decode-shapes ...]
 """
 
 from __future__ import annotations
@@ -60,14 +63,17 @@ def run_config(setup: Setup, args, tiles: TileConfig, num_splits: int, qmap: Que
     scale = args.head_dim ** -0.5
 
     def step():
+        new_kv = (dict(key=setup.key, value=setup.value, slot_mapping=common.slot_mapping)
+                  if args.fused else {})
         if num_splits > 1:
             split_kv_decode(setup.query, setup.k_cache, setup.v_cache, out, common.block_table,
                             common.query_start_loc, common.seq_lens, qmap.req, qmap.start,
-                            num_qblocks, block_m, scale, tiles, num_splits, partials)
+                            num_qblocks, block_m, scale, tiles, num_splits, partials, **new_kv)
         else:
             unified_attention(setup.query, setup.k_cache, setup.v_cache, out,
                               common.block_table, common.query_start_loc, common.seq_lens,
-                              qmap.req, qmap.start, num_qblocks, block_q, block_m, scale, tiles)
+                              qmap.req, qmap.start, num_qblocks, block_q, block_m, scale, tiles,
+                              **new_kv)
 
     step()  # compile
     torch.cuda.synchronize()
@@ -80,7 +86,9 @@ def sweep(w: Workload, args) -> None:
     qmap = QueryBlockMap(w.seqs * w.new, setup.device)
     partials = allocate_partials(w.seqs, args.heads, args.head_dim, max(DECODE_SPLITS),
                                  setup.device) if decode else None
-    shapes = configs(DECODE_GRID if decode else PREFILL_GRID)
+    listed = args.decode_shapes if decode else args.prefill_shapes
+    shapes = ([TileConfig(*map(int, x.split("/"))) for x in listed.split(",")] if listed
+              else configs(DECODE_GRID if decode else PREFILL_GRID))
     trials = [(t, s) for t in shapes for s in (DECODE_SPLITS if decode else [1])]
     work = kv_bytes(w, args) if decode else attention_flops(w, args)
     unit = "TB/s" if decode else "TFLOP/s"
@@ -138,6 +146,11 @@ def main() -> None:
     parser.add_argument("--workloads", default="decode,prefill,write")
     add_workload_args(parser, warmup=5, iters=30)
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
+                        help="the kernel writes the step's K/V, as the TRITON backend runs it")
+    for name in ("decode", "prefill"):
+        parser.add_argument(f"--{name}-shapes",
+                            help="only these block_m/block_n/warps/stages, comma-separated")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this sweep needs a CUDA GPU")
