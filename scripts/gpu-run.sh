@@ -135,6 +135,19 @@ stage_fa4() {  # FlashAttention-4: conformance on the H200 and the FLASH_ATTN be
     echo "exit $?" >>"$OUT/bench-fa4.log"
 }
 
+stage_fa4tq() {  # FA4 and TurboQuant GPU tests side by side, then their benchmarks alone
+    setup_env
+    ( PAGEDSERVE_FLASH_ATTN_IMPL=fa4 timeout "$SHARD_TIMEOUT" python3 -m pytest -q -m gpu \
+        -p no:cacheprovider -rs tests/test_flash_attn_gpu.py -k fa4 >"$OUT/fa4.log" 2>&1
+      echo "exit $?" >>"$OUT/fa4.log" ) &
+    shard turboquant tests/test_turboquant_gpu.py
+    wait
+    PAGEDSERVE_FLASH_ATTN_IMPL=fa4 timeout 200 python3 benchmarks/attention_kernels.py \
+        --backends FLASH_ATTN,TRITON --write >"$OUT/bench-fa4.log" 2>&1
+    echo "exit $?" >>"$OUT/bench-fa4.log"
+    stage_tq
+}
+
 stage_tq() {  # TurboQuant decode against bf16 Triton, 64 x 8,192
     setup_env
     timeout 200 python3 benchmarks/kv_quant_quality.py --kernel-bench ${TQ_ARGS:-} \
