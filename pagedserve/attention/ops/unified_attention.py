@@ -176,6 +176,42 @@ def _attend_tiles(
 
 
 @triton.jit
+def _attend_part(
+    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+    start, front_end, mid_end, end, part_lo, part_hi, sm_scale, soft_cap, window,
+    stride_cb, stride_cs, stride_cd, stride_kt, stride_kd, stride_vt, stride_vd,
+    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, FROM_INPUT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Keys [start, end) as a masked front [start, front_end) (the window's start), whole
+    unmasked tiles [front_end, mid_end) and a masked tail [mid_end, end), each clipped to this
+    program's split [part_lo, part_hi)."""
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        tl.maximum(start, part_lo), tl.minimum(front_end, part_hi),
+        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, CAUSAL, FROM_INPUT,
+        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        tl.maximum(front_end, part_lo), tl.minimum(mid_end, part_hi),
+        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, False, CAUSAL, FROM_INPUT,
+        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
+    return _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        tl.maximum(mid_end, part_lo), tl.minimum(end, part_hi),
+        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, CAUSAL, FROM_INPUT,
+        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
+
+
+@triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, key_ptr, value_ptr, slot_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, qblock_req_ptr, qblock_start_ptr,
@@ -273,50 +309,21 @@ def _unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     new_first = q_start - context
-    # Cached context: masked front (window start), whole tiles, masked tail (its end).
-    acc, l_i, m_i = _attend_tiles(
+    # The cached context (whole tiles end at its last tile boundary), then the step's new keys
+    # (whole tiles end at the block's first row; the rest is its causal diagonal).
+    acc, l_i, m_i = _attend_part(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
-        tl.maximum(tile_lo, part_lo), tl.minimum(front_end, part_hi),
+        tile_lo, front_end, mid_end, context, part_lo, part_hi,
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
         stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, False, False,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, False, False,
         USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
-    acc, l_i, m_i = _attend_tiles(
+    acc, l_i, m_i = _attend_part(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
-        tl.maximum(front_end, part_lo), tl.minimum(mid_end, part_hi),
+        context, new_front_end, new_mid_end, hi, part_lo, part_hi,
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
         stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, False, False, False,
-        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
-        tl.maximum(mid_end, part_lo), tl.minimum(context, part_hi),
-        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
-        stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, False, False,
-        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
-    # The step's new keys: masked front (window start), whole tiles every row sees, masked
-    # diagonal.
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
-        tl.maximum(context, part_lo), tl.minimum(new_front_end, part_hi),
-        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
-        stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, True, FUSED_WRITE,
-        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
-        tl.maximum(new_front_end, part_lo), tl.minimum(new_mid_end, part_hi),
-        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
-        stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, False, True, FUSED_WRITE,
-        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
-        tl.maximum(new_mid_end, part_lo), tl.minimum(hi, part_hi),
-        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
-        stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, True, FUSED_WRITE,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, FUSED_WRITE,
         USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
 
     if NUM_SPLITS > 1:
