@@ -8,9 +8,14 @@ unquantized engine's: mean KL(unquantized || preset) in nats and top-1 agreement
 
     python benchmarks/kv_quant_quality.py [--device cuda] [--num-prompts 8] [--num-tokens 128]
     python benchmarks/kv_quant_quality.py --kernel-bench   # CUDA: decode 64 x 8,192, 32:8, d128
+    python benchmarks/kv_quant_quality.py --kernel-bench --tq-tiles sweep  # one row per config
+    python benchmarks/kv_quant_quality.py --kernel-bench --tq-tiles 16/64/8/2,16/32/4/2/gather
 
 `decode_benchmark()` (also importable) times one decode step of the TURBOQUANT kernels against
-the bf16 TRITON backend on the same K/V.
+the bf16 TRITON backend on the same K/V. --tq-tiles takes comma-separated launch shapes of the
+TURBOQUANT attention kernel, block_m/block_n/num_warps/num_stages[/lookup] (lookup: table,
+select or gather, see ops/turboquant_kernels.py; block_m does not matter for decode), or
+"sweep" for SWEEP_TILES; without it each preset runs once with the default decode tiles.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ PROMPTS = [
 ]
 PRESETS = ["tq_k8v4", "tq_4bit", "tq_3bit", "naive_int4", "naive_int3"]
 # Goals of the issue: tq_k8v4 absolute; the others relative to the naive preset of equal bits.
+# A sweep that compiles and times in about a minute on the H200 (3 presets x 8 configs, about a
+# second of compile each): warps/stages/block_n around the default 16/64/8/2 and the lookups.
+SWEEP_TILES = ("16/64/8/2,16/64/8/3,16/64/4/2,16/32/4/2,16/128/8/2,16/64/2/4,"
+               "16/64/8/2/gather,16/64/8/2/select")
 GOALS = {"tq_k8v4": "KL < 0.01, top-1 >= 97%", "tq_4bit": "KL < naive_int4 / 2",
          "tq_3bit": "KL < naive_int3 / 2"}
 
@@ -65,11 +74,13 @@ def compare(reference: list[torch.Tensor], scored: list[torch.Tensor]) -> tuple[
 
 
 def run_quality(device: str, num_prompts: int, num_tokens: int, presets: list[str],
-                kv_cache_memory: str) -> list[QualityRow]:
+                kv_cache_memory: str, model: str | None = None) -> list[QualityRow]:
     from pagedserve import LLM, SamplingParams
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     common = dict(dtype=dtype, device=device, kv_cache_memory=kv_cache_memory)
+    if model is not None:
+        common["model"] = model
     if device == "cuda":
         common["gpu_memory_utilization"] = 0.3
     base_backend = "TRITON" if device == "cuda" else "CPU"
@@ -132,6 +143,13 @@ def print_quality(rows: list[QualityRow], device: str, num_prompts: int,
 def _median_seconds(fn, warmup: int = 5, iters: int = 30) -> float:
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():  # the interpreter (tests): wall time
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -147,17 +165,27 @@ def _median_seconds(fn, warmup: int = 5, iters: int = 30) -> float:
 def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 32,
                      num_kv_heads: int = 8, head_size: int = 128, block_size: int = 16,
                      presets: tuple[str, ...] = ("tq_k8v4", "tq_4bit", "tq_3bit"),
-                     seed: int = 0) -> list[dict]:
+                     seed: int = 0, tq_tiles: list[str] | None = None, device: str = "cuda",
+                     dtype: torch.dtype = torch.bfloat16, warmup: int = 5,
+                     iters: int = 30) -> list[dict]:
     """One decode step (each sequence has `context` tokens, the last one new) through the
     backends' builder + impl.forward: TRITON on a bf16 cache and TURBOQUANT per preset on the
-    same K/V. Prints and returns rows {impl, us, cache_bytes, tb_s, speedup, rel_err}."""
+    same K/V, once per launch shape in `tq_tiles` ("16/64/4/2[/select]"; None: the default).
+    Prints and returns rows {impl, tiles, us, cache_bytes, tb_s, speedup, rel_err}. (device
+    "cpu" with float32 runs the kernels in the interpreter: tests only.)"""
     from pagedserve.attention import BuilderConfig, get_backend_cls
     from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
-    from pagedserve.attention.ops.turboquant_kernels import format_tensors, tq_store
+    from pagedserve.attention.ops.turboquant_kernels import (
+        DECODE_TILES,
+        TQTiles,
+        format_tensors,
+        tq_store,
+    )
     from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
 
-    dev = torch.device("cuda")
-    bf16 = torch.bfloat16
+    tile_configs = [TQTiles.parse(t) for t in tq_tiles] if tq_tiles else [None]
+    dev = torch.device(device)
+    act = dtype
     gen = torch.Generator(device=dev).manual_seed(seed)
     pages = -(-context // block_size)
     num_blocks = num_seqs * pages + 1
@@ -174,8 +202,8 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
     slots = torch.cat([torch.tensor(perm[r * pages:(r + 1) * pages])[positions // block_size]
                        * block_size + positions % block_size for r in range(num_seqs)]).to(dev)
     triton_cls = get_backend_cls("TRITON")
-    bf16_cache = torch.zeros(triton_cls.get_kv_cache_shape(num_blocks, block_size, num_kv_heads,
-                                                           head_size), dtype=bf16, device=dev)
+    base_cache = torch.zeros(triton_cls.get_kv_cache_shape(num_blocks, block_size, num_kv_heads,
+                                                           head_size), dtype=act, device=dev)
     tq_caches = {}
     for preset in presets:
         cls = get_backend_cls("TURBOQUANT").for_preset(preset)
@@ -185,52 +213,73 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
     chunk = 1 << 16
     for start in range(0, len(slots), chunk):
         s = slots[start:start + chunk]
-        k = torch.randn(len(s), num_kv_heads, head_size, generator=gen, device=dev, dtype=bf16)
-        v = torch.randn(len(s), num_kv_heads, head_size, generator=gen, device=dev, dtype=bf16)
-        reshape_and_cache(k, v, bf16_cache[0], bf16_cache[1], s)
+        k = torch.randn(len(s), num_kv_heads, head_size, generator=gen, device=dev, dtype=act)
+        v = torch.randn(len(s), num_kv_heads, head_size, generator=gen, device=dev, dtype=act)
+        reshape_and_cache(k, v, base_cache[0], base_cache[1], s)
         for preset, cache in tq_caches.items():
             p = tqf.PRESETS[preset]
             tq_store(p, format_tensors(p, head_size, dev), k, v, cache, s)
 
-    query = torch.randn(num_seqs, num_heads, head_size, generator=gen, device=dev, dtype=bf16)
-    key = torch.randn(num_seqs, num_kv_heads, head_size, generator=gen, device=dev, dtype=bf16)
+    query = torch.randn(num_seqs, num_heads, head_size, generator=gen, device=dev, dtype=act)
+    key = torch.randn(num_seqs, num_kv_heads, head_size, generator=gen, device=dev, dtype=act)
     value = torch.randn_like(key)
 
-    def run(name: str, kv_cache: torch.Tensor, preset: str = "auto"):
+    def run(name: str, kv_cache: torch.Tensor, preset: str = "auto", tiles=None):
         cls = get_backend_cls(name)
-        config = BuilderConfig(num_heads, num_kv_heads, head_size, bf16, block_size, num_seqs,
+        config = BuilderConfig(num_heads, num_kv_heads, head_size, act, block_size, num_seqs,
                                num_seqs, pages, dev, kv_cache_dtype=preset)
-        metadata = cls.get_builder_cls()(config).build(common)
+        builder = cls.get_builder_cls()(config)
+        if name == "TURBOQUANT":
+            builder.use_kernels = True  # (already so on CUDA; the interpreter in tests)
+            builder.decode_tiles = tiles
+        metadata = builder.build(common)
         impl = cls.get_impl_cls()(num_heads, head_size, head_size ** -0.5, num_kv_heads,
                                   None, None, preset)
         out = torch.empty_like(query)
         seconds = _median_seconds(lambda: impl.forward(query, key, value, kv_cache, metadata,
-                                                       output=out))
+                                                       output=out), warmup, iters)
         return seconds, out
 
     tokens = num_seqs * context
-    base_s, base_out = run("TRITON", bf16_cache)
-    bf16_bytes = tokens * num_kv_heads * head_size * 2 * 2
-    rows = [dict(impl="TRITON bf16", us=base_s * 1e6, cache_bytes=bf16_bytes,
-                 tb_s=bf16_bytes / base_s / 1e12, speedup=1.0, rel_err=0.0)]
+    base_s, base_out = run("TRITON", base_cache)
+    act_name = str(act).removeprefix("torch.").replace("bfloat16", "bf16")
+    base_bytes = tokens * num_kv_heads * head_size * 2 * act.itemsize
+    rows = [dict(impl=f"TRITON {act_name}", tiles="", us=base_s * 1e6, cache_bytes=base_bytes,
+                 tb_s=base_bytes / base_s / 1e12, speedup=1.0, rel_err=0.0)]
     for preset, cache in tq_caches.items():
-        seconds, out = run("TURBOQUANT", cache, preset)
         nbytes = tokens * num_kv_heads * tqf.PRESETS[preset].slot_bytes(head_size)
-        rel = float((out.float() - base_out.float()).norm() / base_out.float().norm())
-        rows.append(dict(impl=f"TURBOQUANT {preset}", us=seconds * 1e6, cache_bytes=nbytes,
-                         tb_s=nbytes / seconds / 1e12, speedup=base_s / seconds, rel_err=rel))
+        for tiles in tile_configs:
+            t0 = time.perf_counter()
+            seconds, out = run("TURBOQUANT", cache, preset, tiles)
+            rel = float((out.float() - base_out.float()).norm() / base_out.float().norm())
+            rows.append(dict(impl=f"TURBOQUANT {preset}", tiles=str(tiles or DECODE_TILES),
+                             us=seconds * 1e6, cache_bytes=nbytes, tb_s=nbytes / seconds / 1e12,
+                             speedup=base_s / seconds, rel_err=rel))
+            print(f"  {preset} {rows[-1]['tiles']}: {seconds * 1e6:.1f} us (compile + timing "
+                  f"{time.perf_counter() - t0:.1f} s)", flush=True)
     print(f"\ndecode {num_seqs} seqs x {context} context, {num_heads}:{num_kv_heads} heads, "
-          f"d{head_size}, bf16, page {block_size}")
-    print(f"{'impl':<22} {'us':>9} {'cache MB':>9} {'TB/s':>6} {'speedup':>8} {'rel err':>8}")
+          f"d{head_size}, {act_name}, page {block_size}; TURBOQUANT tiles: "
+          f"block_m/block_n/warps/stages/lookup (default {DECODE_TILES})")
+    print(f"{'impl':<22} {'tiles':<18} {'us':>9} {'cache MB':>9} {'TB/s':>6} {'speedup':>8} "
+          f"{'rel err':>8}")
     for r in rows:
-        print(f"{r['impl']:<22} {r['us']:>9.1f} {r['cache_bytes'] / 1e6:>9.1f} "
-              f"{r['tb_s']:>6.2f} {r['speedup']:>7.2f}x {r['rel_err']:>8.4f}")
+        print(f"{r['impl']:<22} {r['tiles']:<18} {r['us']:>9.1f} "
+              f"{r['cache_bytes'] / 1e6:>9.1f} {r['tb_s']:>6.2f} {r['speedup']:>7.2f}x "
+              f"{r['rel_err']:>8.4f}")
+    best = {}
+    for r in rows[1:]:
+        if r["impl"] not in best or r["us"] < best[r["impl"]]["us"]:
+            best[r["impl"]] = r
+    if len(tile_configs) > 1:
+        print("best: " + ", ".join(f"{k.split()[-1]} {r['tiles']} {r['us']:.1f} us "
+                                   f"({r['speedup']:.2f}x)" for k, r in best.items()))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--model", help="a GGUF file (default: the bundled SmolLM2)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--num-tokens", type=int, default=128)
     parser.add_argument("--presets", default=",".join(PRESETS))
@@ -239,14 +288,23 @@ def main() -> None:
                         help="time the decode kernels (CUDA) instead of measuring quality")
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--tq-tiles", default="",
+                        help="kernel bench: comma-separated TURBOQUANT decode launch shapes "
+                             "block_m/block_n/warps/stages[/table|select|gather], one row each; "
+                             f"'sweep' = {SWEEP_TILES}")
+    parser.add_argument("--tq-presets", default="tq_k8v4,tq_4bit,tq_3bit",
+                        help="kernel bench: the TURBOQUANT presets to time")
     args = parser.parse_args()
     if args.kernel_bench:
-        decode_benchmark(args.num_seqs, args.context)
+        tiles = SWEEP_TILES if args.tq_tiles == "sweep" else args.tq_tiles
+        decode_benchmark(args.num_seqs, args.context,
+                         presets=tuple(p for p in args.tq_presets.split(",") if p),
+                         tq_tiles=[t for t in tiles.split(",") if t.strip()] or None)
         return
     torch.manual_seed(0)
     presets = [p for p in args.presets.split(",") if p]
     rows = run_quality(args.device, args.num_prompts, args.num_tokens, presets,
-                       args.kv_cache_memory)
+                       args.kv_cache_memory, args.model)
     print_quality(rows, args.device, args.num_prompts, args.num_tokens)
 
 

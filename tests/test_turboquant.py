@@ -173,16 +173,63 @@ def test_preset_binding_and_validation():
     assert get_backend_cls("TURBOQUANT") is TurboQuantBackend
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_cache_plane_layout(preset):
+    """Each (block, KV head) region is [K code rows | V code rows | K metas | V metas]; the
+    planes read back the records `encode_kv` makes, and nothing else of the cache is touched."""
+    p = tqf.PRESETS[preset]
+    d, bs, hkv, nb = 64, 4, 3, 5
+    gen = torch.Generator().manual_seed(11)
+    key, value = torch.randn(7, hkv, d, generator=gen), torch.randn(7, hkv, d, generator=gen)
+    slots = torch.tensor([0, 5, 19, 6, -1, 13, 3])
+    cache = torch.zeros(tqf.cache_shape(p, nb, bs, hkv, d), dtype=torch.uint8)
+    tqf.store_kv(p, cache, key, value, slots)
+    records = tqf.encode_kv(p, key, value)
+    kc, vc = p.key.code_bytes(d), p.value.code_bytes(d)
+    km, vm = p.key.meta_bytes, p.value.meta_bytes
+    assert p.plane_offsets(d, bs) == (0, bs * kc, bs * (kc + vc), bs * (kc + vc + km))
+    region = cache.view(nb, hkv, bs * p.slot_bytes(d))
+    written = torch.zeros(nb, bs, dtype=torch.bool)
+    for i, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        b, t = divmod(slot, bs)
+        written[b, t] = True
+        k_rec, v_rec = records[i, :, :kc + km], records[i, :, kc + km:]
+        o = p.plane_offsets(d, bs)
+        assert torch.equal(region[b, :, o[0] + t * kc:o[0] + (t + 1) * kc], k_rec[:, :kc])
+        assert torch.equal(region[b, :, o[1] + t * vc:o[1] + (t + 1) * vc], v_rec[:, :vc])
+        assert torch.equal(region[b, :, o[2] + t * km:o[2] + (t + 1) * km], k_rec[:, kc:])
+        assert torch.equal(region[b, :, o[3] + t * vm:o[3] + (t + 1) * vm], v_rec[:, vc:])
+    back = tqf.slot_records(p, cache, d)  # [nb, hkv, bs, S]
+    valid = slots >= 0  # written[] enumerates slots in increasing order
+    assert torch.equal(back.transpose(1, 2)[written], records[valid][slots[valid].argsort()])
+    assert not back.transpose(1, 2)[~written].any()
+    # Gathered pages convert the same way.
+    assert torch.equal(tqf.slot_records(p, cache[[3, 1]], d), back[[3, 1]])
+
+
+@pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
+def test_plane_layout_aligns_code_rows(preset):
+    # d128, block size 16: every plane and every code row starts on a 16-byte boundary (vector
+    # loads), metas on 2 bytes, and a (block, head) region is a multiple of 16 bytes.
+    p, d, bs = tqf.PRESETS[preset], 128, 16
+    assert p.slot_bytes(d) * bs % 16 == 0
+    assert all(o % 16 == 0 for o in p.plane_offsets(d, bs))
+    assert p.key.code_bytes(d) % 16 == 0 and p.value.code_bytes(d) % 16 == 0
+
+
 # ---- the backend on random paged data -------------------------------------------------------
 
 def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: int = 16,
                         num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 64,
                         dtype: torch.dtype = torch.float32, window: int | None = None,
                         soft_cap: float | None = None, use_kernels: bool = False,
-                        device: str = "cpu", seed: int = 0):
+                        device: str = "cpu", seed: int = 0, tiles=None):
     """Context K/V written into shuffled pages through the torch format, then one step of the
-    backend (builder + impl) over the new tokens. Returns (output, cache, per request: (query,
-    K, V, context length)), everything needed to build references."""
+    backend (builder + impl) over the new tokens (tiles: the kernels' launch shape, if given).
+    Returns (output, cache, per request: (query, K, V, context length)), everything needed to
+    build references."""
     gen = torch.Generator().manual_seed(seed)
     p = tqf.PRESETS[preset]
     backend = TurboQuantBackend.for_preset(preset)
@@ -220,6 +267,7 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
                            max_blocks, torch.device(device), window, soft_cap, preset)
     builder = backend.get_builder_cls()(config)
     builder.use_kernels = use_kernels
+    builder.decode_tiles = builder.prefill_tiles = tiles
     impl = backend.get_impl_cls()(num_heads, d, d ** -0.5, hkv, window, soft_cap, preset)
     query = torch.cat([r[0] for r in reqs]).to(device)
     key = torch.cat([r[1][r[3]:] for r in reqs]).to(device)
@@ -250,7 +298,7 @@ def references(preset: str, reqs, window=None, soft_cap=None):
 def _check_new_slots(preset, cache, new_slots, key, value):
     p = tqf.PRESETS[preset]
     bs = cache.shape[2]
-    stored = cache[new_slots // bs, :, new_slots % bs]
+    stored = tqf.slot_records(p, cache, key.shape[-1])[new_slots // bs, :, new_slots % bs]
     assert torch.equal(stored, tqf.encode_kv(p, key.float(), value.float()))
 
 
@@ -330,11 +378,147 @@ def test_kernels_shapes_and_options(batch, window, soft_cap, block_size, num_hea
     _check_new_slots(preset, cache, new_slots, key, value)
 
 
+@kernels
+@pytest.mark.parametrize("preset,tiles", [
+    ("tq_3bit", "16/16/1/1/select"), ("tq_4bit", "16/64/2/1/select"),
+    ("tq_k8v4", "16/16/1/1/select"), ("naive_int3", "16/32/1/1/select"),
+    ("tq_4bit", "32/16/1/1/table"), ("tq_3bit", "16/32/1/1/gather"),
+    ("tq_4bit", "16/16/2/1/gather")])
+def test_kernels_tile_configs_and_lookups(preset, tiles):
+    """Other launch shapes and the select-tree codebook lookup agree with the reference."""
+    from pagedserve.attention.ops.turboquant_kernels import TQTiles
+
+    out, cache, reqs, new_slots, key, value = run_turboquant_case(
+        preset, BATCHES["mixed"], use_kernels=True, device=KERNEL_DEVICE, head_size=32, seed=9,
+        tiles=TQTiles.parse(tiles))
+    dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(out, dequant, rtol=1e-4, atol=1e-4)
+    _check_new_slots(preset, cache, new_slots, key, value)
+
+
+@kernels
+@pytest.mark.parametrize("lookup", ["table", "select", "gather"])
+@pytest.mark.parametrize("preset", ["tq_4bit", "tq_k8v4", "tq_3bit"])
+def test_kernels_half_precision_dots(preset, lookup, monkeypatch):
+    """The tensor-core path (level tables in the input dtype, half-precision dots) that the GPU
+    runs, here in fp16 (the interpreter's bf16 is broken)."""
+    import functools
+
+    from pagedserve.attention.ops import turboquant_kernels as tqk
+
+    monkeypatch.setattr(tqk, "tq_attention", functools.partial(tqk.tq_attention, upcast=False))
+    out, _, reqs, *_ = run_turboquant_case(
+        preset, BATCHES["mixed"], use_kernels=True, device=KERNEL_DEVICE, head_size=32,
+        dtype=torch.float16, seed=4, tiles=tqk.TQTiles(16, 32, 1, 1, lookup))
+    dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
+
+
+@kernels
+@pytest.mark.parametrize("lookup", ["table", "select", "gather"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_kernel_dequantization_is_exact(preset, lookup):
+    """The kernel's code unpacking and codebook lookup (table, select tree, shuffle gather) give
+    exactly the format's levels for every code row of a block, K and V; the scales come from
+    its fp16 metas."""
+    from pagedserve.attention.ops import turboquant_kernels as tqk
+
+    p, d, bs = tqf.PRESETS[preset], 32, 16
+    gen = torch.Generator().manual_seed(12)
+    key, value = torch.randn(bs, 1, d, generator=gen) * 3, torch.randn(bs, 1, d, generator=gen)
+    cache = torch.zeros(tqf.cache_shape(p, 1, bs, 1, d), dtype=torch.uint8)
+    tqf.store_kv(p, cache, key, value, torch.arange(bs))
+    records = tqf.slot_records(p, cache, d)[0, 0]
+    tensors = tqk.format_tensors(p, d, torch.device("cpu"))
+    cache16, layout = tqk._layout_args(p, cache, d)
+    k_rec, v_rec = records[:, :p.value_offset(d)], records[:, p.value_offset(d):]
+    for codec, rec, levels, prefix in ((p.key, k_rec, tensors.k_levels, "K"),
+                                       (p.value, v_rec, tensors.v_levels, "V")):
+        args = tqk._codec_args(prefix, codec, d)
+        values = torch.empty(bs, d, device=KERNEL_DEVICE)
+        scale = torch.empty(bs, device=KERNEL_DEVICE)
+        _dequant_probe_kernel[(1,)](
+            cache.to(KERNEL_DEVICE), cache16.to(KERNEL_DEVICE), levels.to(KERNEL_DEVICE),
+            values, scale,
+            CODES_OFF=0 if prefix == "K" else layout["V_CODES_OFF"],
+            META_OFF=layout[f"{prefix}_META_OFF"], N=bs, HEAD_SIZE=d,
+            KIND=args[f"{prefix}_KIND"], BITS=codec.bits, G=args[f"{prefix}_GROUP"],
+            CODE_BYTES=codec.code_bytes(d), META_N=args[f"{prefix}_META_N"],
+            LOOKUP=tqk.LOOKUPS[lookup])
+        values, scale = values.cpu(), scale.cpu()
+        n = codec.code_bytes(d)
+        codes = tqf.unpack_codes(rec[:, :n], codec.bits, d)
+        norm = rec[:, n:n + 2].contiguous().view(torch.float16)[:, 0].float()
+        if codec.kind == "uniform":
+            torch.testing.assert_close(values, tqf.decode_vectors(rec, codec, d), rtol=0,
+                                       atol=1e-5)
+            assert torch.equal(scale, torch.ones(bs))
+            continue
+        if codec.kind == "fp8":
+            unit = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        else:
+            unit = tqf.codebook_levels(codec)[codes]
+        assert torch.equal(values, unit)
+        torch.testing.assert_close(scale, norm / math.sqrt(d), rtol=1e-6, atol=0)
+
+
+@kernels
+def test_decode_benchmark_tile_sweep_runs():
+    """benchmarks/kv_quant_quality.py --kernel-bench --tq-tiles: one row per preset and tile
+    config next to the TRITON row, in the interpreter at a tiny size (float32)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "kv_quant_quality.py"
+    spec = importlib.util.spec_from_file_location("kv_quant_quality", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    tiles = ["16/16/1/1", "16/32/1/1/select"]
+    rows = bench.decode_benchmark(num_seqs=2, context=40, num_heads=4, num_kv_heads=2,
+                                  head_size=32, presets=("tq_4bit", "tq_k8v4"), tq_tiles=tiles,
+                                  device=KERNEL_DEVICE, dtype=torch.float32, warmup=0, iters=1)
+    assert [(r["impl"], r["tiles"]) for r in rows] == [("TRITON float32", "")] + [
+        (f"TURBOQUANT {p}", t) for p in ("tq_4bit", "tq_k8v4")
+        for t in ("16/16/1/1/table", "16/32/1/1/select")]
+    assert all(r["rel_err"] < 0.2 for r in rows)
+    # The same preset gives the same output whatever the launch shape.
+    assert rows[1]["rel_err"] == pytest.approx(rows[2]["rel_err"], rel=1e-3)
+
+
+def test_tile_config_parsing():
+    from pagedserve.attention.ops.turboquant_kernels import DECODE_TILES, TQTiles
+
+    assert TQTiles.parse("16/64/4/2") == TQTiles(16, 64, 4, 2, "table")
+    assert TQTiles.parse(" 16/128/8/3/select ") == TQTiles(16, 128, 8, 3, "select")
+    assert TQTiles.parse("16/32/4/2/gather").lookup == "gather"
+    assert TQTiles.parse(str(DECODE_TILES)) == DECODE_TILES
+    for bad in ("16/64/4", "16/48/4/2", "16/64/4/2/lut", "a/64/4/2", "16/8/4/2", "16/64/3/2"):
+        with pytest.raises(ValueError):
+            TQTiles.parse(bad)
+
+
 if _kernels_runnable():
     import triton
     import triton.language as tl
 
     from pagedserve.attention.ops.fp8 import fp32_to_e4m3_bits
+    from pagedserve.attention.ops.turboquant_kernels import _load_vectors
+
+    @triton.jit
+    def _dequant_probe_kernel(cache_ptr, cache16_ptr, levels_ptr, values_ptr, scale_ptr,
+                              CODES_OFF: tl.constexpr, META_OFF: tl.constexpr,
+                              N: tl.constexpr, HEAD_SIZE: tl.constexpr, KIND: tl.constexpr,
+                              BITS: tl.constexpr, G: tl.constexpr, CODE_BYTES: tl.constexpr,
+                              META_N: tl.constexpr, LOOKUP: tl.constexpr):
+        rows = tl.arange(0, N)
+        offs = tl.arange(0, HEAD_SIZE)
+        values, scale = _load_vectors(cache_ptr + CODES_OFF + rows * CODE_BYTES,
+                                      cache16_ptr + META_OFF + rows * META_N, rows < N,
+                                      levels_ptr, HEAD_SIZE, KIND, BITS, G, LOOKUP)
+        tl.store(values_ptr + rows[:, None] * HEAD_SIZE + offs[None, :], values.to(tl.float32))
+        tl.store(scale_ptr + rows, scale)
 
     @triton.jit
     def _convert_fp8_kernel(x_ptr, out_ptr, N: tl.constexpr):

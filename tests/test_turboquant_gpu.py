@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ CUDA = "cuda"
 
 
 def _code_planes(preset: tqf.KVPreset, slots: torch.Tensor, d: int):
-    """(codes, meta as int16 bit patterns) of K then V of each slot."""
+    """(codes, meta as int16 bit patterns) of K then V of each slot record."""
     out = []
     off = 0
     for codec in (preset.key, preset.value):
@@ -53,7 +54,9 @@ def test_store_kernel_writes_reference_codes(preset, head_size, dtype):
     got = torch.zeros(shape, dtype=torch.uint8, device=CUDA)
     tq_store(p, format_tensors(p, head_size, torch.device(CUDA)), key.to(CUDA),
              value.to(CUDA), got, slots.to(CUDA))
-    got = got.cpu()
+    # Compare slot records (the cache holds them as planes, turboquant_format).
+    expected = tqf.slot_records(p, expected, head_size)
+    got = tqf.slot_records(p, got.cpu(), head_size)
     # Padding slots are untouched.
     written = torch.zeros(num_blocks * bs, dtype=torch.bool)
     written[slots[slots >= 0]] = True
@@ -80,6 +83,21 @@ def test_attention_kernel_matches_reference_bf16(preset, batch, head_size):
     torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("tiles", ["16/64/8/2", "16/64/4/2", "16/32/4/2", "16/128/8/2",
+                                   "16/64/2/4", "16/64/8/3/gather", "16/64/8/2/select"])
+@pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
+def test_attention_kernel_decode_tiles_and_lookups_bf16(preset, tiles):
+    """Every launch shape and codebook lookup of the decode sweep gives the same attention."""
+    from pagedserve.attention.ops.turboquant_kernels import TQTiles
+
+    out, _, reqs, *_ = run_turboquant_case(preset, BATCHES["decode"], num_heads=32,
+                                           num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+                                           use_kernels=True, device=CUDA,
+                                           tiles=TQTiles.parse(tiles))
+    dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("preset", ["tq_4bit", "naive_int3"])
 @pytest.mark.parametrize("window,soft_cap,block_size", [(8, None, 16), (None, 5.0, 1),
                                                          (None, None, 32)])
@@ -98,6 +116,7 @@ def _benchmark_module():
     path = pathlib.Path(__file__).parents[1] / "benchmarks" / "kv_quant_quality.py"
     spec = importlib.util.spec_from_file_location("kv_quant_quality", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

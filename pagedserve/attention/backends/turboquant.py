@@ -1,11 +1,13 @@
 """TURBOQUANT backend: a rotated low-bit quantized KV cache (TurboQuant, Zandieh et al.).
 
 Each new K/V vector is rotated by a fixed randomized Hadamard transform, its coordinates are
-quantized with the Lloyd-Max codebook of N(0, 1) and packed, with the vector's norm beside the
-codes (format and presets: ops/turboquant_format.py). Attention scores rotated queries against
-the dequantized rotated keys and rotates the output back once; the step's own new tokens are
-attended at full precision. Presets (`kv_cache_dtype`): tq_k8v4, tq_4bit (= "auto"), tq_3bit,
-and the unrotated comparison presets naive_int4, naive_int3.
+quantized with the Lloyd-Max codebook of N(0, 1) and packed, with the vector's norm kept as
+fp16 metadata (format, presets and the cache layout: ops/turboquant_format.py). Each (block, KV
+head) of the cache holds its tokens as a structure of arrays: all K code rows, all V code rows,
+then the K and V metas, so code rows stay 16-byte aligned for vector loads. Attention scores
+rotated queries against the dequantized rotated keys and rotates the output back once; the
+step's own new tokens are attended at full precision. Presets (`kv_cache_dtype`): tq_k8v4,
+tq_4bit (= "auto"), tq_3bit, and the unrotated comparison presets naive_int4, naive_int3.
 
 The cache layout depends on the preset, but `get_kv_cache_shape` takes none: the engine binds
 one with `TurboQuantBackend.for_preset(kv_cache_dtype)`, a subclass whose shape, dtype and page
@@ -51,7 +53,7 @@ class KernelPlan:
     num_qblocks: int
     block_q: int
     block_m: int
-    tiles: object  # ops.unified_attention.TileConfig
+    tiles: object  # ops.turboquant_kernels.TQTiles
 
 
 @dataclass
@@ -72,6 +74,10 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         self.num_queries_per_kv = config.num_heads // config.num_kv_heads
         self._groups = CPUAttentionMetadataBuilder(config)
         self.query_blocks = QueryBlockMap(config.max_num_tokens, device)
+        # Launch shapes of the attention kernel (ops.turboquant_kernels.TQTiles); None: the
+        # kernel module's defaults for the device. Benchmarks and tests set them to sweep.
+        self.decode_tiles = None
+        self.prefill_tiles = None
 
     def build(self, common: CommonAttentionMetadata) -> TurboQuantMetadata:
         if self.use_kernels:
@@ -100,7 +106,9 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         from pagedserve.attention.ops.unified_attention import query_block_shape
 
         decode_only = common.max_query_len <= 1
-        tiles = select_tiles(self.device, decode_only)
+        tiles = self.decode_tiles if decode_only else self.prefill_tiles
+        if tiles is None:
+            tiles = select_tiles(self.device, decode_only)
         block_q, block_m = query_block_shape(self.num_queries_per_kv, tiles, decode_only)
         num_qblocks = self.query_blocks.fill(common, block_q)
         return KernelPlan(self.query_blocks.req, self.query_blocks.start, num_qblocks, block_q,
@@ -175,8 +183,9 @@ class TurboQuantImpl(AttentionImpl):
         b = group.page_index.shape[0]
         h, d, hkv = self.num_heads, self.head_size, self.num_kv_heads
         max_k, max_q = group.max_seq_len, group.max_query_len
-        # [B, P, Hkv, bs, S] -> [B, max_k, Hkv, S]
-        slots = kv_cache[group.page_index].transpose(2, 3).flatten(1, 2)[:, :max_k]
+        # Pages [B, P, Hkv, bs, S] (plane layout) -> slot records -> [B, max_k, Hkv, S]
+        pages = tqf.slot_records(self.preset, kv_cache[group.page_index], d)
+        slots = pages.transpose(2, 3).flatten(1, 2)[:, :max_k]
         k, v = tqf.decode_kv(self.preset, slots, d)
         k = k.reshape(b * max_k, hkv, d).index_copy(
             0, new_keys, tqf.to_storage_domain(self.preset, key))
@@ -237,13 +246,16 @@ class TurboQuantBackend(AttentionBackend):
     @classmethod
     def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int) -> tuple[int, ...]:
-        """uint8 [num_blocks, num_kv_heads, block_size, slot_bytes]: the real packed bytes."""
+        """uint8 [num_blocks, num_kv_heads, block_size, slot_bytes]: the real packed bytes. The
+        block_size * slot_bytes bytes of a (block, KV head) hold K code rows, V code rows, K
+        metas, V metas (structure of arrays, ops/turboquant_format.py), not slot records."""
         return tqf.cache_shape(cls.preset(), num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError("the TurboQuant cache holds packed codes, not K/V views: "
-                                  "read it with ops.turboquant_format.decode_kv")
+                                  "read it with ops.turboquant_format.slot_records and "
+                                  "decode_kv")
 
     @classmethod
     def get_kv_cache_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -19,8 +19,24 @@ min and max (`uniform`): meta = (scale, min), x_hat = min + scale * code.
 Codes are packed little-endian in a bit stream: channel c occupies bits [c * bits, (c + 1) * bits),
 so 4-bit codes share a byte in pairs (low nibble first) and 3-bit codes go 8 to 3 bytes.
 
-A cache slot (one token of one KV head) is [K record | V record]; the cache tensor is uint8
-[num_blocks, num_kv_heads, block_size, slot_bytes].
+A slot (one token of one KV head) is the record pair [K record | V record] (`encode_kv`), but the
+paged cache does not store slots side by side. The cache tensor is uint8
+[num_blocks, num_kv_heads, block_size, slot_bytes]; the trailing [block_size, slot_bytes] of a
+(block, KV head) only sizes its region of block_size * slot_bytes contiguous bytes, which holds
+the block's tokens as a structure of arrays (offsets: `KVPreset.plane_offsets`):
+
+  [K codes  block_size rows x K code bytes]   row t = token t's packed K codes
+  [V codes  block_size rows x V code bytes]
+  [K metas  block_size x K meta bytes]        fp16: the norm, or (scale, min) for uniform codes
+  [V metas  block_size x V meta bytes]
+
+So a code row starts at its plane's offset plus a multiple of its length (128 / 64 / 48 bytes at
+d128 for 8 / 4 / 3 bits): with the block size a multiple of 16, every plane and every code row
+at d128 is 16-byte aligned (no padding needed) and the kernels read rows with vector loads; the
+metas are aligned fp16 arrays. The byte count per block is that of the slots, so capacity is
+unchanged. `cache_planes` gives the four planes as views, `slot_records` rebuilds the
+[..., slot_bytes] records of a cache (or of gathered pages), and `store_kv` writes through the
+planes.
 """
 
 from __future__ import annotations
@@ -68,7 +84,16 @@ class KVPreset:
         return self.key.record_bytes(head_size) + self.value.record_bytes(head_size)
 
     def value_offset(self, head_size: int) -> int:
+        """Where the V record starts inside a slot record."""
         return self.key.record_bytes(head_size)
+
+    def plane_offsets(self, head_size: int, block_size: int) -> tuple[int, int, int, int]:
+        """Byte offsets of the K codes, V codes, K metas and V metas planes inside the
+        block_size * slot_bytes region of one (block, KV head)."""
+        k_codes = block_size * self.key.code_bytes(head_size)
+        v_codes = block_size * self.value.code_bytes(head_size)
+        k_meta = block_size * self.key.meta_bytes
+        return 0, k_codes, k_codes + v_codes, k_codes + v_codes + k_meta
 
 
 _LM4, _LM3 = VectorCodec("lloyd_max", 4), VectorCodec("lloyd_max", 3)
@@ -315,7 +340,42 @@ def quantize_dequantize(preset: KVPreset, key: torch.Tensor,
 
 def cache_shape(preset: KVPreset, num_blocks: int, block_size: int, num_kv_heads: int,
                 head_size: int) -> tuple[int, int, int, int]:
+    """uint8 [num_blocks, num_kv_heads, block_size, slot_bytes]: block_size * slot_bytes bytes
+    per (block, KV head), laid out as planes (module docstring)."""
     return (num_blocks, num_kv_heads, block_size, preset.slot_bytes(head_size))
+
+
+def cache_planes(preset: KVPreset, kv_cache: torch.Tensor,
+                 head_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views (K codes, V codes, K metas, V metas), each uint8 [..., block_size, n], of a cache or
+    of gathered pages [..., block_size, slot_bytes] whose last two dims are contiguous. Writing
+    into them writes the cache."""
+    *lead, block_size, slot_bytes = kv_cache.shape
+    if slot_bytes != preset.slot_bytes(head_size):
+        raise ValueError(f"{preset.name} at head size {head_size} has "
+                         f"{preset.slot_bytes(head_size)}-byte slots, the cache has {slot_bytes}")
+    region = kv_cache.view(*lead, block_size * slot_bytes)
+    offsets = preset.plane_offsets(head_size, block_size)
+    widths = (preset.key.code_bytes(head_size), preset.value.code_bytes(head_size),
+              preset.key.meta_bytes, preset.value.meta_bytes)
+    return tuple(region[..., o:o + block_size * w].view(*lead, block_size, w)
+                 for o, w in zip(offsets, widths, strict=True))
+
+
+def _record_planes(preset: KVPreset, records: torch.Tensor,
+                   head_size: int) -> tuple[torch.Tensor, ...]:
+    """Records [..., slot_bytes] -> (K codes, V codes, K metas, V metas) in plane order."""
+    kc, kr = preset.key.code_bytes(head_size), preset.key.record_bytes(head_size)
+    vc = preset.value.code_bytes(head_size)
+    return (records[..., :kc], records[..., kr:kr + vc], records[..., kc:kr],
+            records[..., kr + vc:])
+
+
+def slot_records(preset: KVPreset, kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    """The slot records uint8 [..., block_size, slot_bytes] (token t of a block at row t, as
+    `encode_kv` makes them) of a cache or of gathered pages in the plane layout (a copy)."""
+    k_codes, v_codes, k_meta, v_meta = cache_planes(preset, kv_cache, head_size)
+    return torch.cat([k_codes, k_meta, v_codes, v_meta], dim=-1)
 
 
 def store_kv(preset: KVPreset, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -325,7 +385,10 @@ def store_kv(preset: KVPreset, kv_cache: torch.Tensor, key: torch.Tensor, value:
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-    block_size = kv_cache.shape[2]
+    block_size, head_size = kv_cache.shape[2], key.shape[-1]
     slot_mapping = slot_mapping.long()
-    kv_cache[slot_mapping // block_size, :, slot_mapping % block_size] = encode_kv(
-        preset, key, value)
+    blocks, rows = slot_mapping // block_size, slot_mapping % block_size
+    records = encode_kv(preset, key, value)
+    for plane, part in zip(cache_planes(preset, kv_cache, head_size),
+                           _record_planes(preset, records, head_size), strict=True):
+        plane[blocks, :, rows] = part

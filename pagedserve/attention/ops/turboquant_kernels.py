@@ -1,39 +1,61 @@
 """Triton kernels of the TurboQuant KV cache (format: turboquant_format.py, the reference).
 
+Cache layout (turboquant_format): uint8 [num_blocks, Hkv, block_size, slot_bytes], where each
+(block, KV head) region of block_size * slot_bytes bytes is a structure of arrays:
+  [K code rows: block_size x K code bytes][V code rows][K metas: fp16 x block_size][V metas]
+(uniform codes have two fp16 metas per token: scale, min). Code rows are 16-byte aligned for the
+usual shapes (block_size * slot_bytes and the code bytes per row multiples of 16, e.g. d128 and
+block size 16), so a row is read with 16-byte vector loads; metas are read as fp16 through a
+float16 view of the same cache.
+
 Kernel `_tq_store_kernel`
   grid:    (cdiv(num_tokens, BLOCK_T), num_kv_heads)
   tiling:  a program takes BLOCK_T new tokens of one KV head: it loads their K and V [BLOCK_T, D],
-           rotates them with one tl.dot against the explicit rotation matrix (fp32, ieee), takes
+           rotates them (`_hadamard`: tensor-core products with the +-1 Hadamard matrix), takes
            the norms (or min/max for uniform codes), quantizes every coordinate (a compare per
            Lloyd-Max boundary, an fp8 cast, or rounding), packs the codes into whole-byte groups
-           (a weighted sum of shifted codes per group) and writes codes and fp16 meta bytes into
-           the token's slot. Slots of -1 are skipped.
+           (a weighted sum of shifted codes per group) and writes each token's code row into the
+           K (V) code plane and its fp16 meta into the K (V) meta plane. Slots of -1 are skipped.
 
 Kernel `_tq_attention_kernel`
   grid:    (num_kv_heads, num_query_blocks)
   tiling:  as unified_attention: a program takes BLOCK_Q consecutive new tokens of one request
            and all query heads of its KV group (BLOCK_M rows). Two phases:
-             1. the cached context [lo, context): the query is rotated once (tl.dot with R^T),
-                each BLOCK_N-key tile is read from the packed pages through the block table and
-                decoded in registers (8- and 4-bit codes as one contiguous run of bytes per
-                record; codes -> codebook levels), scored against the rotated query with each
-                key's scale applied to its scores (and each value's to its probabilities, not
-                to every element); online softmax (base 2, fp32) accumulates the rotated-domain
-                values. Then the accumulator is rotated back (one tl.dot with R).
+             1. the cached context [lo, context): the query is rotated once (q R^T), each
+                BLOCK_N-key tile is read from the planes through the block table: per key
+                one contiguous code row (8 and 4 bits: one vector load run; 3 bits: three
+                strided byte loads, one per byte of the 8-code groups) and one fp16 meta. Codes
+                are unpacked in registers (the packed words replicated to channel order with
+                tl.interleave, then shifted and masked) and mapped to codebook levels by
+                LOOKUP: 0 (table) loads the level from a 2^bits-entry table in the dot dtype
+                (an L1-resident gather: 64-bit address + load per element), 1 (select) picks it
+                from the levels with a binary tree of selects on the code bits (registers only;
+                3 and 4 bits, else the table), 2 (gather) uses tl.gather on the levels
+                broadcast over the tile's rows (warp shuffles; up to 4 bits, else the table).
+                fp8 codes are bitcast, uniform codes converted and scaled. Each key's scale is
+                applied to its scores, each value's to its probabilities (not to every
+                element). Scores against the rotated query, online softmax (base 2, fp32), the
+                values accumulate in the rotated domain; the accumulator is rotated back once.
+                Both rotations are products with the +-1 Hadamard matrix H (R = H D / sqrt(d),
+                D the sign diagonal) on tensor cores, H exact in fp16 and the operand split into
+                two fp16 terms (`_hadamard`: fp32 accuracy, no [d, d] fp32 operand in
+                registers).
              2. the step's new tokens [context, seq_len) at full precision, read from the key and
                 value inputs (they are attended exactly, never through the cache), causally.
-           No full-precision copy of the cache exists anywhere.
-  layout:  query/key/value/out [T, H or Hkv, D] (any strides); cache uint8
-           [num_blocks, Hkv, block_size, slot_bytes]; slot = [K codes | K meta | V codes | V meta].
+           No full-precision copy of the cache exists anywhere. Launch shape: `TQTiles`
+           (block_m, block_n, num_warps, num_stages, lookup); `TQTiles.parse("16/64/4/2/table")`.
+  layout:  query/key/value/out [T, H or Hkv, D] (any strides); cache as above (its
+           [block_size, slot_bytes] plane contiguous).
   dtypes:  fp32/fp16/bf16 activations. UPCAST keeps the dots in fp32 (fp32 models and the
-           interpreter, whose bf16 is broken); otherwise tiles go to the input dtype for tensor
-           cores with fp32 accumulation. Rotations always run in fp32 (ieee).
+           interpreter, whose bf16 is broken); otherwise the level tables are in the input dtype
+           and tiles go to it for tensor cores with fp32 accumulation. Rotations have fp32
+           accuracy whatever the dtype.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -45,68 +67,148 @@ from pagedserve.attention.ops.turboquant_format import (
     VectorCodec,
     codebook_boundaries,
     codebook_levels,
-    rotation_matrix,
+    fwht,
+    hadamard_signs,
 )
-from pagedserve.attention.ops.unified_attention import TileConfig
 
 KIND_LLOYD_MAX, KIND_FP8, KIND_UNIFORM = 0, 1, 2
 _KIND_IDS = {"lloyd_max": KIND_LLOYD_MAX, "fp8": KIND_FP8, "uniform": KIND_UNIFORM}
+# The attention kernel's codebook lookup (module docstring).
+LOOKUPS = {"table": 0, "select": 1, "gather": 2}
 
-DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
-PREFILL_TILES = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-INTERPRETER_TILES = TileConfig(block_m=16, block_n=32, num_warps=1, num_stages=1)
+
+@dataclass(frozen=True)
+class TQTiles:
+    """Launch shape of the attention kernel. block_m: target rows per program (query tokens x
+    heads of one KV group; decode uses one token); block_n: keys per tile; lookup: 'table',
+    'select' or 'gather' (module docstring). Written and parsed as
+    "block_m/block_n/warps/stages[/lookup]"."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    lookup: str = "table"
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"TQTiles.{name} must be a power of two, got {value}")
+        if self.block_n < 16 or self.num_stages < 1:
+            raise ValueError(f"TQTiles needs block_n >= 16 and num_stages >= 1: {self}")
+        if self.lookup not in LOOKUPS:
+            raise ValueError(f"TQTiles.lookup is one of {', '.join(LOOKUPS)}, got "
+                             f"{self.lookup!r}")
+
+    def __str__(self) -> str:
+        return f"{self.block_m}/{self.block_n}/{self.num_warps}/{self.num_stages}/{self.lookup}"
+
+    @classmethod
+    def parse(cls, text: str) -> TQTiles:
+        """"16/64/4/2" or "16/64/4/2/select" -> TQTiles."""
+        parts = text.strip().split("/")
+        if len(parts) not in (4, 5):
+            raise ValueError(f"tile config {text!r}: want block_m/block_n/warps/stages[/lookup]")
+        try:
+            numbers = [int(x) for x in parts[:4]]
+        except ValueError:
+            raise ValueError(f"tile config {text!r}: the first four fields are integers") from None
+        return cls(*numbers, *parts[4:])
+
+
+# Hopper guesses pending a measured sweep (benchmarks/kv_quant_quality.py --kernel-bench
+# --tq-tiles sweep). What ptxas (sm_90a, d128, bf16) says of the decode loop: 16/64/8 warps
+# needs ~100 registers (no spills, 2 programs = 16 warps per SM), 16/64/4 ~180 (8 warps per SM),
+# 16/32/4 128; per thread per 64-key tile the table lookup issues ~5 instructions per code
+# (extract, 64-bit address, load), the select tree ~10, the shuffle gather ~5.
+DECODE_TILES = TQTiles(block_m=16, block_n=64, num_warps=8, num_stages=2)
+PREFILL_TILES = TQTiles(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 4 warps spill
+INTERPRETER_TILES = TQTiles(block_m=16, block_n=32, num_warps=1, num_stages=1)
 
 
 @dataclass
 class FormatTensors:
     """Device-resident constants of a preset at one head size."""
 
-    rot: torch.Tensor  # R [d, d]: y = R x
-    rot_t: torch.Tensor  # R^T, contiguous
-    k_levels: torch.Tensor
+    signs: torch.Tensor  # the rotation's +-1 diagonal D, float32 [d]: R = H D / sqrt(d)
+    hadamard: torch.Tensor  # H, the +-1 Sylvester Hadamard matrix, float16 [d, d] (exact)
+    k_levels: torch.Tensor  # float32 codebooks (never empty: kernels take a pointer)
     v_levels: torch.Tensor
     k_bounds: torch.Tensor
     v_bounds: torch.Tensor
+    _tables: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            self._tables[dtype] = (self.k_levels.to(dtype), self.v_levels.to(dtype))
+
+    def level_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) codebooks in `dtype` (float32, float16 or bfloat16): what the attention
+        kernel's lookup returns."""
+        return self._tables[dtype]
 
 
 def format_tensors(preset: KVPreset, head_size: int, device: torch.device) -> FormatTensors:
-    rot = rotation_matrix(head_size, device=device)
+    signs = hadamard_signs(head_size, device=device).float()
+    hadamard = fwht(torch.eye(head_size)).to(device=device, dtype=torch.float16)
 
     def table(t: torch.Tensor) -> torch.Tensor:  # never empty: kernels take a pointer
         return (t if t.numel() else torch.zeros(1)).to(device=device, dtype=torch.float32)
 
-    return FormatTensors(rot, rot.T.contiguous(),
+    return FormatTensors(signs, hadamard,
                          table(codebook_levels(preset.key)), table(codebook_levels(preset.value)),
                          table(codebook_boundaries(preset.key)),
                          table(codebook_boundaries(preset.value)))
 
 
-def _codec_args(prefix: str, codec: VectorCodec, head_size: int,
-                packing: bool = False) -> dict[str, int]:
-    args = {f"{prefix}_KIND": _KIND_IDS[codec.kind], f"{prefix}_BITS": codec.bits,
-            f"{prefix}_CODE_BYTES": codec.code_bytes(head_size)}
-    if packing:
-        args[f"{prefix}_GROUP"] = 8 // math.gcd(8, codec.bits)
-    return args
+def _codec_args(prefix: str, codec: VectorCodec, head_size: int) -> dict[str, int]:
+    return {f"{prefix}_KIND": _KIND_IDS[codec.kind], f"{prefix}_BITS": codec.bits,
+            f"{prefix}_CODE_BYTES": codec.code_bytes(head_size),
+            f"{prefix}_GROUP": 8 // math.gcd(8, codec.bits),
+            f"{prefix}_META_N": codec.meta_bytes // 2}
+
+
+def _layout_args(preset: KVPreset, kv_cache: torch.Tensor,
+                 head_size: int) -> tuple[torch.Tensor, dict[str, int]]:
+    """(float16 view of the cache, plane offsets: codes in bytes, metas in fp16 elements)."""
+    num_blocks, num_kv_heads, block_size, slot_bytes = kv_cache.shape
+    if (kv_cache.dtype != torch.uint8 or slot_bytes != preset.slot_bytes(head_size)
+            or kv_cache.stride(3) != 1 or kv_cache.stride(2) != slot_bytes):
+        raise ValueError(f"{preset.name} needs a uint8 cache [blocks, Hkv, block_size, "
+                         f"{preset.slot_bytes(head_size)}] with contiguous blocks, got "
+                         f"{kv_cache.dtype} {tuple(kv_cache.shape)} strides {kv_cache.stride()}")
+    _, v_codes, k_meta, v_meta = preset.plane_offsets(head_size, block_size)
+    return kv_cache.view(torch.float16), dict(V_CODES_OFF=v_codes, K_META_OFF=k_meta // 2,
+                                              V_META_OFF=v_meta // 2)
 
 
 # ---- store ------------------------------------------------------------------------------------
 
 @triton.jit
-def _store_fp16_bytes(ptr, x, mask):
-    bits = x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
-    tl.store(ptr, (bits & 255).to(tl.uint8), mask=mask)
-    tl.store(ptr + 1, ((bits >> 8) & 255).to(tl.uint8), mask=mask)
+def _hadamard(x, had):
+    """x [M, D] fp32 @ H (had: the +-1 Hadamard matrix [D, D] in fp16) on tensor cores, as
+    accurate as an fp32 product: each row of x, scaled into [-1, 1], is split into fp16
+    hi + lo * 2^-11, whose products with +-1 are exact, and the dots accumulate in fp32. (An
+    fp32 [D, D] dot operand would take 128 registers per thread at 4 warps and spill.)"""
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.where(amax > 0.0, amax, 1.0)
+    xs = x / scale[:, None]
+    hi = xs.to(tl.float16)
+    lo = ((xs - hi.to(tl.float32)) * 2048.0).to(tl.float16)
+    y = tl.dot(hi, had) + tl.dot(lo, had) * (1.0 / 2048.0)
+    return y * scale[:, None]
 
 
 @triton.jit
 def _quantize_pack_store(
-    x, rec_ptr, ok, rot_t, bounds_ptr,
-    HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-    CODE_BYTES: tl.constexpr, G: tl.constexpr, ROTATED: tl.constexpr, BLOCK_T: tl.constexpr,
+    x, code_row, meta, ok, signs, had, bounds_ptr,
+    HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+    ROTATED: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """x [BLOCK_T, D] fp32; rec_ptr [BLOCK_T] pointers to each token's record. G: codes per
-    whole-byte group (8 bits: 1, 4 bits: 2, 3 bits: 8)."""
+    """x [BLOCK_T, D] fp32; code_row [BLOCK_T] pointers to each token's code row (uint8), meta
+    [BLOCK_T] pointers to its first fp16 meta. G: codes per whole-byte group (8 bits: 1, 4 bits:
+    2, 3 bits: 8)."""
     if KIND == 2:  # uniform between the vector's min and max
         lo = tl.min(x, 1)
         hi = tl.max(x, 1)
@@ -115,11 +217,11 @@ def _quantize_pack_store(
         safe = tl.where(scale > 0.0, scale, 1.0)
         q = tl.floor((x - lo[:, None]) / safe[:, None] + 0.5)
         codes = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1).to(tl.int32)
-        _store_fp16_bytes(rec_ptr + CODE_BYTES, scale, ok)
-        _store_fp16_bytes(rec_ptr + CODE_BYTES + 2, lo, ok)
+        tl.store(meta, scale.to(tl.float16), mask=ok)
+        tl.store(meta + 1, lo.to(tl.float16), mask=ok)
     else:
-        if ROTATED:
-            y = tl.dot(x, rot_t, input_precision="ieee")
+        if ROTATED:  # y = R x = H (D x) / sqrt(d), per row
+            y = _hadamard(x * signs[None, :], had) * (1.0 / tl.sqrt(float(HEAD_SIZE)))
         else:
             y = x
         norm = tl.sqrt(tl.sum(y * y, 1))
@@ -130,7 +232,7 @@ def _quantize_pack_store(
             codes = tl.zeros([BLOCK_T, HEAD_SIZE], dtype=tl.int32)
             for i in tl.static_range((1 << BITS) - 1):
                 codes += (unit > tl.load(bounds_ptr + i)).to(tl.int32)
-        _store_fp16_bytes(rec_ptr + CODE_BYTES, tl.minimum(norm, 65504.0), ok)
+        tl.store(meta, tl.minimum(norm, 65504.0).to(tl.float16), mask=ok)
 
     # Whole-byte groups: G codes make NB bytes (8 bits: 1/1, 4: 2/1, 3: 8/3).
     NB: tl.constexpr = G * BITS // 8
@@ -142,20 +244,24 @@ def _quantize_pack_store(
         word = tl.sum(tl.reshape(codes, [BLOCK_T, HEAD_SIZE // G, G]) << shifts[None, None, :],
                       2)
     for k in tl.static_range(NB):
-        tl.store(rec_ptr[:, None] + groups[None, :] * NB + k,
+        tl.store(code_row[:, None] + groups[None, :] * NB + k,
                  ((word >> (8 * k)) & 255).to(tl.uint8), mask=ok[:, None])
 
 
 @triton.jit
 def _tq_store_kernel(
-    key_ptr, value_ptr, cache_ptr, slot_ptr, rot_t_ptr, k_bounds_ptr, v_bounds_ptr,
+    key_ptr, value_ptr, cache_ptr, cache16_ptr, slot_ptr, signs_ptr, had_ptr, k_bounds_ptr,
+    v_bounds_ptr,
     num_tokens,
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-    stride_cb, stride_ch, stride_cs,
+    stride_cb, stride_ch, stride_cb16, stride_ch16,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROTATED: tl.constexpr, V_OFF: tl.constexpr,
+    ROTATED: tl.constexpr,
+    V_CODES_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, K_GROUP: tl.constexpr,
+    K_META_N: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_CODE_BYTES: tl.constexpr, V_GROUP: tl.constexpr,
+    V_META_N: tl.constexpr,
 ):
     head = tl.program_id(1)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -167,32 +273,39 @@ def _tq_store_kernel(
                 mask=ok[:, None], other=0.0).to(tl.float32)
     v = tl.load(value_ptr + tok * stride_vt + head * stride_vh + offs_d[None, :] * stride_vd,
                 mask=ok[:, None], other=0.0).to(tl.float32)
-    rot_t = tl.load(rot_t_ptr + offs_d[:, None] * HEAD_SIZE + offs_d[None, :])
-    rec = cache_ptr + (slots // BLOCK_SIZE) * stride_cb + head * stride_ch \
-        + (slots % BLOCK_SIZE) * stride_cs
-    _quantize_pack_store(k, rec, ok, rot_t, k_bounds_ptr, HEAD_SIZE, K_KIND, K_BITS,
-                         K_CODE_BYTES, K_GROUP, ROTATED, BLOCK_T)
-    _quantize_pack_store(v, rec + V_OFF, ok, rot_t, v_bounds_ptr, HEAD_SIZE, V_KIND, V_BITS,
-                         V_CODE_BYTES, V_GROUP, ROTATED, BLOCK_T)
+    signs = tl.load(signs_ptr + offs_d)
+    had = tl.load(had_ptr + offs_d[:, None] * HEAD_SIZE + offs_d[None, :])
+    block = tl.where(ok, slots // BLOCK_SIZE, 0)
+    row = tl.where(ok, slots % BLOCK_SIZE, 0)
+    plane = cache_ptr + block * stride_cb + head * stride_ch
+    plane16 = cache16_ptr + block * stride_cb16 + head * stride_ch16
+    _quantize_pack_store(k, plane + row * K_CODE_BYTES, plane16 + K_META_OFF + row * K_META_N,
+                         ok, signs, had, k_bounds_ptr, HEAD_SIZE, K_KIND, K_BITS, K_GROUP,
+                         ROTATED,
+                         BLOCK_T)
+    _quantize_pack_store(v, plane + V_CODES_OFF + row * V_CODE_BYTES,
+                         plane16 + V_META_OFF + row * V_META_N, ok, signs, had, v_bounds_ptr,
+                         HEAD_SIZE, V_KIND, V_BITS, V_GROUP, ROTATED, BLOCK_T)
 
 
 def tq_store(preset: KVPreset, tensors: FormatTensors, key: torch.Tensor, value: torch.Tensor,
              kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_t: int = 16) -> None:
     """Rotate, quantize and pack key/value [T, Hkv, D] into kv_cache [blocks, Hkv, block_size,
-    slot_bytes] at slot_mapping [T] (-1 = skip). Only the first len(slot_mapping) tokens."""
+    slot_bytes] (plane layout) at slot_mapping [T] (-1 = skip). Only the first
+    len(slot_mapping) tokens."""
     num_tokens = min(key.shape[0], slot_mapping.shape[0])
     if num_tokens == 0:
         return
     num_kv_heads, head_size = key.shape[1], key.shape[2]
+    cache16, layout = _layout_args(preset, kv_cache, head_size)
     grid = (triton.cdiv(num_tokens, block_t), num_kv_heads)
     _tq_store_kernel[grid](
-        key, value, kv_cache, slot_mapping, tensors.rot_t, tensors.k_bounds, tensors.v_bounds,
-        num_tokens, *key.stride(), *value.stride(),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        key, value, kv_cache, cache16, slot_mapping, tensors.signs, tensors.hadamard,
+        tensors.k_bounds, tensors.v_bounds, num_tokens, *key.stride(), *value.stride(),
+        kv_cache.stride(0), kv_cache.stride(1), cache16.stride(0), cache16.stride(1),
         BLOCK_SIZE=kv_cache.shape[2], HEAD_SIZE=head_size, BLOCK_T=block_t,
-        ROTATED=preset.rotated, V_OFF=preset.value_offset(head_size),
-        **_codec_args("K", preset.key, head_size, packing=True),
-        **_codec_args("V", preset.value, head_size, packing=True),
+        ROTATED=preset.rotated, **layout,
+        **_codec_args("K", preset.key, head_size), **_codec_args("V", preset.value, head_size),
         num_warps=4,
     )
 
@@ -200,71 +313,102 @@ def tq_store(preset: KVPreset, tensors: FormatTensors, key: torch.Tensor, value:
 # ---- attention --------------------------------------------------------------------------------
 
 @triton.jit
-def _load_fp16_bytes(ptr, mask):
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.int32)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
-    return (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _load_codes(rec, ok, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr,
-                CODE_BYTES: tl.constexpr):
-    """rec [BLOCK_N] pointers to records -> codes [BLOCK_N, D] int32 in channel order. 8- and
-    4-bit codes load each record's code bytes once as one contiguous run (vectorisable; a
-    4-bit byte is split into its two nibbles and interleaved back into channel order); other
-    widths load, per channel, the byte (or two) holding its code."""
-    if BITS == 8:
-        offs = tl.arange(0, HEAD_SIZE)
-        codes = tl.load(rec[:, None] + offs[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    elif BITS == 4:
-        offs = tl.arange(0, CODE_BYTES)
-        b = tl.load(rec[:, None] + offs[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        codes = tl.interleave(b & 15, b >> 4)
-    else:
-        offs_d = tl.arange(0, HEAD_SIZE)
-        byte = offs_d * BITS // 8
-        shift = offs_d * BITS % 8
-        word = tl.load(rec[:, None] + byte[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        if 8 % BITS != 0:  # a code may straddle two bytes
-            nxt = tl.load(rec[:, None] + byte[None, :] + 1,
-                          mask=ok[:, None] & (byte + 1 < CODE_BYTES)[None, :], other=0)
-            word = word | (nxt.to(tl.int32) << 8)
+def _load_codes(row, ok, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
+    """row [BLOCK_N] pointers to code rows -> codes [BLOCK_N, D] in channel order (uint8 for
+    8 bits, else int32). A row is HEAD_SIZE / G groups of NB bytes holding G codes; each group's
+    bytes are loaded once (8 and 4 bits: NB = 1, one contiguous run per row; 3 bits: NB = 3,
+    one strided load per byte of the group), the group words are replicated G times in channel
+    order (tl.interleave with themselves) and each channel shifts its own code out."""
+    # (One return at the end: the compiler type-checks every return, even in pruned branches.)
+    NB: tl.constexpr = G * BITS // 8
+    groups = tl.arange(0, HEAD_SIZE // G)
+    ptrs = row[:, None] + groups[None, :] * NB
+    codes = tl.load(ptrs, mask=ok[:, None], other=0)
+    if G > 1:
+        word = codes.to(tl.int32)
+        for k in tl.static_range(1, NB):
+            byte = tl.load(ptrs + k, mask=ok[:, None], other=0)
+            word = word | (byte.to(tl.int32) << (8 * k))
+        word = tl.interleave(word, word)
+        if G >= 4:
+            word = tl.interleave(word, word)
+        if G >= 8:
+            word = tl.interleave(word, word)
+        shift = (tl.arange(0, HEAD_SIZE) % G) * BITS
         codes = (word >> shift[None, :]) & ((1 << BITS) - 1)
     return codes
 
 
 @triton.jit
-def _load_dequantized(
-    rec, ok, levels_ptr,
-    HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, CODE_BYTES: tl.constexpr,
-):
-    """rec [BLOCK_N] pointers to records -> (values [BLOCK_N, D] fp32, scale [BLOCK_N] fp32):
-    the storage-domain vectors are values * scale[:, None]. Scaled codecs (Lloyd-Max, fp8)
-    return the unit codes and the per-vector scale, which the caller folds into the scores (K)
-    or the probabilities (V) instead of multiplying every element; uniform codes return the
-    dequantized vectors and a scale of 1."""
-    codes = _load_codes(rec, ok, HEAD_SIZE, BITS, CODE_BYTES)
-    if KIND == 1:
-        unit = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        unit = tl.load(levels_ptr + codes)
-    first = _load_fp16_bytes(rec + CODE_BYTES, ok)
-    if KIND == 2:
-        lo = _load_fp16_bytes(rec + CODE_BYTES + 2, ok)
-        return unit * first[:, None] + lo[:, None], tl.full(first.shape, 1.0, tl.float32)
-    return unit, first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
+def _select8(codes, levels_ptr):
+    """levels[codes & 7] by a binary tree of selects on the code bits (registers only)."""
+    b0 = (codes & 1) != 0
+    v01 = tl.where(b0, tl.load(levels_ptr + 1), tl.load(levels_ptr))
+    v23 = tl.where(b0, tl.load(levels_ptr + 3), tl.load(levels_ptr + 2))
+    v45 = tl.where(b0, tl.load(levels_ptr + 5), tl.load(levels_ptr + 4))
+    v67 = tl.where(b0, tl.load(levels_ptr + 7), tl.load(levels_ptr + 6))
+    b1 = (codes & 2) != 0
+    v03 = tl.where(b1, v23, v01)
+    v47 = tl.where(b1, v67, v45)
+    return tl.where((codes & 4) != 0, v47, v03)
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, q, k, k_scale, v, v_scale, seen, sm_scale, soft_cap,
-                  USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr):
-    """One online-softmax tile: q [M, D], k/v [N, D] fp32 scaled per key by k_scale/v_scale
-    [N] (the keys are k * k_scale[:, None]), seen [M, N]."""
+def _load_vectors(
+    code_row, meta, ok, levels_ptr,
+    HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+    LOOKUP: tl.constexpr,
+):
+    """code_row [BLOCK_N] pointers to code rows, meta [BLOCK_N] pointers to the first fp16 meta
+    -> (values [BLOCK_N, D], scale [BLOCK_N] fp32): the storage-domain vectors are values *
+    scale[:, None]. Scaled codecs (Lloyd-Max, fp8) return the unit codes (Lloyd-Max: in the
+    level table's dtype) and the per-vector scale, which the caller folds into the scores (K)
+    or the probabilities (V) instead of multiplying every element; uniform codes return the
+    dequantized vectors (fp32) and a scale of 1."""
+    codes = _load_codes(code_row, ok, HEAD_SIZE, BITS, G)
+    first = tl.load(meta, mask=ok, other=0.0).to(tl.float32)
+    if KIND == 2:
+        lo = tl.load(meta + 1, mask=ok, other=0.0).to(tl.float32)
+        values = codes.to(tl.float32) * first[:, None] + lo[:, None]
+        scale = tl.full(first.shape, 1.0, tl.float32)
+    else:
+        if KIND == 1:
+            values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif LOOKUP == 2:
+            if BITS <= 4:  # tl.gather from the levels broadcast over the rows: warp shuffles
+                levels = tl.load(levels_ptr + tl.arange(0, 1 << BITS))
+                values = tl.gather(
+                    tl.broadcast_to(levels[None, :], (codes.shape[0], 1 << BITS)), codes, 1)
+            else:
+                values = tl.load(levels_ptr + codes)
+        elif LOOKUP == 1:
+            if BITS == 3:
+                values = _select8(codes, levels_ptr)
+            elif BITS == 4:
+                values = tl.where((codes & 8) != 0, _select8(codes, levels_ptr + 8),
+                                  _select8(codes, levels_ptr))
+            else:
+                values = tl.load(levels_ptr + codes)
+        else:
+            values = tl.load(levels_ptr + codes)
+        scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
+    return values, scale
+
+
+@triton.jit
+def _scores(q, k, k_scale, UPCAST: tl.constexpr):
+    """q [M, D] . k [N, D]^T, times the per-key scale [N]: fp32 [M, N]."""
     if UPCAST:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    s = s * k_scale[None, :]
+    return s * k_scale[None, :]
+
+
+@triton.jit
+def _online_softmax(acc, l_i, m_i, s, seen, sm_scale, soft_cap, USE_SOFT_CAP: tl.constexpr):
+    """One online-softmax tile of raw scores s [M, N] (seen: which count): returns the
+    probabilities p [M, N] fp32, the accumulator rescaled to the new maximum, l and m."""
     if USE_SOFT_CAP:
         s = soft_cap * (2.0 * tl.sigmoid(2.0 * s * (sm_scale / soft_cap)) - 1.0) \
             * 1.4426950408889634
@@ -276,30 +420,37 @@ def _softmax_step(acc, l_i, m_i, q, k, k_scale, v, v_scale, seen, sm_scale, soft
     p = tl.exp2(s - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    p = p * v_scale[None, :]
+    return p, acc * alpha[:, None], l_i, m_new
+
+
+@triton.jit
+def _accumulate(acc, p, v, q, UPCAST: tl.constexpr):
+    """acc + p [M, N] @ v [N, D], in q's dtype unless UPCAST."""
     if UPCAST:
-        acc = tl.dot(p, v, acc, input_precision="ieee")
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
-    return acc, l_i, m_new
+    return acc
 
 
 @triton.jit
 def _tq_attention_kernel(
-    q_ptr, key_ptr, value_ptr, cache_ptr, out_ptr,
+    q_ptr, key_ptr, value_ptr, cache_ptr, cache16_ptr, out_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, qblock_req_ptr, qblock_start_ptr,
-    rot_ptr, rot_t_ptr, k_levels_ptr, v_levels_ptr,
+    signs_ptr, had_ptr, k_levels_ptr, v_levels_ptr,
     sm_scale, soft_cap, window,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-    stride_cb, stride_ch, stride_cs, stride_bt,
+    stride_cb, stride_ch, stride_cb16, stride_ch16, stride_bt,
     QPK: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr,
-    ROTATED: tl.constexpr, V_OFF: tl.constexpr,
-    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr,
-    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_CODE_BYTES: tl.constexpr,
+    ROTATED: tl.constexpr, LOOKUP: tl.constexpr,
+    V_CODES_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, K_GROUP: tl.constexpr,
+    K_META_N: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_CODE_BYTES: tl.constexpr, V_GROUP: tl.constexpr,
+    V_META_N: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -333,50 +484,65 @@ def _tq_attention_kernel(
 
     # Phase 1: the quantized context, scored against the rotated query.
     if ROTATED:
-        rot_t = tl.load(rot_t_ptr + offs_d[:, None] * HEAD_SIZE + offs_d[None, :])
-        q_ctx = tl.dot(q, rot_t, input_precision="ieee")
+        # q R^T = (q D) H / sqrt(d)
+        had = tl.load(had_ptr + offs_d[:, None] * HEAD_SIZE + offs_d[None, :])
+        signs = tl.load(signs_ptr + offs_d)
+        q_ctx = _hadamard(q * signs[None, :], had) * (1.0 / tl.sqrt(float(HEAD_SIZE)))
     else:
         q_ctx = q
     if not UPCAST:
         q_ctx = q_ctx.to(q_ptr.dtype.element_ty)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_base = cache_ptr + kv_head * stride_ch
+    head_base16 = cache16_ptr + kv_head * stride_ch16
     for tile in range((lo // BLOCK_N) * BLOCK_N, context, BLOCK_N):
         k_pos = tile + offs_n
         k_ok = (k_pos < context) & (k_pos >= lo)
-        page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
-        rec = head_base + page.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
-        k, k_scale = _load_dequantized(rec, k_ok, k_levels_ptr, HEAD_SIZE, K_KIND, K_BITS,
-                                       K_CODE_BYTES)
-        v, v_scale = _load_dequantized(rec + V_OFF, k_ok, v_levels_ptr, HEAD_SIZE, V_KIND,
-                                       V_BITS, V_CODE_BYTES)
+        page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        row = k_pos % BLOCK_SIZE
+        plane = head_base + page * stride_cb
+        plane16 = head_base16 + page * stride_cb16
+        k, k_scale = _load_vectors(plane + row * K_CODE_BYTES,
+                                   plane16 + K_META_OFF + row * K_META_N, k_ok, k_levels_ptr,
+                                   HEAD_SIZE, K_KIND, K_BITS, K_GROUP, LOOKUP)
+        s = _scores(q_ctx, k, k_scale, UPCAST)
         seen = k_ok[None, :]
         if USE_WINDOW:
             seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q_ctx, k, k_scale, v, v_scale, seen,
-                                      sm_scale, soft_cap, USE_SOFT_CAP, UPCAST)
+        p, acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, seen, sm_scale, soft_cap,
+                                           USE_SOFT_CAP)
+        v, v_scale = _load_vectors(plane + V_CODES_OFF + row * V_CODE_BYTES,
+                                   plane16 + V_META_OFF + row * V_META_N, k_ok, v_levels_ptr,
+                                   HEAD_SIZE, V_KIND, V_BITS, V_GROUP, LOOKUP)
+        acc = _accumulate(acc, p * v_scale[None, :], v, q_ctx, UPCAST)
     if ROTATED:
-        rot = tl.load(rot_ptr + offs_d[:, None] * HEAD_SIZE + offs_d[None, :])
-        acc = tl.dot(acc, rot, input_precision="ieee")
+        # acc R = (acc H) D / sqrt(d). H is symmetric: reading it transposed keeps the compiler
+        # from merging this load with the first one, which would hold H in registers across
+        # the loop.
+        had = tl.load(had_ptr + offs_d[None, :] * HEAD_SIZE + offs_d[:, None])
+        signs = tl.load(signs_ptr + offs_d) * (1.0 / tl.sqrt(float(HEAD_SIZE)))
+        acc = _hadamard(acc, had) * signs[None, :]
 
     # Phase 2: this step's own tokens at full precision, causally.
-    ones = tl.full([BLOCK_N], 1.0, tl.float32)
     q_new = q
     if not UPCAST:
         q_new = q.to(q_ptr.dtype.element_ty)
+    ones = tl.full([BLOCK_N], 1.0, tl.float32)
     for tile in range(tl.maximum(context, lo), hi, BLOCK_N):
         k_pos = tile + offs_n
         k_ok = k_pos < hi
         kv_tok = (q_start + k_pos - context).to(tl.int64)
         k = tl.load(key_ptr + kv_tok[:, None] * stride_kt + kv_head * stride_kh
-                    + offs_d[None, :] * stride_kd, mask=k_ok[:, None], other=0.0).to(tl.float32)
+                    + offs_d[None, :] * stride_kd, mask=k_ok[:, None], other=0.0)
         v = tl.load(value_ptr + kv_tok[:, None] * stride_vt + kv_head * stride_vh
-                    + offs_d[None, :] * stride_vd, mask=k_ok[:, None], other=0.0).to(tl.float32)
+                    + offs_d[None, :] * stride_vd, mask=k_ok[:, None], other=0.0)
         seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q_new, k, ones, v, ones, seen, sm_scale,
-                                      soft_cap, USE_SOFT_CAP, UPCAST)
+        s = _scores(q_new, k, ones, UPCAST)
+        p, acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, seen, sm_scale, soft_cap,
+                                           USE_SOFT_CAP)
+        acc = _accumulate(acc, p, v, q_new, UPCAST)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -385,7 +551,7 @@ def _tq_attention_kernel(
              mask=row_ok[:, None])
 
 
-def select_tiles(device: torch.device, decode_only: bool) -> TileConfig:
+def select_tiles(device: torch.device, decode_only: bool) -> TQTiles:
     if device.type == "cpu":
         return INTERPRETER_TILES
     return DECODE_TILES if decode_only else PREFILL_TILES
@@ -396,27 +562,34 @@ def tq_attention(
     value: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, qblock_req: torch.Tensor,
     qblock_start: torch.Tensor, num_qblocks: int, block_q: int, block_m: int, scale: float,
-    tiles: TileConfig, sliding_window: int | None = None, soft_cap: float | None = None,
+    tiles: TQTiles, sliding_window: int | None = None, soft_cap: float | None = None,
+    upcast: bool | None = None,
 ) -> None:
     """Attention of query [T, H, D] over the packed cache (context) and key/value [T, Hkv, D]
     (the step's new tokens, full precision) into out [T, H, D]. qblock_req/qblock_start: the
-    per-step map of unified_attention.query_block_map. All sizes are host ints: no sync."""
+    per-step map of unified_attention.query_block_map. upcast: fp32 dots (default: for fp32
+    inputs and in the interpreter). All sizes are host ints: no sync."""
     if num_qblocks == 0:
         return
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[1]
-    upcast = query.dtype == torch.float32 or query.device.type == "cpu"
+    if upcast is None:
+        upcast = query.dtype == torch.float32 or query.device.type == "cpu"
+    cache16, layout = _layout_args(preset, kv_cache, head_size)
+    k_levels, v_levels = tensors.level_tables(torch.float32 if upcast else query.dtype)
     _tq_attention_kernel[(num_kv_heads, num_qblocks)](
-        query, key, value, kv_cache, out,
+        query, key, value, kv_cache, cache16, out,
         block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
-        tensors.rot, tensors.rot_t, tensors.k_levels, tensors.v_levels,
+        tensors.signs, tensors.hadamard, k_levels, v_levels,
         scale, soft_cap or 0.0, sliding_window or 0,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), cache16.stride(0), cache16.stride(1),
+        block_table.stride(0),
         QPK=num_heads // num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
-        UPCAST=upcast, ROTATED=preset.rotated, V_OFF=preset.value_offset(head_size),
+        UPCAST=upcast, ROTATED=preset.rotated, LOOKUP=LOOKUPS[getattr(tiles, "lookup", "table")],
+        **layout,
         **_codec_args("K", preset.key, head_size), **_codec_args("V", preset.value, head_size),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
