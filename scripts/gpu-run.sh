@@ -7,10 +7,10 @@
 # recently changed code), e2e (engine vs transformers on the SmolLM2 GGUF), bench (attention
 # kernels), features (CUDA graphs, TurboQuant, Mamba, prefix caching GPU tests), engine
 # (benchmarks/gpu_engine.py), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
-# conformance and benchmark rows), tq (TurboQuant decode benchmark), measure (prefix caching,
-# Mamba decode and TurboQuant decode benchmarks), prefix0 (prefix caching at 0% hits), export
-# (compiled FlashInfer kernels to $OUT, which install.sh reuses when copied into .gpu/ as
-# kernels*.tar.xz).
+# conformance and benchmark rows), tq (TurboQuant decode benchmark), quality (TurboQuant's
+# bf16 quality table), measure (prefix caching, Mamba decode and TurboQuant decode
+# benchmarks), prefix0 (prefix caching at 0% hits), export (compiled FlashInfer kernels to
+# $OUT, which install.sh reuses when copied into .gpu/ as kernels*.tar.xz).
 # Logs go to $OUT; a summary prints last.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -69,6 +69,7 @@ stage_tests() {
     shard fi-b tests/test_flashinfer_gpu.py -k "not d64 and not slow"
     shard fa tests/test_flash_attn_gpu.py -k "torch or fa4"
     shard models tests/test_models.py tests/test_layer_kernels.py tests/test_cuda_graphs_gpu.py
+    shard turboquant tests/test_turboquant_gpu.py
     wait
 }
 
@@ -119,33 +120,36 @@ stage_quick() {  # the GPU tests of code changed since the last full run, in par
 stage_tune() {  # issue 5's launch shapes and the K/V write, on a quiet GPU
     setup_env
     timeout 300 python3 benchmarks/triton_tiles.py --workloads "${TUNE_WORKLOADS:-write,prefill}" \
-        >"$OUT/tune.log" 2>&1
+        ${TUNE_ARGS:-} >"$OUT/tune.log" 2>&1
     echo "exit $?" >>"$OUT/tune.log"
+    if [ -n "${TUNE_UNFUSED:-}" ]; then  # the same prefill shapes, the kernel alone
+        timeout 120 python3 benchmarks/triton_tiles.py --workloads prefill --no-fused \
+            --prefill-shapes "$TUNE_UNFUSED" >"$OUT/tune-unfused.log" 2>&1
+        echo "exit $?" >>"$OUT/tune-unfused.log"
+    fi
     timeout 200 python3 benchmarks/attention_kernels.py --backends TRITON,FLASHINFER,FLASH_ATTN \
         --write >"$OUT/bench.log" 2>&1; echo "exit $?" >>"$OUT/bench.log"
 }
 
-stage_fa4() {  # FlashAttention-4: conformance on the H200 and the FLASH_ATTN benchmark rows
+stage_fa4() {  # FlashAttention-4: conformance on the H200 (3 shards) and the benchmark rows
     setup_env
-    PAGEDSERVE_FLASH_ATTN_IMPL=fa4 timeout "$SHARD_TIMEOUT" python3 -m pytest -q -m gpu \
-        -p no:cacheprovider -rs tests/test_flash_attn_gpu.py -k fa4 >"$OUT/fa4.log" 2>&1
-    echo "exit $?" >>"$OUT/fa4.log"
-    PAGEDSERVE_FLASH_ATTN_IMPL=fa4 timeout 200 python3 benchmarks/attention_kernels.py \
-        --backends FLASH_ATTN,TRITON --write >"$OUT/bench-fa4.log" 2>&1
+    export PAGEDSERVE_FLASH_ATTN_IMPL=fa4
+    shard fa4-d64 tests/test_flash_attn_gpu.py -k "fa4 and d64"
+    shard fa4-d128 tests/test_flash_attn_gpu.py -k "fa4 and d128"
+    shard fa4-other tests/test_flash_attn_gpu.py -k "fa4 and not d64 and not d128"
+    wait
+    timeout 200 python3 benchmarks/attention_kernels.py --backends FLASH_ATTN,TRITON --write \
+        >"$OUT/bench-fa4.log" 2>&1
     echo "exit $?" >>"$OUT/bench-fa4.log"
+    unset PAGEDSERVE_FLASH_ATTN_IMPL
 }
 
-stage_fa4tq() {  # FA4 and TurboQuant GPU tests side by side, then their benchmarks alone
+stage_quality() {  # TurboQuant's quality table in bf16 on the SmolLM2 GGUF
     setup_env
-    ( PAGEDSERVE_FLASH_ATTN_IMPL=fa4 timeout "$SHARD_TIMEOUT" python3 -m pytest -q -m gpu \
-        -p no:cacheprovider -rs tests/test_flash_attn_gpu.py -k fa4 >"$OUT/fa4.log" 2>&1
-      echo "exit $?" >>"$OUT/fa4.log" ) &
-    shard turboquant tests/test_turboquant_gpu.py
-    wait
-    PAGEDSERVE_FLASH_ATTN_IMPL=fa4 timeout 200 python3 benchmarks/attention_kernels.py \
-        --backends FLASH_ATTN,TRITON --write >"$OUT/bench-fa4.log" 2>&1
-    echo "exit $?" >>"$OUT/bench-fa4.log"
-    stage_tq
+    [ -f "$PAGEDSERVE_TEST_GGUF" ] || { echo "no GGUF at $PAGEDSERVE_TEST_GGUF"; return; }
+    timeout 240 python3 benchmarks/kv_quant_quality.py --device cuda \
+        --model "$PAGEDSERVE_TEST_GGUF" >"$OUT/quality.log" 2>&1
+    echo "exit $?" >>"$OUT/quality.log"
 }
 
 stage_tq() {  # TurboQuant decode against bf16 Triton, 64 x 8,192
