@@ -176,6 +176,25 @@ def _attend_tiles(
 
 
 @triton.jit
+def _attend_one(acc, l_i, m_i, q, k, v, take, sm_scale, soft_cap, USE_SOFT_CAP: tl.constexpr):
+    """One key k/v [D_PAD] for the rows where `take` [BLOCK_M] holds: scores by an fp32
+    row-wise dot, then the same online-softmax update as a tile."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)
+    if USE_SOFT_CAP:
+        s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * 1.4426950408889634
+    else:
+        s = s * (sm_scale * 1.4426950408889634)
+    s = tl.where(take, s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref)
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_part(
     acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
     start, front_end, mid_end, end, part_lo, part_hi, sm_scale, soft_cap, window,
@@ -309,8 +328,7 @@ def _unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     new_first = q_start - context
-    # The cached context (whole tiles end at its last tile boundary), then the step's new keys
-    # (whole tiles end at the block's first row; the rest is its causal diagonal).
+    # The cached context (whole tiles end at its last tile boundary), from the pages.
     acc, l_i, m_i = _attend_part(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
         tile_lo, front_end, mid_end, context, part_lo, part_hi,
@@ -318,13 +336,33 @@ def _unified_attention_kernel(
         stride_kt, stride_kd, stride_vt, stride_vd,
         HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, False, False,
         USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
-    acc, l_i, m_i = _attend_part(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
-        context, new_front_end, new_mid_end, hi, part_lo, part_hi,
-        sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
-        stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, FUSED_WRITE,
-        USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
+    if BLOCK_Q == 1:
+        # A decode's one new key (position `context`), in registers: no tile loop of its own,
+        # so a decode program keeps the shared memory of the context loop alone. Of a split
+        # decode, the split whose range holds the key takes it.
+        if FUSED_WRITE:
+            k_new = tl.load(new_k_base + q_start.to(tl.int64) * stride_kt + offs_d * stride_kd,
+                            mask=d_ok, other=0.0)
+            v_new = tl.load(new_v_base + q_start.to(tl.int64) * stride_vt + offs_d * stride_vd,
+                            mask=d_ok, other=0.0)
+        else:
+            page = tl.load(table_row + context // BLOCK_SIZE).to(tl.int64)
+            slot = page * stride_cb + (context % BLOCK_SIZE) * stride_cs
+            k_new = tl.load(k_base + slot + offs_d * stride_cd, mask=d_ok, other=0.0)
+            v_new = tl.load(v_base + slot + offs_d * stride_cd, mask=d_ok, other=0.0)
+        take = row_ok & (context >= part_lo) & (context < part_hi)
+        acc, l_i, m_i = _attend_one(acc, l_i, m_i, q, k_new, v_new, take, sm_scale, soft_cap,
+                                    USE_SOFT_CAP)
+    else:
+        # The step's new keys (whole tiles end at the block's first row; the rest is its
+        # causal diagonal), from the key/value inputs when FUSED_WRITE.
+        acc, l_i, m_i = _attend_part(
+            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base,
+            new_first, context, new_front_end, new_mid_end, hi, part_lo, part_hi,
+            sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
+            stride_kt, stride_kd, stride_vt, stride_vd,
+            HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, FUSED_WRITE,
+            USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
 
     if NUM_SPLITS > 1:
         # Partial results, indexed [token, head, split(, channel)].
