@@ -159,3 +159,23 @@ def test_async_stop_strings_on_the_bundled_model(make_llm):
         results.append([(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
                         for o in outs])
     assert results[0] == results[1]
+
+
+def test_rows_freed_when_a_step_schedules_nothing(tiny_path, make_llm):
+    # At the end of a run some requests finish while the others wait for their last samples
+    # in flight, so the next step schedules nothing: the finished requests' rows must still be
+    # given back to the runner, or the next run finds fewer rows than max_num_seqs.
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.randint(3, VOCAB, (40, 64), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for async_scheduling in (False, True):
+        llm = make_llm(model=tiny_path, dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                       max_num_seqs=8, max_num_batched_tokens=256,
+                       async_scheduling=async_scheduling)
+        outputs[async_scheduling] = [
+            [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+            for _ in range(2)]
+        del llm
+    assert outputs[True] == outputs[False]

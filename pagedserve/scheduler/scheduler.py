@@ -132,7 +132,11 @@ class Scheduler:
             will_sample[j] = (request.num_computed_tokens
                               >= request.num_tokens + request.num_output_placeholders)
             request.num_output_placeholders += int(will_sample[j])
-        freed, self._freed_ids = self._freed_ids, []
+        # An empty step is not launched: its freed requests wait for the next step (the runner
+        # gives back their rows when it sees them).
+        freed: list[str] = []
+        if scheduled:
+            freed, self._freed_ids = self._freed_ids, []
         return SchedulerOutput(
             requests=[item[0] for item in scheduled],
             num_scheduled_tokens=np.array([item[1] for item in scheduled], dtype=np.int32),
