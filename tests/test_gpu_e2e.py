@@ -8,12 +8,11 @@ has no PyPI). Figures are printed (run with -s) for docs/gpu-results.md.
 from __future__ import annotations
 
 import gc
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from model_utils import hf_greedy
+from model_utils import bundled_gguf, hf_greedy
 
 from pagedserve import LLM
 from pagedserve.attention import backend_status
@@ -33,25 +32,13 @@ PROMPTS = [
 NUM_FORCED = 128
 
 
-def _gguf_path() -> Path:
-    env = os.environ.get("PAGEDSERVE_TEST_GGUF")
-    if env:
-        return Path(env)
-    from pagedserve.models.loader import default_model_path
-
-    try:
-        return default_model_path()
-    except Exception as exc:  # the package is not installed
-        pytest.skip(f"no SmolLM2 GGUF: {exc}")
-
-
 @pytest.fixture(scope="module")
 def reference():
     """Prompts, transformers' greedy continuations (bf16) and its teacher-forced
     log-distributions over them."""
     import transformers
 
-    path = _gguf_path()
+    path = bundled_gguf()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).cuda().eval()

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from model_utils import bundled_gguf
 from test_turboquant import PRESETS, references, run_turboquant_case
 
 from conformance import BATCHES
@@ -139,7 +140,8 @@ def test_engine_bundled_model_tq_k8v4(make_llm):
     prompts = ["The capital of France is", "Photosynthesis is the process by which"]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     # A fixed pool: several engines live at once here, so memory profiling would not fit.
-    common = dict(device=CUDA, dtype="bfloat16", num_gpu_blocks_override=256)
+    common = dict(model=str(bundled_gguf()), device=CUDA, dtype="bfloat16",
+                  num_gpu_blocks_override=256)
     base = make_llm(attention_backend="TRITON", **common)
     ids = [base.tokenizer.encode(p) for p in prompts]
     expected = [o.outputs[0].token_ids for o in base.generate(ids, params, use_tqdm=False)]
