@@ -117,12 +117,13 @@ class TQTiles:
         return cls(*numbers, *parts[4:])
 
 
-# Hopper guesses pending a measured sweep (benchmarks/kv_quant_quality.py --kernel-bench
-# --tq-tiles sweep). What ptxas (sm_90a, d128, bf16) says of the decode loop: 16/64/8 warps
-# needs ~100 registers (no spills, 2 programs = 16 warps per SM), 16/64/4 ~180 (8 warps per SM),
-# 16/32/4 128; per thread per 64-key tile the table lookup issues ~5 instructions per code
-# (extract, 64-bit address, load), the select tree ~10, the shuffle gather ~5.
-DECODE_TILES = TQTiles(block_m=16, block_n=64, num_warps=8, num_stages=2)
+# Decode: the fastest of the H200 sweep (benchmarks/kv_quant_quality.py --kernel-bench
+# --tq-tiles sweep; 64 x 8,192, d128, bf16) for 8- and 4-bit codes: 16/64/8/2 with the shuffle
+# gather, 1,068 us (tq_k8v4) and 1,457 us (tq_4bit) against 1,917 / 1,650 us with the table;
+# tq_3bit gathers in 1,713 us (its best, 16/64/2/4/table, took 1,670). What ptxas
+# (sm_90a) says of the decode loop: 16/64/8 warps needs ~100 registers (no spills, 2 programs =
+# 16 warps per SM), 16/64/4 ~180, 16/32/4 128. Prefill: not swept yet.
+DECODE_TILES = TQTiles(block_m=16, block_n=64, num_warps=8, num_stages=2, lookup="gather")
 PREFILL_TILES = TQTiles(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 4 warps spill
 INTERPRETER_TILES = TQTiles(block_m=16, block_n=32, num_warps=1, num_stages=1)
 
