@@ -384,8 +384,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.75,
                         help="8B engine; leaves room for transformers on the same weights")
     parser.add_argument("--enforce-eager", action="store_true", help="8B engine without graphs")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="the engines schedule step N+1 while step N runs")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None, help="the engines schedule step N+1 while step N runs "
+                        "(default: the engine's, on for CUDA)")
     parser.add_argument("--hf-num-prompts", type=int, default=64)
     parser.add_argument("--hf-max-output-len", type=int, default=256,
                         help="transformers' generated tokens are capped at this (time)")

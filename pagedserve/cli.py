@@ -47,7 +47,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     group.add_argument("--async-scheduling", dest="async_scheduling",
                        action=argparse.BooleanOptionalAction, default=None,
                        help="schedule the next step and finish this one on the host while "
-                            "the GPU runs (default: off)")
+                            "the GPU runs (default: on for CUDA, off on the CPU)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

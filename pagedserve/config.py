@@ -98,15 +98,22 @@ class EngineConfig:
     device: str | None = None  # None: cuda when available, else cpu
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
-    # Schedule step N+1 and finish step N on the host while N+1 runs. Off by default until
-    # measured on the GPU (on the CPU there is nothing to overlap); tested on the CPU.
-    async_scheduling: bool = False
+    # Schedule step N+1 and finish step N on the host while N+1 runs. None: on for CUDA (an
+    # 8B-shaped model's decode steps kept the H200 busy 96% of the time with it, 65% without),
+    # off on the CPU, where nothing runs beside the host.
+    async_scheduling: bool | None = None
 
     @property
     def torch_device(self) -> torch.device:
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.torch_device.type == "cuda"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

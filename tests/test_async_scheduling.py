@@ -179,3 +179,12 @@ def test_rows_freed_when_a_step_schedules_nothing(tiny_path, make_llm):
             for _ in range(2)]
         del llm
     assert outputs[True] == outputs[False]
+
+
+def test_default_is_on_for_cuda_only():
+    from pagedserve.config import EngineConfig
+
+    assert EngineConfig(device="cuda").use_async_scheduling
+    assert not EngineConfig(device="cpu").use_async_scheduling
+    assert not EngineConfig(device="cuda", async_scheduling=False).use_async_scheduling
+    assert EngineConfig(device="cpu", async_scheduling=True).use_async_scheduling

@@ -113,7 +113,7 @@ class LLMEngine:
                         self.runner.backend.get_name())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.states: dict[str, RequestState] = {}
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = config.use_async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         # Live sequences whose sampling needs all earlier tokens on the host (see step()).
         self._sync_requests: set[str] = set()
