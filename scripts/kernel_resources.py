@@ -1,0 +1,101 @@
+"""Compile the TRITON attention kernel for a GPU architecture on any machine (no GPU needed) and
+print what ptxas reports: registers, spills, shared memory. Occupancy follows from them: an
+H100/H200 SM has 64K registers and 227 KB of shared memory for its programs.
+
+    python scripts/kernel_resources.py [--arch 90] [--head-size 128] [--heads 32:8]
+        [--tiles 16/64/2/4,128/32/4/4] [--unfused] [--window 64]
+
+Each tile shape is compiled as a decode (block_m 16: one query token per program) when its
+block_m is 16, else as a prefill; by default with the fused K/V write, as the backend runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pagedserve.attention.ops import unified_attention as ua  # noqa: E402
+
+
+class Compile:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args)` compiles for `target` and
+    prints ptxas's resource line instead of launching."""
+
+    def __init__(self, kernel, target: GPUTarget, label: str) -> None:
+        self.kernel, self.target, self.label = kernel, target, label
+        self.backend = make_backend(target)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            fn = self.kernel
+            binder = create_function_from_signature(fn.signature, fn.params, self.backend)
+            bound, spec, options = binder(*args, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound,
+                                                                  spec, options)
+            compiled = compile(ASTSource(fn, signature, constexprs, attrs), target=self.target,
+                               options=options.__dict__)
+            ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+            with tempfile.TemporaryDirectory() as tmp:
+                ptx = Path(tmp) / "kernel.ptx"
+                ptx.write_text(compiled.asm["ptx"])
+                result = subprocess.run(
+                    [str(ptxas), "-v", "--gpu-name", f"sm_{self.target.arch}a", str(ptx),
+                     "-o", str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True)
+            lines = [line.split("info    : ")[-1].strip() for line in result.stderr.splitlines()
+                     if "registers" in line or "spill" in line]
+            usage = "; ".join(lines[-2:]) if lines else result.stderr[-500:]
+            print(f"{self.label}: shared memory {compiled.metadata.shared / 1024:.1f} KB; {usage}")
+        return launch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--heads", default="32:8", help="query:KV heads")
+    parser.add_argument("--tiles", default="16/64/2/4,128/32/4/4",
+                        help="block_m/block_n/warps/stages, comma-separated")
+    parser.add_argument("--unfused", action="store_true", help="the kernel without its write")
+    parser.add_argument("--window", type=int, default=None)
+    args = parser.parse_args()
+    heads, kv_heads = map(int, args.heads.split(":"))
+    d, dtype, i32 = args.head_size, torch.bfloat16, torch.int32
+    target = GPUTarget("cuda", args.arch, 32)
+    real = ua._unified_attention_kernel
+    ua.interpreting = lambda device: False  # compile the tensor-core (not interpreter) variant
+    for text in args.tiles.split(","):
+        tiles = ua.TileConfig(*map(int, text.split("/")))
+        decode = tiles.block_m == 16
+        block_q, block_m = ua.query_block_shape(heads // kv_heads, tiles, decode)
+        ua._unified_attention_kernel = Compile(
+            real, target, f"{'decode' if decode else 'prefill'} {text}"
+                          f"{' unfused' if args.unfused else ''}")
+        t = 4
+        query = torch.zeros(t, heads, d, dtype=dtype)
+        key = torch.zeros(t, kv_heads, d, dtype=dtype)
+        cache = torch.zeros(8, 16, kv_heads, d, dtype=dtype)
+        new_kv = {} if args.unfused else dict(key=key, value=key,
+                                              slot_mapping=torch.zeros(t, dtype=torch.int64))
+        ua.unified_attention(query, cache, cache.clone(), torch.empty_like(query),
+                             torch.zeros(2, 4, dtype=i32), torch.tensor([0, 2, 4], dtype=i32),
+                             torch.tensor([10, 10], dtype=i32), torch.zeros(2, dtype=i32),
+                             torch.zeros(2, dtype=i32), 2, block_q, block_m, d ** -0.5, tiles,
+                             args.window, **new_kv)
+    ua._unified_attention_kernel = real
+
+
+if __name__ == "__main__":
+    main()
