@@ -188,3 +188,41 @@ def test_default_is_on_for_cuda_only():
     assert not EngineConfig(device="cpu").use_async_scheduling
     assert not EngineConfig(device="cuda", async_scheduling=False).use_async_scheduling
     assert EngineConfig(device="cpu", async_scheduling=True).use_async_scheduling
+
+
+@pytest.mark.parametrize("how", ["stop-token", "abort"])
+def test_a_finished_requests_last_sample_stays_out_of_its_rows_next_owner(tiny_path, make_llm,
+                                                                           how):
+    # One seat: A stops (or is aborted) while a step with it is in flight, and S, admitted
+    # into A's row, has a prompt read back from the token table chunk by chunk. A's last
+    # sample must not land in S's prompt.
+    g = torch.Generator().manual_seed(1)
+    a_prompt = torch.randint(3, VOCAB, (10,), generator=g).tolist()
+    s_prompt = torch.randint(3, VOCAB, (70,), generator=g).tolist()
+    free_run = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    def run(async_scheduling, a_params, abort_at=None):
+        llm = make_llm(model=tiny_path, dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                       max_num_seqs=1, max_num_batched_tokens=16,
+                       async_scheduling=async_scheduling)
+        engine = llm.engine
+        engine.add_request("A", a_prompt, a_params)
+        engine.add_request("S", s_prompt, SamplingParams(temperature=0, max_tokens=8,
+                                                         ignore_eos=True))
+        final, steps = {}, 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            if steps == abort_at:
+                engine.abort_request("A")
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out.outputs[0].token_ids
+        return final
+
+    if how == "stop-token":
+        stop = run(False, free_run)["A"][12]
+        params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop],
+                                ignore_eos=True)
+        assert run(True, params)["S"] == run(False, params)["S"]
+    else:
+        assert run(True, free_run, 10)["S"] == run(False, free_run, 10)["S"]

@@ -64,6 +64,9 @@ class PendingStep:
     rows: np.ndarray
     out: SamplerOutput
     host_copy: tuple[np.ndarray, torch.cuda.Event | None]  # (host view, copy done event)
+    # Each row's owner at launch (InputRows.generation): a row freed and handed to a new request
+    # before this step's samples are recorded must not take them.
+    generations: np.ndarray
     forced: dict[str, torch.Tensor] = field(default_factory=dict)
     forced_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
@@ -80,10 +83,12 @@ class InputRows:
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.max_model_len = max_model_len
+        self.generation = np.zeros(max_num_reqs, dtype=np.int64)  # bumped when a row changes hands
 
     def add(self, request: Request, block_ids: list[int]) -> int:
         row = self._free_rows.pop()
         self.row_of[request.request_id] = row
+        self.generation[row] += 1
         self.token_ids[row, :request.num_tokens] = request.all_token_ids
         self.block_table.add_row(row, block_ids)
         return row
@@ -395,7 +400,8 @@ class ModelRunner:
         last = self._common.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last])
         out = self.sampler(logits, meta)
-        pending = PendingStep(batch, rows, out, self._copy_to_host(out.sampled_token_ids))
+        pending = PendingStep(batch, rows, out, self._copy_to_host(out.sampled_token_ids),
+                              self.rows.generation[rows])
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
                      if r.request_id in self._wants_logits]
@@ -445,7 +451,10 @@ class ModelRunner:
         for i, token in pending.forced_tokens.values():
             sampled[i] = token
         seq_lens = batch.num_computed_tokens + batch.num_scheduled_tokens
-        done = batch.will_sample & (seq_lens < self.max_model_len)
+        # With a step in flight a row can change hands (its request finished or was aborted):
+        # the new owner's prompt is in it.
+        done = (batch.will_sample & (seq_lens < self.max_model_len)
+                & (self.rows.generation[rows] == pending.generations))
         self.rows.token_ids[rows[done], seq_lens[done]] = sampled[done]
         pending.sampled = sampled
 
