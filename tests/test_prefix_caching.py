@@ -273,6 +273,22 @@ def test_admission_schedules_only_the_uncached_rest():
     assert (kv.prefix_queries, kv.prefix_hits) == (10 + 13 + 8, 8 + 4)
 
 
+def test_a_hit_on_blocks_the_same_step_writes_is_flagged():
+    # "b" arrives with "a" and hits the blocks a's prefill publishes while this very step is
+    # planned: attention must see the step's K/V writes first. A hit on blocks written by an
+    # earlier step is not flagged.
+    sched, kv = _scheduler()
+    sched.add_request(_req("a", list(range(10))))
+    sched.add_request(_req("b", list(range(10)) + [50]))
+    out = _step(sched)
+    assert [r.request_id for r in out.requests] == ["a", "b"]
+    assert out.num_computed_tokens.tolist() == [0, 8] and out.context_written_in_step
+    sched.add_request(_req("c", list(range(10)) + [60]))
+    out = _step(sched)
+    assert out.num_computed_tokens[[r.request_id for r in out.requests].index("c")] == 8
+    assert not out.context_written_in_step
+
+
 def test_chunked_prefill_continues_after_a_hit():
     sched, kv = _scheduler(budget=6)
     prefix = list(range(12))

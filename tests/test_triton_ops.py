@@ -239,3 +239,31 @@ def test_gpu_split_kv_long_decodes_bf16(window, soft_cap):
 @pytest.mark.parametrize("batch", ["mixed", "decode"])
 def test_gpu_float32(batch):
     run_case(TRITON, Case(BATCHES[batch], 16, 8, 2, 128, torch.float32, 8), DEVICE)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter's program order shows the race")
+def test_same_step_prefix_hits_see_the_written_cache(tmp_path, make_llm):
+    # n = 3 samples of one prompt are admitted in one step and the later ones hit the blocks
+    # the first one's prefill writes in that step: TRITON must write K/V before attending
+    # there (its fused write runs alongside the reads otherwise; the interpreter runs the
+    # writing program after the reading ones, so the race shows).
+    import transformers
+
+    from pagedserve import SamplingParams
+
+    config = transformers.LlamaConfig(
+        vocab_size=173, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
+        initializer_range=0.3, tie_word_embeddings=False, rope_theta=10000.0)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    prompt = [(i * 7) % 170 + 3 for i in range(40)]
+    params = SamplingParams(temperature=0, n=3, max_tokens=6)
+    outputs = {}
+    for backend in ("CPU", "TRITON"):
+        llm = make_llm(model=str(tmp_path), dtype="float32", device="cpu",
+                       kv_cache_memory="16MiB", enable_prefix_caching=True, block_size=4,
+                       attention_backend=backend)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        outputs[backend] = [c.token_ids for c in out.outputs]
+    assert outputs["TRITON"] == outputs["CPU"]

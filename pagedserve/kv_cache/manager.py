@@ -59,6 +59,9 @@ class KVCacheManager:
         # Prefix-cache statistics, in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Blocks published since `begin_step`: a step that writes them is still being planned,
+        # so a request that hits one reads K/V the same step writes.
+        self._published_in_step: set[int] = set()
 
     @classmethod
     def for_state_slots(cls, num_slots: int, max_model_len: int) -> KVCacheManager:
@@ -193,8 +196,22 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)
+        unpublished = [b for b in blocks[start:num_full] if b.block_hash is None]
         self.pool.cache_blocks(blocks, hashes, start, num_full)
+        self._published_in_step.update(b.block_id for b in unpublished
+                                       if b.block_hash is not None)
         self.num_cached_blocks[request_id] = num_full
+
+    def begin_step(self) -> None:
+        """A new step is being planned: blocks published before now are written by steps
+        already planned (queued on the device before any step planned from here)."""
+        self._published_in_step.clear()
+
+    def written_in_step(self, blocks: Sequence[KVCacheBlock]) -> bool:
+        """Whether any of these prefix hits is published by the step being planned: its K/V
+        is written by that same step, so attention must see the step's writes first."""
+        published = self._published_in_step
+        return bool(published) and any(b.block_id in published for b in blocks)
 
     def cache_computed_blocks(self, request: CacheableRequest) -> None:
         """After a sampled token is appended: publish a block that this token completes when

@@ -38,6 +38,9 @@ class CommonAttentionMetadata:
     num_decodes: int
     num_decode_tokens: int
     block_size: int
+    # SchedulerOutput.context_written_in_step: a backend that fuses its K/V write into
+    # attention must write first in such a step.
+    context_written_in_step: bool = False
 
 
 class BlockTable:
@@ -103,7 +106,8 @@ class CommonMetadataBuilder:
                                  dtype=np.int64)
 
     def build(self, rows: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray,
-              num_prefills: int, block_table: BlockTable) -> CommonAttentionMetadata:
+              num_prefills: int, block_table: BlockTable,
+              context_written_in_step: bool = False) -> CommonAttentionMetadata:
         bs = self.block_size
         b = len(rows)
         t = int(num_scheduled.sum())
@@ -161,6 +165,7 @@ class CommonMetadataBuilder:
             num_decodes=b - num_prefills,
             num_decode_tokens=t - num_prefill_tokens,
             block_size=bs,
+            context_written_in_step=context_written_in_step,
         )
 
     def _to_device(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:

@@ -27,6 +27,10 @@ class SchedulerOutput:
     # preempted since the last step).
     freed_request_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
+    # A request's cached prefix includes blocks that this same step writes (a prefix-cache hit
+    # on another request's prompt being computed now, e.g. the n samples of one prompt): the
+    # step's K/V must be in the cache before any attention reads it.
+    context_written_in_step: bool = False
 
     @property
     def num_reqs(self) -> int:

@@ -81,6 +81,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[int], bool]] = []
         num_preempted = 0
+        self.kv.begin_step()
+        context_written_in_step = False
 
         # Running requests first (decodes and unfinished prompt chunks), in admission order.
         i = 0
@@ -115,6 +117,8 @@ class Scheduler:
             if blocks is None:
                 break
             self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            if hits and self.kv.written_in_step(hits):
+                context_written_in_step = True
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -147,6 +151,7 @@ class Scheduler:
             will_sample=will_sample,
             freed_request_ids=freed,
             num_preempted=num_preempted,
+            context_written_in_step=context_written_in_step,
         )
 
     def _at_limit(self, request: Request) -> bool:

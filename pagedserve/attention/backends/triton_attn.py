@@ -109,12 +109,20 @@ class TritonAttentionImpl(AttentionImpl):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, output: torch.Tensor,
                 md: TritonAttentionMetadata) -> None:
         """One launch (two for a split decode) that also writes the step's K/V into the
-        cache and reads the new keys from key/value."""
+        cache and reads the new keys from key/value; in a step where a request's context holds
+        blocks the same step writes, the write goes first and attention reads the pages."""
         from pagedserve.attention.ops.decode_split_kv import split_kv_decode
         from pagedserve.attention.ops.unified_attention import unified_attention
 
         common = md.common
         new_kv = dict(key=key, value=value, slot_mapping=common.slot_mapping)
+        if common.context_written_in_step:
+            # Some request reads as context blocks this step writes (a same-step prefix-cache
+            # hit): the fused write would race with those reads, so write first.
+            from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
+
+            reshape_and_cache(key, value, k_cache, v_cache, common.slot_mapping)
+            new_kv = {}
         if md.num_splits > 1:
             split_kv_decode(query, k_cache, v_cache, output, common.block_table,
                             common.query_start_loc, common.seq_lens, md.qblock_req,
