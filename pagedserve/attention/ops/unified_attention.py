@@ -3,8 +3,8 @@ prefills and decodes together, reading K/V straight from the pages through the b
 
 Kernel `_unified_attention_kernel`
   grid:    (num_kv_heads, num_query_blocks, num_splits)
-  order:   query blocks run last-first (program 0 of axis 1 takes the last block), so the
-           blocks with the most keys start first and the final wave is the lightest.
+  order:   programs take query blocks in the map's order, which lists the blocks with the
+           most keys first, so the final wave is the lightest.
   tiling:  a query block is BLOCK_Q consecutive new tokens of one request; the program takes all
            num_queries_per_kv query heads of its KV head for them, so its tile has
            BLOCK_M >= BLOCK_Q * num_queries_per_kv rows (row r: token r // qpk, head r % qpk of
@@ -248,9 +248,7 @@ def _unified_attention_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
-    # Last query blocks first: in a causal prefill they see the most keys, so the longest
-    # programs start in the first waves and the last wave holds the shortest ones.
-    qblock = tl.num_programs(1) - 1 - tl.program_id(1)
+    qblock = tl.program_id(1)  # the map lists blocks heaviest first (query_block_map)
     split = tl.program_id(2)
     req = tl.load(qblock_req_ptr + qblock)
     q_off = tl.load(qblock_start_ptr + qblock)
