@@ -324,9 +324,9 @@ class ModelRunner:
             rows = np.arange(batch.num_reqs)
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()  # the last step's copies have read the buffers
-        self._common = common = self.common_builder.build(rows, batch.num_computed_tokens,
-                                           batch.num_scheduled_tokens, batch.num_prefills,
-                                           self.rows.block_table)
+        self._common = common = self.common_builder.build(
+            rows, batch.num_computed_tokens, batch.num_scheduled_tokens, batch.num_prefills,
+            self.rows.block_table, batch.context_written_in_step)
         t = common.num_actual_tokens
         positions_np = self.common_builder.np["positions"][:t]
         token_rows = np.repeat(rows, batch.num_scheduled_tokens)
@@ -371,7 +371,8 @@ class ModelRunner:
             host[0, :n] = common.query_start_loc_cpu[:-1][take]
             host[1, :n] = j[take]
             if self._patch is not self._patch_host:
-                self._patch[:, :n].copy_(self._patch_host[:, :n], non_blocking=True)
+                for i in range(2):  # rows, not a strided [2, n] block: each copy stays pinned
+                    self._patch[i, :n].copy_(self._patch_host[i, :n], non_blocking=True)
         return n
 
     @torch.inference_mode()

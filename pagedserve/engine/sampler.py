@@ -138,7 +138,7 @@ def _to_device(t: Tensor, device: torch.device | str) -> Tensor:
     until the copy has read it."""
     device = torch.device(device)
     if device.type != "cuda":
-        return t
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 

@@ -47,5 +47,7 @@ class QueryBlockMap:
         self._host[0, :n] = torch.from_numpy(req)
         self._host[1, :n] = torch.from_numpy(start)
         if self._dev is not self._host:
-            self._dev[:, :n].copy_(self._host[:, :n], non_blocking=True)
+            # Row by row: a strided [2, n] slice would be staged through pageable memory.
+            self._dev[0, :n].copy_(self._host[0, :n], non_blocking=True)
+            self._dev[1, :n].copy_(self._host[1, :n], non_blocking=True)
         return n
