@@ -67,6 +67,7 @@ class PendingStep:
     # Each row's owner at launch (InputRows.generation): a row freed and handed to a new request
     # before this step's samples are recorded must not take them.
     generations: np.ndarray
+    logprobs: LogprobsTensors | None  # on the host once host_copy's event has fired
     forced: dict[str, torch.Tensor] = field(default_factory=dict)
     forced_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
@@ -401,8 +402,9 @@ class ModelRunner:
         last = self._common.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last])
         out = self.sampler(logits, meta)
-        pending = PendingStep(batch, rows, out, self._copy_to_host(out.sampled_token_ids),
-                              self.rows.generation[rows])
+        host_copy, logprobs = self._copy_to_host(out)
+        pending = PendingStep(batch, rows, out, host_copy, self.rows.generation[rows],
+                              logprobs)
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
                      if r.request_id in self._wants_logits]
@@ -417,27 +419,31 @@ class ModelRunner:
         self._record_samples(pending)
         if self._in_flight is pending:
             self._in_flight = None
-        out = pending.out
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs = LogprobsTensors(out.logprobs.cpu(), out.logprob_token_ids.cpu(),
-                                       out.sampled_token_ranks.cpu())
-        return ModelRunnerOutput(pending.sampled, logprobs, pending.prompt_logprobs,
+        return ModelRunnerOutput(pending.sampled, pending.logprobs, pending.prompt_logprobs,
                                  pending.forced, pending.score_logprobs)
 
-    def _copy_to_host(self, sampled: torch.Tensor) -> tuple[np.ndarray, torch.cuda.Event | None]:
-        """Start the sampled ids' copy to the host; on CUDA into one of two pinned buffers
-        with their events (a step's buffer is read after the next step has been launched, and
-        a launch first waits for the step before it, so two suffice)."""
-        n = sampled.shape[0]
+    def _copy_to_host(self, out: SamplerOutput
+                      ) -> tuple[tuple[np.ndarray, torch.cuda.Event | None],
+                                 LogprobsTensors | None]:
+        """Start the copies of a step's sampled ids (and logprobs) to the host, without waiting:
+        on CUDA into pinned memory, with an event after them. The ids go into one of two
+        buffers: a step's is read when it is collected, before the step after next is
+        launched, so two suffice."""
+        sampled = out.sampled_token_ids
+        lp = None
+        if out.logprobs is not None:
+            lp = LogprobsTensors(out.logprobs, out.logprob_token_ids, out.sampled_token_ranks)
         if sampled.device.type != "cuda":
-            return sampled.numpy(), None
+            return (sampled.numpy(), None), lp
+        if lp is not None:  # pinned blocks from torch's caching host allocator
+            lp = LogprobsTensors(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                                   .copy_(t, non_blocking=True) for t in lp))
         self._host_parity ^= 1
-        host = self._sampled_host[self._host_parity][:n]
+        host = self._sampled_host[self._host_parity][:sampled.shape[0]]
         host.copy_(sampled, non_blocking=True)
         event = self._copied[self._host_parity]
         event.record()
-        return host.numpy(), event
+        return (host.numpy(), event), lp
 
     def _record_samples(self, pending: PendingStep) -> None:
         """Once per step: wait for its samples, put teacher-forced tokens in their place, and
