@@ -458,10 +458,16 @@ class ModelRunner:
         for i, token in pending.forced_tokens.values():
             sampled[i] = token
         seq_lens = batch.num_computed_tokens + batch.num_scheduled_tokens
-        # With a step in flight a row can change hands (its request finished or was aborted):
-        # the new owner's prompt is in it.
-        done = (batch.will_sample & (seq_lens < self.max_model_len)
-                & (self.rows.generation[rows] == pending.generations))
+        done = batch.will_sample & (seq_lens < self.max_model_len)
+        # With a step in flight a row can change hands: its request finished, was aborted (a
+        # new request's prompt is in the row now) or was preempted and readmitted (its row is
+        # another, or the same one re-filled). The sample goes to the request's current row.
+        moved = self.rows.generation[rows] != pending.generations
+        if moved.any():
+            rows = rows.copy()
+            for i in np.flatnonzero(moved & done):
+                rows[i] = self.rows.row_of.get(batch.requests[i].request_id, -1)
+            done &= rows >= 0
         self.rows.token_ids[rows[done], seq_lens[done]] = sampled[done]
         pending.sampled = sampled
 
