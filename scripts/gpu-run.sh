@@ -11,7 +11,8 @@
 # bf16 quality table), measure (prefix caching, Mamba decode and TurboQuant decode
 # benchmarks), prefix0 (prefix caching at 0% hits), export (compiled FlashInfer kernels to
 # $OUT, which install.sh reuses when copied into .gpu/ as kernels*.tar.xz).
-# Logs go to $OUT; a summary prints last.
+# Logs go to $OUT (as logs.tgz at the end; OUT_ARCHIVE= keeps them loose); a summary prints
+# last.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -200,3 +201,8 @@ for f in "$OUT"/*.log; do
     echo "--- $(basename "$f")"
     grep -E "passed|failed|error|exit [0-9]+" "$f" | tail -3
 done
+# A call brings back at most 8 files from $OUT: the logs travel as one archive (unpack with
+# `tar xzf logs.tgz`); the kernels archive of `export` stays beside it.
+if [ -n "${OUT_ARCHIVE-1}" ] && ls "$OUT"/*.log >/dev/null 2>&1; then
+    tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log
+fi
