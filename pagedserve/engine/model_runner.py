@@ -163,9 +163,10 @@ class ModelRunner:
         # the same pinned buffers only after they have been read (with a step in flight they
         # may not have been yet).
         self._inputs_copied = torch.cuda.Event() if pin else None
-        # Where a step's previous samples still on the device go: pairs (index into this
-        # step's input ids, row of the previous step's samples), pinned and on the device.
-        self._patch_host = torch.zeros((2, self.max_num_reqs), dtype=torch.int64,
+        # Where a step's previous samples still on the device go, for n of them: [0, n) the
+        # indices into this step's input ids, [n, 2n) the previous step's sample rows. Flat, so
+        # one contiguous pinned copy carries both.
+        self._patch_host = torch.zeros(2 * self.max_num_reqs, dtype=torch.int64,
                                        pin_memory=pin)
         self._patch = (self._patch_host if not pin else
                        torch.zeros_like(self._patch_host, device=self.device))
@@ -345,7 +346,7 @@ class ModelRunner:
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         if num_patched:
-            dst, src = self._patch[0, :num_patched], self._patch[1, :num_patched]
+            dst, src = self._patch[:num_patched], self._patch[num_patched:2 * num_patched]
             self._input_ids.index_copy_(0, dst, prev.out.sampled_token_ids.index_select(0, src))
         if graph_size is not None:
             self._ran_graph = True
@@ -369,11 +370,10 @@ class ModelRunner:
         n = int(take.sum())
         if n:
             host = self._patch_host.numpy()
-            host[0, :n] = common.query_start_loc_cpu[:-1][take]
-            host[1, :n] = j[take]
+            host[:n] = common.query_start_loc_cpu[:-1][take]
+            host[n:2 * n] = j[take]
             if self._patch is not self._patch_host:
-                for i in range(2):  # rows, not a strided [2, n] block: each copy stays pinned
-                    self._patch[i, :n].copy_(self._patch_host[i, :n], non_blocking=True)
+                self._patch[:2 * n].copy_(self._patch_host[:2 * n], non_blocking=True)
         return n
 
     @torch.inference_mode()
