@@ -122,6 +122,19 @@ def test_unknown_forced_name_lists_valid_ones(fake_gpu, monkeypatch):
     assert not ok and "'fa9' is not one of fa3, fa2, fa4, torch" in why
 
 
+@pytest.mark.parametrize("runnable,block_size,graphs", [
+    (dict(fa4=True), 16, True),
+    (dict(fa3=True), 16, True),
+    (dict(fa2=True), 256, True),  # FA2's paged kernel
+    (dict(fa2=True), 16, False),  # FA2 over gathered pages
+    (dict(torch=True), 16, False),
+    ({}, 16, False),
+])
+def test_cuda_graphs_only_for_paged_kernels(fake_gpu, runnable, block_size, graphs):
+    fake_gpu(**runnable)
+    assert FlashAttentionBackend.can_capture_cuda_graphs(block_size) is graphs
+
+
 def test_choice_is_logged_once(fake_gpu, caplog):
     fake_gpu(fa4=True)
     with caplog.at_level(logging.INFO, logger=fa.__name__):

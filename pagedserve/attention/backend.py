@@ -156,6 +156,12 @@ class AttentionBackend(ABC):
         return reasons
 
     @classmethod
+    def can_capture_cuda_graphs(cls, block_size: int) -> bool:
+        """Whether decode steps at this block size may be captured in CUDA graphs (a backend
+        whose implementation is chosen at run time decides per implementation)."""
+        return cls.supports_cuda_graphs
+
+    @classmethod
     def features(cls) -> list[str]:
         out = []
         if cls.supports_sliding_window:

@@ -243,10 +243,13 @@ def setup_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
     config = runner.config
     if config.enforce_eager or runner.device.type != "cuda" or runner.mamba_layers:
         return None
-    if not getattr(runner.backend, "supports_cuda_graphs", False):
-        logger.info("CUDA graphs off: the %s backend does not support them",
+    if not runner.backend.can_capture_cuda_graphs(runner.block_size):
+        logger.info("CUDA graphs off: the %s backend does not support them here",
                     runner.backend.get_name())
         return None
+    for builder in runner.builders.values():
+        if hasattr(builder, "capture_max_seq_len"):  # launch bounds fixed across replays
+            builder.capture_max_seq_len = runner.max_model_len
     sizes = graph_batch_sizes(runner.max_num_reqs, runner.max_num_tokens,
                               config.cuda_graph_sizes)
     if not sizes:

@@ -509,6 +509,18 @@ class FlashAttentionBackend(AttentionBackend):
         return choice.name is not None, choice.reason
 
     @classmethod
+    def can_capture_cuda_graphs(cls, block_size: int) -> bool:
+        """The paged kernels (fa3, fa4, fa2 at its block sizes) launch one call on persistent
+        buffers and capture; the gather paths plan their groups on the host per step, so a
+        graph could not follow a step whose context needs another group."""
+        impl = choose_implementation().name
+        return impl is not None and not gathers_pages(impl, block_size)
+
+    @classmethod
+    def features(cls) -> list[str]:
+        return super().features() + ["cuda-graphs(paged kernels)"]
+
+    @classmethod
     def validate_configuration(cls, layer: AttentionLayerConfig, block_size: int,
                                device: torch.device) -> list[str]:
         reasons = super().validate_configuration(layer, block_size, device)
