@@ -5,12 +5,13 @@
 # .gpu-deps, FlashAttention-4 .gpu-fa4a/.gpu-fa4b, SmolLM2 GGUF parts .gpu-smol-*; see
 # ../shared/gpu/README.md), tests (GPU tests in parallel shards), quick (the GPU tests of
 # recently changed code), e2e (engine vs transformers on the SmolLM2 GGUF), bench (attention
-# kernels), features (CUDA graphs, TurboQuant, Mamba, prefix caching GPU tests), engine
-# (benchmarks/gpu_engine.py), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
-# conformance and benchmark rows), tq (TurboQuant decode benchmark), quality (TurboQuant's
-# bf16 quality table), measure (prefix caching, Mamba decode and TurboQuant decode
-# benchmarks), prefix0 (prefix caching at 0% hits), export (compiled FlashInfer kernels to
-# $OUT, which install.sh reuses when copied into .gpu/ as kernels*.tar.xz).
+# kernels), features (Mamba and prefix caching GPU tests), engine (benchmarks/gpu_engine.py),
+# tunableop (8B decode steps without and with PYTORCH_TUNABLEOP_ENABLED), tune (Triton
+# launch-shape sweep, K/V write paths), fa4 (FA4 conformance and benchmark rows), tq
+# (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
+# caching, Mamba decode and TurboQuant decode benchmarks), prefix0 (prefix caching at 0% hits),
+# export (compiled FlashInfer kernels to $OUT, which install.sh reuses when copied into .gpu/
+# as kernels*.tar.xz).
 # Logs go to $OUT (as logs.tgz at the end; OUT_ARCHIVE= keeps them loose); a summary prints
 # last.
 set -u
@@ -94,6 +95,17 @@ stage_engine_sync() {  # the same with synchronous steps (async scheduling is th
     timeout "${ENGINE_TIMEOUT:-300}" python3 benchmarks/gpu_engine.py --no-async-scheduling \
         --num-prompts "${NUM_PROMPTS:-128}" ${ENGINE_ARGS:-} >"$OUT/engine-sync.log" 2>&1
     echo "exit $?" >>"$OUT/engine-sync.log"
+}
+
+stage_tunableop() {  # 8B decode steps with cuBLAS's default GEMMs, then with TunableOp's picks
+    setup_env
+    for tuned in 0 1; do
+        PYTORCH_TUNABLEOP_ENABLED=$tuned PYTORCH_TUNABLEOP_VERBOSE=0 \
+            timeout "${ENGINE_TIMEOUT:-200}" python3 benchmarks/gpu_engine.py --skip-small \
+            --skip-hf --skip-prefill-heavy --skip-decode-heavy ${ENGINE_ARGS:-} \
+            >"$OUT/tunableop-$tuned.log" 2>&1
+        echo "exit $?" >>"$OUT/tunableop-$tuned.log"
+    done
 }
 
 stage_e2e() {
