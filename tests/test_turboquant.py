@@ -383,7 +383,8 @@ def test_kernels_shapes_and_options(batch, window, soft_cap, block_size, num_hea
     ("tq_3bit", "16/16/1/1/select"), ("tq_4bit", "16/64/2/1/select"),
     ("tq_k8v4", "16/16/1/1/select"), ("naive_int3", "16/32/1/1/select"),
     ("tq_4bit", "32/16/1/1/table"), ("tq_3bit", "16/32/1/1/gather"),
-    ("tq_4bit", "16/16/2/1/gather")])
+    ("tq_4bit", "16/16/2/1/gather"), ("tq_3bit", "16/32/1/1/prmt"), ("tq_4bit", "32/16/1/1/prmt"),
+    ("tq_k8v4", "16/16/1/1/prmt")])
 def test_kernels_tile_configs_and_lookups(preset, tiles):
     """Other launch shapes and the select-tree codebook lookup agree with the reference."""
     from pagedserve.attention.ops.turboquant_kernels import TQTiles
@@ -397,7 +398,7 @@ def test_kernels_tile_configs_and_lookups(preset, tiles):
 
 
 @kernels
-@pytest.mark.parametrize("lookup", ["table", "select", "gather"])
+@pytest.mark.parametrize("lookup", ["table", "select", "gather", "prmt"])
 @pytest.mark.parametrize("preset", ["tq_4bit", "tq_k8v4", "tq_3bit"])
 def test_kernels_half_precision_dots(preset, lookup, monkeypatch):
     """The tensor-core path (level tables in the input dtype, half-precision dots) that the GPU
@@ -415,10 +416,11 @@ def test_kernels_half_precision_dots(preset, lookup, monkeypatch):
 
 
 @kernels
-@pytest.mark.parametrize("lookup", ["table", "select", "gather"])
+@pytest.mark.parametrize("lookup", ["table", "select", "gather", "prmt"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_kernel_dequantization_is_exact(preset, lookup):
-    """The kernel's code unpacking and codebook lookup (table, select tree, shuffle gather) give
+    """The kernel's code unpacking and codebook lookup (table, select tree, shuffle gather; for
+    'prmt' its stand-in without inline PTX: the word loads and channel order) give
     exactly the format's levels for every code row of a block, K and V; the scales come from
     its fp16 metas."""
     from pagedserve.attention.ops import turboquant_kernels as tqk
@@ -444,7 +446,7 @@ def test_kernel_dequantization_is_exact(preset, lookup):
             META_OFF=layout[f"{prefix}_META_OFF"], N=bs, HEAD_SIZE=d,
             KIND=args[f"{prefix}_KIND"], BITS=codec.bits, G=args[f"{prefix}_GROUP"],
             CODE_BYTES=codec.code_bytes(d), META_N=args[f"{prefix}_META_N"],
-            LOOKUP=tqk.LOOKUPS[lookup])
+            LOOKUP=tqk.PRMT_STAND_IN if lookup == "prmt" else tqk.LOOKUPS[lookup])
         values, scale = values.cpu(), scale.cpu()
         n = codec.code_bytes(d)
         codes = tqf.unpack_codes(rec[:, :n], codec.bits, d)
@@ -460,6 +462,80 @@ def test_kernel_dequantization_is_exact(preset, lookup):
             unit = tqf.codebook_levels(codec)[codes]
         assert torch.equal(values, unit)
         torch.testing.assert_close(scale, norm / math.sqrt(d), rtol=1e-6, atol=0)
+
+
+def _run_ptx(asm: str, operands: list[int]) -> list[int]:
+    """Execute the integer PTX subset of the 'prmt' lookup's inline asm (and/or/shl/shr/prmt
+    .b32, mov.b32 of registers and of a {lo, hi} pair) on Python ints: operands holds $0..$N
+    (outputs first, ignored) and returns them after the block."""
+    regs: dict[str, int] = {f"${i}": v for i, v in enumerate(operands)}
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return int(tok, 0) & 0xFFFFFFFF if tok[0].isdigit() else regs[tok]
+
+    for line in asm.replace("{\n", "\n").split(";"):
+        line = line.strip().strip("{}").strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b32" and args.startswith("{"):
+            pair, src = args.rsplit(",", 1)
+            lo, hi = (t.strip() for t in pair.strip("{} ").split(","))
+            regs[lo], regs[hi] = val(src) & 0xFFFF, val(src) >> 16
+            continue
+        dst, *src = (t.strip() for t in args.split(","))
+        x = [val(t) for t in src]
+        if op == "mov.b32":
+            r = x[0]
+        elif op == "and.b32":
+            r = x[0] & x[1]
+        elif op == "or.b32":
+            r = x[0] | x[1]
+        elif op == "shl.b32":
+            r = (x[0] << x[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            r = x[0] >> x[1]
+        elif op == "prmt.b32":
+            src_bytes = [(x[0] >> 8 * i) & 255 for i in range(4)] + \
+                        [(x[1] >> 8 * i) & 255 for i in range(4)]
+            r = 0
+            for i in range(4):
+                sel = (x[2] >> 4 * i) & 15
+                byte = src_bytes[sel & 7]
+                if sel & 8:
+                    byte = 255 if byte & 128 else 0
+                r |= byte << 8 * i
+        else:
+            raise AssertionError(f"unexpected PTX op {op}")
+        regs[dst] = r
+    return [regs[f"${i}"] for i in range(len(operands))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_prmt_lookup_asm_gives_the_levels(bits, dtype):
+    """The 'prmt' lookup's inline PTX (CUDA only: the interpreter runs a stand-in) run by a
+    small PTX emulator: every code of words cut from real packed code rows maps to its
+    codebook level's exact 16-bit pattern, output k holding channel k of the word."""
+    from pagedserve.attention.ops import turboquant_kernels as tqk
+
+    codec = tqf.VectorCodec("lloyd_max", bits)
+    levels = tqf.codebook_levels(codec).to(dtype)
+    table = [int(w) & 0xFFFFFFFF for w in tqk.byte_plane_table(levels)]
+    asm = (tqk.PRMT4_ASM if bits == 4 else tqk.PRMT3_ASM).value
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 1 << bits, (64, 32), generator=gen)
+    codes[0, :16] = torch.arange(16) % (1 << bits)  # every code at every position
+    codes[1, :16] = torch.arange(16).flip(0) % (1 << bits)
+    packed = tqf.pack_codes(codes, bits)  # [64, 4 * bits] bytes: 4 words of 8 codes per row
+    words = packed.view(64, 4, bits).to(torch.int64)
+    words = sum(words[..., k] << 8 * k for k in range(bits))
+    expected = levels.view(torch.int16).to(torch.int64) & 0xFFFF
+    for r in range(codes.shape[0]):
+        for g in range(4):
+            out = _run_ptx(asm, [0] * 8 + [int(words[r, g])] + table)[:8]
+            assert out == [int(expected[c]) for c in codes[r, 8 * g:8 * g + 8]], (r, g)
 
 
 @kernels
@@ -493,6 +569,7 @@ def test_tile_config_parsing():
     assert TQTiles.parse("16/64/4/2") == TQTiles(16, 64, 4, 2, "table")
     assert TQTiles.parse(" 16/128/8/3/select ") == TQTiles(16, 128, 8, 3, "select")
     assert TQTiles.parse("16/32/4/2/gather").lookup == "gather"
+    assert TQTiles.parse("16/64/8/2/prmt").lookup == "prmt"
     assert TQTiles.parse(str(DECODE_TILES)) == DECODE_TILES
     for bad in ("16/64/4", "16/48/4/2", "16/64/4/2/lut", "a/64/4/2", "16/8/4/2", "16/64/3/2"):
         with pytest.raises(ValueError):
@@ -516,7 +593,8 @@ if _kernels_runnable():
         offs = tl.arange(0, HEAD_SIZE)
         values, scale = _load_vectors(cache_ptr + CODES_OFF + rows * CODE_BYTES,
                                       cache16_ptr + META_OFF + rows * META_N, rows < N,
-                                      levels_ptr, HEAD_SIZE, KIND, BITS, G, LOOKUP)
+                                      levels_ptr, HEAD_SIZE, KIND, BITS, G, LOOKUP,
+                                      values_ptr.dtype.element_ty)
         tl.store(values_ptr + rows[:, None] * HEAD_SIZE + offs[None, :], values.to(tl.float32))
         tl.store(scale_ptr + rows, scale)
 

@@ -31,8 +31,12 @@ Kernel `_tq_attention_kernel`
                 (an L1-resident gather: 64-bit address + load per element), 1 (select) picks it
                 from the levels with a binary tree of selects on the code bits (registers only;
                 3 and 4 bits, else the table), 2 (gather) uses tl.gather on the levels
-                broadcast over the tile's rows (warp shuffles; up to 4 bits, else the table).
-                fp8 codes are bitcast, uniform codes converted and scaled. Each key's scale is
+                broadcast over the tile's rows (warp shuffles; up to 4 bits, else the table),
+                3 (prmt, Lloyd-Max 3 and 4 bits) reads each row as words of 8 codes and looks
+                the levels up with PTX byte permutes of the codebook held in registers (~3
+                integer ops per code, no shuffles or shared memory; in the interpreter, which
+                has no inline PTX, the same path with loads for lookups). fp8 codes are
+                bitcast, uniform codes converted and scaled. Each key's scale is
                 applied to its scores, each value's to its probabilities (not to every
                 element). Scores against the rotated query, online softmax (base 2, fp32), the
                 values accumulate in the rotated domain; the accumulator is rotated back once.
@@ -43,7 +47,7 @@ Kernel `_tq_attention_kernel`
              2. the step's new tokens [context, seq_len) at full precision, read from the key and
                 value inputs (they are attended exactly, never through the cache), causally.
            No full-precision copy of the cache exists anywhere. Launch shape: `TQTiles`
-           (block_m, block_n, num_warps, num_stages, lookup); `TQTiles.parse("16/64/4/2/table")`.
+           (block_m, block_n, num_warps, num_stages, lookup); `TQTiles.parse("16/64/4/2/prmt")`.
   layout:  query/key/value/out [T, H or Hkv, D] (any strides); cache as above (its
            [block_size, slot_bytes] plane contiguous).
   dtypes:  fp32/fp16/bf16 activations. UPCAST keeps the dots in fp32 (fp32 models and the
@@ -74,7 +78,8 @@ from pagedserve.attention.ops.turboquant_format import (
 KIND_LLOYD_MAX, KIND_FP8, KIND_UNIFORM = 0, 1, 2
 _KIND_IDS = {"lloyd_max": KIND_LLOYD_MAX, "fp8": KIND_FP8, "uniform": KIND_UNIFORM}
 # The attention kernel's codebook lookup (module docstring).
-LOOKUPS = {"table": 0, "select": 1, "gather": 2}
+LOOKUPS = {"table": 0, "select": 1, "gather": 2, "prmt": 3}
+PRMT_STAND_IN = 4  # 'prmt' where there is no inline PTX: the same code path, loads for lookups
 
 
 @dataclass(frozen=True)
@@ -139,15 +144,38 @@ class FormatTensors:
     k_bounds: torch.Tensor
     v_bounds: torch.Tensor
     _tables: dict = field(default_factory=dict, repr=False)
+    _byte_tables: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             self._tables[dtype] = (self.k_levels.to(dtype), self.v_levels.to(dtype))
+        for dtype in (torch.float16, torch.bfloat16):
+            self._byte_tables[dtype] = tuple(byte_plane_table(t.to(dtype))
+                                             for t in (self.k_levels, self.v_levels))
+
+    def prmt_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) codebooks in `dtype` (float16 or bfloat16) as byte planes for the 'prmt'
+        lookup: int32 [8] (`byte_plane_table`)."""
+        return self._byte_tables[dtype]
 
     def level_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) codebooks in `dtype` (float32, float16 or bfloat16): what the attention
         kernel's lookup returns."""
         return self._tables[dtype]
+
+
+def byte_plane_table(levels: torch.Tensor) -> torch.Tensor:
+    """A codebook of up to 16 16-bit levels -> int32 [8]: words 0-3 hold the low bytes of the
+    levels 4i..4i+3 (byte j of word i: level 4i + j), words 4-7 their high bytes, so that
+    `prmt` picks a level's bytes by its code (entries past the codebook are 0)."""
+    bits = torch.zeros(16, dtype=torch.int32)
+    n = min(levels.numel(), 16)
+    bits[:n] = levels.flatten()[:n].cpu().view(torch.int16).to(torch.int32) & 0xFFFF
+    planes = torch.cat([bits & 0xFF, bits >> 8]).view(8, 4)
+    words = (planes[:, 0] | planes[:, 1] << 8 | planes[:, 2] << 16
+             | (planes[:, 3].to(torch.int64) << 24)).to(torch.int64)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).to(
+        levels.device)
 
 
 def format_tensors(preset: KVPreset, head_size: int, device: torch.device) -> FormatTensors:
@@ -340,6 +368,109 @@ def _load_codes(row, ok, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr, G: tl.cons
     return codes
 
 
+# The 'prmt' lookup (CUDA only: inline PTX). A word holds 8 codes (4 bits: 8 nibbles; 3 bits: 24
+# bits) in channel order; the codebook's 16-bit levels are held as byte planes in registers
+# (`byte_plane_table`: L0-L3 the low bytes of levels 0-15, H0-H3 the high bytes), and `prmt`
+# (byte permute) looks up the low or high bytes of 4 codes at once: its selector takes 4
+# nibbles, bits 0-2 picking one of the 8 bytes of its two sources (bit 3 must be clear). For 4
+# bits, levels 0-7 and 8-15 are looked up separately and a third prmt per plane picks byte k
+# from the first or the second by bit 3 of code k; then the low and high bytes are paired into
+# the 16-bit levels. ~3 integer ops per code, registers only (no shuffles, no shared memory).
+_PRMT_PAIR = """
+    prmt.b32 p, lo, hi, 0x5140;
+    prmt.b32 q, lo, hi, 0x7362;
+    mov.b32 {$%d, $%d}, p;
+    mov.b32 {$%d, $%d}, q;"""
+_PRMT4_HALF = """
+    and.b32 s, x, 0x7777;
+    shr.b32 t, x, 1;
+    and.b32 t, t, 0x4444;
+    or.b32 t, t, 0x3210;
+    prmt.b32 al, $9, $10, s;
+    prmt.b32 bl, $11, $12, s;
+    prmt.b32 ah, $13, $14, s;
+    prmt.b32 bh, $15, $16, s;
+    prmt.b32 lo, al, bl, t;
+    prmt.b32 hi, ah, bh, t;"""
+_PRMT3_HALF = """
+    and.b32 s, x, 0x7;
+    shl.b32 t, x, 1;
+    and.b32 t, t, 0x70;
+    or.b32 s, s, t;
+    shl.b32 t, x, 2;
+    and.b32 t, t, 0x700;
+    or.b32 s, s, t;
+    shl.b32 t, x, 3;
+    and.b32 t, t, 0x7000;
+    or.b32 s, s, t;
+    prmt.b32 lo, $9, $10, s;
+    prmt.b32 hi, $13, $14, s;"""
+PRMT4_ASM = tl.constexpr(
+    "{\n    .reg .b32 x, s, t, al, bl, ah, bh, lo, hi, p, q;\n    mov.b32 x, $8;"
+    + _PRMT4_HALF + _PRMT_PAIR % (0, 1, 2, 3) + "\n    shr.b32 x, $8, 16;"
+    + _PRMT4_HALF + _PRMT_PAIR % (4, 5, 6, 7) + "\n}")
+PRMT3_ASM = tl.constexpr(
+    "{\n    .reg .b32 x, s, t, lo, hi, p, q;\n    mov.b32 x, $8;"
+    + _PRMT3_HALF + _PRMT_PAIR % (0, 1, 2, 3) + "\n    shr.b32 x, $8, 12;"
+    + _PRMT3_HALF + _PRMT_PAIR % (4, 5, 6, 7) + "\n}")
+_PRMT_CONSTRAINTS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 9))
+
+
+@triton.constexpr_function
+def _dtypes8(dtype):
+    return (dtype,) * 8
+
+
+@triton.jit
+def _load_words(row, ok, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr):
+    """row [BLOCK_N] pointers to 4- or 3-bit code rows -> int32 words [BLOCK_N, D / 8], word g
+    holding the codes of channels 8g..8g+7 (code k at bit k * BITS)."""
+    groups = tl.arange(0, HEAD_SIZE // 8)
+    if BITS == 4:  # 4 bytes per word: one vector load run per row
+        word = tl.load(row.to(tl.pointer_type(tl.int32))[:, None] + groups[None, :],
+                       mask=ok[:, None], other=0)
+    else:  # 3 bytes per word
+        ptrs = row[:, None] + groups[None, :] * 3
+        word = tl.load(ptrs, mask=ok[:, None], other=0).to(tl.int32)
+        word = word | (tl.load(ptrs + 1, mask=ok[:, None], other=0).to(tl.int32) << 8)
+        word = word | (tl.load(ptrs + 2, mask=ok[:, None], other=0).to(tl.int32) << 16)
+    return word
+
+
+@triton.jit
+def _prmt_levels(word, table_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """words [N, D / 8] (`_load_words`) -> levels [N, D] in DTYPE (16-bit), channel order;
+    table_ptr: the codebook's byte planes (`byte_plane_table`, int32 [8]). Without ASM (the
+    interpreter, which has no inline PTX) the same words and channel order, but table_ptr is
+    the plain level table and each code is a load from it."""
+    if not ASM:
+        m = (1 << BITS) - 1
+        o0 = tl.load(table_ptr + (word & m))
+        o1 = tl.load(table_ptr + ((word >> BITS) & m))
+        o2 = tl.load(table_ptr + ((word >> (2 * BITS)) & m))
+        o3 = tl.load(table_ptr + ((word >> (3 * BITS)) & m))
+        o4 = tl.load(table_ptr + ((word >> (4 * BITS)) & m))
+        o5 = tl.load(table_ptr + ((word >> (5 * BITS)) & m))
+        o6 = tl.load(table_ptr + ((word >> (6 * BITS)) & m))
+        o7 = tl.load(table_ptr + ((word >> (7 * BITS)) & m))
+    else:
+        t0, t1, t2, t3 = (tl.load(table_ptr), tl.load(table_ptr + 1), tl.load(table_ptr + 2),
+                          tl.load(table_ptr + 3))
+        t4, t5, t6, t7 = (tl.load(table_ptr + 4), tl.load(table_ptr + 5),
+                          tl.load(table_ptr + 6), tl.load(table_ptr + 7))
+        if BITS == 4:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                PRMT4_ASM, _PRMT_CONSTRAINTS, [word, t0, t1, t2, t3, t4, t5, t6, t7],
+                dtype=_dtypes8(DTYPE), is_pure=True, pack=1)
+        else:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                PRMT3_ASM, _PRMT_CONSTRAINTS, [word, t0, t1, t2, t3, t4, t5, t6, t7],
+                dtype=_dtypes8(DTYPE), is_pure=True, pack=1)
+    # output k holds channel 8g + k: interleave in bit-reversed order of k
+    return tl.interleave(tl.interleave(tl.interleave(o0, o4), tl.interleave(o2, o6)),
+                         tl.interleave(tl.interleave(o1, o5), tl.interleave(o3, o7)))
+
+
 @triton.jit
 def _select8(codes, levels_ptr):
     """levels[codes & 7] by a binary tree of selects on the code bits (registers only)."""
@@ -358,41 +489,48 @@ def _select8(codes, levels_ptr):
 def _load_vectors(
     code_row, meta, ok, levels_ptr,
     HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-    LOOKUP: tl.constexpr,
+    LOOKUP: tl.constexpr, DTYPE: tl.constexpr,
 ):
     """code_row [BLOCK_N] pointers to code rows, meta [BLOCK_N] pointers to the first fp16 meta
     -> (values [BLOCK_N, D], scale [BLOCK_N] fp32): the storage-domain vectors are values *
     scale[:, None]. Scaled codecs (Lloyd-Max, fp8) return the unit codes (Lloyd-Max: in the
     level table's dtype) and the per-vector scale, which the caller folds into the scores (K)
     or the probabilities (V) instead of multiplying every element; uniform codes return the
-    dequantized vectors (fp32) and a scale of 1."""
-    codes = _load_codes(code_row, ok, HEAD_SIZE, BITS, G)
+    dequantized vectors (fp32) and a scale of 1. LOOKUP 3 (prmt, Lloyd-Max 3/4 bits only):
+    levels_ptr is the codebook's byte planes and the values come in DTYPE (16-bit); LOOKUP 4:
+    its stand-in without inline PTX (`_prmt_levels`), levels_ptr the plain level table."""
     first = tl.load(meta, mask=ok, other=0.0).to(tl.float32)
-    if KIND == 2:
-        lo = tl.load(meta + 1, mask=ok, other=0.0).to(tl.float32)
-        values = codes.to(tl.float32) * first[:, None] + lo[:, None]
-        scale = tl.full(first.shape, 1.0, tl.float32)
-    else:
-        if KIND == 1:
-            values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        elif LOOKUP == 2:
-            if BITS <= 4:  # tl.gather from the levels broadcast over the rows: warp shuffles
-                levels = tl.load(levels_ptr + tl.arange(0, 1 << BITS))
-                values = tl.gather(
-                    tl.broadcast_to(levels[None, :], (codes.shape[0], 1 << BITS)), codes, 1)
-            else:
-                values = tl.load(levels_ptr + codes)
-        elif LOOKUP == 1:
-            if BITS == 3:
-                values = _select8(codes, levels_ptr)
-            elif BITS == 4:
-                values = tl.where((codes & 8) != 0, _select8(codes, levels_ptr + 8),
-                                  _select8(codes, levels_ptr))
-            else:
-                values = tl.load(levels_ptr + codes)
-        else:
-            values = tl.load(levels_ptr + codes)
+    if (LOOKUP == 3 or LOOKUP == 4) and KIND == 0 and (BITS == 3 or BITS == 4):
+        values = _prmt_levels(_load_words(code_row, ok, HEAD_SIZE, BITS), levels_ptr, BITS,
+                              DTYPE, LOOKUP == 3)
         scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
+    else:
+        codes = _load_codes(code_row, ok, HEAD_SIZE, BITS, G)
+        if KIND == 2:
+            lo = tl.load(meta + 1, mask=ok, other=0.0).to(tl.float32)
+            values = codes.to(tl.float32) * first[:, None] + lo[:, None]
+            scale = tl.full(first.shape, 1.0, tl.float32)
+        else:
+            if KIND == 1:
+                values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            elif LOOKUP == 2:
+                if BITS <= 4:  # tl.gather from the levels broadcast over the rows: warp shuffles
+                    levels = tl.load(levels_ptr + tl.arange(0, 1 << BITS))
+                    values = tl.gather(
+                        tl.broadcast_to(levels[None, :], (codes.shape[0], 1 << BITS)), codes, 1)
+                else:
+                    values = tl.load(levels_ptr + codes)
+            elif LOOKUP == 1:
+                if BITS == 3:
+                    values = _select8(codes, levels_ptr)
+                elif BITS == 4:
+                    values = tl.where((codes & 8) != 0, _select8(codes, levels_ptr + 8),
+                                      _select8(codes, levels_ptr))
+                else:
+                    values = tl.load(levels_ptr + codes)
+            else:
+                values = tl.load(levels_ptr + codes)
+            scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
     return values, scale
 
 
@@ -505,7 +643,8 @@ def _tq_attention_kernel(
         plane16 = head_base16 + page * stride_cb16
         k, k_scale = _load_vectors(plane + row * K_CODE_BYTES,
                                    plane16 + K_META_OFF + row * K_META_N, k_ok, k_levels_ptr,
-                                   HEAD_SIZE, K_KIND, K_BITS, K_GROUP, LOOKUP)
+                                   HEAD_SIZE, K_KIND, K_BITS, K_GROUP, LOOKUP,
+                                   q_ptr.dtype.element_ty)
         s = _scores(q_ctx, k, k_scale, UPCAST)
         seen = k_ok[None, :]
         if USE_WINDOW:
@@ -514,7 +653,8 @@ def _tq_attention_kernel(
                                            USE_SOFT_CAP)
         v, v_scale = _load_vectors(plane + V_CODES_OFF + row * V_CODE_BYTES,
                                    plane16 + V_META_OFF + row * V_META_N, k_ok, v_levels_ptr,
-                                   HEAD_SIZE, V_KIND, V_BITS, V_GROUP, LOOKUP)
+                                   HEAD_SIZE, V_KIND, V_BITS, V_GROUP, LOOKUP,
+                                   q_ptr.dtype.element_ty)
         acc = _accumulate(acc, p * v_scale[None, :], v, q_ctx, UPCAST)
     if ROTATED:
         # acc R = (acc H) D / sqrt(d). H is symmetric: reading it transposed keeps the compiler
@@ -552,6 +692,11 @@ def _tq_attention_kernel(
              mask=row_ok[:, None])
 
 
+def inline_asm_supported(device: torch.device) -> bool:
+    """Whether the kernels may use inline PTX (the 'prmt' lookup): CUDA, not the interpreter."""
+    return device.type == "cuda" and not torch.version.hip
+
+
 def select_tiles(device: torch.device, decode_only: bool) -> TQTiles:
     if device.type == "cpu":
         return INTERPRETER_TILES
@@ -577,7 +722,13 @@ def tq_attention(
     if upcast is None:
         upcast = query.dtype == torch.float32 or query.device.type == "cpu"
     cache16, layout = _layout_args(preset, kv_cache, head_size)
-    k_levels, v_levels = tensors.level_tables(torch.float32 if upcast else query.dtype)
+    lookup = LOOKUPS[getattr(tiles, "lookup", "table")]
+    if lookup == LOOKUPS["prmt"] and (upcast or not inline_asm_supported(query.device)):
+        lookup = PRMT_STAND_IN  # inline PTX: CUDA and 16-bit dots only
+    if lookup == LOOKUPS["prmt"]:
+        k_levels, v_levels = tensors.prmt_tables(query.dtype)
+    else:
+        k_levels, v_levels = tensors.level_tables(torch.float32 if upcast else query.dtype)
     _tq_attention_kernel[(num_kv_heads, num_qblocks)](
         query, key, value, kv_cache, cache16, out,
         block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
@@ -589,7 +740,7 @@ def tq_attention(
         QPK=num_heads // num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
-        UPCAST=upcast, ROTATED=preset.rotated, LOOKUP=LOOKUPS[getattr(tiles, "lookup", "table")],
+        UPCAST=upcast, ROTATED=preset.rotated, LOOKUP=lookup,
         **layout,
         **_codec_args("K", preset.key, head_size), **_codec_args("V", preset.value, head_size),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
