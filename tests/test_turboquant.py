@@ -465,8 +465,8 @@ def test_kernel_dequantization_is_exact(preset, lookup):
 
 
 def _run_ptx(asm: str, operands: list[int]) -> list[int]:
-    """Execute the integer PTX subset of the 'prmt' lookup's inline asm (and/or/shl/shr/prmt
-    .b32, mov.b32 of registers and of a {lo, hi} pair) on Python ints: operands holds $0..$N
+    """Execute the integer PTX subset of the 'prmt' lookup's inline asm (and/or/shl/shr/lop3/
+    prmt .b32, mov.b32 of registers and of a {lo, hi} pair) on Python ints: operands holds $0..$N
     (outputs first, ignored) and returns them after the block."""
     regs: dict[str, int] = {f"${i}": v for i, v in enumerate(operands)}
 
@@ -496,6 +496,11 @@ def _run_ptx(asm: str, operands: list[int]) -> list[int]:
             r = (x[0] << x[1]) & 0xFFFFFFFF
         elif op == "shr.b32":
             r = x[0] >> x[1]
+        elif op == "lop3.b32":  # the truth table's bits indexed by (a, b, c) = (0xF0, 0xCC, 0xAA)
+            r = 0
+            for bit in range(32):
+                a, b, c = ((v >> bit) & 1 for v in x[:3])
+                r |= ((x[3] >> (a << 2 | b << 1 | c)) & 1) << bit
         elif op == "prmt.b32":
             src_bytes = [(x[0] >> 8 * i) & 255 for i in range(4)] + \
                         [(x[1] >> 8 * i) & 255 for i in range(4)]
@@ -570,8 +575,11 @@ def test_tile_config_parsing():
     assert TQTiles.parse(" 16/128/8/3/select ") == TQTiles(16, 128, 8, 3, "select")
     assert TQTiles.parse("16/32/4/2/gather").lookup == "gather"
     assert TQTiles.parse("16/64/8/2/prmt").lookup == "prmt"
+    assert TQTiles.parse("16/64/8/2/prmt/128") == TQTiles(16, 64, 8, 2, "prmt", 128)
+    assert str(TQTiles(16, 64, 8, 2, "prmt", 128)) == "16/64/8/2/prmt/128"
     assert TQTiles.parse(str(DECODE_TILES)) == DECODE_TILES
-    for bad in ("16/64/4", "16/48/4/2", "16/64/4/2/lut", "a/64/4/2", "16/8/4/2", "16/64/3/2"):
+    for bad in ("16/64/4", "16/48/4/2", "16/64/4/2/lut", "a/64/4/2", "16/8/4/2", "16/64/3/2",
+                "16/64/4/2/prmt/x", "16/64/4/2/prmt/300"):
         with pytest.raises(ValueError):
             TQTiles.parse(bad)
 

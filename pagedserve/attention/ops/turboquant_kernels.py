@@ -86,14 +86,16 @@ PRMT_STAND_IN = 4  # 'prmt' where there is no inline PTX: the same code path, lo
 class TQTiles:
     """Launch shape of the attention kernel. block_m: target rows per program (query tokens x
     heads of one KV group; decode uses one token); block_n: keys per tile; lookup: 'table',
-    'select' or 'gather' (module docstring). Written and parsed as
-    "block_m/block_n/warps/stages[/lookup]"."""
+    'select', 'gather' or 'prmt' (module docstring); max_regs: a cap on the registers per
+    thread (ptxas .maxnreg; 0: the compiler's choice), e.g. 128 at 8 warps for 2 programs
+    per SM. Written and parsed as "block_m/block_n/warps/stages[/lookup[/max_regs]]"."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     lookup: str = "table"
+    max_regs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -105,30 +107,39 @@ class TQTiles:
         if self.lookup not in LOOKUPS:
             raise ValueError(f"TQTiles.lookup is one of {', '.join(LOOKUPS)}, got "
                              f"{self.lookup!r}")
+        if self.max_regs and not 24 <= self.max_regs <= 255:
+            raise ValueError(f"TQTiles.max_regs is 0 or 24..255, got {self.max_regs}")
 
     def __str__(self) -> str:
-        return f"{self.block_m}/{self.block_n}/{self.num_warps}/{self.num_stages}/{self.lookup}"
+        text = f"{self.block_m}/{self.block_n}/{self.num_warps}/{self.num_stages}/{self.lookup}"
+        return f"{text}/{self.max_regs}" if self.max_regs else text
 
     @classmethod
     def parse(cls, text: str) -> TQTiles:
-        """"16/64/4/2" or "16/64/4/2/select" -> TQTiles."""
+        """"16/64/4/2", "16/64/4/2/select" or "16/64/8/2/prmt/128" -> TQTiles."""
         parts = text.strip().split("/")
-        if len(parts) not in (4, 5):
-            raise ValueError(f"tile config {text!r}: want block_m/block_n/warps/stages[/lookup]")
+        if len(parts) not in (4, 5, 6):
+            raise ValueError(f"tile config {text!r}: want "
+                             f"block_m/block_n/warps/stages[/lookup[/max_regs]]")
         try:
             numbers = [int(x) for x in parts[:4]]
+            max_regs = [int(parts[5])] if len(parts) == 6 else []
         except ValueError:
-            raise ValueError(f"tile config {text!r}: the first four fields are integers") from None
-        return cls(*numbers, *parts[4:])
+            raise ValueError(f"tile config {text!r}: the first four fields and max_regs are "
+                             f"integers") from None
+        return cls(*numbers, *parts[4:5], *max_regs)
 
 
-# Decode: the fastest of the H200 sweep (benchmarks/kv_quant_quality.py --kernel-bench
-# --tq-tiles sweep; 64 x 8,192, d128, bf16) for 8- and 4-bit codes: 16/64/8/2 with the shuffle
-# gather, 1,068 us (tq_k8v4) and 1,457 us (tq_4bit) against 1,917 / 1,650 us with the table;
-# tq_3bit gathers in 1,713 us (its best, 16/64/2/4/table, took 1,670). What ptxas
-# (sm_90a) says of the decode loop: 16/64/8 warps needs ~100 registers (no spills, 2 programs =
-# 16 warps per SM), 16/64/4 ~180, 16/32/4 128. Prefill: not swept yet.
-DECODE_TILES = TQTiles(block_m=16, block_n=64, num_warps=8, num_stages=2, lookup="gather")
+# Decode: the H200 sweep (benchmarks/kv_quant_quality.py --kernel-bench --tq-tiles sweep;
+# 64 x 8,192, d128, bf16) with the lookups before 'prmt': 16/64/8/2/gather, 1,068 us (tq_k8v4)
+# and 1,457 us (tq_4bit); tq_3bit 1,670 us at 16/64/2/4/table, all latency bound (0.4 TB/s).
+# The gather's shuffles and one-element shared-memory stores (78 SHFL, 86 STS, 18 BAR per
+# 64-key tile and warp at tq_4bit) were the bottleneck; 'prmt' keeps the lookups in registers
+# (14 STS, 7 SHFL, 7 BAR; scripts/tq_kernel_resources.py). Not yet timed on a GPU: 16/64/8/2
+# with 'prmt' and registers capped at 128 (2 programs = 16 warps per SM; without the cap
+# ptxas may take up to 164 and fit one).
+DECODE_TILES = TQTiles(block_m=16, block_n=64, num_warps=8, num_stages=2, lookup="prmt",
+                       max_regs=128)
 PREFILL_TILES = TQTiles(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 4 warps spill
 INTERPRETER_TILES = TQTiles(block_m=16, block_n=32, num_warps=1, num_stages=1)
 
@@ -384,8 +395,7 @@ _PRMT_PAIR = """
 _PRMT4_HALF = """
     and.b32 s, x, 0x7777;
     shr.b32 t, x, 1;
-    and.b32 t, t, 0x4444;
-    or.b32 t, t, 0x3210;
+    lop3.b32 t, t, 0x4444, 0x3210, 0xEA;
     prmt.b32 al, $9, $10, s;
     prmt.b32 bl, $11, $12, s;
     prmt.b32 ah, $13, $14, s;
@@ -511,8 +521,8 @@ def _load_vectors(
             values = codes.to(tl.float32) * first[:, None] + lo[:, None]
             scale = tl.full(first.shape, 1.0, tl.float32)
         else:
-            if KIND == 1:
-                values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            if KIND == 1:  # exact in fp16: one cvt per pair of codes
+                values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             elif LOOKUP == 2:
                 if BITS <= 4:  # tl.gather from the levels broadcast over the rows: warp shuffles
                     levels = tl.load(levels_ptr + tl.arange(0, 1 << BITS))
@@ -547,7 +557,8 @@ def _scores(q, k, k_scale, UPCAST: tl.constexpr):
 @triton.jit
 def _online_softmax(acc, l_i, m_i, s, seen, sm_scale, soft_cap, USE_SOFT_CAP: tl.constexpr):
     """One online-softmax tile of raw scores s [M, N] (seen: which count): returns the
-    probabilities p [M, N] fp32, the accumulator rescaled to the new maximum, l and m."""
+    probabilities p [M, N] fp32, the accumulator rescaled to the new maximum, l (per-column
+    partial row sums [M, N], summed once after the last tile) and m."""
     if USE_SOFT_CAP:
         s = soft_cap * (2.0 * tl.sigmoid(2.0 * s * (sm_scale / soft_cap)) - 1.0) \
             * 1.4426950408889634
@@ -558,7 +569,7 @@ def _online_softmax(acc, l_i, m_i, s, seen, sm_scale, soft_cap, USE_SOFT_CAP: tl
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha[:, None] + p  # row sums taken once at the end (no per-tile reduction)
     return p, acc * alpha[:, None], l_i, m_new
 
 
@@ -618,7 +629,7 @@ def _tq_attention_kernel(
         lo = 0
 
     acc = tl.zeros([BLOCK_M, HEAD_SIZE], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # per-column partial row sums
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
     # Phase 1: the quantized context, scored against the rotated query.
@@ -629,8 +640,21 @@ def _tq_attention_kernel(
         q_ctx = _hadamard(q * signs[None, :], had) * (1.0 / tl.sqrt(float(HEAD_SIZE)))
     else:
         q_ctx = q
+    FP8_F16: tl.constexpr = K_KIND == 1 and not UPCAST
+    q_pow = tl.full([BLOCK_M], 1.0, tl.float32)
+    if FP8_F16:
+        # fp8 keys convert exactly to fp16 (one cvt per pair; bf16 would go through fp32), so
+        # the key dot runs in fp16: each row of the rotated query is scaled by a power of two
+        # 2^-e into fp16's range (|q| <= 2^14; exact) and the scores by 2^e.
+        amax = tl.max(tl.abs(q_ctx), 1)
+        e = tl.where(amax > 0.0, tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0, 0.0)
+        e = tl.minimum(tl.maximum(e, -100.0), 100.0).to(tl.int32)
+        q_pow = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        q_key = (q_ctx * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
     if not UPCAST:
         q_ctx = q_ctx.to(q_ptr.dtype.element_ty)
+    if not FP8_F16:
+        q_key = q_ctx
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_base = cache_ptr + kv_head * stride_ch
     head_base16 = cache16_ptr + kv_head * stride_ch16
@@ -645,7 +669,9 @@ def _tq_attention_kernel(
                                    plane16 + K_META_OFF + row * K_META_N, k_ok, k_levels_ptr,
                                    HEAD_SIZE, K_KIND, K_BITS, K_GROUP, LOOKUP,
                                    q_ptr.dtype.element_ty)
-        s = _scores(q_ctx, k, k_scale, UPCAST)
+        s = _scores(q_key, k, k_scale, UPCAST)
+        if FP8_F16:
+            s = s * q_pow[:, None]
         seen = k_ok[None, :]
         if USE_WINDOW:
             seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
@@ -685,7 +711,8 @@ def _tq_attention_kernel(
                                            USE_SOFT_CAP)
         acc = _accumulate(acc, p, v, q_new, UPCAST)
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    l_sum = tl.sum(l_i, 1)
+    l_safe = tl.where(l_sum > 0.0, l_sum, 1.0)
     out = acc / l_safe[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
              + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
@@ -693,7 +720,8 @@ def _tq_attention_kernel(
 
 
 def inline_asm_supported(device: torch.device) -> bool:
-    """Whether the kernels may use inline PTX (the 'prmt' lookup): CUDA, not the interpreter."""
+    """Whether the kernels compile for CUDA (not the interpreter): inline PTX (the 'prmt'
+    lookup) and ptxas options (max_regs) apply."""
     return device.type == "cuda" and not torch.version.hip
 
 
@@ -744,4 +772,6 @@ def tq_attention(
         **layout,
         **_codec_args("K", preset.key, head_size), **_codec_args("V", preset.value, head_size),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **({"maxnreg": tiles.max_regs} if getattr(tiles, "max_regs", 0)
+           and inline_asm_supported(query.device) else {}),
     )
