@@ -432,27 +432,11 @@ def _dtypes8(dtype):
 
 
 @triton.jit
-def _load_words(row, ok, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr):
-    """row [BLOCK_N] pointers to 4- or 3-bit code rows -> int32 words [BLOCK_N, D / 8], word g
-    holding the codes of channels 8g..8g+7 (code k at bit k * BITS)."""
-    groups = tl.arange(0, HEAD_SIZE // 8)
-    if BITS == 4:  # 4 bytes per word: one vector load run per row
-        word = tl.load(row.to(tl.pointer_type(tl.int32))[:, None] + groups[None, :],
-                       mask=ok[:, None], other=0)
-    else:  # 3 bytes per word
-        ptrs = row[:, None] + groups[None, :] * 3
-        word = tl.load(ptrs, mask=ok[:, None], other=0).to(tl.int32)
-        word = word | (tl.load(ptrs + 1, mask=ok[:, None], other=0).to(tl.int32) << 8)
-        word = word | (tl.load(ptrs + 2, mask=ok[:, None], other=0).to(tl.int32) << 16)
-    return word
-
-
-@triton.jit
-def _prmt_levels(word, table_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """words [N, D / 8] (`_load_words`) -> levels [N, D] in DTYPE (16-bit), channel order;
-    table_ptr: the codebook's byte planes (`byte_plane_table`, int32 [8]). Without ASM (the
-    interpreter, which has no inline PTX) the same words and channel order, but table_ptr is
-    the plain level table and each code is a load from it."""
+def _prmt8(word, table_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """words [N, G] of 8 codes each (code k at bit k * BITS) -> their 8 levels (o0..o7, code
+    k in o_k) in DTYPE (16-bit); table_ptr: the codebook's byte planes (`byte_plane_table`,
+    int32 [8]). Without ASM (the interpreter, which has no inline PTX) table_ptr is the plain
+    level table and each code is a load from it."""
     if not ASM:
         m = (1 << BITS) - 1
         o0 = tl.load(table_ptr + (word & m))
@@ -476,9 +460,38 @@ def _prmt_levels(word, table_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr, ASM: 
             o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
                 PRMT3_ASM, _PRMT_CONSTRAINTS, [word, t0, t1, t2, t3, t4, t5, t6, t7],
                 dtype=_dtypes8(DTYPE), is_pure=True, pack=1)
-    # output k holds channel 8g + k: interleave in bit-reversed order of k
-    return tl.interleave(tl.interleave(tl.interleave(o0, o4), tl.interleave(o2, o6)),
-                         tl.interleave(tl.interleave(o1, o5), tl.interleave(o3, o7)))
+    return o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@triton.jit
+def _interleave8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """Tensors [N, G] -> [N, 8G] with element 8g + k = a_k[g] (interleaves in bit-reversed
+    order of k)."""
+    return tl.interleave(tl.interleave(tl.interleave(a0, a4), tl.interleave(a2, a6)),
+                         tl.interleave(tl.interleave(a1, a5), tl.interleave(a3, a7)))
+
+
+@triton.jit
+def _prmt_levels(row, ok, table_ptr, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr,
+                 DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """row [BLOCK_N] pointers to 4- or 3-bit code rows -> levels [BLOCK_N, D] in channel order
+    (`_prmt8`). 4 bits: a row is D / 8 int32 words of 8 codes (one vector load run). 3 bits: D
+    / 8 groups of 3 bytes."""
+    if BITS == 4:
+        groups = tl.arange(0, HEAD_SIZE // 8)
+        word = tl.load(row.to(tl.pointer_type(tl.int32))[:, None] + groups[None, :],
+                       mask=ok[:, None], other=0)
+        o0, o1, o2, o3, o4, o5, o6, o7 = _prmt8(word, table_ptr, BITS, DTYPE, ASM)
+        values = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7)
+    else:  # 3 bytes per word, one strided byte load each (a word-run load, split into
+        # the 24-bit groups in registers, made Triton convert layouts through shared memory)
+        ptrs = row[:, None] + tl.arange(0, HEAD_SIZE // 8)[None, :] * 3
+        word = tl.load(ptrs, mask=ok[:, None], other=0).to(tl.int32)
+        word = word | (tl.load(ptrs + 1, mask=ok[:, None], other=0).to(tl.int32) << 8)
+        word = word | (tl.load(ptrs + 2, mask=ok[:, None], other=0).to(tl.int32) << 16)
+        o0, o1, o2, o3, o4, o5, o6, o7 = _prmt8(word, table_ptr, BITS, DTYPE, ASM)
+        values = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7)
+    return values
 
 
 @triton.jit
@@ -511,8 +524,7 @@ def _load_vectors(
     its stand-in without inline PTX (`_prmt_levels`), levels_ptr the plain level table."""
     first = tl.load(meta, mask=ok, other=0.0).to(tl.float32)
     if (LOOKUP == 3 or LOOKUP == 4) and KIND == 0 and (BITS == 3 or BITS == 4):
-        values = _prmt_levels(_load_words(code_row, ok, HEAD_SIZE, BITS), levels_ptr, BITS,
-                              DTYPE, LOOKUP == 3)
+        values = _prmt_levels(code_row, ok, levels_ptr, HEAD_SIZE, BITS, DTYPE, LOOKUP == 3)
         scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
     else:
         codes = _load_codes(code_row, ok, HEAD_SIZE, BITS, G)
