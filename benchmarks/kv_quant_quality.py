@@ -9,13 +9,14 @@ unquantized engine's: mean KL(unquantized || preset) in nats and top-1 agreement
     python benchmarks/kv_quant_quality.py [--device cuda] [--num-prompts 8] [--num-tokens 128]
     python benchmarks/kv_quant_quality.py --kernel-bench   # CUDA: decode 64 x 8,192, 32:8, d128
     python benchmarks/kv_quant_quality.py --kernel-bench --tq-tiles sweep  # one row per config
-    python benchmarks/kv_quant_quality.py --kernel-bench --tq-tiles 16/64/8/2,16/32/4/2/gather
+    python benchmarks/kv_quant_quality.py --kernel-bench --tq-tiles 16/64/8/2/prmt/128,16/64/8/2
 
 `decode_benchmark()` (also importable) times one decode step of the TURBOQUANT kernels against
 the bf16 TRITON backend on the same K/V. --tq-tiles takes comma-separated launch shapes of the
-TURBOQUANT attention kernel, block_m/block_n/num_warps/num_stages[/lookup] (lookup: table,
-select or gather, see ops/turboquant_kernels.py; block_m does not matter for decode), or
-"sweep" for SWEEP_TILES; without it each preset runs once with the default decode tiles.
+TURBOQUANT attention kernel, block_m/block_n/num_warps/num_stages[/lookup[/max_regs]]
+(lookup: table, select, gather or prmt, see ops/turboquant_kernels.py; max_regs: a register
+cap per thread, 0 = none; block_m does not matter for decode), or "sweep" for SWEEP_TILES;
+without it each preset runs once with the default decode tiles.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ PRESETS = ["tq_k8v4", "tq_4bit", "tq_3bit", "naive_int4", "naive_int3"]
 # Goals of the issue: tq_k8v4 absolute; the others relative to the naive preset of equal bits.
 # A sweep that compiles and times in about a minute on the H200 (3 presets x 8 configs, about a
 # second of compile each): warps/stages/block_n around the default 16/64/8/2 and the lookups.
-SWEEP_TILES = ("16/64/8/2,16/64/8/3,16/64/4/2,16/32/4/2,16/128/8/2,16/64/2/4,"
-               "16/64/8/2/gather,16/64/8/2/select")
+SWEEP_TILES = ("16/64/8/2/prmt/128,16/32/4/2/prmt/128,16/64/8/3/prmt/128,"
+               "16/128/8/2/prmt/128,16/64/4/2/prmt/168,16/64/8/2/prmt,16/64/8/2/gather")
 GOALS = {"tq_k8v4": "KL < 0.01, top-1 >= 97%", "tq_4bit": "KL < naive_int4 / 2",
          "tq_3bit": "KL < naive_int3 / 2"}
 
@@ -290,7 +291,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--tq-tiles", default="",
                         help="kernel bench: comma-separated TURBOQUANT decode launch shapes "
-                             "block_m/block_n/warps/stages[/table|select|gather], one row each; "
+                             "block_m/block_n/warps/stages[/table|select|gather|prmt[/max_regs]], "
+                             "one row each; "
                              f"'sweep' = {SWEEP_TILES}")
     parser.add_argument("--tq-presets", default="tq_k8v4,tq_4bit,tq_3bit",
                         help="kernel bench: the TURBOQUANT presets to time")
