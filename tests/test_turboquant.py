@@ -225,7 +225,8 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
                         num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 64,
                         dtype: torch.dtype = torch.float32, window: int | None = None,
                         soft_cap: float | None = None, use_kernels: bool = False,
-                        device: str = "cpu", seed: int = 0, tiles=None):
+                        device: str = "cpu", seed: int = 0, tiles=None,
+                        num_splits: int | None = None):
     """Context K/V written into shuffled pages through the torch format, then one step of the
     backend (builder + impl) over the new tokens (tiles: the kernels' launch shape, if given).
     Returns (output, cache, per request: (query, K, V, context length)), everything needed to
@@ -268,6 +269,7 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
     builder = backend.get_builder_cls()(config)
     builder.use_kernels = use_kernels
     builder.decode_tiles = builder.prefill_tiles = tiles
+    builder.num_splits = num_splits
     impl = backend.get_impl_cls()(num_heads, d, d ** -0.5, hkv, window, soft_cap, preset)
     query = torch.cat([r[0] for r in reqs]).to(device)
     key = torch.cat([r[1][r[3]:] for r in reqs]).to(device)
@@ -393,6 +395,27 @@ def test_kernels_tile_configs_and_lookups(preset, tiles):
         preset, BATCHES["mixed"], use_kernels=True, device=KERNEL_DEVICE, head_size=32, seed=9,
         tiles=TQTiles.parse(tiles))
     dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(out, dequant, rtol=1e-4, atol=1e-4)
+    _check_new_slots(preset, cache, new_slots, key, value)
+
+
+@kernels
+@pytest.mark.parametrize("preset,num_splits,window,soft_cap,tiles", [
+    ("tq_4bit", 3, None, None, "16/16/1/1/prmt"), ("tq_k8v4", 2, None, 5.0, "16/32/1/1/prmt"),
+    ("tq_3bit", 5, 20, None, "16/16/1/1/gather"), ("naive_int4", 4, None, None, "16/16/1/1"),
+    ("tq_4bit", 16, None, None, "16/16/1/1/prmt")])
+def test_kernels_split_kv_decode(preset, num_splits, window, soft_cap, tiles):
+    """Split-KV decode: each request's context cut into num_splits ranges (some empty when
+    there are more splits than tiles), partials merged by reduce_split_kv; the new token is
+    attended by the last split alone. Matches the reference like the unsplit kernel."""
+    from pagedserve.attention.ops.turboquant_kernels import TQTiles
+
+    batch = [(70, 1), (16, 1), (5, 1), (0, 1), (47, 1)]
+    out, cache, reqs, new_slots, key, value = run_turboquant_case(
+        preset, batch, use_kernels=True, device=KERNEL_DEVICE, head_size=32, seed=11,
+        num_heads=8, num_kv_heads=2, window=window, soft_cap=soft_cap,
+        tiles=TQTiles.parse(tiles), num_splits=num_splits)
+    dequant, _ = references(preset, reqs, window, soft_cap)
     torch.testing.assert_close(out, dequant, rtol=1e-4, atol=1e-4)
     _check_new_slots(preset, cache, new_slots, key, value)
 
@@ -565,6 +588,13 @@ def test_decode_benchmark_tile_sweep_runs():
         for t in ("16/16/1/1/table", "16/32/1/1/select")]
     assert all(r["rel_err"] < 0.2 for r in rows)
     # The same preset gives the same output whatever the launch shape.
+    assert rows[1]["rel_err"] == pytest.approx(rows[2]["rel_err"], rel=1e-3)
+    # --tq-splits: one row per split count, labelled, the same output.
+    rows = bench.decode_benchmark(num_seqs=2, context=40, num_heads=4, num_kv_heads=2,
+                                  head_size=32, presets=("tq_4bit",), tq_tiles=["16/16/1/1/prmt"],
+                                  device=KERNEL_DEVICE, dtype=torch.float32, warmup=0, iters=1,
+                                  tq_splits=[1, 3])
+    assert [r["tiles"] for r in rows[1:]] == ["16/16/1/1/prmt x1", "16/16/1/1/prmt x3"]
     assert rows[1]["rel_err"] == pytest.approx(rows[2]["rel_err"], rel=1e-3)
 
 

@@ -54,6 +54,8 @@ class KernelPlan:
     block_q: int
     block_m: int
     tiles: object  # ops.turboquant_kernels.TQTiles
+    num_splits: int = 1  # > 1: split-KV decode through `partials`
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -78,6 +80,18 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         # kernel module's defaults for the device. Benchmarks and tests set them to sweep.
         self.decode_tiles = None
         self.prefill_tiles = None
+        # Split-KV decode (ops.decode_split_kv): None picks the split count per step
+        # (`choose_num_splits`: only while decodes x KV heads leave SMs idle); tests set it.
+        self.num_splits: int | None = None
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 0)
+        self._partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._partials_size = (0, 0)
+        if self.num_sms:  # the heuristic splits while decodes x KV heads < SMs: size for that
+            from pagedserve.attention.ops.decode_split_kv import MAX_SPLITS
+
+            self._split_partials(min(config.max_num_reqs,
+                                     -(-self.num_sms // config.num_kv_heads)), MAX_SPLITS)
 
     def build(self, common: CommonAttentionMetadata) -> TurboQuantMetadata:
         if self.use_kernels:
@@ -111,8 +125,31 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
             tiles = select_tiles(self.device, decode_only)
         block_q, block_m = query_block_shape(self.num_queries_per_kv, tiles, decode_only)
         num_qblocks = self.query_blocks.fill(common, block_q)
+        num_splits = 1
+        if decode_only and num_qblocks:
+            num_splits = self.num_splits
+            if num_splits is None:
+                from pagedserve.attention.ops.decode_split_kv import choose_num_splits
+
+                num_splits = choose_num_splits(num_qblocks, self.config.num_kv_heads,
+                                               common.max_seq_len, self.num_sms, tiles.block_n)
+        partials = self._split_partials(num_qblocks, num_splits) if num_splits > 1 else None
         return KernelPlan(self.query_blocks.req, self.query_blocks.start, num_qblocks, block_q,
-                          block_m, tiles)
+                          block_m, tiles, num_splits, partials)
+
+    def _split_partials(self, num_tokens: int,
+                        num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (m, l, acc) buffers of a split decode: allocated once for what the heuristic
+        can ask (small decode batches), grown only for a larger forced num_splits."""
+        from pagedserve.attention.ops.decode_split_kv import allocate_partials
+
+        tokens, splits = self._partials_size
+        if num_tokens > tokens or num_splits > splits:
+            tokens, splits = max(num_tokens, tokens), max(num_splits, splits)
+            self._partials = allocate_partials(tokens, self.config.num_heads,
+                                               self.config.head_size, splits, self.device)
+            self._partials_size = (tokens, splits)
+        return self._partials
 
 
 @functools.cache
@@ -161,7 +198,7 @@ class TurboQuantImpl(AttentionImpl):
                      common.block_table, common.query_start_loc, common.seq_lens,
                      plan.qblock_req, plan.qblock_start, plan.num_qblocks, plan.block_q,
                      plan.block_m, self.scale, plan.tiles, self.sliding_window,
-                     self.logits_soft_cap)
+                     self.logits_soft_cap, num_splits=plan.num_splits, partials=plan.partials)
 
     # ---- torch ----------------------------------------------------------------------------
 

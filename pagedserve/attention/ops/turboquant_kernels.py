@@ -18,7 +18,7 @@ Kernel `_tq_store_kernel`
            K (V) code plane and its fp16 meta into the K (V) meta plane. Slots of -1 are skipped.
 
 Kernel `_tq_attention_kernel`
-  grid:    (num_kv_heads, num_query_blocks)
+  grid:    (num_kv_heads, num_query_blocks, num_splits)
   tiling:  as unified_attention: a program takes BLOCK_Q consecutive new tokens of one request
            and all query heads of its KV group (BLOCK_M rows). Two phases:
              1. the cached context [lo, context): the query is rotated once (q R^T), each
@@ -46,6 +46,10 @@ Kernel `_tq_attention_kernel`
                 registers).
              2. the step's new tokens [context, seq_len) at full precision, read from the key and
                 value inputs (they are attended exactly, never through the cache), causally.
+           Split-KV decode (num_splits > 1, block_q 1): the context tiles are cut into
+           num_splits whole-tile ranges, one per program; each rotates its accumulator back
+           and writes its (m, l, acc) partials, the last split alone also attending the new
+           tokens, and decode_split_kv.reduce_split_kv merges them.
            No full-precision copy of the cache exists anywhere. Launch shape: `TQTiles`
            (block_m, block_n, num_warps, num_stages, lookup); `TQTiles.parse("16/64/4/2/prmt")`.
   layout:  query/key/value/out [T, H or Hkv, D] (any strides); cache as above (its
@@ -599,7 +603,7 @@ def _accumulate(acc, p, v, q, UPCAST: tl.constexpr):
 def _tq_attention_kernel(
     q_ptr, key_ptr, value_ptr, cache_ptr, cache16_ptr, out_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, qblock_req_ptr, qblock_start_ptr,
-    signs_ptr, had_ptr, k_levels_ptr, v_levels_ptr,
+    signs_ptr, had_ptr, k_levels_ptr, v_levels_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     sm_scale, soft_cap, window,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
@@ -607,7 +611,7 @@ def _tq_attention_kernel(
     QPK: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr,
-    ROTATED: tl.constexpr, LOOKUP: tl.constexpr,
+    ROTATED: tl.constexpr, LOOKUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
     V_CODES_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, K_GROUP: tl.constexpr,
     K_META_N: tl.constexpr,
@@ -616,6 +620,7 @@ def _tq_attention_kernel(
 ):
     kv_head = tl.program_id(0)
     qblock = tl.program_id(1)
+    split = tl.program_id(2)
     req = tl.load(qblock_req_ptr + qblock)
     q_off = tl.load(qblock_start_ptr + qblock)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -670,7 +675,13 @@ def _tq_attention_kernel(
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_base = cache_ptr + kv_head * stride_ch
     head_base16 = cache16_ptr + kv_head * stride_ch16
-    for tile in range((lo // BLOCK_N) * BLOCK_N, context, BLOCK_N):
+    part_lo = (lo // BLOCK_N) * BLOCK_N
+    part_hi = context
+    if NUM_SPLITS > 1:  # this split's share of the context tiles (whole tiles)
+        part = tl.cdiv(tl.cdiv(tl.maximum(context - part_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        part_lo = part_lo + split * part
+        part_hi = tl.minimum(part_lo + part, context)
+    for tile in range(part_lo, part_hi, BLOCK_N):
         k_pos = tile + offs_n
         k_ok = (k_pos < context) & (k_pos >= lo)
         page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
@@ -707,7 +718,10 @@ def _tq_attention_kernel(
     if not UPCAST:
         q_new = q.to(q_ptr.dtype.element_ty)
     ones = tl.full([BLOCK_N], 1.0, tl.float32)
-    for tile in range(tl.maximum(context, lo), hi, BLOCK_N):
+    new_lo = tl.maximum(context, lo)
+    if NUM_SPLITS > 1:  # the new tokens go to the last split alone
+        new_lo = tl.where(split == NUM_SPLITS - 1, new_lo, hi)
+    for tile in range(new_lo, hi, BLOCK_N):
         k_pos = tile + offs_n
         k_ok = k_pos < hi
         kv_tok = (q_start + k_pos - context).to(tl.int64)
@@ -724,11 +738,20 @@ def _tq_attention_kernel(
         acc = _accumulate(acc, p, v, q_new, UPCAST)
 
     l_sum = tl.sum(l_i, 1)
-    l_safe = tl.where(l_sum > 0.0, l_sum, 1.0)
-    out = acc / l_safe[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
-             + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    if NUM_SPLITS > 1:
+        # Partial results (decode_split_kv's layout): m, l [T, H, S] and acc [T, H, S, D], the
+        # acc in the storage domain (rotated back) and not normalised.
+        part_row = (token * (tl.num_programs(0) * QPK) + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part_row, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part_row, l_sum, mask=row_ok)
+        tl.store(part_acc_ptr + part_row[:, None] * HEAD_SIZE + offs_d[None, :], acc,
+                 mask=row_ok[:, None])
+    else:
+        l_safe = tl.where(l_sum > 0.0, l_sum, 1.0)
+        out = acc / l_safe[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+                 + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
 
 
 def inline_asm_supported(device: torch.device) -> bool:
@@ -749,12 +772,16 @@ def tq_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, qblock_req: torch.Tensor,
     qblock_start: torch.Tensor, num_qblocks: int, block_q: int, block_m: int, scale: float,
     tiles: TQTiles, sliding_window: int | None = None, soft_cap: float | None = None,
-    upcast: bool | None = None,
+    upcast: bool | None = None, num_splits: int = 1,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Attention of query [T, H, D] over the packed cache (context) and key/value [T, Hkv, D]
     (the step's new tokens, full precision) into out [T, H, D]. qblock_req/qblock_start: the
     per-step map of unified_attention.query_block_map. upcast: fp32 dots (default: for fp32
-    inputs and in the interpreter). All sizes are host ints: no sync."""
+    inputs and in the interpreter). All sizes are host ints: no sync. num_splits > 1 (decode
+    batches: block_q 1): each request's context is cut into num_splits ranges attended by
+    separate programs (the new tokens by the last), which write `partials`
+    (`decode_split_kv.allocate_partials`), merged into out by `reduce_split_kv`."""
     if num_qblocks == 0:
         return
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -769,10 +796,13 @@ def tq_attention(
         k_levels, v_levels = tensors.prmt_tables(query.dtype)
     else:
         k_levels, v_levels = tensors.level_tables(torch.float32 if upcast else query.dtype)
-    _tq_attention_kernel[(num_kv_heads, num_qblocks)](
+    if num_splits > 1 and (partials is None or block_q != 1):
+        raise ValueError("split-KV attention is for decode batches and needs partial buffers")
+    part_m, part_l, part_acc = partials if num_splits > 1 else (out, out, out)
+    _tq_attention_kernel[(num_kv_heads, num_qblocks, num_splits)](
         query, key, value, kv_cache, cache16, out,
         block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
-        tensors.signs, tensors.hadamard, k_levels, v_levels,
+        tensors.signs, tensors.hadamard, k_levels, v_levels, part_m, part_l, part_acc,
         scale, soft_cap or 0.0, sliding_window or 0,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(),
         kv_cache.stride(0), kv_cache.stride(1), cache16.stride(0), cache16.stride(1),
@@ -780,10 +810,14 @@ def tq_attention(
         QPK=num_heads // num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
-        UPCAST=upcast, ROTATED=preset.rotated, LOOKUP=lookup,
+        UPCAST=upcast, ROTATED=preset.rotated, LOOKUP=lookup, NUM_SPLITS=num_splits,
         **layout,
         **_codec_args("K", preset.key, head_size), **_codec_args("V", preset.value, head_size),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **({"maxnreg": tiles.max_regs} if getattr(tiles, "max_regs", 0)
            and inline_asm_supported(query.device) else {}),
     )
+    if num_splits > 1:
+        from pagedserve.attention.ops.decode_split_kv import reduce_split_kv
+
+        reduce_split_kv(partials, out, num_qblocks, num_splits)
