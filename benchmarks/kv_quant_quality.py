@@ -168,10 +168,13 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
                      presets: tuple[str, ...] = ("tq_k8v4", "tq_4bit", "tq_3bit"),
                      seed: int = 0, tq_tiles: list[str] | None = None, device: str = "cuda",
                      dtype: torch.dtype = torch.bfloat16, warmup: int = 5,
-                     iters: int = 30) -> list[dict]:
+                     iters: int = 30, tq_splits: list[int] | None = None) -> list[dict]:
     """One decode step (each sequence has `context` tokens, the last one new) through the
     backends' builder + impl.forward: TRITON on a bf16 cache and TURBOQUANT per preset on the
-    same K/V, once per launch shape in `tq_tiles` ("16/64/4/2[/select]"; None: the default).
+    same K/V, once per launch shape in `tq_tiles` ("16/64/4/2[/select]"; None: the default)
+    and split count in `tq_splits` (split-KV decode programs per request; None: the builder's
+    heuristic, which splits only while requests x KV heads < SMs; the row's tiles then read
+    "<tiles> x<splits>").
     Prints and returns rows {impl, tiles, us, cache_bytes, tb_s, speedup, rel_err}. (device
     "cpu" with float32 runs the kernels in the interpreter: tests only.)"""
     from pagedserve.attention import BuilderConfig, get_backend_cls
@@ -225,7 +228,7 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
     key = torch.randn(num_seqs, num_kv_heads, head_size, generator=gen, device=dev, dtype=act)
     value = torch.randn_like(key)
 
-    def run(name: str, kv_cache: torch.Tensor, preset: str = "auto", tiles=None):
+    def run(name: str, kv_cache: torch.Tensor, preset: str = "auto", tiles=None, splits=None):
         cls = get_backend_cls(name)
         config = BuilderConfig(num_heads, num_kv_heads, head_size, act, block_size, num_seqs,
                                num_seqs, pages, dev, kv_cache_dtype=preset)
@@ -233,6 +236,7 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
         if name == "TURBOQUANT":
             builder.use_kernels = True  # (already so on CUDA; the interpreter in tests)
             builder.decode_tiles = tiles
+            builder.num_splits = splits
         metadata = builder.build(common)
         impl = cls.get_impl_cls()(num_heads, head_size, head_size ** -0.5, num_kv_heads,
                                   None, None, preset)
@@ -249,11 +253,12 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
                  tb_s=base_bytes / base_s / 1e12, speedup=1.0, rel_err=0.0)]
     for preset, cache in tq_caches.items():
         nbytes = tokens * num_kv_heads * tqf.PRESETS[preset].slot_bytes(head_size)
-        for tiles in tile_configs:
+        for tiles, splits in [(t, n) for t in tile_configs for n in (tq_splits or [None])]:
             t0 = time.perf_counter()
-            seconds, out = run("TURBOQUANT", cache, preset, tiles)
+            seconds, out = run("TURBOQUANT", cache, preset, tiles, splits)
             rel = float((out.float() - base_out.float()).norm() / base_out.float().norm())
-            rows.append(dict(impl=f"TURBOQUANT {preset}", tiles=str(tiles or DECODE_TILES),
+            label = str(tiles or DECODE_TILES) + ("" if splits is None else f" x{splits}")
+            rows.append(dict(impl=f"TURBOQUANT {preset}", tiles=label,
                              us=seconds * 1e6, cache_bytes=nbytes, tb_s=nbytes / seconds / 1e12,
                              speedup=base_s / seconds, rel_err=rel))
             print(f"  {preset} {rows[-1]['tiles']}: {seconds * 1e6:.1f} us (compile + timing "
@@ -261,10 +266,10 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
     print(f"\ndecode {num_seqs} seqs x {context} context, {num_heads}:{num_kv_heads} heads, "
           f"d{head_size}, {act_name}, page {block_size}; TURBOQUANT tiles: "
           f"block_m/block_n/warps/stages/lookup (default {DECODE_TILES})")
-    print(f"{'impl':<22} {'tiles':<18} {'us':>9} {'cache MB':>9} {'TB/s':>6} {'speedup':>8} "
+    print(f"{'impl':<22} {'tiles':<24} {'us':>9} {'cache MB':>9} {'TB/s':>6} {'speedup':>8} "
           f"{'rel err':>8}")
     for r in rows:
-        print(f"{r['impl']:<22} {r['tiles']:<18} {r['us']:>9.1f} "
+        print(f"{r['impl']:<22} {r['tiles']:<24} {r['us']:>9.1f} "
               f"{r['cache_bytes'] / 1e6:>9.1f} {r['tb_s']:>6.2f} {r['speedup']:>7.2f}x "
               f"{r['rel_err']:>8.4f}")
     best = {}
@@ -294,6 +299,9 @@ def main() -> None:
                              "block_m/block_n/warps/stages[/table|select|gather|prmt[/max_regs]], "
                              "one row each; "
                              f"'sweep' = {SWEEP_TILES}")
+    parser.add_argument("--tq-splits", default="",
+                        help="kernel bench: comma-separated split-KV counts to time each "
+                             "TURBOQUANT launch shape with (default: the builder's heuristic)")
     parser.add_argument("--tq-presets", default="tq_k8v4,tq_4bit,tq_3bit",
                         help="kernel bench: the TURBOQUANT presets to time")
     args = parser.parse_args()
@@ -301,7 +309,9 @@ def main() -> None:
         tiles = SWEEP_TILES if args.tq_tiles == "sweep" else args.tq_tiles
         decode_benchmark(args.num_seqs, args.context,
                          presets=tuple(p for p in args.tq_presets.split(",") if p),
-                         tq_tiles=[t for t in tiles.split(",") if t.strip()] or None)
+                         tq_tiles=[t for t in tiles.split(",") if t.strip()] or None,
+                         tq_splits=[int(n) for n in args.tq_splits.split(",") if n.strip()]
+                         or None)
         return
     torch.manual_seed(0)
     presets = [p for p in args.presets.split(",") if p]

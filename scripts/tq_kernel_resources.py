@@ -4,11 +4,12 @@ the hot loop (the phase-1 loop over the quantized context: the largest loop of t
 key tile and per key.
 
     python scripts/tq_kernel_resources.py [--arch 90] [--presets tq_k8v4,tq_4bit,tq_3bit]
-        [--tiles 16/64/8/2/gather,...] [--prefill] [--sass DIR] [--splits 1]
+        [--tiles 16/64/8/2/prmt/128,...] [--prefill] [--sass DIR] [--splits 1]
 
 Decode shapes (one query token per request; 32:8 heads, d128, block size 16, bf16) unless
---prefill, which compiles the prefill block shape of each tile string. --sass DIR writes each
-kernel's SASS there. An H200 SM has 64K registers, 227 KB of shared memory and up to 64 warps.
+--prefill, which compiles the prefill block shape of each tile string; --splits N compiles the
+split-KV decode variant. --sass DIR writes each kernel's SASS there. An H200 SM has 64K
+registers, 227 KB of shared memory and up to 64 warps.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pagedserve.attention.ops import decode_split_kv  # noqa: E402
 from pagedserve.attention.ops import turboquant_format as tqf  # noqa: E402
 from pagedserve.attention.ops import turboquant_kernels as tqk  # noqa: E402
 from pagedserve.attention.ops.unified_attention import query_block_shape  # noqa: E402
@@ -177,11 +179,14 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="the prefill block shape")
     parser.add_argument("--window", type=int, default=None)
     parser.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS here")
+    parser.add_argument("--splits", type=int, default=1, help="split-KV decode programs")
     args = parser.parse_args()
     heads, kv_heads = map(int, args.heads.split(":"))
     d, bs, dtype, i32 = args.head_size, args.block_size, torch.bfloat16, torch.int32
     target = GPUTarget("cuda", args.arch, 32)
     tqk.inline_asm_supported = lambda device: True  # compile the CUDA variant
+    allocate_partials = decode_split_kv.allocate_partials
+    decode_split_kv.reduce_split_kv = lambda *a, **k: None  # compiles only the attention kernel
     real = {name: getattr(tqk, name) for name in dir(tqk) if name.startswith("_tq_")
             and name.endswith("_kernel")}
     try:
@@ -200,11 +205,15 @@ def main() -> None:
                 key = torch.zeros(t, kv_heads, d, dtype=dtype)
                 cache = torch.zeros(tqf.cache_shape(preset, 8, bs, kv_heads, d),
                                     dtype=torch.uint8)
+                split = {}
+                if args.splits > 1 and not args.prefill:
+                    split = dict(num_splits=args.splits,
+                                 partials=allocate_partials(t, heads, d, args.splits, "cpu"))
                 tqk.tq_attention(preset, tensors, query, key, key, cache, torch.empty_like(query),
                                  torch.zeros(2, 4, dtype=i32), torch.tensor([0, 2, 4], dtype=i32),
                                  torch.tensor([10, 10], dtype=i32), torch.zeros(2, dtype=i32),
                                  torch.zeros(2, dtype=i32), 2, block_q, block_m, d ** -0.5,
-                                 tiles, args.window, upcast=False)
+                                 tiles, args.window, upcast=False, **split)
                 for name, c in stand_ins.items():
                     for compiled in c.compiled:
                         label = (f"{preset_name} {'prefill' if args.prefill else 'decode'} "
