@@ -657,12 +657,13 @@ def _tq_attention_kernel(
         q_ctx = _hadamard(q * signs[None, :], had) * (1.0 / tl.sqrt(float(HEAD_SIZE)))
     else:
         q_ctx = q
-    FP8_F16: tl.constexpr = K_KIND == 1 and not UPCAST
+    FP8_F16: tl.constexpr = K_KIND == 1 and not UPCAST and BLOCK_M <= 16
     q_pow = tl.full([BLOCK_M], 1.0, tl.float32)
     if FP8_F16:
         # fp8 keys convert exactly to fp16 (one cvt per pair; bf16 would go through fp32), so
         # the key dot runs in fp16: each row of the rotated query is scaled by a power of two
-        # 2^-e into fp16's range (|q| <= 2^14; exact) and the scores by 2^e.
+        # 2^-e into fp16's range (|q| <= 2^14; exact) and the scores by 2^e. (Decode shapes
+        # only: at prefill's block_m 64 ptxas spilled more.)
         amax = tl.max(tl.abs(q_ctx), 1)
         e = tl.where(amax > 0.0, tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0, 0.0)
         e = tl.minimum(tl.maximum(e, -100.0), 100.0).to(tl.int32)
