@@ -85,7 +85,9 @@ def test_attention_kernel_matches_reference_bf16(preset, batch, head_size):
 
 
 @pytest.mark.parametrize("tiles", ["16/64/8/2", "16/64/4/2", "16/32/4/2", "16/128/8/2",
-                                   "16/64/2/4", "16/64/8/3/gather", "16/64/8/2/select"])
+                                   "16/64/2/4", "16/64/8/3/gather", "16/64/8/2/select",
+                                   "16/64/8/2/prmt/128", "16/32/4/2/prmt/128",
+                                   "16/128/8/2/prmt/128", "16/64/8/2/prmt"])
 @pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
 def test_attention_kernel_decode_tiles_and_lookups_bf16(preset, tiles):
     """Every launch shape and codebook lookup of the decode sweep gives the same attention."""
@@ -95,6 +97,18 @@ def test_attention_kernel_decode_tiles_and_lookups_bf16(preset, tiles):
                                            num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
                                            use_kernels=True, device=CUDA,
                                            tiles=TQTiles.parse(tiles))
+    dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
+def test_attention_kernel_split_kv_decode_bf16(preset, num_splits):
+    """Split-KV decode with the default (prmt) decode tiles agrees with the reference."""
+    batch = [(700, 1), (16, 1), (5, 1), (0, 1), (1000, 1)]
+    out, _, reqs, *_ = run_turboquant_case(preset, batch, num_heads=32, num_kv_heads=8,
+                                           head_size=128, dtype=torch.bfloat16,
+                                           use_kernels=True, device=CUDA, num_splits=num_splits)
     dequant, _ = references(preset, reqs)
     torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
 
