@@ -6,7 +6,7 @@
 # ../shared/gpu/README.md), tests (GPU tests in parallel shards), quick (the GPU tests of
 # recently changed code), e2e (engine vs transformers on the SmolLM2 GGUF), bench (attention
 # kernels), features (Mamba and prefix caching GPU tests), engine (benchmarks/gpu_engine.py),
-# tunableop (8B decode steps without and with PYTORCH_TUNABLEOP_ENABLED), tune (Triton
+# tqtests (TurboQuant's GPU tests), tunableop (8B decode steps without and with PYTORCH_TUNABLEOP_ENABLED), tune (Triton
 # launch-shape sweep, K/V write paths), fa4 (FA4 conformance and benchmark rows), tq
 # (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
 # caching, Mamba decode and TurboQuant decode benchmarks), prefix0 (prefix caching at 0% hits),
@@ -72,6 +72,13 @@ stage_tests() {
     shard fa tests/test_flash_attn_gpu.py -k "torch or fa4"
     shard models tests/test_models.py tests/test_layer_kernels.py tests/test_cuda_graphs_gpu.py
     shard turboquant tests/test_turboquant_gpu.py
+    wait
+}
+
+stage_tqtests() {  # TurboQuant's GPU tests in two shards
+    setup_env
+    shard tq-a tests/test_turboquant_gpu.py -k "decode_tiles or fp32_options or benchmark"
+    shard tq-b tests/test_turboquant_gpu.py -k "not (decode_tiles or fp32_options or benchmark)"
     wait
 }
 
@@ -165,7 +172,7 @@ stage_quality() {  # TurboQuant's quality table in bf16 on the SmolLM2 GGUF
 
 stage_tq() {  # TurboQuant decode against bf16 Triton, 64 x 8,192
     setup_env
-    timeout 200 python3 benchmarks/kv_quant_quality.py --kernel-bench ${TQ_ARGS:-} \
+    timeout "${TQ_TIMEOUT:-200}" python3 benchmarks/kv_quant_quality.py --kernel-bench ${TQ_ARGS:-} \
         >"$OUT/tq.log" 2>&1
     echo "exit $?" >>"$OUT/tq.log"
 }
