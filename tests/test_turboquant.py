@@ -381,12 +381,34 @@ def test_kernels_shapes_and_options(batch, window, soft_cap, block_size, num_hea
 
 
 @kernels
+@pytest.mark.parametrize("batch,window,soft_cap,block_size", [
+    ("chunked_prefill", 8, None, 16), ("decode", 20, 5.0, 1), ("mixed", None, None, 32)])
+@pytest.mark.parametrize("preset", ["tq_3bit", "tq_4bit", "tq_k8v4"])
+def test_kernels_register_prefetch(batch, window, soft_cap, block_size, preset):
+    """The loop that loads the next tile's codes and metas (and the page numbers two tiles
+    ahead) while the current one is computed: windows (tiles starting past 0), page sizes
+    below and above the tile, prefill and decode."""
+    from pagedserve.attention.ops.turboquant_kernels import TQTiles
+
+    out, _, reqs, _, _, _ = run_turboquant_case(
+        preset, BATCHES[batch], block_size, 8, use_kernels=True, window=window,
+        soft_cap=soft_cap, head_size=32, seed=6, device=KERNEL_DEVICE,
+        tiles=TQTiles.parse("16/16/1/1/prmt/0/1"))
+    dequant, _ = references(preset, reqs, window, soft_cap)
+    torch.testing.assert_close(out, dequant, rtol=1e-4, atol=1e-4)
+
+
+@kernels
 @pytest.mark.parametrize("preset,tiles", [
     ("tq_3bit", "16/16/1/1/select"), ("tq_4bit", "16/64/2/1/select"),
     ("tq_k8v4", "16/16/1/1/select"), ("naive_int3", "16/32/1/1/select"),
     ("tq_4bit", "32/16/1/1/table"), ("tq_3bit", "16/32/1/1/gather"),
     ("tq_4bit", "16/16/2/1/gather"), ("tq_3bit", "16/32/1/1/prmt"), ("tq_4bit", "32/16/1/1/prmt"),
-    ("tq_k8v4", "16/16/1/1/prmt")])
+    ("tq_k8v4", "16/16/1/1/prmt"),
+    # register prefetch of the next tile (the last field)
+    ("tq_3bit", "16/16/1/1/prmt/0/1"), ("tq_4bit", "16/32/1/1/prmt/0/1"),
+    ("tq_k8v4", "16/16/1/1/prmt/0/1"), ("naive_int3", "16/16/1/1/table/0/1"),
+    ("tq_4bit", "32/16/1/1/select/0/1")])
 def test_kernels_tile_configs_and_lookups(preset, tiles):
     """Other launch shapes and the select-tree codebook lookup agree with the reference."""
     from pagedserve.attention.ops.turboquant_kernels import TQTiles
@@ -403,7 +425,9 @@ def test_kernels_tile_configs_and_lookups(preset, tiles):
 @pytest.mark.parametrize("preset,num_splits,window,soft_cap,tiles", [
     ("tq_4bit", 3, None, None, "16/16/1/1/prmt"), ("tq_k8v4", 2, None, 5.0, "16/32/1/1/prmt"),
     ("tq_3bit", 5, 20, None, "16/16/1/1/gather"), ("naive_int4", 4, None, None, "16/16/1/1"),
-    ("tq_4bit", 16, None, None, "16/16/1/1/prmt")])
+    ("tq_4bit", 16, None, None, "16/16/1/1/prmt"),
+    ("tq_3bit", 3, 20, None, "16/16/1/1/prmt/0/1"), ("tq_k8v4", 4, None, 5.0, "16/16/1/1/prmt/0/1"),
+    ("naive_int4", 2, None, None, "16/16/1/1/table/0/1")])
 def test_kernels_split_kv_decode(preset, num_splits, window, soft_cap, tiles):
     """Split-KV decode: each request's context cut into num_splits ranges (some empty when
     there are more splits than tiles), partials merged by reduce_split_kv; the new token is
@@ -607,6 +631,8 @@ def test_tile_config_parsing():
     assert TQTiles.parse("16/64/8/2/prmt").lookup == "prmt"
     assert TQTiles.parse("16/64/8/2/prmt/128") == TQTiles(16, 64, 8, 2, "prmt", 128)
     assert str(TQTiles(16, 64, 8, 2, "prmt", 128)) == "16/64/8/2/prmt/128"
+    assert TQTiles.parse("16/32/4/1/prmt/128/1") == TQTiles(16, 32, 4, 1, "prmt", 128, 1)
+    assert str(TQTiles(16, 32, 4, 1, "prmt", 0, 1)) == "16/32/4/1/prmt/0/1"
     assert TQTiles.parse(str(DECODE_TILES)) == DECODE_TILES
     for bad in ("16/64/4", "16/48/4/2", "16/64/4/2/lut", "a/64/4/2", "16/8/4/2", "16/64/3/2",
                 "16/64/4/2/prmt/x", "16/64/4/2/prmt/300"):

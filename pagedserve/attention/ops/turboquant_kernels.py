@@ -92,7 +92,10 @@ class TQTiles:
     heads of one KV group; decode uses one token); block_n: keys per tile; lookup: 'table',
     'select', 'gather' or 'prmt' (module docstring); max_regs: a cap on the registers per
     thread (ptxas .maxnreg; 0: the compiler's choice), e.g. 128 at 8 warps for 2 programs
-    per SM. Written and parsed as "block_m/block_n/warps/stages[/lookup[/max_regs]]"."""
+    per SM; prefetch: 1 loads each context tile's codes and metas one tile ahead into
+    registers (and the page numbers two ahead), 0 leaves the loads to Triton's pipeliner
+    (num_stages). Written and parsed as
+    "block_m/block_n/warps/stages[/lookup[/max_regs[/prefetch]]]"."""
 
     block_m: int
     block_n: int
@@ -100,6 +103,7 @@ class TQTiles:
     num_stages: int
     lookup: str = "table"
     max_regs: int = 0
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -113,25 +117,30 @@ class TQTiles:
                              f"{self.lookup!r}")
         if self.max_regs and not 24 <= self.max_regs <= 255:
             raise ValueError(f"TQTiles.max_regs is 0 or 24..255, got {self.max_regs}")
+        if self.prefetch not in (0, 1):
+            raise ValueError(f"TQTiles.prefetch is 0 or 1, got {self.prefetch}")
 
     def __str__(self) -> str:
         text = f"{self.block_m}/{self.block_n}/{self.num_warps}/{self.num_stages}/{self.lookup}"
+        if self.prefetch:
+            return f"{text}/{self.max_regs}/{self.prefetch}"
         return f"{text}/{self.max_regs}" if self.max_regs else text
 
     @classmethod
     def parse(cls, text: str) -> TQTiles:
-        """"16/64/4/2", "16/64/4/2/select" or "16/64/8/2/prmt/128" -> TQTiles."""
+        """"16/64/4/2", "16/64/4/2/select", "16/64/8/2/prmt/128" or "16/32/4/1/prmt/128/1"
+        -> TQTiles."""
         parts = text.strip().split("/")
-        if len(parts) not in (4, 5, 6):
+        if len(parts) not in (4, 5, 6, 7):
             raise ValueError(f"tile config {text!r}: want "
-                             f"block_m/block_n/warps/stages[/lookup[/max_regs]]")
+                             f"block_m/block_n/warps/stages[/lookup[/max_regs[/prefetch]]]")
         try:
             numbers = [int(x) for x in parts[:4]]
-            max_regs = [int(parts[5])] if len(parts) == 6 else []
+            extra = [int(x) for x in parts[5:]]
         except ValueError:
-            raise ValueError(f"tile config {text!r}: the first four fields and max_regs are "
-                             f"integers") from None
-        return cls(*numbers, *parts[4:5], *max_regs)
+            raise ValueError(f"tile config {text!r}: the first four fields, max_regs and "
+                             f"prefetch are integers") from None
+        return cls(*numbers, *parts[4:5], *extra)
 
 
 # Decode: the H200 sweep (benchmarks/kv_quant_quality.py --kernel-bench --tq-tiles sweep;
@@ -357,22 +366,38 @@ def tq_store(preset: KVPreset, tensors: FormatTensors, key: torch.Tensor, value:
 # ---- attention --------------------------------------------------------------------------------
 
 @triton.jit
-def _load_codes(row, ok, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
-    """row [BLOCK_N] pointers to code rows -> codes [BLOCK_N, D] in channel order (uint8 for
-    8 bits, else int32). A row is HEAD_SIZE / G groups of NB bytes holding G codes; each group's
-    bytes are loaded once (8 and 4 bits: NB = 1, one contiguous run per row; 3 bits: NB = 3,
-    one strided load per byte of the group), the group words are replicated G times in channel
-    order (tl.interleave with themselves) and each channel shifts its own code out."""
-    # (One return at the end: the compiler type-checks every return, even in pruned branches.)
+def _load_code_bytes(row, ok, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
+    """row [BLOCK_N] pointers to code rows -> the row's raw bytes as up to three tensors (b0,
+    b1, b2): a row is HEAD_SIZE / G groups of NB bytes holding G codes; b_k [BLOCK_N, D / G]
+    uint8 holds byte k of every group (8 and 4 bits: NB = 1, one contiguous run per row, b1 and
+    b2 are b0; 3 bits: NB = 3, one strided load per byte). Global loads only: `_unpack_codes`
+    makes the codes, so that a caller can issue the loads a tile ahead."""
     NB: tl.constexpr = G * BITS // 8
     groups = tl.arange(0, HEAD_SIZE // G)
     ptrs = row[:, None] + groups[None, :] * NB
-    codes = tl.load(ptrs, mask=ok[:, None], other=0)
+    b0 = tl.load(ptrs, mask=ok[:, None], other=0)
+    b1 = b0
+    b2 = b0
+    if NB > 1:
+        b1 = tl.load(ptrs + 1, mask=ok[:, None], other=0)
+    if NB > 2:
+        b2 = tl.load(ptrs + 2, mask=ok[:, None], other=0)
+    return b0, b1, b2
+
+
+@triton.jit
+def _unpack_codes(b0, b1, b2, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
+    """`_load_code_bytes`'s bytes -> codes [BLOCK_N, D] in channel order (uint8 for 8 bits,
+    else int32): the group words are replicated G times in channel order (tl.interleave with
+    themselves) and each channel shifts its own code out."""
+    NB: tl.constexpr = G * BITS // 8
+    codes = b0
     if G > 1:
-        word = codes.to(tl.int32)
-        for k in tl.static_range(1, NB):
-            byte = tl.load(ptrs + k, mask=ok[:, None], other=0)
-            word = word | (byte.to(tl.int32) << (8 * k))
+        word = b0.to(tl.int32)
+        if NB > 1:
+            word = word | (b1.to(tl.int32) << 8)
+        if NB > 2:
+            word = word | (b2.to(tl.int32) << 16)
         word = tl.interleave(word, word)
         if G >= 4:
             word = tl.interleave(word, word)
@@ -381,6 +406,13 @@ def _load_codes(row, ok, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr, G: tl.cons
         shift = (tl.arange(0, HEAD_SIZE) % G) * BITS
         codes = (word >> shift[None, :]) & ((1 << BITS) - 1)
     return codes
+
+
+@triton.jit
+def _load_codes(row, ok, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
+    """row [BLOCK_N] pointers to code rows -> codes [BLOCK_N, D] in channel order."""
+    b0, b1, b2 = _load_code_bytes(row, ok, HEAD_SIZE, BITS, G)
+    return _unpack_codes(b0, b1, b2, HEAD_SIZE, BITS, G)
 
 
 # The 'prmt' lookup (CUDA only: inline PTX). A word holds 8 codes (4 bits: 8 nibbles; 3 bits: 24
@@ -476,26 +508,36 @@ def _interleave8(a0, a1, a2, a3, a4, a5, a6, a7):
 
 
 @triton.jit
-def _prmt_levels(row, ok, table_ptr, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr,
-                 DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """row [BLOCK_N] pointers to 4- or 3-bit code rows -> levels [BLOCK_N, D] in channel order
-    (`_prmt8`). 4 bits: a row is D / 8 int32 words of 8 codes (one vector load run). 3 bits: D
-    / 8 groups of 3 bytes."""
+def _prmt_load(row, ok, HEAD_SIZE: tl.constexpr, BITS: tl.constexpr):
+    """row [BLOCK_N] pointers to 4- or 3-bit code rows -> (b0, b1, b2) [BLOCK_N, D / 8]: 4 bits:
+    b0 the row's D / 8 int32 words of 8 codes (one vector load run; b1, b2 = b0); 3 bits: the
+    bytes 0, 1, 2 of its D / 8 groups of 3 bytes (uint8, one strided load each: a word-run
+    load, split into the 24-bit groups in registers, made Triton convert layouts through
+    shared memory). Global loads only (`_prmt_levels` looks the codes up)."""
+    groups = tl.arange(0, HEAD_SIZE // 8)
     if BITS == 4:
-        groups = tl.arange(0, HEAD_SIZE // 8)
-        word = tl.load(row.to(tl.pointer_type(tl.int32))[:, None] + groups[None, :],
-                       mask=ok[:, None], other=0)
-        o0, o1, o2, o3, o4, o5, o6, o7 = _prmt8(word, table_ptr, BITS, DTYPE, ASM)
-        values = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7)
-    else:  # 3 bytes per word, one strided byte load each (a word-run load, split into
-        # the 24-bit groups in registers, made Triton convert layouts through shared memory)
-        ptrs = row[:, None] + tl.arange(0, HEAD_SIZE // 8)[None, :] * 3
-        word = tl.load(ptrs, mask=ok[:, None], other=0).to(tl.int32)
-        word = word | (tl.load(ptrs + 1, mask=ok[:, None], other=0).to(tl.int32) << 8)
-        word = word | (tl.load(ptrs + 2, mask=ok[:, None], other=0).to(tl.int32) << 16)
-        o0, o1, o2, o3, o4, o5, o6, o7 = _prmt8(word, table_ptr, BITS, DTYPE, ASM)
-        values = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7)
-    return values
+        b0 = tl.load(row.to(tl.pointer_type(tl.int32))[:, None] + groups[None, :],
+                     mask=ok[:, None], other=0)
+        b1 = b0
+        b2 = b0
+    else:
+        ptrs = row[:, None] + groups[None, :] * 3
+        b0 = tl.load(ptrs, mask=ok[:, None], other=0)
+        b1 = tl.load(ptrs + 1, mask=ok[:, None], other=0)
+        b2 = tl.load(ptrs + 2, mask=ok[:, None], other=0)
+    return b0, b1, b2
+
+
+@triton.jit
+def _prmt_levels(b0, b1, b2, table_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr,
+                 ASM: tl.constexpr):
+    """`_prmt_load`'s words or bytes -> levels [BLOCK_N, D] in channel order (`_prmt8`)."""
+    if BITS == 4:
+        word = b0
+    else:
+        word = b0.to(tl.int32) | (b1.to(tl.int32) << 8) | (b2.to(tl.int32) << 16)
+    o0, o1, o2, o3, o4, o5, o6, o7 = _prmt8(word, table_ptr, BITS, DTYPE, ASM)
+    return _interleave8(o0, o1, o2, o3, o4, o5, o6, o7)
 
 
 @triton.jit
@@ -512,28 +554,90 @@ def _select8(codes, levels_ptr):
     return tl.where((codes & 4) != 0, v47, v03)
 
 
+# fp8 e4m3 keys as words of 4 codes: two cvt.f16x2.e4m3x2 (one per 16-bit half) per word, no
+# byte extraction (the prefetching loop loads code rows as int32 words).
+FP8X4_ASM = tl.constexpr("""{
+    .reg .b16 lo, hi;
+    .reg .b32 a, b;
+    mov.b32 {lo, hi}, $4;
+    cvt.rn.f16x2.e4m3x2 a, lo;
+    cvt.rn.f16x2.e4m3x2 b, hi;
+    mov.b32 {$0, $1}, a;
+    mov.b32 {$2, $3}, b;
+}""")
+
+
 @triton.jit
-def _load_vectors(
-    code_row, meta, ok, levels_ptr,
+def _fp8_words(word, ASM: tl.constexpr):
+    """int32 words [N, G] of 4 fp8 e4m3 codes (code k in byte k) -> fp16 [N, 4G] in channel
+    order (exact). Without ASM (the interpreter): bytes shifted out and bitcast."""
+    if ASM:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            FP8X4_ASM, "=h,=h,=h,=h,r", [word], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:
+        o0 = (word & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        o1 = ((word >> 8) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        o2 = ((word >> 16) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        o3 = ((word >> 24) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return tl.interleave(tl.interleave(o0, o2), tl.interleave(o1, o3))
+
+
+@triton.jit
+def _fp8_as_words(KIND: tl.constexpr, LOOKUP: tl.constexpr, WORDS: tl.constexpr):
+    return WORDS and KIND == 1 and (LOOKUP == 3 or LOOKUP == 4)
+
+
+@triton.jit
+def _is_prmt(KIND: tl.constexpr, BITS: tl.constexpr, LOOKUP: tl.constexpr):
+    return (LOOKUP == 3 or LOOKUP == 4) and KIND == 0 and (BITS == 3 or BITS == 4)
+
+
+@triton.jit
+def _load_raw(
+    code_row, meta, ok,
     HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-    LOOKUP: tl.constexpr, DTYPE: tl.constexpr,
+    LOOKUP: tl.constexpr, WORDS: tl.constexpr,
 ):
-    """code_row [BLOCK_N] pointers to code rows, meta [BLOCK_N] pointers to the first fp16 meta
-    -> (values [BLOCK_N, D], scale [BLOCK_N] fp32): the storage-domain vectors are values *
-    scale[:, None]. Scaled codecs (Lloyd-Max, fp8) return the unit codes (Lloyd-Max: in the
-    level table's dtype) and the per-vector scale, which the caller folds into the scores (K)
-    or the probabilities (V) instead of multiplying every element; uniform codes return the
-    dequantized vectors (fp32) and a scale of 1. LOOKUP 3 (prmt, Lloyd-Max 3/4 bits only):
-    levels_ptr is the codebook's byte planes and the values come in DTYPE (16-bit); LOOKUP 4:
-    its stand-in without inline PTX (`_prmt_levels`), levels_ptr the plain level table."""
-    first = tl.load(meta, mask=ok, other=0.0).to(tl.float32)
-    if (LOOKUP == 3 or LOOKUP == 4) and KIND == 0 and (BITS == 3 or BITS == 4):
-        values = _prmt_levels(code_row, ok, levels_ptr, HEAD_SIZE, BITS, DTYPE, LOOKUP == 3)
+    """The global loads of `_load_vectors`: (b0, b1, b2, first, second): the code row's words
+    or bytes (`_prmt_load` or `_load_code_bytes`; WORDS: fp8 rows as int32 words of 4 codes
+    under the prmt lookups, `_fp8_words`), the first fp16 meta [BLOCK_N] and the second
+    (uniform codes' min; else the first again). `_decode_vectors` makes the vectors."""
+    first = tl.load(meta, mask=ok, other=0.0)
+    second = first
+    if KIND == 2:
+        second = tl.load(meta + 1, mask=ok, other=0.0)
+    if _is_prmt(KIND, BITS, LOOKUP):
+        b0, b1, b2 = _prmt_load(code_row, ok, HEAD_SIZE, BITS)
+    elif _fp8_as_words(KIND, LOOKUP, WORDS):
+        groups = tl.arange(0, HEAD_SIZE // 4)
+        b0 = tl.load(code_row.to(tl.pointer_type(tl.int32))[:, None] + groups[None, :],
+                     mask=ok[:, None], other=0)
+        b1 = b0
+        b2 = b0
+    else:
+        b0, b1, b2 = _load_code_bytes(code_row, ok, HEAD_SIZE, BITS, G)
+    return b0, b1, b2, first, second
+
+
+@triton.jit
+def _decode_vectors(
+    b0, b1, b2, first, second, levels_ptr,
+    HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+    LOOKUP: tl.constexpr, DTYPE: tl.constexpr, WORDS: tl.constexpr,
+):
+    """`_load_raw`'s words and metas -> (values [BLOCK_N, D], scale [BLOCK_N] fp32) as
+    `_load_vectors`."""
+    first = first.to(tl.float32)
+    if _is_prmt(KIND, BITS, LOOKUP):
+        values = _prmt_levels(b0, b1, b2, levels_ptr, BITS, DTYPE, LOOKUP == 3)
+        scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
+    elif _fp8_as_words(KIND, LOOKUP, WORDS):
+        values = _fp8_words(b0, LOOKUP == 3)
         scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
     else:
-        codes = _load_codes(code_row, ok, HEAD_SIZE, BITS, G)
+        codes = _unpack_codes(b0, b1, b2, HEAD_SIZE, BITS, G)
         if KIND == 2:
-            lo = tl.load(meta + 1, mask=ok, other=0.0).to(tl.float32)
+            lo = second.to(tl.float32)
             values = codes.to(tl.float32) * first[:, None] + lo[:, None]
             scale = tl.full(first.shape, 1.0, tl.float32)
         else:
@@ -558,6 +662,27 @@ def _load_vectors(
                 values = tl.load(levels_ptr + codes)
             scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
     return values, scale
+
+
+@triton.jit
+def _load_vectors(
+    code_row, meta, ok, levels_ptr,
+    HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+    LOOKUP: tl.constexpr, DTYPE: tl.constexpr,
+):
+    """code_row [BLOCK_N] pointers to code rows, meta [BLOCK_N] pointers to the first fp16 meta
+    -> (values [BLOCK_N, D], scale [BLOCK_N] fp32): the storage-domain vectors are values *
+    scale[:, None]. Scaled codecs (Lloyd-Max, fp8) return the unit codes (Lloyd-Max: in the
+    level table's dtype) and the per-vector scale, which the caller folds into the scores (K)
+    or the probabilities (V) instead of multiplying every element; uniform codes return the
+    dequantized vectors (fp32) and a scale of 1. LOOKUP 3 (prmt, Lloyd-Max 3/4 bits only):
+    levels_ptr is the codebook's byte planes and the values come in DTYPE (16-bit); LOOKUP 4:
+    its stand-in without inline PTX (`_prmt_levels`), levels_ptr the plain level table.
+    (`_load_raw` then `_decode_vectors`: the prefetching loop calls them a tile apart.)"""
+    b0, b1, b2, first, second = _load_raw(code_row, meta, ok, HEAD_SIZE, KIND, BITS, G, LOOKUP,
+                                          False)
+    return _decode_vectors(b0, b1, b2, first, second, levels_ptr, HEAD_SIZE, KIND, BITS, G,
+                           LOOKUP, DTYPE, False)
 
 
 @triton.jit
@@ -612,6 +737,7 @@ def _tq_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr,
     ROTATED: tl.constexpr, LOOKUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PREFETCH: tl.constexpr,
     V_CODES_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, K_GROUP: tl.constexpr,
     K_META_N: tl.constexpr,
@@ -682,30 +808,88 @@ def _tq_attention_kernel(
         part = tl.cdiv(tl.cdiv(tl.maximum(context - part_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
         part_lo = part_lo + split * part
         part_hi = tl.minimum(part_lo + part, context)
-    for tile in range(part_lo, part_hi, BLOCK_N):
-        k_pos = tile + offs_n
-        k_ok = (k_pos < context) & (k_pos >= lo)
+    if PREFETCH:
+        # Software pipelining in registers: the codes and metas of tile i + 1 are loaded while
+        # tile i is computed, and the page numbers of tile i + 2 (the next loads' addresses),
+        # so that no global load's latency sits in a tile's chain (the pipeliner's cp.async
+        # copies were waited for right after being issued, and the metas and page numbers
+        # were plain loads used in the same tile).
+        k_pos = part_lo + offs_n
+        k_ok = (k_pos < part_hi) & (k_pos >= lo)
         page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         row = k_pos % BLOCK_SIZE
-        plane = head_base + page * stride_cb
-        plane16 = head_base16 + page * stride_cb16
-        k, k_scale = _load_vectors(plane + row * K_CODE_BYTES,
-                                   plane16 + K_META_OFF + row * K_META_N, k_ok, k_levels_ptr,
-                                   HEAD_SIZE, K_KIND, K_BITS, K_GROUP, LOOKUP,
-                                   q_ptr.dtype.element_ty)
-        s = _scores(q_key, k, k_scale, UPCAST)
-        if FP8_F16:
-            s = s * q_pow[:, None]
-        seen = k_ok[None, :]
-        if USE_WINDOW:
-            seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
-        p, acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, seen, sm_scale, soft_cap,
-                                           USE_SOFT_CAP)
-        v, v_scale = _load_vectors(plane + V_CODES_OFF + row * V_CODE_BYTES,
-                                   plane16 + V_META_OFF + row * V_META_N, k_ok, v_levels_ptr,
-                                   HEAD_SIZE, V_KIND, V_BITS, V_GROUP, LOOKUP,
-                                   q_ptr.dtype.element_ty)
-        acc = _accumulate(acc, p * v_scale[None, :], v, q_ctx, UPCAST)
+        plane = head_base + page * stride_cb + row * K_CODE_BYTES
+        plane16 = head_base16 + page * stride_cb16 + row * K_META_N
+        kb0, kb1, kb2, kf, ks = _load_raw(plane, plane16 + K_META_OFF, k_ok, HEAD_SIZE,
+                                          K_KIND, K_BITS, K_GROUP, LOOKUP, True)
+        plane = head_base + page * stride_cb + V_CODES_OFF + row * V_CODE_BYTES
+        plane16 = head_base16 + page * stride_cb16 + V_META_OFF + row * V_META_N
+        vb0, vb1, vb2, vf, vs = _load_raw(plane, plane16, k_ok, HEAD_SIZE,
+                                          V_KIND, V_BITS, V_GROUP, LOOKUP, True)
+        n_pos = part_lo + BLOCK_N + offs_n
+        next_page = tl.load(table_row + n_pos // BLOCK_SIZE,
+                            mask=(n_pos < part_hi) & (n_pos >= lo), other=0).to(tl.int64)
+        for tile in range(part_lo, part_hi, BLOCK_N):
+            # this tile's raw words (loaded one tile ago) ...
+            ck0, ck1, ck2, ckf, cks = kb0, kb1, kb2, kf, ks
+            cv0, cv1, cv2, cvf, cvs = vb0, vb1, vb2, vf, vs
+            k_ok = (tile + offs_n < context) & (tile + offs_n >= lo)
+            # ... the next tile's loads, from the page numbers loaded one tile ago ...
+            n_pos = tile + BLOCK_N + offs_n
+            n_ok = (n_pos < part_hi) & (n_pos >= lo)
+            row = n_pos % BLOCK_SIZE
+            plane = head_base + next_page * stride_cb + row * K_CODE_BYTES
+            plane16 = head_base16 + next_page * stride_cb16 + row * K_META_N
+            kb0, kb1, kb2, kf, ks = _load_raw(plane, plane16 + K_META_OFF, n_ok, HEAD_SIZE,
+                                              K_KIND, K_BITS, K_GROUP, LOOKUP, True)
+            plane = head_base + next_page * stride_cb + V_CODES_OFF + row * V_CODE_BYTES
+            plane16 = head_base16 + next_page * stride_cb16 + V_META_OFF + row * V_META_N
+            vb0, vb1, vb2, vf, vs = _load_raw(plane, plane16, n_ok, HEAD_SIZE,
+                                              V_KIND, V_BITS, V_GROUP, LOOKUP, True)
+            n_pos = tile + 2 * BLOCK_N + offs_n
+            next_page = tl.load(table_row + n_pos // BLOCK_SIZE,
+                                mask=(n_pos < part_hi) & (n_pos >= lo), other=0).to(tl.int64)
+            # ... and this tile's attention.
+            k, k_scale = _decode_vectors(ck0, ck1, ck2, ckf, cks, k_levels_ptr, HEAD_SIZE,
+                                         K_KIND, K_BITS, K_GROUP, LOOKUP,
+                                         q_ptr.dtype.element_ty, True)
+            s = _scores(q_key, k, k_scale, UPCAST)
+            if FP8_F16:
+                s = s * q_pow[:, None]
+            seen = k_ok[None, :]
+            if USE_WINDOW:
+                seen = seen & (tile + offs_n[None, :] > q_pos[:, None] - window)
+            p, acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, seen, sm_scale, soft_cap,
+                                               USE_SOFT_CAP)
+            v, v_scale = _decode_vectors(cv0, cv1, cv2, cvf, cvs, v_levels_ptr, HEAD_SIZE,
+                                         V_KIND, V_BITS, V_GROUP, LOOKUP,
+                                         q_ptr.dtype.element_ty, True)
+            acc = _accumulate(acc, p * v_scale[None, :], v, q_ctx, UPCAST)
+    else:
+        for tile in range(part_lo, part_hi, BLOCK_N):
+            k_pos = tile + offs_n
+            k_ok = (k_pos < context) & (k_pos >= lo)
+            page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            row = k_pos % BLOCK_SIZE
+            plane = head_base + page * stride_cb
+            plane16 = head_base16 + page * stride_cb16
+            k, k_scale = _load_vectors(plane + row * K_CODE_BYTES,
+                                       plane16 + K_META_OFF + row * K_META_N, k_ok, k_levels_ptr,
+                                       HEAD_SIZE, K_KIND, K_BITS, K_GROUP, LOOKUP,
+                                       q_ptr.dtype.element_ty)
+            s = _scores(q_key, k, k_scale, UPCAST)
+            if FP8_F16:
+                s = s * q_pow[:, None]
+            seen = k_ok[None, :]
+            if USE_WINDOW:
+                seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
+            p, acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, seen, sm_scale, soft_cap,
+                                               USE_SOFT_CAP)
+            v, v_scale = _load_vectors(plane + V_CODES_OFF + row * V_CODE_BYTES,
+                                       plane16 + V_META_OFF + row * V_META_N, k_ok, v_levels_ptr,
+                                       HEAD_SIZE, V_KIND, V_BITS, V_GROUP, LOOKUP,
+                                       q_ptr.dtype.element_ty)
+            acc = _accumulate(acc, p * v_scale[None, :], v, q_ctx, UPCAST)
     if ROTATED:
         # acc R = (acc H) D / sqrt(d). H is symmetric: reading it transposed keeps the compiler
         # from merging this load with the first one, which would hold H in registers across
@@ -812,6 +996,7 @@ def tq_attention(
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
         UPCAST=upcast, ROTATED=preset.rotated, LOOKUP=lookup, NUM_SPLITS=num_splits,
+        PREFETCH=bool(getattr(tiles, "prefetch", 0)),
         **layout,
         **_codec_args("K", preset.key, head_size), **_codec_args("V", preset.value, head_size),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
