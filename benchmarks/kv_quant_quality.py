@@ -13,9 +13,10 @@ unquantized engine's: mean KL(unquantized || preset) in nats and top-1 agreement
 
 `decode_benchmark()` (also importable) times one decode step of the TURBOQUANT kernels against
 the bf16 TRITON backend on the same K/V. --tq-tiles takes comma-separated launch shapes of the
-TURBOQUANT attention kernel, block_m/block_n/num_warps/num_stages[/lookup[/max_regs]]
+TURBOQUANT attention kernel, block_m/block_n/num_warps/num_stages[/lookup[/max_regs[/prefetch]]]
 (lookup: table, select, gather or prmt, see ops/turboquant_kernels.py; max_regs: a register
-cap per thread, 0 = none; block_m does not matter for decode), or "sweep" for SWEEP_TILES;
+cap per thread, 0 = none; prefetch 1: the next tile's loads issued into registers a tile
+ahead; block_m does not matter for decode), or "sweep" for SWEEP_TILES;
 without it each preset runs once with the default decode tiles.
 """
 
@@ -46,8 +47,8 @@ PRESETS = ["tq_k8v4", "tq_4bit", "tq_3bit", "naive_int4", "naive_int3"]
 # Goals of the issue: tq_k8v4 absolute; the others relative to the naive preset of equal bits.
 # A sweep that compiles and times in about a minute on the H200 (3 presets x 8 configs, about a
 # second of compile each): warps/stages/block_n around the default 16/64/8/2 and the lookups.
-SWEEP_TILES = ("16/64/8/2/prmt/128,16/32/4/2/prmt/128,16/64/8/3/prmt/128,"
-               "16/128/8/2/prmt/128,16/64/4/2/prmt/168,16/64/8/2/prmt,16/64/8/2/gather")
+SWEEP_TILES = ("16/32/4/1/prmt/128/1,16/64/8/1/prmt/128/1,16/32/4/2/prmt/128,"
+               "16/64/8/2/prmt/128,16/128/8/2/prmt/128,16/64/4/2/prmt/168,16/64/8/2/gather")
 GOALS = {"tq_k8v4": "KL < 0.01, top-1 >= 97%", "tq_4bit": "KL < naive_int4 / 2",
          "tq_3bit": "KL < naive_int3 / 2"}
 

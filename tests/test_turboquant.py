@@ -226,9 +226,10 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
                         dtype: torch.dtype = torch.float32, window: int | None = None,
                         soft_cap: float | None = None, use_kernels: bool = False,
                         device: str = "cpu", seed: int = 0, tiles=None,
-                        num_splits: int | None = None):
+                        num_splits: int | None = None, fill: int = 0):
     """Context K/V written into shuffled pages through the torch format, then one step of the
-    backend (builder + impl) over the new tokens (tiles: the kernels' launch shape, if given).
+    backend (builder + impl) over the new tokens (tiles: the kernels' launch shape, if given;
+    fill: the byte of every slot not written, 255 makes NaN metas and fp8 codes).
     Returns (output, cache, per request: (query, K, V, context length)), everything needed to
     build references."""
     gen = torch.Generator().manual_seed(seed)
@@ -242,7 +243,8 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
     for n in blocks_per_req:
         block_ids.append(perm[pos:pos + n])
         pos += n
-    cache = torch.zeros(backend.get_kv_cache_shape(num_blocks, bs, hkv, d), dtype=torch.uint8)
+    cache = torch.full(backend.get_kv_cache_shape(num_blocks, bs, hkv, d), fill,
+                       dtype=torch.uint8)
     reqs = []
     for ids, (c, q) in zip(block_ids, batch, strict=True):
         k = (torch.randn(c + q, hkv, d, generator=gen) + 0.3).to(dtype)
@@ -387,13 +389,14 @@ def test_kernels_shapes_and_options(batch, window, soft_cap, block_size, num_hea
 def test_kernels_register_prefetch(batch, window, soft_cap, block_size, preset):
     """The loop that loads the next tile's codes and metas (and the page numbers two tiles
     ahead) while the current one is computed: windows (tiles starting past 0), page sizes
-    below and above the tile, prefill and decode."""
+    below and above the tile, prefill and decode; unwritten slots all 0xFF (NaN metas and fp8
+    codes), which the unmasked loads read past the context."""
     from pagedserve.attention.ops.turboquant_kernels import TQTiles
 
     out, _, reqs, _, _, _ = run_turboquant_case(
         preset, BATCHES[batch], block_size, 8, use_kernels=True, window=window,
         soft_cap=soft_cap, head_size=32, seed=6, device=KERNEL_DEVICE,
-        tiles=TQTiles.parse("16/16/1/1/prmt/0/1"))
+        tiles=TQTiles.parse("16/16/1/1/prmt/0/1"), fill=255)
     dequant, _ = references(preset, reqs, window, soft_cap)
     torch.testing.assert_close(out, dequant, rtol=1e-4, atol=1e-4)
 

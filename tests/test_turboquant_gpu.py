@@ -87,7 +87,9 @@ def test_attention_kernel_matches_reference_bf16(preset, batch, head_size):
 @pytest.mark.parametrize("tiles", ["16/64/8/2", "16/64/4/2", "16/32/4/2", "16/128/8/2",
                                    "16/64/2/4", "16/64/8/3/gather", "16/64/8/2/select",
                                    "16/64/8/2/prmt/128", "16/32/4/2/prmt/128",
-                                   "16/128/8/2/prmt/128", "16/64/8/2/prmt"])
+                                   "16/128/8/2/prmt/128", "16/64/8/2/prmt",
+                                   "16/32/4/1/prmt/128/1", "16/64/8/1/prmt/128/1",
+                                   "16/64/4/1/prmt/0/1"])
 @pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
 def test_attention_kernel_decode_tiles_and_lookups_bf16(preset, tiles):
     """Every launch shape and codebook lookup of the decode sweep gives the same attention."""
@@ -110,6 +112,25 @@ def test_attention_kernel_split_kv_decode_bf16(preset, num_splits):
                                            head_size=128, dtype=torch.bfloat16,
                                            use_kernels=True, device=CUDA, num_splits=num_splits)
     dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("batch,window,soft_cap,block_size", [
+    ("mixed", 8, None, 16), ("decode", 20, 5.0, 1), ("decode", None, None, 32),
+    ("chunked_prefill", None, None, 16)])
+@pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit", "naive_int4"])
+def test_attention_kernel_prefetch_bf16(preset, batch, window, soft_cap, block_size):
+    """The register-prefetching loop (unmasked key and value-meta loads of page 0 past the
+    context, on a cache of arbitrary bits) with windows, soft caps and page sizes."""
+    from pagedserve.attention.ops.turboquant_kernels import TQTiles
+
+    out, _, reqs, *_ = run_turboquant_case(preset, BATCHES[batch], block_size, 8, 2,
+                                           head_size=128, dtype=torch.bfloat16, window=window,
+                                           soft_cap=soft_cap, use_kernels=True, device=CUDA,
+                                           tiles=TQTiles.parse("16/32/4/1/prmt/128/1"),
+                                           fill=255)
+    assert torch.isfinite(out).all()
+    dequant, _ = references(preset, reqs, window, soft_cap)
     torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
 
 

@@ -144,15 +144,16 @@ class TQTiles:
 
 
 # Decode: the H200 sweep (benchmarks/kv_quant_quality.py --kernel-bench --tq-tiles sweep;
-# 64 x 8,192, d128, bf16) with the lookups before 'prmt': 16/64/8/2/gather, 1,068 us (tq_k8v4)
-# and 1,457 us (tq_4bit); tq_3bit 1,670 us at 16/64/2/4/table, all latency bound (0.4 TB/s).
-# The gather's shuffles and one-element shared-memory stores (78 SHFL, 86 STS, 18 BAR per
-# 64-key tile and warp at tq_4bit) were the bottleneck; 'prmt' keeps the lookups in registers
-# (14 STS, 7 SHFL, 7 BAR; scripts/tq_kernel_resources.py). Not yet timed on a GPU: 16/64/8/2
-# with 'prmt' and registers capped at 128 (2 programs = 16 warps per SM; without the cap
-# ptxas may take up to 164 and fit one).
-DECODE_TILES = TQTiles(block_m=16, block_n=64, num_warps=8, num_stages=2, lookup="prmt",
-                       max_regs=128)
+# 64 x 8,192, d128, bf16; bf16 TRITON 564 us). Before 'prmt': 16/64/8/2/gather 1,076 us
+# (tq_k8v4), 1,489 (tq_4bit), 1,686 (tq_3bit). With 'prmt' the best single-program shape was
+# 16/32/4/2/prmt/128: 723, 886 and 1,374 us, still latency bound (~1/3 of the issue rate:
+# the pipeliner's cp.async copies of a tile were waited for at the top of the next one, and
+# the metas and page numbers were plain loads used in the same tile). Not yet timed on a GPU:
+# the same shape with the register prefetch (prefetch 1; num_stages 1, as the loads are
+# issued by hand a tile ahead), which takes every global load out of a tile's dependency
+# chain at 4-8% more instructions per key (scripts/tq_kernel_resources.py).
+DECODE_TILES = TQTiles(block_m=16, block_n=32, num_warps=4, num_stages=1, lookup="prmt",
+                       max_regs=128, prefetch=1)
 PREFILL_TILES = TQTiles(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 4 warps spill
 INTERPRETER_TILES = TQTiles(block_m=16, block_n=32, num_warps=1, num_stages=1)
 
@@ -594,18 +595,19 @@ def _is_prmt(KIND: tl.constexpr, BITS: tl.constexpr, LOOKUP: tl.constexpr):
 
 @triton.jit
 def _load_raw(
-    code_row, meta, ok,
+    code_row, meta, ok, meta_ok,
     HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
     LOOKUP: tl.constexpr, WORDS: tl.constexpr,
 ):
     """The global loads of `_load_vectors`: (b0, b1, b2, first, second): the code row's words
     or bytes (`_prmt_load` or `_load_code_bytes`; WORDS: fp8 rows as int32 words of 4 codes
     under the prmt lookups, `_fp8_words`), the first fp16 meta [BLOCK_N] and the second
-    (uniform codes' min; else the first again). `_decode_vectors` makes the vectors."""
-    first = tl.load(meta, mask=ok, other=0.0)
+    (uniform codes' min; else the first again), loaded under meta_ok. `_decode_vectors`
+    makes the vectors."""
+    first = tl.load(meta, mask=meta_ok, other=0.0)
     second = first
     if KIND == 2:
-        second = tl.load(meta + 1, mask=ok, other=0.0)
+        second = tl.load(meta + 1, mask=meta_ok, other=0.0)
     if _is_prmt(KIND, BITS, LOOKUP):
         b0, b1, b2 = _prmt_load(code_row, ok, HEAD_SIZE, BITS)
     elif _fp8_as_words(KIND, LOOKUP, WORDS):
@@ -679,8 +681,8 @@ def _load_vectors(
     levels_ptr is the codebook's byte planes and the values come in DTYPE (16-bit); LOOKUP 4:
     its stand-in without inline PTX (`_prmt_levels`), levels_ptr the plain level table.
     (`_load_raw` then `_decode_vectors`: the prefetching loop calls them a tile apart.)"""
-    b0, b1, b2, first, second = _load_raw(code_row, meta, ok, HEAD_SIZE, KIND, BITS, G, LOOKUP,
-                                          False)
+    b0, b1, b2, first, second = _load_raw(code_row, meta, ok, ok, HEAD_SIZE, KIND, BITS, G,
+                                          LOOKUP, False)
     return _decode_vectors(b0, b1, b2, first, second, levels_ptr, HEAD_SIZE, KIND, BITS, G,
                            LOOKUP, DTYPE, False)
 
@@ -722,6 +724,50 @@ def _accumulate(acc, p, v, q, UPCAST: tl.constexpr):
     else:
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
     return acc
+
+
+@triton.jit
+def _page_of(k_pos, BLOCK_SIZE: tl.constexpr):
+    """Block-table index of key positions k_pos >= 0 (a shift for power-of-two pages)."""
+    if BLOCK_SIZE & (BLOCK_SIZE - 1) == 0:
+        index = k_pos >> (BLOCK_SIZE.bit_length() - 1)
+    else:
+        index = k_pos // BLOCK_SIZE
+    return index
+
+
+@triton.jit
+def _load_tile_raw(
+    head_base, head_base16, page, k_pos, k_ok, all_ok, stride_cb, stride_cb16,
+    HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, LOOKUP: tl.constexpr,
+    V_CODES_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, K_GROUP: tl.constexpr,
+    K_META_N: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_CODE_BYTES: tl.constexpr, V_GROUP: tl.constexpr,
+    V_META_N: tl.constexpr,
+):
+    """The global loads of one context tile for the prefetching loop (`_load_raw` of its keys
+    and values; page [BLOCK_N] int64, 0 past the context): keys and value metas unmasked
+    (all_ok), value codes masked by k_ok unless Lloyd-Max, uniform value metas masked."""
+    if BLOCK_SIZE & (BLOCK_SIZE - 1) == 0:
+        row = k_pos & (BLOCK_SIZE - 1)
+    else:
+        row = k_pos % BLOCK_SIZE
+    plane = head_base + page * stride_cb
+    plane16 = head_base16 + page * stride_cb16
+    kb0, kb1, kb2, kf, ks = _load_raw(plane + row * K_CODE_BYTES,
+                                      plane16 + K_META_OFF + row * K_META_N, all_ok, all_ok,
+                                      HEAD_SIZE, K_KIND, K_BITS, K_GROUP, LOOKUP, True)
+    v_ok = all_ok
+    if V_KIND != 0:
+        v_ok = k_ok
+    v_meta_ok = all_ok
+    if V_KIND == 2:
+        v_meta_ok = k_ok
+    vb0, vb1, vb2, vf, vs = _load_raw(plane + V_CODES_OFF + row * V_CODE_BYTES,
+                                      plane16 + V_META_OFF + row * V_META_N, v_ok, v_meta_ok,
+                                      HEAD_SIZE, V_KIND, V_BITS, V_GROUP, LOOKUP, True)
+    return kb0, kb1, kb2, kf, ks, vb0, vb1, vb2, vf, vs
 
 
 @triton.jit
@@ -814,20 +860,22 @@ def _tq_attention_kernel(
         # so that no global load's latency sits in a tile's chain (the pipeliner's cp.async
         # copies were waited for right after being issued, and the metas and page numbers
         # were plain loads used in the same tile).
-        k_pos = part_lo + offs_n
-        k_ok = (k_pos < part_hi) & (k_pos >= lo)
-        page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        row = k_pos % BLOCK_SIZE
-        plane = head_base + page * stride_cb + row * K_CODE_BYTES
-        plane16 = head_base16 + page * stride_cb16 + row * K_META_N
-        kb0, kb1, kb2, kf, ks = _load_raw(plane, plane16 + K_META_OFF, k_ok, HEAD_SIZE,
-                                          K_KIND, K_BITS, K_GROUP, LOOKUP, True)
-        plane = head_base + page * stride_cb + V_CODES_OFF + row * V_CODE_BYTES
-        plane16 = head_base16 + page * stride_cb16 + V_META_OFF + row * V_META_N
-        vb0, vb1, vb2, vf, vs = _load_raw(plane, plane16, k_ok, HEAD_SIZE,
-                                          V_KIND, V_BITS, V_GROUP, LOOKUP, True)
+        # Masks: only the page numbers' loads (out-of-range keys read page 0, whose rows
+        # exist). Keys and the values' metas load unmasked (the scores of masked keys are
+        # replaced by -inf, the value scales by 0); value codes too where every code is a
+        # finite level (Lloyd-Max), so that p = 0 keeps them out.
+        all_ok = tl.full([BLOCK_N], 1, tl.int1)
+        n_pos = part_lo + offs_n
+        page = tl.load(table_row + _page_of(n_pos, BLOCK_SIZE),
+                       mask=(n_pos < part_hi) & (n_pos >= lo), other=0).to(tl.int64)
+        kb0, kb1, kb2, kf, ks, vb0, vb1, vb2, vf, vs = _load_tile_raw(
+            head_base, head_base16, page, n_pos, (n_pos < part_hi) & (n_pos >= lo), all_ok,
+            stride_cb, stride_cb16, HEAD_SIZE, BLOCK_SIZE, LOOKUP,
+            V_CODES_OFF, K_META_OFF, V_META_OFF,
+            K_KIND, K_BITS, K_CODE_BYTES, K_GROUP, K_META_N,
+            V_KIND, V_BITS, V_CODE_BYTES, V_GROUP, V_META_N)
         n_pos = part_lo + BLOCK_N + offs_n
-        next_page = tl.load(table_row + n_pos // BLOCK_SIZE,
+        next_page = tl.load(table_row + _page_of(n_pos, BLOCK_SIZE),
                             mask=(n_pos < part_hi) & (n_pos >= lo), other=0).to(tl.int64)
         for tile in range(part_lo, part_hi, BLOCK_N):
             # this tile's raw words (loaded one tile ago) ...
@@ -836,18 +884,14 @@ def _tq_attention_kernel(
             k_ok = (tile + offs_n < context) & (tile + offs_n >= lo)
             # ... the next tile's loads, from the page numbers loaded one tile ago ...
             n_pos = tile + BLOCK_N + offs_n
-            n_ok = (n_pos < part_hi) & (n_pos >= lo)
-            row = n_pos % BLOCK_SIZE
-            plane = head_base + next_page * stride_cb + row * K_CODE_BYTES
-            plane16 = head_base16 + next_page * stride_cb16 + row * K_META_N
-            kb0, kb1, kb2, kf, ks = _load_raw(plane, plane16 + K_META_OFF, n_ok, HEAD_SIZE,
-                                              K_KIND, K_BITS, K_GROUP, LOOKUP, True)
-            plane = head_base + next_page * stride_cb + V_CODES_OFF + row * V_CODE_BYTES
-            plane16 = head_base16 + next_page * stride_cb16 + V_META_OFF + row * V_META_N
-            vb0, vb1, vb2, vf, vs = _load_raw(plane, plane16, n_ok, HEAD_SIZE,
-                                              V_KIND, V_BITS, V_GROUP, LOOKUP, True)
+            kb0, kb1, kb2, kf, ks, vb0, vb1, vb2, vf, vs = _load_tile_raw(
+                head_base, head_base16, next_page, n_pos, (n_pos < part_hi) & (n_pos >= lo),
+                all_ok, stride_cb, stride_cb16, HEAD_SIZE, BLOCK_SIZE, LOOKUP,
+                V_CODES_OFF, K_META_OFF, V_META_OFF,
+                K_KIND, K_BITS, K_CODE_BYTES, K_GROUP, K_META_N,
+                V_KIND, V_BITS, V_CODE_BYTES, V_GROUP, V_META_N)
             n_pos = tile + 2 * BLOCK_N + offs_n
-            next_page = tl.load(table_row + n_pos // BLOCK_SIZE,
+            next_page = tl.load(table_row + _page_of(n_pos, BLOCK_SIZE),
                                 mask=(n_pos < part_hi) & (n_pos >= lo), other=0).to(tl.int64)
             # ... and this tile's attention.
             k, k_scale = _decode_vectors(ck0, ck1, ck2, ckf, cks, k_levels_ptr, HEAD_SIZE,
@@ -864,6 +908,8 @@ def _tq_attention_kernel(
             v, v_scale = _decode_vectors(cv0, cv1, cv2, cvf, cvs, v_levels_ptr, HEAD_SIZE,
                                          V_KIND, V_BITS, V_GROUP, LOOKUP,
                                          q_ptr.dtype.element_ty, True)
+            if V_KIND != 2:  # the unmasked metas of keys past the context: any bits
+                v_scale = tl.where(k_ok, v_scale, 0.0)
             acc = _accumulate(acc, p * v_scale[None, :], v, q_ctx, UPCAST)
     else:
         for tile in range(part_lo, part_hi, BLOCK_N):
