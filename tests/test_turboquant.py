@@ -551,6 +551,10 @@ def _run_ptx(asm: str, operands: list[int]) -> list[int]:
             for bit in range(32):
                 a, b, c = ((v >> bit) & 1 for v in x[:3])
                 r |= ((x[3] >> (a << 2 | b << 1 | c)) & 1) << bit
+        elif op == "cvt.rn.f16x2.e4m3x2":  # two fp8 bytes -> two fp16, byte 1 to the high half
+            pair = torch.tensor([x[0] & 255, x[0] >> 8], dtype=torch.uint8)
+            halves = pair.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)
+            r = (int(halves[0]) & 0xFFFF) | (int(halves[1]) & 0xFFFF) << 16
         elif op == "prmt.b32":
             src_bytes = [(x[0] >> 8 * i) & 255 for i in range(4)] + \
                         [(x[1] >> 8 * i) & 255 for i in range(4)]
@@ -591,6 +595,27 @@ def test_prmt_lookup_asm_gives_the_levels(bits, dtype):
         for g in range(4):
             out = _run_ptx(asm, [0] * 8 + [int(words[r, g])] + table)[:8]
             assert out == [int(expected[c]) for c in codes[r, 8 * g:8 * g + 8]], (r, g)
+
+
+def test_fp8_words_asm_converts_exactly():
+    """The prefetching loop's fp8 key conversion (inline PTX: a word of 4 e4m3 codes -> 4
+    fp16) run by the PTX emulator: every byte value at every position, as torch converts."""
+    from pagedserve.attention.ops import turboquant_kernels as tqk
+
+    every = torch.arange(256, dtype=torch.int64)
+    every = every[~torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+                  .isnan()]
+    expected = (every.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16)
+                .view(torch.int16).to(torch.int64) & 0xFFFF)
+    for shift in range(4):
+        rolled = every.roll(17 * shift + 1)
+        for i in range(every.numel()):
+            codes = [int(every[i]), int(rolled[i]), int(every[-1 - i]), int(rolled[-1 - i])]
+            codes = codes[shift:] + codes[:shift]
+            word = sum(c << 8 * k for k, c in enumerate(codes))
+            out = _run_ptx(tqk.FP8X4_ASM.value, [0] * 4 + [word])[:4]
+            lookup = {int(b): int(e) for b, e in zip(every, expected, strict=True)}
+            assert out == [lookup[c] for c in codes], codes
 
 
 @kernels

@@ -429,37 +429,46 @@ _PRMT_PAIR = """
     prmt.b32 q, lo, hi, 0x7362;
     mov.b32 {$%d, $%d}, p;
     mov.b32 {$%d, $%d}, q;"""
+# 4 bits: the selectors of both halves are made once for the whole word (s: code bits 0-2,
+# t: bit 3 picking the first or second lookup's byte); the upper half shifted down serves
+# codes 4-7 (prmt reads only the low 16 bits of its selector).
+_PRMT4_SELECT = """
+    and.b32 sw, x, 0x77777777;
+    shr.b32 tw, x, 1;
+    lop3.b32 tw, tw, 0x44444444, 0x32103210, 0xEA;"""
 _PRMT4_HALF = """
-    and.b32 s, x, 0x7777;
-    shr.b32 t, x, 1;
-    lop3.b32 t, t, 0x4444, 0x3210, 0xEA;
     prmt.b32 al, $9, $10, s;
     prmt.b32 bl, $11, $12, s;
     prmt.b32 ah, $13, $14, s;
     prmt.b32 bh, $15, $16, s;
     prmt.b32 lo, al, bl, t;
     prmt.b32 hi, ah, bh, t;"""
-_PRMT3_HALF = """
-    and.b32 s, x, 0x7;
-    shl.b32 t, x, 1;
-    and.b32 t, t, 0x70;
-    or.b32 s, s, t;
+# 3 bits: the word's 8 codes are first spread to the 8 nibbles of one register in three
+# shift-mask-merge steps (codes 4-7 up by 4, then 2-3 of each half by 2, then the odd ones by 1:
+# 9 ops for 8 codes); prmt reads only the low 16 bits of its selector, so the spread word
+# selects codes 0-3 and its upper half, shifted down, codes 4-7.
+_PRMT3_SPREAD = """
+    shl.b32 t, x, 4;
+    and.b32 t, t, 0x0FFF0000;
+    lop3.b32 x, x, 0xFFF, t, 0xEA;
     shl.b32 t, x, 2;
-    and.b32 t, t, 0x700;
-    or.b32 s, s, t;
-    shl.b32 t, x, 3;
-    and.b32 t, t, 0x7000;
-    or.b32 s, s, t;
+    and.b32 t, t, 0x3F003F00;
+    lop3.b32 x, x, 0x003F003F, t, 0xEA;
+    shl.b32 t, x, 1;
+    and.b32 t, t, 0x70707070;
+    lop3.b32 x, x, 0x07070707, t, 0xEA;"""
+_PRMT3_HALF = """
     prmt.b32 lo, $9, $10, s;
     prmt.b32 hi, $13, $14, s;"""
 PRMT4_ASM = tl.constexpr(
-    "{\n    .reg .b32 x, s, t, al, bl, ah, bh, lo, hi, p, q;\n    mov.b32 x, $8;"
-    + _PRMT4_HALF + _PRMT_PAIR % (0, 1, 2, 3) + "\n    shr.b32 x, $8, 16;"
+    "{\n    .reg .b32 x, s, t, sw, tw, al, bl, ah, bh, lo, hi, p, q;\n    mov.b32 x, $8;"
+    + _PRMT4_SELECT + "\n    mov.b32 s, sw;\n    mov.b32 t, tw;"
+    + _PRMT4_HALF + _PRMT_PAIR % (0, 1, 2, 3) + "\n    shr.b32 s, sw, 16;\n    shr.b32 t, tw, 16;"
     + _PRMT4_HALF + _PRMT_PAIR % (4, 5, 6, 7) + "\n}")
 PRMT3_ASM = tl.constexpr(
-    "{\n    .reg .b32 x, s, t, lo, hi, p, q;\n    mov.b32 x, $8;"
-    + _PRMT3_HALF + _PRMT_PAIR % (0, 1, 2, 3) + "\n    shr.b32 x, $8, 12;"
-    + _PRMT3_HALF + _PRMT_PAIR % (4, 5, 6, 7) + "\n}")
+    "{\n    .reg .b32 x, s, t, lo, hi, p, q;\n    mov.b32 x, $8;" + _PRMT3_SPREAD
+    + "\n    mov.b32 s, x;" + _PRMT3_HALF + _PRMT_PAIR % (0, 1, 2, 3)
+    + "\n    shr.b32 s, x, 16;" + _PRMT3_HALF + _PRMT_PAIR % (4, 5, 6, 7) + "\n}")
 _PRMT_CONSTRAINTS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 9))
 
 
