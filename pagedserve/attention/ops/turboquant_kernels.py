@@ -603,6 +603,51 @@ def _is_prmt(KIND: tl.constexpr, BITS: tl.constexpr, LOOKUP: tl.constexpr):
 
 
 @triton.jit
+def _words3(KIND: tl.constexpr, BITS: tl.constexpr, LOOKUP: tl.constexpr, WORDS: tl.constexpr,
+            HEAD_SIZE: tl.constexpr):
+    """3-bit prmt rows read as int32 words (the prefetching loop, `_prmt3_chunks`)."""
+    return WORDS and _is_prmt(KIND, BITS, LOOKUP) and BITS == 3 and HEAD_SIZE % 32 == 0
+
+
+@triton.jit
+def _prmt3_chunks(w0, w1, w2, table_ptr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """3-bit code rows as chunks of 3 int32 words (12 bytes: 4 groups of 8 codes), w_j [N, C]
+    word j of chunk c -> levels [N, 32C] in CHUNK ORDER: element 32c + 4k + j holds channel
+    32c + 8j + k (a transpose within each 32-channel chunk, which `_chunk_order` applies to
+    the query and `_channel_order` undoes on the accumulator: dots do not depend on the
+    order). One 32-bit load per word instead of one byte load per byte."""
+    g0 = w0
+    g1 = ((w0 >> 24) & 0xFF) | (w1 << 8)
+    g2 = ((w1 >> 16) & 0xFFFF) | (w2 << 16)
+    g3 = w2 >> 8
+    a0, a1, a2, a3, a4, a5, a6, a7 = _prmt8(g0, table_ptr, 3, DTYPE, ASM)
+    e0 = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _prmt8(g1, table_ptr, 3, DTYPE, ASM)
+    e1 = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _prmt8(g2, table_ptr, 3, DTYPE, ASM)
+    e2 = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _prmt8(g3, table_ptr, 3, DTYPE, ASM)
+    e3 = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
+    return tl.interleave(tl.interleave(e0, e2), tl.interleave(e1, e3))
+
+
+@triton.jit
+def _chunk_order(x, HEAD_SIZE: tl.constexpr):
+    """x [M, D] in channel order -> `_prmt3_chunks`' chunk order."""
+    M: tl.constexpr = x.shape[0]
+    y = tl.permute(tl.reshape(x, [M, HEAD_SIZE // 32, 4, 8]), (0, 1, 3, 2))
+    return tl.reshape(y, [M, HEAD_SIZE])
+
+
+@triton.jit
+def _channel_order(x, HEAD_SIZE: tl.constexpr):
+    """x [M, D] in `_prmt3_chunks`' chunk order -> channel order."""
+    M: tl.constexpr = x.shape[0]
+    y = tl.permute(tl.reshape(x, [M, HEAD_SIZE // 32, 8, 4]), (0, 1, 3, 2))
+    return tl.reshape(y, [M, HEAD_SIZE])
+
+
+@triton.jit
 def _load_raw(
     code_row, meta, ok, meta_ok,
     HEAD_SIZE: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
@@ -617,7 +662,13 @@ def _load_raw(
     second = first
     if KIND == 2:
         second = tl.load(meta + 1, mask=meta_ok, other=0.0)
-    if _is_prmt(KIND, BITS, LOOKUP):
+    if _words3(KIND, BITS, LOOKUP, WORDS, HEAD_SIZE):
+        chunk = code_row.to(tl.pointer_type(tl.int32))[:, None] \
+            + 3 * tl.arange(0, HEAD_SIZE // 32)[None, :]
+        b0 = tl.load(chunk, mask=ok[:, None], other=0)
+        b1 = tl.load(chunk + 1, mask=ok[:, None], other=0)
+        b2 = tl.load(chunk + 2, mask=ok[:, None], other=0)
+    elif _is_prmt(KIND, BITS, LOOKUP):
         b0, b1, b2 = _prmt_load(code_row, ok, HEAD_SIZE, BITS)
     elif _fp8_as_words(KIND, LOOKUP, WORDS):
         groups = tl.arange(0, HEAD_SIZE // 4)
@@ -639,7 +690,10 @@ def _decode_vectors(
     """`_load_raw`'s words and metas -> (values [BLOCK_N, D], scale [BLOCK_N] fp32) as
     `_load_vectors`."""
     first = first.to(tl.float32)
-    if _is_prmt(KIND, BITS, LOOKUP):
+    if _words3(KIND, BITS, LOOKUP, WORDS, HEAD_SIZE):  # in chunk order
+        values = _prmt3_chunks(b0, b1, b2, levels_ptr, DTYPE, LOOKUP == 3)
+        scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
+    elif _is_prmt(KIND, BITS, LOOKUP):
         values = _prmt_levels(b0, b1, b2, levels_ptr, BITS, DTYPE, LOOKUP == 3)
         scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
     elif _fp8_as_words(KIND, LOOKUP, WORDS):
@@ -854,6 +908,12 @@ def _tq_attention_kernel(
         q_ctx = q_ctx.to(q_ptr.dtype.element_ty)
     if not FP8_F16:
         q_key = q_ctx
+    # 3-bit rows read as words come in `_prmt3_chunks`' chunk order: the query in that order
+    # for the keys' dot, the accumulator put back in channel order after the loop.
+    K_CHUNKS: tl.constexpr = PREFETCH and _words3(K_KIND, K_BITS, LOOKUP, True, HEAD_SIZE)
+    V_CHUNKS: tl.constexpr = PREFETCH and _words3(V_KIND, V_BITS, LOOKUP, True, HEAD_SIZE)
+    if K_CHUNKS:
+        q_key = _chunk_order(q_key, HEAD_SIZE)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_base = cache_ptr + kv_head * stride_ch
     head_base16 = cache16_ptr + kv_head * stride_ch16
@@ -945,6 +1005,8 @@ def _tq_attention_kernel(
                                        HEAD_SIZE, V_KIND, V_BITS, V_GROUP, LOOKUP,
                                        q_ptr.dtype.element_ty)
             acc = _accumulate(acc, p * v_scale[None, :], v, q_ctx, UPCAST)
+    if V_CHUNKS:
+        acc = _channel_order(acc, HEAD_SIZE)
     if ROTATED:
         # acc R = (acc H) D / sqrt(d). H is symmetric: reading it transposed keeps the compiler
         # from merging this load with the first one, which would hold H in registers across
