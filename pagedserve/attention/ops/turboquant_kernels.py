@@ -477,6 +477,23 @@ def _dtypes8(dtype):
     return (dtype,) * 8
 
 
+# x + (laneid >> 5) (= x): a value that ptxas cannot prove warp-uniform, so that the prmt
+# lookup's codebook words, loop invariants, stay in vector registers across the loop instead of
+# uniform registers copied into vector registers for every lookup (an IMAD.U32 per operand).
+_PER_LANE_ASM = tl.constexpr("""{
+    .reg .b32 l;
+    mov.u32 l, %laneid;
+    shr.u32 l, l, 5;
+    add.u32 $0, $1, l;
+}""")
+
+
+@triton.jit
+def _per_lane(x):
+    return tl.inline_asm_elementwise(_PER_LANE_ASM, "=r,r", [x], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
 @triton.jit
 def _prmt8(word, table_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
     """words [N, G] of 8 codes each (code k at bit k * BITS) -> their 8 levels (o0..o7, code
@@ -494,10 +511,10 @@ def _prmt8(word, table_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.con
         o6 = tl.load(table_ptr + ((word >> (6 * BITS)) & m))
         o7 = tl.load(table_ptr + ((word >> (7 * BITS)) & m))
     else:
-        t0, t1, t2, t3 = (tl.load(table_ptr), tl.load(table_ptr + 1), tl.load(table_ptr + 2),
-                          tl.load(table_ptr + 3))
-        t4, t5, t6, t7 = (tl.load(table_ptr + 4), tl.load(table_ptr + 5),
-                          tl.load(table_ptr + 6), tl.load(table_ptr + 7))
+        t0, t1, t2, t3 = (_per_lane(tl.load(table_ptr)), _per_lane(tl.load(table_ptr + 1)),
+                          _per_lane(tl.load(table_ptr + 2)), _per_lane(tl.load(table_ptr + 3)))
+        t4, t5, t6, t7 = (_per_lane(tl.load(table_ptr + 4)), _per_lane(tl.load(table_ptr + 5)),
+                          _per_lane(tl.load(table_ptr + 6)), _per_lane(tl.load(table_ptr + 7)))
         if BITS == 4:
             o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
                 PRMT4_ASM, _PRMT_CONSTRAINTS, [word, t0, t1, t2, t3, t4, t5, t6, t7],
