@@ -50,8 +50,16 @@ Kernel `_tq_attention_kernel`
            num_splits whole-tile ranges, one per program; each rotates its accumulator back
            and writes its (m, l, acc) partials, the last split alone also attending the new
            tokens, and decode_split_kv.reduce_split_kv merges them.
+           Register prefetch (TQTiles.prefetch, the decode default): phase 1's loop issues
+           the next tile's code and meta loads (`_load_raw`) before computing the current
+           one (`_decode_vectors`) and the page numbers two tiles ahead; only the page-number
+           loads are masked (keys past the context read page 0, their scores -inf and value
+           scales 0). In that loop fp8 rows are int32 words converted by cvt.f16x2.e4m3x2
+           and 3-bit rows int32 words of 12-byte chunks, whose levels come in a chunk order
+           (`_prmt3_chunks`) that the query takes once and the accumulator undoes after it.
            No full-precision copy of the cache exists anywhere. Launch shape: `TQTiles`
-           (block_m, block_n, num_warps, num_stages, lookup); `TQTiles.parse("16/64/4/2/prmt")`.
+           (block_m, block_n, num_warps, num_stages, lookup, max_regs, prefetch);
+           `TQTiles.parse("16/32/4/1/prmt/128/1")`.
   layout:  query/key/value/out [T, H or Hkv, D] (any strides); cache as above (its
            [block_size, slot_bytes] plane contiguous).
   dtypes:  fp32/fp16/bf16 activations. UPCAST keeps the dots in fp32 (fp32 models and the
