@@ -618,23 +618,6 @@ def _fp8_words(word, ASM: tl.constexpr):
 
 
 @triton.jit
-def _fp8_as_words(KIND: tl.constexpr, LOOKUP: tl.constexpr, WORDS: tl.constexpr):
-    return WORDS and KIND == 1 and (LOOKUP == 3 or LOOKUP == 4)
-
-
-@triton.jit
-def _is_prmt(KIND: tl.constexpr, BITS: tl.constexpr, LOOKUP: tl.constexpr):
-    return (LOOKUP == 3 or LOOKUP == 4) and KIND == 0 and (BITS == 3 or BITS == 4)
-
-
-@triton.jit
-def _words3(KIND: tl.constexpr, BITS: tl.constexpr, LOOKUP: tl.constexpr, WORDS: tl.constexpr,
-            HEAD_SIZE: tl.constexpr):
-    """3-bit prmt rows read as int32 words (the prefetching loop, `_prmt3_chunks`)."""
-    return WORDS and _is_prmt(KIND, BITS, LOOKUP) and BITS == 3 and HEAD_SIZE % 32 == 0
-
-
-@triton.jit
 def _prmt3_chunks(w0, w1, w2, table_ptr, DTYPE: tl.constexpr, ASM: tl.constexpr):
     """3-bit code rows as chunks of 3 int32 words (12 bytes: 4 groups of 8 codes), w_j [N, C]
     word j of chunk c -> levels [N, 32C] in CHUNK ORDER: element 32c + 4k + j holds channel
@@ -687,15 +670,19 @@ def _load_raw(
     second = first
     if KIND == 2:
         second = tl.load(meta + 1, mask=meta_ok, other=0.0)
-    if _words3(KIND, BITS, LOOKUP, WORDS, HEAD_SIZE):
+    # (Inline constexprs: triton 3.6 returns a jit helper's bool as a tensor, which `if` refuses.)
+    PRMT: tl.constexpr = (LOOKUP == 3 or LOOKUP == 4) and KIND == 0 and (BITS == 3 or BITS == 4)
+    WORDS3: tl.constexpr = WORDS and PRMT and BITS == 3 and HEAD_SIZE % 32 == 0
+    FP8_WORDS: tl.constexpr = WORDS and KIND == 1 and (LOOKUP == 3 or LOOKUP == 4)
+    if WORDS3:  # 3-bit prmt rows as int32 words (the prefetching loop, `_prmt3_chunks`)
         chunk = code_row.to(tl.pointer_type(tl.int32))[:, None] \
             + 3 * tl.arange(0, HEAD_SIZE // 32)[None, :]
         b0 = tl.load(chunk, mask=ok[:, None], other=0)
         b1 = tl.load(chunk + 1, mask=ok[:, None], other=0)
         b2 = tl.load(chunk + 2, mask=ok[:, None], other=0)
-    elif _is_prmt(KIND, BITS, LOOKUP):
+    elif PRMT:
         b0, b1, b2 = _prmt_load(code_row, ok, HEAD_SIZE, BITS)
-    elif _fp8_as_words(KIND, LOOKUP, WORDS):
+    elif FP8_WORDS:  # fp8 rows as int32 words
         groups = tl.arange(0, HEAD_SIZE // 4)
         b0 = tl.load(code_row.to(tl.pointer_type(tl.int32))[:, None] + groups[None, :],
                      mask=ok[:, None], other=0)
@@ -715,13 +702,16 @@ def _decode_vectors(
     """`_load_raw`'s words and metas -> (values [BLOCK_N, D], scale [BLOCK_N] fp32) as
     `_load_vectors`."""
     first = first.to(tl.float32)
-    if _words3(KIND, BITS, LOOKUP, WORDS, HEAD_SIZE):  # in chunk order
+    PRMT: tl.constexpr = (LOOKUP == 3 or LOOKUP == 4) and KIND == 0 and (BITS == 3 or BITS == 4)
+    WORDS3: tl.constexpr = WORDS and PRMT and BITS == 3 and HEAD_SIZE % 32 == 0
+    FP8_WORDS: tl.constexpr = WORDS and KIND == 1 and (LOOKUP == 3 or LOOKUP == 4)
+    if WORDS3:  # in chunk order
         values = _prmt3_chunks(b0, b1, b2, levels_ptr, DTYPE, LOOKUP == 3)
         scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
-    elif _is_prmt(KIND, BITS, LOOKUP):
+    elif PRMT:
         values = _prmt_levels(b0, b1, b2, levels_ptr, BITS, DTYPE, LOOKUP == 3)
         scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
-    elif _fp8_as_words(KIND, LOOKUP, WORDS):
+    elif FP8_WORDS:  # fp8 rows as int32 words
         values = _fp8_words(b0, LOOKUP == 3)
         scale = first * (1.0 / tl.sqrt(float(HEAD_SIZE)))
     else:
@@ -935,8 +925,10 @@ def _tq_attention_kernel(
         q_key = q_ctx
     # 3-bit rows read as words come in `_prmt3_chunks`' chunk order: the query in that order
     # for the keys' dot, the accumulator put back in channel order after the loop.
-    K_CHUNKS: tl.constexpr = PREFETCH and _words3(K_KIND, K_BITS, LOOKUP, True, HEAD_SIZE)
-    V_CHUNKS: tl.constexpr = PREFETCH and _words3(V_KIND, V_BITS, LOOKUP, True, HEAD_SIZE)
+    K_CHUNKS: tl.constexpr = (PREFETCH and (LOOKUP == 3 or LOOKUP == 4) and K_KIND == 0
+                              and K_BITS == 3 and HEAD_SIZE % 32 == 0)
+    V_CHUNKS: tl.constexpr = (PREFETCH and (LOOKUP == 3 or LOOKUP == 4) and V_KIND == 0
+                              and V_BITS == 3 and HEAD_SIZE % 32 == 0)
     if K_CHUNKS:
         q_key = _chunk_order(q_key, HEAD_SIZE)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
