@@ -29,14 +29,17 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pagedserve.attention.ops import unified_attention as ua  # noqa: E402
 
+BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
+
 
 class Compile:
     """Stands in for a @triton.jit kernel: `kernel[grid](*args)` compiles for `target` and
-    prints ptxas's resource line instead of launching."""
+    records the result in `compiled` instead of launching."""
 
-    def __init__(self, kernel, target: GPUTarget, label: str) -> None:
-        self.kernel, self.target, self.label = kernel, target, label
+    def __init__(self, kernel, target: GPUTarget) -> None:
+        self.kernel, self.target = kernel, target
         self.backend = make_backend(target)
+        self.compiled = []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -45,20 +48,29 @@ class Compile:
             bound, spec, options = binder(*args, **kwargs)
             options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound,
                                                                   spec, options)
-            compiled = compile(ASTSource(fn, signature, constexprs, attrs), target=self.target,
-                               options=options.__dict__)
-            ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
-            with tempfile.TemporaryDirectory() as tmp:
-                ptx = Path(tmp) / "kernel.ptx"
-                ptx.write_text(compiled.asm["ptx"])
-                result = subprocess.run(
-                    [str(ptxas), "-v", "--gpu-name", f"sm_{self.target.arch}a", str(ptx),
-                     "-o", str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True)
-            lines = [line.split("info    : ")[-1].strip() for line in result.stderr.splitlines()
-                     if "registers" in line or "spill" in line]
-            usage = "; ".join(lines[-2:]) if lines else result.stderr[-500:]
-            print(f"{self.label}: shared memory {compiled.metadata.shared / 1024:.1f} KB; {usage}")
+            self.compiled.append(compile(ASTSource(fn, signature, constexprs, attrs),
+                                         target=self.target, options=options.__dict__))
         return launch
+
+
+def ptxas_and_sass(compiled, arch: int) -> tuple[str, str]:
+    """ptxas's register/spill lines for a compiled kernel, and its SASS ("" if none)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        cubin = Path(tmp) / "kernel.cubin"
+        ptx.write_text(compiled.asm["ptx"])
+        result = subprocess.run([str(BIN / "ptxas"), "-v", "--gpu-name", f"sm_{arch}a", str(ptx),
+                                 "-o", str(cubin)], capture_output=True, text=True)
+        lines = [line.split("info    : ")[-1].strip() for line in result.stderr.splitlines()
+                 if "registers" in line or "spill" in line]
+        usage = "; ".join(lines[-2:]) if lines else result.stderr[-500:]
+        sass = subprocess.run([str(BIN / "nvdisasm"), "-c", "-hex", str(cubin)],
+                              capture_output=True, text=True).stdout \
+            if cubin.exists() else ""
+        if not sass and cubin.exists():
+            sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)],
+                                  capture_output=True, text=True).stdout
+    return usage, sass
 
 
 def main() -> None:
@@ -80,9 +92,8 @@ def main() -> None:
         tiles = ua.TileConfig(*map(int, text.split("/")))
         decode = tiles.block_m == 16
         block_q, block_m = ua.query_block_shape(heads // kv_heads, tiles, decode)
-        ua._unified_attention_kernel = Compile(
-            real, target, f"{'decode' if decode else 'prefill'} {text}"
-                          f"{' unfused' if args.unfused else ''}")
+        stand_in = Compile(real, target)
+        ua._unified_attention_kernel = stand_in
         t = 4
         query = torch.zeros(t, heads, d, dtype=dtype)
         key = torch.zeros(t, kv_heads, d, dtype=dtype)
@@ -94,6 +105,11 @@ def main() -> None:
                              torch.tensor([10, 10], dtype=i32), torch.zeros(2, dtype=i32),
                              torch.zeros(2, dtype=i32), 2, block_q, block_m, d ** -0.5, tiles,
                              args.window, **new_kv)
+        for compiled in stand_in.compiled:
+            usage, _ = ptxas_and_sass(compiled, args.arch)
+            print(f"{'decode' if decode else 'prefill'} {text}"
+                  f"{' unfused' if args.unfused else ''}: shared memory "
+                  f"{compiled.metadata.shared / 1024:.1f} KB; {usage}")
     ua._unified_attention_kernel = real
 
 

@@ -18,18 +18,13 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
-from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pagedserve.attention.ops import decode_split_kv  # noqa: E402
@@ -37,7 +32,8 @@ from pagedserve.attention.ops import turboquant_format as tqf  # noqa: E402
 from pagedserve.attention.ops import turboquant_kernels as tqk  # noqa: E402
 from pagedserve.attention.ops.unified_attention import query_block_shape  # noqa: E402
 
-BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_resources import Compile, ptxas_and_sass  # noqa: E402
 
 # SASS opcode (before the first dot) -> class.
 CLASSES = {
@@ -51,46 +47,6 @@ CLASSES = {
     "IMNMX": "int", "IABS": "int", "SGXT": "int", "BMSK": "int", "IMAD.WIDE": "int",
     "MOV": "MOV", "S2R": "other", "CS2R": "other", "BRA": "branch", "NOP": "NOP",
 }
-
-
-class Compile:
-    """Stands in for a @triton.jit kernel: `kernel[grid](*args)` compiles for `target` and
-    records the result instead of launching."""
-
-    def __init__(self, kernel, target: GPUTarget) -> None:
-        self.kernel, self.target = kernel, target
-        self.backend = make_backend(target)
-        self.compiled = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            fn = self.kernel
-            binder = create_function_from_signature(fn.signature, fn.params, self.backend)
-            bound, spec, options = binder(*args, **kwargs)
-            options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound,
-                                                                  spec, options)
-            self.compiled.append(compile(ASTSource(fn, signature, constexprs, attrs),
-                                         target=self.target, options=options.__dict__))
-        return launch
-
-
-def ptxas_and_sass(compiled, arch: int) -> tuple[str, str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        cubin = Path(tmp) / "kernel.cubin"
-        ptx.write_text(compiled.asm["ptx"])
-        result = subprocess.run([str(BIN / "ptxas"), "-v", "--gpu-name", f"sm_{arch}a", str(ptx),
-                                 "-o", str(cubin)], capture_output=True, text=True)
-        lines = [line.split("info    : ")[-1].strip() for line in result.stderr.splitlines()
-                 if "registers" in line or "spill" in line]
-        usage = "; ".join(lines[-2:]) if lines else result.stderr[-500:]
-        sass = subprocess.run([str(BIN / "nvdisasm"), "-c", "-hex", str(cubin)],
-                              capture_output=True, text=True).stdout \
-            if cubin.exists() else ""
-        if not sass and cubin.exists():
-            sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)],
-                                  capture_output=True, text=True).stdout
-    return usage, sass
 
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
