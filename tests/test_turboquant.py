@@ -239,6 +239,9 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
     blocks_per_req = [math.ceil((c + q) / bs) for c, q in batch]
     num_blocks = sum(blocks_per_req) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
+    if fill:  # block 0 never written: the prefetching loop's unmasked reads past the context
+        perm.remove(0)  # land there, so they see the fill (NaN metas and fp8 codes at 255)
+        perm.append(0)
     block_ids, pos = [], 0
     for n in blocks_per_req:
         block_ids.append(perm[pos:pos + n])
@@ -383,10 +386,11 @@ def test_kernels_shapes_and_options(batch, window, soft_cap, block_size, num_hea
 
 
 @kernels
-@pytest.mark.parametrize("batch,window,soft_cap,block_size", [
-    ("chunked_prefill", 8, None, 16), ("decode", 20, 5.0, 1), ("mixed", None, None, 32)])
+@pytest.mark.parametrize("batch,window,soft_cap,block_size,head_size", [
+    ("chunked_prefill", 8, None, 16, 32), ("decode", 20, 5.0, 1, 32),
+    ("mixed", None, None, 32, 32), ("decode", None, None, 16, 64)])  # 64: two 3-bit chunks
 @pytest.mark.parametrize("preset", ["tq_3bit", "tq_4bit", "tq_k8v4"])
-def test_kernels_register_prefetch(batch, window, soft_cap, block_size, preset):
+def test_kernels_register_prefetch(batch, window, soft_cap, block_size, head_size, preset):
     """The loop that loads the next tile's codes and metas (and the page numbers two tiles
     ahead) while the current one is computed: windows (tiles starting past 0), page sizes
     below and above the tile, prefill and decode; unwritten slots all 0xFF (NaN metas and fp8
@@ -395,7 +399,7 @@ def test_kernels_register_prefetch(batch, window, soft_cap, block_size, preset):
 
     out, _, reqs, _, _, _ = run_turboquant_case(
         preset, BATCHES[batch], block_size, 8, use_kernels=True, window=window,
-        soft_cap=soft_cap, head_size=32, seed=6, device=KERNEL_DEVICE,
+        soft_cap=soft_cap, head_size=head_size, seed=6, device=KERNEL_DEVICE,
         tiles=TQTiles.parse("16/16/1/1/prmt/0/1"), fill=255)
     dequant, _ = references(preset, reqs, window, soft_cap)
     torch.testing.assert_close(out, dequant, rtol=1e-4, atol=1e-4)
@@ -441,7 +445,7 @@ def test_kernels_split_kv_decode(preset, num_splits, window, soft_cap, tiles):
     out, cache, reqs, new_slots, key, value = run_turboquant_case(
         preset, batch, use_kernels=True, device=KERNEL_DEVICE, head_size=32, seed=11,
         num_heads=8, num_kv_heads=2, window=window, soft_cap=soft_cap,
-        tiles=TQTiles.parse(tiles), num_splits=num_splits)
+        tiles=TQTiles.parse(tiles), num_splits=num_splits, fill=255)
     dequant, _ = references(preset, reqs, window, soft_cap)
     torch.testing.assert_close(out, dequant, rtol=1e-4, atol=1e-4)
     _check_new_slots(preset, cache, new_slots, key, value)
