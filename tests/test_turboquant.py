@@ -173,6 +173,17 @@ def test_preset_binding_and_validation():
     assert get_backend_cls("TURBOQUANT") is TurboQuantBackend
 
 
+@pytest.mark.parametrize("capability,preset,refused", [
+    ((8, 0), "tq_k8v4", True), ((8, 0), "tq_4bit", False), ((8, 9), "tq_k8v4", False),
+    ((9, 0), "tq_k8v4", False)])
+def test_fp8_keys_need_compute_capability_8_9(monkeypatch, capability, preset, refused):
+    """tq_k8v4's e4m3 conversions do not exist before sm_89: refused there by name."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    layer = AttentionLayerConfig(8, 2, 64, torch.bfloat16, kv_cache_dtype=preset)
+    reasons = TurboQuantBackend.validate_configuration(layer, 16, torch.device("cuda"))
+    assert any("compute capability 8.9" in r for r in reasons) is refused
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_cache_plane_layout(preset):
     """Each (block, KV head) region is [K code rows | V code rows | K metas | V metas]; the

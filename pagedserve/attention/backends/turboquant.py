@@ -329,6 +329,13 @@ class TurboQuantBackend(AttentionBackend):
                 # The kernels rotate with an fp32 [d, d] tl.dot operand: 256 KB at d = 256.
                 reasons.append(f"head size {layer.head_size} > {MAX_KERNEL_HEAD_SIZE} is not "
                                f"supported by the TurboQuant kernels")
+            preset = (cls.preset() if layer.kv_cache_dtype not in tqf.PRESETS
+                      else tqf.PRESETS[layer.kv_cache_dtype])
+            fp8 = "fp8" in (preset.key.kind, preset.value.kind)
+            if fp8 and torch.cuda.get_device_capability(device) < (8, 9):
+                # e4m3 conversions (PTX cvt ... e4m3x2) exist from sm_89 (Ada, Hopper) on
+                reasons.append(f"{preset.name} stores fp8 e4m3 codes, which need a GPU of "
+                               f"compute capability 8.9 or newer; choose tq_4bit or tq_3bit")
         return reasons
 
 
