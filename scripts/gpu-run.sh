@@ -6,9 +6,9 @@
 # ../shared/gpu/README.md), tests (GPU tests in parallel shards), quick (the GPU tests of
 # recently changed code), e2e (engine vs transformers on the SmolLM2 GGUF), bench (attention
 # kernels), features (Mamba and prefix caching GPU tests), engine (benchmarks/gpu_engine.py),
-# tqtests (TurboQuant's GPU tests), tunableop (8B decode steps without and with PYTORCH_TUNABLEOP_ENABLED), tune (Triton
-# launch-shape sweep, K/V write paths), fa4 (FA4 conformance and benchmark rows), tq
-# (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
+# tqtests (TurboQuant's GPU tests), tunableop (8B decode steps without and with
+# PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
+# conformance and benchmark rows), tq (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
 # caching, Mamba decode and TurboQuant decode benchmarks), prefix0 (prefix caching at 0% hits),
 # export (compiled FlashInfer kernels to $OUT, which install.sh reuses when copied into .gpu/
 # as kernels*.tar.xz).
