@@ -113,7 +113,7 @@ def test_backend_takes_split_path_for_small_decode_batches(monkeypatch):
         calls.append(args[13])  # num_splits
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(triton_attn, "_device_sm_count", lambda device: 64)
+    monkeypatch.setattr(decode_split_kv, "device_sm_count", lambda device: 64)
     monkeypatch.setattr(decode_split_kv, "SPLIT_MIN_SEQ_LEN", 0)
     monkeypatch.setattr(decode_split_kv, "MIN_TILES_PER_SPLIT", 1)
     monkeypatch.setattr(decode_split_kv, "split_kv_decode", counting)

@@ -29,13 +29,6 @@ from pagedserve.scheduler.metadata import CommonAttentionMetadata
 MAX_BLOCK_SIZE = 1024  # tiles read pages through the block table one key at a time: any size
 
 
-def _device_sm_count(device: torch.device) -> int:
-    """SMs to fill; 0 on the CPU (the interpreter never splits unless a test asks it to)."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @dataclass
 class TritonAttentionMetadata:
     common: CommonAttentionMetadata
@@ -52,17 +45,20 @@ class TritonAttentionMetadata:
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, config: BuilderConfig) -> None:
         super().__init__(config)
-        from pagedserve.attention.ops.decode_split_kv import MAX_SPLITS, allocate_partials
+        from pagedserve.attention.ops.decode_split_kv import (
+            MAX_SPLITS,
+            allocate_partials,
+            device_sm_count,
+            max_split_decodes,
+        )
 
         device = torch.device(config.device)
         self.device = device
         self.num_queries_per_kv = config.num_heads // config.num_kv_heads
-        self.num_sms = _device_sm_count(device)
+        self.num_sms = device_sm_count(device)
         self.query_blocks = QueryBlockMap(config.max_num_tokens, device)
-        # Split decodes only happen while decodes x KV heads < SMs: size the partials for that.
-        split_tokens = min(config.max_num_reqs,
-                           max(1, -(-self.num_sms // config.num_kv_heads)))
-        self.max_split_tokens = split_tokens if self.num_sms else 0
+        self.max_split_tokens = max_split_decodes(config.max_num_reqs, config.num_kv_heads,
+                                                  self.num_sms)
         self.partials = (allocate_partials(self.max_split_tokens, config.num_heads,
                                            config.head_size, MAX_SPLITS, device)
                          if self.max_split_tokens else None)

@@ -83,15 +83,18 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         # Split-KV decode (ops.decode_split_kv): None picks the split count per step
         # (`choose_num_splits`: only while decodes x KV heads leave SMs idle); tests set it.
         self.num_splits: int | None = None
-        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                        if device.type == "cuda" else 0)
+        from pagedserve.attention.ops.decode_split_kv import (
+            MAX_SPLITS,
+            device_sm_count,
+            max_split_decodes,
+        )
+
+        self.num_sms = device_sm_count(device)
         self._partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._partials_size = (0, 0)
-        if self.num_sms:  # the heuristic splits while decodes x KV heads < SMs: size for that
-            from pagedserve.attention.ops.decode_split_kv import MAX_SPLITS
-
-            self._split_partials(min(config.max_num_reqs,
-                                     -(-self.num_sms // config.num_kv_heads)), MAX_SPLITS)
+        split_decodes = max_split_decodes(config.max_num_reqs, config.num_kv_heads, self.num_sms)
+        if split_decodes:
+            self._split_partials(split_decodes, MAX_SPLITS)
 
     def build(self, common: CommonAttentionMetadata) -> TurboQuantMetadata:
         if self.use_kernels:

@@ -30,6 +30,21 @@ SPLIT_MIN_SEQ_LEN = 1024  # shorter contexts gain too little from splitting
 MIN_TILES_PER_SPLIT = 2
 
 
+def device_sm_count(device: torch.device) -> int:
+    """SMs to fill; 0 off CUDA (the interpreter never splits unless a test asks it to)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def max_split_decodes(max_num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """The most decodes `choose_num_splits` can split in one step (it splits only while
+    decodes x KV heads < SMs): what the partial buffers are sized for; 0 without SMs."""
+    if not num_sms:
+        return 0
+    return min(max_num_reqs, max(1, -(-num_sms // num_kv_heads)))
+
+
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                       block_n: int) -> int:
     """Host heuristic, once per step: split only when the (request, KV head) programs cannot
