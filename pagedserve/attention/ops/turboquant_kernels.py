@@ -1108,7 +1108,7 @@ def tq_attention(
     if upcast is None:
         upcast = query.dtype == torch.float32 or query.device.type == "cpu"
     cache16, layout = _layout_args(preset, kv_cache, head_size)
-    lookup = LOOKUPS[getattr(tiles, "lookup", "table")]
+    lookup = LOOKUPS[tiles.lookup]
     if lookup == LOOKUPS["prmt"] and (upcast or not inline_asm_supported(query.device)):
         lookup = PRMT_STAND_IN  # inline PTX: CUDA and 16-bit dots only
     if lookup == LOOKUPS["prmt"]:
@@ -1130,11 +1130,11 @@ def tq_attention(
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
         UPCAST=upcast, ROTATED=preset.rotated, LOOKUP=lookup, NUM_SPLITS=num_splits,
-        PREFETCH=bool(getattr(tiles, "prefetch", 0)),
+        PREFETCH=bool(tiles.prefetch),
         **layout,
         **_codec_args("K", preset.key, head_size), **_codec_args("V", preset.value, head_size),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **({"maxnreg": tiles.max_regs} if getattr(tiles, "max_regs", 0)
+        **({"maxnreg": tiles.max_regs} if tiles.max_regs
            and inline_asm_supported(query.device) else {}),
     )
     if num_splits > 1:
