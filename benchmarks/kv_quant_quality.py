@@ -169,13 +169,15 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
                      presets: tuple[str, ...] = ("tq_k8v4", "tq_4bit", "tq_3bit"),
                      seed: int = 0, tq_tiles: list[str] | None = None, device: str = "cuda",
                      dtype: torch.dtype = torch.bfloat16, warmup: int = 5,
-                     iters: int = 30, tq_splits: list[int] | None = None) -> list[dict]:
+                     iters: int = 30, tq_splits: list[int] | None = None,
+                     decode_kernels: list[str] | None = None) -> list[dict]:
     """One decode step (each sequence has `context` tokens, the last one new) through the
     backends' builder + impl.forward: TRITON on a bf16 cache and TURBOQUANT per preset on the
     same K/V, once per launch shape in `tq_tiles` ("16/64/4/2[/select]"; None: the default)
     and split count in `tq_splits` (split-KV decode programs per request; None: the builder's
     heuristic, which splits only while requests x KV heads < SMs; the row's tiles then read
-    "<tiles> x<splits>").
+    "<tiles> x<splits>"), and decode kernel in `decode_kernels` ('auto', 'cuda': the CUDA
+    kernel of ops/tq_decode_cuda.py, row tiles "cuda"; 'triton'; None: the builder's choice).
     Prints and returns rows {impl, tiles, us, cache_bytes, tb_s, speedup, rel_err}. (device
     "cpu" with float32 runs the kernels in the interpreter: tests only.)"""
     from pagedserve.attention import BuilderConfig, get_backend_cls
@@ -229,7 +231,8 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
     key = torch.randn(num_seqs, num_kv_heads, head_size, generator=gen, device=dev, dtype=act)
     value = torch.randn_like(key)
 
-    def run(name: str, kv_cache: torch.Tensor, preset: str = "auto", tiles=None, splits=None):
+    def run(name: str, kv_cache: torch.Tensor, preset: str = "auto", tiles=None, splits=None,
+            kernel=None):
         cls = get_backend_cls(name)
         config = BuilderConfig(num_heads, num_kv_heads, head_size, act, block_size, num_seqs,
                                num_seqs, pages, dev, kv_cache_dtype=preset)
@@ -238,6 +241,8 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
             builder.use_kernels = True  # (already so on CUDA; the interpreter in tests)
             builder.decode_tiles = tiles
             builder.num_splits = splits
+            if kernel is not None:
+                builder.decode_kernel = kernel
         metadata = builder.build(common)
         impl = cls.get_impl_cls()(num_heads, head_size, head_size ** -0.5, num_kv_heads,
                                   None, None, preset)
@@ -254,11 +259,16 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
                  tb_s=base_bytes / base_s / 1e12, speedup=1.0, rel_err=0.0)]
     for preset, cache in tq_caches.items():
         nbytes = tokens * num_kv_heads * tqf.PRESETS[preset].slot_bytes(head_size)
-        for tiles, splits in [(t, n) for t in tile_configs for n in (tq_splits or [None])]:
+        configs = [(t, n, k) for k in (decode_kernels or [None]) for t in tile_configs
+                   for n in (tq_splits or [None])]
+        if "cuda" in (decode_kernels or []):  # launch shapes do not apply to it
+            configs = [c for c in configs if c[2] != "cuda"] + [(None, None, "cuda")]
+        for tiles, splits, kernel in configs:
             t0 = time.perf_counter()
-            seconds, out = run("TURBOQUANT", cache, preset, tiles, splits)
+            seconds, out = run("TURBOQUANT", cache, preset, tiles, splits, kernel)
             rel = float((out.float() - base_out.float()).norm() / base_out.float().norm())
-            label = str(tiles or DECODE_TILES) + ("" if splits is None else f" x{splits}")
+            label = ("cuda" if kernel == "cuda" else str(tiles or DECODE_TILES)
+                     + ("" if splits is None else f" x{splits}"))
             rows.append(dict(impl=f"TURBOQUANT {preset}", tiles=label,
                              us=seconds * 1e6, cache_bytes=nbytes, tb_s=nbytes / seconds / 1e12,
                              speedup=base_s / seconds, rel_err=rel))
@@ -303,6 +313,9 @@ def main() -> None:
     parser.add_argument("--tq-splits", default="",
                         help="kernel bench: comma-separated split-KV counts to time each "
                              "TURBOQUANT launch shape with (default: the builder's heuristic)")
+    parser.add_argument("--tq-decode-kernels", default="",
+                        help="kernel bench: comma-separated TURBOQUANT decode kernels to time "
+                             "(auto, cuda, triton; default: the builder's choice)")
     parser.add_argument("--tq-presets", default="tq_k8v4,tq_4bit,tq_3bit",
                         help="kernel bench: the TURBOQUANT presets to time")
     args = parser.parse_args()
@@ -312,6 +325,8 @@ def main() -> None:
                          presets=tuple(p for p in args.tq_presets.split(",") if p),
                          tq_tiles=[t for t in tiles.split(",") if t.strip()] or None,
                          tq_splits=[int(n) for n in args.tq_splits.split(",") if n.strip()]
+                         or None,
+                         decode_kernels=[k for k in args.tq_decode_kernels.split(",") if k]
                          or None)
         return
     torch.manual_seed(0)

@@ -6,7 +6,7 @@
 # ../shared/gpu/README.md), tests (GPU tests in parallel shards), quick (the GPU tests of
 # recently changed code), e2e (engine vs transformers on the SmolLM2 GGUF), bench (attention
 # kernels), features (Mamba and prefix caching GPU tests), engine (benchmarks/gpu_engine.py),
-# tqtests (TurboQuant's GPU tests), tunableop (8B decode steps without and with
+# tqtests (TurboQuant's GPU tests), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
 # conformance and benchmark rows), tq (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
 # caching, Mamba decode and TurboQuant decode benchmarks), prefix0 (prefix caching at 0% hits),
@@ -175,6 +175,15 @@ stage_tq() {  # TurboQuant decode against bf16 Triton, 64 x 8,192
     timeout "${TQ_TIMEOUT:-200}" python3 benchmarks/kv_quant_quality.py --kernel-bench ${TQ_ARGS:-} \
         >"$OUT/tq.log" 2>&1
     echo "exit $?" >>"$OUT/tq.log"
+}
+
+stage_tqcuda() {  # the CUDA TurboQuant decode kernel's tests, then 64 x 8,192: CUDA, Triton
+    setup_env
+    timeout "${TQCUDA_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --tb=short \
+        tests/test_tq_decode_cuda.py tests/test_turboquant_gpu.py -k "cuda_decode or builds" \
+        >"$OUT/tqcuda.log" 2>&1
+    echo "exit $?" >>"$OUT/tqcuda.log"
+    TQ_ARGS="--tq-decode-kernels cuda,triton ${TQ_ARGS:-}" stage_tq
 }
 
 stage_measure() {  # benchmarks of prefix caching, Mamba and TurboQuant on the H200

@@ -237,10 +237,13 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
                         dtype: torch.dtype = torch.float32, window: int | None = None,
                         soft_cap: float | None = None, use_kernels: bool = False,
                         device: str = "cpu", seed: int = 0, tiles=None,
-                        num_splits: int | None = None, fill: int = 0):
+                        num_splits: int | None = None, fill: int = 0,
+                        decode_kernel: str | None = None):
     """Context K/V written into shuffled pages through the torch format, then one step of the
     backend (builder + impl) over the new tokens (tiles: the kernels' launch shape, if given;
-    fill: the byte of every slot not written, 255 makes NaN metas and fp8 codes).
+    fill: the byte of every slot not written, 255 makes NaN metas and fp8 codes;
+    decode_kernel: 'auto', 'cuda' or 'triton' for decode steps, default 'triton' when tiles
+    are given, as they are the Triton kernel's).
     Returns (output, cache, per request: (query, K, V, context length)), everything needed to
     build references."""
     gen = torch.Generator().manual_seed(seed)
@@ -286,6 +289,8 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
     builder.use_kernels = use_kernels
     builder.decode_tiles = builder.prefill_tiles = tiles
     builder.num_splits = num_splits
+    if decode_kernel is not None or tiles is not None:
+        builder.decode_kernel = decode_kernel or "triton"
     impl = backend.get_impl_cls()(num_heads, d, d ** -0.5, hkv, window, soft_cap, preset)
     query = torch.cat([r[0] for r in reqs]).to(device)
     key = torch.cat([r[1][r[3]:] for r in reqs]).to(device)

@@ -148,6 +148,55 @@ def test_attention_kernel_fp32_options(preset, window, soft_cap, block_size):
     torch.testing.assert_close(torch_path, dequant, rtol=1e-4, atol=1e-4)
 
 
+# Decode batches for the CUDA kernel: contexts around tile (16) and warp-round (64) edges, an
+# empty context, and long ones.
+CUDA_DECODE_BATCH = [(0, 1), (1, 1), (15, 1), (16, 1), (17, 1), (63, 1), (64, 1), (65, 1),
+                     (300, 1), (1000, 1), (2049, 1)]
+
+
+@pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
+@pytest.mark.parametrize("heads", [(32, 8), (9, 3), (8, 8), (16, 2), (12, 1)])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_cuda_decode_kernel_matches_reference_bf16(preset, heads, block_size):
+    """The CUDA decode kernel (ops/csrc/tq_decode.cu) on an unwritten-slot fill of 255 (NaN
+    metas and fp8 codes past the context) for every query-group size it takes (1 to 16)."""
+    out, _, reqs, *_ = run_turboquant_case(preset, CUDA_DECODE_BATCH, block_size, *heads,
+                                           head_size=128, dtype=torch.bfloat16,
+                                           use_kernels=True, device=CUDA, fill=255,
+                                           decode_kernel="cuda")
+    assert torch.isfinite(out).all()
+    dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
+def test_cuda_decode_kernel_float16_and_agrees_with_triton(preset):
+    args = dict(block_size=32, num_heads=32, num_kv_heads=8, head_size=128,
+                dtype=torch.float16, use_kernels=True, device=CUDA)
+    cuda, _, reqs, *_ = run_turboquant_case(preset, CUDA_DECODE_BATCH, decode_kernel="cuda",
+                                            **args)
+    triton_out, *_ = run_turboquant_case(preset, CUDA_DECODE_BATCH, decode_kernel="triton",
+                                         **args)
+    dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(cuda.float(), dequant, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(cuda.float(), triton_out.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_cuda_decode_kernel_falls_back_or_refuses():
+    """'auto' takes the Triton kernel where the CUDA one cannot run (a sliding window, head
+    size 64, naive presets); 'cuda' says why instead."""
+    for preset, head_size, window in (("tq_4bit", 128, 8), ("tq_4bit", 64, None),
+                                      ("naive_int4", 128, None)):
+        args = dict(num_heads=8, num_kv_heads=2, head_size=head_size, dtype=torch.bfloat16,
+                    window=window, use_kernels=True, device=CUDA)
+        out, _, reqs, *_ = run_turboquant_case(preset, CUDA_DECODE_BATCH[:6],
+                                               decode_kernel="auto", **args)
+        dequant, _ = references(preset, reqs, window)
+        torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
+        with pytest.raises(RuntimeError, match="CUDA decode kernel"):
+            run_turboquant_case(preset, CUDA_DECODE_BATCH[:6], decode_kernel="cuda", **args)
+
+
 def _benchmark_module():
     path = pathlib.Path(__file__).parents[1] / "benchmarks" / "kv_quant_quality.py"
     spec = importlib.util.spec_from_file_location("kv_quant_quality", path)

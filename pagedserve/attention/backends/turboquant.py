@@ -56,6 +56,9 @@ class KernelPlan:
     tiles: object  # ops.turboquant_kernels.TQTiles
     num_splits: int = 1  # > 1: split-KV decode through `partials`
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # A single-launch decode step may run the CUDA kernel (ops.tq_decode_cuda): 'auto' where
+    # the layer allows it, 'cuda' (or fail), 'triton'.
+    decode_kernel: str = "triton"
 
 
 @dataclass
@@ -83,6 +86,11 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         # Split-KV decode (ops.decode_split_kv): None picks the split count per step
         # (`choose_num_splits`: only while decodes x KV heads leave SMs idle); tests set it.
         self.num_splits: int | None = None
+        # Decode steps without splits: 'auto', 'cuda' or 'triton' (ops.tq_decode_cuda);
+        # PAGEDSERVE_TQ_DECODE_KERNEL sets it, benchmarks and tests override it.
+        from pagedserve.attention.ops.tq_decode_cuda import requested_kernel
+
+        self.decode_kernel = requested_kernel()
         from pagedserve.attention.ops.decode_split_kv import (
             MAX_SPLITS,
             device_sm_count,
@@ -137,8 +145,9 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
                 num_splits = choose_num_splits(num_qblocks, self.config.num_kv_heads,
                                                common.max_seq_len, self.num_sms, tiles.block_n)
         partials = self._split_partials(num_qblocks, num_splits) if num_splits > 1 else None
+        decode_kernel = self.decode_kernel if decode_only and num_splits == 1 else "triton"
         return KernelPlan(self.query_blocks.req, self.query_blocks.start, num_qblocks, block_q,
-                          block_m, tiles, num_splits, partials)
+                          block_m, tiles, num_splits, partials, decode_kernel)
 
     def _split_partials(self, num_tokens: int,
                         num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,6 +178,7 @@ class TurboQuantImpl(AttentionImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window,
                          logits_soft_cap, kv_cache_dtype)
         self.preset = tqf.get_preset(kv_cache_dtype)
+        self._cuda_decode_reasons: dict[tuple, str | None] = {}
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TurboQuantMetadata,
@@ -197,11 +207,36 @@ class TurboQuantImpl(AttentionImpl):
         common, plan = md.common, md.kernel
         tensors = _format_tensors(self.preset.name, self.head_size, str(query.device))
         tq_store(self.preset, tensors, key, value, kv_cache, common.slot_mapping)
+        if plan.decode_kernel != "triton":
+            reason = self._cuda_decode_reason(query, kv_cache)
+            if reason is None:
+                from pagedserve.attention.ops.tq_decode_cuda import tq_decode
+
+                tq_decode(self.preset, tensors.signs, query, key, value, kv_cache, output,
+                          common.block_table, common.query_start_loc, common.seq_lens,
+                          plan.qblock_req, plan.num_qblocks, self.scale)
+                return
+            if plan.decode_kernel == "cuda":
+                raise RuntimeError(f"TURBOQUANT: the CUDA decode kernel was asked for but cannot "
+                                   f"run this layer: {reason}")
         tq_attention(self.preset, tensors, query, key, value, kv_cache, output,
                      common.block_table, common.query_start_loc, common.seq_lens,
                      plan.qblock_req, plan.qblock_start, plan.num_qblocks, plan.block_q,
                      plan.block_m, self.scale, plan.tiles, self.sliding_window,
                      self.logits_soft_cap, num_splits=plan.num_splits, partials=plan.partials)
+
+    def _cuda_decode_reason(self, query: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+        """Why the CUDA decode kernel cannot take this layer's decode steps (None: it can);
+        once per dtype, block size and device."""
+        key = (query.dtype, kv_cache.shape[2], query.device)
+        if key not in self._cuda_decode_reasons:
+            from pagedserve.attention.ops.tq_decode_cuda import unsupported_reason
+
+            self._cuda_decode_reasons[key] = unsupported_reason(
+                self.preset, self.head_size, kv_cache.shape[2], query.dtype,
+                self.num_heads // self.num_kv_heads, self.sliding_window,
+                self.logits_soft_cap, query.device)
+        return self._cuda_decode_reasons[key]
 
     # ---- torch ----------------------------------------------------------------------------
 
