@@ -262,12 +262,13 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
         configs = [(t, n, k) for k in (decode_kernels or [None]) for t in tile_configs
                    for n in (tq_splits or [None])]
         if "cuda" in (decode_kernels or []):  # launch shapes do not apply to it
-            configs = [c for c in configs if c[2] != "cuda"] + [(None, None, "cuda")]
+            configs = [c for c in configs if c[2] != "cuda"] + [
+                (None, n, "cuda") for n in (tq_splits or [None])]
         for tiles, splits, kernel in configs:
             t0 = time.perf_counter()
             seconds, out = run("TURBOQUANT", cache, preset, tiles, splits, kernel)
             rel = float((out.float() - base_out.float()).norm() / base_out.float().norm())
-            label = ("cuda" if kernel == "cuda" else str(tiles or DECODE_TILES)
+            label = (("cuda" if kernel == "cuda" else str(tiles or DECODE_TILES))
                      + ("" if splits is None else f" x{splits}"))
             rows.append(dict(impl=f"TURBOQUANT {preset}", tiles=label,
                              us=seconds * 1e6, cache_bytes=nbytes, tb_s=nbytes / seconds / 1e12,

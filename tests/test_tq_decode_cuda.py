@@ -46,7 +46,7 @@ def test_unsupported_reasons():
     if not torch.cuda.is_available():
         return
     cuda = torch.device("cuda")
-    cases = [(dict(head_size=64), "head size 64"), (dict(block_size=8), "block size 8"),
+    cases = [(dict(head_size=32), "head size 32"), (dict(block_size=8), "block size 8"),
              (dict(block_size=48), "block size 48"), (dict(dtype=torch.float32), "float32"),
              (dict(num_queries_per_kv=32), "32 query heads"),
              (dict(sliding_window=128), "sliding window")]

@@ -157,11 +157,12 @@ CUDA_DECODE_BATCH = [(0, 1), (1, 1), (15, 1), (16, 1), (17, 1), (63, 1), (64, 1)
 @pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
 @pytest.mark.parametrize("heads", [(32, 8), (9, 3), (8, 8), (16, 2), (12, 1)])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_cuda_decode_kernel_matches_reference_bf16(preset, heads, block_size):
+@pytest.mark.parametrize("head_size", [128, 64])
+def test_cuda_decode_kernel_matches_reference_bf16(preset, heads, block_size, head_size):
     """The CUDA decode kernel (ops/csrc/tq_decode.cu) on an unwritten-slot fill of 255 (NaN
     metas and fp8 codes past the context) for every query-group size it takes (1 to 16)."""
     out, _, reqs, *_ = run_turboquant_case(preset, CUDA_DECODE_BATCH, block_size, *heads,
-                                           head_size=128, dtype=torch.bfloat16,
+                                           head_size=head_size, dtype=torch.bfloat16,
                                            use_kernels=True, device=CUDA, fill=255,
                                            decode_kernel="cuda")
     assert torch.isfinite(out).all()
@@ -169,9 +170,25 @@ def test_cuda_decode_kernel_matches_reference_bf16(preset, heads, block_size):
     torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("num_splits", [2, 5])
 @pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
-def test_cuda_decode_kernel_float16_and_agrees_with_triton(preset):
-    args = dict(block_size=32, num_heads=32, num_kv_heads=8, head_size=128,
+@pytest.mark.parametrize("head_size", [128, 64])
+def test_cuda_decode_kernel_split_kv_bf16(preset, num_splits, head_size):
+    """Split-KV: contexts cut into whole-tile ranges, some of them empty (short contexts), the
+    new token in the last; partials merged by reduce_split_kv."""
+    out, _, reqs, *_ = run_turboquant_case(preset, CUDA_DECODE_BATCH, 16, 32, 8,
+                                           head_size=head_size,
+                                           dtype=torch.bfloat16, use_kernels=True, device=CUDA,
+                                           fill=255, num_splits=num_splits, decode_kernel="cuda")
+    assert torch.isfinite(out).all()
+    dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
+@pytest.mark.parametrize("head_size", [128, 64])
+def test_cuda_decode_kernel_float16_and_agrees_with_triton(preset, head_size):
+    args = dict(block_size=32, num_heads=32, num_kv_heads=8, head_size=head_size,
                 dtype=torch.float16, use_kernels=True, device=CUDA)
     cuda, _, reqs, *_ = run_turboquant_case(preset, CUDA_DECODE_BATCH, decode_kernel="cuda",
                                             **args)
@@ -184,8 +201,8 @@ def test_cuda_decode_kernel_float16_and_agrees_with_triton(preset):
 
 def test_cuda_decode_kernel_falls_back_or_refuses():
     """'auto' takes the Triton kernel where the CUDA one cannot run (a sliding window, head
-    size 64, naive presets); 'cuda' says why instead."""
-    for preset, head_size, window in (("tq_4bit", 128, 8), ("tq_4bit", 64, None),
+    size 32, naive presets); 'cuda' says why instead."""
+    for preset, head_size, window in (("tq_4bit", 128, 8), ("tq_4bit", 32, None),
                                       ("naive_int4", 128, None)):
         args = dict(num_heads=8, num_kv_heads=2, head_size=head_size, dtype=torch.bfloat16,
                     window=window, use_kernels=True, device=CUDA)

@@ -56,8 +56,8 @@ class KernelPlan:
     tiles: object  # ops.turboquant_kernels.TQTiles
     num_splits: int = 1  # > 1: split-KV decode through `partials`
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # A single-launch decode step may run the CUDA kernel (ops.tq_decode_cuda): 'auto' where
-    # the layer allows it, 'cuda' (or fail), 'triton'.
+    # A decode-only step may run the CUDA kernel (ops.tq_decode_cuda): 'auto' where the layer
+    # allows it, 'cuda' (or fail), 'triton'.
     decode_kernel: str = "triton"
 
 
@@ -86,7 +86,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         # Split-KV decode (ops.decode_split_kv): None picks the split count per step
         # (`choose_num_splits`: only while decodes x KV heads leave SMs idle); tests set it.
         self.num_splits: int | None = None
-        # Decode steps without splits: 'auto', 'cuda' or 'triton' (ops.tq_decode_cuda);
+        # Decode-only steps: 'auto', 'cuda' or 'triton' (ops.tq_decode_cuda);
         # PAGEDSERVE_TQ_DECODE_KERNEL sets it, benchmarks and tests override it.
         from pagedserve.attention.ops.tq_decode_cuda import requested_kernel
 
@@ -145,7 +145,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
                 num_splits = choose_num_splits(num_qblocks, self.config.num_kv_heads,
                                                common.max_seq_len, self.num_sms, tiles.block_n)
         partials = self._split_partials(num_qblocks, num_splits) if num_splits > 1 else None
-        decode_kernel = self.decode_kernel if decode_only and num_splits == 1 else "triton"
+        decode_kernel = self.decode_kernel if decode_only else "triton"
         return KernelPlan(self.query_blocks.req, self.query_blocks.start, num_qblocks, block_q,
                           block_m, tiles, num_splits, partials, decode_kernel)
 
@@ -214,7 +214,8 @@ class TurboQuantImpl(AttentionImpl):
 
                 tq_decode(self.preset, tensors.signs, query, key, value, kv_cache, output,
                           common.block_table, common.query_start_loc, common.seq_lens,
-                          plan.qblock_req, plan.num_qblocks, self.scale)
+                          plan.qblock_req, plan.num_qblocks, self.scale, plan.num_splits,
+                          plan.partials)
                 return
             if plan.decode_kernel == "cuda":
                 raise RuntimeError(f"TURBOQUANT: the CUDA decode kernel was asked for but cannot "

@@ -1,12 +1,13 @@
 """TurboQuant paged decode attention in CUDA (csrc/tq_decode.cu), built on first use.
 
-The Triton kernel (turboquant_kernels.py) runs every TurboQuant step; this one takes pure decode
-steps of the rotated presets at head size 128, where it moves the context through tensor cores
-with about half the instructions per key (the kernel's header says how). It is compiled with
-nvcc for the device's architecture the first time a process needs it and cached as a shared
-library under $PAGEDSERVE_CACHE_DIR (default ~/.cache/pagedserve), keyed by the source's hash;
-where nvcc or the build is missing, `unsupported_reason` says so and the Triton kernel runs.
-PAGEDSERVE_TQ_DECODE_KERNEL=triton turns it off; =cuda makes a step fail instead of falling back.
+The Triton kernel (turboquant_kernels.py) runs every TurboQuant step; this one takes the decode
+steps of the rotated presets at head sizes 64 and 128, where it moves the context through tensor
+cores with about half the instructions per key (the kernel's header says how), split-KV
+included. It is compiled with nvcc for the device's architecture the first time a process needs
+it and cached as a shared library under $PAGEDSERVE_CACHE_DIR (default ~/.cache/pagedserve),
+keyed by the source's hash; where nvcc or the build is missing, `unsupported_reason` says so and
+the Triton kernel runs. PAGEDSERVE_TQ_DECODE_KERNEL=triton turns it off; =cuda makes a step fail
+instead of falling back.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "tq_decode.cu"
 KERNELS = ("auto", "cuda", "triton")
-HEAD_SIZE = 128
+HEAD_SIZES = (64, 128)
 MAX_QUERIES_PER_KV = 16
 # (key codec, key bits, value codec, value bits) the kernel is instantiated for
 _CODECS = {("fp8", 8, "lloyd_max", 4): (8, 4), ("lloyd_max", 4, "lloyd_max", 4): (4, 4),
@@ -43,12 +44,13 @@ class _Params(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "query", "key", "value", "out", "cache", "block_table", "query_start_loc", "seq_lens",
-        "qblock_req", "signs", "pair_table")] + [(name, ctypes.c_int64) for name in (
+        "qblock_req", "signs", "pair_table", "part_m", "part_l", "part_acc")] + [
+            (name, ctypes.c_int64) for name in (
             "q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h",
             "o_stride_t", "o_stride_h", "cache_stride_block", "cache_stride_head",
             "block_table_stride")] + [(name, ctypes.c_int) for name in (
                 "block_size_log2", "v_codes_offset", "k_meta_offset", "v_meta_offset",
-                "queries_per_kv")] + [("scale", ctypes.c_float)]
+                "queries_per_kv", "head_size", "num_splits")] + [("scale", ctypes.c_float)]
 
 
 def requested_kernel() -> str:
@@ -147,8 +149,8 @@ def unsupported_reason(preset: KVPreset, head_size: int, block_size: int, dtype:
         return "needs an NVIDIA GPU"
     if not preset.rotated or codecs not in _CODECS:
         return f"{preset.name} is not a rotated preset the kernel is built for"
-    if head_size != HEAD_SIZE:
-        return f"head size {head_size} (the kernel is for {HEAD_SIZE})"
+    if head_size not in HEAD_SIZES:
+        return f"head size {head_size} (the kernel takes {' and '.join(map(str, HEAD_SIZES))})"
     if block_size < 16 or block_size & (block_size - 1):
         return f"block size {block_size} (needs a power of two >= 16)"
     if dtype not in _DTYPES:
@@ -182,10 +184,13 @@ def pair_table(preset_name: str, bits: int, device: str) -> torch.Tensor:
 def tq_decode(preset: KVPreset, signs: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
               block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-              qblock_req: torch.Tensor, num_programs: int, scale: float) -> None:
-    """One decode token per request: out [T, H, 128] = attention of query [T, H, 128] over the
-    packed context in kv_cache and the step's own key/value [T, Hkv, 128] (full precision).
-    Program i takes request qblock_req[i]; call `unsupported_reason` first."""
+              qblock_req: torch.Tensor, num_programs: int, scale: float, num_splits: int = 1,
+              partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One decode token per request: out [T, H, D] = attention of query [T, H, D] over the
+    packed context in kv_cache and the step's own key/value [T, Hkv, D] (full precision).
+    Program i takes request qblock_req[i]; call `unsupported_reason` first. num_splits > 1:
+    each request's context tiles are cut into that many ranges (CTAs), whose partial results
+    go through `partials` (decode_split_kv.allocate_partials) and reduce_split_kv."""
     if num_programs == 0:
         return
     library = _load(_arch(query.device))
@@ -195,16 +200,21 @@ def tq_decode(preset: KVPreset, signs: torch.Tensor, query: torch.Tensor, key: t
     for name, t in (("query", query), ("key", key), ("value", value), ("out", out)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
-    _, v_codes, k_meta, v_meta = preset.plane_offsets(HEAD_SIZE, block_size)
+    if num_splits > 1 and partials is None:
+        raise ValueError("split-KV decode needs partial buffers")
+    part_m, part_l, part_acc = partials if num_splits > 1 else (None, None, None)
+    head_size = query.shape[2]
+    _, v_codes, k_meta, v_meta = preset.plane_offsets(head_size, block_size)
     params = _Params(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), kv_cache.data_ptr(),
         block_table.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
         qblock_req.data_ptr(), signs.data_ptr(),
         pair_table(preset.name, preset.value.bits, str(query.device)).data_ptr(),
+        *(t.data_ptr() if t is not None else None for t in (part_m, part_l, part_acc)),
         *query.stride()[:2], *key.stride()[:2], *value.stride()[:2], *out.stride()[:2],
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         block_size.bit_length() - 1, v_codes, k_meta, v_meta,
-        query.shape[1] // num_kv_heads, scale)
+        query.shape[1] // num_kv_heads, head_size, num_splits, scale)
     bits = _CODECS[(preset.key.kind, preset.key.bits, preset.value.kind, preset.value.bits)]
     stream = torch.cuda.current_stream(query.device).cuda_stream
     err = library.lib.tq_decode_launch(ctypes.byref(params), _DTYPES[query.dtype], *bits,
@@ -212,3 +222,7 @@ def tq_decode(preset: KVPreset, signs: torch.Tensor, query: torch.Tensor, key: t
                                        stream)
     if err != 0:
         raise RuntimeError(f"tq_decode_launch failed: error {err}")
+    if num_splits > 1:
+        from pagedserve.attention.ops.decode_split_kv import reduce_split_kv
+
+        reduce_split_kv(partials, out, num_programs, num_splits)

@@ -1,19 +1,21 @@
 // TurboQuant paged decode attention for NVIDIA GPUs (sm_80+; fp8 keys need sm_89+).
 //
-// One CTA of 4 warps per (decode request, KV head). The query heads of the KV group (up to 16)
-// are rotated once in shared memory (fast Walsh-Hadamard transform), then each warp walks every
-// fourth 16-key tile of the cached context and computes, with m16n8k16 tensor-core products,
-//     S^T [16 keys x 8 heads]  = K [16 keys x 128] . Q^T           (keys as the A operand)
-//     O^T [128 x 8 heads]     += V^T [128 x 16 keys] . P^T          (values as the A operand)
+// One CTA of 4 warps per (decode request, KV head[, split]); head size D = 64 or 128. The query
+// heads of the KV group (up to 16) are rotated once in shared memory (fast Walsh-Hadamard
+// transform), then each warp walks every fourth 16-key tile of the (split's) cached context and
+// computes, with m16n8k16 tensor-core products,
+//     S^T [16 keys x 8 heads]  = K [16 keys x D] . Q^T             (keys as the A operand)
+//     O^T [D x 8 heads]       += V^T [D x 16 keys] . P^T            (values as the A operand)
 // so that the dequantized keys and values go straight from the loaded codes into A-operand
 // registers: no shared-memory staging and no layout conversion. Which physical channels a
 // lane holds is a free choice (a dot product does not depend on the order of its terms), so
 // every lane reads whole contiguous runs of a code row:
-//   keys:   lane (g = lane / 4, t = lane % 4) holds channels [32t, 32t + 32) of keys g and g + 8;
-//           mma k-step ks, k positions 2t + {0, 1} and 2t + 8 + {0, 1} are channels
-//           32t + 4ks + {0, 1} and 32t + 4ks + {2, 3}; the query's B operand uses the same map.
-//   values: lane holds channels [16g, 16g + 16) of keys 2t, 2t + 1, 2t + 8, 2t + 9; m-tile mt
-//           rows g and g + 8 are channels 16g + 2mt and 16g + 2mt + 1 (one code pair).
+//   keys:   lane (g = lane / 4, t = lane % 4) holds channels [D/4 t, D/4 (t + 1)) of keys g and
+//           g + 8; mma k-step ks, k positions 2t + {0, 1} and 2t + 8 + {0, 1} are channels
+//           D/4 t + 4ks + {0, 1} and D/4 t + 4ks + {2, 3}; the query's B operand uses the
+//           same map.
+//   values: lane holds channels [D/8 g, D/8 (g + 1)) of keys 2t, 2t + 1, 2t + 8, 2t + 9; m-tile
+//           mt rows g and g + 8 are channels D/8 g + 2mt and D/8 g + 2mt + 1 (one code pair).
 // Codes become fp16 by one shared-memory load per channel pair from a 2^(2 bits)-entry table
 // of level pairs, replicated per lane so that a warp's lookups never conflict (4 bits: 256
 // entries = 32 KB; 3 bits: 64 entries), and fp8 keys by one cvt per pair. The per-vector
@@ -21,7 +23,8 @@
 // from the S^T accumulator to the B operand of the PV product by movmatrix (an 8x8 transpose
 // in registers). Online softmax in base 2, fp32; a warp rescales its accumulator only when a
 // tile raises some head's maximum. The four warps merge through shared memory, add the step's
-// new token at full precision (rotated in shared memory), rotate the result back and store it.
+// new token at full precision (rotated in shared memory), rotate the result back and store it,
+// or, split-KV, store the split's (max, sum, unnormalised output) for reduce_split_kv.
 //
 // The format is ops/turboquant_format.py: per (block, KV head) a region of
 //   [K code rows][V code rows][K fp16 norms][V fp16 norms]
@@ -46,6 +49,11 @@ struct TQDecodeParams {
   const int32_t* qblock_req;   // program -> request
   const float* signs;          // [128] the rotation's +-1 diagonal
   const uint32_t* pair_table;  // fp16 level pairs: entry e = (level[e & m], level[e >> b])
+  // Split-KV (num_splits > 1): per (token, head, split) the base-2 max and the sum of weights,
+  // and the unnormalised output rotated back [..., 128] (decode_split_kv's partials layout).
+  float* part_m;
+  float* part_l;
+  float* part_acc;
   int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h;
   int64_t o_stride_t, o_stride_h;  // in elements; the channel stride is 1
   int64_t cache_stride_block, cache_stride_head;  // bytes
@@ -53,6 +61,8 @@ struct TQDecodeParams {
   int block_size_log2;
   int v_codes_offset, k_meta_offset, v_meta_offset;  // bytes inside a (block, KV head) region
   int queries_per_kv;
+  int head_size;  // 64 or 128
+  int num_splits;
   float scale;
 };
 
@@ -60,7 +70,6 @@ namespace {
 
 using Params = TQDecodeParams;
 
-constexpr int kHead = 128;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -154,27 +163,69 @@ __device__ __forceinline__ uint32_t lookup(const char* table, uint32_t offset, u
   return *reinterpret_cast<const uint32_t*>(table + (offset | lane4));
 }
 
-// Code bits per key / value channel: 8 (fp8 e4m3, keys only), 4 or 3 (Lloyd-Max).
-template <int KBITS, int VBITS>
+// Loads a lane's run of NBYTES code bytes at p into words, byte 0 in the low bits. ALIGN is
+// what is known of p's alignment: 16, 8 and 4 use vector or word loads; 0 (a run that starts
+// inside a word) loads the covering words and shifts them down.
+template <int NBYTES, int ALIGN>
+__device__ __forceinline__ void load_run(const uint8_t* p, uint32_t (&out)[(NBYTES + 3) / 4]) {
+  constexpr int kWords = (NBYTES + 3) / 4;
+  if constexpr (ALIGN >= 16 && NBYTES % 16 == 0) {
+    #pragma unroll
+    for (int i = 0; i < NBYTES / 16; ++i) {
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      out[4 * i] = q.x;
+      out[4 * i + 1] = q.y;
+      out[4 * i + 2] = q.z;
+      out[4 * i + 3] = q.w;
+    }
+  } else if constexpr (ALIGN >= 8 && NBYTES % 8 == 0) {
+    #pragma unroll
+    for (int i = 0; i < NBYTES / 8; ++i) {
+      const uint2 q = __ldg(reinterpret_cast<const uint2*>(p) + i);
+      out[2 * i] = q.x;
+      out[2 * i + 1] = q.y;
+    }
+  } else if constexpr (ALIGN >= 4 && NBYTES % 4 == 0) {
+    #pragma unroll
+    for (int i = 0; i < kWords; ++i) out[i] = __ldg(reinterpret_cast<const uint32_t*>(p) + i);
+  } else {
+    const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(address & ~uintptr_t{3});
+    const uint32_t shift = static_cast<uint32_t>(address & 3) * 8;
+    uint32_t words[kWords + 1];
+    #pragma unroll
+    for (int i = 0; i <= kWords; ++i) words[i] = __ldg(w + i);
+    #pragma unroll
+    for (int i = 0; i < kWords; ++i) out[i] = __funnelshift_r(words[i], words[i + 1], shift);
+  }
+}
+
+// One 16-key tile as a lane holds it. D: head size (64 or 128); code bits per key / value
+// channel: 8 (fp8 e4m3, keys only), 4 or 3 (Lloyd-Max).
+template <int D, int KBITS, int VBITS>
 struct Tile {
-  static constexpr int kKeyWords = KBITS * 32 / 32;  // a lane's 32 channels of one key row
-  static constexpr int kKeyRowBytes = KBITS * kHead / 8;
-  static constexpr int kValueRowBytes = VBITS * kHead / 8;
-  uint32_t k[2][kKeyWords];  // keys g and g + 8
-  uint32_t v[4][2];          // keys 2t, 2t + 1, 2t + 8, 2t + 9: channels [16g, 16g + 16)
-  uint32_t norms;            // fp16 key norms of keys g (low) and g + 8 (high)
+  static constexpr int kKeyRowBytes = KBITS * D / 8;
+  static constexpr int kValueRowBytes = VBITS * D / 8;
+  static constexpr int kKeyRun = kKeyRowBytes / 4;    // bytes of a lane's D/4 key channels
+  static constexpr int kValueRun = kValueRowBytes / 8;  // bytes of its D/8 value channels
+  static constexpr int kKeyWords = (kKeyRun + 3) / 4;
+  static constexpr int kValueWords = (kValueRun + 3) / 4;
+  // Alignment of a lane's run: rows start 8-byte aligned (plane offsets are multiples of
+  // 16 rows, code rows multiples of 8 bytes), runs at multiples of their length.
+  __host__ __device__ static constexpr int align_of(int run) {
+    return run % 16 == 0 ? 16 : run % 8 == 0 ? 8 : run % 4 == 0 ? 4 : 0;
+  }
+  uint32_t k[2][kKeyWords];    // keys g and g + 8: channels [D/4 t, D/4 (t + 1))
+  uint32_t v[4][kValueWords];  // keys 2t, 2t + 1, 2t + 8, 2t + 9: channels [D/8 g, D/8 (g + 1))
+  uint32_t norms;              // fp16 key norms of keys g (low) and g + 8 (high)
   uint32_t vnorms;
 
   // Per-lane byte offsets of the rows a lane reads, relative to a tile's first row.
   struct Lane {
-    int key, value, meta, value_shift;
+    int key, value, meta;
     __device__ Lane(int g, int t)
-        : key(g * kKeyRowBytes + t * kKeyWords * 4),
-          // 3 bits: bytes [6g, 6g + 6) lie in the two words from byte 4 (3g / 2), from bit 16
-          // of the first when g is odd
-          value(2 * t * kValueRowBytes + (VBITS == 4 ? 8 * g : 4 * ((3 * g) / 2))),
-          meta(2 * g),
-          value_shift(VBITS == 4 ? 0 : (g & 1) * 16) {}
+        : key(g * kKeyRowBytes + t * kKeyRun), value(2 * t * kValueRowBytes + g * kValueRun),
+          meta(2 * g) {}
   };
 
   __device__ __forceinline__ void load(const uint8_t* region, int row0, const Params& p,
@@ -182,37 +233,13 @@ struct Tile {
     const uint8_t* kr = region + row0 * kKeyRowBytes + lane.key;
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint8_t* row = kr + r * 8 * kKeyRowBytes;
-      if constexpr (KBITS == 3) {
-        const uint32_t* w = reinterpret_cast<const uint32_t*>(row);
-        k[r][0] = __ldg(w);
-        k[r][1] = __ldg(w + 1);
-        k[r][2] = __ldg(w + 2);
-      } else {
-        #pragma unroll
-        for (int i = 0; i < kKeyWords / 4; ++i) {
-          uint4 q = __ldg(reinterpret_cast<const uint4*>(row) + i);
-          k[r][4 * i] = q.x;
-          k[r][4 * i + 1] = q.y;
-          k[r][4 * i + 2] = q.z;
-          k[r][4 * i + 3] = q.w;
-        }
-      }
+      load_run<kKeyRun, align_of(kKeyRun)>(kr + r * 8 * kKeyRowBytes, k[r]);
     }
     const uint8_t* vr = region + p.v_codes_offset + row0 * kValueRowBytes + lane.value;
     #pragma unroll
     for (int i = 0; i < 4; ++i) {  // keys 2t, 2t + 1, 2t + 8, 2t + 9
-      const uint8_t* row = vr + ((i & 1) + 8 * (i >> 1)) * kValueRowBytes;
-      if constexpr (VBITS == 4) {
-        uint2 q = __ldg(reinterpret_cast<const uint2*>(row));
-        v[i][0] = q.x;
-        v[i][1] = q.y;
-      } else {
-        const uint32_t* w = reinterpret_cast<const uint32_t*>(row);
-        const uint32_t w0 = __ldg(w), w1 = __ldg(w + 1);
-        v[i][0] = __funnelshift_r(w0, w1, lane.value_shift);
-        v[i][1] = w1 >> lane.value_shift;
-      }
+      load_run<kValueRun, align_of(kValueRun)>(vr + ((i & 1) + 8 * (i >> 1)) * kValueRowBytes,
+                                                v[i]);
     }
     const uint8_t* km = region + p.k_meta_offset + row0 * 2 + lane.meta;
     const uint8_t* vm = region + p.v_meta_offset + row0 * 2 + lane.meta;
@@ -223,7 +250,8 @@ struct Tile {
   }
 
   // A operand of k-step ks for keys g / g + 8: registers (row g, k 2t..), (row g + 8, k 2t..),
-  // (row g, k 2t + 8..), (row g + 8, k 2t + 8..) = channels 32t + 4ks + {0,1} and {2,3}.
+  // (row g, k 2t + 8..), (row g + 8, k 2t + 8..) = channels D/4 t + 4ks + {0,1} and {2,3},
+  // i.e. code pairs 2ks and 2ks + 1 of the lane's run.
   __device__ __forceinline__ void key_operand(int ks, const char* table, uint32_t lane4,
                                               uint32_t (&a)[4]) const {
     #pragma unroll
@@ -231,23 +259,23 @@ struct Tile {
       if constexpr (KBITS == 8) {
         a[r] = e4m3x2_to_f16x2(k[r][ks] & 0xffffu);
         a[r + 2] = e4m3x2_to_f16x2(k[r][ks] >> 16);
-      } else if constexpr (KBITS == 4) {  // code bytes 2ks, 2ks + 1 of the lane's 16
-        a[r] = lookup(table, entry_offset<4, 4>(k[r], 16 * ks), lane4);
-        a[r + 2] = lookup(table, entry_offset<4, 4>(k[r], 16 * ks + 8), lane4);
-      } else {  // code pairs 2ks, 2ks + 1 of the lane's 96 bits
-        a[r] = lookup(table, entry_offset<3, 3>(k[r], 12 * ks), lane4);
-        a[r + 2] = lookup(table, entry_offset<3, 3>(k[r], 12 * ks + 6), lane4);
+      } else {
+        a[r] = lookup(table, entry_offset<kKeyWords, KBITS>(k[r], 4 * KBITS * ks), lane4);
+        a[r + 2] = lookup(table, entry_offset<kKeyWords, KBITS>(k[r], 4 * KBITS * ks + 2 * KBITS),
+                          lane4);
       }
     }
   }
 
-  // V^T A operand of m-tile mt: rows channels 16g + 2mt (+ 1), columns keys 2t, 2t + 1
+  // V^T A operand of m-tile mt: rows channels D/8 g + 2mt (+ 1), columns keys 2t, 2t + 1
   // (a0, a1) and 2t + 8, 2t + 9 (a2, a3): one level pair per key, halves regrouped by prmt.
   __device__ __forceinline__ void value_operand(int mt, const char* table, uint32_t lane4,
                                                 uint32_t (&a)[4]) const {
     uint32_t l[4];
     #pragma unroll
-    for (int i = 0; i < 4; ++i) l[i] = lookup(table, entry_offset<2, VBITS>(v[i], 2 * VBITS * mt), lane4);
+    for (int i = 0; i < 4; ++i) {
+      l[i] = lookup(table, entry_offset<kValueWords, VBITS>(v[i], 2 * VBITS * mt), lane4);
+    }
     a[0] = prmt(l[0], l[1], 0x5410);
     a[1] = prmt(l[0], l[1], 0x7632);
     a[2] = prmt(l[2], l[3], 0x5410);
@@ -255,8 +283,10 @@ struct Tile {
   }
 };
 
-template <typename T, int KBITS, int VBITS, int NT>
+template <typename T, int D, int KBITS, int VBITS, int NT>
 __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(const Params p) {
+  constexpr int kHead = D;
+  constexpr int kSteps = D / 16;  // k-steps of S^T = K Q^T, m-tiles of O^T = V^T P^T
   constexpr int kHeads = NT * 8;  // query heads padded to whole n-tiles of 8
   constexpr int kTableEntries = VBITS == 4 ? 256 : 64;
   constexpr int kTableWords = kTableEntries * 32;
@@ -275,6 +305,13 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
   const int token = p.query_start_loc[req];
   const int context = p.seq_lens[req] - (p.query_start_loc[req + 1] - token);
   const int qpk = p.queries_per_kv;
+  // This split's whole 16-key tiles; the last split also takes the new token.
+  const int num_context_tiles = (context + 15) >> 4;
+  const int tiles_per_split = (num_context_tiles + p.num_splits - 1) / p.num_splits;
+  const int split = blockIdx.z;
+  const int tile_lo = split * tiles_per_split;
+  const int tile_end = min(tile_lo + tiles_per_split, num_context_tiles);
+  const bool last_split = split == p.num_splits - 1;
 
   for (int i = tid; i < kTableWords; i += kThreads) shared[i] = p.pair_table[i >> 5];
 
@@ -284,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
     const int h = i / kHead, c = i % kHead;
     qs[h][c] = h < qpk ? to_float(q[(kv_head * qpk + h) * p.q_stride_h + c]) * p.signs[c] : 0.f;
   }
-  {
+  if (tid < kHead) {
     const T* kn = static_cast<const T*>(p.key) + token * p.k_stride_t + kv_head * p.k_stride_h;
     const T* vn = static_cast<const T*>(p.value) + token * p.v_stride_t + kv_head * p.v_stride_h;
     new_kv[0][tid] = to_float(kn[tid]) * p.signs[tid];
@@ -305,8 +342,10 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
   const float inv_sqrt_d = rsqrtf(static_cast<float>(kHead));
   const float q_factor = p.scale * kLog2e * inv_sqrt_d;  // scores in base 2
   for (int i = tid; i < kHeads * kHead; i += kThreads) qs[i / kHead][i % kHead] *= q_factor;
-  new_kv[0][tid] *= inv_sqrt_d;
-  new_kv[1][tid] *= inv_sqrt_d;
+  if (tid < kHead) {
+    new_kv[0][tid] *= inv_sqrt_d;
+    new_kv[1][tid] *= inv_sqrt_d;
+  }
   __syncthreads();
   for (int h = warp; h < kHeads; h += kWarps) {
     float s = 0.f;
@@ -317,26 +356,27 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
     if (lane == 0) new_score[h] = s;
   }
 
-  // The query's B operands: n-tile nt, head row g, k-step ks: channels 32t + 4ks + {0,1}, {2,3}.
-  uint32_t qb[NT][8][2];
+  // The query's B operands: n-tile nt, head row g, k-step ks: channels D/4 t + 4ks + {0,1},
+  // {2,3}.
+  uint32_t qb[NT][kSteps][2];
   #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     #pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      const float* row = qs[nt * 8 + g] + 32 * t + 4 * ks;
+    for (int ks = 0; ks < kSteps; ++ks) {
+      const float* row = qs[nt * 8 + g] + kHead / 4 * t + 4 * ks;
       qb[nt][ks][0] = pack_f16x2(row[0], row[1]);
       qb[nt][ks][1] = pack_f16x2(row[2], row[3]);
     }
   }
 
-  float acc[8][NT][4];
+  float acc[kSteps][NT][4];
   float m_run[NT][2], l_part[NT][2];
   #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     m_run[nt][0] = m_run[nt][1] = -INFINITY;
     l_part[nt][0] = l_part[nt][1] = 0.f;
     #pragma unroll
-    for (int mt = 0; mt < 8; ++mt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+    for (int mt = 0; mt < kSteps; ++mt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
   }
 
   // This lane's copy of table entry e is at byte e * 128 + 4 lane (no bank conflicts).
@@ -345,25 +385,24 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
   const uint8_t* head_base = p.cache + kv_head * p.cache_stride_head;
   const int32_t* pages = p.block_table + req * p.block_table_stride;
   const int block_mask = (1 << p.block_size_log2) - 1;
-  const int num_tiles = (context + 15) >> 4;
   auto region_of = [&](int page) { return head_base + static_cast<int64_t>(page) * p.cache_stride_block; };
 
-  using TileT = Tile<KBITS, VBITS>;
+  using TileT = Tile<D, KBITS, VBITS>;
   const typename TileT::Lane lane_offsets(g, t);
   // One 16-key tile: load the tile kWarps ahead into `ahead` (its page was read a round
   // earlier), then score and accumulate `tile`.
   auto process = [&](TileT& cur, TileT& ahead, int tile, int& next_page) {
     const int next = tile + kWarps;
-    if (next < num_tiles) {
+    if (next < tile_end) {
       ahead.load(region_of(next_page), (next * 16) & block_mask, p, lane_offsets);
-      if (next + kWarps < num_tiles) next_page = __ldg(pages + (((next + kWarps) * 16) >> p.block_size_log2));
+      if (next + kWarps < tile_end) next_page = __ldg(pages + (((next + kWarps) * 16) >> p.block_size_log2));
     }
     // Scores S^T: rows keys g / g + 8, columns heads 2t, 2t + 1 of each n-tile.
     float s[NT][4];
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
     #pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
+    for (int ks = 0; ks < kSteps; ++ks) {
       uint32_t a[4];
       cur.key_operand(ks, table, lane4, a);
       #pragma unroll
@@ -402,7 +441,7 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
           m_run[nt][j] = m_new;
           l_part[nt][j] *= alpha;
           #pragma unroll
-          for (int mt = 0; mt < 8; ++mt) {
+          for (int mt = 0; mt < kSteps; ++mt) {
             acc[mt][nt][j] *= alpha;
             acc[mt][nt][j + 2] *= alpha;
           }
@@ -421,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
       pb[nt][1] = transpose_8x8(pack_f16x2(p2 * vs1, p3 * vs1));
     }
     #pragma unroll
-    for (int mt = 0; mt < 8; ++mt) {
+    for (int mt = 0; mt < kSteps; ++mt) {
       uint32_t a[4];
       cur.value_operand(mt, table, lane4, a);
       #pragma unroll
@@ -430,17 +469,17 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
   };
 
   TileT tile_a, tile_b;
-  int tile = warp;
-  int next_page = tile + kWarps < num_tiles ? __ldg(pages + (((tile + kWarps) * 16) >> p.block_size_log2)) : 0;
-  if (tile < num_tiles) {
+  int tile = tile_lo + warp;
+  int next_page = tile + kWarps < tile_end ? __ldg(pages + (((tile + kWarps) * 16) >> p.block_size_log2)) : 0;
+  if (tile < tile_end) {
     const int page = __ldg(pages + ((tile * 16) >> p.block_size_log2));
     tile_a.load(region_of(page), (tile * 16) & block_mask, p, lane_offsets);
   }
   __syncthreads();  // the table
   // Unrolled by two so that the prefetched tile needs no register copies.
-  for (; tile < num_tiles; tile += 2 * kWarps) {
+  for (; tile < tile_end; tile += 2 * kWarps) {
     process(tile_a, tile_b, tile, next_page);
-    if (tile + kWarps >= num_tiles) break;
+    if (tile + kWarps >= tile_end) break;
     process(tile_b, tile_a, tile + kWarps, next_page);
   }
 
@@ -458,8 +497,8 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
         warp_l[warp][h] = l;
       }
       #pragma unroll
-      for (int mt = 0; mt < 8; ++mt) {
-        const int c = 16 * g + 2 * mt;
+      for (int mt = 0; mt < kSteps; ++mt) {
+        const int c = kHead / 8 * g + 2 * mt;
         merge[(warp * kHeads + h) * kHead + c] = acc[mt][nt][j];
         merge[(warp * kHeads + h) * kHead + c + 1] = acc[mt][nt][j + 2];
       }
@@ -467,19 +506,32 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
   }
   __syncthreads();
   const int c = tid;  // one channel per thread
-  for (int h = 0; h < qpk; ++h) {
-    float m = new_score[h];
+  const bool split_kv = p.num_splits > 1;
+  const int64_t part_row0 = (static_cast<int64_t>(token) * gridDim.y * qpk + kv_head * qpk) *
+                            p.num_splits + split;
+  for (int h = 0; h < qpk && c < kHead; ++h) {
+    const float s_new = last_split ? new_score[h] : -INFINITY;
+    float m = s_new;
     #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_m[w][h]);
-    const float e_new = fast_exp2(new_score[h] - m);
+    const float base = m == -INFINITY ? 0.f : m;  // an empty split: every weight 0
+    const float e_new = fast_exp2(s_new - base);
     float l = e_new, o = e_new * new_kv[1][c];
     #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float e = fast_exp2(warp_m[w][h] - m);  // 0 for a warp that had no tile
+      const float e = fast_exp2(warp_m[w][h] - base);  // 0 for a warp that had no tile
       l += warp_l[w][h] * e;
       o += merge[(w * kHeads + h) * kHead + c] * e;
     }
-    qs[h][c] = o / l;
+    if (split_kv) {
+      qs[h][c] = o;  // merged and normalised by decode_split_kv.reduce_split_kv
+      if (c == 0) {
+        p.part_m[part_row0 + h * p.num_splits] = m;
+        p.part_l[part_row0 + h * p.num_splits] = l;
+      }
+    } else {
+      qs[h][c] = o / l;
+    }
   }
   __syncthreads();
   // Rotate back: x = D H y / sqrt(d).
@@ -496,27 +548,40 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
   T* out = static_cast<T*>(p.out) + token * p.o_stride_t;
   for (int i = tid; i < qpk * kHead; i += kThreads) {
     const int h = i / kHead, ch = i % kHead;
-    out[(kv_head * qpk + h) * p.o_stride_h + ch] = from_float<T>(qs[h][ch] * p.signs[ch] * inv_sqrt_d);
+    const float x = qs[h][ch] * p.signs[ch] * inv_sqrt_d;
+    if (split_kv) {
+      p.part_acc[(part_row0 + h * p.num_splits) * kHead + ch] = x;
+    } else {
+      out[(kv_head * qpk + h) * p.o_stride_h + ch] = from_float<T>(x);
+    }
   }
 }
 
-template <typename T, int KBITS, int VBITS>
+template <typename T, int D, int KBITS, int VBITS>
 int launch_heads(const Params& p, int num_programs, int num_kv_heads, cudaStream_t stream) {
-  const dim3 grid(num_programs, num_kv_heads);
+  const dim3 grid(num_programs, num_kv_heads, p.num_splits);
   if (p.queries_per_kv <= 8) {
-    tq_decode_kernel<T, KBITS, VBITS, 1><<<grid, kThreads, 0, stream>>>(p);
+    tq_decode_kernel<T, D, KBITS, VBITS, 1><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    tq_decode_kernel<T, KBITS, VBITS, 2><<<grid, kThreads, 0, stream>>>(p);
+    tq_decode_kernel<T, D, KBITS, VBITS, 2><<<grid, kThreads, 0, stream>>>(p);
   }
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T>
+template <typename T, int D>
 int launch_codes(const Params& p, int key_bits, int value_bits, int num_programs,
                  int num_kv_heads, cudaStream_t stream) {
-  if (key_bits == 8 && value_bits == 4) return launch_heads<T, 8, 4>(p, num_programs, num_kv_heads, stream);
-  if (key_bits == 4 && value_bits == 4) return launch_heads<T, 4, 4>(p, num_programs, num_kv_heads, stream);
-  if (key_bits == 3 && value_bits == 3) return launch_heads<T, 3, 3>(p, num_programs, num_kv_heads, stream);
+  if (key_bits == 8 && value_bits == 4) return launch_heads<T, D, 8, 4>(p, num_programs, num_kv_heads, stream);
+  if (key_bits == 4 && value_bits == 4) return launch_heads<T, D, 4, 4>(p, num_programs, num_kv_heads, stream);
+  if (key_bits == 3 && value_bits == 3) return launch_heads<T, D, 3, 3>(p, num_programs, num_kv_heads, stream);
+  return -1;
+}
+
+template <typename T>
+int launch_sizes(const Params& p, int key_bits, int value_bits, int num_programs,
+                 int num_kv_heads, cudaStream_t stream) {
+  if (p.head_size == 128) return launch_codes<T, 128>(p, key_bits, value_bits, num_programs, num_kv_heads, stream);
+  if (p.head_size == 64) return launch_codes<T, 64>(p, key_bits, value_bits, num_programs, num_kv_heads, stream);
   return -1;
 }
 
@@ -533,11 +598,12 @@ int tq_decode_params_size() { return static_cast<int>(sizeof(TQDecodeParams)); }
 int tq_decode_launch(const TQDecodeParams* params, int dtype, int key_bits, int value_bits,
                      int num_programs, int num_kv_heads, int device, void* stream) {
   if (params->queries_per_kv < 1 || params->queries_per_kv > 16) return -1;
+  if (params->num_splits < 1 || params->num_splits > 65535) return -1;
   const cudaError_t set = cudaSetDevice(device);
   if (set != cudaSuccess) return static_cast<int>(set);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (dtype == 0) return launch_codes<__half>(*params, key_bits, value_bits, num_programs, num_kv_heads, s);
-  if (dtype == 1) return launch_codes<__nv_bfloat16>(*params, key_bits, value_bits, num_programs, num_kv_heads, s);
+  if (dtype == 0) return launch_sizes<__half>(*params, key_bits, value_bits, num_programs, num_kv_heads, s);
+  if (dtype == 1) return launch_sizes<__nv_bfloat16>(*params, key_bits, value_bits, num_programs, num_kv_heads, s);
   return -1;
 }
 
