@@ -6,7 +6,8 @@
 # ../shared/gpu/README.md), tests (GPU tests in parallel shards), quick (the GPU tests of
 # recently changed code), e2e (engine vs transformers on the SmolLM2 GGUF), bench (attention
 # kernels), features (Mamba and prefix caching GPU tests), engine (benchmarks/gpu_engine.py),
-# tqtests (TurboQuant's GPU tests), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark), tunableop (8B decode steps without and with
+# tqtests (TurboQuant's GPU tests), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
+# tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
 # conformance and benchmark rows), tq (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
 # caching, Mamba decode and TurboQuant decode benchmarks), prefix0 (prefix caching at 0% hits),
@@ -75,10 +76,15 @@ stage_tests() {
     wait
 }
 
-stage_tqtests() {  # TurboQuant's GPU tests in two shards
-    setup_env
+stage_tqtests() {  # TurboQuant's GPU tests in four shards (the host-side ones first: they build
+    setup_env        # the CUDA decode kernel once for all)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_tq_decode_cuda.py \
+        >"$OUT/tq-host.log" 2>&1; echo "exit $?" >>"$OUT/tq-host.log"
     shard tq-a tests/test_turboquant_gpu.py -k "decode_tiles or fp32_options or benchmark"
-    shard tq-b tests/test_turboquant_gpu.py -k "not (decode_tiles or fp32_options or benchmark)"
+    shard tq-b tests/test_turboquant_gpu.py \
+        -k "not (decode_tiles or fp32_options or benchmark or cuda_decode)"
+    shard tq-c tests/test_turboquant_gpu.py -k "cuda_decode and (k8v4 or 3bit)"
+    shard tq-d tests/test_turboquant_gpu.py -k "cuda_decode and not (k8v4 or 3bit)"
     wait
 }
 
@@ -179,10 +185,11 @@ stage_tq() {  # TurboQuant decode against bf16 Triton, 64 x 8,192
 
 stage_tqcuda() {  # the CUDA TurboQuant decode kernel's tests, then 64 x 8,192: CUDA, Triton
     setup_env
-    timeout "${TQCUDA_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --tb=short \
-        tests/test_tq_decode_cuda.py tests/test_turboquant_gpu.py -k "cuda_decode or builds" \
-        >"$OUT/tqcuda.log" 2>&1
-    echo "exit $?" >>"$OUT/tqcuda.log"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_tq_decode_cuda.py \
+        >"$OUT/tq-host.log" 2>&1; echo "exit $?" >>"$OUT/tq-host.log"
+    shard tq-c tests/test_turboquant_gpu.py -k "cuda_decode and (k8v4 or 3bit)"
+    shard tq-d tests/test_turboquant_gpu.py -k "cuda_decode and not (k8v4 or 3bit)"
+    wait
     TQ_ARGS="--tq-decode-kernels cuda,triton ${TQ_ARGS:-}" stage_tq
 }
 
