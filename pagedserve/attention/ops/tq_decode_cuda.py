@@ -167,13 +167,12 @@ def unsupported_reason(preset: KVPreset, head_size: int, block_size: int, dtype:
 
 
 @functools.cache
-def pair_table(preset_name: str, bits: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """int32 [2^(2 bits)]: entry e holds the levels of the code pair e in `dtype` (float16 or
-    bfloat16; first channel in the low bits and the low half), as the kernel's lookups return
-    them."""
+def pair_table(preset_name: str, bits: int, device: str) -> torch.Tensor:
+    """int32 [2^(2 bits)]: entry e holds the fp16 levels of the code pair e (first channel in
+    the low bits and the low half), as the kernel's lookups return them."""
     from pagedserve.attention.ops.turboquant_format import PRESETS
 
-    levels = codebook_levels(PRESETS[preset_name].value).to(dtype)
+    levels = codebook_levels(PRESETS[preset_name].value).to(torch.float16)
     halves = levels.view(torch.int16).to(torch.int64) & 0xFFFF
     entries = torch.arange(1 << (2 * bits))
     mask = (1 << bits) - 1
@@ -210,7 +209,7 @@ def tq_decode(preset: KVPreset, signs: torch.Tensor, query: torch.Tensor, key: t
         query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), kv_cache.data_ptr(),
         block_table.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
         qblock_req.data_ptr(), signs.data_ptr(),
-        pair_table(preset.name, preset.value.bits, query.dtype, str(query.device)).data_ptr(),
+        pair_table(preset.name, preset.value.bits, str(query.device)).data_ptr(),
         *(t.data_ptr() if t is not None else None for t in (part_m, part_l, part_acc)),
         *query.stride()[:2], *key.stride()[:2], *value.stride()[:2], *out.stride()[:2],
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),

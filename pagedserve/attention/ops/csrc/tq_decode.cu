@@ -16,10 +16,9 @@
 //           same map.
 //   values: lane holds channels [D/8 g, D/8 (g + 1)) of keys 2t, 2t + 1, 2t + 8, 2t + 9; m-tile
 //           mt rows g and g + 8 are channels D/8 g + 2mt and D/8 g + 2mt + 1 (one code pair).
-// Codes become 16-bit levels (the activations' type) by one shared-memory load per channel pair
-// from a 2^(2 bits)-entry table of level pairs, replicated per lane so that a warp's lookups
-// never conflict (4 bits: 256 entries = 32 KB; 3 bits: 64 entries), and fp8 keys fp16 by one
-// cvt per pair. The per-vector
+// Codes become fp16 by one shared-memory load per channel pair from a 2^(2 bits)-entry table
+// of level pairs, replicated per lane so that a warp's lookups never conflict (4 bits: 256
+// entries = 32 KB; 3 bits: 64 entries), and fp8 keys by one cvt per pair. The per-vector
 // scales multiply the scores (keys) and the probabilities (values), never the codes. P goes
 // from the S^T accumulator to the B operand of the PV product by movmatrix (an 8x8 transpose
 // in registers). Online softmax in base 2, fp32; a warp rescales its accumulator only when a
@@ -36,7 +35,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <type_traits>
 
 // The launch parameters; tq_decode_cuda._Params mirrors this layout (checked by size).
 struct TQDecodeParams {
@@ -50,8 +48,7 @@ struct TQDecodeParams {
   const int32_t* seq_lens;
   const int32_t* qblock_req;   // program -> request
   const float* signs;          // [128] the rotation's +-1 diagonal
-  const uint32_t* pair_table;  // level pairs in the activations' 16-bit type: entry e holds
-                               // (level[e & m], level[e >> b])
+  const uint32_t* pair_table;  // fp16 level pairs: entry e = (level[e & m], level[e >> b])
   // Split-KV (num_splits > 1): per (token, head, split) the base-2 max and the sum of weights,
   // and the unnormalised output rotated back [..., 128] (decode_split_kv's partials layout).
   float* part_m;
@@ -118,33 +115,17 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2^-inf = 0
   return r;
 }
 
-// Two floats as a 16-bit pair (lo in the low half): fp16 or bf16.
-template <bool BF16>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (BF16) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  } else {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// D += A B, m16n8k16, fp32 accumulators, fp16 or bf16 operands.
-template <bool BF16>
 __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                           uint32_t a3, uint32_t b0, uint32_t b1) {
-  if constexpr (BF16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
@@ -307,11 +288,6 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
   constexpr int kHead = D;
   constexpr int kSteps = D / 16;  // k-steps of S^T = K Q^T, m-tiles of O^T = V^T P^T
   constexpr int kHeads = NT * 8;  // query heads padded to whole n-tiles of 8
-  // Operand types follow the activations, as in an unquantized kernel of the same model:
-  // P V (and the level table) in bf16 for bf16 models, fp16 for fp16 ones; Q K too, except
-  // that fp8 keys always convert (exactly) to fp16.
-  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  constexpr bool kKeysBf16 = KBITS != 8 && kBf16;
   constexpr int kTableEntries = VBITS == 4 ? 256 : 64;
   constexpr int kTableWords = kTableEntries * 32;
   constexpr int kMergeWords = kWarps * kHeads * kHead;
@@ -388,8 +364,8 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
     #pragma unroll
     for (int ks = 0; ks < kSteps; ++ks) {
       const float* row = qs[nt * 8 + g] + kHead / 4 * t + 4 * ks;
-      qb[nt][ks][0] = pack2<kKeysBf16>(row[0], row[1]);
-      qb[nt][ks][1] = pack2<kKeysBf16>(row[2], row[3]);
+      qb[nt][ks][0] = pack_f16x2(row[0], row[1]);
+      qb[nt][ks][1] = pack_f16x2(row[2], row[3]);
     }
   }
 
@@ -430,9 +406,7 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
       uint32_t a[4];
       cur.key_operand(ks, table, lane4, a);
       #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        mma_16816<kKeysBf16>(s[nt], a[0], a[1], a[2], a[3], qb[nt][ks][0], qb[nt][ks][1]);
-      }
+      for (int nt = 0; nt < NT; ++nt) mma_16816(s[nt], a[0], a[1], a[2], a[3], qb[nt][ks][0], qb[nt][ks][1]);
     }
     const int key0 = tile * 16 + g;
     const bool ok0 = key0 < context, ok1 = key0 + 8 < context;
@@ -482,17 +456,15 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) tq_decode_kernel(co
       const float p2 = fast_exp2(s[nt][2] - m_run[nt][0]), p3 = fast_exp2(s[nt][3] - m_run[nt][1]);
       l_part[nt][0] += p0 + p2;
       l_part[nt][1] += p1 + p3;
-      pb[nt][0] = transpose_8x8(pack2<kBf16>(p0 * vs0, p1 * vs0));
-      pb[nt][1] = transpose_8x8(pack2<kBf16>(p2 * vs1, p3 * vs1));
+      pb[nt][0] = transpose_8x8(pack_f16x2(p0 * vs0, p1 * vs0));
+      pb[nt][1] = transpose_8x8(pack_f16x2(p2 * vs1, p3 * vs1));
     }
     #pragma unroll
     for (int mt = 0; mt < kSteps; ++mt) {
       uint32_t a[4];
       cur.value_operand(mt, table, lane4, a);
       #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        mma_16816<kBf16>(acc[mt][nt], a[0], a[1], a[2], a[3], pb[nt][0], pb[nt][1]);
-      }
+      for (int nt = 0; nt < NT; ++nt) mma_16816(acc[mt][nt], a[0], a[1], a[2], a[3], pb[nt][0], pb[nt][1]);
     }
   };
 
