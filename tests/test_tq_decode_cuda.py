@@ -56,7 +56,7 @@ def test_unsupported_reasons():
                                                   **args)
 
 
-def test_builder_plans_the_cuda_kernel_for_unsplit_decode_only(monkeypatch):
+def test_builder_reads_the_decode_kernel_setting(monkeypatch):
     from test_turboquant import run_turboquant_case
 
     monkeypatch.setenv("PAGEDSERVE_TQ_DECODE_KERNEL", "cuda")

@@ -88,9 +88,15 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         self.num_splits: int | None = None
         # Decode-only steps: 'auto', 'cuda' or 'triton' (ops.tq_decode_cuda);
         # PAGEDSERVE_TQ_DECODE_KERNEL sets it, benchmarks and tests override it.
-        from pagedserve.attention.ops.tq_decode_cuda import requested_kernel
+        from pagedserve.attention.ops.tq_decode_cuda import requested_kernel, unsupported_reason
 
         self.decode_kernel = requested_kernel()
+        if device.type == "cuda" and self.decode_kernel != "triton":
+            # Compile (first run) or load the CUDA kernel at start-up, not in the first decode
+            # step, where the layer can use it (the impl checks again per layer).
+            unsupported_reason(tqf.get_preset(config.kv_cache_dtype), config.head_size,
+                               config.block_size, config.dtype, self.num_queries_per_kv,
+                               config.sliding_window, config.logits_soft_cap, device)
         from pagedserve.attention.ops.decode_split_kv import (
             MAX_SPLITS,
             device_sm_count,

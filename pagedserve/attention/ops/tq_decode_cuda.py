@@ -139,6 +139,13 @@ def _load(arch: str) -> _Library | str:
             return reason
 
 
+def prepare(device: torch.device) -> str | None:
+    """Build or load the library for this device now (engine start-up, not the first decode
+    step); None when it is ready, else why not."""
+    library = _load(_arch(device))
+    return library if isinstance(library, str) else None
+
+
 def unsupported_reason(preset: KVPreset, head_size: int, block_size: int, dtype: torch.dtype,
                        num_queries_per_kv: int, sliding_window: int | None,
                        soft_cap: float | None, device: torch.device) -> str | None:
@@ -162,8 +169,7 @@ def unsupported_reason(preset: KVPreset, head_size: int, block_size: int, dtype:
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 0) or (preset.key.kind == "fp8" and capability < (8, 9)):
         return f"compute capability {capability[0]}.{capability[1]} is too old"
-    library = _load(_arch(device))
-    return library if isinstance(library, str) else None
+    return prepare(device)
 
 
 @functools.cache
