@@ -56,6 +56,17 @@ def test_unsupported_reasons():
                                                   **args)
 
 
+def test_fused_views_reach_the_torch_path_unchanged():
+    """The fused-QKV views the CUDA kernel is tested with on the GPU give the same answer as
+    separate tensors on the CPU path (the harness itself is right)."""
+    from test_turboquant import run_turboquant_case
+
+    batch = [(5, 1), (40, 1), (0, 1)]
+    plain, *_ = run_turboquant_case("tq_3bit", batch, 16, 12, 4, head_size=64)
+    fused, *_ = run_turboquant_case("tq_3bit", batch, 16, 12, 4, head_size=64, fused=True)
+    torch.testing.assert_close(fused, plain)
+
+
 def test_builder_reads_the_decode_kernel_setting(monkeypatch):
     from test_turboquant import run_turboquant_case
 
@@ -79,4 +90,4 @@ def test_kernel_builds_and_its_params_match_the_mirror(tmp_path, monkeypatch):
     path = tqc.build("90a")
     assert path.is_file() and path.parent == tmp_path / "kernels"
     assert tqc.build("90a") == path  # cached: no second compile
-    tqc._Library(path)  # raises if sizeof(Params) differs from the ctypes mirror
+    tqc._Library(path)  # raises if the size or a field offset differs from the ctypes mirror

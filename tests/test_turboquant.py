@@ -238,12 +238,13 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
                         soft_cap: float | None = None, use_kernels: bool = False,
                         device: str = "cpu", seed: int = 0, tiles=None,
                         num_splits: int | None = None, fill: int = 0,
-                        decode_kernel: str | None = None):
+                        decode_kernel: str | None = None, fused: bool = False):
     """Context K/V written into shuffled pages through the torch format, then one step of the
     backend (builder + impl) over the new tokens (tiles: the kernels' launch shape, if given;
     fill: the byte of every slot not written, 255 makes NaN metas and fp8 codes;
     decode_kernel: 'auto', 'cuda' or 'triton' for decode steps, default 'triton' when tiles
-    are given, as they are the Triton kernel's).
+    are given, as they are the Triton kernel's; fused: query/key/value as views of one fused
+    QKV output and the output with padded rows, as a model hands them over).
     Returns (output, cache, per request: (query, K, V, context length)), everything needed to
     build references."""
     gen = torch.Generator().manual_seed(seed)
@@ -295,7 +296,14 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
     query = torch.cat([r[0] for r in reqs]).to(device)
     key = torch.cat([r[1][r[3]:] for r in reqs]).to(device)
     value = torch.cat([r[2][r[3]:] for r in reqs]).to(device)
-    out = impl.forward(query, key, value, cache, builder.build(common))
+    output = None
+    if fused:
+        t = query.shape[0]
+        qkv = torch.cat([query.flatten(1), key.flatten(1), value.flatten(1)], 1)
+        query, key, value = (x.view(t, -1, d) for x in qkv.split(
+            [num_heads * d, hkv * d, hkv * d], dim=1))
+        output = torch.empty(t, num_heads, d + 8, dtype=dtype, device=device)[..., :d]
+    out = impl.forward(query, key, value, cache, builder.build(common), output=output)
     # The new tokens' slots hold their encodings.
     new_slots = torch.tensor([ids[t // bs] * bs + t % bs for ids, (c, q) in
                               zip(block_ids, batch, strict=True) for t in range(c, c + q)])

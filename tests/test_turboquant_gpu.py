@@ -152,11 +152,11 @@ def test_attention_kernel_fp32_options(preset, window, soft_cap, block_size):
 # empty context, and long ones.
 CUDA_DECODE_BATCH = [(0, 1), (1, 1), (15, 1), (16, 1), (17, 1), (63, 1), (64, 1), (65, 1),
                      (300, 1), (1000, 1)]
-# (head size, (query heads, KV heads), block size): every query-group size class the kernel
-# takes (1, 3, 4 and 8 in one n-tile; 12 in two), and both head sizes.
+# (head size, (query heads, KV heads), block size): query groups of 1, 3, 4 and 8 (one n-tile)
+# and 12 and 16 (two), and both head sizes.
 CUDA_DECODE_SHAPES = [(128, (32, 8), 16), (128, (32, 8), 64), (128, (9, 3), 16),
-                      (128, (16, 2), 32), (128, (12, 1), 16), (64, (9, 3), 16),
-                      (64, (16, 2), 64)]
+                      (128, (16, 2), 32), (128, (12, 1), 16), (128, (8, 8), 16),
+                      (128, (16, 1), 16), (64, (9, 3), 16), (64, (16, 2), 64)]
 
 
 @pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
@@ -209,6 +209,18 @@ def test_cuda_decode_kernel_float16_and_agrees_with_triton(preset, head_size):
     torch.testing.assert_close(cuda.float(), triton_out.float(), rtol=1e-2, atol=1e-2)
     # No less accurate than the Triton kernel (both a few 1e-3 in fp16).
     assert _relative_error(cuda, dequant) <= 1.5 * _relative_error(triton_out, dequant) + 1e-3
+
+
+@pytest.mark.parametrize("preset", ["tq_k8v4", "tq_3bit"])
+def test_cuda_decode_kernel_takes_fused_qkv_views(preset):
+    """Query, key and value as views of one fused QKV output (row strides of the whole) and an
+    output with padded rows, as a model's layer hands them over."""
+    out, _, reqs, *_ = run_turboquant_case(preset, CUDA_DECODE_BATCH, 16, 12, 4, head_size=128,
+                                           dtype=torch.bfloat16, use_kernels=True, device=CUDA,
+                                           decode_kernel="cuda", fused=True)
+    dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
+    assert _relative_error(out, dequant) < 1.5e-2
 
 
 def test_cuda_decode_kernel_falls_back_or_refuses():

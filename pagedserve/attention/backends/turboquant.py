@@ -234,7 +234,9 @@ class TurboQuantImpl(AttentionImpl):
 
     def _cuda_decode_reason(self, query: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
         """Why the CUDA decode kernel cannot take this layer's decode steps (None: it can);
-        once per dtype, block size and device."""
+        the layer's part once per dtype, block size and device."""
+        if kv_cache.data_ptr() % 16 or kv_cache.stride(0) % 16 or kv_cache.stride(1) % 16:
+            return "the cache's (block, KV head) regions are not 16-byte aligned"
         key = (query.dtype, kv_cache.shape[2], query.device)
         if key not in self._cuda_decode_reasons:
             from pagedserve.attention.ops.tq_decode_cuda import unsupported_reason

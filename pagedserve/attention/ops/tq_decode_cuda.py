@@ -88,19 +88,24 @@ def _cache_dir() -> Path:
 def build(arch: str) -> Path:
     """Compile the kernel for `arch` ("90a", "89", ...) unless a build of this source exists;
     returns the shared library's path. Safe against concurrent builds (atomic rename)."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + arch.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"tq_decode-{digest}-sm{arch}.so"
-    if target.is_file():
-        return target
     nvcc = _nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
+    flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+             f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    # The compiler's version is in the key: its static runtime decides which drivers can run
+    # the library (a cache shared between machines must not hand one to an older driver).
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    key = SOURCE.read_bytes() + "\0".join([*flags, version]).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    target = _cache_dir() / f"tq_decode-{digest}-sm{arch}.so"
+    if target.is_file():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
-    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-           f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(partial), str(SOURCE)]
+    cmd = [nvcc, *flags, "-o", str(partial), str(SOURCE)]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
@@ -115,6 +120,10 @@ class _Library:
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))
         self.lib.tq_decode_params_size.restype = ctypes.c_int
+        self.lib.tq_decode_params_offset.restype = ctypes.c_int
+        self.lib.tq_decode_params_offset.argtypes = [ctypes.c_int]
+        self.lib.tq_decode_probe.restype = ctypes.c_int
+        self.lib.tq_decode_probe.argtypes = [ctypes.c_int]
         self.lib.tq_decode_launch.restype = ctypes.c_int
         self.lib.tq_decode_launch.argtypes = [ctypes.POINTER(_Params)] + [ctypes.c_int] * 6 + [
             ctypes.c_void_p]
@@ -122,6 +131,12 @@ class _Library:
         if size != ctypes.sizeof(_Params):
             raise RuntimeError(f"{path.name}: Params is {size} bytes, the Python mirror "
                                f"{ctypes.sizeof(_Params)}")
+        names = [name for name, _ in _Params._fields_]
+        offsets = [self.lib.tq_decode_params_offset(i) for i in range(len(names) + 1)]
+        mirror = [getattr(_Params, name).offset for name in names] + [-1]
+        if offsets != mirror:
+            raise RuntimeError(f"{path.name}: Params field offsets {offsets} differ from the "
+                               f"Python mirror's {mirror} (fields {names})")
 
 
 _lock = threading.Lock()
@@ -141,9 +156,22 @@ def _load(arch: str) -> _Library | str:
 
 def prepare(device: torch.device) -> str | None:
     """Build or load the library for this device now (engine start-up, not the first decode
-    step); None when it is ready, else why not."""
-    library = _load(_arch(device))
-    return library if isinstance(library, str) else None
+    step) and check that its kernels can run there; None when they can, else why not."""
+    return _probe(_arch(device), torch.cuda._get_device_index(device, optional=True))
+
+
+@functools.cache
+def _probe(arch: str, index: int) -> str | None:
+    library = _load(arch)
+    if isinstance(library, str):
+        return library
+    err = library.lib.tq_decode_probe(index)
+    if err:
+        reason = (f"the CUDA TurboQuant decode kernel cannot run on cuda:{index} (cudaError "
+                  f"{err}: a driver older than the nvcc that built it?)")
+        logger.warning("%s; decode steps use the Triton kernel", reason)
+        return reason
+    return None
 
 
 def unsupported_reason(preset: KVPreset, head_size: int, block_size: int, dtype: torch.dtype,
@@ -211,20 +239,26 @@ def tq_decode(preset: KVPreset, signs: torch.Tensor, query: torch.Tensor, key: t
     part_m, part_l, part_acc = partials if num_splits > 1 else (None, None, None)
     head_size = query.shape[2]
     _, v_codes, k_meta, v_meta = preset.plane_offsets(head_size, block_size)
+    tensors = dict(query=query, key=key, value=value, out=out, cache=kv_cache,
+                   block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                   qblock_req=qblock_req, signs=signs,
+                   pair_table=pair_table(preset.name, preset.value.bits, str(query.device)),
+                   part_m=part_m, part_l=part_l, part_acc=part_acc)
     params = _Params(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), kv_cache.data_ptr(),
-        block_table.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-        qblock_req.data_ptr(), signs.data_ptr(),
-        pair_table(preset.name, preset.value.bits, str(query.device)).data_ptr(),
-        *(t.data_ptr() if t is not None else None for t in (part_m, part_l, part_acc)),
-        *query.stride()[:2], *key.stride()[:2], *value.stride()[:2], *out.stride()[:2],
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        block_size.bit_length() - 1, v_codes, k_meta, v_meta,
-        query.shape[1] // num_kv_heads, head_size, num_splits, scale)
+        **{name: t.data_ptr() if t is not None else None for name, t in tensors.items()},
+        q_stride_t=query.stride(0), q_stride_h=query.stride(1), k_stride_t=key.stride(0),
+        k_stride_h=key.stride(1), v_stride_t=value.stride(0), v_stride_h=value.stride(1),
+        o_stride_t=out.stride(0), o_stride_h=out.stride(1),
+        cache_stride_block=kv_cache.stride(0), cache_stride_head=kv_cache.stride(1),
+        block_table_stride=block_table.stride(0), block_size_log2=block_size.bit_length() - 1,
+        v_codes_offset=v_codes, k_meta_offset=k_meta, v_meta_offset=v_meta,
+        queries_per_kv=query.shape[1] // num_kv_heads, head_size=head_size,
+        num_splits=num_splits, scale=scale)
     bits = _CODECS[(preset.key.kind, preset.key.bits, preset.value.kind, preset.value.bits)]
     stream = torch.cuda.current_stream(query.device).cuda_stream
     err = library.lib.tq_decode_launch(ctypes.byref(params), _DTYPES[query.dtype], *bits,
-                                       num_programs, num_kv_heads, query.device.index or 0,
+                                       num_programs, num_kv_heads,
+                                       torch.cuda._get_device_index(query.device, optional=True),
                                        stream)
     if err != 0:
         raise RuntimeError(f"tq_decode_launch failed: error {err}")

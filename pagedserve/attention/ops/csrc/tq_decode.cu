@@ -34,6 +34,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
 
 // The launch parameters; tq_decode_cuda._Params mirrors this layout (checked by size).
@@ -589,8 +590,37 @@ int launch_sizes(const Params& p, int key_bits, int value_bits, int num_programs
 
 extern "C" {
 
-// Size of Params, so that the caller can check its mirror of the struct.
+// Size of Params and the offset of each field in declaration order (-1 past the last), so that
+// the caller can check its mirror of the struct field by field.
 int tq_decode_params_size() { return static_cast<int>(sizeof(TQDecodeParams)); }
+
+int tq_decode_params_offset(int field) {
+  using P = TQDecodeParams;
+  static const int offsets[] = {
+      offsetof(P, query), offsetof(P, key), offsetof(P, value), offsetof(P, out),
+      offsetof(P, cache), offsetof(P, block_table), offsetof(P, query_start_loc),
+      offsetof(P, seq_lens), offsetof(P, qblock_req), offsetof(P, signs),
+      offsetof(P, pair_table), offsetof(P, part_m), offsetof(P, part_l), offsetof(P, part_acc),
+      offsetof(P, q_stride_t), offsetof(P, q_stride_h), offsetof(P, k_stride_t),
+      offsetof(P, k_stride_h), offsetof(P, v_stride_t), offsetof(P, v_stride_h),
+      offsetof(P, o_stride_t), offsetof(P, o_stride_h), offsetof(P, cache_stride_block),
+      offsetof(P, cache_stride_head), offsetof(P, block_table_stride),
+      offsetof(P, block_size_log2), offsetof(P, v_codes_offset), offsetof(P, k_meta_offset),
+      offsetof(P, v_meta_offset), offsetof(P, queries_per_kv), offsetof(P, head_size),
+      offsetof(P, num_splits), offsetof(P, scale)};
+  const int n = static_cast<int>(sizeof(offsets) / sizeof(offsets[0]));
+  return field >= 0 && field < n ? offsets[field] : -1;
+}
+
+// Whether this library's kernels can run on `device` (the driver may be older than the
+// runtime it was built with): a cudaError_t, 0 when they can.
+int tq_decode_probe(int device) {
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  cudaFuncAttributes attributes;
+  err = cudaFuncGetAttributes(&attributes, tq_decode_kernel<__half, 128, 4, 4, 1>);
+  return static_cast<int>(err);
+}
 
 // dtype: 0 float16, 1 bfloat16. Returns a cudaError_t (0: launched), or -1 for an unsupported
 // combination.
