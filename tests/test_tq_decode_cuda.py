@@ -5,7 +5,6 @@ its parameter struct has the C layout. Its numerics are tested on the GPU
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -84,7 +83,7 @@ def test_builder_reads_the_decode_kernel_setting(monkeypatch):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.skipif(tqc.nvcc_path() is None, reason="needs nvcc")
 def test_kernel_builds_and_its_params_match_the_mirror(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     path = tqc.build("90a")

@@ -16,8 +16,11 @@ size a cache for another one).
 
 On CUDA the builder plans the Triton kernels (ops/turboquant_kernels.py): one fused
 rotate-quantize-pack store and one attention launch per layer that dequantizes pages in
-registers. Elsewhere it builds the CPU backend's padded groups and the impl runs the plain torch
-format, dequantizing the pages it gathers.
+registers. Decode-only steps of the rotated presets at head sizes 64 and 128 run a CUDA kernel
+instead (ops/tq_decode_cuda.py, built with nvcc when the builder starts; the Triton kernel
+where it cannot run; PAGEDSERVE_TQ_DECODE_KERNEL). Elsewhere the builder builds the CPU
+backend's padded groups and the impl runs the plain torch format, dequantizing the pages it
+gathers.
 """
 
 from __future__ import annotations
@@ -307,7 +310,8 @@ class TurboQuantBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", *tqf.PRESETS)
     supports_sliding_window = True
     supports_soft_cap = True
-    description = "rotated Lloyd-Max low-bit KV cache (TurboQuant), Triton on CUDA, torch else"
+    description = ("rotated Lloyd-Max low-bit KV cache (TurboQuant), Triton and CUDA kernels on "
+                   "CUDA, torch else")
     # Its cache is lossy: exact-tolerance conformance does not apply (tests/test_turboquant.py
     # checks it with tolerances derived from the preset).
     lossy_kv_cache: ClassVar[bool] = True
@@ -357,7 +361,11 @@ class TurboQuantBackend(AttentionBackend):
                 import triton
             except ImportError:
                 return True, "torch format only (triton missing: pip install triton for kernels)"
-            return True, f"Triton {triton.__version__} kernels on CUDA"
+            from pagedserve.attention.ops.tq_decode_cuda import nvcc_path
+
+            decode = ("decode kernel built with nvcc" if nvcc_path()
+                      else "no nvcc: Triton decodes too")
+            return True, f"Triton {triton.__version__} kernels on CUDA; {decode}"
         return True, "plain torch format (dequantizes gathered pages); kernels need CUDA"
 
     @classmethod

@@ -70,7 +70,8 @@ def _arch(device: torch.device) -> str:
     return f"{major}{minor}{suffix}"
 
 
-def _nvcc() -> str | None:
+def nvcc_path() -> str | None:
+    """The nvcc that builds the kernel: PATH, then $CUDA_HOME, $CUDA_PATH, /usr/local/cuda."""
     found = shutil.which("nvcc")
     if found:
         return found
@@ -88,7 +89,7 @@ def _cache_dir() -> Path:
 def build(arch: str) -> Path:
     """Compile the kernel for `arch` ("90a", "89", ...) unless a build of this source exists;
     returns the shared library's path. Safe against concurrent builds (atomic rename)."""
-    nvcc = _nvcc()
+    nvcc = nvcc_path()
     if nvcc is None:
         raise RuntimeError("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
     flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
