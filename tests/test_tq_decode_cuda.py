@@ -5,7 +5,6 @@ its parameter struct has the C layout. Its numerics are tested on the GPU
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
