@@ -259,11 +259,11 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
                  tb_s=base_bytes / base_s / 1e12, speedup=1.0, rel_err=0.0)]
     for preset, cache in tq_caches.items():
         nbytes = tokens * num_kv_heads * tqf.PRESETS[preset].slot_bytes(head_size)
-        configs = [(t, n, k) for k in (decode_kernels or [None]) for t in tile_configs
-                   for n in (tq_splits or [None])]
-        if "cuda" in (decode_kernels or []):  # launch shapes do not apply to it
-            configs = [c for c in configs if c[2] != "cuda"] + [
-                (None, n, "cuda") for n in (tq_splits or [None])]
+        kernels, splits_list = decode_kernels or [None], tq_splits or [None]
+        configs = [(t, n, k) for k in kernels if k != "cuda" for t in tile_configs
+                   for n in splits_list]
+        if "cuda" in kernels:  # launch shapes do not apply to it
+            configs += [(None, n, "cuda") for n in splits_list]
         for tiles, splits, kernel in configs:
             t0 = time.perf_counter()
             seconds, out = run("TURBOQUANT", cache, preset, tiles, splits, kernel)

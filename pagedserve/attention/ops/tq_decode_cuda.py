@@ -62,8 +62,10 @@ def requested_kernel() -> str:
     return value
 
 
-def _arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
+@functools.cache
+def _arch(index: int) -> str:
+    """nvcc's target for cuda:index (once per device: the decode path asks every layer)."""
+    major, minor = torch.cuda.get_device_capability(index)
     # 'a' targets (sm_90a) have Hopper's own instructions; the kernel needs none, but the
     # family-specific build is what the rest of the stack runs there.
     suffix = "a" if (major, minor) == (9, 0) else ""
@@ -158,7 +160,8 @@ def _load(arch: str) -> _Library | str:
 def prepare(device: torch.device) -> str | None:
     """Build or load the library for this device now (engine start-up, not the first decode
     step) and check that its kernels can run there; None when they can, else why not."""
-    return _probe(_arch(device), torch.cuda._get_device_index(device, optional=True))
+    index = torch.cuda._get_device_index(device, optional=True)
+    return _probe(_arch(index), index)
 
 
 @functools.cache
@@ -228,7 +231,8 @@ def tq_decode(preset: KVPreset, signs: torch.Tensor, query: torch.Tensor, key: t
     go through `partials` (decode_split_kv.allocate_partials) and reduce_split_kv."""
     if num_programs == 0:
         return
-    library = _load(_arch(query.device))
+    index = torch.cuda._get_device_index(query.device, optional=True)
+    library = _load(_arch(index))
     if isinstance(library, str):
         raise RuntimeError(library)
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
@@ -258,9 +262,7 @@ def tq_decode(preset: KVPreset, signs: torch.Tensor, query: torch.Tensor, key: t
     bits = _CODECS[(preset.key.kind, preset.key.bits, preset.value.kind, preset.value.bits)]
     stream = torch.cuda.current_stream(query.device).cuda_stream
     err = library.lib.tq_decode_launch(ctypes.byref(params), _DTYPES[query.dtype], *bits,
-                                       num_programs, num_kv_heads,
-                                       torch.cuda._get_device_index(query.device, optional=True),
-                                       stream)
+                                       num_programs, num_kv_heads, index, stream)
     if err != 0:
         raise RuntimeError(f"tq_decode_launch failed: error {err}")
     if num_splits > 1:
