@@ -367,6 +367,12 @@ def engine_decode(llm: LLM, shape: Shape, rates: tuple[float, float], batch: int
     row(f"8B GPU busy in engine decode steps b={batch}",
         f"{kernel_us / 1e6 / wall:.0%}" if kernel_us > 0 else "n/a (the profiler saw no kernels)",
         f"({wall / steps * 1e3:.2f} ms/step with the profiler on)")
+    # Per step, by kernel name: what the graph, the head and the sampler spend.
+    kernels = sorted(((float(getattr(e, "self_device_time_total", 0) or 0), e.count, e.key)
+                      for e in prof.key_averages()), reverse=True)
+    for us, count, name in [k for k in kernels if k[0] > 0][:12]:
+        row(f"  b={batch} per step: {name[:56]}", f"{us / steps / 1e3:.3f} ms",
+            f"{count / steps:.0f} launches")
 
 
 def big_model(args: argparse.Namespace, rates: tuple[float, float]) -> None:

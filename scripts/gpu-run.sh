@@ -7,7 +7,7 @@
 # recently changed code), e2e (engine vs transformers on the SmolLM2 GGUF), bench (attention
 # kernels), features (Mamba and prefix caching GPU tests), engine (benchmarks/gpu_engine.py),
 # tqtests (TurboQuant's GPU tests), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
-# tunableop (8B decode steps without and with
+# linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
 # conformance and benchmark rows), tq (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
 # caching, Mamba decode and TurboQuant decode benchmarks), prefix0 (prefix caching at 0% hits),
@@ -101,6 +101,12 @@ stage_engine() {  # the engine's throughput figures (issue: GPU engine performan
     timeout "${ENGINE_TIMEOUT:-300}" python3 benchmarks/gpu_engine.py \
         --num-prompts "${NUM_PROMPTS:-128}" ${ENGINE_ARGS:-} >"$OUT/engine.log" 2>&1
     echo "exit $?" >>"$OUT/engine.log"
+}
+
+stage_linear() {  # the 8B projections' GEMMs by token count, next to their floors
+    setup_env
+    timeout 200 python3 benchmarks/linear_shapes.py >"$OUT/linear.log" 2>&1
+    echo "exit $?" >>"$OUT/linear.log"
 }
 
 stage_engine_sync() {  # the same with synchronous steps (async scheduling is the CUDA default)
