@@ -22,6 +22,7 @@ A compact table closes the run. Every part can be skipped by a flag.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
@@ -120,6 +121,20 @@ class Shape:
             total += max(flops / flops_rate, nbytes / bw)
         return total
 
+    def serial_floor_s(self, step_log: list, flops_rate: float, bw: float) -> float:
+        """A floor for an engine that runs a layer's GEMMs and its attention one after the
+        other, as this one does: per step, the GEMMs at max(weight bytes / bandwidth, their
+        FLOPs / rate) plus attention at max(KV bytes / bandwidth, its FLOPs / rate)."""
+        total = 0.0
+        for computed, scheduled, *_ in step_log:
+            c, n = computed.astype(np.float64), scheduled.astype(np.float64)
+            gemm_flops = 2 * self.linear_params * n.sum() + 2 * self.head_params * len(n)
+            attn_flops = 4 * self.attn * float((n * c + n * (n + 1) / 2).sum())
+            kv_bytes = self.kv_bytes_per_token * float((c + n).sum())
+            total += (max(gemm_flops / flops_rate, self.weight_bytes / bw)
+                      + max(attn_flops / flops_rate, kv_bytes / bw))
+        return total
+
     def issue_floor_s(self, step_log: list, flops_rate: float, bw: float) -> float:
         """The issue's floor: the prefill tokens' FLOPs at the matmul rate, plus, for every step
         that decodes, max(bytes of weights + the decodes' KV / bandwidth, their FLOPs / rate).
@@ -140,11 +155,12 @@ class Shape:
 # ---- parts --------------------------------------------------------------------------------------
 
 def small_model(args: argparse.Namespace) -> None:
-    print("\n== SmolLM2-135M-shaped random bf16: graphs vs eager", flush=True)
+    print(f"\n== {args.small_model or 'SmolLM2-135M-shaped random bf16'}: graphs vs eager",
+          flush=True)
     n, in_len, out_len = args.small_num_prompts, 128, 512
     results = {}
     for eager in (False, True):
-        llm = LLM(config=str(ROOT / "configs/smollm2-random-gpu.yaml"),
+        llm = LLM(config=str(ROOT / "configs/smollm2-random-gpu.yaml"), model=args.small_model,
                   attention_backend=args.attention_backend, enforce_eager=eager,
                   gpu_memory_utilization=0.3, async_scheduling=args.async_scheduling)
         graphs = llm.engine.runner.decode_graphs
@@ -213,16 +229,24 @@ def workload(llm: LLM, shape: Shape, name: str, n: int, in_len: int, out_len: in
     runner = llm.engine.runner
     prompts = random_prompts(n, in_len, runner.vocab_size, seed=in_len + out_len)
     runner.step_log = []
-    r = run_throughput(llm, prompts, out_len)
+    with step_events(runner) as events:
+        r = run_throughput(llm, prompts, out_len)
     log, runner.step_log = runner.step_log, None
     floor = shape.floor_s(log, *rates)
     issue_floor = shape.issue_floor_s(log, *rates)
+    serial = shape.serial_floor_s(log, *rates)
     graphed = sum(1 for *_, ran in log if ran)
+    wall = r["elapsed_s"]
     row(f"8B {name} {n}x{in_len}/{out_len}",
         f"{r['output_tokens_per_s']:,.0f} out tok/s, {r['total_tokens_per_s']:,.0f} tot tok/s, "
-        f"{r['elapsed_s']:.1f} s", f"issue's floor {issue_floor:.1f} s -> wall/floor "
-        f"{r['elapsed_s'] / issue_floor:.2f}; strict floor (max per step) {floor:.1f} s -> "
-        f"{r['elapsed_s'] / floor:.2f} ({len(log)} steps, {graphed} graphed)")
+        f"{wall:.1f} s", f"issue's floor {issue_floor:.1f} s -> wall/floor "
+        f"{wall / issue_floor:.2f}; strict floor (max per step) {floor:.1f} s -> "
+        f"{wall / floor:.2f} ({len(log)} steps, {graphed} graphed)")
+    row(f"8B {name} next to a serial floor", f"{serial:.1f} s -> wall/floor {wall / serial:.2f}",
+        "(per step: GEMMs at max(weights, FLOPs) + attention at max(KV, FLOPs))")
+    busy_s = sum(start.elapsed_time(end) for start, end in events) / 1e3
+    row(f"8B GPU busy in the {name} run", f"{busy_s / wall:.0%}",
+        f"(CUDA events around each step's work: {busy_s:.1f} s of {wall:.1f} s wall)")
     if not args.skip_hf:
         m = min(args.hf_num_prompts, n)
         hf_out = out_len if out_len <= args.hf_max_output_len else args.hf_max_output_len
@@ -234,6 +258,30 @@ def workload(llm: LLM, shape: Shape, name: str, n: int, in_len: int, out_len: in
             row(f"8B {name} transformers generate", f"failed: {type(exc).__name__}: {exc}")
             gc.collect()
             torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def step_events(runner):
+    """CUDA events before and after the work each step queues (inputs, forward, sampling,
+    the id copy). Steps run on one stream, so their spans do not overlap: their sum over the
+    wall time is the fraction of it the GPU is busy; a gap is the GPU waiting for the host."""
+    launch = runner.launch
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed_launch(batch):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        pending = launch(batch)
+        end.record()
+        events.append((start, end))
+        return pending
+
+    runner.launch = timed_launch
+    try:
+        yield events
+    finally:
+        del runner.launch  # the class's method again
+        torch.cuda.synchronize()
 
 
 @torch.inference_mode()
@@ -395,7 +443,8 @@ def big_model(args: argparse.Namespace, rates: tuple[float, float]) -> None:
         if not args.skip_step_time:
             decode_step_time(llm, shape, batch, 1024, rates)
         if not args.skip_busy:
-            engine_decode(llm, shape, rates, batch, 1024)
+            for context in map(int, args.busy_contexts.split(",")):
+                engine_decode(llm, shape, rates, batch, context)
     free(llm)
 
 
@@ -404,6 +453,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=256, help="8B workloads' N")
     parser.add_argument("--small-num-prompts", type=int, default=256)
+    parser.add_argument("--small-model", default=None,
+                        help="the small part's model (the bundled SmolLM2 GGUF's path); "
+                             "default: random weights of its shape")
     parser.add_argument("--decode-output-len", type=int, default=1024)
     parser.add_argument("--attention-backend", default="TRITON",
                         help="TRITON compiles in seconds; FLASHINFER JITs ~90 s per head size "
@@ -414,6 +466,8 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="the engines schedule step N+1 while step N runs "
                         "(default: the engine's, on for CUDA)")
+    parser.add_argument("--busy-contexts", default="1024",
+                        help="prompt lengths of the engine's decode-step measurements")
     parser.add_argument("--hf-num-prompts", type=int, default=64)
     parser.add_argument("--hf-max-output-len", type=int, default=256,
                         help="transformers' generated tokens are capped at this (time)")
