@@ -160,3 +160,37 @@ def test_decode_window_stays_small(smollm_tokenizer: Any) -> None:
         detok.update([i])
     assert detok.output_text == text
     assert len(ids) > 300 and max(counting.lengths) <= 8
+
+
+class _PythonOnlyTokenizer:
+    """The tokenizer without its Rust backend: the detokenizer's pure-Python path."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        return self.inner.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_streaming_path_matches_python_path(smollm_tokenizer: Any, skip: bool) -> None:
+    """DecodeStream (fast tokenizers) and the two-decode Python path stream the same deltas,
+    over text with multi-byte characters, special tokens and random ids."""
+    import random
+
+    tok = smollm_tokenizer
+    rng = random.Random(0)
+    text_ids = tok.encode("Emoji 😀👍🏽, CJK 世界你好, café — ok.") + [EOS_ID, 1]
+    streams = [text_ids] + [[rng.randrange(len(tok)) for _ in range(200)] for _ in range(5)]
+    prompt = tok.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    params = SamplingParams(skip_special_tokens=skip)
+    for ids in streams:
+        for chunk in (1, 4):
+            fast = IncrementalDetokenizer(tok, prompt, params)
+            slow = IncrementalDetokenizer(_PythonOnlyTokenizer(tok), prompt, params)
+            assert fast._stream is not None and slow._stream is None
+            for i in range(0, len(ids), chunk):
+                fast.update(ids[i:i + chunk])
+                slow.update(ids[i:i + chunk])
+                assert fast.get_next_delta() == slow.get_next_delta()
+            assert fast.output_text == slow.output_text

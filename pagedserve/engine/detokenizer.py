@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pagedserve.engine.sampling_params import SamplingParams
@@ -9,6 +10,28 @@ from pagedserve.engine.sampling_params import SamplingParams
 # Prompt tokens decoded ahead of the first output token. Tokenizers that drop the leading
 # space of a decode's first token (SentencePiece) need some context to render it correctly.
 _PROMPT_CONTEXT_TOKENS = 5
+
+
+@functools.cache
+def _can_stream() -> bool:
+    """This version of `tokenizers` streams decodes from a primed context."""
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        DecodeStream(ids=[], skip_special_tokens=False)
+    except (ImportError, TypeError):
+        return False
+    return True
+
+
+def _rust_tokenizer(tokenizer: Any) -> Any | None:
+    """The `tokenizers.Tokenizer` behind a fast transformers tokenizer, if it can stream."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not _can_stream():
+        return None
+    from tokenizers import Tokenizer
+
+    return backend if isinstance(backend, Tokenizer) else None
 
 
 class IncrementalDetokenizer:
@@ -19,6 +42,10 @@ class IncrementalDetokenizer:
     beyond that prefix. Decoding with the prefix (rather than the new ids alone) keeps
     context-dependent spacing correct, and a decode that ends in U+FFFD is an incomplete
     multi-byte character, so the offsets wait for the bytes that complete it.
+
+    Fast tokenizers run the same algorithm inside `tokenizers`' `DecodeStream` (one call
+    per token instead of two decodes through the Python wrapper: about a tenth of the host
+    time, which a small model's steps feel).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -35,6 +62,13 @@ class IncrementalDetokenizer:
         self._text = ""
         self._sent = 0  # chars of _text already returned by get_next_delta
         self._stop_reason: str | None = None
+        self._backend = _rust_tokenizer(tokenizer)
+        self._stream = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=context,
+                                        skip_special_tokens=params.skip_special_tokens)
 
     @property
     def output_text(self) -> str:
@@ -54,10 +88,14 @@ class IncrementalDetokenizer:
         if self._stop_reason is not None:
             return None  # the request ended; trailing ids cannot change the text
         old_len = len(self._text)
-        pieces = []
-        for token_id in new_token_ids:
-            self._ids.append(token_id)
-            pieces.append(self._decode_next())
+        if self._stream is not None:
+            step, backend = self._stream.step, self._backend
+            pieces = [step(backend, token_id) or "" for token_id in new_token_ids]
+        else:
+            pieces = []
+            for token_id in new_token_ids:
+                self._ids.append(token_id)
+                pieces.append(self._decode_next())
         self._num_output_tokens += len(new_token_ids)
         self._text += "".join(pieces)
         # Like min_tokens for EOS, stop strings may only end the request after min_tokens.
