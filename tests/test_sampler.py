@@ -63,6 +63,29 @@ def test_build_flags_and_counts() -> None:
     assert torch.equal(meta.output_token_counts, expected)
 
 
+def test_rows_shared_by_several_requests_gather_to_their_rows() -> None:
+    """Requests sharing one SamplingParams object (an offline batch) get the same per-row
+    values as requests that each hold a copy."""
+    a = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, presence_penalty=0.5)
+    b = SamplingParams(temperature=0.0)
+    c = SamplingParams(temperature=1.3, repetition_penalty=1.2, min_tokens=3, logprobs=2)
+    shared = [a, b, a, c, b, a]
+    copies = [SamplingParams(**vars(p)) for p in shared]
+    outputs = [[3], [], [4, 4], [], [5], []]
+    prompts = [[7, 8], [9], [7], [8, 8], [9], [2]]
+    got, want = build(shared, 16, prompts, outputs), build(copies, 16, prompts, outputs)
+    for field in ("temperature", "is_greedy", "top_k", "top_p", "min_p", "presence_penalties",
+                  "frequency_penalties", "repetition_penalties", "output_token_counts",
+                  "prompt_token_mask", "banned_token_mask"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert got.max_num_logprobs == want.max_num_logprobs == 2
+    assert (got.all_greedy, got.all_random, got.no_top_k, got.no_min_p) == (
+        want.all_greedy, want.all_random, want.no_top_k, want.no_min_p) == (False, False,
+                                                                            False, False)
+    assert got.temperature.tolist() == pytest.approx([0.7, 1.0, 0.7, 1.3, 1.0, 0.7])
+    assert got.banned_token_mask[3, EOS] and not got.banned_token_mask[0].any()
+
+
 def test_greedy_rows_are_argmax_of_penalised_logits() -> None:
     torch.manual_seed(0)
     vocab = 40

@@ -320,48 +320,29 @@ class LLMEngine:
     def _process(self, batch, output: ModelRunnerOutput, results) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
+        may_finish: set[str] = set()  # states one of whose sequences may have just ended
+        # Logprobs, prompt logprobs, scores and teacher forcing are rare: the loop below
+        # looks at them only when the step produced any.
+        extras = bool(output.prompt_logprobs or output.score_logprobs
+                      or output.forced_logprobs or output.logprobs is not None)
         # Batch rows, needed only to find logprobs (results skip finished requests).
         row_of = ({r.request_id: i for i, r in enumerate(batch.requests)}
                   if output.prompt_logprobs or output.logprobs is not None else {})
         stopped: list[str] = []
         for request, token in results:
             state, seq = self._seq_of[request.request_id]
-            if request.request_id in output.prompt_logprobs and state.prompt_logprobs is not None:
-                # This chunk predicted prompt positions computed+1..; a request recomputing its
-                # prompt after preemption already has the first of them.
-                first = int(batch.num_computed_tokens[row_of[request.request_id]]) + 1
-                positions = self._positions(output.prompt_logprobs[request.request_id])
-                state.prompt_logprobs.extend(positions[len(state.prompt_logprobs) - first:])
-            if request.request_id in output.score_logprobs and seq.forced_logprobs is not None:
-                # Rows by position: a request recomputing its prompt after preemption sends
-                # positions it already sent.
-                first, rows = output.score_logprobs[request.request_id]
-                skip = request.score_from + seq.num_scored - first
-                assert skip >= 0, "a gap in the scored positions"
-                if skip < rows.shape[0]:
-                    seq.forced_logprobs.append(rows[skip:])
-                    seq.num_scored += rows.shape[0] - skip
+            if extras:
+                self._record_prompt_extras(batch, output, row_of, request, state, seq)
             if token is None:
                 continue
-            if request.forced_output_ids is not None and seq.forced_logprobs is not None:
-                seq.forced_logprobs.append(output.forced_logprobs[request.request_id][None])
-                seq.num_scored += 1
+            if extras:
+                self._record_token_extras(output, row_of, request, token, seq)
             touched[state.request_id] = state
             self.generation_tokens += 1
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
-            if seq.logprobs is not None and output.logprobs is not None:
-                row = row_of[request.request_id]
-                k = request.sampling_params.logprobs
-                lp = LogprobsTensors(output.logprobs.logprobs[row:row + 1, :k + 1],
-                                     output.logprobs.token_ids[row:row + 1, :k + 1],
-                                     output.logprobs.ranks[row:row + 1])
-                position = self._positions(lp)[0]
-                seq.logprobs.append(position)
-                seq.cumulative_logprob += position[token].logprob
-            ended_by_token = request.status == RequestStatus.FINISHED_STOPPED
-            if ended_by_token:
+            if request.status == RequestStatus.FINISHED_STOPPED:
                 # EOS and stop token ids end the sequence without adding their text.
                 if token in request.stop_token_ids:
                     seq.stop_reason = token
@@ -373,12 +354,50 @@ class LLMEngine:
                         stopped.append(request.request_id)
                     else:  # the length limit and a stop string met on the same token
                         request.status = RequestStatus.FINISHED_STOPPED
+            if request.is_finished or seq.stop_reason is not None:
+                may_finish.add(state.request_id)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outputs = [self._make_output(state, now) for state in touched.values()
-                   if state.stream or _has_new_finish(state)]
+                   if state.stream or (state.request_id in may_finish
+                                       and _has_new_finish(state))]
         self._maybe_log_stats()
         return outputs
+
+    def _record_prompt_extras(self, batch, output: ModelRunnerOutput, row_of: dict[str, int],
+                              request: Request, state: RequestState, seq) -> None:
+        """Prompt logprobs and prefill scores a step computed for a request."""
+        if request.request_id in output.prompt_logprobs and state.prompt_logprobs is not None:
+            # This chunk predicted prompt positions computed+1..; a request recomputing its
+            # prompt after preemption already has the first of them.
+            first = int(batch.num_computed_tokens[row_of[request.request_id]]) + 1
+            positions = self._positions(output.prompt_logprobs[request.request_id])
+            state.prompt_logprobs.extend(positions[len(state.prompt_logprobs) - first:])
+        if request.request_id in output.score_logprobs and seq.forced_logprobs is not None:
+            # Rows by position: a request recomputing its prompt after preemption sends
+            # positions it already sent.
+            first, rows = output.score_logprobs[request.request_id]
+            skip = request.score_from + seq.num_scored - first
+            assert skip >= 0, "a gap in the scored positions"
+            if skip < rows.shape[0]:
+                seq.forced_logprobs.append(rows[skip:])
+                seq.num_scored += rows.shape[0] - skip
+
+    def _record_token_extras(self, output: ModelRunnerOutput, row_of: dict[str, int],
+                             request: Request, token: int, seq) -> None:
+        """A teacher-forced token's distribution and a sampled token's logprobs."""
+        if request.forced_output_ids is not None and seq.forced_logprobs is not None:
+            seq.forced_logprobs.append(output.forced_logprobs[request.request_id][None])
+            seq.num_scored += 1
+        if seq.logprobs is not None and output.logprobs is not None:
+            row = row_of[request.request_id]
+            k = request.sampling_params.logprobs
+            lp = LogprobsTensors(output.logprobs.logprobs[row:row + 1, :k + 1],
+                                 output.logprobs.token_ids[row:row + 1, :k + 1],
+                                 output.logprobs.ranks[row:row + 1])
+            position = self._positions(lp)[0]
+            seq.logprobs.append(position)
+            seq.cumulative_logprob += position[token].logprob
 
     def _positions(self, lp: LogprobsTensors) -> list[PositionLogprobs]:
         """LogprobsTensors rows -> per-position dicts {token id: Logprob}; column 0 is the

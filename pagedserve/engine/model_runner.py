@@ -496,7 +496,8 @@ class ModelRunner:
                       if r.request_id in self.generators} if self.generators else {}
         params = [r.sampling_params for r in requests]
         needs_tokens = any(p.repetition_penalty != 1.0 or p.presence_penalty
-                           or p.frequency_penalty or p.min_tokens for p in params)
+                           or p.frequency_penalty or p.min_tokens
+                           for p in {id(p): p for p in params}.values())
         prompts = [r.prompt_token_ids for r in requests] if needs_tokens else [[]] * len(params)
         outputs = [r.output_token_ids for r in requests] if needs_tokens else [[]] * len(params)
         return SamplingMetadata.build(params, prompts, outputs, generators, self.eos_token_id,

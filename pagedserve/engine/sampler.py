@@ -68,15 +68,20 @@ class SamplingMetadata:
         if not (len(prompt_token_ids) == n == len(output_token_ids)):
             raise ValueError("params, prompt_token_ids and output_token_ids differ in length")
         v = vocab_size
-        greedy = [p.greedy for p in params]
+        # Rows are built per distinct parameter object, then gathered: an offline batch
+        # shares one object, so the per-step host work does not grow with the batch.
+        slot: dict[int, int] = {}
+        which = [slot.setdefault(id(p), len(slot)) for p in params]
+        uniq = list({id(p): p for p in params}.values())
+        greedy = [p.greedy for p in uniq]
         # Greedy rows get neutral filter values so they never trigger the filtering work.
-        temperature = [1.0 if p.greedy else p.temperature for p in params]
-        top_k = [v if p.greedy or p.top_k <= 0 else min(p.top_k, v) for p in params]
-        top_p = [1.0 if p.greedy else p.top_p for p in params]
-        min_p = [0.0 if p.greedy else p.min_p for p in params]
-        rep = [p.repetition_penalty for p in params]
-        pres = [p.presence_penalty for p in params]
-        freq = [p.frequency_penalty for p in params]
+        temperature = [1.0 if p.greedy else p.temperature for p in uniq]
+        top_k = [v if p.greedy or p.top_k <= 0 else min(p.top_k, v) for p in uniq]
+        top_p = [1.0 if p.greedy else p.top_p for p in uniq]
+        min_p = [0.0 if p.greedy else p.min_p for p in uniq]
+        rep = [p.repetition_penalty for p in uniq]
+        pres = [p.presence_penalty for p in uniq]
+        freq = [p.frequency_penalty for p in uniq]
 
         no_rep = all(r == 1.0 for r in rep)
         no_freq_presence = not any(pres) and not any(freq)
@@ -86,23 +91,27 @@ class SamplingMetadata:
 
         ban_rows: list[int] = []
         ban_cols: list[int] = []
-        for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
-            if len(out) >= p.min_tokens:
-                continue
-            ids = set(p.stop_token_ids or ())
-            if eos_token_id is not None and not p.ignore_eos:
-                ids.add(eos_token_id)
-            ban_rows.extend([row] * len(ids))
-            ban_cols.extend(ids)
+        if any(p.min_tokens for p in uniq):
+            for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
+                if len(out) >= p.min_tokens:
+                    continue
+                ids = set(p.stop_token_ids or ())
+                if eos_token_id is not None and not p.ignore_eos:
+                    ids.add(eos_token_id)
+                ban_rows.extend([row] * len(ids))
+                ban_cols.extend(ids)
         banned = None
         if ban_rows:
             banned = torch.zeros(n, v, dtype=torch.bool, device=device)
             banned[_long(ban_rows, device), _long(ban_cols, device)] = True
 
-        asked = [p.logprobs for p in params if p.logprobs is not None]
+        asked = [p.logprobs for p in uniq if p.logprobs is not None]
         # One transfer for the per-row values (top_k and vocab ids are exact in float32).
-        rows = _to_device(torch.tensor([temperature, top_p, min_p, pres, freq, rep, top_k,
-                                        greedy], dtype=torch.float32), device)
+        table = torch.tensor([temperature, top_p, min_p, pres, freq, rep, top_k, greedy],
+                             dtype=torch.float32)
+        if len(uniq) < n:  # with all distinct, `which` is 0..n-1 already
+            table = table[:, torch.tensor(which, dtype=torch.int64)]
+        rows = _to_device(table, device)
         return cls(
             temperature=rows[0],
             is_greedy=rows[7] != 0,
