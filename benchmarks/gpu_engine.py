@@ -169,14 +169,17 @@ def small_model(args: argparse.Namespace) -> None:
         prompts = random_prompts(n, in_len, llm.engine.runner.vocab_size, seed=1)
         run_throughput(llm, prompts[:2], 4)
         params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        wall = time.perf_counter() - t0
+        with step_events(llm.engine.runner) as events:
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            wall = time.perf_counter() - t0
+        busy = sum(start.elapsed_time(end) for start, end in events) / 1e3 / wall
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         results[eager] = tokens
         tps = sum(map(len, tokens)) / wall
         row(f"small {n}x{in_len}/{out_len} {'eager' if eager else 'graphs'}",
-            f"{tps:,.0f} out tok/s", f"({wall:.1f} s)")
+            f"{tps:,.0f} out tok/s", f"({wall:.1f} s, {len(events)} steps, GPU busy {busy:.0%})")
         # Drop every reference here (free() only drops its own) so the next engine's memory
         # profile does not see this one's KV cache and graph pool.
         del llm, graphs, outs
