@@ -267,25 +267,15 @@ def workload(llm: LLM, shape: Shape, name: str, n: int, in_len: int, out_len: in
 
 @contextlib.contextmanager
 def step_events(runner):
-    """CUDA events before and after the work each step queues (inputs, forward, sampling,
-    the id copy). Steps run on one stream, so their spans do not overlap: their sum over the
-    wall time is the fraction of it the GPU is busy; a gap is the GPU waiting for the host."""
-    launch = runner.launch
-    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def timed_launch(batch):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        pending = launch(batch)
-        end.record()
-        events.append((start, end))
-        return pending
-
-    runner.launch = timed_launch
+    """The runner's CUDA events around each step's device work (from the forward, once the
+    host has built the step's metadata, to the samples' copy). Steps run on one stream, so
+    their spans do not overlap: their sum over the wall time is the fraction of it the GPU
+    is busy, and a gap is the GPU waiting for the host."""
+    runner.step_events = events = []
     try:
         yield events
     finally:
-        del runner.launch  # the class's method again
+        runner.step_events = None
         torch.cuda.synchronize()
 
 

@@ -183,6 +183,10 @@ class ModelRunner:
         # Set to a list to record every step's (num_computed, num_scheduled, num_prefills,
         # ran as a graph) for benchmarks' floors.
         self.step_log: list[tuple[np.ndarray, np.ndarray, int, bool]] | None = None
+        # Set to a list to record CUDA events around each step's device work, from its
+        # forward (after the host has built the step's metadata) to its samples' copy: the
+        # gaps between steps are the device waiting for the host.
+        self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def _builder_config(self, cfg: AttentionLayerConfig) -> BuilderConfig:
         return BuilderConfig(cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.dtype,
@@ -345,6 +349,10 @@ class ModelRunner:
             attn_metadata = {cfg: b.build(common) for cfg, b in self.builders.items()}
         if self._inputs_copied is not None:
             self._inputs_copied.record()
+        if self.step_events is not None:
+            self.step_events.append((torch.cuda.Event(enable_timing=True),
+                                     torch.cuda.Event(enable_timing=True)))
+            self.step_events[-1][0].record()
         if num_patched:
             dst, src = self._patch[:num_patched], self._patch[num_patched:2 * num_patched]
             self._input_ids.index_copy_(0, dst, prev.out.sampled_token_ids.index_select(0, src))
@@ -403,6 +411,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last])
         out = self.sampler(logits, meta)
         host_copy, logprobs = self._copy_to_host(out)
+        if self.step_events is not None:
+            self.step_events[-1][1].record()
         pending = PendingStep(batch, rows, out, host_copy, self.rows.generation[rows],
                               logprobs)
         if self._wants_logits:
