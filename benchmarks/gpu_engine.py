@@ -83,9 +83,9 @@ def measure_rates() -> tuple[float, float]:
 class Shape:
     """Per-token costs of a Llama-shaped model for the floors."""
 
-    def __init__(self, llm: LLM) -> None:
-        cfg = llm.engine.loaded.hf_config
-        model = llm.engine.runner.model
+    def __init__(self, cfg, model: torch.nn.Module) -> None:
+        """`cfg`: the model's Hugging Face config; `model`: its module (parameters on any
+        device, `meta` included), with `lm_head` and `model.embed_tokens` as in Llama."""
         embed = cfg.vocab_size * cfg.hidden_size
         # Bytes a step reads: every weight but the embedding table (only rows are gathered),
         # unless it doubles as the head.
@@ -427,7 +427,7 @@ def big_model(args: argparse.Namespace, rates: tuple[float, float]) -> None:
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     row("8B engine start-up (weights, profile, KV, graphs)", f"{time.perf_counter() - t0:.1f} s",
         f"graphs: {'on' if llm.engine.runner.decode_graphs else 'OFF'}")
-    shape = Shape(llm)
+    shape = Shape(llm.engine.loaded.hf_config, llm.engine.runner.model)
     run_throughput(llm, random_prompts(2, 32, llm.engine.runner.vocab_size, 0), 4)
     n = args.num_prompts
     if not args.skip_prefill_heavy:
