@@ -127,3 +127,31 @@ def test_padded_decode_matches_unpadded(backend: str) -> None:
     assert graphs.replays[4] > 0  # 3 decodes ran padded to 4
     assert any(ran for *_, ran in runner.step_log)
     assert not any(ran for _, _, prefills, ran in runner.step_log if prefills)
+
+
+def test_schedule_floor_counts_steps_and_floors() -> None:
+    """benchmarks/schedule_floor.py runs the real scheduler: 8 prompts of 64 tokens fit one
+    prefill step, which samples each first token; 3 decode steps give the other 3; with
+    samples back one step late no step is wasted. The serial floor is a sum where the strict
+    floor takes a max, so it is never below it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "schedule_floor.py"
+    spec = importlib.util.spec_from_file_location("schedule_floor", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    log = module.schedule_log(8, 64, 4, max_num_seqs=8, max_num_batched_tokens=1024,
+                              num_blocks=64)
+    assert [int(n.sum()) for _, n, _, _ in log] == [512, 8, 8, 8]
+    assert [only for *_, only in log] == [False, True, True, True]
+    assert [c.tolist() for c, *_ in log][1:] == [[64] * 8, [65] * 8, [66] * 8]
+    shape = module.model_shape("llama3-8b")
+    assert shape.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    rates = (800e12, 4.24e12)
+    strict, serial = shape.floor_s(log, *rates), shape.serial_floor_s(log, *rates)
+    assert 0 < strict <= serial
+    # A decode step of 8 requests is memory-bound: weights plus their KV at copy bandwidth.
+    c, n, *_ = log[1]
+    assert shape.issue_floor_s([log[1]], *rates) == pytest.approx(
+        (shape.weight_bytes + shape.kv_bytes_per_token * float((c + n).sum())) / 4.24e12)
