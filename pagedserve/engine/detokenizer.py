@@ -87,6 +87,13 @@ class IncrementalDetokenizer:
         """Append tokens; return the stop string they completed, if any."""
         if self._stop_reason is not None:
             return None  # the request ended; trailing ids cannot change the text
+        if self._stream is not None and not self._stop and len(new_token_ids) == 1:
+            # The common step: one token, no stop strings to look for.
+            self._num_output_tokens += 1
+            piece = self._stream.step(self._backend, new_token_ids[0])
+            if piece:
+                self._text += piece
+            return None
         old_len = len(self._text)
         if self._stream is not None:
             step, backend = self._stream.step, self._backend

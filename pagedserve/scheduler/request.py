@@ -15,10 +15,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+    def __init__(self, value: str) -> None:
+        # A plain attribute, not a property: the step path asks it several times per request.
+        self.is_finished = value in ("stop", "length", "abort")
 
     @property
     def finish_reason(self) -> str | None:
