@@ -84,6 +84,13 @@ def test_rows_shared_by_several_requests_gather_to_their_rows() -> None:
                                                                             False, False)
     assert got.temperature.tolist() == pytest.approx([0.7, 1.0, 0.7, 1.3, 1.0, 0.7])
     assert got.banned_token_mask[3, EOS] and not got.banned_token_mask[0].any()
+    # One object for the whole batch: its row repeated.
+    one, copied = build([c] * 3, 16, prompts[:3], outputs[:3]), build(
+        [SamplingParams(**vars(c)) for _ in range(3)], 16, prompts[:3], outputs[:3])
+    for field in ("temperature", "is_greedy", "top_k", "repetition_penalties",
+                  "prompt_token_mask", "banned_token_mask"):
+        assert torch.equal(getattr(one, field), getattr(copied, field)), field
+    assert one.temperature.tolist() == pytest.approx([1.3] * 3)
 
 
 def test_greedy_rows_are_argmax_of_penalised_logits() -> None:

@@ -70,9 +70,14 @@ class SamplingMetadata:
         v = vocab_size
         # Rows are built per distinct parameter object, then gathered: an offline batch
         # shares one object, so the per-step host work does not grow with the batch.
-        slot: dict[int, int] = {}
-        which = [slot.setdefault(id(p), len(slot)) for p in params]
-        uniq = list({id(p): p for p in params}.values())
+        first = params[0] if params else None
+        which: list[int] | None = None  # row -> index into uniq; None when all share one
+        if all(p is first for p in params):
+            uniq = params[:1]
+        else:
+            slot: dict[int, int] = {}
+            which = [slot.setdefault(id(p), len(slot)) for p in params]
+            uniq = list({id(p): p for p in params}.values())
         greedy = [p.greedy for p in uniq]
         # Greedy rows get neutral filter values so they never trigger the filtering work.
         temperature = [1.0 if p.greedy else p.temperature for p in uniq]
@@ -109,7 +114,9 @@ class SamplingMetadata:
         # One transfer for the per-row values (top_k and vocab ids are exact in float32).
         table = torch.tensor([temperature, top_p, min_p, pres, freq, rep, top_k, greedy],
                              dtype=torch.float32)
-        if len(uniq) < n:  # with all distinct, `which` is 0..n-1 already
+        if which is None:
+            table = table.expand(-1, n).contiguous()
+        elif len(uniq) < n:  # with all distinct, `which` is 0..n-1 already
             table = table[:, torch.tensor(which, dtype=torch.int64)]
         rows = _to_device(table, device)
         return cls(

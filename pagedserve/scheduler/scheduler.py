@@ -130,12 +130,14 @@ class Scheduler:
         scheduled.sort(key=lambda item: item[1] == 1)
         num_prefills = sum(1 for item in scheduled if item[1] > 1)
         computed = np.array([item[0].num_computed_tokens for item in scheduled], dtype=np.int32)
-        will_sample = np.empty(len(scheduled), dtype=bool)
-        for j, (request, num_new, _, _) in enumerate(scheduled):
+        samples = []
+        for request, num_new, _, _ in scheduled:
             request.num_computed_tokens += num_new
-            will_sample[j] = (request.num_computed_tokens
-                              >= request.num_tokens + request.num_output_placeholders)
-            request.num_output_placeholders += int(will_sample[j])
+            sample = (request.num_computed_tokens
+                      >= request.num_tokens + request.num_output_placeholders)
+            samples.append(sample)
+            request.num_output_placeholders += sample
+        will_sample = np.array(samples, dtype=bool)
         # An empty step is not launched: its freed requests wait for the next step (the runner
         # gives back their rows when it sees them).
         freed: list[str] = []
