@@ -30,6 +30,7 @@ from pagedserve.engine.sampler import (
     SamplerOutput,
     SamplingMetadata,
     compute_prompt_logprobs,
+    distinct_params,
 )
 from pagedserve.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedserve.kv_cache.specs import (
@@ -505,13 +506,13 @@ class ModelRunner:
         generators = {i: self.generators[r.request_id] for i, r in enumerate(requests)
                       if r.request_id in self.generators} if self.generators else {}
         params = [r.sampling_params for r in requests]
+        distinct = distinct_params(params)
         needs_tokens = any(p.repetition_penalty != 1.0 or p.presence_penalty
-                           or p.frequency_penalty or p.min_tokens
-                           for p in {id(p): p for p in params}.values())
+                           or p.frequency_penalty or p.min_tokens for p in distinct[0])
         prompts = [r.prompt_token_ids for r in requests] if needs_tokens else [[]] * len(params)
         outputs = [r.output_token_ids for r in requests] if needs_tokens else [[]] * len(params)
         return SamplingMetadata.build(params, prompts, outputs, generators, self.eos_token_id,
-                                      self.vocab_size, self.device)
+                                      self.vocab_size, self.device, distinct)
 
     def _prompt_position_logprobs(
         self, batch: SchedulerOutput, index: list[int], hidden: torch.Tensor

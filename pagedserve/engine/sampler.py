@@ -58,11 +58,13 @@ class SamplingMetadata:
         eos_token_id: int | None,
         vocab_size: int,
         device: torch.device | str,
+        distinct: tuple[list[SamplingParams], list[int] | None] | None = None,
     ) -> SamplingMetadata:
         """Gather a batch's parameters into tensors.
 
         ``generators`` must persist across steps for a request (created once from its seed);
-        a fresh generator per step would replay the same noise every step.
+        a fresh generator per step would replay the same noise every step. ``distinct``:
+        `distinct_params(params)` when the caller has it already.
         """
         n = len(params)
         if not (len(prompt_token_ids) == n == len(output_token_ids)):
@@ -70,14 +72,7 @@ class SamplingMetadata:
         v = vocab_size
         # Rows are built per distinct parameter object, then gathered: an offline batch
         # shares one object, so the per-step host work does not grow with the batch.
-        first = params[0] if params else None
-        which: list[int] | None = None  # row -> index into uniq; None when all share one
-        if all(p is first for p in params):
-            uniq = params[:1]
-        else:
-            slot: dict[int, int] = {}
-            which = [slot.setdefault(id(p), len(slot)) for p in params]
-            uniq = list({id(p): p for p in params}.values())
+        uniq, which = distinct if distinct is not None else distinct_params(params)
         greedy = [p.greedy for p in uniq]
         # Greedy rows get neutral filter values so they never trigger the filtering work.
         temperature = [1.0 if p.greedy else p.temperature for p in uniq]
@@ -141,6 +136,24 @@ class SamplingMetadata:
             no_top_p=all(p >= 1.0 for p in top_p),
             no_min_p=not any(min_p),
         )
+
+
+def distinct_params(params: list[SamplingParams]
+                    ) -> tuple[list[SamplingParams], list[int] | None]:
+    """The batch's distinct SamplingParams objects (by identity, in first-seen order) and each
+    row's index among them; None for the indices when one object serves every row."""
+    first = params[0] if params else None
+    if all(p is first for p in params):
+        return params[:1], None
+    slot: dict[int, int] = {}
+    uniq: list[SamplingParams] = []
+    which = []
+    for p in params:
+        i = slot.setdefault(id(p), len(uniq))
+        if i == len(uniq):
+            uniq.append(p)
+        which.append(i)
+    return uniq, which
 
 
 def _long(xs: list[int], device: torch.device | str) -> Tensor:

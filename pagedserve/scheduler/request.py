@@ -17,7 +17,7 @@ class RequestStatus(enum.Enum):
 
     def __init__(self, value: str) -> None:
         # A plain attribute, not a property: the step path asks it several times per request.
-        self.is_finished = value in ("stop", "length", "abort")
+        self.is_finished = self.name.startswith("FINISHED_")
 
     @property
     def finish_reason(self) -> str | None:
