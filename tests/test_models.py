@@ -317,7 +317,7 @@ def test_rope_from_transformers4_config_shape():
     `rope_parameters`."""
     from types import SimpleNamespace
 
-    from pagedserve.models.llama import rope_inv_freq, rope_parameters
+    from pagedserve.models.layers import rope_inv_freq, rope_parameters
 
     old = SimpleNamespace(rope_theta=500000.0, rope_scaling=None, rope_parameters=None)
     assert rope_parameters(old) == {"rope_theta": 500000.0, "rope_type": "default"}

@@ -13,8 +13,9 @@ order of the float32 sum of squares in the norm):
 - `silu_and_mul`: [T, 2I] (gate | up) -> dt(dt(silu(gate)) * up), silu in float32.
 
 Grids: one program per token (norm, rotary: all heads of the token) or per (token, column
-block) (silu). Float32 models keep the torch path (`use_fused_kernels`), so CPU and float32
-results match transformers op for op.
+block) (silu). Float32 models keep the torch path (`layers.fused_kernels` decides), so CPU and
+float32 results match transformers op for op. Importing this module imports triton: only
+`models/layers.py` does, on first use on CUDA.
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-def use_fused_kernels(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
 
 
 @triton.jit

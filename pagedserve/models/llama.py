@@ -3,10 +3,9 @@
 Tokens of every request in the step are flattened into one batch: `input_ids` [T] and
 `positions` [T]; attention goes through `Attention`, which reads the step's paged cache from the
 forward context. q/k/v and gate/up are fused projections; `load_weights` takes Hugging Face names
-and fills the fused rows. The arithmetic follows transformers' modeling code op for op (RMSNorm
-in float32, cos/sin cast to the model dtype, logits in the model dtype) so greedy outputs agree.
-On CUDA in 16 bits the norm (with the residual add), rotary embedding and SiLU-and-mul run as
-fused Triton kernels (`layer_kernels`) that round at the same points.
+and fills the fused rows. The arithmetic follows transformers' modeling code op for op (logits
+from the model-dtype matmul); the norms, rotary embedding and SiLU-and-mul are `models/layers.py`'s
+(fused Triton kernels on CUDA in 16 bits).
 """
 
 from __future__ import annotations
@@ -20,106 +19,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from pagedserve.attention.layer import Attention
-from pagedserve.models import layer_kernels as lk
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm(x) or, given the residual stream, (RMSNorm(x + residual), x + residual)."""
-        if lk.use_fused_kernels(x) and x.dim() == 2:
-            if residual is None:
-                return lk.rms_norm(x, self.weight, self.eps)
-            return lk.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if residual is not None:
-            x = x + residual
-            return self._norm(x), x
-        return self._norm(x)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # As transformers: normalise in float32, cast back, then scale in the model dtype.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def rope_parameters(config: PretrainedConfig) -> dict:
-    """The rope settings in one shape for transformers 4.x (`rope_theta` + `rope_scaling`) and
-    5.x (`rope_parameters`)."""
-    params = getattr(config, "rope_parameters", None)
-    if params is None:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params = dict(params)
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    return params
-
-
-def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """inv_freq [head_dim // 2] float32 and the cos/sin scale, from transformers' own rope init
-    functions (`default` is not among them in transformers 5, so it is computed here as
-    transformers' Llama does).
-
-    `dynamic` NTK in transformers recomputes inv_freq only once a sequence grows past
-    max_position_embeddings; at or below it the frequencies are the init-time ones. The engine
-    caps max_model_len at max_position_embeddings, so the init-time frequencies are exact for
-    every length it serves."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = rope_parameters(config)
-    rope_type = params["rope_type"]
-    if rope_type in ROPE_INIT_FUNCTIONS:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        return inv_freq.float(), float(scaling)
-    if rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} is not supported; transformers knows "
-                         f"{', '.join(ROPE_INIT_FUNCTIONS)}")
-    base = params["rope_theta"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    return inv_freq, 1.0
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin of every position up to max_position_embeddings, computed once ([P, D/2] each,
-    in the model dtype as transformers casts them), gathered by position each step."""
-
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
-        super().__init__()
-        self.config = config
-        self.head_dim = head_dim
-        self.max_positions = config.max_position_embeddings
-        self.register_buffer("cos_sin_cache", torch.empty(self.max_positions, head_dim),
-                             persistent=False)
-        if self.cos_sin_cache.device.type != "meta":
-            self.build_cache(self.cos_sin_cache.device, torch.get_default_dtype())
-
-    def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
-        inv_freq, scaling = rope_inv_freq(self.config, self.head_dim)
-        positions = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        cache = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
-        self.cos_sin_cache = cache.to(device=device, dtype=dtype)
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor,
-                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, H, D], key [T, Hkv, D] -> rotated (rotate-half convention); on the fused
-        path in place."""
-        if lk.use_fused_kernels(query):
-            lk.rotary_embedding_(positions, query, key, self.cos_sin_cache)
-            return query, key
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+from pagedserve.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
@@ -159,8 +59,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused_silu and lk.use_fused_kernels(gate_up):
-            return self.down_proj(lk.silu_and_mul(gate_up))
+        if self.fused_silu:
+            return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedserve.attention.mamba import MambaLayer
-from pagedserve.models.llama import RMSNorm
+from pagedserve.models.layers import RMSNorm
 
 
 def _d_inner(config: PretrainedConfig) -> int:

@@ -68,7 +68,6 @@ from pagedserve.attention.backend import (
     AttentionMetadataBuilder,
     BuilderConfig,
 )
-from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
 from pagedserve.scheduler.metadata import CommonAttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -491,6 +490,8 @@ def _load_kernel(implementation: str) -> Callable:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, md: FlashAttentionMetadata) -> None:
     """Scatter the step's new K/V [T, Hkv, D] into [num_blocks, block_size, Hkv, D] caches."""
+    from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache  # triton
+
     reshape_and_cache(key, value, k_cache, v_cache, md.slot_mapping)
 
 

@@ -30,7 +30,6 @@ from pagedserve.attention.backend import (
     AttentionMetadataBuilder,
     BuilderConfig,
 )
-from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
 from pagedserve.scheduler.metadata import (
     BlockTable,
     CommonAttentionMetadata,
@@ -123,6 +122,8 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     batch indices and positions (one more launch per step); `benchmarks/attention_kernels.py
     --write-bench` times the three.
     """
+    from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache  # triton
+
     k_cache, v_cache = FlashInferBackend.kv_cache_views(kv_cache)
     reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale,
                       v_scale=v_scale)
