@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from pagedserve.attention import AttentionLayerConfig, BuilderConfig, get_backend_cls
-from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from pagedserve.attention.metadata import CommonMetadataBuilder
+from pagedserve.engine.input_batch import BlockTable
 
 
 @dataclass
@@ -125,7 +126,7 @@ class Setup:
         self.common_builder = CommonMetadataBuilder(w.seqs, w.seqs * w.new, pages, bs, dev)
         self.common = self.common_builder.build(
             np.arange(w.seqs), np.full(w.seqs, w.context, dtype=np.int32),
-            np.full(w.seqs, w.new, dtype=np.int32), 0 if w.new == 1 else w.seqs, self.table)
+            np.full(w.seqs, w.new, dtype=np.int32), 0 if w.new == 1 else w.seqs, self.table.table)
         t = w.seqs * w.new
         gen = torch.Generator(device=dev).manual_seed(0)
         self.device = dev
@@ -172,7 +173,7 @@ def bench_backend(name: str, setup: Setup, args
     config = BuilderConfig(args.heads, args.kv_heads, args.head_dim, torch.bfloat16,
                            args.block_size, w.seqs, w.seqs * w.new, setup.pages, dev)
     metadata = cls.get_builder_cls()(config).build(setup.common)
-    impl = cls.get_impl_cls()(args.heads, args.head_dim, args.head_dim ** -0.5, args.kv_heads)
+    impl = cls.get_impl_cls()(layer)
     out = torch.empty_like(setup.query)
 
     def step():

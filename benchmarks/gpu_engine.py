@@ -286,12 +286,11 @@ def decode_step_time(llm: LLM, shape: Shape, batch: int, context: int,
     id copy; not the scheduler or the common metadata build) over `batch` requests of `context`
     cached tokens laid out in the cache while no request runs (it overwrites blocks the prefix
     cache may still list: later prompts here are random, so none hits them)."""
-    from pagedserve.attention.forward_context import set_forward_context
     from pagedserve.engine.cuda_graphs import DecodeGraphs
 
     runner = llm.engine.runner
     graphs = runner.decode_graphs
-    helper = graphs or DecodeGraphs(runner, [batch], capture=False)
+    helper = graphs or DecodeGraphs(runner.graph_inputs(), [batch], capture=False)
     if (context // runner.block_size + 1) * batch > runner.num_blocks:
         row(f"8B decode step b={batch}", "skipped: the KV cache is too small")
         return
@@ -302,8 +301,7 @@ def decode_step_time(llm: LLM, shape: Shape, batch: int, context: int,
         hidden = graphs.run(common) if graphs is not None else None
         if hidden is None:
             md = {cfg: b.build(common) for cfg, b in runner.builders.items()}
-            with set_forward_context(md, runner.kv_caches):
-                hidden = runner.model(runner._input_ids[:batch], common.positions)
+            hidden = runner.run_model(md, batch)
         runner.model.compute_logits(hidden).argmax(-1).cpu()
 
     for _ in range(3):
@@ -344,12 +342,10 @@ def kernel_breakdown(runner, common, batch: int, top: int = 8) -> None:
     """Kernels of one eager decode step by name (torch.profiler): where the GPU time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pagedserve.attention.forward_context import set_forward_context
 
     def forward() -> None:
         md = {cfg: b.build(common) for cfg, b in runner.builders.items()}
-        with set_forward_context(md, runner.kv_caches):
-            hidden = runner.model(runner._input_ids[:batch], common.positions)
+        hidden = runner.run_model(md, batch)
         runner.model.compute_logits(hidden).argmax(-1)
 
     forward()
@@ -380,7 +376,7 @@ def engine_decode(llm: LLM, shape: Shape, rates: tuple[float, float], batch: int
     prompts = random_prompts(batch, context, runner.vocab_size, seed=batch)
     for i, p in enumerate(prompts):
         engine.add_request(f"decode-{batch}-{i}", p, params, stream=False)
-    while any(s.request.num_output_tokens == 0 for st in engine.states.values()
+    while any(s.request.num_output_tokens == 0 for st in engine.output_processor.states.values()
               for s in st.sequences):
         engine.step()
     for _ in range(3):

@@ -180,7 +180,8 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
     kernel of ops/tq_decode_cuda.py, row tiles "cuda"; 'triton'; None: the builder's choice).
     Prints and returns rows {impl, tiles, us, cache_bytes, tb_s, speedup, rel_err}. (device
     "cpu" with float32 runs the kernels in the interpreter: tests only.)"""
-    from pagedserve.attention import BuilderConfig, get_backend_cls
+    from pagedserve.attention import AttentionLayerConfig, BuilderConfig, get_backend_cls
+    from pagedserve.attention.metadata import CommonMetadataBuilder
     from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
     from pagedserve.attention.ops.turboquant_kernels import (
         DECODE_TILES,
@@ -188,7 +189,7 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
         format_tensors,
         tq_store,
     )
-    from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+    from pagedserve.engine.input_batch import BlockTable
 
     tile_configs = [TQTiles.parse(t) for t in tq_tiles] if tq_tiles else [None]
     dev = torch.device(device)
@@ -202,7 +203,7 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
         table.add_row(row, perm[row * pages:(row + 1) * pages])
     common = CommonMetadataBuilder(num_seqs, num_seqs, pages, block_size, dev).build(
         rows=np.arange(num_seqs), num_computed=np.full(num_seqs, context - 1, np.int32),
-        num_scheduled=np.ones(num_seqs, np.int32), num_prefills=0, block_table=table)
+        num_scheduled=np.ones(num_seqs, np.int32), num_prefills=0, block_table=table.table)
 
     # Every cached token's slot, request by request, filled chunk by chunk with the same K/V.
     positions = torch.arange(context - 1)
@@ -213,7 +214,7 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
                                                            head_size), dtype=act, device=dev)
     tq_caches = {}
     for preset in presets:
-        cls = get_backend_cls("TURBOQUANT").for_preset(preset)
+        cls = get_backend_cls("TURBOQUANT").for_kv_cache_dtype(preset)
         tq_caches[preset] = torch.zeros(cls.get_kv_cache_shape(num_blocks, block_size,
                                                                num_kv_heads, head_size),
                                         dtype=torch.uint8, device=dev)
@@ -244,8 +245,8 @@ def decode_benchmark(num_seqs: int = 64, context: int = 8192, num_heads: int = 3
             if kernel is not None:
                 builder.decode_kernel = kernel
         metadata = builder.build(common)
-        impl = cls.get_impl_cls()(num_heads, head_size, head_size ** -0.5, num_kv_heads,
-                                  None, None, preset)
+        impl = cls.get_impl_cls()(AttentionLayerConfig(num_heads, num_kv_heads, head_size,
+                                                       act, kv_cache_dtype=preset))
         out = torch.empty_like(query)
         seconds = _median_seconds(lambda: impl.forward(query, key, value, kv_cache, metadata,
                                                        output=out), warmup, iters)

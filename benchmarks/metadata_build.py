@@ -13,7 +13,8 @@ import time
 import numpy as np
 import torch
 
-from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from pagedserve.attention.metadata import CommonMetadataBuilder
+from pagedserve.engine.input_batch import BlockTable
 
 
 def main() -> None:
@@ -42,7 +43,7 @@ def main() -> None:
     times = []
     for i in range(args.iters + 50):
         start = time.perf_counter()
-        builder.build(rows, computed, scheduled, 0, table)
+        builder.build(rows, computed, scheduled, 0, table.table)
         if i >= 50:
             times.append(time.perf_counter() - start)
     med = statistics.median(times) * 1e3

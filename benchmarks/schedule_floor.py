@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ from gpu_engine import Shape  # noqa: E402
 from pagedserve.config import SchedulerConfig  # noqa: E402
 from pagedserve.kv_cache import KVCacheManager  # noqa: E402
 from pagedserve.models.loader import random_model_config  # noqa: E402
+from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.scheduler.request import Request  # noqa: E402
 from pagedserve.scheduler.scheduler import Scheduler  # noqa: E402
 
@@ -53,7 +53,7 @@ def schedule_log(num_prompts: int, input_len: int, output_len: int, max_num_seqs
                                           max_num_batched_tokens=max_num_batched_tokens),
                           kv, max_model_len)
     rng = np.random.default_rng(0)
-    params = SimpleNamespace(max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     for i in range(num_prompts):
         scheduler.add_request(Request(str(i), rng.integers(0, 1 << 16, input_len).tolist(),
                                       params))

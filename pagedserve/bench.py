@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve.arg_utils import add_engine_args, make_llm
+
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int,
                    seed: int = 0) -> list[list[int]]:
@@ -59,8 +61,6 @@ def format_throughput(r: dict[str, float]) -> str:
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
-    from pagedserve.cli import make_llm
-
     llm = make_llm(args)
     vocab = llm.engine.runner.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed)
@@ -222,8 +222,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 # ---- parser -------------------------------------------------------------------------------------
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from pagedserve.cli import add_engine_args
-
     bench = subparsers.add_parser("bench", help="benchmarks: offline throughput, online serving")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 

@@ -8,67 +8,9 @@ import logging
 import sys
 from typing import Any
 
-# Engine flags shared by `generate`, `serve` and `bench`; dest names are LLM(...) keywords.
-ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--dtype", dict(choices=["auto", "float32", "bfloat16", "float16"],
-                     help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")),
-    ("--attention-backend", dict(help="FLASHINFER, FLASH_ATTN, TRITON, CPU, ROCM, TURBOQUANT "
-                                      "(overrides $PAGEDSERVE_ATTENTION_BACKEND)")),
-    ("--max-model-len", dict(type=int, help="context length (default: the model's)")),
-    ("--max-num-seqs", dict(type=int, help="most requests in one step")),
-    ("--max-num-batched-tokens", dict(type=int, help="most tokens in one step")),
-    ("--block-size", dict(type=int, help="tokens per KV block")),
-    ("--kv-cache-memory", dict(help="KV cache budget on the CPU, e.g. 2GiB")),
-    ("--gpu-memory-utilization", dict(type=float, help="fraction of GPU memory to use")),
-    ("--kv-cache-dtype", dict(help="auto, fp8, or a TurboQuant preset (tq_k8v4, tq_4bit, "
-                                   "tq_3bit)")),
-    ("--num-gpu-blocks-override", dict(type=int, help=argparse.SUPPRESS)),
-    ("--device", dict(help="cpu or cuda (default: cuda when available)")),
-    ("--seed", dict(type=int, help="engine seed")),
-    ("--served-model-name", dict(help="model name reported by the API")),
-]
-
-
-def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    group = parser.add_argument_group("engine")
-    if positional_model:
-        group.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                           help="model directory or .gguf file (default: bundled SmolLM2)")
-    group.add_argument("--model", default=None,
-                       help="model directory or .gguf file (default: bundled SmolLM2)")
-    group.add_argument("--config", help="YAML preset of engine settings (flags override it)")
-    for flag, kwargs in ENGINE_FLAGS:
-        group.add_argument(flag, default=None, **kwargs)
-    group.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
-                       action=argparse.BooleanOptionalAction, default=None,
-                       help="reuse KV blocks of shared prompt prefixes (default: on)")
-    group.add_argument("--enforce-eager", action="store_true", default=None,
-                       help="never capture CUDA graphs")
-    group.add_argument("--async-scheduling", dest="async_scheduling",
-                       action=argparse.BooleanOptionalAction, default=None,
-                       help="schedule the next step and finish this one on the host while "
-                            "the GPU runs (default: on for CUDA, off on the CPU)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs = {flag.lstrip("-").replace("-", "_"): None for flag, _ in ENGINE_FLAGS}
-    kwargs = {name: getattr(args, name) for name in kwargs}
-    kwargs["enable_prefix_caching"] = args.enable_prefix_caching
-    kwargs["enforce_eager"] = args.enforce_eager
-    kwargs["async_scheduling"] = args.async_scheduling
-    kwargs["model"] = getattr(args, "model_pos", None) or args.model
-    kwargs["config"] = args.config
-    return {k: v for k, v in kwargs.items() if v is not None}
-
-
-def make_llm(args: argparse.Namespace, **extra: Any):
-    from pagedserve.engine.llm import LLM
-
-    kwargs = engine_kwargs(args)
-    try:
-        return LLM(**kwargs, **extra)
-    except ValueError as exc:
-        raise SystemExit(f"pagedserve: error: {exc}") from None
+from pagedserve.arg_utils import add_engine_args, make_llm
+from pagedserve.bench import add_bench_parser
+from pagedserve.server.cli import add_serve_parser
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
@@ -103,7 +45,7 @@ SAMPLING_FLAGS = [
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     if (args.prompt is None) == (args.input is None):
         raise SystemExit("pagedserve generate: error: give exactly one of --prompt or --input")
@@ -171,7 +113,7 @@ def _generate_file(llm, input_path: str, output_path: str | None) -> int:
 
 
 def parse_request_line(llm, raw: str):
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     try:
         record = json.loads(raw)
@@ -214,15 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=_cmd_generate)
 
-    from pagedserve.server.cli import add_serve_parser
-
     add_serve_parser(sub)
-    try:
-        from pagedserve.bench import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

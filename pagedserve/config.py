@@ -1,4 +1,11 @@
-"""Engine configuration: ModelConfig + CacheConfig + SchedulerConfig, loadable from YAML presets."""
+"""Engine and server configuration: dataclasses whose fields are also the command line.
+
+`EngineConfig` = `ModelConfig` + `CacheConfig` + `SchedulerConfig` + the engine's own
+settings; `ServerConfig` holds what only the HTTP server uses. A field's metadata (`help`,
+`choices`, `flag=False` for settings that have no flag) is what `arg_utils` turns into the
+`--kebab-case` flag, so the flags, `LLM(...)`'s keywords and the YAML presets' keys are the
+same names from one place.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,13 @@ DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+def setting(default: Any = None, help: str = "", **metadata: Any) -> Any:  # noqa: A002
+    """A config field with its flag's help text (and `choices`, `flag=False`, `metavar`)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
+    return field(default=default, metadata={"help": help, **metadata})
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -49,22 +63,27 @@ def parse_memory(value: int | str) -> int:
 
 @dataclass
 class ModelConfig:
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"
-    max_model_len: int | None = None  # None: the model's own context length
-    seed: int = 0
-    served_model_name: str | None = None
-    tokenizer: str | None = None
+    model: str | None = setting(
+        None, "model directory (config.json, safetensors, tokenizer) or .gguf file; "
+              "'random:<preset>' for random weights (default: the bundled SmolLM2-135M)")
+    dtype: str = setting("auto", "weights and activations; auto is float32 on the CPU and "
+                                 "bfloat16 on CUDA", choices=["auto", *DTYPES])
+    max_model_len: int | None = setting(None, "context length (default: the model's)")
+    seed: int = setting(0, "engine seed")
+    tokenizer: str | None = setting(None, flag=False)
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"  # the budget on the CPU
-    gpu_memory_utilization: float = 0.9  # the fraction of the GPU the engine may fill
-    kv_cache_dtype: str = "auto"
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
+    block_size: int = setting(16, "tokens per KV block")
+    kv_cache_memory: int | str = setting("1GiB", "KV cache budget on the CPU, e.g. 2GiB")
+    gpu_memory_utilization: float = setting(0.9, "fraction of the GPU's memory the engine may "
+                                                 "fill (weights, activations, KV cache)")
+    kv_cache_dtype: str = setting("auto", "auto (the model's dtype), fp8, or a TurboQuant "
+                                          "preset (tq_k8v4, tq_4bit, tq_3bit)")
+    num_gpu_blocks_override: int | None = setting(None, "KV blocks, bypassing the memory "
+                                                        "budget (testing)", hidden=True)
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -77,9 +96,9 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_waiting_requests: int = 4096  # the server answers 503 beyond this
+    max_num_seqs: int = setting(128, "most requests in one step")
+    max_num_batched_tokens: int = setting(2048, "most tokens in one step (longer prompts are "
+                                                "prefilled in chunks)")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -89,19 +108,27 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+SECTIONS = ("model", "cache", "scheduler")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: str | None = None  # None: PAGEDSERVE_ATTENTION_BACKEND, then auto
-    device: str | None = None  # None: cuda when available, else cpu
-    enforce_eager: bool = False
-    cuda_graph_sizes: list[int] | None = None
+    attention_backend: str | None = setting(
+        None, "FLASHINFER, FLASH_ATTN, TRITON, CPU, ROCM, TURBOQUANT (default: "
+              "$PAGEDSERVE_ATTENTION_BACKEND, else the best available)")
+    device: str | None = setting(None, "cpu or cuda (default: cuda when available)")
+    enforce_eager: bool = setting(False, "never capture CUDA graphs")
+    cuda_graph_sizes: list[int] | None = setting(
+        None, "decode batch sizes to capture (default: 1, 2, 4, then every multiple of 8)")
     # Schedule step N+1 and finish step N on the host while N+1 runs. None: on for CUDA (an
     # 8B-shaped model's decode steps kept the H200 busy 96% of the time with it, 65% without),
     # off on the CPU, where nothing runs beside the host.
-    async_scheduling: bool | None = None
+    async_scheduling: bool | None = setting(
+        None, "schedule the next step and finish this one on the host while the GPU runs "
+              "(default: on for CUDA, off on the CPU)")
 
     @property
     def torch_device(self) -> torch.device:
@@ -121,7 +148,7 @@ class EngineConfig:
 
         Unknown names are an error that names them; None values keep the default.
         """
-        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        sections = section_classes()
         split: dict[str, dict[str, Any]] = {name: {} for name in sections}
         top: dict[str, Any] = {}
         top_names = {f.name for f in fields(cls)} - set(sections)
@@ -148,7 +175,7 @@ class EngineConfig:
             raise ValueError(f"{path}: expected a mapping of engine settings")
         flat: dict[str, Any] = {}
         for key, value in data.items():
-            if key in ("model", "cache", "scheduler") and isinstance(value, dict):
+            if key in SECTIONS and isinstance(value, dict):
                 flat.update(value)
             else:
                 flat[key] = value
@@ -160,3 +187,23 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def section_classes() -> dict[str, type]:
+    return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+@dataclass
+class ServerConfig:
+    """What only `pagedserve serve` uses."""
+
+    host: str = setting("127.0.0.1", "address to bind")
+    port: int = setting(8000, "port")
+    api_key: str | None = setting(
+        None, "require 'Authorization: Bearer KEY' on the API routes (default: "
+              "$PAGEDSERVE_API_KEY; /health, /version and /metrics stay open)")
+    served_model_name: str | None = setting(
+        None, "the model's name in the API (default: the model's file or directory name)")
+    max_waiting_requests: int = setting(4096, "answer 503 while this many requests wait to be "
+                                              "scheduled")
+    uvicorn_log_level: str = setting("warning", "uvicorn's own log level")

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.attention import AttentionBackend, BuilderConfig
-from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from pagedserve.attention import AttentionBackend, AttentionLayerConfig, BuilderConfig
+from pagedserve.attention.metadata import CommonMetadataBuilder
+from pagedserve.engine.input_batch import BlockTable
 
 # (context_len, query_len) per request; a decode has query_len 1. Prefills come first.
 BATCHES = {
@@ -92,14 +93,15 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
         rows=np.arange(len(batch)),
         num_computed=np.array([c for c, _ in batch], dtype=np.int32),
         num_scheduled=np.array([q for _, q in batch], dtype=np.int32),
-        num_prefills=num_prefills, block_table=table)
+        num_prefills=num_prefills, block_table=table.table)
     config = BuilderConfig(case.num_heads, hkv, d, case.dtype, bs, len(batch),
                            common.num_actual_tokens, max_blocks, device, case.sliding_window,
                            case.logits_soft_cap)
     metadata = backend.get_builder_cls()(config).build(common)
     scale = d ** -0.5
-    impl = backend.get_impl_cls()(case.num_heads, d, scale, hkv, case.sliding_window,
-                                  case.logits_soft_cap)
+    impl = backend.get_impl_cls()(AttentionLayerConfig(
+        case.num_heads, hkv, d, case.dtype, case.sliding_window, case.logits_soft_cap,
+        scale=scale))
     query = torch.cat(queries).to(device)
     key = torch.cat([k[c:] for k, (c, _) in zip(full_k, batch, strict=True)]).to(device)
     value = torch.cat([v[c:] for v, (c, _) in zip(full_v, batch, strict=True)]).to(device)

@@ -15,8 +15,9 @@ from torch import nn
 from pagedserve.attention.backend import BuilderConfig
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
+from pagedserve.attention.metadata import CommonMetadataBuilder
 from pagedserve.attention.registry import get_backend_cls
-from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from pagedserve.engine.input_batch import BlockTable
 
 
 class PagedHarness:
@@ -50,9 +51,7 @@ class PagedHarness:
         self.kv_caches = []
         for layer in self.layers:
             cfg = layer.config(self.dtype)
-            impl = backend.get_impl_cls()(layer.num_heads, layer.head_size, layer.scale,
-                                          layer.num_kv_heads, layer.sliding_window,
-                                          layer.logits_soft_cap)
+            impl = backend.get_impl_cls()(cfg)
             layer.bind(impl, cfg)
             if cfg not in self.builders:
                 self.builders[cfg] = backend.get_builder_cls()(BuilderConfig(
@@ -70,7 +69,7 @@ class PagedHarness:
         new token [T, vocab] and query_start_loc [B+1]."""
         scheduled = np.array([len(t) for t in new_tokens], dtype=np.int32)
         common = self.common_builder.build(np.array(rows), np.array(num_computed, np.int32),
-                                           scheduled, num_prefills, self.block_table)
+                                           scheduled, num_prefills, self.block_table.table)
         metadata = {cfg: builder.build(common) for cfg, builder in self.builders.items()}
         input_ids = torch.tensor([t for toks in new_tokens for t in toks], device=self.device)
         with set_forward_context(metadata, self.kv_caches):

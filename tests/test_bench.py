@@ -18,8 +18,9 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.arg_utils import engine_kwargs
 from pagedserve.bench import RequestResult, arrival_delays, random_prompts, summarize
-from pagedserve.cli import build_parser, engine_kwargs, main
+from pagedserve.cli import build_parser, main
 from pagedserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
 from pagedserve.models.loader import hf_state_dict, load_random_model
 
@@ -119,7 +120,8 @@ def test_padded_decode_matches_unpadded(backend: str) -> None:
     eager = _greedy(llm, prompts, new)
     runner = llm.engine.runner
     assert runner.decode_graphs is None  # never on the CPU
-    graphs = DecodeGraphs(runner, graph_batch_sizes(8, runner.max_num_tokens), capture=False)
+    graphs = DecodeGraphs(runner.graph_inputs(), graph_batch_sizes(8, runner.max_num_tokens),
+                          capture=False)
     runner.decode_graphs = graphs
     runner.step_log = []
     padded = _greedy(llm, prompts, new)

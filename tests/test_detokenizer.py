@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOS_ID = 2

@@ -21,8 +21,9 @@ from pagedserve.attention import (
     select_backend,
 )
 from pagedserve.attention.backends.flash_attn import FlashAttentionBackend
+from pagedserve.attention.metadata import CommonMetadataBuilder
 from pagedserve.attention.ops.paged_gather import paged_gather
-from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from pagedserve.engine.input_batch import BlockTable
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -69,7 +70,7 @@ def test_selector_refuses_flash_attn_on_cpu():
 @no_cuda
 def test_impl_and_builder_refuse_to_start_without_cuda():
     with pytest.raises(RuntimeError, match="FLASH_ATTN cannot run: no CUDA"):
-        fa.FlashAttentionImpl(4, 64, 0.125, 2)
+        fa.FlashAttentionImpl(AttentionLayerConfig(4, 2, 64, torch.bfloat16, scale=0.125))
 
 
 @pytest.mark.parametrize("runnable,expected", [
@@ -109,7 +110,7 @@ def test_forced_unavailable_implementation_is_an_error(fake_gpu, monkeypatch):
     assert not ok
     assert "PAGEDSERVE_FLASH_ATTN_IMPL=fa3 cannot run: fa3 not installed" in why
     with pytest.raises(RuntimeError, match="fa3 not installed"):
-        fa.FlashAttentionImpl(4, 64, 0.125, 2)
+        fa.FlashAttentionImpl(AttentionLayerConfig(4, 2, 64, torch.bfloat16, scale=0.125))
     layer = AttentionLayerConfig(4, 2, 64, torch.bfloat16)
     assert any("fa3 not installed" in r
                for r in FlashAttentionBackend.validate_configuration(layer, 16, CUDA))
@@ -176,7 +177,8 @@ def test_torch_path_refuses_soft_cap(fake_gpu):
     reasons = _problems(layer)
     assert len(reasons) == 1 and "soft-cap" in reasons[0] and "torch" in reasons[0]
     with pytest.raises(ValueError, match="soft-cap"):
-        fa.FlashAttentionImpl(8, 128, 0.1, 2, logits_soft_cap=30.0)
+        fa.FlashAttentionImpl(AttentionLayerConfig(8, 2, 128, torch.bfloat16, logits_soft_cap=30.0,
+                                                 scale=0.1))
 
 
 def test_paged_kernels_accept_soft_cap_and_window(fake_gpu):
@@ -355,7 +357,7 @@ def _step(batch, block_size, max_num_reqs=None):
                                     max(pages), block_size, CPU)
     common = builder.build(np.arange(len(batch)), np.array([c for c, _ in batch], np.int32),
                            np.array([q for _, q in batch], np.int32),
-                           sum(1 for _, q in batch if q > 1), table)
+                           sum(1 for _, q in batch if q > 1), table.table)
     return common, sum(pages), max(pages)
 
 

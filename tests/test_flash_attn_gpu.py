@@ -16,7 +16,8 @@ from conformance import BATCHES, Case, reference_attention, run_case
 from pagedserve.attention import AttentionLayerConfig, BuilderConfig
 from pagedserve.attention.backends import flash_attn as fa
 from pagedserve.attention.backends.flash_attn import FlashAttentionBackend
-from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from pagedserve.attention.metadata import CommonMetadataBuilder
+from pagedserve.engine.input_batch import BlockTable
 
 pytestmark = pytest.mark.gpu
 
@@ -124,7 +125,7 @@ def test_decode_cuda_graph_replay(impl):
     builder = fa.FlashAttentionMetadataBuilder(
         BuilderConfig(h, hkv, d, dtype, bs, b, b, max_blocks, DEVICE))
     builder.capture_max_seq_len = max_blocks * bs
-    layer = fa.FlashAttentionImpl(h, d, d ** -0.5, hkv)
+    layer = fa.FlashAttentionImpl(AttentionLayerConfig(h, hkv, d, dtype))
     query = torch.zeros(b, h, d, dtype=dtype, device=DEVICE)
     key = torch.zeros(b, hkv, d, dtype=dtype, device=DEVICE)
     value = torch.zeros_like(key)
@@ -132,7 +133,7 @@ def test_decode_cuda_graph_replay(impl):
 
     def step(context_lens):
         common = common_builder.build(np.arange(b), np.array(context_lens, dtype=np.int32),
-                                      np.ones(b, dtype=np.int32), 0, table)
+                                      np.ones(b, dtype=np.int32), 0, table.table)
         return builder.build(common)
 
     md = step([5, 16, 100, 31])

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from conformance import BATCHES, Case, reference_attention, run_case
-from pagedserve.attention import BuilderConfig
-from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from pagedserve.attention import AttentionLayerConfig, BuilderConfig
+from pagedserve.attention.metadata import CommonMetadataBuilder
+from pagedserve.engine.input_batch import BlockTable
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("flashinfer")
@@ -89,7 +90,8 @@ def _common(common_builder, block_ids, batch, max_blocks):
         table.add_row(row, ids)
     num_prefills = sum(1 for _, q in batch if q > 1)
     return common_builder.build(np.arange(len(batch)), np.array([c for c, _ in batch], np.int32),
-                                np.array([q for _, q in batch], np.int32), num_prefills, table)
+                                np.array([q for _, q in batch], np.int32), num_prefills,
+                                table.table)
 
 
 def _fill_context(kv_cache, block_ids, batch, full_k, full_v, k_scale, v_scale):
@@ -126,8 +128,8 @@ def test_fp8_kv_cache_with_scales(batch, head_size, window):
     config = BuilderConfig(h, hkv, head_size, BF16, bs, len(batch_spec), t, max_blocks, CUDA,
                            window, None, "fp8")
     metadata = FlashInferBackend.get_builder_cls()(config).build(common)
-    impl = FlashInferBackend.get_impl_cls()(h, head_size, head_size ** -0.5, hkv, window, None,
-                                            "fp8")
+    impl = FlashInferBackend.get_impl_cls()(AttentionLayerConfig(h, hkv, head_size, BF16,
+                                                                 window, None, "fp8"))
     impl.k_scale, impl.v_scale = k_scale, v_scale
     new = [(k[c:], v[c:]) for k, v, (c, _) in zip(full_k, full_v, batch_spec, strict=True)]
     out = impl.forward(torch.cat(queries).to(CUDA), torch.cat([k for k, _ in new]).to(CUDA),
@@ -164,7 +166,7 @@ def test_cudagraph_decode_replays_new_data():
     gen = torch.Generator().manual_seed(11)
     config = BuilderConfig(h, hkv, d, BF16, bs, 8, 64, max_blocks, CUDA)
     builder = FlashInferBackend.get_builder_cls()(config)
-    impl = FlashInferBackend.get_impl_cls()(h, d, d ** -0.5, hkv)
+    impl = FlashInferBackend.get_impl_cls()(AttentionLayerConfig(h, hkv, d, BF16))
     common_builder = CommonMetadataBuilder(8, 64, max_blocks, bs, CUDA)
     kv_cache = torch.randn(FlashInferBackend.get_kv_cache_shape(num_blocks, bs, hkv, d),
                            generator=gen).to(BF16).to(CUDA)

@@ -25,7 +25,8 @@ from pagedserve.attention.backends.flashinfer import (
     split_prefill_decode,
     write_kv,
 )
-from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from pagedserve.attention.metadata import CommonMetadataBuilder
+from pagedserve.engine.input_batch import BlockTable
 
 CPU = torch.device("cpu")
 
@@ -37,7 +38,7 @@ def _common(block_ids, computed, scheduled, num_prefills, block_size):
     builder = CommonMetadataBuilder(len(block_ids), int(sum(scheduled)),
                                     table.max_blocks_per_seq, block_size, CPU)
     return builder.build(np.arange(len(block_ids)), np.asarray(computed, dtype=np.int32),
-                         np.asarray(scheduled, dtype=np.int32), num_prefills, table)
+                         np.asarray(scheduled, dtype=np.int32), num_prefills, table.table)
 
 
 def _indices(common, part):
@@ -287,7 +288,7 @@ def test_cudagraph_metadata_pads_and_is_reused(fake_flashinfer):
     bs, bp, num_blocks = 4, 4, 16
     config = BuilderConfig(4, 2, 16, torch.float32, bs, 8, 8, 6, CPU)
     builder = FlashInferBackend.get_builder_cls()(config)
-    impl = FlashInferImpl(4, 16, 16 ** -0.5, 2)
+    impl = FlashInferImpl(AttentionLayerConfig(4, 2, 16, torch.float32))
     kv = torch.randn(FlashInferBackend.get_kv_cache_shape(num_blocks, bs, 2, 16))
     seen = None
     for seed, block_ids, computed in [(0, [[3, 9], [0], [12, 5, 7]], [6, 2, 9]),

@@ -12,11 +12,12 @@ from pagedserve.kv_cache import (
     num_blocks_for_budget,
 )
 from pagedserve.kv_cache.manager import NONE_HASH, hash_block
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.request import Request
 
 
 def _req(rid, tokens, salt=None):
-    return Request(rid, tokens, None, cache_salt=salt)
+    return Request(rid, tokens, SamplingParams(), cache_salt=salt)
 
 
 def test_allocate_and_free_ref_counts():

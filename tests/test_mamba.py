@@ -233,7 +233,7 @@ def test_state_slot_sizing(mamba_models, make_llm):
 
 def test_slot_manager_one_slot_per_request():
     kv = KVCacheManager.for_state_slots(num_slots=2, max_model_len=64)
-    reqs = [Request(str(i), list(range(1, 41)), None) for i in range(3)]
+    reqs = [Request(str(i), list(range(1, 41)), SamplingParams()) for i in range(3)]
     assert kv.allocate_slots(reqs[0], 40) is not None
     reqs[0].num_computed_tokens = 40
     assert kv.allocate_slots(reqs[0], 20) == []  # growing takes no second slot

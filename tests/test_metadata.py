@@ -3,13 +3,14 @@
 import numpy as np
 import torch
 
-from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from pagedserve.attention.metadata import CommonMetadataBuilder
+from pagedserve.engine.input_batch import BlockTable
 
 
 def _build(builder, table, computed, scheduled, num_prefills=0, rows=None):
     rows = np.arange(len(computed)) if rows is None else np.asarray(rows)
     return builder.build(rows, np.asarray(computed, dtype=np.int32),
-                         np.asarray(scheduled, dtype=np.int32), num_prefills, table)
+                         np.asarray(scheduled, dtype=np.int32), num_prefills, table.table)
 
 
 def test_design_worked_example():

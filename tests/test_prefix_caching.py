@@ -35,11 +35,9 @@ def _one_torch_thread():
     torch.set_num_threads(threads)
 
 
-class Params:
-    def __init__(self, max_tokens: int, prompt_logprobs: int | None = None) -> None:
-        self.max_tokens = max_tokens
-        self.ignore_eos = True
-        self.prompt_logprobs = prompt_logprobs
+def Params(max_tokens: int, prompt_logprobs: int | None = None) -> SamplingParams:  # noqa: N802
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                          prompt_logprobs=prompt_logprobs)
 
 
 def _req(rid: str, tokens: list[int], salt: str | None = None, max_tokens: int = 4) -> Request:
@@ -578,7 +576,8 @@ def test_cache_salt_separates_tenants_end_to_end(tiny_model, make_llm):
 
 
 def test_stats_log_line_and_cli_switch(tiny_model, make_llm, caplog):
-    from pagedserve.cli import build_parser, engine_kwargs
+    from pagedserve.arg_utils import engine_kwargs
+    from pagedserve.cli import build_parser
     from pagedserve.config import EngineConfig
 
     path, _, rounds, _ = tiny_model["llama"]

@@ -14,7 +14,7 @@ from pagedserve.engine.sampler import (
     apply_top_k_top_p_min_p,
     compute_prompt_logprobs,
 )
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 EOS = 1
 

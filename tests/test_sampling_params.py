@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm() -> None:

@@ -7,13 +7,12 @@ import pytest
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache import KVCacheManager
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler
 
 
-class Params:
-    def __init__(self, max_tokens):
-        self.max_tokens = max_tokens
-        self.ignore_eos = True
+def Params(max_tokens: int) -> SamplingParams:  # noqa: N802
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
 def _run(seed, num_blocks, block_size, max_seqs, budget, num_reqs=40, caching=False,

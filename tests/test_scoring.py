@@ -130,8 +130,7 @@ def test_prefill_scoring_preempted_mid_prefill(tiny, make_llm):
     prompts = [torch.randint(3, VOCAB, (2,), generator=g).tolist() for _ in range(3)]
     conts = [torch.randint(3, VOCAB, (30,), generator=g).tolist() for _ in range(3)]
     for i, (p, c) in enumerate(zip(prompts, conts, strict=True)):
-        engine.add_request(f"score{i}", p + c, SamplingParams(temperature=0), stream=False,
-                           score_prompt_from=len(p) - 1)
+        engine.add_scoring_request(f"score{i}", p, c, mode="prefill")
         ids.append(f"score{i}")
     outputs = llm.wait_for(ids, use_tqdm=False)[2:]
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
@@ -160,14 +159,15 @@ def test_scoring_bad_input(tiny, make_llm):
         got = llm.score([prompts[3][:30]], [list(range(3, 36))], mode=mode)
         assert got[0].shape == (33, VOCAB)
     engine = llm.engine
-    with pytest.raises(ValueError, match="score_prompt_from=4 must be in"):
-        engine.add_request("x", [5, 6, 7, 8, 9], score_prompt_from=4)
-    with pytest.raises(ValueError, match="score_prompt_from=-1"):
-        engine.add_request("x", [5, 6, 7], score_prompt_from=-1)
-    with pytest.raises(ValueError, match="two scoring modes"):
-        engine.add_request("x", [5, 6, 7], forced_output_ids=[8], score_prompt_from=0)
-    with pytest.raises(ValueError, match="continuation to score is empty"):
-        engine.add_request("x", [5, 6, 7], forced_output_ids=[])
+    for mode in ("decode", "prefill"):
+        with pytest.raises(ValueError, match="continuation to score is empty"):
+            engine.add_scoring_request("x", [5, 6, 7], [], mode=mode)
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            engine.add_scoring_request("x", [], [8], mode=mode)
+        with pytest.raises(ValueError, match="out of range"):
+            engine.add_scoring_request("x", [5, 6, 7], [VOCAB], mode=mode)
+    with pytest.raises(ValueError, match="'prefil'"):
+        engine.add_scoring_request("x", [5, 6, 7], [8], mode="prefil")
     assert not engine.has_unfinished_requests()
 
 

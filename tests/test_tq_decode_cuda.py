@@ -75,7 +75,7 @@ def test_builder_reads_the_decode_kernel_setting(monkeypatch):
 
     config = BuilderConfig(8, 2, 128, torch.float32, 16, 4, 4, 8, torch.device("cpu"),
                            kv_cache_dtype="tq_4bit")
-    builder = TurboQuantBackend.for_preset("tq_4bit").get_builder_cls()(config)
+    builder = TurboQuantBackend.for_kv_cache_dtype("tq_4bit").get_builder_cls()(config)
     assert builder.decode_kernel == "cuda"
     # And the torch path's answers do not depend on it.
     out, *_ = run_turboquant_case("tq_4bit", [(5, 1), (0, 1)], head_size=128)

@@ -14,8 +14,9 @@ from conformance import BATCHES, reference_attention
 from pagedserve.attention import AttentionLayerConfig, BuilderConfig, get_backend_cls
 from pagedserve.attention.backends.cpu import CPUAttentionBackend
 from pagedserve.attention.backends.turboquant import TurboQuantBackend
+from pagedserve.attention.metadata import CommonMetadataBuilder
 from pagedserve.attention.ops import turboquant_format as tqf
-from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from pagedserve.engine.input_batch import BlockTable
 
 PRESETS = list(tqf.PRESETS)
 
@@ -140,7 +141,7 @@ def test_zero_and_constant_vectors_stay_finite():
 def test_blocks_per_budget_vs_bf16(preset, min_ratio, d):
     bs, hkv = 16, 8
     bf16 = CPUAttentionBackend.get_page_size_bytes(bs, hkv, d, torch.bfloat16)
-    bound = TurboQuantBackend.for_preset(preset)
+    bound = TurboQuantBackend.for_kv_cache_dtype(preset)
     packed = bound.get_page_size_bytes(bs, hkv, d, bound.get_kv_cache_dtype(preset,
                                                                             torch.bfloat16))
     assert bf16 / packed >= min_ratio
@@ -152,15 +153,16 @@ def test_blocks_per_budget_vs_bf16(preset, min_ratio, d):
 
 
 def test_preset_binding_and_validation():
-    assert TurboQuantBackend.for_preset("auto") is TurboQuantBackend.for_preset("tq_4bit")
-    bound = TurboQuantBackend.for_preset("tq_3bit")
+    bind = TurboQuantBackend.for_kv_cache_dtype
+    assert bind("auto") is bind("tq_4bit")
+    bound = TurboQuantBackend.for_kv_cache_dtype("tq_3bit")
     assert bound.get_name() == "TURBOQUANT" and bound.lossy_kv_cache
     assert bound.get_kv_cache_shape(5, 16, 3, 64) == (5, 3, 16, 52)
     assert bound.get_kv_cache_dtype("tq_3bit", torch.float32) == torch.uint8
-    with pytest.raises(ValueError, match="for_preset"):
+    with pytest.raises(ValueError, match="for_kv_cache_dtype"):
         bound.get_kv_cache_dtype("tq_4bit", torch.float32)
     with pytest.raises(ValueError, match="presets"):
-        TurboQuantBackend.for_preset("int4")
+        TurboQuantBackend.for_kv_cache_dtype("int4")
     cpu = torch.device("cpu")
     ok = AttentionLayerConfig(8, 2, 64, torch.float32, kv_cache_dtype="tq_k8v4")
     assert TurboQuantBackend.validate_configuration(ok, 16, cpu) == []
@@ -249,7 +251,7 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
     build references."""
     gen = torch.Generator().manual_seed(seed)
     p = tqf.PRESETS[preset]
-    backend = TurboQuantBackend.for_preset(preset)
+    backend = TurboQuantBackend.for_kv_cache_dtype(preset)
     hkv, d, bs = num_kv_heads, head_size, block_size
     blocks_per_req = [math.ceil((c + q) / bs) for c, q in batch]
     num_blocks = sum(blocks_per_req) + 3
@@ -283,7 +285,7 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
                                    torch.device(device)).build(
         rows=np.arange(len(batch)), num_computed=np.array([c for c, _ in batch], np.int32),
         num_scheduled=np.array([q for _, q in batch], np.int32), num_prefills=num_prefills,
-        block_table=table)
+        block_table=table.table)
     config = BuilderConfig(num_heads, hkv, d, dtype, bs, len(batch), common.num_actual_tokens,
                            max_blocks, torch.device(device), window, soft_cap, preset)
     builder = backend.get_builder_cls()(config)
@@ -292,7 +294,8 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
     builder.num_splits = num_splits
     if decode_kernel is not None or tiles is not None:
         builder.decode_kernel = decode_kernel or "triton"
-    impl = backend.get_impl_cls()(num_heads, d, d ** -0.5, hkv, window, soft_cap, preset)
+    impl = backend.get_impl_cls()(AttentionLayerConfig(num_heads, hkv, d, dtype, window,
+                                                       soft_cap, preset))
     query = torch.cat([r[0] for r in reqs]).to(device)
     key = torch.cat([r[1][r[3]:] for r in reqs]).to(device)
     value = torch.cat([r[2][r[3]:] for r in reqs]).to(device)

@@ -1,5 +1,10 @@
 """The attention backend interface: a backend class names its implementation, its metadata and
-the builder that turns CommonAttentionMetadata into that metadata once per step."""
+the builder that turns CommonAttentionMetadata into that metadata once per step.
+
+Every hook the engine may call on a backend, its builder or its implementation is declared
+here with its default; a backend overrides what it does differently. docs/architecture.md
+says how a new backend plugs in.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pagedserve.scheduler.metadata import CommonAttentionMetadata
+from pagedserve.attention.metadata import CommonAttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,11 @@ class AttentionLayerConfig:
     sliding_window: int | None = None  # tokens a query sees, itself included
     logits_soft_cap: float | None = None
     kv_cache_dtype: str = "auto"
+    scale: float | None = None  # softmax scale; None: head_size ** -0.5
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_size ** -0.5 if self.scale is None else self.scale
 
 
 @dataclass(frozen=True)
@@ -43,8 +53,18 @@ class BuilderConfig:
     logits_soft_cap: float | None = None
     kv_cache_dtype: str = "auto"
 
+    @classmethod
+    def for_layer(cls, layer: AttentionLayerConfig, block_size: int, max_num_reqs: int,
+                  max_num_tokens: int, max_blocks_per_seq: int,
+                  device: torch.device) -> BuilderConfig:
+        return cls(layer.num_heads, layer.num_kv_heads, layer.head_size, layer.dtype,
+                   block_size, max_num_reqs, max_num_tokens, max_blocks_per_seq, device,
+                   layer.sliding_window, layer.logits_soft_cap, layer.kv_cache_dtype)
+
 
 class AttentionMetadataBuilder(ABC):
+    """One per distinct layer configuration; its buffers are sized by `BuilderConfig`."""
+
     def __init__(self, config: BuilderConfig) -> None:
         self.config = config
 
@@ -52,21 +72,46 @@ class AttentionMetadataBuilder(ABC):
     def build(self, common: CommonAttentionMetadata) -> Any:
         """Host work once per step (plan); the result is handed to every layer's forward."""
 
+    def build_for_cudagraph(self, common: CommonAttentionMetadata, num_reqs_padded: int,
+                            padded: CommonAttentionMetadata | None = None) -> Any:
+        """Metadata for a pure-decode step replayed as a CUDA graph captured at
+        `num_reqs_padded` requests: `common` is the real step, `padded` the same step with
+        padding requests appended (the common builder's `pad_decode`). What it returns must
+        live in the same memory at every call for a given size (it is what the graph was
+        captured with). Default: `build(padded)`, right for builders whose outputs are views
+        of the common metadata's persistent buffers or of their own; a builder that pads on
+        its own may ignore `padded`."""
+        if padded is None:
+            raise ValueError(f"{type(self).__name__} builds graph metadata from the padded step")
+        return self.build(padded)
+
+    def prepare_for_cudagraphs(self, max_seq_len: int) -> None:
+        """Called once before graphs are captured: launch bounds that depend on the step (a
+        grid over the longest sequence, a split count) must then stay fixed across replays,
+        sized for `max_seq_len`. Default: nothing depends on it."""
+        return None
+
+    def warmup(self) -> None:
+        """Compile or JIT the kernels this configuration uses, at start-up rather than in the
+        first request. Default: nothing to do."""
+        return None
+
 
 class AttentionImpl(ABC):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
-                             f"{num_kv_heads}")
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = scale
-        self.num_kv_heads = num_kv_heads
-        self.sliding_window = sliding_window
-        self.logits_soft_cap = logits_soft_cap
-        self.kv_cache_dtype = kv_cache_dtype
+    """One per attention layer, built from the layer's configuration."""
+
+    def __init__(self, layer: AttentionLayerConfig) -> None:
+        if layer.num_heads % layer.num_kv_heads:
+            raise ValueError(f"num_heads {layer.num_heads} is not a multiple of num_kv_heads "
+                             f"{layer.num_kv_heads}")
+        self.layer = layer
+        self.num_heads = layer.num_heads
+        self.head_size = layer.head_size
+        self.scale = layer.softmax_scale
+        self.num_kv_heads = layer.num_kv_heads
+        self.sliding_window = layer.sliding_window
+        self.logits_soft_cap = layer.logits_soft_cap
+        self.kv_cache_dtype = layer.kv_cache_dtype
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -86,6 +131,9 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = False
     supports_soft_cap: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
+    # The cache stores K/V lossily (quantized codes): the exact-tolerance conformance suite does
+    # not apply; the backend has tests with tolerances of its own.
+    lossy_kv_cache: ClassVar[bool] = False
     description: ClassVar[str] = ""
 
     @classmethod
@@ -130,7 +178,16 @@ class AttentionBackend(ABC):
 
     @classmethod
     def get_kv_cache_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        """The torch dtype of the cache tensor for the user's `kv_cache_dtype` setting."""
         return model_dtype
+
+    @classmethod
+    def for_kv_cache_dtype(cls, kv_cache_dtype: str) -> type[AttentionBackend]:
+        """This backend bound to a `kv_cache_dtype` setting, for backends whose cache layout
+        (shape, page bytes) depends on it (TurboQuant's presets). The engine calls it once,
+        after selection, and uses the result everywhere. Default: the layout does not depend
+        on it."""
+        return cls
 
     @classmethod
     @abstractmethod

@@ -29,7 +29,8 @@ class Attention(nn.Module):
 
     def config(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> AttentionLayerConfig:
         return AttentionLayerConfig(self.num_heads, self.num_kv_heads, self.head_size, dtype,
-                                    self.sliding_window, self.logits_soft_cap, kv_cache_dtype)
+                                    self.sliding_window, self.logits_soft_cap, kv_cache_dtype,
+                                    self.scale)
 
     def bind(self, impl: AttentionImpl, layer_config: AttentionLayerConfig) -> None:
         self.impl = impl

@@ -7,10 +7,10 @@ backend module imports its kernels lazily, inside `is_available()` and its impl.
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 
+from pagedserve import envs
 from pagedserve.attention.backend import AttentionBackend, AttentionLayerConfig
 
 ENV_VAR = "PAGEDSERVE_ATTENTION_BACKEND"
@@ -69,7 +69,8 @@ def select_backend(name: str | None, device: torch.device, layers: list[Attentio
     """The backend named by `name` (the CLI flag), else by $PAGEDSERVE_ATTENTION_BACKEND, else
     the best available for the device. A named backend that is unknown, unavailable or cannot
     run these layers is an error listing what is available; it is never silently replaced."""
-    requested = name or os.environ.get(ENV_VAR) or None
+    requested = name or envs.PAGEDSERVE_ATTENTION_BACKEND
+    source = "" if name else f" (from ${ENV_VAR})"
     status = backend_status()
     available = [n for n, (ok, _) in status.items() if ok]
 
@@ -82,17 +83,17 @@ def select_backend(name: str | None, device: torch.device, layers: list[Attentio
         key = requested.upper()
         if key not in status:
             raise BackendSelectionError(
-                f"unknown attention backend {requested!r}; valid names: "
+                f"unknown attention backend {requested!r}{source}; valid names: "
                 f"{', '.join(status)}\n{explain()}")
         ok, why = status[key]
         if not ok:
             raise BackendSelectionError(
-                f"attention backend {key} is not available: {why}\n{explain()}")
+                f"attention backend {key}{source} is not available: {why}\n{explain()}")
         cls = get_backend_cls(key)
         reasons = _layer_problems(cls, layers, block_size, device)
         if reasons:
             raise BackendSelectionError(
-                f"attention backend {key} cannot run this model: {'; '.join(reasons)}\n"
+                f"attention backend {key}{source} cannot run this model: {'; '.join(reasons)}\n"
                 f"{explain()}")
         return cls
 

@@ -3,6 +3,6 @@
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]

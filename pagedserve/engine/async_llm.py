@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.engine.outputs import RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +127,9 @@ class AsyncLLM:
     before the next step.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 4096,
                  observer: OutputObserver | None = None) -> None:
         self.engine = engine
-        if max_waiting_requests is None:
-            max_waiting_requests = engine.config.scheduler.max_waiting_requests
         self.max_waiting_requests = max_waiting_requests
         self.observer = observer
         self.error: BaseException | None = None

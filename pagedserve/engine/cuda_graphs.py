@@ -9,28 +9,42 @@ run eagerly.
 
 Pointer stability is what makes replay right: the graph reads the runner's persistent input
 ids, the common metadata builder's persistent device buffers and the backend builders' own,
-which every step rewrites in place before `replay()`.
+which every step rewrites in place before `replay()`. `GraphInputs` is all of the runner a
+graph touches.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from pagedserve.attention.forward_context import set_forward_context
-from pagedserve.scheduler.metadata import BlockTable, CommonAttentionMetadata
-
-if TYPE_CHECKING:
-    from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.attention import AttentionBackend, AttentionMetadataBuilder
+from pagedserve.attention.metadata import CommonAttentionMetadata, CommonMetadataBuilder
+from pagedserve.config import EngineConfig
+from pagedserve.engine.input_batch import InputIds
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GraphInputs:
+    """What decode graphs read and write of the model runner."""
+
+    # The model over the first n persistent input ids and positions under a metadata dict.
+    run_model: Callable[[dict[Any, Any], int], torch.Tensor]
+    common_builder: CommonMetadataBuilder
+    input_ids: InputIds
+    builders: dict[Any, AttentionMetadataBuilder]  # by layer configuration
+    num_blocks: int  # in the KV cache (start-up batches write its first blocks)
+    vocab_size: int
 
 
 def graph_batch_sizes(max_num_seqs: int, max_num_tokens: int,
@@ -54,8 +68,8 @@ class DecodeGraphs:
     graph-mode metadata but runs the model eagerly instead of replaying (for testing the
     padding on machines without CUDA)."""
 
-    def __init__(self, runner: ModelRunner, sizes: list[int], capture: bool = True) -> None:
-        self.runner = runner
+    def __init__(self, inputs: GraphInputs, sizes: list[int], capture: bool = True) -> None:
+        self.inputs = inputs
         self.sizes = sorted(sizes)
         self.capture_graphs = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -98,18 +112,14 @@ class DecodeGraphs:
         return hidden[:num_reqs]
 
     def _forward(self, metadata: dict[Any, Any], size: int) -> torch.Tensor:
-        runner = self.runner
-        with set_forward_context(metadata, runner.kv_caches):
-            return runner.model(runner._input_ids[:size],
-                                runner.common_builder.dev["positions"][:size])
+        return self.inputs.run_model(metadata, size)
 
     def _graph_metadata(self, common: CommonAttentionMetadata, size: int) -> dict[Any, Any]:
-        padded = pad_decode_metadata(self.runner, common, size, self._arange)
-        metadata = {}
-        for cfg, builder in self.runner.builders.items():
-            own = getattr(builder, "build_for_cudagraph", None)
-            metadata[cfg] = own(common, size) if own is not None else builder.build(padded)
-        return metadata
+        t = common.num_actual_tokens
+        padded = self.inputs.common_builder.pad_decode(common, size)
+        self.inputs.input_ids.pad(t, padded.num_actual_tokens)
+        return {cfg: builder.build_for_cudagraph(common, size, padded)
+                for cfg, builder in self.inputs.builders.items()}
 
     # ---- start-up ---------------------------------------------------------------------------
 
@@ -120,7 +130,7 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         for size in sorted(self.sizes, reverse=True):
             self._capture(size)
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.inputs.common_builder.device)
         logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes,
                     time.perf_counter() - t0)
 
@@ -129,7 +139,7 @@ class DecodeGraphs:
         metadata = self._graph_metadata(common, size)
         for _ in range(2):  # compile and autotune outside the capture
             self._forward(metadata, size)
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.inputs.common_builder.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             output = self._forward(metadata, size)
@@ -141,21 +151,19 @@ class DecodeGraphs:
         """Common metadata (and zero input ids) of a decode step over requests of the given
         cached lengths, laid out over consecutive blocks from 0. For start-up only: it writes
         the cache's first blocks, which hold no request yet."""
-        runner = self.runner
+        cb = self.inputs.common_builder
         context = np.array(context_lens or [0] * num_reqs, dtype=np.int32)
-        if int((context // runner.block_size + 1).sum()) > runner.num_blocks:
+        if int((context // cb.block_size + 1).sum()) > self.inputs.num_blocks:
             context[:] = 0  # a tiny cache: every request in one block of its own
-        table = BlockTable(num_reqs, runner.max_blocks_per_seq)
+        table = np.full((num_reqs, cb.max_blocks_per_seq), -1, dtype=np.int32)
         next_block = 0
         for row, c in enumerate(context.tolist()):
-            n = c // runner.block_size + 1
-            table.add_row(row, list(range(next_block, next_block + n)))
+            n = c // cb.block_size + 1
+            table[row, :n] = np.arange(next_block, next_block + n)
             next_block += n
-        common = runner.common_builder.build(np.arange(num_reqs), context,
-                                             np.ones(num_reqs, dtype=np.int32), 0, table)
-        runner._input_ids_host[:num_reqs] = 0
-        if runner._input_ids is not runner._input_ids_host:
-            runner._input_ids[:num_reqs].copy_(runner._input_ids_host[:num_reqs])
+        common = cb.build(np.arange(num_reqs), context, np.ones(num_reqs, dtype=np.int32), 0,
+                          table)
+        self.inputs.input_ids.pad(0, num_reqs)
         return common
 
     @torch.inference_mode()
@@ -164,16 +172,15 @@ class DecodeGraphs:
         random input ids) and compare it with the eager forward: returns the max abs diff
         relative to the largest eager value, and raises when that exceeds `rtol` (bf16 rounding
         differences are far below it; a graph reading stale buffers is far above)."""
-        runner = self.runner
+        inputs = self.inputs
         b = min(3, max(self.sizes))
         common = self.dummy_decode(b, [5, 37, 18][:b])
-        ids = torch.randint(0, runner.vocab_size, (b,), dtype=torch.int64)
-        runner._input_ids[:b].copy_(ids)
-        eager_md = {cfg: builder.build(common) for cfg, builder in runner.builders.items()}
-        with set_forward_context(eager_md, runner.kv_caches):
-            eager = runner.model(runner._input_ids[:b], common.positions).float()
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
+        ids = torch.randint(0, inputs.vocab_size, (b,), dtype=torch.int64)
+        inputs.input_ids.device[:b].copy_(ids)
+        eager_md = {cfg: builder.build(common) for cfg, builder in inputs.builders.items()}
+        eager = inputs.run_model(eager_md, b).float()
+        if eager.is_cuda:
+            torch.cuda.synchronize(eager.device)
         # Force the largest size so the padding rows are exercised too.
         saved = self.sizes
         self.sizes = [max(saved)]
@@ -190,71 +197,24 @@ class DecodeGraphs:
         return diff
 
 
-def pad_decode_metadata(runner: ModelRunner, common: CommonAttentionMetadata, size: int,
-                        arange: np.ndarray) -> CommonAttentionMetadata:
-    """`common` (a pure-decode step of B requests, already built into the runner's common
-    buffers) padded to `size` requests in place: entries [B, size) of every buffer are written
-    on the host and copied over, so the copies the build already issued for [0, B) are left
-    alone. Padding: one token at position 0 with slot -1 (no K/V write), seq_len 1, page 0."""
-    cb = runner.common_builder
-    h, dev = cb.np, cb.dev
-    b, t = common.num_reqs, common.num_actual_tokens
-    extra = size - b
-    pages = int(common.paged_kv_indptr_cpu[b])
-    steps = arange[1:extra + 1]
-    h["query_start_loc"][b + 1:size + 1] = t + steps
-    h["seq_lens"][b:size] = 1
-    h["context_lens"][b:size] = 0
-    h["block_table"][b:size] = -1
-    h["block_table"][b:size, 0] = 0
-    h["slot_mapping"][t:t + extra] = -1
-    h["positions"][t:t + extra] = 0
-    h["paged_kv_indptr"][b + 1:size + 1] = pages + steps
-    h["paged_kv_indices"][pages:pages + extra] = 0
-    h["paged_kv_last_page_len"][b:size] = 1
-    runner._input_ids_host[t:t + extra] = 0
-    ranges = {"query_start_loc": (b + 1, size + 1), "seq_lens": (b, size),
-              "context_lens": (b, size), "block_table": (b, size), "slot_mapping": (t, t + extra),
-              "positions": (t, t + extra), "paged_kv_indptr": (b + 1, size + 1),
-              "paged_kv_indices": (pages, pages + extra), "paged_kv_last_page_len": (b, size)}
-    if dev is not cb.host:
-        for name, (lo, hi) in ranges.items():
-            dev[name][lo:hi].copy_(cb.host[name][lo:hi], non_blocking=True)
-        runner._input_ids[t:t + extra].copy_(runner._input_ids_host[t:t + extra],
-                                             non_blocking=True)
-    sizes = {"query_start_loc": size + 1, "seq_lens": size, "context_lens": size,
-             "block_table": size, "slot_mapping": size, "positions": size,
-             "paged_kv_indptr": size + 1, "paged_kv_indices": pages + extra,
-             "paged_kv_last_page_len": size}
-    views = {name: dev[name][:n] for name, n in sizes.items()}
-    return dataclasses.replace(
-        common, **views,
-        query_start_loc_cpu=h["query_start_loc"][:size + 1], seq_lens_cpu=h["seq_lens"][:size],
-        context_lens_cpu=h["context_lens"][:size],
-        paged_kv_indptr_cpu=h["paged_kv_indptr"][:size + 1],
-        paged_kv_last_page_len_cpu=h["paged_kv_last_page_len"][:size],
-        num_reqs=size, num_actual_tokens=t + extra, max_query_len=1,
-        max_seq_len=max(common.max_seq_len, 1), num_decodes=size, num_decode_tokens=t + extra)
-
-
-def setup_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
-    """Capture decode graphs for the runner when the engine and backend allow them; on any
-    failure log a warning naming it and return None (the runner then stays eager)."""
-    config = runner.config
-    if config.enforce_eager or runner.device.type != "cuda" or runner.mamba_layers:
+def setup_decode_graphs(inputs: GraphInputs, backend: type[AttentionBackend],
+                        config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
+    """Capture decode graphs when the engine and backend allow them; on any failure log a
+    warning naming it and return None (the runner then stays eager)."""
+    if config.enforce_eager or config.torch_device.type != "cuda":
         return None
-    if not runner.backend.can_capture_cuda_graphs(runner.block_size):
+    block_size = inputs.common_builder.block_size
+    if not backend.can_capture_cuda_graphs(block_size):
         logger.info("CUDA graphs off: the %s backend does not support them here",
-                    runner.backend.get_name())
+                    backend.get_name())
         return None
-    for builder in runner.builders.values():
-        if hasattr(builder, "capture_max_seq_len"):  # launch bounds fixed across replays
-            builder.capture_max_seq_len = runner.max_model_len
-    sizes = graph_batch_sizes(runner.max_num_reqs, runner.max_num_tokens,
-                              config.cuda_graph_sizes)
+    for builder in inputs.builders.values():
+        builder.prepare_for_cudagraphs(max_model_len)
+    sizes = graph_batch_sizes(config.scheduler.max_num_seqs,
+                              config.scheduler.max_num_batched_tokens, config.cuda_graph_sizes)
     if not sizes:
         return None
-    graphs = DecodeGraphs(runner, sizes)
+    graphs = DecodeGraphs(inputs, sizes)
     try:
         graphs.capture_all()
         diff = graphs.check_against_eager()
@@ -265,7 +225,7 @@ def setup_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
         graphs.graphs.clear()
         graphs.outputs.clear()
         try:
-            torch.cuda.synchronize(runner.device)
+            torch.cuda.synchronize(inputs.common_builder.device)
             torch.cuda.empty_cache()
         except Exception as sync_exc:  # a broken context is reported by the next step anyway
             logger.warning("after the failed capture: %s", sync_exc)

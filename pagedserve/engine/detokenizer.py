@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 # Prompt tokens decoded ahead of the first output token. Tokenizers that drop the leading
 # space of a decode's first token (SentencePiece) need some context to render it correctly.

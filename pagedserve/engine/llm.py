@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler import ScoringTask
 
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
@@ -71,7 +72,7 @@ class LLM:
         cache); mode="prefill" computes prompt + continuation as one ordinary prompt (chunked
         prefill allowed, prefix cache bypassed) and keeps the rows of its logits that predict
         the continuation, the same shapes of work as a full-sequence forward."""
-        if mode not in ("decode", "prefill"):
+        if mode not in ScoringTask.MODES:
             raise ValueError(f"mode must be 'decode' or 'prefill', not {mode!r}")
         prompts = [list(p) for p in prompts]
         continuations = [list(c) for c in continuations]
@@ -86,13 +87,7 @@ class LLM:
         try:
             for prompt, continuation in zip(prompts, continuations, strict=True):
                 request_id = str(next(self._ids))
-                if mode == "decode":
-                    self.engine.add_request(request_id, prompt, SamplingParams(temperature=0),
-                                            forced_output_ids=continuation, stream=False)
-                else:
-                    self.engine.add_request(request_id, prompt + continuation,
-                                            SamplingParams(temperature=0), stream=False,
-                                            score_prompt_from=len(prompt) - 1)
+                self.engine.add_scoring_request(request_id, prompt, continuation, mode)
                 ids.append(request_id)
             outputs = self.wait_for(ids, use_tqdm)
         except BaseException:

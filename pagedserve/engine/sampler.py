@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 
@@ -95,9 +95,7 @@ class SamplingMetadata:
             for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
                 if len(out) >= p.min_tokens:
                     continue
-                ids = set(p.stop_token_ids or ())
-                if eos_token_id is not None and not p.ignore_eos:
-                    ids.add(eos_token_id)
+                ids = p.end_token_ids(eos_token_id)
                 ban_rows.extend([row] * len(ids))
                 ban_cols.extend(ids)
         banned = None

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, PretrainedConfig
 
+from pagedserve import envs
+
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 
 # GGUF tensor name -> Hugging Face name; {} is the layer index.
@@ -109,11 +111,9 @@ def gguf_chat_template(reader: Any) -> str | None:
 def tokenizer_cache_dir() -> Path | None:
     """Where converted GGUF tokenizers are kept: $PAGEDSERVE_CACHE_DIR (empty: no cache), else
     $XDG_CACHE_HOME/pagedserve, else ~/.cache/pagedserve."""
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR")
-    if root is None:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(xdg, "pagedserve")
-    return Path(root) / "gguf-tokenizers" if root else None
+    if envs.PAGEDSERVE_CACHE_DIR == "":
+        return None
+    return envs.cache_root() / "gguf-tokenizers"
 
 
 def gguf_tokenizer(path: Path) -> Any:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pagedserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -24,19 +27,52 @@ class RequestStatus(enum.Enum):
         return self.value if self.is_finished else None
 
 
+@dataclass(frozen=True)
+class ScoringTask:
+    """What makes a request a scoring request: instead of sampling, the engine returns the
+    full next-token log-distribution before each token of `continuation` (float32 [len, V]).
+
+    - "decode": the continuation is fed as forced outputs, one decode step per token against
+      the KV cache (teacher forcing); the request runs without async overlap.
+    - "prefill": prompt + continuation is computed as one prompt (chunked as usual, never from
+      the prefix cache) and the logits at the positions that predict the continuation are
+      kept; the one token it then samples is dropped.
+    """
+
+    mode: str
+    continuation: tuple[int, ...]
+
+    MODES: ClassVar[tuple[str, ...]] = ("decode", "prefill")
+
+    def __post_init__(self) -> None:
+        if self.mode not in self.MODES:
+            raise ValueError(f"mode must be 'decode' or 'prefill', not {self.mode!r}")
+        if not self.continuation:
+            raise ValueError("the continuation to score is empty")
+
+
 class Request:
     """Prompt and output tokens of one sequence. `num_computed_tokens` counts the tokens whose
-    K/V is in the cache; the scheduler feeds the rest, a chunk at a time for long prompts."""
+    K/V is in the cache; the scheduler feeds the rest, a chunk at a time for long prompts.
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
-                 eos_token_id: int | None = None, arrival_time: float | None = None,
-                 cache_salt: str | None = None, score_from: int | None = None) -> None:
+    The per-request rules the scheduler, the runner and the sampler share are computed here,
+    once: which token ids end it, whether its sampling needs its earlier tokens on the host,
+    whether a step must keep logits beyond the sampled token's."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_id: int | None = None,
+                 arrival_time: float | None = None, cache_salt: str | None = None,
+                 scoring: ScoringTask | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must have at least one token")
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.all_token_ids = list(self.prompt_token_ids)
+        self.scoring = scoring
+        prompt = list(prompt_token_ids)
+        if scoring is not None and scoring.mode == "prefill":
+            prompt += scoring.continuation
+        self.prompt_token_ids = prompt
+        self.num_prompt_tokens = len(prompt)
+        self.all_token_ids = list(prompt)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -50,20 +86,34 @@ class Request:
         # scheduling the next step is scheduled while this request's last one still runs).
         self.num_output_placeholders = 0
         self.num_preemptions = 0
+        # Teacher forcing: the runner emits these tokens instead of sampled ones.
+        self.forced_output_ids: list[int] | None = (
+            list(scoring.continuation) if scoring is not None and scoring.mode == "decode"
+            else None)
         # Scoring by prefill: the full next-token log-distributions at prompt positions
         # score_from..num_prompt_tokens-2 (those predicting prompt tokens score_from+1..).
-        self.score_from = score_from
-        # Prompt logprobs and scoring need logits at every prompt position they cover, so
-        # cached prefixes are skipped.
-        self.skip_prefix_cache = (score_from is not None or
-                                  getattr(sampling_params, "prompt_logprobs", None) is not None)
-        self.max_tokens: int = getattr(sampling_params, "max_tokens", None) or 1 << 62
-        self.min_tokens: int = getattr(sampling_params, "min_tokens", 0) or 0
-        self.ignore_eos: bool = bool(getattr(sampling_params, "ignore_eos", False))
-        self.stop_token_ids = frozenset(getattr(sampling_params, "stop_token_ids", None) or ())
-        # Teacher forcing (scoring): the runner emits these tokens instead of sampled ones and
-        # keeps the full next-token distribution at each of them.
-        self.forced_output_ids: list[int] | None = None
+        self.score_from: int | None = (
+            len(prompt_token_ids) - 1 if scoring is not None and scoring.mode == "prefill"
+            else None)
+        prompt_logprobs = sampling_params.prompt_logprobs is not None
+        # Prompt logprobs and scoring by prefill need logits at every prompt position they
+        # cover, so cached prefixes are skipped.
+        self.skip_prefix_cache = self.score_from is not None or prompt_logprobs
+        # A step keeps more than the sampled token for it (logits at forced or prompt
+        # positions).
+        self.needs_logits = scoring is not None or prompt_logprobs
+        # Its sampling reads earlier outputs on the host: its previous sample must be back
+        # before its next step launches (no async overlap while it runs).
+        self.needs_host_history = (sampling_params.needs_host_history
+                                   or self.forced_output_ids is not None)
+        if scoring is not None:
+            self.max_tokens = len(scoring.continuation) if scoring.mode == "decode" else 1
+            self.min_tokens = 0
+            self.end_token_ids: frozenset[int] = frozenset()  # forced tokens never stop it
+        else:
+            self.max_tokens = sampling_params.max_tokens or 1 << 62
+            self.min_tokens = sampling_params.min_tokens
+            self.end_token_ids = sampling_params.end_token_ids(eos_token_id)
 
     @property
     def num_tokens(self) -> int:
@@ -85,10 +135,9 @@ class Request:
         """Stop conditions known from token ids alone (stop strings are the detokenizer's)."""
         if self.num_output_tokens == 0:
             return None
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.min_tokens:
-            if (not self.ignore_eos and last == self.eos_token_id) or last in self.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+        if (self.num_output_tokens >= self.min_tokens
+                and self.output_token_ids[-1] in self.end_token_ids):
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

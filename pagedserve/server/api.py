@@ -21,10 +21,11 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve import __version__
+from pagedserve.config import ServerConfig
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
 from pagedserve.engine.llm import render_chat
 from pagedserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as p
 from pagedserve.server.metrics import ServerMetrics
 
@@ -93,10 +94,13 @@ class ServerState:
         return self.tokenizer.decode(token_ids)
 
 
-def build_app(llm: AsyncLLM, api_key: str | None = None) -> FastAPI:
-    """The app for one engine. `api_key`: require `Authorization: Bearer <key>` on every route
-    but /health, /version and /metrics."""
-    state = ServerState(llm, llm.engine.model_name, ServerMetrics(llm))
+def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
+    """The app for one engine. With `config.api_key`, every route but /health, /version and
+    /metrics needs `Authorization: Bearer <key>`."""
+    config = config or ServerConfig()
+    api_key = config.api_key
+    state = ServerState(llm, config.served_model_name or llm.engine.model_name,
+                        ServerMetrics(llm))
     llm.observer = state.metrics
 
     @asynccontextmanager

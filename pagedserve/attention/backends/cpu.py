@@ -20,7 +20,7 @@ from pagedserve.attention.backend import (
     AttentionImpl,
     AttentionMetadataBuilder,
 )
-from pagedserve.scheduler.metadata import CommonAttentionMetadata
+from pagedserve.attention.metadata import CommonAttentionMetadata
 
 
 @dataclass

@@ -54,13 +54,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from pagedserve import envs
 from pagedserve.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -68,7 +68,7 @@ from pagedserve.attention.backend import (
     AttentionMetadataBuilder,
     BuilderConfig,
 )
-from pagedserve.scheduler.metadata import CommonAttentionMetadata
+from pagedserve.attention.metadata import CommonAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def choose_implementation() -> ImplChoice:
     problem = _device_problem()
     if problem is not None:
         return ImplChoice(None, problem)
-    forced = os.environ.get(IMPL_ENV_VAR, "").strip().lower()
+    forced = envs.PAGEDSERVE_FLASH_ATTN_IMPL
     if forced:
         if forced not in PROBES:
             return ImplChoice(None, f"{IMPL_ENV_VAR}={forced!r} is not one of "
@@ -276,7 +276,7 @@ class FlashAttentionMetadata:
 def gather_capacity(config: BuilderConfig) -> int:
     """Tokens of K (and of V) the gather buffers hold; see the module docstring."""
     per_seq = config.max_blocks_per_seq * config.block_size
-    setting = int(os.environ.get(GATHER_TOKENS_ENV_VAR, DEFAULT_GATHER_TOKENS))
+    setting = envs.PAGEDSERVE_FLASH_ATTN_GATHER_TOKENS
     return min(config.max_num_reqs * per_seq, max(per_seq, setting))
 
 
@@ -301,7 +301,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, config: BuilderConfig) -> None:
         super().__init__(config)
         self.implementation = _require_implementation()
-        self.capture_max_seq_len: int | None = None  # set by a CUDA-graph runner
+        # Set before CUDA-graph capture (prepare_for_cudagraphs): the fixed launch bound.
+        self.capture_max_seq_len: int | None = None
         device = config.device
         self.gathers = gathers_pages(self.implementation, config.block_size)
         if self.implementation == "fa2" and not self.gathers:
@@ -315,6 +316,9 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
             shape = (self.capacity, config.num_kv_heads, config.head_size)
             self.k_gather = torch.empty(shape, dtype=config.dtype, device=device)
             self.v_gather = torch.empty(shape, dtype=config.dtype, device=device)
+
+    def prepare_for_cudagraphs(self, max_seq_len: int) -> None:
+        self.capture_max_seq_len = max_seq_len
 
     def build(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
         max_seq_len = max(common.max_seq_len, self.capture_max_seq_len or 0)
@@ -386,18 +390,15 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
 # ---- the layer's attention ---------------------------------------------------------------
 
 class FlashAttentionImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window,
-                         logits_soft_cap, kv_cache_dtype)
+    def __init__(self, layer: AttentionLayerConfig) -> None:
+        super().__init__(layer)
         self.implementation = _require_implementation()
-        if logits_soft_cap is not None and not IMPLEMENTATIONS[
+        if layer.logits_soft_cap is not None and not IMPLEMENTATIONS[
                 self.implementation].supports_soft_cap:
             raise ValueError(f"logits soft-cap not supported by FLASH_ATTN's "
                              f"{self.implementation} implementation")
         # FlashAttention's window: keys in [i - left, i + right] around the aligned position.
-        self.window_left = -1 if sliding_window is None else sliding_window - 1
+        self.window_left = -1 if layer.sliding_window is None else layer.sliding_window - 1
         self._attend = {"fa3": self._attend_fa3, "fa2": self._attend_fa2,
                         "fa4": self._attend_fa4,
                         "torch": self._attend_gathered}[self.implementation]

@@ -30,11 +30,7 @@ from pagedserve.attention.backend import (
     AttentionMetadataBuilder,
     BuilderConfig,
 )
-from pagedserve.scheduler.metadata import (
-    BlockTable,
-    CommonAttentionMetadata,
-    CommonMetadataBuilder,
-)
+from pagedserve.attention.metadata import CommonAttentionMetadata, CommonMetadataBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -217,9 +213,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             prefill=self.prefill_wrapper if prefill else None,
             decode=self.decode_wrapper if decode else None)
 
-    def build_for_cudagraph(self, common: CommonAttentionMetadata,
-                            num_reqs_padded: int) -> FlashInferMetadata:
-        """Metadata for a pure-decode step run as a CUDA graph of `num_reqs_padded` requests.
+    def build_for_cudagraph(self, common: CommonAttentionMetadata, num_reqs_padded: int,
+                            padded: CommonAttentionMetadata | None = None
+                            ) -> FlashInferMetadata:
+        """Metadata for a pure-decode step run as a CUDA graph of `num_reqs_padded` requests,
+        planned from the real step `common` (FlashInfer pads its own CSR; `padded` is unused).
 
         Returns the same object, over the same persistent buffers, every time for a given
         padded size. The model runner uses it twice:
@@ -297,13 +295,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         t0 = time.perf_counter()
         long_prompt = 80
         blocks = -(-(long_prompt + 2) // c.block_size)
-        table = BlockTable(2, blocks)
-        table.add_row(0, list(range(blocks)))
-        table.add_row(1, [blocks])
+        table = np.full((2, blocks), -1, dtype=np.int32)
+        table[0] = np.arange(blocks)
+        table[1, 0] = blocks
         common_builder = CommonMetadataBuilder(2, long_prompt + 1, blocks, c.block_size,
                                                self.device)
-        impl = FlashInferImpl(c.num_heads, c.head_size, c.head_size ** -0.5, c.num_kv_heads,
-                              c.sliding_window, c.logits_soft_cap, c.kv_cache_dtype)
+        impl = FlashInferImpl(AttentionLayerConfig(
+            c.num_heads, c.num_kv_heads, c.head_size, c.dtype, c.sliding_window,
+            c.logits_soft_cap, c.kv_cache_dtype))
         kv_cache = torch.zeros(FlashInferBackend.get_kv_cache_shape(
             blocks + 1, c.block_size, c.num_kv_heads, c.head_size), dtype=self.kv_cache_dtype,
             device=self.device)
@@ -327,18 +326,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
 # ---- implementation ---------------------------------------------------------------------------
 
 class FlashInferImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window,
-                         logits_soft_cap, kv_cache_dtype)
+    def __init__(self, layer: AttentionLayerConfig) -> None:
+        super().__init__(layer)
         # Per-layer quantisation scales of an fp8 cache (the cache holds K / k_scale); a weight
         # loader may set them. FlashInfer folds k_scale into the softmax scale.
         self.k_scale = 1.0
         self.v_scale = 1.0
         # The plan uses FlashInfer's default softmax scale 1/sqrt(head_size); a model's own
         # scale rides on k_scale, which multiplies the same product q.k.
-        self._scale_ratio = scale * head_size ** 0.5
+        self._scale_ratio = self.scale * self.head_size ** 0.5
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: FlashInferMetadata,

@@ -15,22 +15,20 @@ the torch path on CUDA.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pagedserve import envs
 from pagedserve.attention.backend import AttentionBackend, AttentionLayerConfig
 from pagedserve.attention.mamba import torch_ops
+from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.kv_cache.specs import MambaSpec
-from pagedserve.scheduler.metadata import CommonAttentionMetadata
-
-KERNELS_ENV_VAR = "PAGEDSERVE_MAMBA_KERNELS"
 
 
 def use_triton_kernels(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get(KERNELS_ENV_VAR, "").lower() == "torch":
+    if device.type != "cuda" or envs.PAGEDSERVE_MAMBA_KERNELS == "torch":
         return False
     try:
         import triton  # noqa: F401
@@ -154,12 +152,7 @@ class MambaBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int) -> tuple[int, ...]:
-        raise ValueError("MAMBA keeps state slots, not K/V pages: use get_state_shapes")
-
-    @staticmethod
-    def get_state_shapes(num_slots: int, spec: MambaSpec) -> tuple[tuple[int, ...], ...]:
-        """(conv state, SSM state) shapes of one layer for `num_slots` slots."""
-        return (num_slots, *spec.conv_state_shape), (num_slots, *spec.ssm_state_shape)
+        raise ValueError("MAMBA keeps state slots, not K/V pages: their shapes are MambaSpec's")
 
     @classmethod
     def get_kv_cache_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 
+from pagedserve import envs
 from pagedserve.attention.backend import (
     BuilderConfig,
 )
@@ -31,7 +31,7 @@ from pagedserve.attention.backends.triton_attn import (
     TritonAttentionMetadata,
     TritonAttentionMetadataBuilder,
 )
-from pagedserve.scheduler.metadata import CommonAttentionMetadata
+from pagedserve.attention.metadata import CommonAttentionMetadata
 
 AITER_PARTITION_SIZE = 256
 AITER_HEAD_SIZES = (64, 128)
@@ -118,6 +118,6 @@ class RocmAttentionBackend(TritonAttentionBackend):
             if aiter_importable():
                 return True, "aiter paged attention for decodes, Triton kernels otherwise"
             return True, "Triton kernels (aiter is not importable: pip install aiter for decodes)"
-        if os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available():
+        if envs.TRITON_INTERPRET and not torch.cuda.is_available():
             return True, "Triton path only, in the Triton interpreter on CPU (testing only)"
         return True, "not a ROCm build of torch: runs the Triton path only (for testing)"

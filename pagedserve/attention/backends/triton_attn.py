@@ -11,11 +11,11 @@ layout [2, num_blocks, block_size, num_kv_heads, head_size] (as CPU's).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from pagedserve import envs
 from pagedserve.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -23,8 +23,8 @@ from pagedserve.attention.backend import (
     AttentionMetadataBuilder,
     BuilderConfig,
 )
+from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.attention.ops.query_blocks import QueryBlockMap
-from pagedserve.scheduler.metadata import CommonAttentionMetadata
 
 MAX_BLOCK_SIZE = 1024  # tiles read pages through the block table one key at a time: any size
 
@@ -153,7 +153,7 @@ class TritonAttentionBackend(AttentionBackend):
         if torch.cuda.is_available():
             where = "ROCm" if torch.version.hip else "CUDA"
             return True, f"Triton {triton.__version__} kernels on {where}"
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if envs.TRITON_INTERPRET:
             return True, "Triton interpreter on CPU (testing only)"
         return False, ("no GPU; set TRITON_INTERPRET=1 to run the kernels in the Triton "
                        "interpreter on the CPU (testing only)")
@@ -164,6 +164,6 @@ class TritonAttentionBackend(AttentionBackend):
         reasons = super().validate_configuration(layer, block_size, device)
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             reasons.append(f"block size {block_size} not in 1..{MAX_BLOCK_SIZE}")
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type == "cpu" and not envs.TRITON_INTERPRET:
             reasons.append("CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)")
         return reasons

@@ -10,9 +10,9 @@ step's own new tokens are attended at full precision. Presets (`kv_cache_dtype`)
 tq_4bit (= "auto"), tq_3bit, and the unrotated comparison presets naive_int4, naive_int3.
 
 The cache layout depends on the preset, but `get_kv_cache_shape` takes none: the engine binds
-one with `TurboQuantBackend.for_preset(kv_cache_dtype)`, a subclass whose shape, dtype and page
-size are those of that preset (the unbound class stands for the default preset and refuses to
-size a cache for another one).
+one with `TurboQuantBackend.for_kv_cache_dtype(kv_cache_dtype)`, a subclass whose shape, dtype
+and page size are those of that preset (the unbound class stands for the default preset and
+refuses to size a cache for another one).
 
 On CUDA the builder plans the Triton kernels (ops/turboquant_kernels.py): one fused
 rotate-quantize-pack store and one attention launch per layer that dequantizes pages in
@@ -40,9 +40,9 @@ from pagedserve.attention.backend import (
     BuilderConfig,
 )
 from pagedserve.attention.backends.cpu import AttentionGroup, CPUAttentionMetadataBuilder
+from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.attention.ops import turboquant_format as tqf
 from pagedserve.attention.ops.query_blocks import QueryBlockMap
-from pagedserve.scheduler.metadata import CommonAttentionMetadata
 
 MAX_KERNEL_HEAD_SIZE = 128
 
@@ -181,12 +181,9 @@ def _format_tensors(preset_name: str, head_size: int, device: str) -> object:
 
 
 class TurboQuantImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window,
-                         logits_soft_cap, kv_cache_dtype)
-        self.preset = tqf.get_preset(kv_cache_dtype)
+    def __init__(self, layer: AttentionLayerConfig) -> None:
+        super().__init__(layer)
+        self.preset = tqf.get_preset(layer.kv_cache_dtype)
         self._cuda_decode_reasons: dict[tuple, str | None] = {}
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -197,7 +194,7 @@ class TurboQuantImpl(AttentionImpl):
             raise ValueError(
                 f"{self.preset.name} needs a uint8 cache of {slot_bytes}-byte slots, got "
                 f"{kv_cache.dtype} {tuple(kv_cache.shape)}: size it with "
-                f"TurboQuantBackend.for_preset({self.preset.name!r})")
+                f"TurboQuantBackend.for_kv_cache_dtype({self.preset.name!r})")
         if output is None:
             output = torch.empty_like(query)
         if attn_metadata.kernel is not None:
@@ -312,13 +309,13 @@ class TurboQuantBackend(AttentionBackend):
     supports_soft_cap = True
     description = ("rotated Lloyd-Max low-bit KV cache (TurboQuant), Triton and CUDA kernels on "
                    "CUDA, torch else")
-    # Its cache is lossy: exact-tolerance conformance does not apply (tests/test_turboquant.py
-    # checks it with tolerances derived from the preset).
+    # Its cache is lossy: exact-tolerance conformance does not apply (its own tests check it
+    # with tolerances derived from the preset).
     lossy_kv_cache: ClassVar[bool] = True
     kv_cache_preset: ClassVar[str] = tqf.DEFAULT_PRESET
 
     @classmethod
-    def for_preset(cls, kv_cache_dtype: str) -> type[TurboQuantBackend]:
+    def for_kv_cache_dtype(cls, kv_cache_dtype: str) -> type[TurboQuantBackend]:
         """This backend with its cache layout bound to a preset (kv_cache_dtype; "auto" is the
         default preset). The same class object for the same preset."""
         return _bound_backend(tqf.get_preset(kv_cache_dtype).name)
@@ -350,7 +347,7 @@ class TurboQuantBackend(AttentionBackend):
         wanted = tqf.get_preset(kv_cache_dtype)
         if wanted != cls.preset():
             raise ValueError(f"{cls.__name__} is laid out for {cls.kv_cache_preset}, not "
-                             f"{wanted.name}: use TurboQuantBackend.for_preset("
+                             f"{wanted.name}: use TurboQuantBackend.for_kv_cache_dtype("
                              f"{kv_cache_dtype!r})")
         return torch.uint8
 

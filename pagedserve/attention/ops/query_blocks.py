@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedserve.scheduler.metadata import CommonAttentionMetadata
+from pagedserve.attention.metadata import CommonAttentionMetadata
 
 
 def query_block_map(query_start_loc: np.ndarray, seq_lens: np.ndarray,

