@@ -16,6 +16,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int,
 def run_throughput(llm: Any, prompts: list[list[int]], output_len: int,
                    ignore_eos: bool = True) -> dict[str, float]:
     """Generate greedily for every prompt at once; the figures `vllm bench throughput` prints."""
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
     start = time.perf_counter()
@@ -146,6 +147,30 @@ def arrival_delays(num: int, request_rate: float, seed: int) -> list[float]:
     return rng.exponential(1.0 / request_rate, size=num).tolist()
 
 
+async def sse_data(resp: Any) -> AsyncIterator[str]:
+    """The `data:` payloads of a Server-Sent Events body. Lines end at \\n or \\r\\n only, as
+    the SSE spec and the openai client have it: the text inside an event's JSON may hold
+    U+2028, U+0085 and other characters that str.splitlines() (and httpx's aiter_lines) would
+    also break at."""
+    buffer = ""
+    async for text in resp.aiter_text():
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            line = line.removesuffix("\r")
+            if line.startswith("data:"):
+                yield line[5:].removeprefix(" ")
+    if buffer.startswith("data:"):
+        yield buffer.removesuffix("\r")[5:].removeprefix(" ")
+
+
+def _new_tokens(chunk: dict[str, Any]) -> bool:
+    """The chunk carries generated tokens: text, or token ids (a model without a tokenizer
+    streams those with empty text)."""
+    choices = chunk.get("choices") or ()
+    return any(c.get("text") or c.get("token_ids") for c in choices)
+
+
 async def _one_request(client: Any, url: str, model: str | None, prompt: list[int],
                        output_len: int, ignore_eos: bool) -> RequestResult:
     import httpx
@@ -159,12 +184,12 @@ async def _one_request(client: Any, url: str, model: str | None, prompt: list[in
             if resp.status_code != 200:
                 text = (await resp.aread())[:200]
                 return RequestResult(False, error=f"{resp.status_code}: {text!r}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for data in sse_data(resp):
+                if data == "[DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                chunk = json.loads(data)
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                if _new_tokens(chunk):
                     if ttft is None:
                         ttft = now - start
                     else:
