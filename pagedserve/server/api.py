@@ -460,6 +460,8 @@ class _CompletionChoices:
 
     def __init__(self, state: ServerState, body: p.CompletionRequest, n: int) -> None:
         self.state, self.body, self.n = state, body, n
+        # Without a tokenizer the text stays empty: token ids are what a client can read.
+        self.return_token_ids = body.return_token_ids or state.llm.tokenizer is None
         self.offsets: dict[int, int] = {}
         self.echoed: set[int] = set()
         self.finished: set[int] = set()
@@ -497,10 +499,13 @@ class _CompletionChoices:
             self.offsets[key] = (gen.text_offset[-1] + len(gen.tokens[-1]) if gen.tokens
                                  else self.offsets.get(key, 0))
             logprobs = gen if logprobs is None else _merge_logprobs(logprobs, gen)
-        if delta and not (prefix or text or c.finish_reason or (logprobs and logprobs.tokens)):
+        ids = list(token_ids) if self.return_token_ids else None
+        if delta and not (prefix or text or c.finish_reason or ids
+                          or (logprobs and logprobs.tokens)):
             return None
         return p.CompletionChoice(index=key, text=prefix + text, logprobs=logprobs,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                  token_ids=ids)
 
 
 async def _completions(state: ServerState, body: p.CompletionRequest,

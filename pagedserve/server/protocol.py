@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 
 class OpenAIModel(BaseModel):
@@ -92,6 +92,9 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: StrictInt | None = None
     suffix: str | None = None  # rejected when given: no fill-in-the-middle
+    # vLLM's extension: each choice (and each streamed chunk) carries its new token ids; always
+    # on for a model without a tokenizer, whose text is empty.
+    return_token_ids: bool = False
 
     def sampling_params(self) -> SamplingParams:
         fields = self.base_sampling_fields()
@@ -116,6 +119,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids, or without a tokenizer
 
 
 class CompletionResponse(BaseModel):
