@@ -34,8 +34,8 @@ Triton `reshape_and_cache` kernel (one launch for K and V).
 
 CUDA graphs: the builder's device tensors live in buffers allocated once (pointers stay put).
 A step padded for a captured graph (slot_mapping longer than num_actual_tokens, padding slots
--1) is written without a host sync: the write skips slot -1. A graph runner sets
-`builder.capture_max_seq_len` so that kernel launch bounds (max KV length, the gather grid)
+-1) is written without a host sync: the write skips slot -1. Before capture the runner calls
+`prepare_for_cudagraphs(max_model_len)` (it sets `capture_max_seq_len`) so that launch bounds (max KV length, the gather grid)
 stay fixed across replays. The engine captures decode graphs only with the paged kernels
 (`FlashAttentionBackend.can_capture_cuda_graphs`): the gather paths plan their groups on the
 host per step, and a replayed step could need a different grouping. For FA4 a graph also
@@ -47,6 +47,10 @@ the smaller of `max_num_reqs * max_blocks_per_seq * block_size` (every seat full
 tokens; one request always fits). They are allocated with the builder, so the runner's memory
 profile counts them. A step whose context exceeds the capacity is attended in several groups
 of requests (one gather + one kernel call each), so any batch works without growing buffers.
+
+Longer than 500 lines: one backend over four FlashAttention implementations whose probing,
+gather planning and calls share one builder and one metadata; split apart, each piece would
+need the others' internals.
 """
 
 from __future__ import annotations

@@ -1,0 +1,170 @@
+"""POST /v1/chat/completions: messages through the chat template, whole responses and
+streamed deltas in OpenAI's chunk shape."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from pagedserve.engine.async_llm import EngineDeadError, RequestStream
+from pagedserve.engine.llm import render_chat
+from pagedserve.engine.outputs import PositionLogprobs
+from pagedserve.server import protocol as p
+from pagedserve.server.common import ApiError, ServerState, common_checks, finite, sampling_params
+from pagedserve.server.streaming import (
+    SSE_DONE,
+    SSEResponse,
+    Tally,
+    add_all,
+    final_outputs,
+    sse,
+    until_disconnect,
+)
+
+
+def render_messages(state: ServerState, messages: list[p.ChatMessage],
+                     add_generation_prompt: bool) -> list[int]:
+    rendered = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"messages[{i}]: only text content parts are "
+                                        f"supported, got type {part.type!r}",
+                                   param=f"messages.{i}.content")
+                texts.append(part.text)
+            content = "".join(texts)
+        item: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            item["name"] = message.name
+        rendered.append(item)
+    try:
+        return render_chat(state.tokenizer, rendered, add_generation_prompt)
+    except ApiError:
+        raise
+    except Exception as exc:  # template errors are the request's fault, not the server's
+        raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+
+
+def _chat_logprobs(state: ServerState, token_ids: list[int],
+                   positions: list[PositionLogprobs] | None, top_n: int
+                   ) -> p.ChatChoiceLogprobs | None:
+    if positions is None:
+        return None
+    content = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        chosen = position[token_id]
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[:top_n]
+        top = [_top_logprob(state, tid, lp.decoded_token, lp.logprob) for tid, lp in ranked]
+        first = _top_logprob(state, token_id, chosen.decoded_token, chosen.logprob)
+        content.append(p.ChatTokenLogprob(**first.model_dump(), top_logprobs=top))
+    return p.ChatChoiceLogprobs(content=content)
+
+
+def _top_logprob(state: ServerState, token_id: int, text: str | None, logprob: float
+                 ) -> p.TopLogprob:
+    text = text if text is not None else state.decode([token_id])
+    return p.TopLogprob(token=text, logprob=finite(logprob), bytes=list(text.encode()))
+
+
+CHAT_RENAMES = {"logprobs": "top_logprobs"}
+
+
+async def create_chat_completion(state: ServerState, body: p.ChatCompletionRequest,
+                                 request: Request) -> Any:
+    start = time.monotonic()
+    common_checks(state, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    renames = dict(CHAT_RENAMES)
+    if body.max_completion_tokens is not None:
+        renames["max_tokens"] = "max_completion_tokens"
+    params = sampling_params(body, "messages", renames)
+    prompt = render_messages(state, body.messages, body.add_generation_prompt)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await add_all(state, request_id, [prompt], params, body.cache_salt, "messages",
+                             renames)
+    if body.stream:
+        return SSEResponse(_stream_chat(state, body, request_id, streams[0], params.n, start),
+                            streams)
+    return await until_disconnect(request, _full_chat(state, body, request_id, streams, start))
+
+
+async def _full_chat(state: ServerState, body: p.ChatCompletionRequest, request_id: str,
+                     streams: list[RequestStream], start: float) -> p.ChatCompletionResponse:
+    tally = Tally()
+    try:
+        output = (await final_outputs(streams))[0]
+        tally.add(0, output)
+        top_n = body.top_logprobs or 0
+        choices = [p.ChatCompletionChoice(
+            index=c.index, message=p.ChatResponseMessage(content=c.text),
+            logprobs=_chat_logprobs(state, c.token_ids, c.logprobs, top_n) if body.logprobs
+            else None, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in output.outputs]
+        return p.ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
+                                        usage=tally.usage(),
+                                        system_fingerprint=state.fingerprint)
+    finally:
+        tally.log(request_id, start)
+
+
+def _chat_chunk(chunk: p.ChatCompletionStreamResponse, include_usage: bool) -> str:
+    """OpenAI's chunk shape: a delta carries only the keys it sets ({} at the end)."""
+    data = chunk.model_dump(exclude=None if include_usage else {"usage"})
+    for choice in data["choices"]:
+        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return sse(data)
+
+
+async def _stream_chat(state: ServerState, body: p.ChatCompletionRequest, request_id: str,
+                       stream: RequestStream, n: int, start: float) -> AsyncIterator[str]:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    created = int(time.time())
+    top_n = body.top_logprobs or 0
+    tally = Tally()
+    finished: set[int] = set()
+
+    def chunk(choices: list[p.ChatCompletionStreamChoice]) -> str:
+        return _chat_chunk(p.ChatCompletionStreamResponse(
+            id=request_id, created=created, model=state.model_name, choices=choices,
+            system_fingerprint=state.fingerprint), include_usage)
+
+    try:
+        for i in range(n):
+            yield chunk([p.ChatCompletionStreamChoice(
+                index=i, delta=p.DeltaMessage(role="assistant", content=""))])
+        async for output in stream:
+            tally.add(0, output)
+            for c in output.outputs:
+                if c.index in finished:  # n > 1: a done sequence rides along with the others
+                    continue
+                logprobs = None
+                if body.logprobs and c.delta_logprobs:
+                    logprobs = _chat_logprobs(state, c.delta_token_ids, c.delta_logprobs, top_n)
+                if c.delta_text or logprobs is not None:
+                    yield chunk([p.ChatCompletionStreamChoice(
+                        index=c.index, delta=p.DeltaMessage(content=c.delta_text),
+                        logprobs=logprobs)])
+                if c.finish_reason is not None and c.index not in finished:
+                    finished.add(c.index)
+                    yield chunk([p.ChatCompletionStreamChoice(
+                        index=c.index, delta=p.DeltaMessage(), finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason)])
+        if include_usage:
+            yield _chat_chunk(p.ChatCompletionStreamResponse(
+                id=request_id, created=created, model=state.model_name, choices=[],
+                usage=tally.usage(), system_fingerprint=state.fingerprint), True)
+        yield SSE_DONE
+    except EngineDeadError as exc:
+        yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error")))
+        yield SSE_DONE
+    finally:
+        stream.close()
+        tally.log(request_id, start)

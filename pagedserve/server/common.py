@@ -1,0 +1,101 @@
+"""What every route shares: the server's state, errors in OpenAI's shape, and the checks
+a sampling request passes before it reaches the engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from pagedserve import __version__
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server import protocol as p
+from pagedserve.server.metrics import ServerMetrics
+
+MIN_LOGPROB = -9999.0
+SAMPLING_PARAM_NAMES = {*p.SAMPLING_FIELDS, "max_tokens", "logprobs", "prompt_logprobs"}
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = p.ErrorResponse(error=p.ErrorInfo(message=message, type=type_, param=param,
+                                                      code=code))
+
+
+def error_json(status: int, message: str, type_: str = "invalid_request_error",
+               param: str | None = None, code: str | None = None) -> JSONResponse:
+    return error_response(ApiError(status, message, type_, param, code))
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body.model_dump(), status_code=exc.status)
+
+
+def bad_value(exc: ValueError, prompt_param: str, renames: dict[str, str] | None = None
+              ) -> ApiError:
+    """An engine ValueError -> 400 whose `param` names the request field it is about."""
+    message = str(exc)
+    if "maximum context length" in message or "context length is" in message:
+        return ApiError(400, message, param=prompt_param, code="context_length_exceeded")
+    first = message.split(" ", 1)[0]
+    param = prompt_param if "prompt" in message else None
+    if first in SAMPLING_PARAM_NAMES:
+        param = (renames or {}).get(first, first)
+    return ApiError(400, message, param=param)
+
+
+@dataclass
+class ServerState:
+    llm: AsyncLLM
+    model_name: str
+    metrics: ServerMetrics
+    fingerprint: str = f"fp_pagedserve_{__version__}"
+    started: float = field(default_factory=time.time)
+
+    @property
+    def tokenizer(self) -> Any:
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send token ids")
+        return tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist. This server serves "
+                                f"`{self.model_name}`.", param="model", code="model_not_found")
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> None:
+    vocab = state.llm.engine.runner.vocab_size
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is out of range [0, {vocab})", param=param)
+
+
+def common_checks(state: ServerState, body: p.SamplingRequest) -> None:
+    state.check_model(body.model)
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed with stream=true",
+                       param="stream_options")
+
+
+def sampling_params(body: p.CompletionRequest | p.ChatCompletionRequest, prompt_param: str,
+                     renames: dict[str, str] | None = None) -> SamplingParams:
+    try:
+        return body.sampling_params()
+    except ValueError as exc:
+        raise bad_value(exc, prompt_param, renames) from None
+
+def finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
