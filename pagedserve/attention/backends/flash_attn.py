@@ -35,11 +35,12 @@ Triton `reshape_and_cache` kernel (one launch for K and V).
 CUDA graphs: the builder's device tensors live in buffers allocated once (pointers stay put).
 A step padded for a captured graph (slot_mapping longer than num_actual_tokens, padding slots
 -1) is written without a host sync: the write skips slot -1. Before capture the runner calls
-`prepare_for_cudagraphs(max_model_len)` (it sets `capture_max_seq_len`) so that launch bounds (max KV length, the gather grid)
-stay fixed across replays. The engine captures decode graphs only with the paged kernels
-(`FlashAttentionBackend.can_capture_cuda_graphs`): the gather paths plan their groups on the
-host per step, and a replayed step could need a different grouping. For FA4 a graph also
-removes its Python interface (~80 us of a 64 x 2,048 decode call measured on an H200).
+`prepare_for_cudagraphs(max_model_len)` (it sets `capture_max_seq_len`) so that launch bounds
+(max KV length, the gather grid) stay fixed across replays. The engine captures decode graphs
+only with the paged kernels (`FlashAttentionBackend.can_capture_cuda_graphs`): the gather paths
+plan their groups on the host per step, and a replayed step could need a different grouping.
+For FA4 a graph also removes its Python interface (~80 us of a 64 x 2,048 decode call measured
+on an H200).
 
 The gather buffers (torch, and fa2 with small blocks) hold `capacity` tokens of K and of V:
 the smaller of `max_num_reqs * max_blocks_per_seq * block_size` (every seat full) and
