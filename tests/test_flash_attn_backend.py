@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import pagedserve.attention.backends.flash_attn as fa
-from conformance import BATCHES, Case, reference_attention, run_case
 from pagedserve.attention import (
     AttentionLayerConfig,
     BackendSelectionError,
@@ -23,6 +22,7 @@ from pagedserve.attention import (
 from pagedserve.attention.backends.flash_attn import FlashAttentionBackend
 from pagedserve.attention.ops.paged_gather import paged_gather
 from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from tests.utils.conformance import BATCHES, Case, reference_attention, run_case
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")

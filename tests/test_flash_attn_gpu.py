@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from conformance import BATCHES, Case, reference_attention, run_case
 from pagedserve.attention import AttentionLayerConfig, BuilderConfig
 from pagedserve.attention.backends import flash_attn as fa
 from pagedserve.attention.backends.flash_attn import FlashAttentionBackend
 from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from tests.utils.conformance import BATCHES, Case, reference_attention, run_case
 
 pytestmark = pytest.mark.gpu
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from conformance import BATCHES, Case, reference_attention, run_case
 from pagedserve.attention import BuilderConfig
 from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from tests.utils.conformance import BATCHES, Case, reference_attention, run_case
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("flashinfer")

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from conformance import BATCHES, Case, reference_attention, run_case
 from pagedserve.attention import (
     AttentionLayerConfig,
     BackendSelectionError,
@@ -26,6 +25,7 @@ from pagedserve.attention.backends.flashinfer import (
     write_kv,
 )
 from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from tests.utils.conformance import BATCHES, Case, reference_attention, run_case
 
 CPU = torch.device("cpu")
 

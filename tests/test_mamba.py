@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from model_utils import hf_greedy
 
 from pagedserve import SamplingParams
 from pagedserve.attention.mamba import torch_ops
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.kv_cache.specs import MambaSpec
 from pagedserve.scheduler import Request
+from tests.utils.paged import hf_greedy
 
 NUM_NEW = 32
 PROMPT_LENS = [3, 17, 8, 40, 1, 25, 12, 33]

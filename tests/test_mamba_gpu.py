@@ -105,11 +105,10 @@ def test_decode_kernels_match_torch(dtype, d, n):
 @pytest.mark.parametrize("variant", [{}, {"max_num_batched_tokens": 16}])
 def test_engine_greedy_matches_transformers_on_gpu(tmp_path, make_llm, variant):
     """float32 on the GPU, the Triton path, against transformers' Mamba on the same GPU."""
-    from model_utils import hf_greedy
-    from test_mamba import NUM_NEW, _config, _prompts, _save
-
     from pagedserve import SamplingParams
     from pagedserve.attention.backends.mamba import use_triton_kernels
+    from tests.test_mamba import NUM_NEW, _config, _prompts, _save
+    from tests.utils.paged import hf_greedy
 
     hf = _save(_config(tie=False), tmp_path, seed=0).to(CUDA)
     prompts = _prompts(211, seed=100)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from conformance import BATCHES, reference_attention
 from pagedserve.attention import AttentionLayerConfig, BuilderConfig, get_backend_cls
 from pagedserve.attention.backends.cpu import CPUAttentionBackend
 from pagedserve.attention.backends.turboquant import TurboQuantBackend
 from pagedserve.attention.ops import turboquant_format as tqf
 from pagedserve.scheduler.metadata import BlockTable, CommonMetadataBuilder
+from tests.utils.conformance import BATCHES, reference_attention
 
 PRESETS = list(tqf.PRESETS)
 

@@ -11,11 +11,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from model_utils import bundled_gguf
-from test_turboquant import PRESETS, references, run_turboquant_case
 
-from conformance import BATCHES
 from pagedserve.attention.ops import turboquant_format as tqf
+from tests.test_turboquant import PRESETS, references, run_turboquant_case
+from tests.utils.conformance import BATCHES
+from tests.utils.paged import bundled_gguf
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
