@@ -107,7 +107,7 @@ def test_engine_greedy_matches_transformers_on_gpu(tmp_path, make_llm, variant):
     """float32 on the GPU, the Triton path, against transformers' Mamba on the same GPU."""
     from pagedserve import SamplingParams
     from pagedserve.attention.backends.mamba import use_triton_kernels
-    from tests.test_mamba import NUM_NEW, _config, _prompts, _save
+    from tests.models.test_mamba import NUM_NEW, _config, _prompts, _save
     from tests.utils.paged import hf_greedy
 
     hf = _save(_config(tie=False), tmp_path, seed=0).to(CUDA)
