@@ -57,7 +57,7 @@ def test_unsupported_reasons():
 def test_fused_views_reach_the_torch_path_unchanged():
     """The fused-QKV views the CUDA kernel is tested with on the GPU give the same answer as
     separate tensors on the CPU path (the harness itself is right)."""
-    from tests.test_turboquant import run_turboquant_case
+    from tests.attention.turboquant.test_kernels import run_turboquant_case
 
     batch = [(5, 1), (40, 1), (0, 1)]
     plain, *_ = run_turboquant_case("tq_3bit", batch, 16, 12, 4, head_size=64)
@@ -66,7 +66,7 @@ def test_fused_views_reach_the_torch_path_unchanged():
 
 
 def test_builder_reads_the_decode_kernel_setting(monkeypatch):
-    from tests.test_turboquant import run_turboquant_case
+    from tests.attention.turboquant.test_kernels import run_turboquant_case
 
     monkeypatch.setenv("PAGEDSERVE_TQ_DECODE_KERNEL", "cuda")
     # On the CPU the torch path runs (no kernel plan); the builder still reads the variable.

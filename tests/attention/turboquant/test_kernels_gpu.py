@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedserve.attention.ops import turboquant_format as tqf
-from tests.test_turboquant import PRESETS, references, run_turboquant_case
+from tests.attention.turboquant.test_kernels import PRESETS, references, run_turboquant_case
 from tests.utils.conformance import BATCHES
 from tests.utils.paged import bundled_gguf
 
@@ -239,7 +239,7 @@ def test_cuda_decode_kernel_falls_back_or_refuses():
 
 
 def _benchmark_module():
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "kv_quant_quality.py"
+    path = pathlib.Path(__file__).parents[3] / "benchmarks" / "kv_quant_quality.py"
     spec = importlib.util.spec_from_file_location("kv_quant_quality", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up

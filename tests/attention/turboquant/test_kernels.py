@@ -656,7 +656,7 @@ def test_decode_benchmark_tile_sweep_runs():
     import pathlib
     import sys
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "kv_quant_quality.py"
+    path = pathlib.Path(__file__).parents[3] / "benchmarks" / "kv_quant_quality.py"
     spec = importlib.util.spec_from_file_location("kv_quant_quality", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # dataclasses look their module up
