@@ -63,36 +63,51 @@ shard() {  # name, pytest args...
         >"$OUT/$name.log" 2>&1; echo "exit $?" >>"$OUT/$name.log" ) &
 }
 
-stage_tests() {
+MODEL_TESTS="tests/models/test_models.py tests/models/test_layer_kernels.py \
+    tests/engine/test_cuda_graphs.py"
+TQ_TESTS=tests/attention/turboquant
+
+stage_tests() {  # the GPU tests of the attention kernels, the models and TurboQuant
     setup_env
-    shard triton-a tests/test_triton_ops.py -k "d64 or d80 or gpu_float32 or split_kv"
-    shard triton-b tests/test_triton_ops.py -k "d96 or d128"
-    shard triton-c tests/test_triton_ops.py -k "d256"
-    shard fi-a tests/test_flashinfer_gpu.py -k "d64 and not slow"
-    shard fi-b tests/test_flashinfer_gpu.py -k "not d64 and not slow"
-    shard fa tests/test_flash_attn_gpu.py -k "torch or fa4"
-    shard models tests/test_models.py tests/test_layer_kernels.py tests/test_cuda_graphs_gpu.py
-    shard turboquant tests/test_turboquant_gpu.py
+    shard triton-a tests/attention/test_triton_ops.py -k "d64 or d80 or gpu_float32 or split_kv"
+    shard triton-b tests/attention/test_triton_ops.py -k "d96 or d128"
+    shard triton-c tests/attention/test_triton_ops.py -k "d256"
+    shard fi-a tests/attention/test_flashinfer.py -k "d64 and not slow"
+    shard fi-b tests/attention/test_flashinfer.py -k "not d64 and not slow"
+    # The tests that compile FlashInfer's fa3 (SM90) prefill kernels, about 90 s each.
+    shard fi-slow tests/attention/test_flashinfer.py -m "gpu and slow"
+    shard fa tests/attention/test_flash_attn.py -k "torch or fa4"
+    shard fa-other tests/attention/test_flash_attn.py -k "not (torch or fa4)"  # fa3, fa2
+    shard models $MODEL_TESTS
+    tq_shards
     wait
 }
 
-stage_tqtests() {  # TurboQuant's GPU tests in four shards (the host-side ones first: they build
-    setup_env        # the CUDA decode kernel once for all)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_tq_decode_cuda.py \
-        >"$OUT/tq-host.log" 2>&1; echo "exit $?" >>"$OUT/tq-host.log"
-    shard tq-a tests/test_turboquant_gpu.py -k "decode_tiles or fp32_options or benchmark"
-    shard tq-b tests/test_turboquant_gpu.py \
-        -k "not (decode_tiles or fp32_options or benchmark or cuda_decode)"
-    shard tq-c tests/test_turboquant_gpu.py -k "cuda_decode and (k8v4 or 3bit)"
-    shard tq-d tests/test_turboquant_gpu.py -k "cuda_decode and not (k8v4 or 3bit)"
+tq_host() {  # the CUDA decode kernel's host-side tests (they build the kernel once for all)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -m "not gpu" \
+        $TQ_TESTS/test_cuda_decode.py >"$OUT/tq-host.log" 2>&1; echo "exit $?" >>"$OUT/tq-host.log"
+}
+
+tq_shards() {  # TurboQuant's GPU tests in four shards
+    shard tq-a $TQ_TESTS/test_kernels.py -k "decode_tiles or fp32_options or benchmark"
+    shard tq-b $TQ_TESTS/test_kernels.py $TQ_TESTS/test_backend.py \
+        -k "not (decode_tiles or fp32_options or benchmark)"
+    shard tq-c $TQ_TESTS/test_cuda_decode.py -k "k8v4 or 3bit"
+    shard tq-d $TQ_TESTS/test_cuda_decode.py -k "not (k8v4 or 3bit)"
+}
+
+stage_tqtests() {  # TurboQuant's GPU tests in four shards, the host-side ones first
+    setup_env
+    tq_host
+    tq_shards
     wait
 }
 
 stage_features() {  # the later features' GPU tests that `tests` leaves out, in parallel
     setup_env
     SHARD_TIMEOUT=${FEATURE_TIMEOUT:-240}
-    shard mamba tests/test_mamba_gpu.py
-    shard prefix tests/test_prefix_caching.py
+    shard mamba tests/attention/test_mamba_ops.py tests/models/test_mamba.py
+    shard prefix tests/kv_cache/test_prefix_caching.py
     wait
 }
 
@@ -131,7 +146,7 @@ stage_e2e() {
     setup_env
     [ -f "$PAGEDSERVE_TEST_GGUF" ] || { echo "no GGUF at $PAGEDSERVE_TEST_GGUF"; return; }
     timeout "$SHARD_TIMEOUT" python3 -m pytest -q -s -m gpu -p no:cacheprovider -rs \
-        tests/test_gpu_e2e.py >"$OUT/e2e.log" 2>&1; echo "exit $?" >>"$OUT/e2e.log"
+        tests/engine/test_bundled_model.py >"$OUT/e2e.log" 2>&1; echo "exit $?" >>"$OUT/e2e.log"
 }
 
 stage_bench() {
@@ -142,8 +157,8 @@ stage_bench() {
 
 stage_quick() {  # the GPU tests of code changed since the last full run, in parallel
     setup_env
-    shard triton-d128 tests/test_triton_ops.py -k "d128 or split_kv"
-    shard models tests/test_models.py tests/test_layer_kernels.py tests/test_cuda_graphs_gpu.py
+    shard triton-d128 tests/attention/test_triton_ops.py -k "d128 or split_kv"
+    shard models $MODEL_TESTS
     wait
 }
 
@@ -164,9 +179,9 @@ stage_tune() {  # issue 5's launch shapes and the K/V write, on a quiet GPU
 stage_fa4() {  # FlashAttention-4: conformance on the H200 (3 shards) and the benchmark rows
     setup_env
     export PAGEDSERVE_FLASH_ATTN_IMPL=fa4
-    shard fa4-d64 tests/test_flash_attn_gpu.py -k "fa4 and d64"
-    shard fa4-d128 tests/test_flash_attn_gpu.py -k "fa4 and d128"
-    shard fa4-other tests/test_flash_attn_gpu.py -k "fa4 and not d64 and not d128"
+    shard fa4-d64 tests/attention/test_flash_attn.py -k "fa4 and d64"
+    shard fa4-d128 tests/attention/test_flash_attn.py -k "fa4 and d128"
+    shard fa4-other tests/attention/test_flash_attn.py -k "fa4 and not d64 and not d128"
     wait
     timeout 200 python3 benchmarks/attention_kernels.py --backends FLASH_ATTN,TRITON --write \
         >"$OUT/bench-fa4.log" 2>&1
@@ -191,10 +206,9 @@ stage_tq() {  # TurboQuant decode against bf16 Triton, 64 x 8,192
 
 stage_tqcuda() {  # the CUDA TurboQuant decode kernel's tests, then 64 x 8,192: CUDA, Triton
     setup_env
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_tq_decode_cuda.py \
-        >"$OUT/tq-host.log" 2>&1; echo "exit $?" >>"$OUT/tq-host.log"
-    shard tq-c tests/test_turboquant_gpu.py -k "cuda_decode and (k8v4 or 3bit)"
-    shard tq-d tests/test_turboquant_gpu.py -k "cuda_decode and not (k8v4 or 3bit)"
+    tq_host
+    shard tq-c $TQ_TESTS/test_cuda_decode.py -k "k8v4 or 3bit"
+    shard tq-d $TQ_TESTS/test_cuda_decode.py -k "not (k8v4 or 3bit)"
     wait
     TQ_ARGS="--tq-decode-kernels cuda,triton ${TQ_ARGS:-}" stage_tq
 }
