@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.request_rates:
-        levels = [(f"{rate:g}/s", float(rate), None,
+        levels = [(f"{float(rate):g}/s", float(rate), None,
                    args.num_requests or max(8, int(10 * rate)))
                   for rate in args.request_rates.split(",")]
     else:

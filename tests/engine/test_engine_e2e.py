@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from model_utils import hf_greedy
 
 from pagedserve import SamplingParams
+from tests.utils.paged import hf_greedy
 
 NUM_NEW = 32
 PROMPT_LENS = [3, 17, 8, 40, 1, 25, 12, 33, 64]

@@ -1,8 +1,9 @@
 """Mamba-1 through the engine against transformers' MambaForCausalLM (float32, CPU, greedy):
 token ids equal for prompts of different lengths, also with chunked prefill, with fewer state
-slots than requests and with forced preemption; prompt logprobs within 1e-4 relative. The state
-ops (torch, and the Triton kernels in the interpreter) against a plain per-token loop; state
-slot accounting; the CLI on a Mamba directory."""
+slots than requests and with forced preemption; prompt logprobs within 1e-4 relative. State slot
+accounting; the CLI on a Mamba directory; the engine on the Triton path, in the interpreter and
+(the `gpu` test) on CUDA against transformers on the same GPU. The state ops themselves:
+tests/attention/test_mamba_ops.py."""
 
 from __future__ import annotations
 
@@ -10,16 +11,15 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
-from model_utils import hf_greedy
 
 from pagedserve import SamplingParams
-from pagedserve.attention.mamba import torch_ops
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.kv_cache.specs import MambaSpec
 from pagedserve.scheduler import Request
+from tests.utils.paged import hf_greedy
 
+CUDA = torch.device("cuda")
 NUM_NEW = 32
 PROMPT_LENS = [3, 17, 8, 40, 1, 25, 12, 33]
 
@@ -253,118 +253,7 @@ def test_mamba_backend_registered_but_not_for_attention():
     assert get_backend_cls("MAMBA").validate_configuration(layer, 16, torch.device("cpu"))
 
 
-# ---- state ops against a plain loop -------------------------------------------------------
-
-def _naive(x, w, bias, conv0, dt, A, B, C, D, z, dt_bias, h0):
-    """One request, token by token, float64: returns y [L, d], final conv and SSM states."""
-    x, w, bias, conv0, dt, A, B, C, D, z, dt_bias, h0 = (
-        t.double() for t in (x, w, bias, conv0, dt, A, B, C, D, z, dt_bias, h0))
-    window, h, ys = conv0.clone(), h0.clone(), []
-    for t in range(x.shape[0]):
-        full = torch.cat([window, x[t, :, None]], dim=1)
-        u = F.silu((full * w).sum(-1) + bias)
-        window = full[:, 1:]
-        step = F.softplus(dt[t] + dt_bias)
-        h = torch.exp(step[:, None] * A) * h + step[:, None] * B[t][None, :] * u[:, None]
-        ys.append(((h @ C[t]) + D * u) * F.silu(z[t]))
-    return torch.stack(ys), window, h
-
-
-def _random_case(lens, d=24, n=8, k=4, num_slots=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lens)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return dict(x=r(t, d), w=r(d, k) * 0.5, bias=r(d) * 0.1, conv=r(num_slots, d, k - 1),
-                dt=r(t, d) * 0.5, A=-torch.rand(d, n, generator=g) * 2, B=r(t, n), C=r(t, n),
-                D=r(d), z=r(t, d), dt_bias=r(d) * 0.3, ssm=r(num_slots, d, n))
-
-
-def _grid_index(lens):
-    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    return qsl, req * max(lens) + torch.arange(sum(lens)) - qsl[req]
-
-
-def _expected(c, lens, slots, has_init):
-    qsl, _ = _grid_index(lens)
-    ys, convs, ssms = [], [], []
-    for i, (s, h) in enumerate(zip(slots, has_init, strict=True)):
-        a, b = int(qsl[i]), int(qsl[i + 1])
-        conv0 = c["conv"][s] if h else torch.zeros_like(c["conv"][s])
-        h0 = c["ssm"][s] if h else torch.zeros_like(c["ssm"][s])
-        y, conv, ssm = _naive(c["x"][a:b], c["w"], c["bias"], conv0, c["dt"][a:b], c["A"],
-                              c["B"][a:b], c["C"][a:b], c["D"], c["z"][a:b], c["dt_bias"], h0)
-        ys.append(y)
-        convs.append(conv)
-        ssms.append(ssm)
-    return torch.cat(ys).float(), torch.stack(convs).float(), torch.stack(ssms).float()
-
-
-LENS, SLOTS, HAS_INIT = [5, 1, 19, 2], [4, 0, 2, 5], [True, False, True, False]
-
-
-def test_torch_prefill_ops_match_loop():
-    c = _random_case(LENS)
-    y_ref, conv_ref, ssm_ref = _expected(c, LENS, SLOTS, HAS_INIT)
-    idx, has = torch.tensor(SLOTS), torch.tensor(HAS_INIT)
-    _, token_index = _grid_index(LENS)
-    conv, ssm = c["conv"].clone(), c["ssm"].clone()
-    u = torch_ops.causal_conv1d_prefill(c["x"], c["w"], c["bias"], conv, idx, has, token_index,
-                                        torch.tensor(LENS), max(LENS))
-    y = torch_ops.selective_scan_prefill(u, c["dt"], c["A"], c["B"], c["C"], c["D"], c["z"],
-                                         c["dt_bias"], ssm, idx, has, token_index, max(LENS))
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(conv[idx], conv_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ssm[idx], ssm_ref, rtol=1e-5, atol=1e-5)
-    untouched = [s for s in range(6) if s not in SLOTS]
-    assert torch.equal(ssm[untouched], c["ssm"][untouched])
-
-
-def test_torch_decode_ops_match_loop():
-    lens = [1, 1, 1, 1]
-    c = _random_case(lens, seed=1)
-    y_ref, conv_ref, ssm_ref = _expected(c, lens, SLOTS, HAS_INIT)
-    idx, has = torch.tensor(SLOTS), torch.tensor(HAS_INIT)
-    conv, ssm = c["conv"].clone(), c["ssm"].clone()
-    u = torch_ops.causal_conv1d_decode(c["x"], c["w"], c["bias"], conv, idx, has)
-    y = torch_ops.selective_state_update(u, c["dt"], c["A"], c["B"], c["C"], c["D"], c["z"],
-                                         c["dt_bias"], ssm, idx, has)
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(conv[idx], conv_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ssm[idx], ssm_ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("lens", [LENS, [1, 1, 1, 1]], ids=["prefill", "decode"])
-def test_triton_kernels_match_loop(lens):
-    """The Triton kernels (in the interpreter on the CPU; small shapes) against the loop."""
-    pytest.importorskip("triton")
-    import os
-
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    from pagedserve.attention.ops import mamba_kernels as kernels
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    c = {k: v.to(device) for k, v in _random_case(lens, seed=2).items()}
-    y_ref, conv_ref, ssm_ref = _expected({k: v.cpu() for k, v in c.items()}, lens, SLOTS,
-                                         HAS_INIT)
-    idx = torch.tensor(SLOTS, device=device)
-    has = torch.tensor(HAS_INIT, device=device)
-    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
-                       device=device)
-    conv, ssm = c["conv"].clone(), c["ssm"].clone()
-    u = kernels.causal_conv1d(c["x"], c["w"], c["bias"], conv, qsl, idx, has, max(lens),
-                              block_t=8, block_d=16)
-    if max(lens) > 1:
-        y = kernels.selective_scan(u, c["dt"], c["A"], c["B"], c["C"], c["D"], c["z"],
-                                   c["dt_bias"], ssm, qsl, idx, has, chunk=8, block_d=16)
-    else:
-        y = kernels.selective_state_update(u, c["dt"], c["A"], c["B"], c["C"], c["D"], c["z"],
-                                           c["dt_bias"], ssm, idx, has, block_d=16)
-    torch.testing.assert_close(y.cpu(), y_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(conv[idx].cpu(), conv_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ssm[idx].cpu(), ssm_ref, rtol=1e-5, atol=1e-5)
-
+# ---- the Triton path through the engine ---------------------------------------------------
 
 def test_engine_on_triton_path_in_interpreter(mamba_models, make_llm, monkeypatch):
     """The MAMBA impl's Triton dispatch (prefill/decode split, mixed chunked batches) through the
@@ -388,3 +277,20 @@ def test_engine_on_triton_path_in_interpreter(mamba_models, make_llm, monkeypatc
                            use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [expected[i][:3] for i in picked]
     _assert_slots_free(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [{}, {"max_num_batched_tokens": 16}])
+def test_engine_greedy_matches_transformers_on_gpu(tmp_path, make_llm, variant):
+    """float32 on the GPU, the Triton path, against transformers' Mamba on the same GPU."""
+    from pagedserve.attention.backends.mamba import use_triton_kernels
+
+    hf = _save(_config(tie=False), tmp_path, seed=0).to(CUDA)
+    prompts = _prompts(211, seed=100)
+    expected = [hf_greedy(hf, p, NUM_NEW) for p in prompts]  # on the GPU
+    assert expected[0] == hf_greedy(hf.cpu(), prompts[0], NUM_NEW)  # the GPU reference is sane
+    llm = make_llm(model=str(tmp_path), dtype="float32", device="cuda", **variant)
+    assert use_triton_kernels(CUDA)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_utils import bundled_gguf, hf_greedy
 
 from pagedserve import LLM
 from pagedserve.attention import backend_status
+from tests.utils.paged import bundled_gguf, hf_greedy
 
 pytestmark = pytest.mark.gpu
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, read_metrics, wait_for_metrics
 
 from pagedserve import LLM, SamplingParams, __version__
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedserve.engine.llm import render_chat
+from tests.utils.server import ServerProcess, read_metrics, wait_for_metrics
 
 MODEL = "smollm2"
 REF_TOKENS = 8

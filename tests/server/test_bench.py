@@ -139,7 +139,7 @@ def test_schedule_floor_counts_steps_and_floors() -> None:
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "schedule_floor.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "schedule_floor.py"
     spec = importlib.util.spec_from_file_location("schedule_floor", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

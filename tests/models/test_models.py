@@ -15,11 +15,11 @@ import os
 import pytest
 import torch
 import transformers
-from model_utils import generate_greedy, run_prefill
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from pagedserve.models import LoadedModel, get_model_cls, load_model, supported_architectures
 from pagedserve.models.loader import default_model_path
+from tests.utils.paged import generate_greedy, run_prefill
 
 CPU = torch.device("cpu")
 PROMPT_LENGTHS = (1, 7, 19, 33)  # across 16-token block boundaries

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from conformance import BATCHES, Case, run_case
 from pagedserve.attention import AttentionLayerConfig, backend_status, get_backend_cls
+from tests.utils.conformance import BATCHES, Case, run_case
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Lossy caches (TurboQuant) run their own conformance with preset tolerances.

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from conformance import BATCHES, Case, reference_attention, run_case
 from pagedserve.attention import get_backend_cls
+from tests.utils.conformance import BATCHES, Case, reference_attention, run_case
 
 triton = pytest.importorskip("triton")
 

