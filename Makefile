@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/pagedserve generate --config configs/cpu.yaml --input examples/prompts.jsonl
+	$(VENV)/bin/pagedserve generate --config cpu --input examples/prompts.jsonl
 
 test: $(STAMP)
 	$(PY) -m ruff check pagedserve tests benchmarks

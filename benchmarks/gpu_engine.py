@@ -4,7 +4,7 @@
 
 1. SmolLM2-135M-shaped random bf16 model: output tok/s for N x 128 in / 512 out with and without
    CUDA graphs, and whether the greedy tokens of the two runs are identical.
-2. Llama-3.1-8B-shaped random bf16 model (configs/llama3-8b-random.yaml):
+2. Llama-3.1-8B-shaped random bf16 model (the llama3-8b-random preset):
    - `bench throughput` workloads prefill-heavy (N x 1,024 in / 128 out) and decode-heavy
      (N x 128 in / 1,024 out), each next to transformers' static batched `generate` on the
      engine's own weights (a subset of the prompts, one batch) and next to two floors: the
@@ -160,7 +160,7 @@ def small_model(args: argparse.Namespace) -> None:
     n, in_len, out_len = args.small_num_prompts, 128, 512
     results = {}
     for eager in (False, True):
-        llm = LLM(config=str(ROOT / "configs/smollm2-random-gpu.yaml"), model=args.small_model,
+        llm = LLM(config="smollm2-random-gpu", model=args.small_model,
                   attention_backend=args.attention_backend, enforce_eager=eager,
                   gpu_memory_utilization=0.3, async_scheduling=args.async_scheduling)
         graphs = llm.engine.runner.decode_graphs
@@ -417,7 +417,7 @@ def engine_decode(llm: LLM, shape: Shape, rates: tuple[float, float], batch: int
 def big_model(args: argparse.Namespace, rates: tuple[float, float]) -> None:
     print("\n== Llama-3.1-8B-shaped random bf16", flush=True)
     t0 = time.perf_counter()
-    llm = LLM(config=str(ROOT / "configs/llama3-8b-random.yaml"),
+    llm = LLM(config="llama3-8b-random",
               attention_backend=args.attention_backend,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)

@@ -6,7 +6,7 @@
 Runs the real `Scheduler` and `KVCacheManager` over N random prompts (EOS ignored; samples come
 back one step late, as with async scheduling) and prints the step count, how many steps only
 decode, and the floors `benchmarks/gpu_engine.py` prints for the same steps on the 8B-shaped
-model (configs/llama3-8b-random.yaml), at a given matmul rate and copy bandwidth. The step
+model (the llama3-8b-random preset), at a given matmul rate and copy bandwidth. The step
 counts match the H200 runs (545 and 4,102 steps for the issue's two workloads at 1,000 prompts),
 so scheduler settings can be compared here before spending device time on them.
 """

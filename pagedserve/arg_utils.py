@@ -5,38 +5,56 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import types
 import typing
 from typing import Any
 
-from pagedserve.config import EngineConfig, ServerConfig, section_classes
+from pagedserve.config import EngineConfig, ServerConfig, presets, section_classes
+
+logger = logging.getLogger(__name__)
 
 
-def add_config_flags(group: Any, config_cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One `--kebab-case` flag per field of `config_cls` that has help text. Flags default to
-    None, so a setting left out keeps the YAML preset's value or the dataclass default (which
-    the help shows)."""
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it has none or its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or "(default" in help_text:
+            return help_text
+        return super()._get_help_string(action)
+
+
+def add_config_flags(group: Any, config_cls: type, skip: tuple[str, ...] = (),
+                     dest_prefix: str = "") -> None:
+    """One `--kebab-case` flag per field of `config_cls` that has help text, its value in
+    `args.<dest_prefix><field>`. Flags default to None, so a setting left out keeps the YAML
+    preset's value or the dataclass default (which the help shows)."""
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         meta = f.metadata
         if "help" not in meta or meta.get("flag", True) is False or f.name in skip:
             continue
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None}
+        kwargs: dict[str, Any] = {"dest": dest_prefix + f.name, "default": None}
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = meta["help"] or ""
         if default is not None and "(default" not in help_text:
             help_text += f" (default: {default})"
         kwargs["help"] = argparse.SUPPRESS if meta.get("hidden") else help_text
         kind = _flag_type(hints[f.name])
+        if kind is not bool:
+            kwargs["metavar"] = meta.get("metavar", f.name.upper())
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif kind == list[int]:
             kwargs.update(nargs="+", type=int, metavar="N")
         else:
             kwargs["type"] = kind
-            if "choices" in meta:
-                kwargs["choices"] = meta["choices"]
-        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+            for key in ("choices", "nargs"):
+                if key in meta:
+                    kwargs[key] = meta[key]
+        name = meta.get("flag_name", f.name.replace("_", "-"))
+        group.add_argument("--" + name, **kwargs)
 
 
 def _flag_type(hint: Any) -> Any:
@@ -54,14 +72,18 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     if positional_model:
         group.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                            help="model directory or .gguf file (default: bundled SmolLM2)")
-    group.add_argument("--config", help="YAML preset of engine settings (flags override it)")
+    group.add_argument("--config", help="engine settings from a YAML file or a shipped preset "
+                                        f"({', '.join(presets())}); flags override them")
     for section in section_classes().values():
         add_config_flags(group, section)
     add_config_flags(group, EngineConfig)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    add_config_flags(parser.add_argument_group("server"), ServerConfig)
+    group = parser.add_argument_group("server")
+    add_config_flags(group, ServerConfig)
+    group.add_argument("--disable-log-requests", dest="enable_log_requests",
+                       action="store_false", default=None, help=argparse.SUPPRESS)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,20 +102,53 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     kwargs = engine_kwargs(args)
     config_path = kwargs.pop("config", None)
     if config_path is not None:
-        return EngineConfig.from_yaml(config_path, **kwargs)
-    return EngineConfig.from_kwargs(**kwargs)
+        config = EngineConfig.from_yaml(config_path, **kwargs)
+    else:
+        config = EngineConfig.from_kwargs(**kwargs)
+    warn_unused(config, kwargs)
+    return config
+
+
+def warn_unused(config: EngineConfig, given: dict[str, Any]) -> None:
+    """Settings given for the other kind of device than the one the engine runs on."""
+    cuda = config.torch_device.type == "cuda"
+    unused = {"gpu_memory_utilization": not cuda, "kv_cache_memory": cuda}
+    for name, ignored in unused.items():
+        if ignored and name in given:
+            other = "kv_cache_memory" if name == "gpu_memory_utilization" else \
+                "gpu_memory_utilization"
+            logger.warning("--%s does not apply on %s (its KV cache budget is --%s)",
+                           name.replace("_", "-"), config.torch_device.type,
+                           other.replace("_", "-"))
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerConfig)}
-    return ServerConfig(**{k: v for k, v in given.items() if v is not None})
+    return ServerConfig(**given_fields(args, ServerConfig))
 
 
-def make_llm(args: argparse.Namespace, **extra: Any) -> Any:
-    """LLM from the engine flags; a bad setting exits with a one-line error."""
+def make_llm(args: argparse.Namespace | EngineConfig) -> Any:
+    """LLM from the engine flags (or a config built from them); a bad setting exits with a
+    one-line error."""
     from pagedserve.engine.llm import LLM
 
     try:
-        return LLM(**engine_kwargs(args), **extra)
-    except ValueError as exc:
+        config = args if isinstance(args, EngineConfig) else engine_config(args)
+        return LLM(config=config)
+    except (ValueError, OSError) as exc:
         raise SystemExit(f"pagedserve: error: {exc}") from None
+
+
+def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """engine_config() with a bad setting as a one-line error."""
+    try:
+        return engine_config(args)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"pagedserve: error: {exc}") from None
+
+
+def given_fields(args: argparse.Namespace, config_cls: type, dest_prefix: str = ""
+                 ) -> dict[str, Any]:
+    """The fields of `config_cls` whose flags were given (`add_config_flags`' flags)."""
+    values = {f.name: getattr(args, dest_prefix + f.name, None)
+              for f in dataclasses.fields(config_cls)}
+    return {name: value for name, value in values.items() if value is not None}

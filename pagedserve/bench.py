@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import statistics
 import sys
@@ -22,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from pagedserve.arg_utils import add_engine_args, make_llm
+from pagedserve import envs
+from pagedserve.arg_utils import HelpFormatter, add_engine_args, make_llm
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int,
@@ -35,13 +37,14 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int,
 # ---- bench throughput ---------------------------------------------------------------------------
 
 def run_throughput(llm: Any, prompts: list[list[int]], output_len: int,
-                   ignore_eos: bool = True) -> dict[str, float]:
+                   ignore_eos: bool = True, use_tqdm: bool = False) -> dict[str, float]:
     """Generate greedily for every prompt at once; the figures `vllm bench throughput` prints."""
     from pagedserve.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                           use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(p) for p in prompts)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -67,7 +70,8 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed)
     if args.warmup:  # the first steps pay for lazy initialisation, not the engine
         run_throughput(llm, prompts[:1], 2)
-    result = run_throughput(llm, prompts, args.output_len, args.ignore_eos)
+    result = run_throughput(llm, prompts, args.output_len, args.ignore_eos,
+                            use_tqdm=sys.stderr.isatty())
     print(format_throughput(result))
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -203,6 +207,14 @@ async def _one_request(client: Any, url: str, model: str | None, prompt: list[in
     return RequestResult(True, ttft if ttft is not None else latency, latency, tokens, itl)
 
 
+async def _first_model(client: Any, url: str) -> str:
+    reply = await client.get(url + "/v1/models")
+    if reply.status_code != 200:
+        raise SystemExit(f"pagedserve bench serve: error: GET {url}/v1/models answered "
+                         f"{reply.status_code}: {reply.text[:200]}")
+    return reply.json()["data"][0]["id"]
+
+
 async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
@@ -213,7 +225,7 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
                                  limits=httpx.Limits(max_connections=limit + 4)) as client:
         model = args.model
         if model is None:
-            model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+            model = await _first_model(client, url)
         prompts = random_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
         warm = await _one_request(client, url, model, prompts[0], 2, True)
         if not warm.ok:
@@ -236,7 +248,16 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    summary = asyncio.run(run_serve(args))
+    import httpx
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    if args.api_key is None:
+        args.api_key = envs.PAGEDSERVE_API_KEY
+    try:
+        summary = asyncio.run(run_serve(args))
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"pagedserve bench serve: error: {args.url}: {exc or type(exc).__name__}"
+                         " (is a server running there?)") from None
     print(format_serve(summary))
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -246,43 +267,57 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 # ---- parser -------------------------------------------------------------------------------------
 
-def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    bench = subparsers.add_parser("bench", help="benchmarks: offline throughput, online serving")
-    sub = bench.add_subparsers(dest="bench_command", required=True)
+def add_bench_parser(subparsers: Any, parents: list[Any] | None = None
+                     ) -> argparse.ArgumentParser:
+    parents = parents or []
+    fmt = HelpFormatter
+    bench = subparsers.add_parser("bench", parents=parents,
+                                  help="benchmarks: offline throughput, online serving")
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
 
-    p = sub.add_parser("throughput", help="offline: random prompts through the engine")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="generate exactly --output-len tokens (default: on)")
+    p = sub.add_parser("throughput", parents=parents, formatter_class=fmt,
+                       help="offline: random prompts through the engine")
+    _workload_args(p, num_prompts=1000, output_len=128)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="run one short request before timing (default: on)")
+                   help="run one short request before timing")
     p.add_argument("--prompt-seed", type=int, default=0,
                    help="seed of the random prompts (--seed is the engine's)")
     p.add_argument("--output-json", help="also write the figures to this file")
     add_engine_args(p)
     p.set_defaults(func=_cmd_throughput)
 
-    p = sub.add_parser("serve", help="online: load against a running OpenAI-compatible server")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="default: the server's first model")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
+    p = sub.add_parser("serve", parents=parents, formatter_class=fmt,
+                       help="online: load against a running OpenAI-compatible server")
+    p.add_argument("--url", "--base-url", dest="url", default="http://127.0.0.1:8000",
+                   help="the server's base URL")
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token (default: $PAGEDSERVE_API_KEY)")
+    _workload_args(p, num_prompts=200, output_len=128)
     p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests/s, Poisson arrivals (default: inf, all at once)")
+                   help="requests/s, Poisson arrivals (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight (default: unlimited)")
     p.add_argument("--vocab-size", type=int, default=1000,
                    help="prompt token ids are drawn from [0, vocab-size)")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--output-json", help="also write the figures to this file")
     p.set_defaults(func=_cmd_serve)
     return bench
+
+
+def _workload_args(p: argparse.ArgumentParser, num_prompts: int, output_len: int) -> None:
+    """Random token-id prompts, with vLLM's names for the same settings beside ours."""
+    p.add_argument("--num-prompts", type=int, default=num_prompts, help="requests")
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int,
+                   default=1024, help="prompt tokens")
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int,
+                   default=output_len, help="tokens to generate")
+    p.add_argument("--dataset-name", choices=["random"], default="random",
+                   help="prompts: random token ids (the only dataset; nothing is downloaded)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly --output-len tokens")
 
 
 if __name__ == "__main__":

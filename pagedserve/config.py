@@ -21,6 +21,8 @@ DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# vLLM's other names for them.
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 
 def setting(default: Any = None, help: str = "", **metadata: Any) -> Any:  # noqa: A002
@@ -36,6 +38,7 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
         return name
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -67,10 +70,27 @@ class ModelConfig:
         None, "model directory (config.json, safetensors, tokenizer) or .gguf file; "
               "'random:<preset>' for random weights (default: the bundled SmolLM2-135M)")
     dtype: str = setting("auto", "weights and activations; auto is float32 on the CPU and "
-                                 "bfloat16 on CUDA", choices=["auto", *DTYPES])
+                                 "bfloat16 on CUDA", choices=["auto", *DTYPES, *DTYPE_ALIASES])
     max_model_len: int | None = setting(None, "context length (default: the model's)")
     seed: int = setting(0, "engine seed")
-    tokenizer: str | None = setting(None, flag=False)
+    tokenizer: str | None = setting(None, "tokenizer directory (default: the model's own)")
+    chat_template: str | None = setting(
+        None, "a Jinja chat template, or a file holding one (default: the tokenizer's)")
+    generation_config: str = setting(
+        "auto", "'auto': EOS ids and default sampling settings from the model's "
+                "generation_config.json; 'vllm': neither; or a directory holding one")
+    max_logprobs: int = setting(20, "most logprobs a request may ask for (per token or prompt "
+                                    "position)")
+    trust_remote_code: bool = setting(
+        False, "refused: pagedserve runs only its own model code, never a checkpoint's")
+
+    def __post_init__(self) -> None:
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code: pagedserve runs only its own implementation of "
+                             "each model family and never code shipped with a checkpoint; drop "
+                             "--trust-remote-code")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
 
 @dataclass
@@ -130,6 +150,22 @@ class EngineConfig:
         None, "schedule the next step and finish this one on the host while the GPU runs "
               "(default: on for CUDA, off on the CPU)")
 
+    def __post_init__(self) -> None:
+        if self.device is None:
+            return
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device {self.device!r} is not a device: cpu, cuda or cuda:N"
+                             ) from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            gpu_build = torch.version.cuda is not None or torch.version.hip is not None
+            build = "a GPU build" if gpu_build else "a CPU-only build"
+            raise ValueError(f"device {self.device!r}: no CUDA device is usable here (torch "
+                             f"{torch.__version__} is {build}); use --device cpu")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: pagedserve runs on cpu or cuda")
+
     @property
     def torch_device(self) -> torch.device:
         if self.device is not None:
@@ -167,10 +203,12 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
-        """A YAML preset (flat keys, or grouped under model/cache/scheduler), then overrides."""
+        """A YAML preset (flat keys, or grouped under model/cache/scheduler), then overrides.
+        `path` is a file, or the name of a preset shipped in pagedserve/configs/."""
         import yaml
 
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        path = preset_path(path)
+        data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of engine settings")
         flat: dict[str, Any] = {}
@@ -187,6 +225,25 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+PRESETS_DIR = Path(__file__).parent / "configs"
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def preset_path(name_or_path: str | Path) -> Path:
+    """A YAML file's path, or a shipped preset's by name ("cpu", "llama3-8b-random", ...)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = PRESETS_DIR / f"{path.name.removesuffix('.yaml')}.yaml"
+    if shipped.is_file() and path.parent in (Path("."), Path("configs")):
+        return shipped
+    raise ValueError(f"config {str(name_or_path)!r} is neither a file nor a preset "
+                     f"({', '.join(presets())})")
 
 
 def section_classes() -> dict[str, type]:
@@ -207,3 +264,5 @@ class ServerConfig:
     max_waiting_requests: int = setting(4096, "answer 503 while this many requests wait to be "
                                               "scheduled")
     uvicorn_log_level: str = setting("warning", "uvicorn's own log level")
+    enable_log_requests: bool = setting(True, "log a line per finished request "
+                                              "(--disable-log-requests turns it off)")

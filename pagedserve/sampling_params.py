@@ -7,10 +7,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.config import setting
+
 # Temperatures below this are treated as greedy: dividing logits by a near-zero value
 # overflows float32 and the result is argmax anyway.
 SAMPLING_EPS = 1e-5
-MAX_LOGPROBS = 20
 
 
 def _bad(name: str, value: Any, rule: str) -> ValueError:
@@ -19,24 +20,28 @@ def _bad(name: str, value: Any, rule: str) -> ValueError:
 
 @dataclass
 class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 disables top-k
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top alternatives per token; 0 = sampled token only
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    n: int = setting(1, "sequences to generate for the prompt")
+    temperature: float = setting(1.0, "sampling temperature; 0 is greedy")
+    top_p: float = setting(1.0, "nucleus sampling: the smallest set of tokens whose "
+                                "probability reaches top_p")
+    top_k: int = setting(0, "sample among the k most likely tokens; 0 or -1: all")
+    min_p: float = setting(0.0, "drop tokens less likely than min_p times the most likely")
+    seed: int | None = setting(None, "seed of this request's sampling", flag_name="sample-seed")
+    presence_penalty: float = setting(0.0, "penalty for a token that has appeared, in [-2, 2]")
+    frequency_penalty: float = setting(0.0, "penalty per appearance of a token, in [-2, 2]")
+    repetition_penalty: float = setting(1.0, "divide the logits of tokens already seen (>1 "
+                                             "discourages repeats)")
+    max_tokens: int | None = setting(16, "most tokens to generate")
+    min_tokens: int = setting(0, "generate at least this many tokens before EOS or a stop id")
+    stop: str | list[str] | None = setting(None, "stop strings (not included in the output)",
+                                           nargs="+")
+    stop_token_ids: list[int] | None = setting(None, "token ids that end the sequence")
+    ignore_eos: bool = setting(False, "keep generating past EOS")
+    logprobs: int | None = setting(None, "log-probabilities of the top N alternatives per "
+                                         "token; 0 = the sampled token only")
+    prompt_logprobs: int | None = setting(None, "log-probabilities of the prompt tokens")
+    skip_special_tokens: bool = setting(True, "leave special tokens out of the text")
+    include_stop_str_in_output: bool = setting(False, "keep the stop string in the text")
 
     def __post_init__(self) -> None:
         # Normalise the "one or many" fields first so validation sees lists only.
@@ -85,8 +90,9 @@ class SamplingParams:
             if value is None:
                 continue
             _check_int(name, value)
-            if not 0 <= value <= MAX_LOGPROBS:
-                raise _bad(name, value, f"in [0, {MAX_LOGPROBS}] or None")
+            # The upper limit is the engine's (--max-logprobs): LLMEngine.check_sampling.
+            if not value >= 0:
+                raise _bad(name, value, ">= 0 or None")
         assert isinstance(self.stop, list) and self.stop_token_ids is not None
         for s in self.stop:
             if not isinstance(s, str) or not s:

@@ -25,6 +25,10 @@ AUTO_ORDER = {
 }
 
 
+# vLLM's names for the same kernels, accepted as they are.
+ALIASES = {"TRITON_ATTN": "TRITON", "TORCH_SDPA": "CPU", "ROCM_ATTN": "ROCM"}
+
+
 def register_backend(name: str, target: str) -> None:
     """`target` is 'module.path:ClassName'."""
     _REGISTRY[name.upper()] = target
@@ -35,7 +39,7 @@ def registered_names() -> list[str]:
 
 
 def get_backend_cls(name: str) -> type[AttentionBackend]:
-    key = name.upper()
+    key = ALIASES.get(name.upper(), name.upper())
     if key not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; registered: "
                          f"{', '.join(_REGISTRY)}")
@@ -64,39 +68,51 @@ class BackendSelectionError(ValueError):
     pass
 
 
+def requested_backend(name: str | None) -> str | None:
+    """The registered name a user asked for (`name`, the flag, else the environment), checked:
+    an unknown or unavailable backend is an error listing what is available. Cheap (no model
+    needed), so the engine asks it before loading anything. None: nothing was asked for."""
+    requested = name or envs.PAGEDSERVE_ATTENTION_BACKEND
+    if not requested:
+        return None
+    source = "" if name else f" (from ${ENV_VAR})"
+    key = ALIASES.get(requested.upper(), requested.upper())
+    status = backend_status()
+    if key not in status:
+        raise BackendSelectionError(
+            f"unknown attention backend {requested!r}{source}; valid names: "
+            f"{', '.join(status)}\n{_explain(status)}")
+    ok, why = status[key]
+    if not ok:
+        raise BackendSelectionError(
+            f"attention backend {key}{source} is not available: {why}\n{_explain(status)}")
+    return key
+
+
+def _explain(status: dict[str, tuple[bool, str]]) -> str:
+    available = [n for n, (ok, _) in status.items() if ok]
+    lines = [f"available here: {', '.join(available) or 'none'}"]
+    lines += [f"  {n}: {why}" for n, (ok, why) in status.items() if not ok]
+    return "\n".join(lines)
+
+
 def select_backend(name: str | None, device: torch.device, layers: list[AttentionLayerConfig],
                    block_size: int) -> type[AttentionBackend]:
     """The backend named by `name` (the CLI flag), else by $PAGEDSERVE_ATTENTION_BACKEND, else
     the best available for the device. A named backend that is unknown, unavailable or cannot
     run these layers is an error listing what is available; it is never silently replaced."""
-    requested = name or envs.PAGEDSERVE_ATTENTION_BACKEND
-    source = "" if name else f" (from ${ENV_VAR})"
-    status = backend_status()
-    available = [n for n, (ok, _) in status.items() if ok]
-
-    def explain() -> str:
-        lines = [f"available here: {', '.join(available) or 'none'}"]
-        lines += [f"  {n}: {why}" for n, (ok, why) in status.items() if not ok]
-        return "\n".join(lines)
-
-    if requested:
-        key = requested.upper()
-        if key not in status:
-            raise BackendSelectionError(
-                f"unknown attention backend {requested!r}{source}; valid names: "
-                f"{', '.join(status)}\n{explain()}")
-        ok, why = status[key]
-        if not ok:
-            raise BackendSelectionError(
-                f"attention backend {key}{source} is not available: {why}\n{explain()}")
+    key = requested_backend(name)
+    if key is not None:
         cls = get_backend_cls(key)
         reasons = _layer_problems(cls, layers, block_size, device)
         if reasons:
+            source = "" if name else f" (from ${ENV_VAR})"
             raise BackendSelectionError(
                 f"attention backend {key}{source} cannot run this model: {'; '.join(reasons)}\n"
-                f"{explain()}")
+                f"{_explain(backend_status())}")
         return cls
 
+    status = backend_status()
     tried = []
     for key in AUTO_ORDER.get(_device_kind(device), ()):
         if key not in status:

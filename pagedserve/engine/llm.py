@@ -22,11 +22,16 @@ Message = dict[str, Any]
 class LLM:
     """`LLM(model=None, **engine_args)`: engine arguments are the CLI's flags in snake case
     (dtype, attention_backend, max_model_len, max_num_seqs, max_num_batched_tokens,
-    block_size, kv_cache_memory, ...); `config=` loads a YAML preset first."""
+    block_size, kv_cache_memory, ...); `config=` loads a YAML preset (a file or a shipped
+    preset's name) first, or is a whole EngineConfig."""
 
-    def __init__(self, model: str | None = None, config: str | None = None,
+    def __init__(self, model: str | None = None, config: str | EngineConfig | None = None,
                  log_stats: bool = False, **engine_args: Any) -> None:
-        if config is not None:
+        if isinstance(config, EngineConfig):
+            if model is not None or engine_args:
+                raise ValueError("give an EngineConfig or engine arguments, not both")
+            engine_config = config
+        elif config is not None:
             engine_config = EngineConfig.from_yaml(config, model=model, **engine_args)
         else:
             engine_config = EngineConfig.from_kwargs(model=model, **engine_args)
@@ -36,6 +41,14 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (None for a model without one), as vLLM's LLM has it."""
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended settings (generation_config.json)."""
+        return SamplingParams(**self.engine.default_sampling)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -47,7 +60,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -63,7 +76,8 @@ class LLM:
             self.engine.abort_request(ids)
             raise
 
-    def score(self, prompts: Sequence[list[int]], continuations: Sequence[list[int]],
+    def score(self, prompts: Sequence[list[int] | str],
+              continuations: Sequence[list[int] | str],
               use_tqdm: bool = False, mode: str = "decode") -> list[Any]:
         """Teacher-forced scoring: for each prompt, a float32 CPU tensor [len(continuation),
         vocab] of the next-token log-distributions (row i predicts continuation[i]).
@@ -74,8 +88,9 @@ class LLM:
         the continuation, the same shapes of work as a full-sequence forward."""
         if mode not in ScoringTask.MODES:
             raise ValueError(f"mode must be 'decode' or 'prefill', not {mode!r}")
-        prompts = [list(p) for p in prompts]
-        continuations = [list(c) for c in continuations]
+        prompts = [self._score_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        continuations = [self._score_ids(c, f"continuation {i}")
+                         for i, c in enumerate(continuations)]
         if len(prompts) != len(continuations):
             raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
         for i, (prompt, continuation) in enumerate(zip(prompts, continuations, strict=True)):
@@ -95,6 +110,17 @@ class LLM:
             raise
         return [o.outputs[0].forced_logprobs for o in outputs]
 
+    def _score_ids(self, text_or_ids: Any, what: str) -> list[int]:
+        """Token ids, tokenizing text (without special tokens, so a prompt and its
+        continuation concatenate as one text would)."""
+        if isinstance(text_or_ids, str):
+            return self.engine.tokenize(text_or_ids)
+        if isinstance(text_or_ids, list | tuple) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in text_or_ids):
+            return list(text_or_ids)
+        raise ValueError(f"{what} must be a string or a list of token ids, got "
+                         f"{type(text_or_ids).__name__}")
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
@@ -111,7 +137,8 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        return render_chat(tokenizer, messages, add_generation_prompt, chat_template)
+        return render_chat(tokenizer, messages, add_generation_prompt,
+                           chat_template or self.engine.chat_template)
 
     def wait_for(self, ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
         """Step the engine until the requests `ids` (already added) finish."""

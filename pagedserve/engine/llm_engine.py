@@ -6,6 +6,7 @@ import copy
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pagedserve.config import EngineConfig, resolve_dtype
@@ -36,12 +37,21 @@ class LLMEngine:
         from pagedserve.models.loader import load_model
 
         self.config = config
+        chat_template = check_settings(config)  # before the (slow) load
         device = config.torch_device
         dtype = resolve_dtype(config.model.dtype, device)
         t0 = time.perf_counter()
-        loaded = load_model(config.model.model, dtype, device, config.model.max_model_len)
+        m = config.model
+        loaded = load_model(m.model, dtype, device, m.max_model_len, m.tokenizer,
+                            m.generation_config)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        self.chat_template = chat_template or loaded.chat_template
+        # The model's recommended sampling settings, under a request's own.
+        self.default_sampling = default_sampling(loaded.generation_config)
+        if self.default_sampling:
+            logger.info("default sampling settings from the model's generation config: %s",
+                        self.default_sampling)
         self.max_model_len = loaded.max_model_len
         self.model_name = loaded.name
         eos_ids = list(loaded.eos_token_ids)
@@ -90,6 +100,20 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer: pass prompt token ids")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
+    def check_sampling(self, params: SamplingParams) -> None:
+        """What a request's sampling settings must respect of this engine and model."""
+        limit = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name} must be <= {limit} (the server's --max-logprobs), "
+                                 f"got {value}")
+        vocab = self.runner.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids below the vocabulary size "
+                             f"{vocab}, got {bad[0]}")
+
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.runner.vocab_size
         if not prompt_token_ids:
@@ -118,6 +142,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids, params)
+        self.check_sampling(params)
         if params.max_tokens is None:
             params = copy.copy(params)
             params.max_tokens = self.max_model_len - len(token_ids)
@@ -302,6 +327,43 @@ class LLMEngine:
         """True when no request holds a KV block (all free or cached-evictable); for a Mamba
         model the manager's blocks are its state slots, so this covers them too."""
         return self.kv_cache.num_free_blocks == self.kv_cache.num_blocks
+
+
+def check_settings(config: EngineConfig) -> str | None:
+    """The settings that can be wrong, checked before anything loads; returns the chat
+    template `--chat-template` names (its text), if any."""
+    from pagedserve.attention.registry import requested_backend
+    from pagedserve.models.loader import model_path
+
+    requested_backend(config.attention_backend)
+    m = config.model
+    if not (m.model or "").startswith("random:"):
+        model_path(m.model)
+    if m.generation_config not in ("auto", "vllm") and not (
+            Path(m.generation_config).expanduser() / "generation_config.json").is_file():
+        raise ValueError(f"generation_config {m.generation_config!r}: give 'auto', 'vllm' or a "
+                         "directory holding a generation_config.json")
+    if m.tokenizer is not None and not Path(m.tokenizer).expanduser().exists():
+        raise ValueError(f"tokenizer {m.tokenizer!r} does not exist as a local directory or "
+                         ".gguf file")
+    if m.chat_template is None:
+        return None
+    path = Path(m.chat_template).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in m.chat_template or "{%" in m.chat_template:
+        return m.chat_template
+    raise ValueError(f"chat_template {m.chat_template!r} is neither a file nor a Jinja template")
+
+
+# generation_config.json keys that are sampling settings (vLLM reads the same ones).
+GENERATION_CONFIG_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def default_sampling(generation_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The sampling settings a model's generation config recommends (request fields win)."""
+    config = generation_config or {}
+    return {k: config[k] for k in GENERATION_CONFIG_SAMPLING if config.get(k) is not None}
 
 
 # A scoring request samples nothing it keeps: greedy, so no generator or filter is built.

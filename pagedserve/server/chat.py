@@ -45,7 +45,8 @@ def render_messages(state: ServerState, messages: list[p.ChatMessage],
             item["name"] = message.name
         rendered.append(item)
     try:
-        return render_chat(state.tokenizer, rendered, add_generation_prompt)
+        return render_chat(state.tokenizer, rendered, add_generation_prompt,
+                           state.llm.engine.chat_template)
     except ApiError:
         raise
     except Exception as exc:  # template errors are the request's fault, not the server's
@@ -85,7 +86,7 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     renames = dict(CHAT_RENAMES)
     if body.max_completion_tokens is not None:
         renames["max_tokens"] = "max_completion_tokens"
-    params = sampling_params(body, "messages", renames)
+    params = sampling_params(state, body, "messages", renames)
     prompt = render_messages(state, body.messages, body.add_generation_prompt)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await add_all(state, request_id, [prompt], params, body.cache_salt, "messages",
@@ -112,7 +113,7 @@ async def _full_chat(state: ServerState, body: p.ChatCompletionRequest, request_
                                         usage=tally.usage(),
                                         system_fingerprint=state.fingerprint)
     finally:
-        tally.log(request_id, start)
+        tally.log(request_id, start, state.log_requests)
 
 
 def _chat_chunk(chunk: p.ChatCompletionStreamResponse, include_usage: bool) -> str:
@@ -167,4 +168,4 @@ async def _stream_chat(state: ServerState, body: p.ChatCompletionRequest, reques
         yield SSE_DONE
     finally:
         stream.close()
-        tally.log(request_id, start)
+        tally.log(request_id, start, state.log_requests)

@@ -7,13 +7,21 @@ import logging
 from typing import Any
 
 from pagedserve import envs
-from pagedserve.arg_utils import add_engine_args, add_server_args, engine_config, server_config
+from pagedserve.arg_utils import (
+    HelpFormatter,
+    add_engine_args,
+    add_server_args,
+    engine_config,
+    server_config,
+)
 
 logger = logging.getLogger("pagedserve.server")
 
 
-def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+def add_serve_parser(subparsers: Any, parents: list[Any] | None = None
+                     ) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", parents=parents or [], formatter_class=HelpFormatter,
+                              help="OpenAI-compatible HTTP server")
     add_server_args(p)
     add_engine_args(p, positional_model=True)
     p.set_defaults(func=run_serve)
@@ -27,13 +35,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.api import build_app
 
-    server = server_config(args)
+    try:
+        server = server_config(args)
+        engine = LLMEngine(engine_config(args), log_stats=True)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"pagedserve serve: error: {exc}") from None
     if server.api_key is None:
         server.api_key = envs.PAGEDSERVE_API_KEY
-    try:
-        engine = LLMEngine(engine_config(args), log_stats=True)
-    except ValueError as exc:
-        raise SystemExit(f"pagedserve serve: error: {exc}") from None
     app = build_app(AsyncLLM(engine, server.max_waiting_requests), server)
     logger.info("serving %s on http://%s:%d (API key %s)",
                 server.served_model_name or engine.model_name, server.host, server.port,

@@ -58,6 +58,7 @@ class ServerState:
     metrics: ServerMetrics
     fingerprint: str = f"fp_pagedserve_{__version__}"
     started: float = field(default_factory=time.time)
+    log_requests: bool = True  # a line per finished request
 
     @property
     def tokenizer(self) -> Any:
@@ -90,12 +91,17 @@ def common_checks(state: ServerState, body: p.SamplingRequest) -> None:
                        param="stream_options")
 
 
-def sampling_params(body: p.CompletionRequest | p.ChatCompletionRequest, prompt_param: str,
-                     renames: dict[str, str] | None = None) -> SamplingParams:
+def sampling_params(state: ServerState, body: p.CompletionRequest | p.ChatCompletionRequest,
+                    prompt_param: str, renames: dict[str, str] | None = None) -> SamplingParams:
+    """The request's sampling settings over the model's defaults (generation_config.json),
+    checked against the engine's limits."""
     try:
-        return body.sampling_params()
+        params = body.sampling_params(state.llm.engine.default_sampling)
+        state.llm.engine.check_sampling(params)
     except ValueError as exc:
         raise bad_value(exc, prompt_param, renames) from None
+    return params
+
 
 def finite(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)

@@ -135,7 +135,7 @@ async def create_completion(state: ServerState, body: p.CompletionRequest,
     for prompt in prompts:
         if isinstance(prompt, list):
             check_token_ids(state, prompt, "prompt")
-    params = sampling_params(body, "prompt")
+    params = sampling_params(state, body, "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await add_all(state, request_id, prompts, params, body.cache_salt, "prompt")
     builder = _CompletionChoices(state, body, params.n)
@@ -161,7 +161,7 @@ async def _full_completion(state: ServerState, request_id: str, streams: list[Re
         return p.CompletionResponse(id=request_id, model=state.model_name, choices=choices,
                                     usage=tally.usage(), system_fingerprint=state.fingerprint)
     finally:
-        tally.log(request_id, start)
+        tally.log(request_id, start, state.log_requests)
 
 
 async def _stream_completion(state: ServerState, body: p.CompletionRequest, request_id: str,
@@ -191,4 +191,4 @@ async def _stream_completion(state: ServerState, body: p.CompletionRequest, requ
         yield SSE_DONE
     finally:
         close_all(streams)
-        tally.log(request_id, start)
+        tally.log(request_id, start, state.log_requests)

@@ -76,9 +76,10 @@ class SamplingRequest(OpenAIModel):
     user: str | None = None  # OpenAI's end-user id: accepted, unused
     logit_bias: dict[str, float] | None = None  # accepted only empty: not supported
 
-    def base_sampling_fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in SAMPLING_FIELDS
-                if getattr(self, name) is not None}
+    def base_sampling_fields(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The sampling fields the request set, over `defaults` (the model's)."""
+        return {**(defaults or {}), **{name: getattr(self, name) for name in SAMPLING_FIELDS
+                                       if getattr(self, name) is not None}}
 
 
 # ---- /v1/completions ----------------------------------------------------------------------
@@ -96,8 +97,8 @@ class CompletionRequest(SamplingRequest):
     # on for a model without a tokenizer, whose text is empty.
     return_token_ids: bool = False
 
-    def sampling_params(self) -> SamplingParams:
-        fields = self.base_sampling_fields()
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        fields = self.base_sampling_fields(defaults)
         fields["max_tokens"] = self.max_tokens
         if self.logprobs is not None:
             fields["logprobs"] = self.logprobs
@@ -158,8 +159,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
 
-    def sampling_params(self) -> SamplingParams:
-        fields = self.base_sampling_fields()
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        fields = self.base_sampling_fields(defaults)
         # Absent: generate up to the context length (the engine fills it in per prompt).
         fields["max_tokens"] = (self.max_completion_tokens if self.max_completion_tokens
                                 is not None else self.max_tokens)

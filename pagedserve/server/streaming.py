@@ -169,7 +169,9 @@ class Tally:
     def usage(self) -> p.UsageInfo:
         return usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
 
-    def log(self, request_id: str, start: float) -> None:
+    def log(self, request_id: str, start: float, enabled: bool = True) -> None:
+        if not enabled:
+            return
         log_request(request_id, sum(self.prompt_tokens.values()),
                      sum(self.completion_tokens.values()), list(self.finish_reasons.values()),
                      start, self.ttft)

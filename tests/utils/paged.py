@@ -145,15 +145,15 @@ def bundled_gguf() -> Path:
 
 
 def tiny_chat_model(path: Path) -> Path:
-    """A tiny random Llama (2 layers, hidden 64) with the bundled SmolLM2's tokenizer and chat
-    template saved beside it: a model directory that takes text and chat prompts and loads in
-    a second."""
+    """A tiny random Llama (2 layers, hidden 128, head size 64: every backend takes it) with the
+    bundled SmolLM2's tokenizer and chat template saved beside it: a model directory that takes
+    text and chat prompts and loads in a second."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     gguf = bundled_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
     torch.manual_seed(0)

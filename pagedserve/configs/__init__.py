@@ -1,0 +1,1 @@
+"""Engine presets shipped with the package: `--config NAME` or `LLM(config=NAME)`."""

@@ -1,0 +1,194 @@
+"""`pagedserve generate`: offline generation from the command line, one prompt or a JSONL file.
+
+Everything that can be wrong with the input (a missing file, a bad line, a bad sampling flag)
+is reported before the model loads. A bad line is reported with its number and skipped; the
+others run, and the exit status is 1 so that a script can tell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.arg_utils import (
+    HelpFormatter,
+    add_config_flags,
+    add_engine_args,
+    checked_engine_config,
+    given_fields,
+    make_llm,
+)
+from pagedserve.sampling_params import SamplingParams
+
+SAMPLING_DEST = "sampling_"
+
+
+@dataclass
+class Job:
+    """One request of the run: where it came from and what it asks."""
+
+    line: int | None  # in the input file; None for --prompt
+    prompt: str | list[int] | None  # None: a chat (messages)
+    messages: list[dict[str, Any]] | None
+    sampling: dict[str, Any]  # the flags' and the line's sampling fields (checked)
+
+    def params(self, model_defaults: dict[str, Any]) -> SamplingParams:
+        """Its SamplingParams over the model's recommended settings."""
+        return SamplingParams(**{**model_defaults, **self.sampling})
+
+
+def add_generate_parser(subparsers: Any, parents: list[Any] | None = None
+                        ) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "generate", parents=parents or [], formatter_class=HelpFormatter,
+        help="offline generation: one prompt or a JSONL file",
+        description="Generate for one --prompt, or for every line of an --input JSONL file "
+                    "({\"prompt\": ...} or {\"messages\": [...]} plus any sampling field).")
+    p.add_argument("--prompt", help="one prompt; prints its completion")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
+    p.add_argument("--input", help="JSONL file, one request per line")
+    p.add_argument("--output", help="write JSONL results to this file ('-': stdout) instead "
+                                    "of printing the answers")
+    sampling = p.add_argument_group(
+        "sampling", "defaults for every request; an --input line's own fields win")
+    add_config_flags(sampling, SamplingParams, dest_prefix=SAMPLING_DEST)
+    add_engine_args(p)
+    p.set_defaults(func=run_generate)
+    return p
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.input is None):
+        raise SystemExit("pagedserve generate: error: give exactly one of --prompt or --input")
+    config = checked_engine_config(args)
+    defaults = given_fields(args, SamplingParams, SAMPLING_DEST)
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"pagedserve generate: error: {exc}") from None
+    if args.prompt is not None:
+        messages = [{"role": "user", "content": args.prompt}] if args.chat else None
+        jobs = [Job(None, None if args.chat else args.prompt, messages, defaults)]
+        errors = 0
+    else:
+        jobs, errors = read_jobs(args.input, defaults)
+    llm = make_llm(config)
+    results = run_jobs(llm, jobs, args.input)
+    if args.output is not None:
+        write_jsonl(llm, results, args.output)
+    elif args.prompt is not None:
+        for _, output in results:
+            for completion in output.outputs:
+                print(completion.text)
+    else:
+        print_answers(llm, results)
+    errors += len(jobs) - len(results)
+    if errors:
+        print(f"pagedserve generate: {errors} request(s) failed, see above", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def read_jobs(path: str, defaults: dict[str, Any]) -> tuple[list[Job], int]:
+    """The file's requests and the number of bad lines (each reported on stderr)."""
+    try:
+        with open(path) as f:
+            raw_lines = f.readlines()
+    except OSError as exc:
+        raise SystemExit(f"pagedserve generate: error: --input {path}: {exc.strerror}") from None
+    jobs, errors = [], 0
+    for number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            jobs.append(parse_request_line(raw, defaults, number))
+        except ValueError as exc:
+            errors += 1
+            print(f"{path}:{number}: {exc}", file=sys.stderr)
+    return jobs, errors
+
+
+def parse_request_line(raw: str, defaults: dict[str, Any] | None = None,
+                       number: int | None = None) -> Job:
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"malformed JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(record, dict):
+        raise ValueError("each line must be a JSON object")
+    has_prompt, has_messages = "prompt" in record, "messages" in record
+    if has_prompt == has_messages:
+        raise ValueError("give exactly one of 'prompt' or 'messages'")
+    prompt, messages = None, None
+    if has_messages:
+        messages = record.pop("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("field 'messages' must be a list of {role, content} objects")
+    else:
+        prompt = record.pop("prompt")
+        if not isinstance(prompt, str) and not (
+                isinstance(prompt, list) and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            raise ValueError("field 'prompt' must be a string or a list of token ids")
+    sampling = {**(defaults or {}), **record}
+    SamplingParams.from_dict(sampling)  # its errors, before anything loads
+    return Job(number, prompt, messages, sampling)
+
+
+def run_jobs(llm: Any, jobs: list[Job], source: str | None) -> list[tuple[Job, Any]]:
+    """Add every job to the engine (a job the engine refuses is reported and skipped), then
+    step until all finish; (job, RequestOutput) in input order."""
+    ids: dict[str, Job] = {}
+    for i, job in enumerate(jobs):
+        try:
+            prompt = job.prompt if job.messages is None else llm.apply_chat_template(job.messages)
+            request_id = f"line-{job.line}" if job.line is not None else str(i)
+            llm.engine.add_request(request_id, prompt, job.params(llm.engine.default_sampling),
+                                   stream=False)
+        except ValueError as exc:
+            where = f"{source}:{job.line}" if job.line is not None else "pagedserve generate"
+            print(f"{where}: {exc}", file=sys.stderr)
+            continue
+        ids[request_id] = job
+    outputs = llm.wait_for(list(ids), use_tqdm=len(ids) > 1)
+    return [(ids[o.request_id], o) for o in outputs]
+
+
+def _prompt_text(llm: Any, job: Job, output: Any) -> str:
+    if job.messages is not None:
+        contents = [m.get("content") for m in job.messages if m.get("role") == "user"]
+        return str(contents[-1]) if contents else ""
+    if isinstance(job.prompt, str):
+        return job.prompt
+    return llm.tokenizer.decode(output.prompt_token_ids) if llm.tokenizer else str(job.prompt)
+
+
+def print_answers(llm: Any, results: list[tuple[Job, Any]]) -> None:
+    """What a person reads: each prompt, then its answer(s)."""
+    for job, output in results:
+        print(f"[{job.line}] {_prompt_text(llm, job, output).strip()}")
+        for completion in output.outputs:
+            text = completion.text.strip() or "(no text)"
+            print(("  " if len(output.outputs) > 1 else "") + text)
+        print()
+
+
+def write_jsonl(llm: Any, results: list[tuple[Job, Any]], path: str) -> None:
+    out = sys.stdout if path == "-" else open(path, "w")
+    try:
+        for job, output in results:
+            completion = output.outputs[0]
+            prompt = output.prompt
+            if prompt is None and llm.tokenizer is not None:  # chat or token-id prompts
+                prompt = llm.tokenizer.decode(output.prompt_token_ids)
+            record = {"line": job.line, "prompt": prompt, "text": completion.text,
+                      "token_ids": completion.token_ids,
+                      "finish_reason": completion.finish_reason}
+            if len(output.outputs) > 1:
+                record["texts"] = [o.text for o in output.outputs]
+            out.write(json.dumps(record) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
