@@ -158,13 +158,16 @@ class EngineConfig:
         except RuntimeError:
             raise ValueError(f"device {self.device!r} is not a device: cpu, cuda or cuda:N"
                              ) from None
-        if device.type == "cuda" and not torch.cuda.is_available():
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: pagedserve runs on cpu or cuda")
+
+    def check_device(self) -> None:
+        """The device can be used here (the engine asks before it loads anything)."""
+        if self.torch_device.type == "cuda" and not torch.cuda.is_available():
             gpu_build = torch.version.cuda is not None or torch.version.hip is not None
             build = "a GPU build" if gpu_build else "a CPU-only build"
             raise ValueError(f"device {self.device!r}: no CUDA device is usable here (torch "
                              f"{torch.__version__} is {build}); use --device cpu")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device {self.device!r}: pagedserve runs on cpu or cuda")
 
     @property
     def torch_device(self) -> torch.device:

@@ -335,6 +335,7 @@ def check_settings(config: EngineConfig) -> str | None:
     from pagedserve.attention.registry import requested_backend
     from pagedserve.models.loader import model_path
 
+    config.check_device()
     requested_backend(config.attention_backend)
     m = config.model
     if not (m.model or "").startswith("random:"):
