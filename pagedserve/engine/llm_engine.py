@@ -9,7 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pagedserve.config import EngineConfig, resolve_dtype
+from pagedserve.engine.cpu_threads import configure_cpu_threads
 from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
@@ -35,15 +38,24 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         from pagedserve.models.loader import load_model
+        from pagedserve.models.quantization import resolve_quantization
 
         self.config = config
         chat_template = check_settings(config)  # before the (slow) load
         device = config.torch_device
-        dtype = resolve_dtype(config.model.dtype, device)
-        t0 = time.perf_counter()
+        if device.type == "cpu":
+            configure_cpu_threads()
         m = config.model
+        quantization = resolve_quantization(m.quantization, m.model, m.dtype, device)
+        # Weight-only int8 runs with bfloat16 activations unless a dtype was asked for.
+        dtype = (torch.bfloat16 if quantization and m.dtype == "auto"
+                 else resolve_dtype(m.dtype, device))
+        if quantization:
+            logger.info("%s weight-only linears with %s activations on the CPU (exact float32: "
+                        "--dtype float32 or --quantization none)", quantization, dtype)
+        t0 = time.perf_counter()
         loaded = load_model(m.model, dtype, device, m.max_model_len, m.tokenizer,
-                            m.generation_config)
+                            m.generation_config, quantization)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.chat_template = chat_template or loaded.chat_template

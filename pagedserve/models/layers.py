@@ -120,6 +120,8 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = config.max_position_embeddings
         self.register_buffer("cos_sin_cache", torch.empty(self.max_positions, head_dim),
                              persistent=False)
+        self._positions: torch.Tensor | None = None  # the step whose cos/sin are gathered
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.cos_sin_cache.device.type != "meta":
             self.build_cache(self.cos_sin_cache.device, torch.get_default_dtype())
 
@@ -129,6 +131,7 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]
         cache = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
         self.cos_sin_cache = cache.to(device=device, dtype=dtype)
+        self._positions = self._cos_sin = None
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +141,11 @@ class RotaryEmbedding(nn.Module):
         if kernels is not None:
             kernels.rotary_embedding_(positions, query, key, self.cos_sin_cache)
             return query, key
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        # Every layer of a step rotates by the same positions: gather cos/sin once per step.
+        if positions is not self._positions:
+            self._positions = positions
+            self._cos_sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = self._cos_sin
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 

@@ -20,6 +20,7 @@ from transformers.activations import ACT2FN
 
 from pagedserve.attention.layer import Attention
 from pagedserve.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from pagedserve.models.quantization import Int8Linear, quantize_linears_
 
 
 class LlamaAttention(nn.Module):
@@ -146,6 +147,14 @@ class LlamaForCausalLM(nn.Module):
     def sliding_window_for_layer(config: PretrainedConfig, layer_idx: int) -> int | None:
         return None
 
+    def quantize_(self, method: str) -> None:
+        """Weight-only int8 for every projection and the head (`models/quantization.py`); a
+        tied head gets int8 codes of the embedding beside the embedding itself."""
+        dtype = self.model.embed_tokens.weight.dtype
+        quantize_linears_(self, dtype)
+        if self.lm_head is None:
+            self.lm_head = Int8Linear(self.model.embed_tokens.weight, None, dtype)
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
@@ -156,8 +165,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (the matmul in the model dtype, as
         transformers does)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (possibly fused) parameters, converting dtype

@@ -67,7 +67,8 @@ def default_model_path() -> Path:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None = None, tokenizer: str | None = None,
-               generation_config: str = "auto") -> LoadedModel:
+               generation_config: str = "auto", quantization: str | None = None
+               ) -> LoadedModel:
     """Load `model` (a HF directory, a .gguf file, or None for the bundled default) in `dtype`
     on `device`. `max_model_len` defaults to, and may not exceed, max_position_embeddings.
     `tokenizer`: another directory (or .gguf) to take the tokenizer from. `generation_config`:
@@ -77,9 +78,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     else:
         path = model_path(model)
         if path.is_dir():
-            loaded = _load_hf_directory(path, dtype, device, max_model_len)
+            loaded = _load_hf_directory(path, dtype, device, max_model_len, quantization)
         else:
-            loaded = _load_gguf(path, dtype, device, max_model_len)
+            loaded = _load_gguf(path, dtype, device, max_model_len, quantization)
         if model is None:
             loaded.name = DEFAULT_MODEL_NAME
     if generation_config != "auto":
@@ -156,25 +157,31 @@ def resolve_max_model_len(requested: int | None, config: PretrainedConfig) -> in
 
 
 def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-                weights: Iterator[tuple[str, torch.Tensor]]) -> nn.Module:
-    """The registered class for `config`, materialised on `device` in `dtype` and filled."""
+                weights: Iterator[tuple[str, torch.Tensor]],
+                quantization: str | None = None) -> nn.Module:
+    """The registered class for `config`, materialised on `device` in `dtype` and filled;
+    `quantization` ("int8"): its linears then run weight-only int8 (models/quantization.py)."""
     cls = get_model_cls(config)
     with torch.device("meta"):
         module = cls(config)
     module = module.to(dtype).to_empty(device=device)
     with torch.no_grad():
         module.load_weights(weights)
+        if quantization is not None:
+            if not hasattr(module, "quantize_"):
+                raise ValueError(f"{cls.__name__} has no {quantization} path")
+            module.quantize_(quantization)
     return module.eval()
 
 
 def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,
-                       max_model_len: int | None) -> LoadedModel:
+                       max_model_len: int | None, quantization: str | None) -> LoadedModel:
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model "
                                  "directory")
     config = AutoConfig.from_pretrained(path)
     max_len = resolve_max_model_len(max_model_len, config)
-    module = build_model(config, dtype, device, safetensors_weights(path))
+    module = build_model(config, dtype, device, safetensors_weights(path), quantization)
     tokenizer = None
     if any((path / f).is_file() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
@@ -209,11 +216,12 @@ def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
-               max_model_len: int | None) -> LoadedModel:
+               max_model_len: int | None, quantization: str | None) -> LoadedModel:
     reader = gguf_file.open_gguf(str(path))
     config = gguf_file.gguf_config(reader)
     max_len = resolve_max_model_len(max_model_len, config)
-    module = build_model(config, dtype, device, gguf_file.gguf_weights(reader, config))
+    module = build_model(config, dtype, device, gguf_file.gguf_weights(reader, config),
+                         quantization)
     tokenizer = gguf_file.gguf_tokenizer(path)
     return LoadedModel(
         model=module, hf_config=config, tokenizer=tokenizer, generation_config=None,

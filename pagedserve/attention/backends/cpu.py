@@ -102,16 +102,20 @@ class CPUAttentionImpl(AttentionImpl):
         # [B, P, bs, Hkv, D] -> [B, Hkv, max_k, D]
         k = k_cache[group.page_index].flatten(1, 2)[:, :group.max_seq_len].transpose(1, 2)
         v = v_cache[group.page_index].flatten(1, 2)[:, :group.max_seq_len].transpose(1, 2)
-        q = query.new_zeros(b * group.max_query_len, h, d)
-        q[group.token_index] = query
-        q = q.view(b, group.max_query_len, h, d).transpose(1, 2)
+        decode = group.max_query_len == 1  # one token per request: already the grid
+        if decode:
+            q = query.view(b, 1, h, d).transpose(1, 2)
+        else:
+            q = query.new_zeros(b * group.max_query_len, h, d)
+            q[group.token_index] = query
+            q = q.view(b, group.max_query_len, h, d).transpose(1, 2)
         if self.logits_soft_cap is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale,
                                                  enable_gqa=hkv != h)
         else:
             out = self._soft_capped(q, k, v, group.mask)
         out = out.transpose(1, 2).reshape(b * group.max_query_len, h, d)
-        return out[group.token_index]
+        return out if decode else out[group.token_index]
 
     def _soft_capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
