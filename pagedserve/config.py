@@ -270,6 +270,14 @@ class ServerConfig:
         None, "the model's name in the API (default: the model's file or directory name)")
     max_waiting_requests: int = setting(4096, "answer 503 while this many requests wait to be "
                                               "scheduled")
+    max_n: int = setting(128, "most sequences per prompt (n) and prompts per request, as "
+                              "OpenAI caps them")
+    max_request_body_bytes: int | None = setting(
+        None, "answer 413 to a larger body, before parsing it (default: 64 bytes per token of "
+              "max_model_len, at least 4 MiB)")
+    shutdown_timeout: float = setting(30.0, "on SIGTERM or SIGINT, seconds running requests "
+                                            "may finish in before they end with an error; a "
+                                            "second signal exits at once")
     uvicorn_log_level: str = setting("warning", "uvicorn's own log level")
     enable_log_requests: bool = setting(True, "log a line per finished request "
                                               "(--disable-log-requests turns it off)")

@@ -12,6 +12,7 @@ from pagedserve.config import setting
 # Temperatures below this are treated as greedy: dividing logits by a near-zero value
 # overflows float32 and the result is argmax anyway.
 SAMPLING_EPS = 1e-5
+MAX_SEED = 2**64 - 1
 
 
 def _bad(name: str, value: Any, rule: str) -> ValueError:
@@ -70,6 +71,10 @@ class SamplingParams:
             raise _bad("min_p", self.min_p, "in [0, 1]")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            # The i-th of n sequences samples with seed + i, a torch.Generator seed (< 2**64).
+            if not 0 <= self.seed <= MAX_SEED - (self.n - 1):
+                raise _bad("seed", self.seed, f"in [0, {MAX_SEED - (self.n - 1)}] for n="
+                                              f"{self.n} (each of n sequences seeds seed + i)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2 <= value <= 2:

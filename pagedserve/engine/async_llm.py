@@ -50,6 +50,7 @@ class EngineSnapshot:
     max_num_running: int  # most requests in one step since start
     num_steps: int
     num_aborted: int
+    applied_seqs: int  # sequences of the adds applied (or refused) so far
 
 
 class _Aborted:
@@ -111,6 +112,7 @@ class _Add:
     cache_salt: str | None
     stream: RequestStream
     ack: asyncio.Future[None]
+    prompt_text: str | None = None  # the text of a prompt tokenized by the caller
 
 
 @dataclass
@@ -133,11 +135,15 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.observer = observer
         self.error: BaseException | None = None
+        # Called in the engine thread once a step has failed and the engine's state is unknown
+        # (the server then exits, so a supervisor can restart it).
+        self.on_dead: Callable[[], None] | None = None
         self._commands: deque[_Add | _Abort] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending_adds = 0  # event loop only
+        self._sent_seqs = 0  # event loop only: sequences of every add sent
+        self._applied_seqs = 0  # engine thread only: of every add applied (or refused)
         self._stop = False
         self._thread: threading.Thread | None = None
         self._num_steps = 0
@@ -167,33 +173,42 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams, cache_salt: str | None = None,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          prompt_text: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine thread accepted it (within one step).
+        `prompt_text`: the text of `prompt` when the caller tokenized it (for echo).
 
-        Raises ValueError for a request the engine refuses, QueueFullError when the waiting
-        queue is at its limit and EngineDeadError when the engine is not running."""
+        Raises ValueError for a request the engine refuses, QueueFullError when it would make
+        more than `max_waiting_requests` sequences wait, and EngineDeadError when the engine is
+        not running."""
         self._check_alive()
-        waiting = self.snapshot.stats.num_waiting + self._pending_adds
-        if waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"the server has {waiting} requests waiting (limit "
-                                 f"{self.max_waiting_requests}); try again later")
+        waiting = self.num_waiting()
+        if waiting + params.n > self.max_waiting_requests:
+            raise QueueFullError(f"the server has {waiting} sequences waiting, and this request's"
+                                 f" {params.n} would pass the limit of "
+                                 f"{self.max_waiting_requests}; try again later")
         self.start()
         loop = asyncio.get_running_loop()
         self._loop = loop
         stream = RequestStream(request_id, self)
         ack: asyncio.Future[None] = loop.create_future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._pending_adds += params.n
-        self._send(_Add(request_id, prompt, params, arrival, cache_salt, stream, ack))
+        self._sent_seqs += params.n
+        self._send(_Add(request_id, prompt, params, arrival, cache_salt, stream, ack,
+                        prompt_text))
         try:
             await ack
         except asyncio.CancelledError:
             # The add may still be applied after we gave up on it: abort it behind the add.
             self.abort_nowait(request_id)
             raise
-        finally:
-            self._pending_adds -= params.n
         return stream
+
+    def num_waiting(self) -> int:
+        """Sequences waiting: the engine's queue, and adds sent that it has not applied yet
+        (counted once: the engine publishes its queue and its applied count together)."""
+        snap = self.snapshot
+        return snap.stats.num_waiting + self._sent_seqs - snap.applied_seqs
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -255,6 +270,8 @@ class AsyncLLM:
             logger.exception("engine thread crashed")
             self.error = exc
             self._fail_all(EngineDeadError(f"the engine stopped: {exc!r}"))
+            if self.on_dead is not None:
+                self.on_dead()
 
     def _apply_commands(self) -> None:
         deliveries: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
@@ -281,9 +298,12 @@ class AsyncLLM:
             if command.request_id in self._streams:
                 raise ValueError(f"request id {command.request_id!r} is already in use")
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    command.arrival_time, command.cache_salt)
+                                    command.arrival_time, command.cache_salt,
+                                    prompt_text=command.prompt_text)
         except Exception as exc:  # the caller's error; the other requests never see it
             return _resolve, (command.ack, exc)
+        finally:
+            self._applied_seqs += command.params.n
         self._streams[command.request_id] = command.stream
         return _resolve, (command.ack, None)
 
@@ -338,7 +358,8 @@ class AsyncLLM:
     def _take_snapshot(self) -> EngineSnapshot:
         kv = self.engine.kv_cache
         return EngineSnapshot(self.engine.stats(), kv.num_blocks, kv.num_free_blocks,
-                              self._max_num_running, self._num_steps, self._num_aborted)
+                              self._max_num_running, self._num_steps, self._num_aborted,
+                              self._applied_seqs)
 
 
 def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:

@@ -145,13 +145,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None, stream: bool = True) -> None:
+                    cache_salt: str | None = None, stream: bool = True,
+                    prompt_text: str | None = None) -> None:
         """Queue a request; `n` > 1 fans out into n sequences sharing the prompt (a seeded
         request's i-th sequence uses seed + i). With `stream=False` step() reports the request
-        only when it finishes."""
+        only when it finishes. `prompt_text`: the text of token-id `prompt` (its outputs'
+        `prompt`), when the caller tokenized it."""
         self._check_new_id(request_id)
         params = params or SamplingParams()
-        text = prompt if isinstance(prompt, str) else None
+        if cache_salt is not None:
+            cache_salt.encode("utf-8")  # hashed with the blocks: UnicodeEncodeError here, not there
+        text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids, params)
         self.check_sampling(params)

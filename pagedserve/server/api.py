@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -28,17 +27,19 @@ from pagedserve.server.common import (
     error_response,
 )
 from pagedserve.server.completions import create_completion
+from pagedserve.server.gatekeeper import Gatekeeper
 from pagedserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pagedserve.server")
 
 def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     """The app for one engine. With `config.api_key`, every route but /health, /version and
-    /metrics needs `Authorization: Bearer <key>`."""
+    /metrics needs `Authorization: Bearer <key>`, checked (like the body's size, by
+    `Gatekeeper`) before the body is read."""
     config = config or ServerConfig()
-    api_key = config.api_key
     state = ServerState(llm, config.served_model_name or llm.engine.model_name,
-                        ServerMetrics(llm), log_requests=config.enable_log_requests)
+                        ServerMetrics(llm), log_requests=config.enable_log_requests,
+                        max_n=config.max_n)
     llm.observer = state.metrics
 
     @asynccontextmanager
@@ -51,20 +52,17 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     app.state.server = state
     _add_error_handlers(app)
     app.include_router(_open_routes(state))
-    app.include_router(_api_routes(state), dependencies=[Depends(_auth(api_key))])
+    app.include_router(_api_routes(state))
+    body_limit = config.max_request_body_bytes or default_body_limit(llm.engine.max_model_len)
+    app.add_middleware(Gatekeeper, api_key=config.api_key, max_body_bytes=body_limit,
+                       state=state)
     return app
 
 
-def _auth(api_key: str | None):
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
-                                                                    api_key.encode()):
-            raise ApiError(401, "Incorrect or missing API key: send Authorization: Bearer "
-                                "<key>.", code="invalid_api_key")
-    return check
+def default_body_limit(max_model_len: int) -> int:
+    """Room for max_model_len tokens as text or ids in a JSON body many times over (JSON
+    escapes take up to 6 bytes a character), and never less than 4 MiB."""
+    return max(4 << 20, 64 * max_model_len)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -101,6 +99,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_json(503, str(exc), type_="server_error", code="engine_dead")
 
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the client's: logged with its traceback, answered in OpenAI's shape.
+        logger.exception("%s %s -> 500", request.method, request.url.path)
+        return error_json(500, f"internal error: {type(exc).__name__}", type_="server_error")
+
 
 # ---- open routes --------------------------------------------------------------------------
 
@@ -110,6 +114,9 @@ def _open_routes(state: ServerState) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
+        if state.draining:
+            return error_json(503, "the server is shutting down", type_="server_error",
+                              code="shutting_down")
         if state.llm.error is not None:
             return error_json(503, f"the engine stopped: {state.llm.error!r}",
                               type_="server_error")
@@ -153,10 +160,11 @@ def _api_routes(state: ServerState) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            tokens = render_messages(state, body.messages, body.add_generation_prompt)
+            tokens = await asyncio.to_thread(render_messages, state, body.messages,
+                                             body.add_generation_prompt)
         else:
-            tokens = state.tokenizer.encode(body.prompt,
-                                            add_special_tokens=body.add_special_tokens)
+            tokens = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
+                                             add_special_tokens=body.add_special_tokens)
         return p.TokenizeResponse(tokens=list(tokens), count=len(tokens),
                                   max_model_len=state.llm.engine.max_model_len)
 
@@ -164,6 +172,6 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def detokenize(body: p.DetokenizeRequest) -> p.DetokenizeResponse:
         state.check_model(body.model)
         check_token_ids(state, body.tokens, "tokens")
-        return p.DetokenizeResponse(prompt=state.decode(body.tokens))
+        return p.DetokenizeResponse(prompt=await asyncio.to_thread(state.decode, body.tokens))
 
     return router

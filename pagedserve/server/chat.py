@@ -3,6 +3,7 @@ streamed deltas in OpenAI's chunk shape."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,6 +44,8 @@ def render_messages(state: ServerState, messages: list[p.ChatMessage],
         item: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             item["name"] = message.name
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
         rendered.append(item)
     try:
         return render_chat(state.tokenizer, rendered, add_generation_prompt,
@@ -87,10 +90,12 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     if body.max_completion_tokens is not None:
         renames["max_tokens"] = "max_completion_tokens"
     params = sampling_params(state, body, "messages", renames)
-    prompt = render_messages(state, body.messages, body.add_generation_prompt)
+    # The template renders and tokenizes in a worker thread (a long chat holds nothing up).
+    prompt = await asyncio.to_thread(render_messages, state, body.messages,
+                                     body.add_generation_prompt)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await add_all(state, request_id, [prompt], params, body.cache_salt, "messages",
-                             renames)
+    streams = await add_all(state, request_id, [(None, prompt)], params, body.cache_salt,
+                            "messages", renames)
     if body.stream:
         return SSEResponse(_stream_chat(state, body, request_id, streams[0], params.n, start),
                             streams)

@@ -1,10 +1,21 @@
-"""`pagedserve serve`: the OpenAI-compatible HTTP server."""
+"""`pagedserve serve`: the OpenAI-compatible HTTP server, and how it stops.
+
+The first SIGTERM or SIGINT drains: new requests get 503 (and /health too, so a balancer stops
+sending), running ones get `--shutdown-timeout` seconds, then whatever still runs ends with an
+error event, and the process exits. A second signal exits at once. An engine that dies stops
+the server with exit status 1, so a supervisor restarts it instead of a server answering 503
+forever.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import threading
+import time
 from typing import Any
+
+import uvicorn
 
 from pagedserve import envs
 from pagedserve.arg_utils import (
@@ -29,8 +40,6 @@ def add_serve_parser(subparsers: Any, parents: list[Any] | None = None
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pagedserve.engine.async_llm import AsyncLLM
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.api import build_app
@@ -42,9 +51,51 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"pagedserve serve: error: {exc}") from None
     if server.api_key is None:
         server.api_key = envs.PAGEDSERVE_API_KEY
-    app = build_app(AsyncLLM(engine, server.max_waiting_requests), server)
+    llm = AsyncLLM(engine, server.max_waiting_requests)
+    app = build_app(llm, server)
+    uvicorn_server = DrainingServer(
+        uvicorn.Config(app, host=server.host, port=server.port,
+                       log_level=server.uvicorn_log_level, timeout_graceful_shutdown=5),
+        app.state.server, llm, server.shutdown_timeout)
+    llm.on_dead = uvicorn_server.stop_now
     logger.info("serving %s on http://%s:%d (API key %s)",
                 server.served_model_name or engine.model_name, server.host, server.port,
                 "required" if server.api_key else "off")
-    uvicorn.run(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level)
+    uvicorn_server.run()
+    if llm.error is not None:
+        logger.error("the engine died (%r): exiting with status 1", llm.error)
+        return 1
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose signals drain first (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, state: Any, llm: Any, timeout: float) -> None:
+        super().__init__(config)
+        self.state = state  # the app's ServerState: its draining flag and in-flight count
+        self.llm = llm
+        self.timeout = timeout
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.state.draining or self.should_exit:  # the second signal
+            logger.warning("second signal: exiting now")
+            self.force_exit = self.should_exit = True
+            return
+        self.state.draining = True
+        logger.info("draining: %d request(s) running, %.0f s to finish", self.state.in_flight,
+                    self.timeout)
+        threading.Thread(target=self._drain, name="pagedserve-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while self.state.in_flight and time.monotonic() < deadline and not self.should_exit:
+            time.sleep(0.05)
+        if self.state.in_flight:
+            logger.warning("drain timeout: ending %d request(s) with an error",
+                           self.state.in_flight)
+            self.llm.shutdown()  # every open stream ends with an error event
+        self.should_exit = True
+
+    def stop_now(self) -> None:
+        self.should_exit = True

@@ -3,6 +3,7 @@ a sampling request passes before it reaches the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from pagedserve.server.metrics import ServerMetrics
 
 MIN_LOGPROB = -9999.0
 SAMPLING_PARAM_NAMES = {*p.SAMPLING_FIELDS, "max_tokens", "logprobs", "prompt_logprobs"}
+
 
 class ApiError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
@@ -59,6 +61,9 @@ class ServerState:
     fingerprint: str = f"fp_pagedserve_{__version__}"
     started: float = field(default_factory=time.time)
     log_requests: bool = True  # a line per finished request
+    max_n: int = 128  # most sequences per prompt, and prompts per request
+    draining: bool = False  # shutting down: new requests get 503
+    in_flight: int = 0  # API requests whose response has not ended (Gatekeeper counts)
 
     @property
     def tokenizer(self) -> Any:
@@ -75,6 +80,21 @@ class ServerState:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
+async def tokenize_prompts(state: ServerState, prompts: list[str | list[int]]
+                           ) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt. Text is tokenized in a worker thread: a long
+    prompt must hold up neither the event loop nor the engine's steps."""
+    texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+    encoded: list[list[int]] = []
+    if texts:
+        tokenizer = state.tokenizer
+        encoded = await asyncio.to_thread(
+            lambda: [tokenizer.encode(t, add_special_tokens=False) for t in texts])
+    it = iter(encoded)
+    return [(prompt, next(it)) if isinstance(prompt, str) else (None, list(prompt))
+            for prompt in prompts]
+
+
 def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> None:
     vocab = state.llm.engine.runner.vocab_size
     bad = [t for t in token_ids if not 0 <= t < vocab]
@@ -82,8 +102,13 @@ def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> Non
         raise ApiError(400, f"token id {bad[0]} is out of range [0, {vocab})", param=param)
 
 
-def common_checks(state: ServerState, body: p.SamplingRequest) -> None:
+def common_checks(state: ServerState, body: p.SamplingRequest, num_prompts: int = 1) -> None:
     state.check_model(body.model)
+    if body.n is not None and body.n > state.max_n:
+        raise ApiError(400, f"n must be <= {state.max_n}, got {body.n}", param="n")
+    if num_prompts > state.max_n:
+        raise ApiError(400, f"at most {state.max_n} prompts per request, got {num_prompts}",
+                       param="prompt")
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
     if body.stream_options is not None and not body.stream:

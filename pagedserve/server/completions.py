@@ -19,6 +19,7 @@ from pagedserve.server.common import (
     common_checks,
     finite,
     sampling_params,
+    tokenize_prompts,
 )
 from pagedserve.server.streaming import (
     SSE_DONE,
@@ -127,15 +128,16 @@ class _CompletionChoices:
 async def create_completion(state: ServerState, body: p.CompletionRequest,
                        request: Request) -> Any:
     start = time.monotonic()
-    common_checks(state, body)
+    prompts = _prompt_list(body.prompt)
+    common_checks(state, body, len(prompts))
     if body.suffix:
         raise ApiError(400, "suffix is not supported (this server does no fill-in-the-middle)",
                        param="suffix")
-    prompts = _prompt_list(body.prompt)
     for prompt in prompts:
         if isinstance(prompt, list):
             check_token_ids(state, prompt, "prompt")
     params = sampling_params(state, body, "prompt")
+    prompts = await tokenize_prompts(state, prompts)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await add_all(state, request_id, prompts, params, body.cache_salt, "prompt")
     builder = _CompletionChoices(state, body, params.n)

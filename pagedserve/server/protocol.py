@@ -10,13 +10,48 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pagedserve.sampling_params import SamplingParams
 
 
+def unpaired_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string in `value` (nested lists and dicts) holding a lone UTF-16
+    surrogate: JSON's "\\ud800" escapes decode to such strings, which no tokenizer, hash or
+    response encoder can take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = unpaired_surrogate(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 class OpenAIModel(BaseModel):
+    """A request body: unknown fields are refused, as OpenAI does, and so is text that is not
+    valid Unicode."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = unpaired_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where} holds an unpaired UTF-16 surrogate (U+D800..U+DFFF); "
+                             "send valid Unicode text")
+        return data
 
 
 # ---- errors -------------------------------------------------------------------------------
@@ -84,7 +119,8 @@ class SamplingRequest(OpenAIModel):
 
 # ---- /v1/completions ----------------------------------------------------------------------
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+# Token ids are strict ints: true or 100.0 in a prompt is a client's bug, not token 1 or 100.
+PromptInput = str | list[str] | list[StrictInt] | list[list[StrictInt]]
 
 
 class CompletionRequest(SamplingRequest):
@@ -149,6 +185,16 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message answers this call
+
+    @model_validator(mode="after")
+    def _as_openai_requires(self) -> ChatMessage:
+        # OpenAI: every message but the assistant's has content; a tool message names its call.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -265,7 +311,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(BaseModel):
