@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) for the paged engine.
+"""Llama-family decoders (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) and their Mixture-of-Experts
+siblings (Mixtral, Qwen3-MoE) for the paged engine. A family is a subclass that overrides the
+hooks its layers are built from (biases, windows, q/k norm, the MLP).
 
 Tokens of every request in the step are flattened into one batch: `input_ids` [T] and
 `positions` [T]; attention goes through `Attention`, which reads the step's paged cache from the
@@ -10,6 +12,7 @@ from the model-dtype matmul); the norms, rotary embedding and SiLU-and-mul are `
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -20,12 +23,13 @@ from transformers.activations import ACT2FN
 
 from pagedserve.attention.layer import Attention
 from pagedserve.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from pagedserve.models.moe import SparseMoeBlock
 from pagedserve.models.quantization import Int8Linear, quantize_linears_
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -37,11 +41,18 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, layer_idx, sliding_window=sliding_window)
+        # Qwen3's RMSNorm of each head's query and key, before the rotary embedding.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 rotary: RotaryEmbedding) -> torch.Tensor:
         t = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            # One row per head, so the fused 2-D norm kernel serves on CUDA.
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q, k = rotary(positions, q.view(t, self.num_heads, self.head_dim),
                       k.view(t, self.num_kv_heads, self.head_dim))
         out = self.attn(q.reshape(t, self.q_size), k.reshape(t, self.kv_size), v)
@@ -67,11 +78,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
-                 sliding_window: int | None) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int,
+                 family: type[LlamaForCausalLM]) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias, sliding_window)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, family.qkv_bias(config),
+                                        family.o_bias(config),
+                                        family.sliding_window_for_layer(config, layer_idx),
+                                        family.qk_norm(config))
+        self.mlp = family.make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -91,13 +105,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool,
-                 sliding_windows: list[int | None]) -> None:
+    def __init__(self, config: PretrainedConfig, family: type[LlamaForCausalLM]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, sliding_windows[i])
-            for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, family)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary_emb = RotaryEmbedding(config, head_dim)
@@ -110,6 +122,12 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+
+# One expert's weight in a Hugging Face checkpoint: (layer prefix, expert, projection).
+# Qwen3-MoE names them gate/up/down_proj, Mixtral w1 (gate), w3 (up), w2 (down).
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                 "down_proj": "down", "w2": "down"}
 
 # Hugging Face parameter -> (our fused parameter, shard id).
 _FUSED = {
@@ -125,16 +143,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        windows = [self.sliding_window_for_layer(config, i)
-                   for i in range(config.num_hidden_layers)]
-        self.model = LlamaModel(config, self.qkv_bias(config), self.o_bias(config), windows)
+        self.model = LlamaModel(config, type(self))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    # Architecture differences, overridden by the Mistral and Qwen2 subclasses.
+    # Architecture differences, overridden by the families below (a family is a subclass that
+    # changes some of these; its layers are built from them).
     @staticmethod
     def qkv_bias(config: PretrainedConfig) -> bool:
         return bool(getattr(config, "attention_bias", False))
@@ -146,6 +163,14 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def sliding_window_for_layer(config: PretrainedConfig, layer_idx: int) -> int | None:
         return None
+
+    @staticmethod
+    def qk_norm(config: PretrainedConfig) -> bool:
+        return False
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config)
 
     def quantize_(self, method: str) -> None:
         """Weight-only int8 for every projection and the head (`models/quantization.py`); a
@@ -180,6 +205,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
+            if expert := _EXPERT.match(name):
+                prefix, index, proj = expert.groups()
+                shard = _EXPERT_SHARD[proj]
+                self.get_submodule(prefix).load_expert(int(index), shard, tensor)
+                loaded.add(f"{prefix}:{index}:{shard}")
+                continue
             target, shard = name, None
             for hf_part, (ours, shard_id) in _FUSED.items():
                 if hf_part in name:
@@ -194,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dst.shape)}")
             dst.copy_(tensor)
-            loaded.add(f"{target}:{shard}" if shard else target)
+            loaded.update([f"{target}:{shard}"] if shard else self._coverage_keys(target))
         missing = [n for n in self._expected_names(params) if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
@@ -211,17 +242,22 @@ class LlamaForCausalLM(nn.Module):
             start, size = {"gate": (0, n), "up": (n, n)}[shard]
         return param.data.narrow(0, start, size)
 
-    @staticmethod
-    def _expected_names(params: dict[str, torch.Tensor]) -> list[str]:
-        names = []
-        for name in params:
-            if ".qkv_proj." in name:
-                names += [f"{name}:{s}" for s in ("q", "k", "v")]
-            elif ".gate_up_proj." in name:
-                names += [f"{name}:{s}" for s in ("gate", "up")]
-            else:
-                names.append(name)
-        return names
+    def _expected_names(self, params: dict[str, torch.Tensor]) -> list[str]:
+        return [key for name in params for key in self._coverage_keys(name)]
+
+    def _coverage_keys(self, name: str) -> list[str]:
+        """What a complete checkpoint fills of parameter `name`: each fused shard, each expert's
+        projection (a checkpoint may hold experts one by one or already stacked)."""
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            prefix, _, stacked = name.rpartition(".")
+            shards = ("gate", "up") if stacked == "gate_up_proj" else ("down",)
+            experts = self.get_submodule(prefix).num_experts
+            return [f"{prefix}:{e}:{s}" for e in range(experts) for s in shards]
+        if ".qkv_proj." in name:
+            return [f"{name}:{s}" for s in ("q", "k", "v")]
+        if ".gate_up_proj." in name:
+            return [f"{name}:{s}" for s in ("gate", "up")]
+        return [name]
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -250,3 +286,49 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         if layer_types is not None:
             return window if layer_types[layer_idx] == "sliding_attention" else None
         return window if layer_idx >= getattr(config, "max_window_layers", 0) else None
+
+
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    """Qwen2's windows; RMSNorm on each head's query and key; biases only if attention_bias."""
+
+    qkv_bias = staticmethod(LlamaForCausalLM.qkv_bias)
+    o_bias = staticmethod(LlamaForCausalLM.o_bias)
+
+    @staticmethod
+    def qk_norm(config: PretrainedConfig) -> bool:
+        return True
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3 with sparse MLPs: every `decoder_sparse_step`-th layer not in `mlp_only_layers`
+    routes each token to `num_experts_per_tok` of `num_experts` (renormalised when
+    norm_topk_prob); a window, when used, covers every layer."""
+
+    @staticmethod
+    def sliding_window_for_layer(config: PretrainedConfig, layer_idx: int) -> int | None:
+        return getattr(config, "sliding_window", None)
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        sparse = (layer_idx not in config.mlp_only_layers and config.num_experts > 0
+                  and (layer_idx + 1) % config.decoder_sparse_step == 0)
+        if not sparse:
+            return LlamaMLP(config)
+        return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                              config.moe_intermediate_size, renormalize=config.norm_topk_prob,
+                              float32_weights=False)
+
+
+class MixtralForCausalLM(MistralForCausalLM):
+    """Mistral with every MLP a Mixture of Experts (softmax top-k, renormalised, the weights
+    kept in float32); the checkpoint calls the MLP `block_sparse_moe`."""
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        return SparseMoeBlock(config.hidden_size, config.num_local_experts,
+                              config.num_experts_per_tok, config.intermediate_size,
+                              renormalize=True, float32_weights=True)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights((name.replace(".block_sparse_moe.", ".mlp."), tensor)
+                             for name, tensor in weights)

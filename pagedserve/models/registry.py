@@ -14,6 +14,9 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pagedserve.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "pagedserve.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "pagedserve.models.llama:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "pagedserve.models.llama:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "pagedserve.models.llama:MixtralForCausalLM",
     "MambaForCausalLM": "pagedserve.models.mamba:MambaForCausalLM",
 }
 

@@ -1,0 +1,200 @@
+"""Qwen3, Qwen3-MoE and Mixtral through the engine against transformers on the same weights
+(float32, CPU, greedy, eager reference): token ids equal with chunked prefill and forced
+preemption too, prompt logprobs within 1e-4 relative, a window shorter than the prompts. The
+Mixture-of-Experts layer itself against transformers' own sparse blocks; the expert weights from
+both checkpoint layouts (one tensor per expert, or stacked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pagedserve import SamplingParams
+from pagedserve.models import get_model_cls, load_model
+from pagedserve.models.moe import SparseMoeBlock
+from tests.engine.test_engine_e2e import hf_prompt_logprobs
+from tests.utils.paged import hf_greedy
+
+NUM_NEW = 24
+PROMPT_LENS = [3, 17, 8, 40, 1, 25]
+COMMON = dict(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False)
+MOE = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
+
+
+def _configs() -> dict[str, transformers.PretrainedConfig]:
+    return {
+        "qwen3": transformers.Qwen3Config(**COMMON),
+        # Layers 1 and 2 slide over 12 keys; the prompts run to 40.
+        "qwen3_window": transformers.Qwen3Config(**COMMON, use_sliding_window=True,
+                                                 sliding_window=12, max_window_layers=1),
+        # Layer 1 dense (mlp_only_layers), layers 0 and 2 sparse; top-2 renormalised.
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            **COMMON, **MOE, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True,
+            mlp_only_layers=[1], decoder_sparse_step=1),
+        # Every second layer sparse (layer 1), weights not renormalised.
+        "qwen3_moe_step2": transformers.Qwen3MoeConfig(
+            **COMMON, **MOE, num_experts=6, moe_intermediate_size=32, norm_topk_prob=False,
+            mlp_only_layers=[], decoder_sparse_step=2),
+        "mixtral_window": transformers.MixtralConfig(**COMMON, **MOE, num_local_experts=4,
+                                                     sliding_window=12),
+    }
+
+
+def _save(config: transformers.PretrainedConfig, path, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          dtype=torch.float32)
+    with torch.no_grad():  # norms away from 1, so a q/k norm that is skipped shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model.eval().save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    models = {}
+    for i, (name, config) in enumerate(_configs().items()):
+        path = tmp_path_factory.mktemp(name)
+        hf = _save(config, path, seed=i)
+        g = torch.Generator().manual_seed(100 + i)
+        prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist()
+                   for n in PROMPT_LENS]
+        expected = [hf_greedy(hf, p, NUM_NEW) for p in prompts]
+        models[name] = (str(path), hf, prompts, expected)
+    return models
+
+
+VARIANTS = {
+    "default": {},
+    "chunked_prefill": {"max_num_batched_tokens": 16},
+    "preemption": {"num_gpu_blocks_override": 20, "block_size": 4},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("name", list(_configs()))
+def test_greedy_matches_transformers(family_models, make_llm, name, variant):
+    path, _, prompts, expected = family_models[name]
+    llm = make_llm(model=path, dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                   **VARIANTS[variant])
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    if variant == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+def test_prompt_logprobs_match_transformers(family_models, make_llm, name):
+    path, hf, prompts, _ = family_models[name]
+    llm = make_llm(model=path, dtype="float32", device="cpu", max_num_batched_tokens=16,
+                   kv_cache_memory="16MiB")
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ref = hf_prompt_logprobs(hf, prompt)
+        for pos, entry in enumerate(output.prompt_logprobs[1:], start=1):
+            for token_id, lp in entry.items():
+                assert lp.logprob == pytest.approx(ref[pos - 1, token_id].item(), rel=1e-4,
+                                                   abs=1e-5)
+            assert set(ref[pos - 1].topk(5).indices.tolist()) <= set(entry)
+
+
+def test_layers_follow_the_config(family_models):
+    def layout(name):
+        model = load_model(family_models[name][0], torch.float32, torch.device("cpu"),
+                           None).model
+        return ([type(layer.mlp).__name__ for layer in model.model.layers],
+                [a.sliding_window for a in model.attention_layers()])
+
+    dense, sparse = "LlamaMLP", "SparseMoeBlock"
+    assert layout("qwen3") == ([dense] * 3, [None] * 3)
+    assert layout("qwen3_window") == ([dense] * 3, [None, 12, 12])
+    assert layout("qwen3_moe") == ([sparse, dense, sparse], [None] * 3)
+    assert layout("qwen3_moe_step2") == ([dense, sparse, dense], [None] * 3)
+    assert layout("mixtral_window") == ([sparse] * 3, [12] * 3)
+
+
+# ---- the Mixture-of-Experts layer ----------------------------------------------------------
+
+def _hf_block(config: transformers.PretrainedConfig) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+
+
+def _our_block(hf_block: torch.nn.Module, renormalize: bool, float32_weights: bool,
+               dtype: torch.dtype = torch.float32) -> SparseMoeBlock:
+    experts = hf_block.experts
+    num_experts, two_i, hidden = experts.gate_up_proj.shape
+    ours = SparseMoeBlock(hidden, num_experts, hf_block.gate.top_k, two_i // 2, renormalize,
+                          float32_weights)
+    ours.load_state_dict(hf_block.state_dict())
+    return ours.to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_moe_step2", "mixtral_window"])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_moe_block_matches_transformers(kind, tokens):
+    config = _configs()[kind]
+    hf_block = _hf_block(config)
+    renormalize = getattr(config, "norm_topk_prob", True)
+    ours = _our_block(hf_block, renormalize, float32_weights="mixtral" in kind)
+    x = torch.randn(1, tokens, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf_block(x)[0]
+        got = ours(x[0])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_block_bfloat16_against_float32_reference():
+    """bf16 weights and activations: the same experts are chosen for tokens whose top-k is not
+    a near tie, and the outputs agree with the float32 computation to bf16 rounding."""
+    config = _configs()["qwen3_moe"]
+    hf_block = _hf_block(config)
+    ours32 = _our_block(hf_block, True, False)
+    ours16 = _our_block(hf_block, True, False, torch.bfloat16)
+    x = torch.randn(256, config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = ours32(x)
+        got = ours16(x.bfloat16()).float()
+        _, ids32 = ours32.gate(x)
+        _, ids16 = ours16.gate(x.bfloat16())
+    same = (ids32.sort(-1).values == ids16.sort(-1).values).all(-1)
+    assert same.float().mean() > 0.9
+    err = (got[same] - ref[same]).abs().max() / ref.abs().max()
+    assert err < 2e-2
+
+
+def test_experts_load_one_by_one_or_stacked():
+    config = _configs()["qwen3_moe"]
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    stacked = dict(hf.state_dict())  # transformers' in-memory layout: experts stacked
+    assert "model.layers.0.mlp.experts.gate_up_proj" in stacked
+    per_expert = {k: v for k, v in stacked.items() if ".mlp.experts." not in k}
+    for layer in (0, 2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate, up = stacked[f"{prefix}.gate_up_proj"].chunk(2, dim=1)
+        for e in range(config.num_experts):
+            per_expert[f"{prefix}.{e}.gate_proj.weight"] = gate[e]
+            per_expert[f"{prefix}.{e}.up_proj.weight"] = up[e]
+            per_expert[f"{prefix}.{e}.down_proj.weight"] = stacked[f"{prefix}.down_proj"][e]
+    for state in (stacked, per_expert):
+        model = get_model_cls(config)(config)
+        model.load_weights(state.items())
+        got = model.model.layers[2].mlp.experts.gate_up_proj
+        torch.testing.assert_close(got, stacked["model.layers.2.mlp.experts.gate_up_proj"])
+
+    del per_expert["model.layers.2.mlp.experts.5.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"lacks 1 tensors.*layers.2.mlp.experts:5:up"):
+        get_model_cls(config)(config).load_weights(per_expert.items())
+    per_expert["model.layers.2.mlp.experts.5.up_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"expert 5's up weight has shape \(3, 3\)"):
+        get_model_cls(config)(config).load_weights(per_expert.items())
