@@ -73,22 +73,49 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_parameters(config: PretrainedConfig) -> dict:
+class Float32ScaledRMSNorm(RMSNorm):
+    """RMSNorm scaled by (offset + weight) in float32 before the cast back, as OLMo-2 (offset
+    0) and Gemma (offset 1: its checkpoints store weight - 1) round; the torch path only."""
+
+    offset = 0.0
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (self.offset + self.weight.float())).to(x.dtype)
+
+
+class GemmaRMSNorm(Float32ScaledRMSNorm):
+    offset = 1.0
+
+
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
     """The rope settings in one shape for transformers 4.x (`rope_theta` + `rope_scaling`) and
-    5.x (`rope_parameters`)."""
+    5.x (`rope_parameters`, keyed by layer type where the layer types differ: Gemma 3)."""
     params = getattr(config, "rope_parameters", None)
     if params is None:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    elif layer_type is not None:
+        params = params[layer_type]
     params = dict(params)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return params
 
 
-def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | None = None,
+                  seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """inv_freq [head_dim // 2] float32 and the cos/sin scale, from transformers' own rope init
     functions (`default` is not among them in transformers 5, so it is computed here as
-    transformers' Llama does).
+    transformers' Llama does). `seq_len` reaches the functions that depend on it (LongRoPE's
+    long factors apply past the original context).
 
     `dynamic` NTK in transformers recomputes inv_freq only once a sequence grows past
     max_position_embeddings; at or below it the frequencies are the init-time ones. The engine
@@ -96,10 +123,16 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor
     every length it serves."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = rope_parameters(config)
+    params = rope_parameters(config, layer_type)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor="
+                         f"{params['partial_rotary_factor']}) are not supported")
     rope_type = params["rope_type"]
     if rope_type in ROPE_INIT_FUNCTIONS:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        extra = {} if layer_type is None else {"layer_type": layer_type}
+        if seq_len is not None:
+            extra["seq_len"] = seq_len
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
         return inv_freq.float(), float(scaling)
     if rope_type != "default":
         raise ValueError(f"rope type {rope_type!r} is not supported; transformers knows "
@@ -109,14 +142,37 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor
     return inv_freq, 1.0
 
 
+def _rope_table(config: PretrainedConfig, head_dim: int, layer_type: str | None,
+                max_positions: int) -> torch.Tensor:
+    """[P, D] float32: cos | sin of every position. LongRoPE (Phi-3) rotates positions below
+    `original_max_position_embeddings` with its short factors and the later ones with its long
+    factors: a position's rotation never depends on how long its sequence grows, so cached K
+    stays valid under chunked prefill, preemption and prefix sharing. (transformers instead
+    recomputes the whole sequence with the long factors once it outgrows the original
+    context; both agree on every sequence within it.)"""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    inv_freq, scaling = rope_inv_freq(config, head_dim, layer_type)
+    freqs = positions[:, None] * inv_freq[None, :]
+    params = rope_parameters(config, layer_type)
+    if params["rope_type"] == "longrope":
+        original = (params.get("original_max_position_embeddings")
+                    or getattr(config, "original_max_position_embeddings", max_positions))
+        long_freq, _ = rope_inv_freq(config, head_dim, layer_type, seq_len=original + 1)
+        beyond = positions >= original
+        freqs[beyond] = positions[beyond, None] * long_freq[None, :]
+    return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin of every position up to max_position_embeddings, computed once ([P, D/2] each,
     in the model dtype as transformers casts them), gathered by position each step."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int,
+                 layer_type: str | None = None) -> None:
         super().__init__()
         self.config = config
         self.head_dim = head_dim
+        self.layer_type = layer_type  # rope settings per layer type (Gemma 3), else None
         self.max_positions = config.max_position_embeddings
         self.register_buffer("cos_sin_cache", torch.empty(self.max_positions, head_dim),
                              persistent=False)
@@ -126,10 +182,7 @@ class RotaryEmbedding(nn.Module):
             self.build_cache(self.cos_sin_cache.device, torch.get_default_dtype())
 
     def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
-        inv_freq, scaling = rope_inv_freq(self.config, self.head_dim)
-        positions = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        cache = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
+        cache = _rope_table(self.config, self.head_dim, self.layer_type, self.max_positions)
         self.cos_sin_cache = cache.to(device=device, dtype=dtype)
         self._positions = self._cos_sin = None
 
@@ -147,6 +200,14 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         cos, sin = self._cos_sin
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def build_rope_caches(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """(Re)build every rotary embedding's cos/sin table under `module` (after loading, or
+    after `to_empty` left the non-persistent tables unset)."""
+    for sub in module.modules():
+        if isinstance(sub, RotaryEmbedding):
+            sub.build_cache(device, dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

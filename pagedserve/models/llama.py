@@ -22,14 +22,22 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from pagedserve.attention.layer import Attention
-from pagedserve.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from pagedserve.models.layers import RMSNorm, RotaryEmbedding, build_rope_caches, silu_and_mul
 from pagedserve.models.moe import SparseMoeBlock
 from pagedserve.models.quantization import Int8Linear, quantize_linears_
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v as one fused projection, an optional RMSNorm of q and k (per head: Qwen3, Gemma 3;
+    over the whole projection: OLMo-2), the rotary embedding, paged attention, o_proj. The
+    families set the rest: `scale` (default head_dim ** -0.5), a logit soft-cap (Gemma 2),
+    learned sinks (gpt-oss)."""
+
     def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
-                 sliding_window: int | None, qk_norm: bool = False) -> None:
+                 sliding_window: int | None, qk_norm: bool = False, *,
+                 norm_cls: type[nn.Module] = RMSNorm, qk_norm_per_head: bool = True,
+                 scale: float | None = None, logits_soft_cap: float | None = None,
+                 has_sinks: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -39,20 +47,27 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads, layer_idx, sliding_window=sliding_window)
-        # Qwen3's RMSNorm of each head's query and key, before the rotary embedding.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        extra = {"has_sinks": True} if has_sinks else {}
+        self.attn = Attention(self.num_heads, self.head_dim,
+                              self.head_dim ** -0.5 if scale is None else scale,
+                              self.num_kv_heads, layer_idx, sliding_window=sliding_window,
+                              logits_soft_cap=logits_soft_cap, **extra)
+        self.qk_norm_per_head = qk_norm_per_head
+        q_dim, k_dim = ((self.head_dim, self.head_dim) if qk_norm_per_head
+                        else (self.q_size, self.kv_size))
+        self.q_norm = norm_cls(q_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm_cls(k_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 rotary: RotaryEmbedding) -> torch.Tensor:
         t = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_per_head:
             # One row per head, so the fused 2-D norm kernel serves on CUDA.
             q = self.q_norm(q.reshape(-1, self.head_dim))
             k = self.k_norm(k.reshape(-1, self.head_dim))
+        elif self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q.view(t, self.num_heads, self.head_dim),
                       k.view(t, self.num_kv_heads, self.head_dim))
         out = self.attn(q.reshape(t, self.q_size), k.reshape(t, self.kv_size), v)
@@ -60,14 +75,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, act: str | None = None) -> None:
         super().__init__()
+        act = act or config.hidden_act
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-        self.fused_silu = config.hidden_act == "silu"
+        self.act_fn = ACT2FN[act]
+        self.fused_silu = act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -140,10 +156,13 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
+    # The decoder stack; families with another layer layout (Gemma's sandwich norms) swap it.
+    model_cls: type[nn.Module] = LlamaModel
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, type(self))
+        self.model = self.model_cls(config, type(self))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
@@ -230,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
         emb = self.model.embed_tokens.weight
-        self.model.rotary_emb.build_cache(emb.device, emb.dtype)
+        build_rope_caches(self, emb.device, emb.dtype)
 
     def _shard(self, target: str, param: torch.Tensor, shard: str) -> torch.Tensor:
         if ".qkv_proj." in target:

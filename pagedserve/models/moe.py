@@ -3,13 +3,16 @@ held as two stacked weights. Routing and the expert computation are separate mod
 routing rule (DeepSeek's grouped top-k, gpt-oss's biased logits) is a new router, not a new
 expert kernel.
 
-`FusedMoE.forward` is the vectorised torch path, and the reference: the (token, slot) pairs
+`torch_experts` is the vectorised torch path, and the reference: the (token, slot) pairs
 sorted by expert, one pair of matmuls per expert that any token chose, a weighted
-`index_add_` in expert order. It rounds as transformers' own expert loop does, so float32
-greedy tokens agree.
+`index_add_` in expert order. It rounds as transformers' own expert loops do, so float32
+greedy tokens agree. On CUDA `moe_kernels.fused_experts` (Triton grouped GEMMs over tokens
+sorted by expert) computes the same thing without a host sync.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,36 +44,88 @@ class TopKRouter(nn.Module):
         return weights, ids
 
 
-class FusedMoE(nn.Module):
-    """E experts, each silu(x W_gate^T) * (x W_up^T) W_down^T, stacked: gate_up_proj [E, 2I, H]
-    (gate rows, then up rows) and down_proj [E, H, I], transformers' own layout."""
+@dataclass(frozen=True)
+class ExpertActivation:
+    """How an expert combines its gate and up projections. `silu`: silu(gate) * up (Mixtral,
+    Qwen3-MoE); `swiglu_clamped`: gpt-oss's gate clamped above at `limit`, up clamped to
+    [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("silu", "swiglu_clamped"):
+            raise ValueError(f"expert activation {self.kind!r} is not silu or swiglu_clamped")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+
+SILU = ExpertActivation()
+
+
+def torch_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor,
+                  activation: ExpertActivation = SILU,
+                  gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference expert computation. x [T, H]; gate_up_proj [E, 2I, H] (gate rows, then up
+    rows), down_proj [E, H, I], optional biases [E, 2I] and [E, H]; weights and ids [T, k] ->
+    [T, H]: the (token, slot) pairs sorted by expert, one pair of matmuls per expert that any
+    token chose, a weighted `index_add_` in expert order. It syncs with the host once (the
+    per-expert counts), so it is the CPU path; CUDA runs `moe_kernels.fused_experts`."""
+    out = torch.zeros_like(x)
+    k = ids.shape[1]
+    order = ids.flatten().argsort(stable=True)
+    counts = torch.bincount(ids.flatten(), minlength=gate_up_proj.shape[0]).tolist()
+    tokens, slots = order // k, order % k
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        token, slot = tokens[start:start + count], slots[start:start + count]
+        start += count
+        gate_up = F.linear(x[token], gate_up_proj[expert],
+                           None if gate_up_bias is None else gate_up_bias[expert])
+        y = F.linear(activation(*gate_up.chunk(2, dim=-1)), down_proj[expert],
+                     None if down_bias is None else down_bias[expert])
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+    return out
+
+
+class FusedMoE(nn.Module):
+    """E experts, each act(x W_gate^T, x W_up^T) W_down^T, stacked: gate_up_proj [E, 2I, H]
+    (gate rows, then up rows) and down_proj [E, H, I], transformers' own layout for Mixtral and
+    Qwen3-MoE; optional biases (gpt-oss). On CUDA the Triton grouped GEMM
+    (`moe_kernels.fused_experts`) runs them, elsewhere `torch_experts`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 activation: ExpertActivation = SILU, bias: bool = False) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = (nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+                                  if bias else None)
+        self.down_proj_bias = (nn.Parameter(torch.empty(num_experts, hidden_size))
+                               if bias else None)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                 ) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] -> [T, H]: each token's experts, weighted."""
-        out = torch.zeros_like(x)
-        k = ids.shape[1]
-        order = ids.flatten().argsort(stable=True)
-        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
-        tokens, slots = order // k, order % k
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            token, slot = tokens[start:start + count], slots[start:start + count]
-            start += count
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        experts = torch_experts
+        if x.is_cuda:
+            from pagedserve.models.moe_kernels import fused_experts as experts
+        return experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
+                       self.gate_up_proj_bias, self.down_proj_bias)
 
     def load_expert(self, expert: int, shard: str, tensor: torch.Tensor) -> None:
         """One expert's checkpoint tensor into the stacked weights: `shard` is gate, up or

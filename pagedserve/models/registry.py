@@ -17,6 +17,10 @@ _MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "pagedserve.models.llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "pagedserve.models.llama:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "pagedserve.models.llama:MixtralForCausalLM",
+    "Gemma2ForCausalLM": "pagedserve.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "pagedserve.models.gemma:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "pagedserve.models.phi3:Phi3ForCausalLM",
+    "Olmo2ForCausalLM": "pagedserve.models.olmo2:Olmo2ForCausalLM",
     "MambaForCausalLM": "pagedserve.models.mamba:MambaForCausalLM",
 }
 

@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE and Mixtral through the engine against transformers on the same weights
+"""Qwen3, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3, Phi-3 and OLMo-2 through the engine against transformers on the same weights
 (float32, CPU, greedy, eager reference): token ids equal with chunked prefill and forced
 preemption too, prompt logprobs within 1e-4 relative, a window shorter than the prompts. The
 Mixture-of-Experts layer itself against transformers' own sparse blocks; the expert weights from
@@ -22,6 +22,13 @@ COMMON = dict(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False)
 MOE = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
+# Local layers slide over 12 keys; the prompts run to 40.
+GEMMA = dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             sliding_window=12, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh")
+# LongRoPE: every sequence here stays within the original 64 positions (short factors).
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}
 
 
 def _configs() -> dict[str, transformers.PretrainedConfig]:
@@ -40,6 +47,19 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
             mlp_only_layers=[], decoder_sparse_step=2),
         "mixtral_window": transformers.MixtralConfig(**COMMON, **MOE, num_local_experts=4,
                                                      sliding_window=12),
+        # Soft caps low enough to bite on these logits; a tied head.
+        "gemma2": transformers.Gemma2Config(**{**COMMON, "tie_word_embeddings": True}, **GEMMA,
+                                            attn_logit_softcapping=2.0,
+                                            final_logit_softcapping=3.0),
+        # Global layers rotate with their own base and a linear scaling; q/k norms.
+        "gemma3": transformers.Gemma3TextConfig(
+            **COMMON, **GEMMA, rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}}),
+        "phi3_window": transformers.Phi3Config(
+            **COMMON, original_max_position_embeddings=64, rope_parameters=LONGROPE,
+            sliding_window=12, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "olmo2": transformers.Olmo2Config(**COMMON, pad_token_id=0),
     }
 
 
@@ -118,6 +138,30 @@ def test_layers_follow_the_config(family_models):
     assert layout("qwen3_moe") == ([sparse, dense, sparse], [None] * 3)
     assert layout("qwen3_moe_step2") == ([dense, sparse, dense], [None] * 3)
     assert layout("mixtral_window") == ([sparse] * 3, [12] * 3)
+    assert layout("gemma2") == ([dense] * 3, [12, None, 12])
+    assert layout("gemma3") == ([dense] * 3, [12, None, 12])
+    assert layout("phi3_window") == ([dense] * 3, [12] * 3)
+    assert layout("olmo2") == ([dense] * 3, [None] * 3)
+
+
+def test_longrope_table_past_the_original_context():
+    """Positions from original_max_position_embeddings on rotate with the long factors, as
+    transformers' rotary does once a sequence outgrows the original context; earlier ones with
+    the short factors."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from pagedserve.models.layers import RotaryEmbedding
+
+    config = _configs()["phi3_window"]
+    ours = RotaryEmbedding(config, 16)
+    ours.build_cache(torch.device("cpu"), torch.float32)
+    hf = Phi3RotaryEmbedding(config)
+    x = torch.zeros(1, 1, 16)
+    for lo, hi in ((0, 64), (64, 256)):
+        # transformers picks the factors from the largest position in the call.
+        cos, sin = hf(x, torch.arange(lo, hi)[None])
+        torch.testing.assert_close(ours.cos_sin_cache[lo:hi, :8], cos[0, :, :8])
+        torch.testing.assert_close(ours.cos_sin_cache[lo:hi, 8:], sin[0, :, :8])
 
 
 # ---- the Mixture-of-Experts layer ----------------------------------------------------------
