@@ -2,15 +2,13 @@
 (read from the reader we already hold; transformers' `AutoConfig(gguf_file=)` would parse the file
 again, ~4 s), its tensors dequantised to float32 under Hugging Face names, and its tokenizer.
 
-Only the `llama` architecture is read (Llama, SmolLM2 and llama.cpp's Mistral conversions).
-llama.cpp's converter interleaves the two rope halves of every q/k head; `gguf_weights` undoes
-that so the rotate-half rope of transformers (and of our model) applies unchanged.
+The architectures read and what each needs are in `gguf_arch` (llama, qwen2, qwen3, gemma2,
+gemma3, phi3); this module reads the file and undoes the converter's transforms tensor by tensor.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -19,30 +17,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from pagedserve import envs
-
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-
-# GGUF tensor name -> Hugging Face name; {} is the layer index.
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def open_gguf(path: str) -> Any:
@@ -55,57 +32,16 @@ def open_gguf(path: str) -> Any:
     return gguf.GGUFReader(path)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def gguf_config(reader: Any) -> PretrainedConfig:
     """The transformers config the file's metadata describes."""
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
-    tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError("this GGUF bakes its rope scaling into `rope_freqs` (Llama 3.1 style); "
-                         "load the Hugging Face checkpoint instead")
-    heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
-    head_dim = _field(reader, f"{arch}.attention.key_length") or \
-        _field(reader, f"{arch}.rope.dimension_count") or hidden // heads
-    vocab = _field(reader, f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    rope: dict[str, Any] = {"rope_type": "default",
-                            "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling_type == "linear":
-        rope = {**rope, "rope_type": "linear",
-                "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=int(vocab),
-        hidden_size=int(hidden),
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
-        num_attention_heads=int(heads),
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(head_dim),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_parameters=rope,
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-    )
+    from pagedserve.models.gguf_arch import Metadata, config_from_metadata
+
+    return config_from_metadata(Metadata(reader))
 
 
 def gguf_chat_template(reader: Any) -> str | None:
-    return _field(reader, "tokenizer.chat_template")
+    field = reader.fields.get("tokenizer.chat_template")
+    return None if field is None else field.contents()
 
 
 def tokenizer_cache_dir() -> Path | None:
@@ -151,19 +87,6 @@ def _save_to_cache(tokenizer: Any, entry: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def hf_name(gguf_name: str) -> str:
-    match = _LAYER_RE.fullmatch(gguf_name)
-    if match:
-        layer, part, kind = match.groups()
-        if part not in _LAYER_NAMES:
-            raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-    stem, _, kind = gguf_name.rpartition(".")
-    if stem not in _GLOBAL_NAMES:
-        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
-    return f"{_GLOBAL_NAMES[stem]}.{kind}"
-
-
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head interleave of the rope halves (rows of a q/k weight or bias)."""
     rows = weight.shape[0]
@@ -173,17 +96,35 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def gguf_weights(reader: Any, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 CPU tensor) for every tensor, dequantised one at a time."""
-    from gguf.quants import dequantize
+    """(Hugging Face name, float32 CPU tensor) for every weight, dequantised one at a time, with
+    the converter's transforms undone (`gguf_arch`)."""
+    from pagedserve.models.gguf_arch import ARCHITECTURES, CONFIG_TENSORS, Metadata, hf_name
 
-    heads = {"self_attn.q_proj": config.num_attention_heads,
-             "self_attn.k_proj": config.num_key_value_heads}
+    arch = Metadata(reader).arch
+    spec = ARCHITECTURES[arch]
+    names = spec.tensor_names(arch)
+    rope_heads = {".self_attn.q_proj.": config.num_attention_heads,
+                  ".self_attn.k_proj.": config.num_key_value_heads} if spec.permute_qk else {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        array = dequantize(tensor.data, tensor.tensor_type)
-        for proj, num_heads in heads.items():
-            if f".{proj}." in name:
+        if tensor.name.rpartition(".")[0] in CONFIG_TENSORS:
+            continue
+        name = hf_name(tensor.name, names, arch)
+        array = _dequantize(tensor)
+        for proj, num_heads in rope_heads.items():
+            if proj in name:
                 array = unpermute_rope_rows(array, num_heads)
+        if spec.norm_shift and tensor.name.endswith("norm.weight"):
+            array = array - np.float32(spec.norm_shift)  # stored as shift + w
         # F32/F16 tensors come back as read-only views of the memory map: copy them.
         yield name, torch.from_numpy(np.ascontiguousarray(array) if array.flags.writeable
                                      else np.array(array))
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        return dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"GGUF tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, "
+                         "which pagedserve cannot dequantise") from None
