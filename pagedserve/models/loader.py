@@ -270,10 +270,19 @@ RANDOM_PRESETS: dict[str, dict[str, Any]] = {
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                       tie_word_embeddings=False),
+    # Qwen3-30B-A3B: 48 layers, 128 experts of 768, top-8 renormalised, 32:4 heads of 128.
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 
 _ARCHITECTURE_OF = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM", "mamba": "MambaForCausalLM"}
+                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "mamba": "MambaForCausalLM"}
 
 
 def random_model_config(spec: str) -> PretrainedConfig:
