@@ -7,7 +7,8 @@
 # tests (GPU tests in parallel shards), quick (the GPU tests of
 # recently changed code), e2e (engine vs transformers on the SmolLM2 GGUF), bench (attention
 # kernels), features (Mamba and prefix caching GPU tests), engine (benchmarks/gpu_engine.py),
-# tqtests (TurboQuant's GPU tests), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
+# tqtests (TurboQuant's GPU tests), moe (the MoE kernel's, sinks' and new families' GPU tests,
+# the MoE kernel benchmark), moe_engine (the Qwen3-30B-A3B shape next to transformers), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
 # conformance and benchmark rows), tq (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
@@ -305,6 +306,25 @@ stage_serve_latency() {  # the 8B shape served: TTFT / TPOT / ITL at several req
     echo "exit $?" >>"$OUT/serve-latency.log"
     kill $pid; wait $pid 2>/dev/null
     cat "$OUT/serve-latency.log"
+}
+
+stage_moe() {  # the MoE kernel's and the sinks' GPU tests, then the MoE kernel benchmark
+    setup_env
+    shard moe-kernels tests/models/test_moe_kernels.py
+    shard sinks tests/attention/test_conformance.py -k "sink"
+    shard families tests/models/test_families.py
+    wait
+    timeout 300 python3 benchmarks/moe_kernels.py --json "$OUT/moe-kernels.json" \
+        >"$OUT/moe-kernels.log" 2>&1; echo "exit $?" >>"$OUT/moe-kernels.log"
+    tail -40 "$OUT/moe-kernels.log"
+}
+
+stage_moe_engine() {  # the Qwen3-30B-A3B shape through bench throughput, next to transformers
+    setup_env
+    timeout "${MOE_ENGINE_TIMEOUT:-540}" python3 benchmarks/moe_engine.py \
+        --json "$OUT/moe-engine.json" ${MOE_ENGINE_ARGS:-} >"$OUT/moe-engine.log" 2>&1
+    echo "exit $?" >>"$OUT/moe-engine.log"
+    tail -20 "$OUT/moe-engine.log"
 }
 
 for stage in "$@"; do
