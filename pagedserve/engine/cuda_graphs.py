@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -169,9 +170,15 @@ class DecodeGraphs:
     @torch.inference_mode()
     def check_against_eager(self, rtol: float = 0.05) -> float:
         """Replay the largest graph on a small real batch (3 requests of different contexts,
-        random input ids) and compare it with the eager forward: returns the max abs diff
-        relative to the largest eager value, and raises when that exceeds `rtol` (bf16 rounding
-        differences are far below it; a graph reading stale buffers is far above)."""
+        random input ids, the rest padding) and compare it with the same padded step run
+        eagerly, kernel for kernel what the graph captured: returns the max abs diff relative to
+        the largest eager value, and raises when that exceeds `rtol` (a graph reading stale
+        buffers is far above it).
+
+        The real rows are also compared with an eager forward of the 3 requests alone. Kernels
+        that choose their launch shape by batch size (the MoE GEMMs) round differently there,
+        and a random-weight Mixture of Experts turns one flipped expert choice into a different
+        output, so that difference is reported, not raised, unless it is not finite."""
         inputs = self.inputs
         b = min(3, max(self.sizes))
         common = self.dummy_decode(b, [5, 37, 18][:b])
@@ -179,22 +186,33 @@ class DecodeGraphs:
         inputs.input_ids.device[:b].copy_(ids)
         eager_md = {cfg: builder.build(common) for cfg, builder in inputs.builders.items()}
         eager = inputs.run_model(eager_md, b).float()
-        if eager.is_cuda:
-            torch.cuda.synchronize(eager.device)
         # Force the largest size so the padding rows are exercised too.
-        saved = self.sizes
-        self.sizes = [max(saved)]
+        saved, size = self.sizes, max(self.sizes)
+        self.sizes = [size]
         try:
             graphed = self.run(common)
         finally:
             self.sizes = saved
         if graphed is None:
             raise RuntimeError("the graph path refused a pure-decode batch")
-        diff = float((graphed.float() - eager).abs().max() / eager.abs().max().clamp_min(1e-6))
+        graphed = graphed.float().clone()
+        padded_eager = self._forward(self._graph_metadata(common, size), size)[:b].float()
+        diff = _relative_diff(graphed, padded_eager)
         if not diff <= rtol:  # also catches NaN
             raise RuntimeError(f"graph replay differs from the eager forward by {diff:.3g} "
                                "(relative to the largest value)")
+        unpadded = _relative_diff(padded_eager, eager)
+        if not math.isfinite(unpadded):
+            raise RuntimeError("the padded decode step's real rows are not finite")
+        if unpadded > rtol:
+            logger.info("decode graphs: padded rows differ from the unpadded forward by %.3g "
+                        "(batch-size-dependent rounding, amplified by expert routing)",
+                        unpadded)
         return diff
+
+
+def _relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
 
 
 def setup_decode_graphs(inputs: GraphInputs, backend: type[AttentionBackend],
