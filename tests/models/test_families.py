@@ -123,12 +123,20 @@ def test_greedy_matches_transformers(family_models, make_llm, name, variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral_window", "gpt_oss", "gemma2", "gemma3"])
-def test_greedy_on_cuda_matches_transformers(family_models, make_llm, name):
+def test_greedy_on_cuda_matches_transformers(tmp_path, make_llm, name):
     """The CUDA path (the Triton MoE kernel, TRITON's soft-caps, windows and sinks, CUDA
-    graphs) in float32 against transformers' float32 tokens from the CPU."""
-    path, _, prompts, expected = family_models[name]
-    llm = make_llm(model=path, dtype="float32", device="cuda", attention_backend="TRITON",
-                   kv_cache_memory="64MiB", max_num_batched_tokens=16)
+    graphs) in float32 against transformers' float32 tokens on the CPU; heads of 64, the
+    smallest TRITON runs."""
+    config = _configs()[name]
+    config.head_dim = 64
+    hf = _save(config, tmp_path, seed=7)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist()
+               for n in PROMPT_LENS]
+    expected = [hf_greedy(hf, p, NUM_NEW) for p in prompts]
+    llm = make_llm(model=str(tmp_path), dtype="float32", device="cuda",
+                   attention_backend="TRITON", kv_cache_memory="64MiB",
+                   max_num_batched_tokens=16)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
