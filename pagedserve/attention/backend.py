@@ -30,6 +30,9 @@ class AttentionLayerConfig:
     logits_soft_cap: float | None = None
     kv_cache_dtype: str = "auto"
     scale: float | None = None  # softmax scale; None: head_size ** -0.5
+    # A learned per-head logit joins each softmax as one more column that carries no value
+    # (gpt-oss); the logits themselves are the layer's weights, bound to the impl (bind_sinks).
+    has_sinks: bool = False
 
     @property
     def softmax_scale(self) -> float:
@@ -52,6 +55,7 @@ class BuilderConfig:
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
     kv_cache_dtype: str = "auto"
+    has_sinks: bool = False
 
     @classmethod
     def for_layer(cls, layer: AttentionLayerConfig, block_size: int, max_num_reqs: int,
@@ -59,7 +63,8 @@ class BuilderConfig:
                   device: torch.device) -> BuilderConfig:
         return cls(layer.num_heads, layer.num_kv_heads, layer.head_size, layer.dtype,
                    block_size, max_num_reqs, max_num_tokens, max_blocks_per_seq, device,
-                   layer.sliding_window, layer.logits_soft_cap, layer.kv_cache_dtype)
+                   layer.sliding_window, layer.logits_soft_cap, layer.kv_cache_dtype,
+                   layer.has_sinks)
 
 
 class AttentionMetadataBuilder(ABC):
@@ -100,10 +105,16 @@ class AttentionMetadataBuilder(ABC):
 class AttentionImpl(ABC):
     """One per attention layer, built from the layer's configuration."""
 
+    # Whether forward applies sinks bound through `bind_sinks`; an impl that does not is never
+    # built for a sink layer, so it cannot run one while ignoring the sinks.
+    supports_sinks: ClassVar[bool] = False
+
     def __init__(self, layer: AttentionLayerConfig) -> None:
         if layer.num_heads % layer.num_kv_heads:
             raise ValueError(f"num_heads {layer.num_heads} is not a multiple of num_kv_heads "
                              f"{layer.num_kv_heads}")
+        if layer.has_sinks and not self.supports_sinks:
+            raise ValueError(f"{type(self).__name__}: attention sinks not supported")
         self.layer = layer
         self.num_heads = layer.num_heads
         self.head_size = layer.head_size
@@ -112,6 +123,27 @@ class AttentionImpl(ABC):
         self.sliding_window = layer.sliding_window
         self.logits_soft_cap = layer.logits_soft_cap
         self.kv_cache_dtype = layer.kv_cache_dtype
+        self.sinks: torch.Tensor | None = None
+
+    def bind_sinks(self, sinks: torch.Tensor) -> None:
+        """The layer's sink logits [num_heads] (any float dtype, on the layer's device), bound
+        once before the first forward (the Attention module does it in `bind`). The impl keeps
+        the tensor itself, so weights loaded into it in place later are seen."""
+        if not self.supports_sinks:
+            raise ValueError(f"{type(self).__name__}: attention sinks not supported")
+        if not self.layer.has_sinks:
+            raise ValueError("sinks bound to a layer configured without them (has_sinks=False)")
+        if tuple(sinks.shape) != (self.num_heads,):
+            raise ValueError(f"sinks must have shape ({self.num_heads},), got "
+                             f"{tuple(sinks.shape)}")
+        self.sinks = sinks
+
+    def bound_sinks(self) -> torch.Tensor | None:
+        """The sinks forward applies: None for a layer without them; a sink layer whose sinks
+        were never bound is an error rather than a run without them."""
+        if self.layer.has_sinks and self.sinks is None:
+            raise RuntimeError(f"{type(self).__name__}: a sink layer ran before bind_sinks")
+        return self.sinks
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -131,6 +163,7 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = False
     supports_soft_cap: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
+    supports_sinks: ClassVar[bool] = False  # its impl's supports_sinks says the same
     # The cache stores K/V lossily (quantized codes): the exact-tolerance conformance suite does
     # not apply; the backend has tests with tolerances of its own.
     lossy_kv_cache: ClassVar[bool] = False
@@ -207,6 +240,8 @@ class AttentionBackend(ABC):
             reasons.append("sliding window not supported")
         if layer.logits_soft_cap is not None and not cls.supports_soft_cap:
             reasons.append("logits soft-cap not supported")
+        if layer.has_sinks and not cls.supports_sinks:
+            reasons.append("attention sinks not supported")
         if layer.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             reasons.append(f"kv_cache_dtype {layer.kv_cache_dtype!r} not in "
                            f"{list(cls.supported_kv_cache_dtypes)}")
@@ -225,6 +260,8 @@ class AttentionBackend(ABC):
             out.append("sliding-window")
         if cls.supports_soft_cap:
             out.append("soft-cap")
+        if cls.supports_sinks:
+            out.append("sinks")
         if cls.supported_kv_cache_dtypes != ("auto",):
             quant = [d for d in cls.supported_kv_cache_dtypes if d != "auto"]
             out.append("quantized-kv(" + ",".join(quant) + ")")

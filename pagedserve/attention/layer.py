@@ -11,11 +11,14 @@ from pagedserve.attention.forward_context import get_forward_context
 
 class Attention(nn.Module):
     """query [T, H*D], key/value [T, Hkv*D] in; [T, H*D] out. The model runner binds an impl of
-    the selected backend (`bind`) and sets the step's metadata and caches around forward."""
+    the selected backend (`bind`) and sets the step's metadata and caches around forward.
+
+    has_sinks: the layer owns learned per-head sink logits `sinks` [H] (gpt-oss), a checkpoint
+    weight that follows the model's dtype; `bind` hands them to the impl."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  layer_idx: int, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None, has_sinks: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
@@ -24,15 +27,20 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.sinks: nn.Parameter | None = (nn.Parameter(torch.zeros(num_heads)) if has_sinks
+                                           else None)
         self.impl: AttentionImpl | None = None
         self.layer_config: AttentionLayerConfig | None = None
 
     def config(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> AttentionLayerConfig:
         return AttentionLayerConfig(self.num_heads, self.num_kv_heads, self.head_size, dtype,
                                     self.sliding_window, self.logits_soft_cap, kv_cache_dtype,
-                                    self.scale)
+                                    self.scale, has_sinks=self.sinks is not None)
 
     def bind(self, impl: AttentionImpl, layer_config: AttentionLayerConfig) -> None:
+        if self.sinks is not None:
+            # The parameter itself: weights loaded into it in place stay visible to the impl.
+            impl.bind_sinks(self.sinks)
         self.impl = impl
         self.layer_config = layer_config
 

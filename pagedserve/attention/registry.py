@@ -100,7 +100,8 @@ def select_backend(name: str | None, device: torch.device, layers: list[Attentio
                    block_size: int) -> type[AttentionBackend]:
     """The backend named by `name` (the CLI flag), else by $PAGEDSERVE_ATTENTION_BACKEND, else
     the best available for the device. A named backend that is unknown, unavailable or cannot
-    run these layers is an error listing what is available; it is never silently replaced."""
+    run these layers is an error listing what is available; it is never silently replaced.
+    `layers`: the model's attention layers in order; errors name them by position."""
     key = requested_backend(name)
     if key is not None:
         cls = get_backend_cls(key)
@@ -132,12 +133,40 @@ def select_backend(name: str | None, device: torch.device, layers: list[Attentio
 
 def _layer_problems(cls: type[AttentionBackend], layers: list[AttentionLayerConfig],
                     block_size: int, device: torch.device) -> list[str]:
-    reasons: list[str] = []
-    for layer in dict.fromkeys(layers):
-        for reason in cls.validate_configuration(layer, block_size, device):
-            if reason not in reasons:
-                reasons.append(reason)
-    return reasons
+    """Why the backend cannot run these layers, each reason once and prefixed by the layers
+    (positions in `layers`) it holds for: "layers 1, 3, 5: sliding window not supported"."""
+    verdicts: dict[AttentionLayerConfig, list[str]] = {}
+    holders: dict[str, list[int]] = {}
+    for index, layer in enumerate(layers):
+        if layer not in verdicts:  # layers of one configuration share a verdict
+            verdicts[layer] = cls.validate_configuration(layer, block_size, device)
+        for reason in verdicts[layer]:
+            holders.setdefault(reason, []).append(index)
+    return [f"{_name_layers(indices, len(layers))}: {reason}"
+            for reason, indices in holders.items()]
+
+
+def _name_layers(indices: list[int], num_layers: int) -> str:
+    """'layer 3', 'layers 1, 3, 5', 'layers 0-3, 8' or, for every one of several, 'all 36
+    layers' (a model's list would be long and say nothing more)."""
+    if len(indices) == 1:
+        return f"layer {indices[0]}"
+    if len(indices) == num_layers:
+        return f"all {num_layers} layers"
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return "layers " + ", ".join(_span(run) for run in runs)
+
+
+def _span(run: list[int]) -> str:
+    """Consecutive layers: three or more as a range, fewer listed."""
+    if len(run) > 2:
+        return f"{run[0]}-{run[-1]}"
+    return ", ".join(map(str, run))
 
 
 _BUILTIN = {

@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from pagedserve.attention import AttentionLayerConfig, backend_status, get_backend_cls
+from pagedserve.attention import (
+    AttentionLayerConfig,
+    backend_status,
+    get_backend_cls,
+    registered_names,
+)
 from tests.utils.conformance import BATCHES, Case, run_case
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -61,3 +66,84 @@ def test_backend_soft_cap(name):
     if not _supported(name, case):
         pytest.skip(f"{name} does not support soft-cap")
     run_case(get_backend_cls(name), case, DEVICE)
+
+
+# ---- attention sinks (gpt-oss) ---------------------------------------------------------------
+
+SINK_BACKENDS = [name for name in AVAILABLE if get_backend_cls(name).supports_sinks]
+# Backends that run attention layers (MAMBA runs state slots, never attention).
+ATTENTION_BACKENDS = [name for name in registered_names() if name != "MAMBA"]
+
+
+def _sink_params():
+    # gpt-oss alternates window-128 and full layers, 8 query heads per KV head: windows and
+    # GQA 8 here, and GQA 3 (a padded row tile in TRITON). With these few heads the seeded
+    # sinks matter in every request at bf16 tolerance too (run_case checks it).
+    for name in SINK_BACKENDS:
+        for batch in BATCHES:
+            for ratio in (3, 8):
+                for window in (None, 8):
+                    yield pytest.param(name, batch, ratio, window,
+                                       id=f"{name}-{batch}-gqa{ratio}-w{window}")
+
+
+@pytest.mark.parametrize("name,batch,ratio,window", list(_sink_params()))
+def test_backend_with_sinks_matches_reference(name, batch, ratio, window):
+    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+    case = Case(BATCHES[batch], 16, 2 * ratio, 2, 64, dtype, window, sinks=True)
+    if not _supported(name, case):
+        pytest.skip(f"{name} does not support {case}")
+    run_case(get_backend_cls(name), case, DEVICE)
+
+
+@pytest.mark.parametrize("name", SINK_BACKENDS)
+def test_sinks_with_soft_cap(name):
+    case = Case(BATCHES["mixed"], 16, 4, 2, 64, torch.float32, 8, 5.0, sinks=True)
+    if not _supported(name, case):
+        pytest.skip(f"{name} does not support sinks with soft-cap")
+    run_case(get_backend_cls(name), case, DEVICE)
+
+
+@pytest.mark.parametrize("name", ATTENTION_BACKENDS)
+def test_backends_without_sinks_refuse_a_sink_layer(name):
+    backend = get_backend_cls(name)
+    layer = AttentionLayerConfig(8, 2, 64, torch.bfloat16, has_sinks=True)
+    assert backend.impl_cls.supports_sinks == backend.supports_sinks
+    assert ("sinks" in backend.features()) == backend.supports_sinks
+    reasons = backend.validate_configuration(layer, 16, DEVICE)
+    if backend.supports_sinks:
+        assert "attention sinks not supported" not in reasons
+        return
+    assert "attention sinks not supported" in reasons
+    # Nor can its impl be built for one, so no path runs a sink layer without its sinks.
+    with pytest.raises(ValueError, match="attention sinks not supported"):
+        backend.impl_cls(layer)
+
+
+def test_a_sink_impl_refuses_to_run_unbound_or_misshapen_sinks():
+    impl = get_backend_cls("CPU").impl_cls(
+        AttentionLayerConfig(8, 2, 64, torch.float32, has_sinks=True))
+    with pytest.raises(RuntimeError, match="before bind_sinks"):
+        impl.bound_sinks()
+    with pytest.raises(ValueError, match="shape"):
+        impl.bind_sinks(torch.zeros(2))
+    plain = get_backend_cls("CPU").impl_cls(AttentionLayerConfig(8, 2, 64, torch.float32))
+    with pytest.raises(ValueError, match="has_sinks=False"):
+        plain.bind_sinks(torch.zeros(8))
+
+
+def test_attention_module_owns_and_binds_its_sinks():
+    from pagedserve.attention.layer import Attention
+
+    layer = Attention(8, 64, 0.125, 2, layer_idx=0, has_sinks=True)
+    assert layer.sinks is not None and layer.sinks.shape == (8,)
+    assert "sinks" in dict(layer.named_parameters())
+    config = layer.config(torch.float32)
+    assert config.has_sinks and hash(config) != hash(layer.config(torch.float16))
+    impl = get_backend_cls("CPU").impl_cls(config)
+    layer.bind(impl, config)
+    assert impl.sinks is layer.sinks  # loading weights into the parameter reaches the impl
+    plain = Attention(8, 64, 0.125, 2, layer_idx=1)
+    assert plain.sinks is None and not plain.config(torch.float32).has_sinks
+    with pytest.raises(ValueError, match="attention sinks not supported"):
+        layer.bind(get_backend_cls("ROCM").impl_cls(config), config)

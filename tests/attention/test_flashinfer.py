@@ -4,8 +4,9 @@ the `flashinfer` module that implements its documented paged-attention semantics
 
 On a CUDA GPU (the `gpu` tests, which also need flashinfer installed), the real kernels against
 float32 references: the conformance grid (bf16), fp16, head size 256, soft-cap, long prompts
-(FlashInfer's fa3 prefill kernel), an fp8 KV cache with scales, the JIT warm-up, and a captured
-decode CUDA graph replayed on new data.
+(FlashInfer's fa3 prefill kernel), an fp8 KV cache with scales, the JIT warm-up, a captured
+decode CUDA graph replayed on new data, and attention sinks through FlashInfer's sink variant
+(gpt-oss's shape, the fp8 cache and the captured graph).
 
 FlashInfer compiles each kernel variant (dtype, head size, window on/off, soft-cap on/off) on its
 first use: a fresh machine spends minutes in the `gpu` tests the first time; `-m "gpu and not
@@ -198,12 +199,15 @@ def test_kv_cache_dtypes_and_validation():
 
 # ---- builder and impl against a torch stand-in for flashinfer -------------------------------
 
-def _paged_attention(q, kv_cache, qo_indptr, kv_indptr, indices, last, plan, k_scale, v_scale):
+def _paged_attention(q, kv_cache, qo_indptr, kv_indptr, indices, last, plan, k_scale, v_scale,
+                     sinks=None, sm_scale=None):
     """FlashInfer's documented semantics: NHD pages, causal mask aligned to the end of the KV,
     window_left keys besides the query, soft-cap on scaled logits, k_scale folded into the
-    softmax scale and v_scale applied to the output."""
+    softmax scale and v_scale applied to the output. The attention-sink variant takes the
+    softmax scale itself and adds one column of logit sinks[head] to each softmax."""
     page = kv_cache.shape[2]
-    sm_scale = plan["head_dim"] ** -0.5 * k_scale
+    if sm_scale is None:
+        sm_scale = plan["head_dim"] ** -0.5 * k_scale
     cap, window = plan["logits_soft_cap"] or 0.0, plan["window_left"]
     out = torch.empty(q.shape, dtype=torch.float32)
     for i in range(len(last)):
@@ -222,7 +226,10 @@ def _paged_attention(q, kv_cache, qo_indptr, kv_indptr, indices, last, plan, k_s
         if window >= 0:
             allowed &= k_pos >= q_pos - window
         s = s.masked_fill(~allowed, float("-inf"))
-        o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v.repeat_interleave(group, 1))
+        if sinks is not None:
+            s = torch.cat([s, sinks.view(-1, 1, 1).expand(-1, s.shape[1], 1)], dim=-1)
+        p = s.softmax(-1)[..., :n_kv]
+        o = torch.einsum("hqk,khd->qhd", p, v.repeat_interleave(group, 1))
         out[int(qo_indptr[i]):int(qo_indptr[i + 1])] = o
     return out * v_scale
 
@@ -268,11 +275,51 @@ class _FakeDecode(_FakeWrapper):
         self._plan(torch.arange(len(indptr)), indptr, *args, **kwargs)
 
 
+class _FakeSinkVariant:
+    """FlashInfer's attention-sink wrappers: the JIT variant is fixed at construction (dtypes,
+    head dims, window), run() takes (sinks float32 [H], sm_scale) after the cache, and there is
+    no soft-cap."""
+
+    def _init_variant(self, q_data_type, kv_data_type, head_dim_qk, head_dim_vo, window_left):
+        assert head_dim_qk == head_dim_vo
+        self.variant = dict(dtypes=(q_data_type, kv_data_type), head_dim=head_dim_qk,
+                            window_left=window_left)
+
+    def plan(self, *args, **kwargs):
+        super().plan(*args, **kwargs)
+        assert self.planned["logits_soft_cap"] is None
+        assert all(self.planned[k] == v for k, v in self.variant.items())
+
+    def run(self, q, kv_cache, sinks, sm_scale, out=None, v_scale=None):
+        assert (q.dtype, kv_cache.dtype) == self.planned["dtypes"]
+        assert sinks.dtype == torch.float32 and sinks.shape == (q.shape[1],)
+        o = _paged_attention(q, kv_cache, *self.csr, self.planned, None, v_scale, sinks,
+                             sm_scale)
+        out.copy_(o)
+        return out
+
+
+class _FakeSinkPrefill(_FakeSinkVariant, _FakePrefill):
+    def __init__(self, workspace, kv_layout, use_cuda_graph=False, q_data_type=None,
+                 kv_data_type=None, head_dim_qk=128, head_dim_vo=128, window_left=-1):
+        super().__init__(workspace, kv_layout, use_cuda_graph)
+        self._init_variant(q_data_type, kv_data_type, head_dim_qk, head_dim_vo, window_left)
+
+
+class _FakeSinkDecode(_FakeSinkVariant, _FakeDecode):
+    def __init__(self, workspace, kv_layout, q_data_type=None, kv_data_type=None,
+                 head_dim_qk=128, head_dim_vo=128, window_left=-1, **kwargs):
+        super().__init__(workspace, kv_layout, use_tensor_cores=True, **kwargs)
+        self._init_variant(q_data_type, kv_data_type, head_dim_qk, head_dim_vo, window_left)
+
+
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     module = types.ModuleType("flashinfer")
     module.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
     module.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
+    module.BatchAttentionWithAttentionSinkWrapper = _FakeSinkPrefill
+    module.BatchDecodeWithAttentionSinkWrapper = _FakeSinkDecode
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(fi_backend, "WORKSPACE_BYTES", 1024)
 
@@ -284,6 +331,33 @@ def test_builder_and_impl_match_reference(fake_flashinfer, batch, block_size, ra
                                           cap):
     case = Case(BATCHES[batch], block_size, 2 * ratio, 2, 64, torch.float32, window, cap)
     run_case(FlashInferBackend, case, CPU)
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("block_size,ratio,window", [(16, 4, None), (1, 3, 8), (32, 1, 8)])
+def test_sink_layers_plan_the_sink_variant(fake_flashinfer, batch, block_size, ratio, window):
+    case = Case(BATCHES[batch], block_size, 2 * ratio, 2, 64, torch.float32, window, sinks=True)
+    run_case(FlashInferBackend, case, CPU)
+
+
+def test_sink_plumbing_refuses_mismatches(fake_flashinfer):
+    sink_layer = AttentionLayerConfig(4, 2, 16, torch.float32, has_sinks=True)
+    capped = AttentionLayerConfig(4, 2, 16, torch.bfloat16, None, 5.0, has_sinks=True)
+    assert any("soft-cap" in r for r in FlashInferBackend.validate_configuration(
+        capped, 16, torch.device("cuda")))
+    common = _common([[0, 1]], [3], [2], 1, 4)
+    plain_md = FlashInferBackend.get_builder_cls()(
+        BuilderConfig(4, 2, 16, torch.float32, 4, 1, 2, 3, CPU)).build(common)
+    impl = FlashInferImpl(sink_layer)
+    impl.bind_sinks(torch.randn(4).to(torch.bfloat16))
+    q, kv = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
+    cache = torch.zeros(FlashInferBackend.get_kv_cache_shape(3, 4, 2, 16))
+    with pytest.raises(ValueError, match="planned without sinks"):
+        impl.forward(q, kv, kv, cache, plain_md)
+    # A bf16 parameter reaches the kernel as one float32 copy, made once.
+    first = impl._float32_sinks()
+    assert first.dtype == torch.float32 and impl._float32_sinks() is first
+    assert torch.equal(first, impl.sinks.float())
 
 
 def _step(block_ids, computed, bs, seed):
@@ -301,13 +375,17 @@ def _pad(x, rows):
     return torch.cat([x, 100 + torch.randn(rows - len(x), *x.shape[1:])])
 
 
-def test_cudagraph_metadata_pads_and_is_reused(fake_flashinfer):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_cudagraph_metadata_pads_and_is_reused(fake_flashinfer, with_sinks):
     """The graph path on padded inputs: the real requests match the reference, padding writes
     change nothing, and a second step reuses the same metadata and buffers."""
     bs, bp, num_blocks = 4, 4, 16
-    config = BuilderConfig(4, 2, 16, torch.float32, bs, 8, 8, 6, CPU)
+    config = BuilderConfig(4, 2, 16, torch.float32, bs, 8, 8, 6, CPU, has_sinks=with_sinks)
     builder = FlashInferBackend.get_builder_cls()(config)
-    impl = FlashInferImpl(AttentionLayerConfig(4, 2, 16, torch.float32))
+    impl = FlashInferImpl(AttentionLayerConfig(4, 2, 16, torch.float32, has_sinks=with_sinks))
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(5)) * 2 if with_sinks else None
+    if with_sinks:
+        impl.bind_sinks(sinks)
     kv = torch.randn(FlashInferBackend.get_kv_cache_shape(num_blocks, bs, 2, 16))
     seen = None
     for seed, block_ids, computed in [(0, [[3, 9], [0], [12, 5, 7]], [6, 2, 9]),
@@ -326,7 +404,8 @@ def test_cudagraph_metadata_pads_and_is_reused(fake_flashinfer):
         out = impl.forward(_pad(q, bp), _pad(new_k, bp), _pad(new_v, bp), kv, md)
         assert out.shape[0] == bp
         for i, c in enumerate(computed):
-            ref = reference_attention(q[i:i + 1], full_k[i], full_v[i], c, 16 ** -0.5, None, None)
+            ref = reference_attention(q[i:i + 1], full_k[i], full_v[i], c, 16 ** -0.5, None, None,
+                                      sinks)
             torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-5, atol=1e-5)
         changed = (kv != before).flatten(3).any(-1)  # [block, K/V, offset]
         expected = torch.zeros_like(changed)
@@ -334,6 +413,7 @@ def test_cudagraph_metadata_pads_and_is_reused(fake_flashinfer):
             expected[ids[c // bs], :, c % bs] = True
         assert torch.equal(changed, expected)
     assert builder._graphs[bp].wrapper.plans == 2
+    assert isinstance(builder._graphs[bp].wrapper, _FakeSinkDecode) == with_sinks
 
 
 def test_cudagraph_build_refuses_prefills_and_overflow(fake_flashinfer):
@@ -413,6 +493,17 @@ def test_long_prompts(window):
 
 @pytest.mark.gpu
 @needs_flashinfer
+@pytest.mark.parametrize("window", [None, 128])
+def test_sinks_gpt_oss_shape(window):
+    """gpt-oss's attention (64 query heads over 8 KV heads of 64 channels, a window of 128 on
+    alternate layers, learned sinks) through FlashInfer's sink variant: long prompts, chunks
+    and decodes in one step. Sinks of std 4, so that they show against hundreds of keys."""
+    case = Case(LONG, 16, 64, 8, 64, BF16, window, sinks=True, sink_std=4.0)
+    run_case(FlashInferBackend, case, CUDA)
+
+
+@pytest.mark.gpu
+@needs_flashinfer
 @pytest.mark.slow
 def test_warmup_compiles_and_runs(caplog):
     config = BuilderConfig(32, 8, 128, BF16, 16, 4, 128, 8, CUDA)
@@ -454,9 +545,10 @@ def _fill_context(kv_cache, block_ids, batch, full_k, full_v, k_scale, v_scale):
 
 @pytest.mark.gpu
 @needs_flashinfer
-@pytest.mark.parametrize("head_size,window", [(128, None), (64, 8)], ids=["d128", "d64-w8"])
+@pytest.mark.parametrize("head_size,window,with_sinks", [
+    (128, None, False), (64, 8, False), (64, 8, True)], ids=["d128", "d64-w8", "d64-w8-sinks"])
 @pytest.mark.parametrize("batch", ["mixed", "chunked_prefill", "decode"])
-def test_fp8_kv_cache_with_scales(batch, head_size, window):
+def test_fp8_kv_cache_with_scales(batch, head_size, window, with_sinks):
     """The cache stores K / k_scale and V / v_scale in e4m3. The reference attends over the same
     rounded values times the scales, so the quantisation error is not in the comparison; what
     remains is bf16 rounding (2e-2, as everywhere) plus one bf16 multiply of the output by
@@ -477,11 +569,14 @@ def test_fp8_kv_cache_with_scales(batch, head_size, window):
     common = _common(CommonMetadataBuilder(len(batch_spec), t, max_blocks, bs, CUDA), block_ids,
                      batch_spec, max_blocks)
     config = BuilderConfig(h, hkv, head_size, BF16, bs, len(batch_spec), t, max_blocks, CUDA,
-                           window, None, "fp8")
+                           window, None, "fp8", has_sinks=with_sinks)
     metadata = FlashInferBackend.get_builder_cls()(config).build(common)
-    impl = FlashInferBackend.get_impl_cls()(AttentionLayerConfig(h, hkv, head_size, BF16,
-                                                                 window, None, "fp8"))
+    impl = FlashInferBackend.get_impl_cls()(AttentionLayerConfig(
+        h, hkv, head_size, BF16, window, None, "fp8", has_sinks=with_sinks))
     impl.k_scale, impl.v_scale = k_scale, v_scale
+    sinks = (torch.randn(h, generator=gen) * 2).to(BF16) if with_sinks else None
+    if sinks is not None:
+        impl.bind_sinks(sinks.to(CUDA))
     new = [(k[c:], v[c:]) for k, v, (c, _) in zip(full_k, full_v, batch_spec, strict=True)]
     out = impl.forward(torch.cat(queries).to(CUDA), torch.cat([k for k, _ in new]).to(CUDA),
                        torch.cat([v for _, v in new]).to(CUDA), kv_cache, metadata)
@@ -492,7 +587,8 @@ def test_fp8_kv_cache_with_scales(batch, head_size, window):
     start = 0
     for i, (c, q) in enumerate(batch_spec):
         ref = reference_attention(queries[i], rounded(full_k[i], k_scale),
-                                  rounded(full_v[i], v_scale), c, head_size ** -0.5, window, None)
+                                  rounded(full_v[i], v_scale), c, head_size ** -0.5, window, None,
+                                  sinks)
         torch.testing.assert_close(out[start:start + q].float().cpu(), ref, rtol=3e-2, atol=3e-2)
         start += q
     k_view, v_view = FlashInferBackend.kv_cache_views(kv_cache)
@@ -509,7 +605,8 @@ def test_fp8_kv_cache_with_scales(batch, head_size, window):
 
 @pytest.mark.gpu
 @needs_flashinfer
-def test_cudagraph_decode_replays_new_data():
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_cudagraph_decode_replays_new_data(with_sinks):
     """Capture a padded decode step through build_for_cudagraph, then replay it for a different
     batch (fewer requests, longer contexts, other blocks): the real rows match an eager run and
     the float32 reference, and the cache ends up exactly as the eager run leaves it (padding
@@ -517,9 +614,14 @@ def test_cudagraph_decode_replays_new_data():
     bs, h, hkv, d, padded = 16, 8, 2, 128, 4
     num_blocks, max_blocks = 64, 16
     gen = torch.Generator().manual_seed(11)
-    config = BuilderConfig(h, hkv, d, BF16, bs, 8, 64, max_blocks, CUDA)
+    config = BuilderConfig(h, hkv, d, BF16, bs, 8, 64, max_blocks, CUDA, has_sinks=with_sinks)
     builder = FlashInferBackend.get_builder_cls()(config)
-    impl = FlashInferBackend.get_impl_cls()(AttentionLayerConfig(h, hkv, d, BF16))
+    impl = FlashInferBackend.get_impl_cls()(AttentionLayerConfig(h, hkv, d, BF16,
+                                                                 has_sinks=with_sinks))
+    sinks = None
+    if with_sinks:
+        sinks = (torch.randn(h, generator=torch.Generator().manual_seed(12)) * 2).to(BF16)
+        impl.bind_sinks(sinks.to(CUDA))
     common_builder = CommonMetadataBuilder(8, 64, max_blocks, bs, CUDA)
     kv_cache = torch.randn(FlashInferBackend.get_kv_cache_shape(num_blocks, bs, hkv, d),
                            generator=gen).to(BF16).to(CUDA)
@@ -569,5 +671,6 @@ def test_cudagraph_decode_replays_new_data():
     torch.testing.assert_close(out[:2], eager, rtol=1e-2, atol=1e-2)
     assert torch.equal(kv_cache, eager_cache)
     for i, c in enumerate(contexts):
-        ref = reference_attention(q[i:i + 1], full_k[i], full_v[i], c, d ** -0.5, None, None)
+        ref = reference_attention(q[i:i + 1], full_k[i], full_v[i], c, d ** -0.5, None, None,
+                                  sinks)
         torch.testing.assert_close(out[i:i + 1].float().cpu(), ref, rtol=2e-2, atol=2e-2)

@@ -81,12 +81,17 @@ def _paged_decode_inputs(seq_lens, num_heads, num_kv_heads, head_size, block_siz
     return cache, table, query, keys, values
 
 
-@pytest.mark.parametrize("window,soft_cap", [(None, None), (40, None), (None, 10.0)])
-def test_split_kv_decode_matches_reference(window, soft_cap):
+@pytest.mark.parametrize("window,soft_cap,with_sinks", [
+    (None, None, False), (40, None, False), (None, 10.0, False), (None, None, True),
+    (40, 10.0, True)], ids=["plain", "window", "soft-cap", "sinks", "window-soft-cap-sinks"])
+def test_split_kv_decode_matches_reference(window, soft_cap, with_sinks):
     seq_lens = [70, 1, 33, 129]
     h, hkv, d, bs = 8, 2, 64, 16
     dtype = torch.float16
     cache, table, query, keys, values = _paged_decode_inputs(seq_lens, h, hkv, d, bs, dtype, 1)
+    # The merge adds the sinks: counted once whatever the split count (or none if forgotten).
+    sinks = (torch.randn(h, generator=torch.Generator().manual_seed(2)) * 2).to(dtype)
+    sinks = sinks if with_sinks else None
     num_splits = 4
     tiles = TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)  # 16-key partitions
     qsl = np.arange(len(seq_lens) + 1)
@@ -98,14 +103,16 @@ def test_split_kv_decode_matches_reference(window, soft_cap):
         query.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), out, table.to(DEVICE),
         torch.from_numpy(qsl).int().to(DEVICE), torch.tensor(seq_lens).int().to(DEVICE),
         torch.from_numpy(req).to(DEVICE), torch.from_numpy(start).to(DEVICE), len(seq_lens), 16,
-        scale, tiles, num_splits, partials, window, soft_cap)
+        scale, tiles, num_splits, partials, window, soft_cap,
+        sinks=None if sinks is None else sinks.to(DEVICE))
     for i, s in enumerate(seq_lens):
         ref = reference_attention(query[i:i + 1], keys[i], values[i], s - 1, scale, window,
-                                  soft_cap)
+                                  soft_cap, sinks)
         torch.testing.assert_close(out[i:i + 1].float().cpu(), ref, rtol=2e-3, atol=2e-3)
 
 
-def test_backend_takes_split_path_for_small_decode_batches(monkeypatch):
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_backend_takes_split_path_for_small_decode_batches(monkeypatch, with_sinks):
     calls = []
     real = decode_split_kv.split_kv_decode
 
@@ -119,7 +126,8 @@ def test_backend_takes_split_path_for_small_decode_batches(monkeypatch):
     monkeypatch.setattr(decode_split_kv, "split_kv_decode", counting)
     monkeypatch.setattr(unified_attention, "INTERPRETER_TILES", TileConfig(16, 16, 4, 2))
     monkeypatch.setattr(unified_attention, "DECODE_TILES", TileConfig(16, 16, 4, 2))
-    case = Case(BATCHES["decode"], 16, 8, 2, 64, torch.float32, sliding_window=20)
+    case = Case(BATCHES["decode"], 16, 8, 2, 64, torch.float32, sliding_window=20,
+                sinks=with_sinks)
     run_case(TRITON, case, DEVICE)
     assert calls and calls[0] > 1
 
@@ -223,15 +231,18 @@ def test_gpu_rocm_runs_the_triton_path_bf16(batch, head_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("window,soft_cap", [(None, None), (700, None), (None, 30.0)])
-def test_gpu_split_kv_long_decodes_bf16(window, soft_cap):
+@pytest.mark.parametrize("window,soft_cap,sinks", [
+    (None, None, False), (700, None, False), (None, 30.0, False), (None, None, True),
+    (128, None, True)], ids=["plain", "window", "soft-cap", "sinks", "window-sinks"])
+def test_gpu_split_kv_long_decodes_bf16(window, soft_cap, sinks):
     # Three long decodes x 8 KV heads fill few SMs: the builder chooses the split path.
     from pagedserve.attention.ops.decode_split_kv import choose_num_splits
 
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     assert choose_num_splits(3, 8, 4001, sms, 64) > 1
+    # Sinks of std 8: against thousands of keys, smaller ones would not show in bf16.
     case = Case([(4000, 1), (2500, 1), (1100, 1)], 16, 32, 8, 128, torch.bfloat16, window,
-                soft_cap)
+                soft_cap, sinks=sinks, sink_std=8.0)
     run_case(TRITON, case, DEVICE)
 
 

@@ -33,12 +33,20 @@ class Case:
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
     seed: int = 0
+    # Per-head sink logits (gpt-oss), drawn as normal * sink_std in the case's dtype: large
+    # enough that a backend ignoring them fails (run_case checks that they matter; long contexts
+    # spread the softmax over more keys and need a larger sink_std).
+    sinks: bool = False
+    sink_std: float = 2.0
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
                         scale: float, sliding_window: int | None,
-                        soft_cap: float | None) -> torch.Tensor:
-    """One request in float32: q [Lq, H, D] for positions context_len.., k/v [Lk, Hkv, D]."""
+                        soft_cap: float | None, sinks: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """One request in float32: q [Lq, H, D] for positions context_len.., k/v [Lk, Hkv, D].
+    sinks [H]: each head's softmax gets one more column with that logit, dropped after (as
+    transformers' gpt-oss eager attention)."""
     lq, h, _ = q.shape
     lk, hkv, _ = k.shape
     k = k.float().repeat_interleave(h // hkv, dim=1)
@@ -52,7 +60,11 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conte
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
     scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    sink_column = sinks.float().to(scores.device).view(h, 1, 1).expand(h, lq, 1)
+    probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) -> None:
@@ -96,12 +108,17 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
         num_prefills=num_prefills, block_table=table.table)
     config = BuilderConfig(case.num_heads, hkv, d, case.dtype, bs, len(batch),
                            common.num_actual_tokens, max_blocks, device, case.sliding_window,
-                           case.logits_soft_cap)
+                           case.logits_soft_cap, has_sinks=case.sinks)
     metadata = backend.get_builder_cls()(config).build(common)
     scale = d ** -0.5
     impl = backend.get_impl_cls()(AttentionLayerConfig(
         case.num_heads, hkv, d, case.dtype, case.sliding_window, case.logits_soft_cap,
-        scale=scale))
+        scale=scale, has_sinks=case.sinks))
+    # Drawn last, so the other data of a case are the same with and without sinks.
+    sinks = None
+    if case.sinks:
+        sinks = (torch.randn(case.num_heads, generator=gen) * case.sink_std).to(case.dtype)
+        impl.bind_sinks(sinks.to(device))
     query = torch.cat(queries).to(device)
     key = torch.cat([k[c:] for k, (c, _) in zip(full_k, batch, strict=True)]).to(device)
     value = torch.cat([v[c:] for v, (c, _) in zip(full_v, batch, strict=True)]).to(device)
@@ -111,7 +128,9 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
     start = 0
     for i, (c, q) in enumerate(batch):
         ref = reference_attention(queries[i], full_k[i], full_v[i], c, scale,
-                                  case.sliding_window, case.logits_soft_cap)
+                                  case.sliding_window, case.logits_soft_cap, sinks)
+        if sinks is not None:  # else a backend that ignored them could pass
+            _assert_sinks_matter(ref, queries[i], full_k[i], full_v[i], c, scale, case, tol)
         got = out[start:start + q].float().cpu()
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol,
                                    msg=lambda m, i=i: f"request {i} {batch[i]}: {m}")
@@ -125,3 +144,11 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
             torch.testing.assert_close(v_view[blk, off].float().cpu(), v[t].float(),
                                        rtol=0, atol=0 if cache_dtype == case.dtype else 0.1)
 
+
+
+def _assert_sinks_matter(ref: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         context_len: int, scale: float, case: Case, tol: float) -> None:
+    without = reference_attention(q, k, v, context_len, scale, case.sliding_window,
+                                  case.logits_soft_cap)
+    assert not torch.allclose(without, ref, rtol=tol, atol=tol), \
+        "the sinks change this request by less than the tolerance: the case proves nothing"

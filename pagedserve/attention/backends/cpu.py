@@ -6,6 +6,8 @@ group it builds the page-gather index, the scatter of packed query tokens into a
 sequence end, sliding window). Each layer then gathers its K/V pages once per group and calls
 `scaled_dot_product_attention` with `enable_gqa`, so repeated K/V heads are never materialised
 by us. Decodes form their own group so a long prompt in the same step does not pad them.
+SDPA has neither a soft-cap nor a column for attention sinks: layers with either take an exact
+float32 path (`_attend_float32`) instead.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 class CPUAttentionImpl(AttentionImpl):
+    supports_sinks = True
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CPUAttentionMetadata,
                 output: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,13 +94,14 @@ class CPUAttentionImpl(AttentionImpl):
         write_kv(k_cache, v_cache, key[:n], value[:n], common.slot_mapping[:n])
         if output is None:
             output = torch.empty_like(query)
+        sinks = self.bound_sinks()
         for group in attn_metadata.groups:
             s, e = group.token_start, group.token_end
-            output[s:e] = self._attend_group(query[s:e], k_cache, v_cache, group)
+            output[s:e] = self._attend_group(query[s:e], k_cache, v_cache, group, sinks)
         return output
 
     def _attend_group(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      group: AttentionGroup) -> torch.Tensor:
+                      group: AttentionGroup, sinks: torch.Tensor | None) -> torch.Tensor:
         b, _ = group.page_index.shape
         h, d, hkv = self.num_heads, self.head_size, self.num_kv_heads
         # [B, P, bs, Hkv, D] -> [B, Hkv, max_k, D]
@@ -109,25 +114,41 @@ class CPUAttentionImpl(AttentionImpl):
             q = query.new_zeros(b * group.max_query_len, h, d)
             q[group.token_index] = query
             q = q.view(b, group.max_query_len, h, d).transpose(1, 2)
-        if self.logits_soft_cap is None:
+        if self.logits_soft_cap is None and sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale,
                                                  enable_gqa=hkv != h)
         else:
-            out = self._soft_capped(q, k, v, group.mask)
+            out = self._attend_float32(q, k, v, group.mask, sinks)
         out = out.transpose(1, 2).reshape(b * group.max_query_len, h, d)
         return out if decode else out[group.token_index]
 
-    def _soft_capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
+    def _attend_float32(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        mask: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Scores in float32, soft-capped and with the sink column as the layer asks."""
         b, h, lq, d = q.shape
         hkv = k.shape[1]
         qg = q.view(b, hkv, h // hkv, lq, d)
         scores = torch.matmul(qg.float(), k.float()[:, :, None].transpose(-1, -2)) * self.scale
-        scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
+        if self.logits_soft_cap is not None:
+            scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            probs = _softmax_with_sinks(scores, sinks)
         out = torch.matmul(probs, v.float()[:, :, None])
         return out.view(b, h, lq, d).to(q.dtype)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over [scores, sink] with the sink's column dropped, for scores [B, Hkv, H / Hkv,
+    Lq, Lk] and sinks [H]: each probability is exp(s - lse) where lse also counts exp(sink), so
+    no column is concatenated."""
+    hkv = scores.shape[1]
+    # Query head h is member h % qpk of KV group h // qpk: [H] -> [1, Hkv, qpk, 1, 1].
+    sink = sinks.detach().float().view(1, hkv, -1, 1, 1)
+    lse = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)
+    return torch.exp(scores - lse)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
@@ -147,6 +168,7 @@ class CPUAttentionBackend(AttentionBackend):
     name = "CPU"
     supports_sliding_window = True
     supports_soft_cap = True
+    supports_sinks = True
     description = "torch scaled_dot_product_attention over gathered pages"
 
     impl_cls = CPUAttentionImpl

@@ -10,6 +10,15 @@ a plan, so layers that differ in them get builders of their own.
 The cache is FlashInfer's NHD layout, [num_blocks, 2 (K, V), block_size, num_kv_heads,
 head_size]. `flashinfer` is imported lazily: listing backends on a machine without it or without
 CUDA imports nothing GPU-only.
+
+Attention sinks (gpt-oss). FlashInfer 0.7.4's plain wrappers accept `run(..., sinks=...)`, but
+only its trtllm-gen (Blackwell) and cuDNN paths read it: the fa2/fa3 kernels that run here on
+Hopper drop it without a word. The supported path on Hopper is FlashInfer's attention-sink
+variant, JIT-built for fa2 and fa3: `BatchAttentionWithAttentionSinkWrapper` (a prefill wrapper)
+and `BatchDecodeWithAttentionSinkWrapper` (the tensor-core decode path, CUDA-graph capable).
+A builder of a sink layer plans those instead; their run() takes the float32 sink logits [H]
+and the softmax scale as positional arguments. The variant has no soft-cap, so a sink layer
+with one is refused.
 """
 
 from __future__ import annotations
@@ -137,6 +146,8 @@ class FlashInferMetadata:
     slot_mapping: torch.Tensor
     prefill: Any  # flashinfer.BatchPrefillWithPagedKVCacheWrapper, planned, or None
     decode: Any  # flashinfer.BatchDecodeWithPagedKVCacheWrapper, planned, or None
+    # The wrappers are the attention-sink variants, whose run() takes the sinks.
+    has_sinks: bool = False
 
 
 @dataclass
@@ -165,8 +176,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         # One workspace for both wrappers: it only holds a run's transient split-KV partials,
         # and runs are serialised on the stream.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD")
+        self.prefill_wrapper = self._prefill_wrapper()
         self.decode_wrapper = self._decode_wrapper()
         # Rebased indptrs of the decode part, in pinned memory so plan()'s copies are async.
         pin = self.device.type == "cuda"
@@ -176,12 +186,29 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         self._graphs: dict[int, _GraphDecode] = {}
         self._graph_buffers: dict[str, torch.Tensor] | None = None
 
+    def _prefill_wrapper(self) -> Any:
+        if self.config.has_sinks:
+            return self._flashinfer.BatchAttentionWithAttentionSinkWrapper(
+                self.workspace, "NHD", **self._sink_variant())
+        return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+
     def _decode_wrapper(self, **graph_buffers: torch.Tensor) -> Any:
+        graph = bool(graph_buffers)
+        if self.config.has_sinks:  # the sink variant runs the tensor-core path only
+            return self._flashinfer.BatchDecodeWithAttentionSinkWrapper(
+                self.workspace, "NHD", use_cuda_graph=graph, **self._sink_variant(),
+                **graph_buffers)
         # Tensor cores always: the measured GQA decode is 1.4x faster with them, and the
         # decode then shares the prefill's fa2 kernel, so there is one JIT compile, not two.
         return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=bool(graph_buffers), use_tensor_cores=True,
-            **graph_buffers)
+            self.workspace, "NHD", use_cuda_graph=graph, use_tensor_cores=True, **graph_buffers)
+
+    def _sink_variant(self) -> dict[str, Any]:
+        """What the attention-sink wrappers compile their JIT variant for."""
+        c = self.config
+        return dict(q_data_type=c.dtype, kv_data_type=self.kv_cache_dtype,
+                    head_dim_qk=c.head_size, head_dim_vo=c.head_size,
+                    window_left=self.window_left)
 
     def _plan_kwargs(self) -> dict[str, Any]:
         c = self.config
@@ -211,7 +238,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             num_decode_tokens=common.num_decode_tokens,
             slot_mapping=common.slot_mapping[:common.num_actual_tokens],
             prefill=self.prefill_wrapper if prefill else None,
-            decode=self.decode_wrapper if decode else None)
+            decode=self.decode_wrapper if decode else None, has_sinks=self.config.has_sinks)
 
     def build_for_cudagraph(self, common: CommonAttentionMetadata, num_reqs_padded: int,
                             padded: CommonAttentionMetadata | None = None
@@ -280,7 +307,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                                        paged_kv_last_page_len_buffer=bufs["last_page_len"][:bp])
         metadata = FlashInferMetadata(
             num_prefill_tokens=0, num_decode_tokens=bp, slot_mapping=bufs["slots"][:bp],
-            prefill=None, decode=wrapper)
+            prefill=None, decode=wrapper, has_sinks=self.config.has_sinks)
         self._graphs[bp] = _GraphDecode(wrapper, metadata)
         return self._graphs[bp]
 
@@ -290,8 +317,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         fa2 kernel for queries up to 64 tokens and fa3 (SM90) above, so both run."""
         c = self.config
         logger.info("FlashInfer: compiling kernels for head_dim=%d (%s, KV %s, window %s, "
-                    "soft-cap %s), this takes ~90 s once", c.head_size, c.dtype,
-                    self.kv_cache_dtype, c.sliding_window, c.logits_soft_cap)
+                    "soft-cap %s, sinks %s), this takes ~90 s once", c.head_size, c.dtype,
+                    self.kv_cache_dtype, c.sliding_window, c.logits_soft_cap, c.has_sinks)
         t0 = time.perf_counter()
         long_prompt = 80
         blocks = -(-(long_prompt + 2) // c.block_size)
@@ -302,7 +329,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                                                self.device)
         impl = FlashInferImpl(AttentionLayerConfig(
             c.num_heads, c.num_kv_heads, c.head_size, c.dtype, c.sliding_window,
-            c.logits_soft_cap, c.kv_cache_dtype))
+            c.logits_soft_cap, c.kv_cache_dtype, has_sinks=c.has_sinks))
+        if c.has_sinks:
+            impl.bind_sinks(torch.zeros(c.num_heads, dtype=c.dtype, device=self.device))
         kv_cache = torch.zeros(FlashInferBackend.get_kv_cache_shape(
             blocks + 1, c.block_size, c.num_kv_heads, c.head_size), dtype=self.kv_cache_dtype,
             device=self.device)
@@ -326,6 +355,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
 # ---- implementation ---------------------------------------------------------------------------
 
 class FlashInferImpl(AttentionImpl):
+    supports_sinks = True
+
     def __init__(self, layer: AttentionLayerConfig) -> None:
         super().__init__(layer)
         # Per-layer quantisation scales of an fp8 cache (the cache holds K / k_scale); a weight
@@ -335,23 +366,54 @@ class FlashInferImpl(AttentionImpl):
         # The plan uses FlashInfer's default softmax scale 1/sqrt(head_size); a model's own
         # scale rides on k_scale, which multiplies the same product q.k.
         self._scale_ratio = self.scale * self.head_size ** 0.5
+        self._sinks_f32: torch.Tensor | None = None  # see _float32_sinks
+
+    def bind_sinks(self, sinks: torch.Tensor) -> None:
+        super().bind_sinks(sinks)
+        self._sinks_f32 = None
+
+    def _run_args(self, sink_variant: bool, k_scale: float,
+                  v_scale: float) -> tuple[tuple[Any, ...], dict[str, float]]:
+        """run()'s positional and scale arguments. The sink variant takes (sinks, sm_scale)
+        after the cache, and k_scale, which multiplies the same product q.k, folds into that
+        sm_scale; the plain wrappers plan the default scale and take the model's through
+        k_scale."""
+        if sink_variant:
+            return ((self._float32_sinks(), float(self.scale * k_scale)),
+                    dict(v_scale=float(v_scale)))
+        return (), dict(k_scale=float(k_scale * self._scale_ratio), v_scale=float(v_scale))
+
+    def _float32_sinks(self) -> torch.Tensor:
+        """The sink variant reads float32 logits. A model in another dtype gets one float32
+        copy, made at the first forward (weights are loaded by then) and kept, so every step
+        and a captured graph read the same tensor."""
+        sinks = self.bound_sinks()
+        assert sinks is not None
+        if sinks.dtype == torch.float32:
+            return sinks.detach()
+        if self._sinks_f32 is None:
+            self._sinks_f32 = sinks.detach().float()
+        return self._sinks_f32
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: FlashInferMetadata,
                 output: torch.Tensor | None = None) -> torch.Tensor:
         md = attn_metadata
+        if md.has_sinks != self.layer.has_sinks:  # the other wrappers would drop or want sinks
+            raise ValueError(f"metadata planned {'with' if md.has_sinks else 'without'} sinks "
+                             f"for a layer with has_sinks={self.layer.has_sinks}")
         # Scales belong to a quantised cache; a cache in the model dtype holds K/V as they are.
         quantized = kv_cache.dtype != query.dtype
         k_scale, v_scale = (self.k_scale, self.v_scale) if quantized else (1.0, 1.0)
         write_kv(kv_cache, key, value, md.slot_mapping, k_scale, v_scale)
         if output is None:
             output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        scales = dict(k_scale=float(k_scale * self._scale_ratio), v_scale=float(v_scale))
         p, d = md.num_prefill_tokens, md.num_decode_tokens
+        args, scales = self._run_args(md.has_sinks, k_scale, v_scale)
         if md.prefill is not None:
-            md.prefill.run(query[:p], kv_cache, out=output[:p], **scales)
+            md.prefill.run(query[:p], kv_cache, *args, out=output[:p], **scales)
         if md.decode is not None:
-            md.decode.run(query[p:p + d], kv_cache, out=output[p:p + d], **scales)
+            md.decode.run(query[p:p + d], kv_cache, *args, out=output[p:p + d], **scales)
         return output
 
 
@@ -364,6 +426,7 @@ class FlashInferBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "fp8")
     supports_sliding_window = True
     supports_soft_cap = True
+    supports_sinks = True  # through FlashInfer's attention-sink variant (module docstring)
     supports_cuda_graphs = True
     description = "FlashInfer paged prefill (fa2/fa3) and tensor-core decode, NHD cache"
 
@@ -410,4 +473,7 @@ class FlashInferBackend(AttentionBackend):
         reasons = super().validate_configuration(layer, block_size, device)
         if device.type != "cuda":
             reasons.append(f"FlashInfer runs on CUDA devices, not {device.type}")
+        if layer.has_sinks and layer.logits_soft_cap is not None:
+            reasons.append("attention sinks with a logits soft-cap not supported (FlashInfer's "
+                           "sink variant has no soft-cap)")
         return reasons

@@ -80,6 +80,10 @@ class RocmAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
 
 
 class RocmAttentionImpl(TritonAttentionImpl):
+    # aiter's paged_attention_v1 takes no sink logits: a sink layer would need its decodes kept
+    # on the Triton path, which has not run on AMD hardware; until then ROCM refuses sinks.
+    supports_sinks = False
+
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, output: torch.Tensor,
                 md: RocmAttentionMetadata) -> None:
@@ -103,6 +107,7 @@ class RocmAttentionImpl(TritonAttentionImpl):
 
 class RocmAttentionBackend(TritonAttentionBackend):
     name = "ROCM"
+    supports_sinks = False  # see RocmAttentionImpl
     description = "aiter paged attention for decodes on ROCm, Triton kernels otherwise"
 
     impl_cls = RocmAttentionImpl

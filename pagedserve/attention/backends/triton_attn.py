@@ -86,6 +86,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TritonAttentionImpl(AttentionImpl):
+    supports_sinks = True
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata,
                 output: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,6 +113,7 @@ class TritonAttentionImpl(AttentionImpl):
         from pagedserve.attention.ops.unified_attention import unified_attention
 
         common = md.common
+        sinks = self.bound_sinks()
         new_kv = dict(key=key, value=value, slot_mapping=common.slot_mapping)
         if common.context_written_in_step:
             # Some request reads as context blocks this step writes (a same-step prefix-cache
@@ -124,12 +127,13 @@ class TritonAttentionImpl(AttentionImpl):
                             common.query_start_loc, common.seq_lens, md.qblock_req,
                             md.qblock_start, md.num_qblocks, md.block_m, self.scale, md.tiles,
                             md.num_splits, md.partials, self.sliding_window,
-                            self.logits_soft_cap, **new_kv)
+                            self.logits_soft_cap, sinks=sinks, **new_kv)
             return
         unified_attention(query, k_cache, v_cache, output, common.block_table,
                           common.query_start_loc, common.seq_lens, md.qblock_req,
                           md.qblock_start, md.num_qblocks, md.block_q, md.block_m, self.scale,
-                          md.tiles, self.sliding_window, self.logits_soft_cap, **new_kv)
+                          md.tiles, self.sliding_window, self.logits_soft_cap, sinks=sinks,
+                          **new_kv)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -137,6 +141,7 @@ class TritonAttentionBackend(AttentionBackend):
     supported_head_sizes = (64, 80, 96, 128, 256)
     supports_sliding_window = True
     supports_soft_cap = True
+    supports_sinks = True
     supports_cuda_graphs = True
     description = "Triton unified paged attention (one launch per step) + split-KV decode"
 

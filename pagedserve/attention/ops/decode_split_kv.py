@@ -7,6 +7,8 @@ Kernel `_reduce_split_kv_kernel`
   tiling:  one program merges the S_PAD (>= num_splits, masked) partials of one token and head:
            it loads the split maxima and sums [S_PAD] and the accumulators [S_PAD, D_PAD], rescales
            each by 2^(m_s - max m) and divides the summed accumulator by the summed weights.
+           With USE_SINKS the head's sink logit joins here, exactly once: as one more "split"
+           with sum 1 and no accumulator (the split programs leave it out).
   layout:  partials are flat fp32 buffers read as m, l [T, H, S] and acc [T, H, S, D_PAD] for the
            step's S (m in base-2 logits, acc not normalised), so one persistent allocation for
            the largest S serves every step; out [T, H, D], any strides. An empty split has
@@ -67,10 +69,10 @@ def allocate_partials(max_tokens: int, num_heads: int, head_size: int, num_split
 
 @triton.jit
 def _reduce_split_kv_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sinks_ptr,
     stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -83,23 +85,30 @@ def _reduce_split_kv_kernel(
     acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None],
                   other=0.0)
     m_max = tl.max(m, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # base 2, as m
+        m_max = tl.maximum(m_max, sink)
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
     total = tl.sum(weight * l_s, 0)
+    if USE_SINKS:
+        total += tl.exp2(sink - m_max)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
 
 
 def reduce_split_kv(partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                    out: torch.Tensor, num_tokens: int, num_splits: int) -> None:
-    """Merge the partials of the first `num_tokens` tokens into out [T, H, D]."""
+                    out: torch.Tensor, num_tokens: int, num_splits: int,
+                    sinks: torch.Tensor | None = None) -> None:
+    """Merge the partials of the first `num_tokens` tokens into out [T, H, D]; sinks [H]: the
+    per-head sink logits, which the partials leave out."""
     part_m, part_l, part_acc = partials
     num_heads, head_size = out.shape[1], out.shape[2]
     _reduce_split_kv_kernel[(num_tokens, num_heads)](
-        part_m, part_l, part_acc, out, *out.stride(),
+        part_m, part_l, part_acc, out, part_m if sinks is None else sinks, *out.stride(),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
         S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_SIZE=head_size,
-        D_PAD=padded_head_size(head_size), num_warps=4,
+        D_PAD=padded_head_size(head_size), USE_SINKS=sinks is not None, num_warps=4,
     )
 
 
@@ -111,13 +120,13 @@ def split_kv_decode(
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     sliding_window: int | None = None, soft_cap: float | None = None,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> None:
     """Decode attention (one query token per request) with each context split `num_splits`
     ways: the first launch writes the partial buffers (see `allocate_partials`), the second
     merges them into `out`. key/value/slot_mapping: as `unified_attention` (the first split
-    writes the new K/V)."""
+    writes the new K/V). sinks [H]: added by the merge, so once whatever the split count."""
     unified_attention(query, k_cache, v_cache, out, block_table, query_start_loc, seq_lens,
                       qblock_req, qblock_start, num_decodes, 1, block_m, scale, tiles,
                       sliding_window, soft_cap, num_splits, partials, key, value, slot_mapping)
-    reduce_split_kv(partials, out, num_decodes, num_splits)
+    reduce_split_kv(partials, out, num_decodes, num_splits, sinks)

@@ -24,6 +24,10 @@ Kernel `_unified_attention_kernel`
            block_table [B, max_blocks] int32; query_start_loc [B+1]; seq_lens [B].
   masks:   query i of a request with context c sits at position c + i and sees keys k with
            k <= c + i and, with a sliding window W, k > c + i - W.
+  sinks:   USE_SINKS adds one column per query head with logit sinks[h] that carries no value
+           (gpt-oss): the running max of each row starts at the sink (in base 2) and the
+           running sum at exp2(sink - sink) = 1, so it costs no pass of its own. Split programs
+           leave it out; `reduce_split_kv` adds it once when merging.
   dtypes:  fp32/fp16/bf16. UPCAST converts every tile to fp32 right after its load (used for fp32
            and by the Triton interpreter, whose bf16 arithmetic is broken); otherwise the two
            dots run in the input dtype on tensor cores with fp32 accumulation.
@@ -234,7 +238,7 @@ def _attend_part(
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, key_ptr, value_ptr, slot_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, qblock_req_ptr, qblock_start_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr,
     sm_scale, soft_cap, window,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -245,7 +249,7 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_Q_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FUSED_WRITE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_SINKS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     qblock = tl.program_id(1)  # the map lists blocks heaviest first (query_block_map)
@@ -322,8 +326,14 @@ def _unified_attention_kernel(
     new_mid_end = new_front_end + tl.maximum(q_first + 1 - new_front_end, 0) // BLOCK_N * BLOCK_N
 
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if USE_SINKS:
+        # The sink column first: max = its base-2 logit, sum = exp2(0). Every row's head is a
+        # real head (padded rows only repeat them), so the load needs no mask.
+        m_i = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     new_first = q_start - context
     # The cached context (whole tiles end at its last tile boundary), from the pages.
@@ -385,7 +395,7 @@ def unified_attention(
     soft_cap: float | None = None, num_splits: int = 1,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of query [T, H, D] over the paged cache into `out` [T, H, D].
 
@@ -395,8 +405,9 @@ def unified_attention(
     `out` (flat buffers, see `decode_split_kv.allocate_partials`) and `reduce_split_kv` merges
     them. With key/value [T, Hkv, D] and slot_mapping [T] the kernel also writes the step's
     new K/V into the cache (each program its own block's tokens; slot -1 skipped) and reads
-    the new keys from key/value; without them the cache must already hold them. All sizes
-    are host ints: no sync."""
+    the new keys from key/value; without them the cache must already hold them. sinks [H]
+    (any float dtype): per-head sink logits joining every softmax; a split launch takes none
+    (`reduce_split_kv` adds them, once). All sizes are host ints: no sync."""
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     if num_qblocks == 0:
@@ -405,6 +416,8 @@ def unified_attention(
         raise ValueError("k_cache and v_cache must have the same strides")
     if num_splits > 1 and (partials is None or block_q != 1):
         raise ValueError("the split-KV path is for decode batches and needs partial buffers")
+    if num_splits > 1 and sinks is not None:
+        raise ValueError("split partials leave the sinks out: reduce_split_kv adds them")
     fused = key is not None
     if fused and (value is None or slot_mapping is None):
         raise ValueError("writing K/V needs key, value and slot_mapping together")
@@ -420,7 +433,7 @@ def unified_attention(
     _unified_attention_kernel[grid](
         query, k_cache, v_cache, out, key, value, slot_mapping,
         block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
-        part_m, part_l, part_acc,
+        part_m, part_l, part_acc, query if sinks is None else sinks,
         scale, soft_cap or 0.0, sliding_window or 0,
         *query.stride(), *out.stride(), *k_cache.stride(), *key.stride(), *value.stride(),
         block_table.stride(0),
@@ -429,6 +442,6 @@ def unified_attention(
         BLOCK_Q=block_q, BLOCK_Q_PAD=triton.next_power_of_2(block_q), BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits, FUSED_WRITE=fused,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
-        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else None,
+        USE_SINKS=sinks is not None, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
