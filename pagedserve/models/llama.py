@@ -47,11 +47,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        extra = {"has_sinks": True} if has_sinks else {}
         self.attn = Attention(self.num_heads, self.head_dim,
                               self.head_dim ** -0.5 if scale is None else scale,
                               self.num_kv_heads, layer_idx, sliding_window=sliding_window,
-                              logits_soft_cap=logits_soft_cap, **extra)
+                              logits_soft_cap=logits_soft_cap, has_sinks=has_sinks)
         self.qk_norm_per_head = qk_norm_per_head
         q_dim, k_dim = ((self.head_dim, self.head_dim) if qk_norm_per_head
                         else (self.q_size, self.kv_size))
@@ -100,10 +99,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_idx, family.qkv_bias(config),
                                         family.o_bias(config),
                                         family.sliding_window_for_layer(config, layer_idx),
-                                        family.qk_norm(config))
+                                        family.qk_norm(config),
+                                        has_sinks=family.has_sinks(config))
         self.mlp = family.make_mlp(config, layer_idx)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = family.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = family.norm_cls(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None,
@@ -126,7 +126,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, family)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = family.norm_cls(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary_emb = RotaryEmbedding(config, head_dim)
 
@@ -158,6 +158,8 @@ _FUSED = {
 class LlamaForCausalLM(nn.Module):
     # The decoder stack; families with another layer layout (Gemma's sandwich norms) swap it.
     model_cls: type[nn.Module] = LlamaModel
+    # The decoder's norms (gpt-oss scales in float32 before the cast back).
+    norm_cls: type[RMSNorm] = RMSNorm
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -185,6 +187,10 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def qk_norm(config: PretrainedConfig) -> bool:
+        return False
+
+    @staticmethod
+    def has_sinks(config: PretrainedConfig) -> bool:
         return False
 
     @staticmethod
@@ -333,9 +339,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                   and (layer_idx + 1) % config.decoder_sparse_step == 0)
         if not sparse:
             return LlamaMLP(config)
-        return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                              config.moe_intermediate_size, renormalize=config.norm_topk_prob,
-                              float32_weights=False)
+        return SparseMoeBlock.softmax_top_k(
+            config.hidden_size, config.num_experts, config.num_experts_per_tok,
+            config.moe_intermediate_size, renormalize=config.norm_topk_prob,
+            float32_weights=False)
 
 
 class MixtralForCausalLM(MistralForCausalLM):
@@ -344,9 +351,9 @@ class MixtralForCausalLM(MistralForCausalLM):
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
-        return SparseMoeBlock(config.hidden_size, config.num_local_experts,
-                              config.num_experts_per_tok, config.intermediate_size,
-                              renormalize=True, float32_weights=True)
+        return SparseMoeBlock.softmax_top_k(
+            config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
+            config.intermediate_size, renormalize=True, float32_weights=True)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((name.replace(".block_sparse_moe.", ".mlp."), tensor)

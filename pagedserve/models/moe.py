@@ -141,14 +141,37 @@ class FusedMoE(nn.Module):
         dst.copy_(tensor)
 
 
+class TopKSoftmaxRouter(nn.Module):
+    """gpt-oss: biased logits, the top k of the logits, a softmax over those k (in the logits'
+    dtype)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts))
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
 class SparseMoeBlock(nn.Module):
     """A decoder layer's MLP as a Mixture of Experts: `gate` routes, `experts` compute."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
-                 intermediate_size: int, renormalize: bool, float32_weights: bool) -> None:
+    def __init__(self, gate: nn.Module, experts: FusedMoE) -> None:
         super().__init__()
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, float32_weights)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        self.gate = gate
+        self.experts = experts
+
+    @classmethod
+    def softmax_top_k(cls, hidden_size: int, num_experts: int, top_k: int,
+                      intermediate_size: int, renormalize: bool,
+                      float32_weights: bool) -> SparseMoeBlock:
+        """Mixtral's and Qwen3-MoE's block: `TopKRouter` over SiLU experts."""
+        return cls(TopKRouter(hidden_size, num_experts, top_k, renormalize, float32_weights),
+                   FusedMoE(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

@@ -25,12 +25,27 @@ tf32). Importing this module imports triton: FusedMoE does so on its first CUDA 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedserve.models.moe import SILU, ExpertActivation
+
+class Activation(Protocol):
+    """What the kernels read of `moe.ExpertActivation` (kept structural, so this module does
+    not import the layer that dispatches to it)."""
+
+    kind: str
+    alpha: float
+    limit: float
+
+
+@dataclass(frozen=True)
+class _Silu:
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -296,7 +311,7 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
 
 
 def _gate_up(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-             activation: ExpertActivation, al: _Aligned, tiles: MoeTiles) -> torch.Tensor:
+             activation: Activation, al: _Aligned, tiles: MoeTiles) -> torch.Tensor:
     """The activated intermediate [padded pairs, I], rows in sorted order."""
     num_m = al.block_expert.numel()
     inter = w.shape[1] // 2
@@ -346,7 +361,7 @@ def _check(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
 
 def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor,
-                  activation: ExpertActivation = SILU,
+                  activation: Activation = _Silu(),
                   gate_up_bias: torch.Tensor | None = None,
                   down_bias: torch.Tensor | None = None, *,
                   tiles: MoeTiles | None = None) -> torch.Tensor:
