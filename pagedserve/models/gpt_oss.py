@@ -41,7 +41,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
-        activation = ExpertActivation("swiglu_clamped", config.swiglu_alpha, config.swiglu_limit)
+        # Older transformers (5.17) keep alpha in the experts, not in the config.
+        activation = ExpertActivation("swiglu_clamped", getattr(config, "swiglu_alpha", 1.702),
+                                      config.swiglu_limit)
         experts = FusedMoE(config.num_local_experts, config.hidden_size,
                            config.intermediate_size, activation, bias=True)
         router = TopKSoftmaxRouter(config.hidden_size, config.num_local_experts,

@@ -7,11 +7,13 @@ from both checkpoint layouts (one tensor per expert, or stacked)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import transformers
 
-from pagedserve import SamplingParams
+from pagedserve import LLM, SamplingParams
 from pagedserve.models import get_model_cls, load_model
 from pagedserve.models.moe import SparseMoeBlock
 from tests.engine.test_engine_e2e import hf_prompt_logprobs
@@ -123,7 +125,7 @@ def test_greedy_matches_transformers(family_models, make_llm, name, variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral_window", "gpt_oss", "gemma2", "gemma3"])
-def test_greedy_on_cuda_matches_transformers(tmp_path, make_llm, name):
+def test_greedy_on_cuda_matches_transformers(tmp_path, name):
     """The CUDA path (the Triton MoE kernel, TRITON's soft-caps, windows and sinks, CUDA
     graphs) in float32 against transformers' float32 tokens on the CPU; heads of 64, the
     smallest TRITON runs."""
@@ -134,12 +136,19 @@ def test_greedy_on_cuda_matches_transformers(tmp_path, make_llm, name):
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist()
                for n in PROMPT_LENS]
     expected = [hf_greedy(hf, p, NUM_NEW) for p in prompts]
-    llm = make_llm(model=str(tmp_path), dtype="float32", device="cuda",
-                   attention_backend="TRITON", kv_cache_memory="64MiB",
-                   max_num_batched_tokens=16)
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    # A small share of the GPU, and freed before the next case profiles its memory.
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", attention_backend="TRITON",
+              gpu_memory_utilization=0.2, max_num_batched_tokens=16)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert llm.engine.check_blocks_free()
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("name", list(_configs()))
