@@ -54,10 +54,8 @@ class PagedHarness:
             impl = backend.get_impl_cls()(cfg)
             layer.bind(impl, cfg)
             if cfg not in self.builders:
-                self.builders[cfg] = backend.get_builder_cls()(BuilderConfig(
-                    layer.num_heads, layer.num_kv_heads, layer.head_size, self.dtype, block_size,
-                    max_reqs, max_tokens, max_blocks, self.device, layer.sliding_window,
-                    layer.logits_soft_cap))
+                self.builders[cfg] = backend.get_builder_cls()(BuilderConfig.for_layer(
+                    cfg, block_size, max_reqs, max_tokens, max_blocks, self.device))
             shape = backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads,
                                                layer.head_size)
             self.kv_caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
