@@ -164,6 +164,9 @@ class AttentionBackend(ABC):
     supports_soft_cap: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
     supports_sinks: ClassVar[bool] = False  # its impl's supports_sinks says the same
+    # Runs multi-head latent attention layers (`attention.mla`); the selector refuses MLA
+    # layers on a backend without it, and an MLA backend refuses every other layer.
+    supports_mla: ClassVar[bool] = False
     # The cache stores K/V lossily (quantized codes): the exact-tolerance conformance suite does
     # not apply; the backend has tests with tolerances of its own.
     lossy_kv_cache: ClassVar[bool] = False
@@ -255,7 +258,7 @@ class AttentionBackend(ABC):
 
     @classmethod
     def features(cls) -> list[str]:
-        out = []
+        out = ["mla"] if cls.supports_mla else []
         if cls.supports_sliding_window:
             out.append("sliding-window")
         if cls.supports_soft_cap:

@@ -12,6 +12,7 @@ import torch
 
 from pagedserve import envs
 from pagedserve.attention.backend import AttentionBackend, AttentionLayerConfig
+from pagedserve.attention.mla import is_mla
 
 ENV_VAR = "PAGEDSERVE_ATTENTION_BACKEND"
 
@@ -23,6 +24,8 @@ AUTO_ORDER = {
     "hip": ("ROCM", "TRITON"),
     "cpu": ("CPU",),
 }
+# Models with multi-head latent attention layers (DeepSeek): their own backends, on any device.
+AUTO_ORDER_MLA = ("CPU_MLA",)
 
 
 # vLLM's names for the same kernels, accepted as they are.
@@ -115,7 +118,8 @@ def select_backend(name: str | None, device: torch.device, layers: list[Attentio
 
     status = backend_status()
     tried = []
-    for key in AUTO_ORDER.get(_device_kind(device), ()):
+    mla = any(is_mla(layer) for layer in layers)
+    for key in AUTO_ORDER_MLA if mla else AUTO_ORDER.get(_device_kind(device), ()):
         if key not in status:
             continue
         ok, why = status[key]
@@ -139,11 +143,18 @@ def _layer_problems(cls: type[AttentionBackend], layers: list[AttentionLayerConf
     holders: dict[str, list[int]] = {}
     for index, layer in enumerate(layers):
         if layer not in verdicts:  # layers of one configuration share a verdict
-            verdicts[layer] = cls.validate_configuration(layer, block_size, device)
+            verdicts[layer] = _layer_reasons(cls, layer, block_size, device)
         for reason in verdicts[layer]:
             holders.setdefault(reason, []).append(index)
     return [f"{_name_layers(indices, len(layers))}: {reason}"
             for reason, indices in holders.items()]
+
+
+def _layer_reasons(cls: type[AttentionBackend], layer: AttentionLayerConfig, block_size: int,
+                   device: torch.device) -> list[str]:
+    if is_mla(layer) and not cls.supports_mla:
+        return ["multi-head latent attention not supported"]
+    return cls.validate_configuration(layer, block_size, device)
 
 
 def _name_layers(indices: list[int], num_layers: int) -> str:
@@ -174,6 +185,7 @@ _BUILTIN = {
     "FLASH_ATTN": "flash_attn:FlashAttentionBackend",
     "TRITON": "triton_attn:TritonAttentionBackend",
     "CPU": "cpu:CPUAttentionBackend",
+    "CPU_MLA": "cpu_mla:CPUMLABackend",
     "ROCM": "rocm:RocmAttentionBackend",
     "TURBOQUANT": "turboquant:TurboQuantBackend",
     # Mamba layers' state slots; the model runner picks it for them (never auto-selected for
