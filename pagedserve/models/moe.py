@@ -8,15 +8,24 @@ sorted by expert, one pair of matmuls per expert that any token chose, a weighte
 `index_add_` in expert order. It rounds as transformers' own expert loops do, so float32
 greedy tokens agree. On CUDA `moe_kernels.fused_experts` (Triton grouped GEMMs over tokens
 sorted by expert) computes the same thing without a host sync.
+
+DeepSeek-V2/V3 add grouped routers (`GroupedTopKRouter`, `GroupLimitedSoftmaxRouter`: experts
+in groups, only the best groups' experts eligible) and shared experts, a dense SwiGLU MLP every
+token passes through (`SwiGLUMLP`, added to the routed sum); `SparseMoeBlock.deepseek(config)`
+builds the whole block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
+
+from pagedserve.models.layers import silu_and_mul
 
 
 class TopKRouter(nn.Module):
@@ -157,13 +166,171 @@ class TopKSoftmaxRouter(nn.Module):
         return torch.softmax(top, dim=-1, dtype=top.dtype), ids
 
 
-class SparseMoeBlock(nn.Module):
-    """A decoder layer's MLP as a Mixture of Experts: `gate` routes, `experts` compute."""
+class _Float32Router(nn.Module):
+    """A router whose parameters stay float32 whatever the model's dtype: transformers keeps
+    DeepSeek's gate weight and correction bias in float32 (`_keep_in_fp32_modules_strict`), and
+    the bias tips choices between experts whose sigmoid scores differ in the third decimal,
+    which bfloat16 would blur. Device moves still apply; only dtype casts skip these tensors."""
 
-    def __init__(self, gate: nn.Module, experts: FusedMoE) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.num_experts = num_experts
+        self.top_k = top_k
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+               ) -> _Float32Router:
+        def keep_float32(t: torch.Tensor) -> torch.Tensor:
+            applied = fn(t)
+            if applied.dtype == t.dtype:
+                return applied
+            return t.to(device=applied.device)  # the unrounded tensor, moved as asked
+
+        return super()._apply(keep_float32, recurse)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] in any dtype -> float32 router logits [T, E], as transformers computes them
+        (both operands cast to float32 first)."""
+        return F.linear(x.float(), self.weight.float())
+
+
+def _experts_of_best_groups(group_scores: torch.Tensor, topk_group: int,
+                            group_size: int) -> torch.Tensor:
+    """group_scores [T, G] -> bool [T, G * group_size]: True for the experts of each token's
+    `topk_group` best groups."""
+    best = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return keep.repeat_interleave(group_size, dim=1)
+
+
+# transformers' (and DeepSeek's) guard against an all-zero sum when renormalising.
+_RENORM_EPS = 1e-20
+
+
+class GroupedTopKRouter(_Float32Router):
+    """DeepSeek-V3 ("noaux_tc"): sigmoid scores of the float32 logits; for the choice only, the
+    learned `e_score_correction_bias` is added; the experts form `n_group` equal groups, each
+    scored by the sum of its two best corrected scores, and only the `topk_group` best groups'
+    experts may be chosen; the top k of those. Weights are the uncorrected scores of the chosen
+    experts, renormalised to sum to one when `norm_topk_prob`, times `routed_scaling_factor`;
+    they come out in float32 (the experts multiply in float32 and round once, as transformers
+    does).
+
+    The bias is a checkpoint tensor (`mlp.gate.e_score_correction_bias`), so it is a frozen
+    parameter (requires_grad False) rather than a buffer: the loader fills whatever
+    `named_parameters()` names."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, n_group: int,
+                 topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float) -> None:
+        super().__init__(hidden_size, num_experts, top_k)
+        _check_groups(num_experts, n_group, topk_group)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (float32 weights [T, k], expert ids [T, k])."""
+        scores = self.logits(x).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.topk_group < self.n_group:  # otherwise every group stays: nothing to mask
+            size = self.num_experts // self.n_group
+            grouped = choice.view(-1, self.n_group, size)
+            group_scores = grouped.topk(min(2, size), dim=-1).values.sum(dim=-1)
+            keep = _experts_of_best_groups(group_scores, self.topk_group, size)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        ids = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + _RENORM_EPS)
+        return weights * self.routed_scaling_factor, ids
+
+
+class GroupLimitedSoftmaxRouter(_Float32Router):
+    """DeepSeek-V2: softmax scores of the float32 logits; `topk_method` "greedy" takes the top
+    k of all experts, "group_limited_greedy" first keeps the `topk_group` of `n_group` groups
+    with the highest single score (the others' scores zeroed). Weights are the chosen scores
+    times `routed_scaling_factor`, in float32.
+
+    `norm_topk_prob` (with k > 1) renormalises the weights to sum to one *instead of* scaling
+    them, as DeepSeek's own V2 code does; transformers 5.x ignores the flag for V2. Every
+    released V2 checkpoint sets it false, where both agree."""
+
+    METHODS = ("greedy", "group_limited_greedy")
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, topk_method: str,
+                 n_group: int | None, topk_group: int | None, norm_topk_prob: bool,
+                 routed_scaling_factor: float) -> None:
+        super().__init__(hidden_size, num_experts, top_k)
+        if topk_method not in self.METHODS:
+            raise ValueError(f"DeepSeek-V2 topk_method {topk_method!r} is not one of "
+                             f"{self.METHODS}")
+        self.group_limited = topk_method == "group_limited_greedy"
+        if self.group_limited:
+            _check_groups(num_experts, n_group, topk_group)
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.renormalize = norm_topk_prob and top_k > 1
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (float32 weights [T, k], expert ids [T, k])."""
+        scores = torch.softmax(self.logits(x), dim=-1)
+        if self.group_limited:
+            size = self.num_experts // self.n_group
+            group_scores = scores.view(-1, self.n_group, size).amax(dim=-1)
+            keep = _experts_of_best_groups(group_scores, self.topk_group, size)
+            # Zero, not -inf, as DeepSeek does: softmax scores are positive, so the kept
+            # experts still rank first.
+            scores = scores.masked_fill(~keep, 0.0)
+        weights, ids = torch.topk(scores, self.top_k, dim=-1, sorted=False)
+        if self.renormalize:
+            return weights / (weights.sum(dim=-1, keepdim=True) + _RENORM_EPS), ids
+        return weights * self.routed_scaling_factor, ids
+
+
+def _check_groups(num_experts: int, n_group: int | None, topk_group: int | None) -> None:
+    if not n_group or not topk_group or num_experts % n_group or not 0 < topk_group <= n_group:
+        raise ValueError(f"{num_experts} experts cannot form n_group={n_group} equal groups "
+                         f"with topk_group={topk_group} kept")
+
+
+class SwiGLUMLP(nn.Module):
+    """A dense down(silu(gate(x)) * up(x)) with gate and up as one fused projection (gate rows,
+    then up rows): DeepSeek's shared experts. Defined here rather than taken from llama.py,
+    which imports this module."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+    def gate_up_shard(self, shard: str, name: str = "weight") -> torch.Tensor:
+        """Where a checkpoint's separate gate_proj or up_proj tensor (`shard` "gate" or "up";
+        `name` "weight" or "bias") goes in the fused projection: a view to copy into."""
+        if shard not in ("gate", "up"):
+            raise ValueError(f"gate_up shard {shard!r} is not gate or up")
+        n = self.intermediate_size
+        return getattr(self.gate_up_proj, name).data.narrow(0, 0 if shard == "gate" else n, n)
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's MLP as a Mixture of Experts: `gate` routes, `experts` compute, and the
+    optional `shared_experts` (DeepSeek), which every token passes through, is added to the
+    routed sum (routed + shared, both in the model's dtype, as transformers adds them)."""
+
+    def __init__(self, gate: nn.Module, experts: FusedMoE,
+                 shared_experts: nn.Module | None = None) -> None:
         super().__init__()
         self.gate = gate
         self.experts = experts
+        self.shared_experts = shared_experts
 
     @classmethod
     def softmax_top_k(cls, hidden_size: int, num_experts: int, top_k: int,
@@ -173,6 +340,42 @@ class SparseMoeBlock(nn.Module):
         return cls(TopKRouter(hidden_size, num_experts, top_k, renormalize, float32_weights),
                    FusedMoE(num_experts, hidden_size, intermediate_size))
 
+    @classmethod
+    def deepseek(cls, config: PretrainedConfig) -> SparseMoeBlock:
+        """DeepSeek-V2's or -V3's block from its config: the router by `topk_method` ("noaux_tc",
+        V3's default when the config has none: `GroupedTopKRouter`; "greedy" or
+        "group_limited_greedy": `GroupLimitedSoftmaxRouter`), `n_routed_experts` SiLU experts
+        of `moe_intermediate_size`, and `n_shared_experts` shared experts as one `SwiGLUMLP`
+        of n_shared_experts * moe_intermediate_size (none when 0)."""
+        if config.hidden_act != "silu":
+            raise ValueError(f"DeepSeek MoE with hidden_act {config.hidden_act!r}: only silu")
+        experts = FusedMoE(config.n_routed_experts, config.hidden_size,
+                           config.moe_intermediate_size)
+        shared = None
+        if n_shared := getattr(config, "n_shared_experts", None):
+            shared = SwiGLUMLP(config.hidden_size, config.moe_intermediate_size * n_shared,
+                               bias=bool(getattr(config, "mlp_bias", False)))
+        return cls(_deepseek_router(config), experts, shared)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def _deepseek_router(config: PretrainedConfig) -> nn.Module:
+    """The router a DeepSeek config asks for (see `SparseMoeBlock.deepseek`)."""
+    method = getattr(config, "topk_method", None) or "noaux_tc"
+    scoring = getattr(config, "scoring_func", None)
+    common = dict(hidden_size=config.hidden_size, num_experts=config.n_routed_experts,
+                  top_k=config.num_experts_per_tok, n_group=config.n_group,
+                  topk_group=config.topk_group, norm_topk_prob=bool(config.norm_topk_prob),
+                  routed_scaling_factor=float(config.routed_scaling_factor))
+    if method == "noaux_tc" and scoring in (None, "sigmoid"):
+        return GroupedTopKRouter(**common)
+    if method in GroupLimitedSoftmaxRouter.METHODS and scoring in (None, "softmax"):
+        return GroupLimitedSoftmaxRouter(topk_method=method, **common)
+    raise ValueError(f"DeepSeek routing topk_method={method!r} with scoring_func={scoring!r} "
+                     "is not supported")
