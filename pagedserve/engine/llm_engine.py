@@ -17,6 +17,7 @@ from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput, Pendi
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.kv_cache import KVCacheManager
+from pagedserve.kv_cache.specs import bytes_per_block
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
 
@@ -86,8 +87,9 @@ class LLMEngine:
         else:
             self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
                                            config.cache.enable_prefix_caching)
-            logger.info("KV cache: %d blocks of %d tokens (%d tokens); backend %s", num_blocks,
-                        config.cache.block_size, num_blocks * config.cache.block_size,
+            logger.info("KV cache: %d blocks of %d tokens (%d tokens, %d bytes per token over "
+                        "all layers); backend %s", num_blocks, config.cache.block_size,
+                        num_blocks * config.cache.block_size, self.kv_cache_bytes_per_token(),
                         self.runner.backend.get_name())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -338,6 +340,10 @@ class LLMEngine:
                     "prefix cache hit rate %.1f%%, preemptions %d", rate, s.num_running,
                     s.num_waiting, 100 * s.kv_cache_usage, 100 * hit_rate, s.num_preemptions)
         self._last_log, self._logged_tokens = now, s.generation_tokens
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """What one token's K/V (or MLA latent) costs over every layer, in the cache's layout."""
+        return bytes_per_block(self.runner.kv_specs) // self.runner.block_size
 
     def check_blocks_free(self) -> bool:
         """True when no request holds a KV block (all free or cached-evictable); for a Mamba

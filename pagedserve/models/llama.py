@@ -96,11 +96,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int,
                  family: type[LlamaForCausalLM]) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, family.qkv_bias(config),
-                                        family.o_bias(config),
-                                        family.sliding_window_for_layer(config, layer_idx),
-                                        family.qk_norm(config),
-                                        has_sinks=family.has_sinks(config))
+        self.self_attn = family.make_attention(config, layer_idx)
         self.mlp = family.make_mlp(config, layer_idx)
         self.input_layernorm = family.norm_cls(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = family.norm_cls(config.hidden_size, config.rms_norm_eps)
@@ -160,6 +156,8 @@ class LlamaForCausalLM(nn.Module):
     model_cls: type[nn.Module] = LlamaModel
     # The decoder's norms (gpt-oss scales in float32 before the cast back).
     norm_cls: type[RMSNorm] = RMSNorm
+    # Checkpoint name parts that load into rows of a fused parameter.
+    fused_names: dict[str, tuple[str, str]] = _FUSED
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -192,6 +190,14 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def has_sinks(config: PretrainedConfig) -> bool:
         return False
+
+    @classmethod
+    def make_attention(cls, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        """The layer's attention module: LlamaAttention from the hooks above (DeepSeek swaps in
+        multi-head latent attention)."""
+        return LlamaAttention(config, layer_idx, cls.qkv_bias(config), cls.o_bias(config),
+                              cls.sliding_window_for_layer(config, layer_idx),
+                              cls.qk_norm(config), has_sinks=cls.has_sinks(config))
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
@@ -237,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(f"{prefix}:{index}:{shard}")
                 continue
             target, shard = name, None
-            for hf_part, (ours, shard_id) in _FUSED.items():
+            for hf_part, (ours, shard_id) in self.fused_names.items():
                 if hf_part in name:
                     target, shard = name.replace(hf_part, ours), shard_id
                     break
@@ -262,8 +268,8 @@ class LlamaForCausalLM(nn.Module):
             attn = self.model.layers[0].self_attn
             q, kv = attn.q_size, attn.kv_size
             start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-        else:
-            n = self.config.intermediate_size
+        else:  # gate rows, then up rows, of any gated MLP (dense or shared experts)
+            n = param.shape[0] // 2
             start, size = {"gate": (0, n), "up": (n, n)}[shard]
         return param.data.narrow(0, start, size)
 

@@ -21,6 +21,8 @@ _MODELS: dict[str, str] = {
     "Gemma3ForCausalLM": "pagedserve.models.gemma:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "pagedserve.models.phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "pagedserve.models.olmo2:Olmo2ForCausalLM",
+    "DeepseekV2ForCausalLM": "pagedserve.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "pagedserve.models.deepseek:DeepseekV3ForCausalLM",
     "GptOssForCausalLM": "pagedserve.models.gpt_oss:GptOssForCausalLM",
     "MambaForCausalLM": "pagedserve.models.mamba:MambaForCausalLM",
 }

@@ -28,6 +28,13 @@ MOE = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
 # Local layers slide over 12 keys; the prompts run to 40.
 GEMMA = dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
              sliding_window=12, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh")
+# MLA's heads all come from the latent: no grouped K/V heads, no head_dim of their own.
+MLA_COMMON = {**{k: v for k, v in COMMON.items() if k != "head_dim"},
+              "num_key_value_heads": COMMON["num_attention_heads"]}
+DEEPSEEK = dict(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                moe_intermediate_size=32, n_routed_experts=8, n_group=4, topk_group=2,
+                num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                routed_scaling_factor=2.5)
 # LongRoPE: every sequence here stays within the original 64 positions (short factors).
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
@@ -70,6 +77,18 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
                 "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                 "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False}),
+        # Multi-head latent attention with a low-rank query, YaRN, interleaved rope; layer 0
+        # dense, then 8 experts in 4 groups (2 kept), top-2, one shared expert.
+        "deepseek_v3": transformers.DeepseekV3Config(
+            **MLA_COMMON, **DEEPSEEK, q_lora_rank=32, norm_topk_prob=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                             "original_max_position_embeddings": 128, "mscale": 1.0,
+                             "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
+        "deepseek_v3_no_q_lora": transformers.DeepseekV3Config(
+            **MLA_COMMON, **DEEPSEEK, q_lora_rank=None, norm_topk_prob=False),
+        "deepseek_v2": transformers.DeepseekV2Config(
+            **MLA_COMMON, **DEEPSEEK, q_lora_rank=None,
+            topk_method="group_limited_greedy", norm_topk_prob=False),
     }
 
 
@@ -185,6 +204,7 @@ def test_layers_follow_the_config(family_models):
     assert layout("phi3_window") == ([dense] * 3, [12] * 3)
     assert layout("olmo2") == ([dense] * 3, [None] * 3)
     assert layout("gpt_oss") == ([sparse] * 3, [12, None, 12])
+    assert layout("deepseek_v3") == ([dense, sparse, sparse], [None] * 3)
 
 
 def test_longrope_table_past_the_original_context():

@@ -1,0 +1,112 @@
+"""DeepSeek-V2 and V3: Llama's pre-norm decoder with multi-head latent attention and, after the
+first `first_k_dense_replace` dense layers, Mixture-of-Experts MLPs with grouped routing and
+shared experts (`moe.SparseMoeBlock.deepseek`).
+
+Attention: the query comes from q_proj, or through a low-rank q_a_proj -> RMSNorm -> q_b_proj
+(q_lora_rank); kv_a_proj_with_mqa gives the latent c (normed) and the shared rope key k_pe,
+which is all the cache keeps (`attention.mla`). The rope part of q and k rotates interleaved
+pairs (DeepSeek's layout): we gather the even then the odd channels and rotate halves, which
+gives the same dot products as transformers' interleaved rotation. YaRN's mscale enters the
+softmax scale as in transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagedserve.attention.mla import MLAAttention
+from pagedserve.models.layers import RMSNorm, RotaryEmbedding, rope_parameters
+from pagedserve.models.llama import _FUSED, LlamaForCausalLM, LlamaMLP
+from pagedserve.models.moe import SparseMoeBlock
+
+
+def _softmax_scale(config: PretrainedConfig) -> float:
+    """qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(config)
+    mscale_all_dim = params.get("mscale_all_dim", 0)
+    if params["rope_type"] != "default" and mscale_all_dim and params["factor"] > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(params["factor"]) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Pairs (x0, x1), (x2, x3), ... -> (x0, x2, ..., x1, x3, ...): rotate-half layout."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class DeepseekAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.nope = config.qk_nope_head_dim
+        self.rope = config.qk_rope_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.head_dim = self.rope  # what the rotary embedding rotates
+        q_dim = self.num_heads * (self.nope + self.rope)
+        bias = bool(getattr(config, "attention_bias", False))
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, q_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, self.kv_lora_rank + self.rope,
+                                            bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.o_proj = nn.Linear(self.num_heads * config.v_head_dim, config.hidden_size, bias=bias)
+        self.attn = MLAAttention(self.num_heads, self.nope, self.rope, config.v_head_dim,
+                                 self.kv_lora_rank, _softmax_scale(config), layer_idx)
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(hidden)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        t = hidden.shape[0]
+        q_nope, q_pe = self._query(hidden).view(t, self.num_heads, -1).split(
+            [self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
+        q_pe, k_pe = rotary(positions, _deinterleave(q_pe).contiguous(),
+                            _deinterleave(k_pe).view(t, 1, self.rope).contiguous())
+        query = torch.cat([q_nope, q_pe], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c), k_pe.view(t, self.rope)], dim=-1)
+        return self.o_proj(self.attn(query, latent))
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    # Gate and up (dense and shared experts) load into one fused projection; q/k/v are not
+    # fused here (`q_proj` is the whole query).
+    fused_names = {
+        **{hf: ours for hf, ours in _FUSED.items() if ".mlp." in hf},
+        ".mlp.shared_experts.gate_proj.": (".mlp.shared_experts.gate_up_proj.", "gate"),
+        ".mlp.shared_experts.up_proj.": (".mlp.shared_experts.gate_up_proj.", "up"),
+    }
+
+    @classmethod
+    def make_attention(cls, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        return DeepseekAttention(config, layer_idx)
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        if layer_idx < config.first_k_dense_replace:
+            return LlamaMLP(config)
+        return SparseMoeBlock.deepseek(config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # The latent up-projection belongs to the MLA layer, which hands it to its backend.
+        super().load_weights((name.replace(".self_attn.kv_b_proj.", ".self_attn.attn.kv_b_proj."),
+                              tensor) for name, tensor in weights)
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """V2: softmax routing, greedy or group-limited (`moe.SparseMoeBlock.deepseek` reads
+    `topk_method`); the same latent attention."""
