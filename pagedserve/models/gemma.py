@@ -13,7 +13,12 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedserve.models.layers import GemmaRMSNorm, RotaryEmbedding
-from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pagedserve.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    window_by_layer_type,
+)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -66,10 +71,7 @@ class GemmaModel(nn.Module):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     model_cls = GemmaModel
 
-    @staticmethod
-    def sliding_window_for_layer(config: PretrainedConfig, layer_idx: int) -> int | None:
-        sliding = config.layer_types[layer_idx] == "sliding_attention"
-        return config.sliding_window if sliding else None
+    sliding_window_for_layer = staticmethod(window_by_layer_type)
 
     @staticmethod
     def rope_layer_type(config: PretrainedConfig, layer_idx: int) -> str | None:

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedserve.models.layers import Float32ScaledRMSNorm
-from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.llama import LlamaForCausalLM, window_by_layer_type
 from pagedserve.models.moe import ExpertActivation, FusedMoE, SparseMoeBlock, TopKSoftmaxRouter
 
 
@@ -30,10 +30,7 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
 class GptOssForCausalLM(LlamaForCausalLM):
     norm_cls = Float32ScaledRMSNorm
 
-    @staticmethod
-    def sliding_window_for_layer(config: PretrainedConfig, layer_idx: int) -> int | None:
-        sliding = config.layer_types[layer_idx] == "sliding_attention"
-        return config.sliding_window if sliding else None
+    sliding_window_for_layer = staticmethod(window_by_layer_type)
 
     @staticmethod
     def has_sinks(config: PretrainedConfig) -> bool:

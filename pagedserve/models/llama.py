@@ -151,6 +151,13 @@ _FUSED = {
 }
 
 
+def window_by_layer_type(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """The window of a config that lists `layer_types` (Gemma, gpt-oss): sliding_attention
+    layers slide over `sliding_window` keys, the others see everything."""
+    sliding = config.layer_types[layer_idx] == "sliding_attention"
+    return config.sliding_window if sliding else None
+
+
 class LlamaForCausalLM(nn.Module):
     # The decoder stack; families with another layer layout (Gemma's sandwich norms) swap it.
     model_cls: type[nn.Module] = LlamaModel
