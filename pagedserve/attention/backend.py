@@ -18,6 +18,19 @@ import torch
 from pagedserve.attention.metadata import CommonAttentionMetadata
 
 
+def normalized_head_size_v(head_size: int, head_size_v: int | None) -> int | None:
+    """The value head size as configs store it: None when it equals head_size, so one layer
+    spelled both ways compares and hashes alike (and shares a builder and a cache layout)."""
+    if head_size_v is not None and head_size_v < 1:
+        raise ValueError(f"head_size_v must be >= 1, got {head_size_v}")
+    return None if head_size_v == head_size else head_size_v
+
+
+def diff_kv_reason(head_size: int, head_size_v: int) -> str:
+    """The refusal of a backend (or impl) that needs K and V of one head size."""
+    return f"value head size {head_size_v} != head size {head_size} not supported"
+
+
 @dataclass(frozen=True)
 class AttentionLayerConfig:
     """What one attention layer asks of a backend."""
@@ -33,6 +46,17 @@ class AttentionLayerConfig:
     # A learned per-head logit joins each softmax as one more column that carries no value
     # (gpt-oss); the logits themselves are the layer's weights, bound to the impl (bind_sinks).
     has_sinks: bool = False
+    # Values with their own head size (DeepSeek's expanded MLA prefill, MiMo-V2-Flash: 192 for
+    # queries/keys, 128 for values); None (or head_size, stored as None): the same size.
+    head_size_v: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "head_size_v",
+                           normalized_head_size_v(self.head_size, self.head_size_v))
+
+    @property
+    def value_head_size(self) -> int:
+        return self.head_size if self.head_size_v is None else self.head_size_v
 
     @property
     def softmax_scale(self) -> float:
@@ -56,6 +80,15 @@ class BuilderConfig:
     logits_soft_cap: float | None = None
     kv_cache_dtype: str = "auto"
     has_sinks: bool = False
+    head_size_v: int | None = None  # as AttentionLayerConfig's
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "head_size_v",
+                           normalized_head_size_v(self.head_size, self.head_size_v))
+
+    @property
+    def value_head_size(self) -> int:
+        return self.head_size if self.head_size_v is None else self.head_size_v
 
     @classmethod
     def for_layer(cls, layer: AttentionLayerConfig, block_size: int, max_num_reqs: int,
@@ -64,7 +97,7 @@ class BuilderConfig:
         return cls(layer.num_heads, layer.num_kv_heads, layer.head_size, layer.dtype,
                    block_size, max_num_reqs, max_num_tokens, max_blocks_per_seq, device,
                    layer.sliding_window, layer.logits_soft_cap, layer.kv_cache_dtype,
-                   layer.has_sinks)
+                   layer.has_sinks, layer.head_size_v)
 
 
 class AttentionMetadataBuilder(ABC):
@@ -108,6 +141,9 @@ class AttentionImpl(ABC):
     # Whether forward applies sinks bound through `bind_sinks`; an impl that does not is never
     # built for a sink layer, so it cannot run one while ignoring the sinks.
     supports_sinks: ClassVar[bool] = False
+    # Whether forward handles values of another head size than queries/keys (output [T, H,
+    # D_v]); an impl that does not is never built for such a layer.
+    supports_diff_kv: ClassVar[bool] = False
 
     def __init__(self, layer: AttentionLayerConfig) -> None:
         if layer.num_heads % layer.num_kv_heads:
@@ -115,9 +151,13 @@ class AttentionImpl(ABC):
                              f"{layer.num_kv_heads}")
         if layer.has_sinks and not self.supports_sinks:
             raise ValueError(f"{type(self).__name__}: attention sinks not supported")
+        if layer.head_size_v is not None and not self.supports_diff_kv:
+            raise ValueError(f"{type(self).__name__}: "
+                             f"{diff_kv_reason(layer.head_size, layer.head_size_v)}")
         self.layer = layer
         self.num_heads = layer.num_heads
         self.head_size = layer.head_size
+        self.value_head_size = layer.value_head_size
         self.scale = layer.softmax_scale
         self.num_kv_heads = layer.num_kv_heads
         self.sliding_window = layer.sliding_window
@@ -149,9 +189,9 @@ class AttentionImpl(ABC):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any,
                 output: torch.Tensor | None = None) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D] for the step's new tokens. Writes the new K/V
-        into `kv_cache` through the slot mapping first, then attends (prefill, decode or mixed)
-        and returns [T, H, D]."""
+        """query [T, H, D], key [T, Hkv, D], value [T, Hkv, D_v] for the step's new tokens
+        (D_v = the layer's value_head_size). Writes the new K/V into `kv_cache` through the slot
+        mapping first, then attends (prefill, decode or mixed) and returns [T, H, D_v]."""
 
 
 class AttentionBackend(ABC):
@@ -164,6 +204,8 @@ class AttentionBackend(ABC):
     supports_soft_cap: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
     supports_sinks: ClassVar[bool] = False  # its impl's supports_sinks says the same
+    # Layers whose values have another head size (head_size_v); its impl's flag says the same.
+    supports_diff_kv: ClassVar[bool] = False
     # Runs multi-head latent attention layers (`attention.mla`); the selector refuses MLA
     # layers on a backend without it, and an MLA backend refuses every other layer.
     supports_mla: ClassVar[bool] = False
@@ -195,21 +237,34 @@ class AttentionBackend(ABC):
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int) -> tuple[int, ...]:
-        """K/V outermost by default (the CPU, Triton and FlashAttention layout)."""
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+                           head_size: int, head_size_v: int | None = None) -> tuple[int, ...]:
+        """K/V outermost by default (the CPU, Triton and FlashAttention layout). With values of
+        another head size (head_size_v not None, callers pass it only then) one buffer holds
+        each slot's K and V rows side by side: [num_blocks, block_size, num_kv_heads,
+        head_size + head_size_v], nothing padded, and the K and V views share strides."""
+        if head_size_v is None:
+            return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return (num_blocks, block_size, num_kv_heads, head_size + head_size_v)
 
     @staticmethod
-    def kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views [num_blocks, block_size, num_kv_heads, head_size] of the cache
-        (K/V outermost here; backends with another layout override this)."""
-        return kv_cache[0], kv_cache[1]
+    def kv_cache_views(kv_cache: torch.Tensor,
+                       head_size_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K [num_blocks, block_size, num_kv_heads, head_size] and V [..., head_size_v] views of
+        the cache (K/V outermost here; backends with another layout override this).
+        head_size_v: the layer's value head size when it differs (the side-by-side layout of
+        `get_kv_cache_shape`), else None."""
+        if head_size_v is None:
+            return kv_cache[0], kv_cache[1]
+        split = kv_cache.shape[-1] - head_size_v
+        return kv_cache[..., :split], kv_cache[..., split:]
 
     @classmethod
     def get_page_size_bytes(cls, block_size: int, num_kv_heads: int, head_size: int,
-                            cache_dtype: torch.dtype) -> int:
-        """Bytes one block of one layer takes in this backend's layout (memory sizing)."""
-        numel = math.prod(cls.get_kv_cache_shape(1, block_size, num_kv_heads, head_size))
+                            cache_dtype: torch.dtype, head_size_v: int | None = None) -> int:
+        """Bytes one block of one layer takes in this backend's layout (memory sizing);
+        head_size_v as in `get_kv_cache_shape`."""
+        sizes = (head_size,) if head_size_v is None else (head_size, head_size_v)
+        numel = math.prod(cls.get_kv_cache_shape(1, block_size, num_kv_heads, *sizes))
         return numel * torch.empty((), dtype=cache_dtype).element_size()
 
     @classmethod
@@ -245,10 +300,22 @@ class AttentionBackend(ABC):
             reasons.append("logits soft-cap not supported")
         if layer.has_sinks and not cls.supports_sinks:
             reasons.append("attention sinks not supported")
+        reasons += cls._value_head_size_reasons(layer)
         if layer.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             reasons.append(f"kv_cache_dtype {layer.kv_cache_dtype!r} not in "
                            f"{list(cls.supported_kv_cache_dtypes)}")
         return reasons
+
+    @classmethod
+    def _value_head_size_reasons(cls, layer: AttentionLayerConfig) -> list[str]:
+        if layer.head_size_v is None:
+            return []
+        if not cls.supports_diff_kv:
+            return [diff_kv_reason(layer.head_size, layer.head_size_v)]
+        if cls.supported_head_sizes and layer.head_size_v not in cls.supported_head_sizes:
+            return [f"value head size {layer.head_size_v} not in "
+                    f"{list(cls.supported_head_sizes)}"]
+        return []
 
     @classmethod
     def can_capture_cuda_graphs(cls, block_size: int) -> bool:
@@ -265,6 +332,8 @@ class AttentionBackend(ABC):
             out.append("soft-cap")
         if cls.supports_sinks:
             out.append("sinks")
+        if cls.supports_diff_kv:
+            out.append("diff-kv")
         if cls.supported_kv_cache_dtypes != ("auto",):
             quant = [d for d in cls.supported_kv_cache_dtypes if d != "auto"]
             out.append("quantized-kv(" + ",".join(quant) + ")")

@@ -10,18 +10,23 @@ from pagedserve.attention.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
-    """query [T, H*D], key/value [T, Hkv*D] in; [T, H*D] out. The model runner binds an impl of
-    the selected backend (`bind`) and sets the step's metadata and caches around forward.
+    """query [T, H*D], key [T, Hkv*D], value [T, Hkv*D_v] in; [T, H*D_v] out. The model runner
+    binds an impl of the selected backend (`bind`) and sets the step's metadata and caches
+    around forward.
 
     has_sinks: the layer owns learned per-head sink logits `sinks` [H] (gpt-oss), a checkpoint
-    weight that follows the model's dtype; `bind` hands them to the impl."""
+    weight that follows the model's dtype; `bind` hands them to the impl.
+    head_size_v: the values' head size D_v when it differs from head_size (DeepSeek's expanded
+    MLA prefill, MiMo-V2-Flash); None: D_v = head_size."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  layer_idx: int, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None, has_sinks: bool = False) -> None:
+                 logits_soft_cap: float | None = None, has_sinks: bool = False,
+                 head_size_v: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
+        self.head_size_v = head_size if head_size_v is None else head_size_v
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.layer_idx = layer_idx
@@ -35,7 +40,8 @@ class Attention(nn.Module):
     def config(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> AttentionLayerConfig:
         return AttentionLayerConfig(self.num_heads, self.num_kv_heads, self.head_size, dtype,
                                     self.sliding_window, self.logits_soft_cap, kv_cache_dtype,
-                                    self.scale, has_sinks=self.sinks is not None)
+                                    self.scale, has_sinks=self.sinks is not None,
+                                    head_size_v=self.head_size_v)
 
     def bind(self, impl: AttentionImpl, layer_config: AttentionLayerConfig) -> None:
         if self.sinks is not None:
@@ -52,8 +58,8 @@ class Attention(nn.Module):
         out = self.impl.forward(
             query.view(t, self.num_heads, self.head_size),
             key.view(t, self.num_kv_heads, self.head_size),
-            value.view(t, self.num_kv_heads, self.head_size),
+            value.view(t, self.num_kv_heads, self.head_size_v),
             ctx.kv_caches[self.layer_idx],
             ctx.attn_metadata[self.layer_config],
         )
-        return out.reshape(t, self.num_heads * self.head_size)
+        return out.reshape(t, self.num_heads * self.head_size_v)

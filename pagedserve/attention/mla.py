@@ -84,10 +84,10 @@ class MLAImpl(AttentionImpl):
     mapping, then attends."""
 
     def __init__(self, layer: AttentionLayerConfig) -> None:
+        super().__init__(layer)  # refuses what no impl of this class runs (sinks, ...)
         if not isinstance(layer, MLALayerConfig):
             raise ValueError(f"{type(self).__name__} runs multi-head latent attention layers "
                              "only")
-        super().__init__(layer)
         self.kv_lora_rank = layer.kv_lora_rank
         self.qk_nope_head_dim = layer.qk_nope_head_dim
         self.qk_rope_head_dim = layer.qk_rope_head_dim

@@ -24,15 +24,24 @@ def attention_specs(backend: type[AttentionBackend], layers: list[AttentionLayer
     specs: list[KVCacheSpec] = []
     for layer in layers:
         page_bytes = backend.get_page_size_bytes(block_size, layer.num_kv_heads,
-                                                 layer.head_size, cache_dtype)
+                                                 layer.head_size, cache_dtype,
+                                                 **_value_size(layer.head_size_v))
         if layer.sliding_window is not None:
             specs.append(SlidingWindowSpec(block_size, layer.num_kv_heads, layer.head_size,
                                            cache_dtype, page_bytes,
+                                           head_size_v=layer.head_size_v,
                                            sliding_window=layer.sliding_window))
         else:
             specs.append(FullAttentionSpec(block_size, layer.num_kv_heads, layer.head_size,
-                                           cache_dtype, page_bytes))
+                                           cache_dtype, page_bytes,
+                                           head_size_v=layer.head_size_v))
     return specs
+
+
+def _value_size(head_size_v: int | None) -> dict[str, int]:
+    """head_size_v for the layout hooks only where it differs from head_size: a backend that
+    never runs such layers may override them with the equal-size signature alone."""
+    return {} if head_size_v is None else {"head_size_v": head_size_v}
 
 
 def determine_num_blocks(cache: CacheConfig, specs: list[KVCacheSpec] | list[MambaSpec],
@@ -54,7 +63,8 @@ def allocate_kv_caches(backend: type[AttentionBackend], specs: list[KVCacheSpec]
                        device: torch.device) -> list[torch.Tensor]:
     """One zeroed cache tensor per attention layer, in the backend's layout."""
     return [torch.zeros(backend.get_kv_cache_shape(num_blocks, spec.block_size,
-                                                   spec.num_kv_heads, spec.head_size),
+                                                   spec.num_kv_heads, spec.head_size,
+                                                   **_value_size(spec.head_size_v)),
                         dtype=cache_dtype, device=device)
             for spec in specs]
 

@@ -18,6 +18,17 @@ class KVCacheSpec:
     # The backend's real bytes per block when its layout is not plain K and V in `dtype`
     # (quantized caches with packed codes and scales); None: computed from the dtype.
     page_bytes: int | None = None
+    # V's head size when it differs from K's (the layer's head_size_v); None: the same. Stored
+    # as None when equal, so one layer spelled both ways is one spec.
+    head_size_v: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_size_v == self.head_size:
+            object.__setattr__(self, "head_size_v", None)
+
+    @property
+    def value_head_size(self) -> int:
+        return self.head_size if self.head_size_v is None else self.head_size_v
 
     @property
     def page_size_bytes(self) -> int:
@@ -25,7 +36,8 @@ class KVCacheSpec:
         if self.page_bytes is not None:
             return self.page_bytes
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
+        per_slot = self.num_kv_heads * (self.head_size + self.value_head_size)
+        return self.block_size * per_slot * itemsize
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,7 @@ class SlidingWindowSpec(KVCacheSpec):
     sliding_window: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 

@@ -1,15 +1,20 @@
 """Every available backend against a float32 reference on random paged data."""
 
+import numpy as np
 import pytest
 import torch
 
 from pagedserve.attention import (
     AttentionLayerConfig,
+    BuilderConfig,
     backend_status,
     get_backend_cls,
     registered_names,
+    registry,
 )
-from tests.utils.conformance import BATCHES, Case, run_case
+from pagedserve.attention.forward_context import set_forward_context
+from pagedserve.attention.metadata import CommonMetadataBuilder
+from tests.utils.conformance import BATCHES, Case, reference_attention, run_case
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Lossy caches (TurboQuant) run their own conformance with preset tolerances.
@@ -35,9 +40,8 @@ def _grid_params():
 
 
 def _supported(name: str, case: Case) -> bool:
-    layer = AttentionLayerConfig(case.num_heads, case.num_kv_heads, case.head_size, case.dtype,
-                                 case.sliding_window, case.logits_soft_cap)
-    return not get_backend_cls(name).validate_configuration(layer, case.block_size, DEVICE)
+    return not get_backend_cls(name).validate_configuration(case.layer(), case.block_size,
+                                                            DEVICE)
 
 
 @pytest.mark.parametrize("name,batch,block_size,ratio,head_size,window", list(_grid_params()))
@@ -147,3 +151,124 @@ def test_attention_module_owns_and_binds_its_sinks():
     assert plain.sinks is None and not plain.config(torch.float32).has_sinks
     with pytest.raises(ValueError, match="attention sinks not supported"):
         layer.bind(get_backend_cls("ROCM").impl_cls(config), config)
+
+
+# ---- values of another head size (DeepSeek's expanded MLA prefill, MiMo-V2-Flash) -----------
+
+DIFF_KV_BACKENDS = [name for name in AVAILABLE if get_backend_cls(name).supports_diff_kv]
+DIFF_KV_REFUSAL = "value head size 128 != head size 192 not supported"
+
+
+def _diff_kv_params():
+    # (D, D_v): MLA's 192/128 (a padded K tile in TRITON) and a smaller pair, 128/64.
+    for name in DIFF_KV_BACKENDS:
+        for head_size, head_size_v in ((192, 128), (128, 64)):
+            for batch in BATCHES:
+                for block_size in (16, 32):
+                    for ratio in (1, 3, 4):
+                        marks = ()
+                        if name in INTERPRETED:
+                            if ratio == 3:
+                                continue
+                            if block_size == 32:  # tiles do not follow the page size: redundant
+                                marks = (pytest.mark.slow,)
+                        yield pytest.param(name, batch, block_size, ratio, head_size,
+                                           head_size_v, marks=marks,
+                                           id=f"{name}-{batch}-bs{block_size}-gqa{ratio}"
+                                              f"-d{head_size}-dv{head_size_v}")
+
+
+@pytest.mark.parametrize("name,batch,block_size,ratio,head_size,head_size_v",
+                         list(_diff_kv_params()))
+def test_diff_kv_matches_reference(name, batch, block_size, ratio, head_size, head_size_v):
+    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+    case = Case(BATCHES[batch], block_size, 2 * ratio, 2, head_size, dtype,
+                head_size_v=head_size_v)
+    if not _supported(name, case):
+        pytest.skip(f"{name} does not support {case}")
+    run_case(get_backend_cls(name), case, DEVICE)
+
+
+@pytest.mark.parametrize("name", DIFF_KV_BACKENDS)
+@pytest.mark.parametrize("batch", ["mixed", "chunked_prefill"])
+def test_diff_kv_with_window_soft_cap_and_sinks(name, batch):
+    case = Case(BATCHES[batch], 16, 8, 2, 192, torch.float32, 8, 5.0, sinks=True,
+                head_size_v=128)
+    if not _supported(name, case):
+        pytest.skip(f"{name} does not support {case}")
+    run_case(get_backend_cls(name), case, DEVICE)
+
+
+@pytest.mark.parametrize("name", DIFF_KV_BACKENDS)
+def test_diff_kv_half_precision(name):
+    case = Case(BATCHES["mixed"], 16, 8, 2, 192, torch.bfloat16, head_size_v=128)
+    if not _supported(name, case):
+        pytest.skip(f"{name} does not support {case}")
+    run_case(get_backend_cls(name), case, DEVICE)
+
+
+@pytest.mark.parametrize("name", ATTENTION_BACKENDS)
+def test_backends_without_diff_kv_refuse_it_by_name(name):
+    backend = get_backend_cls(name)
+    layer = AttentionLayerConfig(8, 2, 192, torch.bfloat16, head_size_v=128)
+    assert backend.impl_cls.supports_diff_kv == backend.supports_diff_kv
+    assert ("diff-kv" in backend.features()) == backend.supports_diff_kv
+    reasons = backend.validate_configuration(layer, 16, DEVICE)
+    if backend.supports_diff_kv:
+        assert DIFF_KV_REFUSAL not in reasons
+        return
+    if DIFF_KV_REFUSAL not in reasons:
+        # A backend for another kind of layer altogether (MLA's latent cache) refuses the
+        # same layer with V of K's size just as well.
+        twin = AttentionLayerConfig(8, 2, 192, torch.bfloat16)
+        assert reasons and backend.validate_configuration(twin, 16, DEVICE) == reasons
+        return
+    # Nor can its impl be built for one, so no path runs V with K's head size.
+    with pytest.raises(ValueError, match=DIFF_KV_REFUSAL):
+        backend.impl_cls(layer)
+
+
+def test_diff_kv_refusal_names_the_layers():
+    mixed = [AttentionLayerConfig(8, 2, 192, torch.bfloat16, head_size_v=128),
+             AttentionLayerConfig(8, 2, 128, torch.bfloat16)] * 2
+    problems = registry._layer_problems(get_backend_cls("FLASHINFER"), mixed, 16, DEVICE)
+    assert f"layers 0, 2: {DIFF_KV_REFUSAL}" in problems
+
+
+def test_layer_config_stores_an_equal_value_head_size_as_none():
+    same = AttentionLayerConfig(8, 2, 128, torch.float32, head_size_v=128)
+    assert same == AttentionLayerConfig(8, 2, 128, torch.float32)
+    assert hash(same) == hash(AttentionLayerConfig(8, 2, 128, torch.float32))
+    assert same.head_size_v is None and same.value_head_size == 128
+    diff = AttentionLayerConfig(8, 2, 192, torch.float32, head_size_v=128)
+    assert diff.value_head_size == 128 and diff != AttentionLayerConfig(8, 2, 192, torch.float32)
+    assert diff.softmax_scale == 192 ** -0.5  # the scale follows the query/key head size
+    with pytest.raises(ValueError, match="head_size_v"):
+        AttentionLayerConfig(8, 2, 192, torch.float32, head_size_v=0)
+
+
+def test_attention_module_takes_and_returns_value_head_size():
+    """The model-facing layer: value [T, Hkv * D_v] in, [T, H * D_v] out, through the CPU
+    backend's side-by-side cache, against the float32 reference."""
+    from pagedserve.attention.layer import Attention
+
+    h, hkv, d, dv, t, bs = 4, 2, 48, 32, 7, 4
+    module = Attention(h, d, d ** -0.5, hkv, layer_idx=0, head_size_v=dv)
+    config = module.config(torch.float32)
+    assert config.head_size_v == dv
+    backend = get_backend_cls("CPU")
+    module.bind(backend.impl_cls(config), config)
+    cache = torch.zeros(backend.get_kv_cache_shape(3, bs, hkv, d, head_size_v=dv))
+    table = np.array([[2, 0]], dtype=np.int32)
+    common = CommonMetadataBuilder(1, t, 2, bs, torch.device("cpu")).build(
+        rows=np.arange(1), num_computed=np.zeros(1, np.int32),
+        num_scheduled=np.array([t], np.int32), num_prefills=1, block_table=table)
+    builder = backend.builder_cls(BuilderConfig.for_layer(config, bs, 1, t, 2,
+                                                          torch.device("cpu")))
+    q, k, v = torch.randn(t, h * d), torch.randn(t, hkv * d), torch.randn(t, hkv * dv)
+    with set_forward_context({config: builder.build(common)}, [cache]):
+        out = module(q, k, v)
+    assert out.shape == (t, h * dv)
+    ref = reference_attention(q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, dv), 0,
+                              d ** -0.5, None, None)
+    torch.testing.assert_close(out, ref.reshape(t, h * dv), rtol=1e-5, atol=1e-5)

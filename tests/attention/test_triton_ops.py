@@ -52,6 +52,32 @@ def test_reshape_and_cache_matches_scatter(dtype, block_size, packed):
     assert torch.equal(cache, expected)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_reshape_and_cache_writes_values_of_their_own_head_size(packed):
+    # K rows of 192 and V rows of 128 into the two halves of one side-by-side cache.
+    gen = torch.Generator().manual_seed(0)
+    hkv, d, dv, t, block_size, num_blocks = 2, 192, 128, 21, 16, 3
+    cache = torch.randn(TRITON.get_kv_cache_shape(num_blocks, block_size, hkv, d,
+                                                  head_size_v=dv), generator=gen).to(DEVICE)
+    k_cache, v_cache = TRITON.kv_cache_views(cache, head_size_v=dv)
+    qkv = torch.randn(t, hkv * (2 * d + dv), generator=gen).to(DEVICE)
+    key = qkv[:, :hkv * d].view(t, hkv, d)
+    if packed:
+        value = qkv[:, 2 * hkv * d:].view(t, hkv, dv)
+    else:  # heads apart: each value head is the tail of a (d + dv)-wide row
+        value = qkv[:, hkv * d:].view(t, hkv, d + dv)[:, :, d:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    slots[::4] = -1
+    expected = cache.clone()
+    keep = slots >= 0
+    exp_k, exp_v = TRITON.kv_cache_views(expected, head_size_v=dv)
+    exp_k.view(-1, hkv, d)[slots[keep]] = key.cpu()[keep].to(DEVICE)
+    exp_v.view(-1, hkv, dv)[slots[keep]] = value.cpu()[keep].to(DEVICE)
+
+    reshape_and_cache(key, value, k_cache, v_cache, slots.to(DEVICE), block_t=8)
+    assert torch.equal(cache, expected)
+
+
 def test_query_block_map():
     # Requests with 5, 1, 9 new tokens and 3 cached in each; blocks of 4 tokens.
     qsl = np.array([0, 5, 6, 15])
@@ -63,32 +89,42 @@ def test_query_block_map():
     assert (np.diff(keys) <= 0).all()  # heaviest first
 
 
-def _paged_decode_inputs(seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed):
+def _paged_decode_inputs(seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed,
+                         head_size_v=None):
+    """(k_cache, v_cache, table, query, keys, values); head_size_v: the side-by-side layout."""
     gen = torch.Generator().manual_seed(seed)
     pages = [math.ceil(s / block_size) for s in seq_lens]
     perm = torch.randperm(sum(pages) + 2, generator=gen)
-    cache = torch.randn(2, sum(pages) + 2, block_size, num_kv_heads, head_size,
+    value_size = {} if head_size_v is None else {"head_size_v": head_size_v}
+    cache = torch.randn(TRITON.get_kv_cache_shape(sum(pages) + 2, block_size, num_kv_heads,
+                                                  head_size, **value_size),
                         generator=gen).to(dtype)
+    k_cache, v_cache = TRITON.kv_cache_views(cache, **value_size)
     table = torch.full((len(seq_lens), max(pages)), -1, dtype=torch.int32)
     keys, values, pos = [], [], 0
     for i, (s, n) in enumerate(zip(seq_lens, pages, strict=True)):
         ids = perm[pos:pos + n]
         pos += n
         table[i, :n] = ids.int()
-        keys.append(cache[0][ids].flatten(0, 1)[:s])
-        values.append(cache[1][ids].flatten(0, 1)[:s])
+        keys.append(k_cache[ids].flatten(0, 1)[:s])
+        values.append(v_cache[ids].flatten(0, 1)[:s])
     query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen).to(dtype)
-    return cache, table, query, keys, values
+    return k_cache, v_cache, table, query, keys, values
 
 
-@pytest.mark.parametrize("window,soft_cap,with_sinks", [
-    (None, None, False), (40, None, False), (None, 10.0, False), (None, None, True),
-    (40, 10.0, True)], ids=["plain", "window", "soft-cap", "sinks", "window-soft-cap-sinks"])
-def test_split_kv_decode_matches_reference(window, soft_cap, with_sinks):
+@pytest.mark.parametrize("window,soft_cap,with_sinks,head_size_v", [
+    (None, None, False, None), (40, None, False, None), (None, 10.0, False, None),
+    (None, None, True, None), (40, 10.0, True, None), (None, None, True, 96)],
+    ids=["plain", "window", "soft-cap", "sinks", "window-soft-cap-sinks", "diff-kv-sinks"])
+def test_split_kv_decode_matches_reference(window, soft_cap, with_sinks, head_size_v):
     seq_lens = [70, 1, 33, 129]
     h, hkv, d, bs = 8, 2, 64, 16
+    # Values 96 wide against keys of 64: V padded to 128 where K is not; the partials and the
+    # output hold values.
+    dv = d if head_size_v is None else head_size_v
     dtype = torch.float16
-    cache, table, query, keys, values = _paged_decode_inputs(seq_lens, h, hkv, d, bs, dtype, 1)
+    k_cache, v_cache, table, query, keys, values = _paged_decode_inputs(
+        seq_lens, h, hkv, d, bs, dtype, 1, head_size_v)
     # The merge adds the sinks: counted once whatever the split count (or none if forgotten).
     sinks = (torch.randn(h, generator=torch.Generator().manual_seed(2)) * 2).to(dtype)
     sinks = sinks if with_sinks else None
@@ -96,11 +132,11 @@ def test_split_kv_decode_matches_reference(window, soft_cap, with_sinks):
     tiles = TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)  # 16-key partitions
     qsl = np.arange(len(seq_lens) + 1)
     req, start = query_block_map(qsl, np.array(seq_lens), 1)
-    partials = decode_split_kv.allocate_partials(len(seq_lens), h, d, num_splits, DEVICE)
-    out = torch.full_like(query, float("nan")).to(DEVICE)
+    partials = decode_split_kv.allocate_partials(len(seq_lens), h, dv, num_splits, DEVICE)
+    out = torch.full((len(seq_lens), h, dv), float("nan"), dtype=dtype, device=DEVICE)
     scale = d ** -0.5
     decode_split_kv.split_kv_decode(
-        query.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), out, table.to(DEVICE),
+        query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), out, table.to(DEVICE),
         torch.from_numpy(qsl).int().to(DEVICE), torch.tensor(seq_lens).int().to(DEVICE),
         torch.from_numpy(req).to(DEVICE), torch.from_numpy(start).to(DEVICE), len(seq_lens), 16,
         scale, tiles, num_splits, partials, window, soft_cap,
@@ -111,8 +147,10 @@ def test_split_kv_decode_matches_reference(window, soft_cap, with_sinks):
         torch.testing.assert_close(out[i:i + 1].float().cpu(), ref, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
-def test_backend_takes_split_path_for_small_decode_batches(monkeypatch, with_sinks):
+@pytest.mark.parametrize("with_sinks,head_size_v", [(False, None), (True, None), (True, 96)],
+                         ids=["plain", "sinks", "diff-kv-sinks"])
+def test_backend_takes_split_path_for_small_decode_batches(monkeypatch, with_sinks,
+                                                           head_size_v):
     calls = []
     real = decode_split_kv.split_kv_decode
 
@@ -127,7 +165,7 @@ def test_backend_takes_split_path_for_small_decode_batches(monkeypatch, with_sin
     monkeypatch.setattr(unified_attention, "INTERPRETER_TILES", TileConfig(16, 16, 4, 2))
     monkeypatch.setattr(unified_attention, "DECODE_TILES", TileConfig(16, 16, 4, 2))
     case = Case(BATCHES["decode"], 16, 8, 2, 64, torch.float32, sliding_window=20,
-                sinks=with_sinks)
+                sinks=with_sinks, head_size_v=head_size_v)
     run_case(TRITON, case, DEVICE)
     assert calls and calls[0] > 1
 
@@ -161,13 +199,29 @@ class _WriteFirstBackend(triton_attn.TritonAttentionBackend):
     impl_cls = _WriteFirstImpl
 
 
-@pytest.mark.parametrize("batch", ["mixed", "chunked_prefill"])
-@pytest.mark.parametrize("window", [None, 8])
-def test_unfused_kernel_reads_new_keys_from_the_pages(monkeypatch, batch, window):
+@pytest.mark.parametrize("batch,window,head_size_v", [
+    ("mixed", None, None), ("mixed", 8, None), ("chunked_prefill", None, None),
+    ("chunked_prefill", 8, None), ("mixed", 8, 96), ("decode", None, 96)])
+def test_unfused_kernel_reads_new_keys_from_the_pages(monkeypatch, batch, window, head_size_v):
     small = TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
     monkeypatch.setattr(unified_attention, "INTERPRETER_TILES", small)
-    run_case(_WriteFirstBackend, Case(BATCHES[batch], 16, 8, 2, 64, torch.float32, window),
-             DEVICE)
+    run_case(_WriteFirstBackend, Case(BATCHES[batch], 16, 8, 2, 64, torch.float32, window,
+                                      head_size_v=head_size_v), DEVICE)
+
+
+def test_same_step_written_context_path_with_diff_kv(monkeypatch):
+    # context_written_in_step: TRITON writes K/V with reshape_and_cache first, then attends
+    # from the pages only (new keys included); values of their own head size on both paths.
+    from pagedserve.attention.metadata import CommonMetadataBuilder
+
+    real_build = CommonMetadataBuilder.build
+
+    def written(self, *args, **kwargs):
+        return real_build(self, *args, **{**kwargs, "context_written_in_step": True})
+
+    monkeypatch.setattr(CommonMetadataBuilder, "build", written)
+    run_case(TRITON, Case(BATCHES["mixed"], 16, 8, 2, 192, torch.float32, 8,
+                          head_size_v=128), DEVICE)
 
 
 @pytest.mark.parametrize("head_size,dtype", [(80, torch.float32), (96, torch.float16)])
@@ -202,6 +256,11 @@ def test_refuses_what_it_cannot_do():
     assert TRITON.validate_configuration(layer, 0, DEVICE)
     assert TRITON.validate_configuration(AttentionLayerConfig(8, 2, 72, torch.float16), 16,
                                          DEVICE)
+    mla = AttentionLayerConfig(8, 2, 192, torch.float16, head_size_v=128)
+    assert TRITON.validate_configuration(mla, 16, DEVICE) == []
+    odd_v = AttentionLayerConfig(8, 2, 192, torch.float16, head_size_v=72)
+    assert TRITON.validate_configuration(odd_v, 16, DEVICE) == [
+        "value head size 72 not in [64, 80, 96, 128, 192, 256]"]
 
 
 # --- GPU: the full shape grid in bf16 -------------------------------------------------------
@@ -243,6 +302,26 @@ def test_gpu_split_kv_long_decodes_bf16(window, soft_cap, sinks):
     # Sinks of std 8: against thousands of keys, smaller ones would not show in bf16.
     case = Case([(4000, 1), (2500, 1), (1100, 1)], 16, 32, 8, 128, torch.bfloat16, window,
                 soft_cap, sinks=sinks, sink_std=8.0)
+    run_case(TRITON, case, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,block_size,ratio,head_size,head_size_v", [
+    pytest.param(batch, bs, ratio, d, dv, id=f"{batch}-bs{bs}-gqa{ratio}-d{d}-dv{dv}")
+    for batch in BATCHES for bs in (16, 32) for ratio in (1, 4, 8)
+    for d, dv in ((192, 128), (128, 64))])
+def test_gpu_diff_kv_bf16(batch, block_size, ratio, head_size, head_size_v):
+    # Values of their own head size (MLA's 192/128): the large-head tiles at D_PAD 256.
+    case = Case(BATCHES[batch], block_size, 2 * ratio, 2, head_size, torch.bfloat16, 8,
+                head_size_v=head_size_v)
+    run_case(TRITON, case, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sinks", [False, True])
+def test_gpu_split_kv_long_decodes_diff_kv_bf16(sinks):
+    case = Case([(4000, 1), (2500, 1), (1100, 1)], 16, 32, 8, 192, torch.bfloat16,
+                sinks=sinks, sink_std=8.0, head_size_v=128)
     run_case(TRITON, case, DEVICE)
 
 

@@ -155,3 +155,46 @@ def test_specs_and_budget():
         num_blocks_for_budget([full], 10)
     with pytest.raises(ValueError, match="one block size"):
         bytes_per_block([full, FullAttentionSpec(32, 3, 64, torch.float32)])
+
+
+def test_diff_kv_spec_sizes_k_and_v_apart():
+    # Values of their own head size: K and V rows of each slot, nothing padded.
+    spec = FullAttentionSpec(16, 4, 192, torch.bfloat16, head_size_v=128)
+    assert spec.value_head_size == 128
+    assert spec.page_size_bytes == 16 * 4 * (192 + 128) * 2
+    window = SlidingWindowSpec(16, 4, 192, torch.bfloat16, head_size_v=128, sliding_window=64)
+    assert window.page_size_bytes == spec.page_size_bytes
+    # An equal value head size is the plain layer: one spec, one size.
+    assert FullAttentionSpec(16, 4, 128, torch.float32, head_size_v=128) == \
+        FullAttentionSpec(16, 4, 128, torch.float32)
+
+
+@pytest.mark.parametrize("backend_name", ["CPU", "TRITON"])
+def test_diff_kv_cache_sizing_and_allocation(backend_name):
+    """bytes per block = block_size * Hkv * (D + D_v) * dtype bytes * layers, in the specs the
+    budget divides and in the tensors allocated."""
+    from pagedserve.attention import AttentionLayerConfig, get_backend_cls
+    from pagedserve.engine.kv_cache_setup import allocate_kv_caches, attention_specs
+
+    backend = get_backend_cls(backend_name)
+    num_layers, bs, hkv, d, dv = 3, 16, 4, 192, 128
+    layers = [AttentionLayerConfig(16, hkv, d, torch.bfloat16, head_size_v=dv)] * num_layers
+    specs = attention_specs(backend, layers, bs, torch.bfloat16)
+    per_block = bs * hkv * (d + dv) * 2 * num_layers
+    assert bytes_per_block(specs) == per_block
+    assert backend.get_page_size_bytes(bs, hkv, d, torch.bfloat16, head_size_v=dv) == \
+        per_block // num_layers
+    num_blocks = num_blocks_for_budget(specs, 10 * per_block + 1)
+    assert num_blocks == 10
+    caches = allocate_kv_caches(backend, specs, num_blocks, torch.bfloat16,
+                                torch.device("cpu"))
+    assert sum(c.numel() * c.element_size() for c in caches) == num_blocks * per_block
+    k, v = backend.kv_cache_views(caches[0], head_size_v=dv)
+    assert k.shape == (num_blocks, bs, hkv, d) and v.shape == (num_blocks, bs, hkv, dv)
+    assert k.stride() == v.stride()  # one set of strides serves both in the kernels
+    # Equal sizes keep the K/V-outermost layout and its size.
+    plain = attention_specs(backend, [AttentionLayerConfig(16, hkv, d, torch.bfloat16)], bs,
+                            torch.bfloat16)
+    assert plain[0].page_size_bytes == 2 * bs * hkv * d * 2
+    (cache,) = allocate_kv_caches(backend, plain, 2, torch.bfloat16, torch.device("cpu"))
+    assert cache.shape == (2, 2, bs, hkv, d)

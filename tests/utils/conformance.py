@@ -38,15 +38,32 @@ class Case:
     # spread the softmax over more keys and need a larger sink_std).
     sinks: bool = False
     sink_std: float = 2.0
+    # Values of another head size (DeepSeek's expanded MLA prefill: 192 / 128); None: head_size.
+    head_size_v: int | None = None
+
+    @property
+    def value_head_size(self) -> int:
+        return self.head_size if self.head_size_v is None else self.head_size_v
+
+    def layer(self, scale: float | None = None) -> AttentionLayerConfig:
+        return AttentionLayerConfig(self.num_heads, self.num_kv_heads, self.head_size, self.dtype,
+                                    self.sliding_window, self.logits_soft_cap, scale=scale,
+                                    has_sinks=self.sinks, head_size_v=self.head_size_v)
+
+
+def value_size_kwargs(case: Case) -> dict[str, int]:
+    """head_size_v for the layout hooks only when it differs (as the engine passes it): backends
+    that refuse such layers keep the equal-size signature."""
+    return {} if case.head_size_v is None else {"head_size_v": case.head_size_v}
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
                         scale: float, sliding_window: int | None,
                         soft_cap: float | None, sinks: torch.Tensor | None = None
                         ) -> torch.Tensor:
-    """One request in float32: q [Lq, H, D] for positions context_len.., k/v [Lk, Hkv, D].
-    sinks [H]: each head's softmax gets one more column with that logit, dropped after (as
-    transformers' gpt-oss eager attention)."""
+    """One request in float32: q [Lq, H, D] for positions context_len.., k [Lk, Hkv, D],
+    v [Lk, Hkv, D_v]; returns [Lq, H, D_v]. sinks [H]: each head's softmax gets one more column
+    with that logit, dropped after (as transformers' gpt-oss eager attention)."""
     lq, h, _ = q.shape
     lk, hkv, _ = k.shape
     k = k.float().repeat_interleave(h // hkv, dim=1)
@@ -69,7 +86,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conte
 
 def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) -> None:
     gen = torch.Generator().manual_seed(case.seed)
-    bs, hkv, d = case.block_size, case.num_kv_heads, case.head_size
+    bs, hkv, d, dv = case.block_size, case.num_kv_heads, case.head_size, case.value_head_size
     batch = case.batch
     blocks_per_req = [math.ceil((c + q) / bs) for c, q in batch]
     num_blocks = sum(blocks_per_req) + 3
@@ -81,13 +98,14 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
         pos += n
 
     cache_dtype = backend.get_kv_cache_dtype("auto", case.dtype)
-    kv_cache = torch.randn(backend.get_kv_cache_shape(num_blocks, bs, hkv, d),
+    value_size = value_size_kwargs(case)
+    kv_cache = torch.randn(backend.get_kv_cache_shape(num_blocks, bs, hkv, d, **value_size),
                            generator=gen).to(cache_dtype).to(device)
     # K/V of every token of every request; the context part is written into the cache below.
     full_k = [torch.randn(c + q, hkv, d, generator=gen).to(case.dtype) for c, q in batch]
-    full_v = [torch.randn(c + q, hkv, d, generator=gen).to(case.dtype) for c, q in batch]
+    full_v = [torch.randn(c + q, hkv, dv, generator=gen).to(case.dtype) for c, q in batch]
     queries = [torch.randn(q, case.num_heads, d, generator=gen).to(case.dtype) for _, q in batch]
-    k_view, v_view = backend.kv_cache_views(kv_cache)
+    k_view, v_view = backend.kv_cache_views(kv_cache, **value_size)
     for ids, (c, _), k, v in zip(block_ids, batch, full_k, full_v, strict=True):
         for t in range(c):
             blk, off = ids[t // bs], t % bs
@@ -106,14 +124,12 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
         num_computed=np.array([c for c, _ in batch], dtype=np.int32),
         num_scheduled=np.array([q for _, q in batch], dtype=np.int32),
         num_prefills=num_prefills, block_table=table.table)
-    config = BuilderConfig(case.num_heads, hkv, d, case.dtype, bs, len(batch),
-                           common.num_actual_tokens, max_blocks, device, case.sliding_window,
-                           case.logits_soft_cap, has_sinks=case.sinks)
-    metadata = backend.get_builder_cls()(config).build(common)
     scale = d ** -0.5
-    impl = backend.get_impl_cls()(AttentionLayerConfig(
-        case.num_heads, hkv, d, case.dtype, case.sliding_window, case.logits_soft_cap,
-        scale=scale, has_sinks=case.sinks))
+    layer = case.layer(scale)
+    config = BuilderConfig.for_layer(layer, bs, len(batch), common.num_actual_tokens,
+                                     max_blocks, device)
+    metadata = backend.get_builder_cls()(config).build(common)
+    impl = backend.get_impl_cls()(layer)
     # Drawn last, so the other data of a case are the same with and without sinks.
     sinks = None
     if case.sinks:
@@ -123,6 +139,7 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
     key = torch.cat([k[c:] for k, (c, _) in zip(full_k, batch, strict=True)]).to(device)
     value = torch.cat([v[c:] for v, (c, _) in zip(full_v, batch, strict=True)]).to(device)
     out = impl.forward(query, key, value, kv_cache, metadata)
+    assert out.shape == (len(query), case.num_heads, dv)
 
     tol = 1e-5 if case.dtype == torch.float32 else 2e-2
     start = 0

@@ -7,7 +7,9 @@ sequence end, sliding window). Each layer then gathers its K/V pages once per gr
 `scaled_dot_product_attention` with `enable_gqa`, so repeated K/V heads are never materialised
 by us. Decodes form their own group so a long prompt in the same step does not pad them.
 SDPA has neither a soft-cap nor a column for attention sinks: layers with either take an exact
-float32 path (`_attend_float32`) instead.
+float32 path (`_attend_float32`) instead. Values may have their own head size (head_size_v):
+both paths take V's last dimension as it comes, and the cache is then the base class's
+side-by-side layout.
 """
 
 from __future__ import annotations
@@ -84,16 +86,17 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 class CPUAttentionImpl(AttentionImpl):
     supports_sinks = True
+    supports_diff_kv = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CPUAttentionMetadata,
                 output: torch.Tensor | None = None) -> torch.Tensor:
         common = attn_metadata.common
         n = common.num_actual_tokens
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache = CPUAttentionBackend.kv_cache_views(kv_cache, self.layer.head_size_v)
         write_kv(k_cache, v_cache, key[:n], value[:n], common.slot_mapping[:n])
         if output is None:
-            output = torch.empty_like(query)
+            output = query.new_empty(query.shape[0], self.num_heads, self.value_head_size)
         sinks = self.bound_sinks()
         for group in attn_metadata.groups:
             s, e = group.token_start, group.token_end
@@ -104,6 +107,7 @@ class CPUAttentionImpl(AttentionImpl):
                       group: AttentionGroup, sinks: torch.Tensor | None) -> torch.Tensor:
         b, _ = group.page_index.shape
         h, d, hkv = self.num_heads, self.head_size, self.num_kv_heads
+        dv = self.value_head_size
         # [B, P, bs, Hkv, D] -> [B, Hkv, max_k, D]
         k = k_cache[group.page_index].flatten(1, 2)[:, :group.max_seq_len].transpose(1, 2)
         v = v_cache[group.page_index].flatten(1, 2)[:, :group.max_seq_len].transpose(1, 2)
@@ -119,14 +123,14 @@ class CPUAttentionImpl(AttentionImpl):
                                                  enable_gqa=hkv != h)
         else:
             out = self._attend_float32(q, k, v, group.mask, sinks)
-        out = out.transpose(1, 2).reshape(b * group.max_query_len, h, d)
+        out = out.transpose(1, 2).reshape(b * group.max_query_len, h, dv)
         return out if decode else out[group.token_index]
 
     def _attend_float32(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         mask: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
         """Scores in float32, soft-capped and with the sink column as the layer asks."""
         b, h, lq, d = q.shape
-        hkv = k.shape[1]
+        hkv, dv = k.shape[1], v.shape[-1]
         qg = q.view(b, hkv, h // hkv, lq, d)
         scores = torch.matmul(qg.float(), k.float()[:, :, None].transpose(-1, -2)) * self.scale
         if self.logits_soft_cap is not None:
@@ -137,7 +141,7 @@ class CPUAttentionImpl(AttentionImpl):
         else:
             probs = _softmax_with_sinks(scores, sinks)
         out = torch.matmul(probs, v.float()[:, :, None])
-        return out.view(b, h, lq, d).to(q.dtype)
+        return out.view(b, h, lq, dv).to(q.dtype)
 
 
 def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -153,8 +157,9 @@ def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tens
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V [T, Hkv, D] into [num_blocks, block_size, Hkv, D] caches by slot; slots of
-    -1 (padding) are skipped."""
+    """Scatter new K [T, Hkv, D] and V [T, Hkv, D_v] into [num_blocks, block_size, Hkv, D] and
+    [..., D_v] caches (views of any strides whose first two dims merge) by slot; slots of -1
+    (padding) are skipped."""
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     valid = slot_mapping >= 0
@@ -169,6 +174,7 @@ class CPUAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     supports_soft_cap = True
     supports_sinks = True
+    supports_diff_kv = True
     description = "torch scaled_dot_product_attention over gathered pages"
 
     impl_cls = CPUAttentionImpl

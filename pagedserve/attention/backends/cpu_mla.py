@@ -95,6 +95,5 @@ class CPUMLABackend(AttentionBackend):
     @classmethod
     def validate_configuration(cls, layer: AttentionLayerConfig, block_size: int,
                                device: torch.device) -> list[str]:
-        if not is_mla(layer):
-            return ["runs multi-head latent attention layers only"]
-        return super().validate_configuration(layer, block_size, device)
+        reasons = [] if is_mla(layer) else ["runs multi-head latent attention layers only"]
+        return reasons + super().validate_configuration(layer, block_size, device)

@@ -507,6 +507,10 @@ class FlashAttentionBackend(AttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
     supports_sliding_window = True
     supports_soft_cap = True  # fa2/fa3/fa4; the torch implementation refuses it
+    # Values of another head size (192/128): fa2 and torch's kernel take one head size for K
+    # and V, and fa3's paged path takes 192/128 only in some builds, which nothing here probes
+    # and no GPU has checked: refused by name until one does (TRITON runs such layers).
+    supports_diff_kv = False
     description = "FlashAttention (FA3, FA2, FA4 or torch's FA2 over gathered pages)"
 
     impl_cls = FlashAttentionImpl

@@ -38,6 +38,7 @@ from pagedserve.attention.backend import (
     AttentionLayerConfig,
     AttentionMetadataBuilder,
     BuilderConfig,
+    diff_kv_reason,
 )
 from pagedserve.attention.metadata import CommonAttentionMetadata, CommonMetadataBuilder
 
@@ -436,11 +437,18 @@ class FlashInferBackend(AttentionBackend):
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int) -> tuple[int, ...]:
+                           head_size: int, head_size_v: int | None = None) -> tuple[int, ...]:
+        # K and V share one page ([num_blocks, 2, ...]): no layout for values of another size
+        # (supports_diff_kv is off, so no such layer gets here through the engine).
+        if head_size_v is not None:
+            raise ValueError(f"FLASHINFER: {diff_kv_reason(head_size, head_size_v)}")
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
     @staticmethod
-    def kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_cache_views(kv_cache: torch.Tensor,
+                       head_size_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if head_size_v is not None:
+            raise ValueError("FLASHINFER caches hold K and V of one head size")
         return kv_cache[:, 0], kv_cache[:, 1]
 
     @classmethod

@@ -83,6 +83,9 @@ class RocmAttentionImpl(TritonAttentionImpl):
     # aiter's paged_attention_v1 takes no sink logits: a sink layer would need its decodes kept
     # on the Triton path, which has not run on AMD hardware; until then ROCM refuses sinks.
     supports_sinks = False
+    # Nor does it take a value head size of its own, and the Triton path's support for one has
+    # not run on AMD hardware either: ROCM refuses such layers (TRITON runs them).
+    supports_diff_kv = False
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, output: torch.Tensor,
@@ -108,6 +111,7 @@ class RocmAttentionImpl(TritonAttentionImpl):
 class RocmAttentionBackend(TritonAttentionBackend):
     name = "ROCM"
     supports_sinks = False  # see RocmAttentionImpl
+    supports_diff_kv = False  # see RocmAttentionImpl
     description = "aiter paged attention for decodes on ROCm, Triton kernels otherwise"
 
     impl_cls = RocmAttentionImpl

@@ -6,7 +6,9 @@ first token of every BLOCK_Q-token block), chooses the split-KV factor for small
 and copies the map into persistent device buffers. Each layer's forward is then one launch
 with no host sync (two for split decodes: the merge kernel): unified_attention writes the
 step's K/V into the cache itself and reads the new keys from the key/value inputs. Cache
-layout [2, num_blocks, block_size, num_kv_heads, head_size] (as CPU's).
+layout [2, num_blocks, block_size, num_kv_heads, head_size] (as CPU's); a layer whose values
+have their own head size (head_size_v) takes the base class's side-by-side layout, whose K and
+V views share strides, so the kernels read both through one set of strides.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.max_split_tokens = max_split_decodes(config.max_num_reqs, config.num_kv_heads,
                                                   self.num_sms)
         self.partials = (allocate_partials(self.max_split_tokens, config.num_heads,
-                                           config.head_size, MAX_SPLITS, device)
+                                           config.value_head_size, MAX_SPLITS, device)
                          if self.max_split_tokens else None)
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
@@ -87,6 +89,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 class TritonAttentionImpl(AttentionImpl):
     supports_sinks = True
+    supports_diff_kv = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata,
@@ -94,9 +97,9 @@ class TritonAttentionImpl(AttentionImpl):
         from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
 
         md = attn_metadata
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache = TritonAttentionBackend.kv_cache_views(kv_cache, self.layer.head_size_v)
         if output is None:
-            output = torch.empty_like(query)
+            output = query.new_empty(query.shape[0], self.num_heads, self.value_head_size)
         if md.num_qblocks == 0:  # nothing to attend, but the cache still takes the K/V
             reshape_and_cache(key, value, k_cache, v_cache, md.common.slot_mapping)
             return output
@@ -138,10 +141,13 @@ class TritonAttentionImpl(AttentionImpl):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "TRITON"
-    supported_head_sizes = (64, 80, 96, 128, 256)
+    # Any size works (tiles pad the head to a power of two and mask); these are the tested ones.
+    # 192: DeepSeek's expanded MLA prefill and MiMo-V2-Flash (queries/keys; values 128).
+    supported_head_sizes = (64, 80, 96, 128, 192, 256)
     supports_sliding_window = True
     supports_soft_cap = True
     supports_sinks = True
+    supports_diff_kv = True
     supports_cuda_graphs = True
     description = "Triton unified paged attention (one launch per step) + split-KV decode"
 

@@ -38,6 +38,7 @@ from pagedserve.attention.backend import (
     AttentionLayerConfig,
     AttentionMetadataBuilder,
     BuilderConfig,
+    diff_kv_reason,
 )
 from pagedserve.attention.backends.cpu import AttentionGroup, CPUAttentionMetadataBuilder
 from pagedserve.attention.metadata import CommonAttentionMetadata
@@ -330,14 +331,18 @@ class TurboQuantBackend(AttentionBackend):
 
     @classmethod
     def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int) -> tuple[int, ...]:
+                           head_size: int, head_size_v: int | None = None) -> tuple[int, ...]:
         """uint8 [num_blocks, num_kv_heads, block_size, slot_bytes]: the real packed bytes. The
         block_size * slot_bytes bytes of a (block, KV head) hold K code rows, V code rows, K
-        metas, V metas (structure of arrays, ops/turboquant_format.py), not slot records."""
+        metas, V metas (structure of arrays, ops/turboquant_format.py), not slot records. The
+        presets code K and V of one head size (one Hadamard rotation): supports_diff_kv is off."""
+        if head_size_v is not None:
+            raise ValueError(f"TURBOQUANT: {diff_kv_reason(head_size, head_size_v)}")
         return tqf.cache_shape(cls.preset(), num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
-    def kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_cache_views(kv_cache: torch.Tensor,
+                       head_size_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError("the TurboQuant cache holds packed codes, not K/V views: "
                                   "read it with ops.turboquant_format.slot_records and "
                                   "decode_kv")

@@ -11,8 +11,9 @@ Kernel `_reduce_split_kv_kernel`
            with sum 1 and no accumulator (the split programs leave it out).
   layout:  partials are flat fp32 buffers read as m, l [T, H, S] and acc [T, H, S, D_PAD] for the
            step's S (m in base-2 logits, acc not normalised), so one persistent allocation for
-           the largest S serves every step; out [T, H, D], any strides. An empty split has
-           m = -inf, l = 0.
+           the largest S serves every step; out [T, H, D], any strides. D here is the values'
+           head size (D_v of a layer whose values differ from its keys): the partials and the
+           output hold values only. An empty split has m = -inf, l = 0.
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num
     return max(1, min(MAX_SPLITS, triton.cdiv(num_sms, programs), by_length))
 
 
-def allocate_partials(max_tokens: int, num_heads: int, head_size: int, num_splits: int,
+def allocate_partials(max_tokens: int, num_heads: int, value_head_size: int, num_splits: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat (m, l, acc) buffers for up to `max_tokens` decode tokens and `num_splits` splits."""
+    """Flat (m, l, acc) buffers for up to `max_tokens` decode tokens and `num_splits` splits;
+    the accumulators hold values, so they are sized by the values' head size."""
     rows = max_tokens * num_heads * num_splits
+    acc_numel = rows * padded_head_size(value_head_size)
     return (torch.empty(rows, dtype=torch.float32, device=device),
             torch.empty(rows, dtype=torch.float32, device=device),
-            torch.empty(rows * padded_head_size(head_size), dtype=torch.float32, device=device))
+            torch.empty(acc_numel, dtype=torch.float32, device=device))
 
 
 @triton.jit
@@ -100,7 +103,7 @@ def _reduce_split_kv_kernel(
 def reduce_split_kv(partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     out: torch.Tensor, num_tokens: int, num_splits: int,
                     sinks: torch.Tensor | None = None) -> None:
-    """Merge the partials of the first `num_tokens` tokens into out [T, H, D]; sinks [H]: the
+    """Merge the partials of the first `num_tokens` tokens into out [T, H, D_v]; sinks [H]: the
     per-head sink logits, which the partials leave out."""
     part_m, part_l, part_acc = partials
     num_heads, head_size = out.shape[1], out.shape[2]
@@ -125,7 +128,8 @@ def split_kv_decode(
     """Decode attention (one query token per request) with each context split `num_splits`
     ways: the first launch writes the partial buffers (see `allocate_partials`), the second
     merges them into `out`. key/value/slot_mapping: as `unified_attention` (the first split
-    writes the new K/V). sinks [H]: added by the merge, so once whatever the split count."""
+    writes the new K/V). sinks [H]: added by the merge, so once whatever the split count. out
+    [T, H, D_v] and `partials` sized for D_v, the values' head size."""
     unified_attention(query, k_cache, v_cache, out, block_table, query_start_loc, seq_lens,
                       qblock_req, qblock_start, num_decodes, 1, block_m, scale, tiles,
                       sliding_window, soft_cap, num_splits, partials, key, value, slot_mapping)

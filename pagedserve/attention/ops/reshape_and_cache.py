@@ -4,12 +4,14 @@ Kernel `_reshape_and_cache_kernel`
   grid:    (cdiv(num_tokens, BLOCK_T),)
   tiling:  each program copies BLOCK_T tokens; a token's heads and channels are one flat row of
            num_kv_heads * head_size elements (padded to a power of two, masked), so a program moves
-           a [BLOCK_T, HD_PAD] tile of K and one of V.
-  layout:  key/value [T, Hkv, D] with any strides (a view of a fused qkv projection is fine);
-           when a token's heads are packed (strides D, 1), the [Hkv * D] row is addressed as one
-           contiguous run so loads and stores vectorise;
-           k_cache/v_cache [num_blocks, block_size, Hkv, D] with any strides; slot s lands at
-           block s // block_size, offset s % block_size. Slots of -1 (padding) are skipped.
+           a [BLOCK_T, HD_PAD] tile of K and a [BLOCK_T, HDV_PAD] one of V (V's head size may
+           differ from K's: HEAD_SIZE_V).
+  layout:  key [T, Hkv, D] and value [T, Hkv, D_v] with any strides (a view of a fused qkv
+           projection is fine); when a token's heads are packed (strides D, 1), the [Hkv * D]
+           row is addressed as one contiguous run so loads and stores vectorise;
+           k_cache [num_blocks, block_size, Hkv, D] and v_cache [..., D_v] with any strides, the
+           same for both; slot s lands at block s // block_size, offset s % block_size. Slots
+           of -1 (padding) are skipped.
   dtype:   values are cast to the cache's dtype; an fp8 e4m3 cache (passed as its uint8 bytes)
            stores K * k_inv_scale and V * v_inv_scale, rounded from float32 as torch's cast.
 """
@@ -24,6 +26,26 @@ from pagedserve.attention.ops.fp8 import fp32_to_e4m3_bits
 
 
 @triton.jit
+def _row_offsets(tok, row, stride_t, stride_h, stride_d, stride_ch, stride_cd,
+                 HEAD_SIZE: tl.constexpr, HD_PAD: tl.constexpr, FLAT_SRC: tl.constexpr,
+                 FLAT_DST: tl.constexpr):
+    """Source and cache offsets of one tensor's rows (K or V: Hkv * HEAD_SIZE channels flat,
+    padded to HD_PAD) for the tokens `tok` [BLOCK_T, 1] landing at cache rows `row`."""
+    flat = tl.arange(0, HD_PAD)
+    head = flat // HEAD_SIZE
+    chan = flat % HEAD_SIZE
+    if FLAT_SRC:  # heads packed in each token's row: the compiler sees contiguous runs
+        src = tok * stride_t + flat
+    else:
+        src = tok * stride_t + head * stride_h + chan * stride_d
+    if FLAT_DST:
+        dst = row + flat
+    else:
+        dst = row + head * stride_ch + chan * stride_cd
+    return src, dst
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     num_tokens, k_inv_scale, v_inv_scale,
@@ -31,6 +53,7 @@ def _reshape_and_cache_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_cb, stride_cs, stride_ch, stride_cd,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr, HDV: tl.constexpr, HDV_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, FP8: tl.constexpr, FLAT_SRC: tl.constexpr,
     FLAT_DST: tl.constexpr,
 ):
@@ -38,39 +61,32 @@ def _reshape_and_cache_kernel(
     in_range = tokens < num_tokens
     slots = tl.load(slot_ptr + tokens, mask=in_range, other=-1).to(tl.int64)
     valid = slots >= 0
-    flat = tl.arange(0, HD_PAD)
-    head = flat // HEAD_SIZE
-    chan = flat % HEAD_SIZE
-    mask = valid[:, None] & (flat < HD)[None, :]
     tok = tokens.to(tl.int64)[:, None]
-
-    if FLAT_SRC:  # heads packed in each token's row: the compiler sees contiguous runs
-        k_off = tok * stride_kt + flat
-        v_off = tok * stride_vt + flat
-    else:
-        k_off = tok * stride_kt + head * stride_kh + chan * stride_kd
-        v_off = tok * stride_vt + head * stride_vh + chan * stride_vd
-    k = tl.load(key_ptr + k_off, mask=mask)
-    v = tl.load(value_ptr + v_off, mask=mask)
-    row = (slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_cs
-    if FLAT_DST:
-        dst = row[:, None] + flat
-    else:
-        dst = row[:, None] + head * stride_ch + chan * stride_cd
+    row = ((slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_cs)[:, None]
+    k_src, k_dst = _row_offsets(tok, row, stride_kt, stride_kh, stride_kd, stride_ch,
+                                stride_cd, HEAD_SIZE, HD_PAD, FLAT_SRC, FLAT_DST)
+    v_src, v_dst = _row_offsets(tok, row, stride_vt, stride_vh, stride_vd, stride_ch,
+                                stride_cd, HEAD_SIZE_V, HDV_PAD, FLAT_SRC, FLAT_DST)
+    k_mask = valid[:, None] & (tl.arange(0, HD_PAD) < HD)[None, :]
+    v_mask = valid[:, None] & (tl.arange(0, HDV_PAD) < HDV)[None, :]
+    # Both loads before either store, so K's and V's reads are in flight together.
+    k = tl.load(key_ptr + k_src, mask=k_mask)
+    v = tl.load(value_ptr + v_src, mask=v_mask)
     if FP8:
         k = fp32_to_e4m3_bits(k.to(tl.float32) * k_inv_scale)
         v = fp32_to_e4m3_bits(v.to(tl.float32) * v_inv_scale)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       block_t: int | None = None, k_scale: float = 1.0,
                       v_scale: float = 1.0, num_warps: int = 4) -> None:
-    """Scatter key/value [T, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D] at
-    `slot_mapping` [T] (int32/int64, -1 = skip), storing K / k_scale and V / v_scale. Only the
-    first len(slot_mapping) tokens are written. No host sync."""
+    """Scatter key [T, Hkv, D] and value [T, Hkv, D_v] into k_cache [num_blocks, block_size,
+    Hkv, D] and v_cache [..., D_v] (the same strides: K/V outermost, or the halves of one
+    side-by-side buffer) at `slot_mapping` [T] (int32/int64, -1 = skip), storing K / k_scale
+    and V / v_scale. Only the first len(slot_mapping) tokens are written. No host sync."""
     num_tokens = min(key.shape[0], slot_mapping.shape[0])
     if num_tokens == 0:
         return
@@ -84,8 +100,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     elif k_scale != 1.0 or v_scale != 1.0:
         raise ValueError("k_scale/v_scale apply to an fp8 cache only")
     _, block_size, num_kv_heads, head_size = k_cache.shape
-    hd = num_kv_heads * head_size
-    hd_pad = triton.next_power_of_2(hd)
+    head_size_v = v_cache.shape[3]
+    hd, hdv = num_kv_heads * head_size, num_kv_heads * head_size_v
+    hd_pad = triton.next_power_of_2(max(hd, hdv))
     if block_t is None:
         # ~8K elements per program on a GPU; the interpreter prefers few, large programs.
         block_t = 64 if key.device.type == "cpu" else max(1, min(64, 8192 // hd_pad))
@@ -93,9 +110,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     _reshape_and_cache_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping, num_tokens, 1.0 / k_scale, 1.0 / v_scale,
         *key.stride(), *value.stride(), *k_cache.stride(),
-        BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HD=hd, HD_PAD=hd_pad, BLOCK_T=block_t,
-        FP8=fp8, FLAT_SRC=_heads_packed(key) and _heads_packed(value),
-        FLAT_DST=_heads_packed(k_cache), num_warps=num_warps,
+        BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HD=hd, HD_PAD=triton.next_power_of_2(hd),
+        HEAD_SIZE_V=head_size_v, HDV=hdv, HDV_PAD=triton.next_power_of_2(hdv),
+        BLOCK_T=block_t, FP8=fp8, FLAT_SRC=_heads_packed(key) and _heads_packed(value),
+        FLAT_DST=_heads_packed(k_cache) and _heads_packed(v_cache), num_warps=num_warps,
     )
 
 

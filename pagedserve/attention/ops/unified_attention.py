@@ -19,9 +19,12 @@ Kernel `_unified_attention_kernel`
   split:   with num_splits > 1 the key range of each program is cut into num_splits equal,
            BLOCK_N-aligned partitions (sized on the device from the sequence length, so the grid
            depends only on the batch size); each writes its partial (max, sum, acc) to fp32
-           buffers for `decode_split_kv.reduce_split_kv`.
-  layout:  query/out [T, H, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] (any strides);
-           block_table [B, max_blocks] int32; query_start_loc [B+1]; seq_lens [B].
+           buffers for `decode_split_kv.reduce_split_kv` (acc of DV_PAD channels).
+  layout:  query [T, H, D], out [T, H, D_v]; k_cache [num_blocks, block_size, Hkv, D] and
+           v_cache [..., D_v] (any strides, the same for both: K/V outermost, or the K and V
+           halves of one side-by-side buffer when D_v != D); block_table [B, max_blocks] int32;
+           query_start_loc [B+1]; seq_lens [B]. Q/K tiles hold D_PAD channels, V tiles and the
+           accumulator DV_PAD (each a padded power of two, masked), so D_v may differ from D.
   masks:   query i of a request with context c sits at position c + i and sees keys k with
            k <= c + i and, with a sliding window W, k > c + i - W.
   sinks:   USE_SINKS adds one column per query head with logit sinks[h] that carries no value
@@ -108,7 +111,8 @@ def _attend_tiles(
     acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
     tile_start, tile_end, sm_scale, soft_cap, window,
     stride_cb, stride_cs, stride_cd, stride_kt, stride_kd, stride_vt, stride_vd,
-    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
+    DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     FROM_INPUT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -120,6 +124,8 @@ def _attend_tiles(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_SIZE
+    offs_dv = tl.arange(0, DV_PAD)
+    dv_ok = offs_dv < HEAD_SIZE_V
     qk_scale = sm_scale * 1.4426950408889634  # base 2
     for tile in range(tile_start, tile_end, BLOCK_N):
         k_pos = tile + offs_n
@@ -127,7 +133,7 @@ def _attend_tiles(
         if FROM_INPUT:
             tok = (new_first + k_pos).to(tl.int64)
             k_ptrs = new_k_base + tok[None, :] * stride_kt + offs_d[:, None] * stride_kd
-            v_ptrs = new_v_base + tok[:, None] * stride_vt + offs_d[None, :] * stride_vd
+            v_ptrs = new_v_base + tok[:, None] * stride_vt + offs_dv[None, :] * stride_vd
         else:
             if MASKED:
                 page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
@@ -135,16 +141,19 @@ def _attend_tiles(
                 page = tl.load(table_row + k_pos // BLOCK_SIZE)
             slot = page.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
             k_ptrs = k_base + slot[None, :] + offs_d[:, None] * stride_cd  # [D_PAD, BLOCK_N]
-            v_ptrs = v_base + slot[:, None] + offs_d[None, :] * stride_cd  # [BLOCK_N, D_PAD]
+            v_ptrs = v_base + slot[:, None] + offs_dv[None, :] * stride_cd  # [BLOCK_N, DV_PAD]
         if MASKED:
             k = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        elif HEAD_SIZE != D_PAD:
-            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+        else:  # channel masks only where a head size is padded
+            if HEAD_SIZE != D_PAD:
+                k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+            if HEAD_SIZE_V != DV_PAD:
+                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -181,8 +190,8 @@ def _attend_tiles(
 
 @triton.jit
 def _attend_one(acc, l_i, m_i, q, k, v, take, sm_scale, soft_cap, USE_SOFT_CAP: tl.constexpr):
-    """One key k/v [D_PAD] for the rows where `take` [BLOCK_M] holds: scores by an fp32
-    row-wise dot, then the same online-softmax update as a tile."""
+    """One key k [D_PAD] and its value v [DV_PAD] for the rows where `take` [BLOCK_M] holds:
+    scores by an fp32 row-wise dot, then the same online-softmax update as a tile."""
     s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)
     if USE_SOFT_CAP:
         s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * 1.4426950408889634
@@ -203,7 +212,8 @@ def _attend_part(
     acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
     start, front_end, mid_end, end, part_lo, part_hi, sm_scale, soft_cap, window,
     stride_cb, stride_cs, stride_cd, stride_kt, stride_kd, stride_vt, stride_vd,
-    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
+    DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, FROM_INPUT: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -216,21 +226,21 @@ def _attend_part(
         tl.maximum(start, part_lo), tl.minimum(front_end, part_hi),
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
         stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, CAUSAL, FROM_INPUT,
+        HEAD_SIZE, D_PAD, HEAD_SIZE_V, DV_PAD, BLOCK_SIZE, BLOCK_N, True, CAUSAL, FROM_INPUT,
         USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
         tl.maximum(front_end, part_lo), tl.minimum(mid_end, part_hi),
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
         stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, False, CAUSAL, FROM_INPUT,
+        HEAD_SIZE, D_PAD, HEAD_SIZE_V, DV_PAD, BLOCK_SIZE, BLOCK_N, False, CAUSAL, FROM_INPUT,
         USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
     return _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
         tl.maximum(mid_end, part_lo), tl.minimum(end, part_hi),
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
         stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, CAUSAL, FROM_INPUT,
+        HEAD_SIZE, D_PAD, HEAD_SIZE_V, DV_PAD, BLOCK_SIZE, BLOCK_N, True, CAUSAL, FROM_INPUT,
         USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
 
 
@@ -246,6 +256,7 @@ def _unified_attention_kernel(
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_bt,
     NUM_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_Q_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FUSED_WRITE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
@@ -263,6 +274,8 @@ def _unified_attention_kernel(
 
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_SIZE
+    offs_dv = tl.arange(0, DV_PAD)
+    dv_ok = offs_dv < HEAD_SIZE_V
     new_k_base = key_ptr + kv_head * stride_kh
     new_v_base = value_ptr + kv_head * stride_vh
     k_base = k_cache_ptr + kv_head * stride_ch
@@ -274,15 +287,18 @@ def _unified_attention_kernel(
             w_slot = tl.load(slot_ptr + w_tok, mask=(w < BLOCK_Q) & (q_off + w < q_len),
                              other=-1).to(tl.int64)
             w_ok = (w_slot >= 0)[:, None] & d_ok[None, :]
+            wv_ok = (w_slot >= 0)[:, None] & dv_ok[None, :]
             w_tok64 = w_tok.to(tl.int64)[:, None]
             w_row = (w_slot // BLOCK_SIZE) * stride_cb + (w_slot % BLOCK_SIZE) * stride_cs
-            dst = w_row[:, None] + offs_d[None, :] * stride_cd
+            w_row = w_row[:, None]
             kw = tl.load(new_k_base + w_tok64 * stride_kt + offs_d[None, :] * stride_kd,
                          mask=w_ok)
-            vw = tl.load(new_v_base + w_tok64 * stride_vt + offs_d[None, :] * stride_vd,
-                         mask=w_ok)
-            tl.store(k_base + dst, kw.to(k_cache_ptr.dtype.element_ty), mask=w_ok)
-            tl.store(v_base + dst, vw.to(v_cache_ptr.dtype.element_ty), mask=w_ok)
+            vw = tl.load(new_v_base + w_tok64 * stride_vt + offs_dv[None, :] * stride_vd,
+                         mask=wv_ok)
+            tl.store(k_base + w_row + offs_d[None, :] * stride_cd,
+                     kw.to(k_cache_ptr.dtype.element_ty), mask=w_ok)
+            tl.store(v_base + w_row + offs_dv[None, :] * stride_cd,
+                     vw.to(v_cache_ptr.dtype.element_ty), mask=wv_ok)
 
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_off + rows // QPK
@@ -325,7 +341,7 @@ def _unified_attention_kernel(
     new_front_end = tl.minimum(new_full_lo, hi)
     new_mid_end = new_front_end + tl.maximum(q_first + 1 - new_front_end, 0) // BLOCK_N * BLOCK_N
 
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     if USE_SINKS:
         # The sink column first: max = its base-2 logit, sum = exp2(0). Every row's head is a
         # real head (padded rows only repeat them), so the load needs no mask.
@@ -342,7 +358,7 @@ def _unified_attention_kernel(
         tile_lo, front_end, mid_end, context, part_lo, part_hi,
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
         stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, False, False,
+        HEAD_SIZE, D_PAD, HEAD_SIZE_V, DV_PAD, BLOCK_SIZE, BLOCK_N, False, False,
         USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
     if BLOCK_Q == 1:
         # A decode's one new key (position `context`), in registers: no tile loop of its own,
@@ -351,13 +367,13 @@ def _unified_attention_kernel(
         if FUSED_WRITE:
             k_new = tl.load(new_k_base + q_start.to(tl.int64) * stride_kt + offs_d * stride_kd,
                             mask=d_ok, other=0.0)
-            v_new = tl.load(new_v_base + q_start.to(tl.int64) * stride_vt + offs_d * stride_vd,
-                            mask=d_ok, other=0.0)
+            v_new = tl.load(new_v_base + q_start.to(tl.int64) * stride_vt + offs_dv * stride_vd,
+                            mask=dv_ok, other=0.0)
         else:
             page = tl.load(table_row + context // BLOCK_SIZE).to(tl.int64)
             slot = page * stride_cb + (context % BLOCK_SIZE) * stride_cs
             k_new = tl.load(k_base + slot + offs_d * stride_cd, mask=d_ok, other=0.0)
-            v_new = tl.load(v_base + slot + offs_d * stride_cd, mask=d_ok, other=0.0)
+            v_new = tl.load(v_base + slot + offs_dv * stride_cd, mask=dv_ok, other=0.0)
         take = row_ok & (context >= part_lo) & (context < part_hi)
         acc, l_i, m_i = _attend_one(acc, l_i, m_i, q, k_new, v_new, take, sm_scale, soft_cap,
                                     USE_SOFT_CAP)
@@ -369,7 +385,7 @@ def _unified_attention_kernel(
             new_first, context, new_front_end, new_mid_end, hi, part_lo, part_hi,
             sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
             stride_kt, stride_kd, stride_vt, stride_vd,
-            HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, True, FUSED_WRITE,
+            HEAD_SIZE, D_PAD, HEAD_SIZE_V, DV_PAD, BLOCK_SIZE, BLOCK_N, True, FUSED_WRITE,
             USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
 
     if NUM_SPLITS > 1:
@@ -377,14 +393,14 @@ def _unified_attention_kernel(
         part_row = (token * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(part_m_ptr + part_row, m_i, mask=row_ok)
         tl.store(part_l_ptr + part_row, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part_row[:, None] * D_PAD + offs_d[None, :], acc,
+        tl.store(part_acc_ptr + part_row[:, None] * DV_PAD + offs_dv[None, :], acc,
                  mask=row_ok[:, None])
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
-                 + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+                 + offs_dv[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok[None, :])
 
 
 def unified_attention(
@@ -397,19 +413,20 @@ def unified_attention(
     key: torch.Tensor | None = None, value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> None:
-    """Attention of query [T, H, D] over the paged cache into `out` [T, H, D].
+    """Attention of query [T, H, D] over the paged cache (k_cache [..., D], v_cache [..., D_v])
+    into `out` [T, H, D_v].
 
     qblock_req/qblock_start: the first `num_qblocks` entries of the per-step map of
     `query_block_map` (device int32). With num_splits > 1 (decode batches only: block_q 1) the
-    results go to `partials` = (m [T, H, S], l [T, H, S], acc [T, H, S, D_PAD]) fp32 instead of
-    `out` (flat buffers, see `decode_split_kv.allocate_partials`) and `reduce_split_kv` merges
-    them. With key/value [T, Hkv, D] and slot_mapping [T] the kernel also writes the step's
-    new K/V into the cache (each program its own block's tokens; slot -1 skipped) and reads
-    the new keys from key/value; without them the cache must already hold them. sinks [H]
-    (any float dtype): per-head sink logits joining every softmax; a split launch takes none
-    (`reduce_split_kv` adds them, once). All sizes are host ints: no sync."""
+    results go to `partials` = (m [T, H, S], l [T, H, S], acc [T, H, S, DV_PAD]) fp32 instead
+    of `out` (flat buffers, see `decode_split_kv.allocate_partials`) and `reduce_split_kv`
+    merges them. With key [T, Hkv, D], value [T, Hkv, D_v] and slot_mapping [T] the kernel also
+    writes the step's new K/V into the cache (each program its own block's tokens; slot -1
+    skipped) and reads the new keys from key/value; without them the cache must already hold
+    them. sinks [H] (any float dtype): per-head sink logits joining every softmax; a split
+    launch takes none (`reduce_split_kv` adds them, once). All sizes are host ints: no sync."""
     num_heads, head_size = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, head_size_v = k_cache.shape[2], v_cache.shape[3]
     if num_qblocks == 0:
         return
     if k_cache.stride() != v_cache.stride():
@@ -438,7 +455,8 @@ def unified_attention(
         *query.stride(), *out.stride(), *k_cache.stride(), *key.stride(), *value.stride(),
         block_table.stride(0),
         NUM_HEADS=num_heads, QPK=num_heads // num_kv_heads, HEAD_SIZE=head_size,
-        D_PAD=padded_head_size(head_size), BLOCK_SIZE=k_cache.shape[1],
+        D_PAD=padded_head_size(head_size), HEAD_SIZE_V=head_size_v,
+        DV_PAD=padded_head_size(head_size_v), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_Q=block_q, BLOCK_Q_PAD=triton.next_power_of_2(block_q), BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits, FUSED_WRITE=fused,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
