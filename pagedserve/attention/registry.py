@@ -24,8 +24,10 @@ AUTO_ORDER = {
     "hip": ("ROCM", "TRITON"),
     "cpu": ("CPU",),
 }
-# Models with multi-head latent attention layers (DeepSeek): their own backends, on any device.
-AUTO_ORDER_MLA = ("CPU_MLA",)
+# Models with multi-head latent attention layers (DeepSeek): their own backends. Per device as
+# above: the Triton interpreter is never picked on a CPU unasked.
+AUTO_ORDER_MLA = {"cuda": ("TRITON_MLA", "CPU_MLA"), "hip": ("TRITON_MLA", "CPU_MLA"),
+                  "cpu": ("CPU_MLA",)}
 
 
 # vLLM's names for the same kernels, accepted as they are.
@@ -119,7 +121,8 @@ def select_backend(name: str | None, device: torch.device, layers: list[Attentio
     status = backend_status()
     tried = []
     mla = any(is_mla(layer) for layer in layers)
-    for key in AUTO_ORDER_MLA if mla else AUTO_ORDER.get(_device_kind(device), ()):
+    kind = _device_kind(device)
+    for key in AUTO_ORDER_MLA.get(kind, ("CPU_MLA",)) if mla else AUTO_ORDER.get(kind, ()):
         if key not in status:
             continue
         ok, why = status[key]
@@ -186,6 +189,7 @@ _BUILTIN = {
     "TRITON": "triton_attn:TritonAttentionBackend",
     "CPU": "cpu:CPUAttentionBackend",
     "CPU_MLA": "cpu_mla:CPUMLABackend",
+    "TRITON_MLA": "triton_mla:TritonMLABackend",
     "ROCM": "rocm:RocmAttentionBackend",
     "TURBOQUANT": "turboquant:TurboQuantBackend",
     # Mamba layers' state slots; the model runner picks it for them (never auto-selected for

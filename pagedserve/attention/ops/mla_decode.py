@@ -1,0 +1,217 @@
+"""Multi-head latent attention in the weight-absorbed form over the paged latent cache: decode,
+and (the same kernel with a causal mask over several query rows) prefill and mixed steps.
+
+With W_UK folded into the query (q_lat = q_nope @ W_UK[h], one [L] vector per token and head)
+the score of a cached token j is (q_lat . c_j + q_pe . kpe_j) * scale and the output is
+sum_j p_j c_j in latent space, which the caller maps through W_UV. Every head reads the same
+latent rows, so a program takes many heads at once and loads each page once for all of them.
+
+Kernel `_mla_attention_kernel`
+  grid:    (num_query_blocks, cdiv(num_heads, BLOCK_H))
+  tiling:  a query block is BLOCK_Q consecutive new tokens of one request (the per-step map of
+           ops.query_blocks: request and first token of every block, heaviest first); the tile
+           has BLOCK_M = BLOCK_Q * BLOCK_H rows, row r = token r // BLOCK_H, head
+           h0 + r % BLOCK_H. Decode steps use BLOCK_Q = 1, so a program holds BLOCK_H heads of
+           one token. Keys are walked in BLOCK_N tiles (any size, independent of the page
+           size); each tile loads c [BLOCK_N, L] and k_pe [BLOCK_N, R] once, and c serves both
+           as the key (scores) and as the value (accumulator).
+  softmax: online, base 2, fp32 statistics and accumulator [BLOCK_M, L_PAD].
+  masks:   query i of a request with context ctx sits at position ctx + i and sees keys
+           k <= ctx + i (for a decode that is the whole sequence).
+  pages:   the step's latents are written first (`write_latents`), so every key is read from
+           the pages; block-table entries of -1 (padding requests of a captured graph) read
+           page 0 and only produce output for padding rows.
+  dtypes:  fp32/fp16/bf16; UPCAST (fp32, and the interpreter, whose bf16 arithmetic is broken)
+           converts tiles to fp32 after the load and runs ieee dots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MLATiles:
+    """Launch shape: block_h heads and block_q tokens per program, block_n keys per tile."""
+
+    block_h: int
+    block_q: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_h * self.block_q
+
+
+# GPU starting points, not yet measured (benchmarks/mla_decode.py sweeps them): the fp32
+# accumulator of 64 heads x 512 latent channels is 128 KB of registers over 8 warps.
+_DECODE_ROWS = 64
+_PREFILL_ROWS = 64
+_GPU_BLOCK_N = 32
+_INTERPRETER_ROWS = 64  # the interpreter runs programs in turn: few, large ones are fastest
+
+
+def select_mla_tiles(device: torch.device, num_heads: int, decode_only: bool) -> MLATiles:
+    """Heads per program: all of them up to the row budget (the fewer head tiles, the fewer
+    times a page is read); at least 16 rows, the smallest dot on a GPU."""
+    interp = device.type == "cpu"
+    rows = _INTERPRETER_ROWS if interp else (_DECODE_ROWS if decode_only else _PREFILL_ROWS)
+    block_h = min(max(16, triton.next_power_of_2(num_heads)), rows)
+    block_q = 1 if decode_only else max(1, rows // block_h)
+    if interp:
+        return MLATiles(block_h, block_q, block_n=64, num_warps=1, num_stages=1)
+    return MLATiles(block_h, block_q, block_n=_GPU_BLOCK_N, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _write_latents_kernel(src, cache, slots, stride_st, stride_sd, width,
+                          BLOCK_D: tl.constexpr):
+    """One token's row into its slot; slot -1 (padding) writes nothing."""
+    t = tl.program_id(0)
+    slot = tl.load(slots + t)
+    offs = tl.arange(0, BLOCK_D)
+    ok = (offs < width) & (slot >= 0)
+    row = tl.load(src + t.to(tl.int64) * stride_st + offs * stride_sd, mask=ok)
+    dst = cache + tl.maximum(slot, 0).to(tl.int64) * width + offs
+    tl.store(dst, row.to(cache.dtype.element_ty), mask=ok)
+
+
+def write_latents(latent: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """latent [T, L + R] (any strides) into kv_cache [num_blocks, block_size, L + R] (contiguous)
+    at slot_mapping [T]; one launch, no host sync."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    width = kv_cache.shape[-1]
+    assert kv_cache.is_contiguous() and latent.shape[-1] == width
+    _write_latents_kernel[(n,)](latent, kv_cache, slot_mapping, latent.stride(0),
+                                latent.stride(1), width,
+                                BLOCK_D=triton.next_power_of_2(width))
+
+
+@triton.jit
+def _mla_attention_kernel(
+    q_lat, q_pe, cache, out, block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
+    sm_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_bt,
+    NUM_HEADS: tl.constexpr, L: tl.constexpr, L_PAD: tl.constexpr, R: tl.constexpr,
+    R_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    req = tl.load(qblock_req + qb)
+    first = tl.load(qblock_start + qb)
+    q_start = tl.load(query_start_loc + req)
+    q_len = tl.load(query_start_loc + req + 1) - q_start
+    seq_len = tl.load(seq_lens + req)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_Q * BLOCK_H)
+    tok = first + rows // BLOCK_H
+    head = tl.program_id(1) * BLOCK_H + rows % BLOCK_H
+    row_ok = (tok < q_len) & (head < NUM_HEADS)
+    q_pos = context + tok
+    token = (q_start + tok).to(tl.int64)
+    offs_l = tl.arange(0, L_PAD)
+    offs_r = tl.arange(0, R_PAD)
+    l_ok = offs_l < L
+    r_ok = offs_r < R
+
+    ql = tl.load(q_lat + token[:, None] * stride_qlt + head[:, None] * stride_qlh
+                 + offs_l[None, :], mask=row_ok[:, None] & l_ok[None, :], other=0.0)
+    qp = tl.load(q_pe + token[:, None] * stride_qpt + head[:, None] * stride_qph
+                 + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    if UPCAST:
+        ql = ql.to(tl.float32)
+        qp = qp.to(tl.float32)
+    else:  # the dots take one dtype: the cache's
+        ql = ql.to(cache.dtype.element_ty)
+        qp = qp.to(cache.dtype.element_ty)
+
+    # The last key any row of the block sees: the block's last token, or the sequence end.
+    kv_end = tl.minimum(seq_len, context + first + BLOCK_Q)
+    acc, l_i = _mla_tiles(ql, qp, q_pos, cache, block_table + req.to(tl.int64) * stride_bt,
+                          kv_end, sm_scale, stride_cb, stride_cs, L, L_PAD, R, R_PAD,
+                          BLOCK_SIZE, BLOCK_Q * BLOCK_H, BLOCK_N, UPCAST, DOT_PRECISION)
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :]
+    tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & l_ok[None, :])
+
+
+@triton.jit
+def _mla_tiles(ql, qp, q_pos, cache, table_row, kv_end, sm_scale, stride_cb, stride_cs,
+               L: tl.constexpr, L_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over keys [0, kv_end): returns the unnormalised [BLOCK_M, L_PAD]
+    accumulator and the row sums."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, L_PAD)
+    offs_r = tl.arange(0, R_PAD)
+    l_ok = offs_l < L
+    r_ok = offs_r < R
+    qk_scale = sm_scale * 1.4426950408889634  # base 2
+    acc = tl.zeros([BLOCK_M, L_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for tile in range(0, kv_end, BLOCK_N):
+        k_pos = tile + offs_n
+        k_ok = k_pos < kv_end
+        page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        # -1 entries (graph padding requests) must not address memory before the cache.
+        slot = tl.maximum(page, 0).to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
+        c = tl.load(cache + slot[:, None] + offs_l[None, :],
+                    mask=k_ok[:, None] & l_ok[None, :], other=0.0)  # [BLOCK_N, L_PAD]
+        pe = tl.load(cache + slot[:, None] + L + offs_r[None, :],
+                     mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, R_PAD]
+        if UPCAST:
+            c = c.to(tl.float32)
+            pe = pe.to(tl.float32)
+        s = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
+        s = tl.dot(qp, tl.trans(pe), s, input_precision=DOT_PRECISION)
+        seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(seen, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps max -inf; subtract 0 instead so no NaN appears.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i
+
+
+def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                  out: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, qblock_req: torch.Tensor, qblock_start: torch.Tensor,
+                  num_qblocks: int, scale: float, tiles: MLATiles) -> None:
+    """q_lat [T, H, L] and q_pe [T, H, R] (last dim contiguous) against the latent cache
+    [num_blocks, block_size, L + R]; writes out [T, H, L] (the latent-space output) for every
+    token a query block covers. One launch, no host sync."""
+    if num_qblocks == 0:
+        return
+    num_heads, lora = q_lat.shape[1], q_lat.shape[2]
+    rope = q_pe.shape[2]
+    assert q_lat.stride(2) == 1 and q_pe.stride(2) == 1 and out.stride(2) == 1
+    assert kv_cache.stride(2) == 1 and kv_cache.shape[2] == lora + rope
+    upcast = kv_cache.dtype == torch.float32 or kv_cache.device.type == "cpu"
+    grid = (num_qblocks, triton.cdiv(num_heads, tiles.block_h))
+    _mla_attention_kernel[grid](
+        q_lat, q_pe, kv_cache, out, block_table, query_start_loc, seq_lens, qblock_req,
+        qblock_start, scale, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        NUM_HEADS=num_heads, L=lora, L_PAD=max(16, triton.next_power_of_2(lora)), R=rope,
+        R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=kv_cache.shape[1],
+        BLOCK_Q=tiles.block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, UPCAST=upcast,
+        DOT_PRECISION="ieee" if upcast else None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
