@@ -5,8 +5,12 @@ on N x 1,024 in / 128 out and N x 128 in / 1,024 out, each next to transformers'
 batch, its output capped) in the same process:
 
     python benchmarks/moe_engine.py [--num-prompts 1000] [--hf-num-prompts 64] [--json FILE]
+    python benchmarks/moe_engine.py --model random:deepseek-v2-lite \
+        --attention-backend TRITON_MLA --skip-hf --workloads 128/1024
 
-The ratio compares output tokens per second. A compact table closes the run.
+The ratio compares output tokens per second. The KV cache's capacity is reported in tokens and
+bytes per token; for a model with multi-head latent attention (DeepSeek) also what the same
+memory would hold as per-head K and V. A compact table closes the run.
 """
 
 from __future__ import annotations
@@ -71,11 +75,32 @@ def hf_generate(hf: torch.nn.Module, prompts: list[list[int]], output_len: int) 
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / wall
 
 
+def kv_capacity(llm: LLM) -> None:
+    """Tokens the KV cache holds and bytes per token; for MLA, next to per-head K and V."""
+    engine = llm.engine
+    per_token = engine.kv_cache_bytes_per_token()
+    tokens = engine.runner.num_blocks * engine.runner.block_size
+    row("KV cache", f"{tokens:,} tokens", f"{per_token:,} bytes per token over all layers")
+    cfg = engine.loaded.hf_config
+    if getattr(cfg, "kv_lora_rank", None):
+        dtype_bytes = torch.empty((), dtype=engine.runner.dtype).element_size()
+        heads = cfg.num_attention_heads * cfg.num_hidden_layers
+        per_head_kv = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+                               + cfg.v_head_dim) * dtype_bytes
+        row("KV cache as per-head K and V", f"{tokens * per_token // per_head_kv:,} tokens",
+            f"{per_head_kv:,} bytes per token: MLA holds {per_head_kv / per_token:.1f}x more")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="qwen3-30b-a3b-random",
+                        help="engine config preset or file")
+    parser.add_argument("--model", default=None, help="override the config's model, e.g. "
+                        "random:deepseek-v2-lite")
     parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--attention-backend", default="TRITON")
+    parser.add_argument("--attention-backend", default="TRITON",
+                        help="TRITON_MLA for a model with multi-head latent attention")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.75,
                         help="leaves room for transformers' activations and cache")
     parser.add_argument("--hf-num-prompts", type=int, default=64)
@@ -88,11 +113,13 @@ def main() -> None:
     print(f"settings: {vars(args)}", flush=True)
 
     t0 = time.perf_counter()
-    llm = LLM(config="qwen3-30b-a3b-random", attention_backend=args.attention_backend,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+    overrides = {"model": args.model} if args.model else {}
+    llm = LLM(config=args.config, attention_backend=args.attention_backend,
+              gpu_memory_utilization=args.gpu_memory_utilization, **overrides)
     runner = llm.engine.runner
     row("start-up (weights, profile, KV, graphs)", f"{time.perf_counter() - t0:.1f} s",
         f"graphs: {'on' if runner.decode_graphs else 'OFF'}, {runner.num_blocks} KV blocks")
+    kv_capacity(llm)
     run_throughput(llm, random_prompts(4, 64, runner.vocab_size, 0), 8)  # warm the kernels
     hf = None if args.skip_hf else hf_model(llm)
     for workload in args.workloads.split(","):

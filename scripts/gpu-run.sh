@@ -8,7 +8,9 @@
 # recently changed code), e2e (engine vs transformers on the SmolLM2 GGUF), bench (attention
 # kernels), features (Mamba and prefix caching GPU tests), engine (benchmarks/gpu_engine.py),
 # tqtests (TurboQuant's GPU tests), moe (the MoE kernel's, sinks' and new families' GPU tests,
-# the MoE kernel benchmark), moe_engine (the Qwen3-30B-A3B shape next to transformers), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
+# the MoE kernel benchmark), moe_engine (the Qwen3-30B-A3B shape next to transformers), mla
+# (TRITON_MLA's and DiffKV's GPU tests, MLA decode bandwidth, DeepSeek-V2-Lite's throughput
+# and KV capacity), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
 # conformance and benchmark rows), tq (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
@@ -325,6 +327,19 @@ stage_moe_engine() {  # the Qwen3-30B-A3B shape through bench throughput, next t
         --json "$OUT/moe-engine.json" ${MOE_ENGINE_ARGS:-} >"$OUT/moe-engine.log" 2>&1
     echo "exit $?" >>"$OUT/moe-engine.log"
     tail -20 "$OUT/moe-engine.log"
+}
+
+stage_mla() {  # TRITON_MLA and DiffKV on the H200 (never run there yet), then the MLA figures
+    setup_env
+    shard mla tests/attention/test_triton_mla.py
+    shard diffkv tests/attention/test_triton_ops.py -k "diff_kv"
+    wait
+    timeout 180 python3 benchmarks/mla_decode.py >"$OUT/mla-decode.log" 2>&1
+    echo "exit $?" >>"$OUT/mla-decode.log"
+    timeout 300 python3 benchmarks/moe_engine.py --model random:deepseek-v2-lite \
+        --attention-backend TRITON_MLA --skip-hf --workloads 128/1024 \
+        >"$OUT/deepseek-v2-lite.log" 2>&1; echo "exit $?" >>"$OUT/deepseek-v2-lite.log"
+    tail -12 "$OUT/mla-decode.log" "$OUT/deepseek-v2-lite.log"
 }
 
 for stage in "$@"; do

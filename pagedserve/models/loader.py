@@ -280,9 +280,24 @@ RANDOM_PRESETS: dict[str, dict[str, Any]] = {
                           rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 
+RANDOM_PRESETS["deepseek-v2-lite"] = dict(
+    # DeepSeek-V2-Lite: 27 layers, MLA (16 heads, latent 512 + rope 64, no low-rank query),
+    # layer 0 dense, then 64 experts of 1,408, top-6, 2 shared; YaRN x40 over 4,096.
+    model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+    first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="greedy",
+    routed_scaling_factor=1.0, norm_topk_prob=False, max_position_embeddings=163840,
+    rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 4096, "mscale": 0.707,
+                     "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0})
+
 _ARCHITECTURE_OF = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM", "mamba": "MambaForCausalLM"}
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                    "deepseek_v3": "DeepseekV3ForCausalLM", "mamba": "MambaForCausalLM"}
 
 
 def random_model_config(spec: str) -> PretrainedConfig:
