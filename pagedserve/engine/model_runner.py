@@ -394,8 +394,11 @@ class ModelRunner:
                                                      self.config, self.max_model_len)
 
     def graph_inputs(self) -> GraphInputs:
+        from pagedserve.models.moe import FusedMoE
+
+        routes = any(isinstance(m, FusedMoE) for m in self.model.modules())
         return GraphInputs(self.run_model, self.common_builder, self.input_ids, self.builders,
-                           self.num_blocks, self.vocab_size)
+                           self.num_blocks, self.vocab_size, routes_experts=routes)
 
 
 def _indexed_layers(model: torch.nn.Module, kind: type) -> list[Any]:

@@ -13,7 +13,8 @@ softmax scale as in transformers.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -23,6 +24,8 @@ from pagedserve.attention.mla import MLAAttention
 from pagedserve.models.layers import RMSNorm, RotaryEmbedding, rope_parameters
 from pagedserve.models.llama import _FUSED, LlamaForCausalLM, LlamaMLP
 from pagedserve.models.moe import SparseMoeBlock
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _softmax_scale(config: PretrainedConfig) -> float:
@@ -55,12 +58,15 @@ class DeepseekAttention(nn.Module):
             self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            # transformers builds the two latent norms with their default eps, not the config's.
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
             self.q_b_proj = nn.Linear(config.q_lora_rank, q_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, self.kv_lora_rank + self.rope,
                                             bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.o_proj = nn.Linear(self.num_heads * config.v_head_dim, config.hidden_size, bias=bias)
+        # V2 always rotates interleaved pairs; V3 unless its config says otherwise.
+        self.interleaved = getattr(config, "rope_interleave", True)
         self.attn = MLAAttention(self.num_heads, self.nope, self.rope, config.v_head_dim,
                                  self.kv_lora_rank, _softmax_scale(config), layer_idx)
 
@@ -72,11 +78,13 @@ class DeepseekAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 rotary: RotaryEmbedding) -> torch.Tensor:
         t = hidden.shape[0]
-        q_nope, q_pe = self._query(hidden).view(t, self.num_heads, -1).split(
+        q_nope, q_pe = self._query(hidden).view(t, self.num_heads, self.nope + self.rope).split(
             [self.nope, self.rope], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
-        q_pe, k_pe = rotary(positions, _deinterleave(q_pe).contiguous(),
-                            _deinterleave(k_pe).view(t, 1, self.rope).contiguous())
+        if self.interleaved:
+            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+        q_pe, k_pe = rotary(positions, q_pe.contiguous(),
+                            k_pe.reshape(t, 1, self.rope).contiguous())
         query = torch.cat([q_nope, q_pe], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c), k_pe.view(t, self.rope)], dim=-1)
         return self.o_proj(self.attn(query, latent))
@@ -102,9 +110,24 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return SparseMoeBlock.deepseek(config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # The latent up-projection belongs to the MLA layer, which hands it to its backend.
-        super().load_weights((name.replace(".self_attn.kv_b_proj.", ".self_attn.attn.kv_b_proj."),
-                              tensor) for name, tensor in weights)
+        super().load_weights(self._our_names(weights))
+
+    def _our_names(self, weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        num_layers = self.config.num_hidden_layers
+        for name, tensor in weights:
+            if name.endswith("weight_scale_inv"):
+                raise ValueError(f"checkpoint tensor {name!r} is FP8-quantised; pagedserve "
+                                 f"reads DeepSeek in bf16 or float32 (dequantise it first)")
+            layer = _LAYER.match(name)
+            if layer and int(layer.group(1)) >= num_layers:
+                continue  # the multi-token-prediction layers after the decoder: not served
+            # The latent up-projection belongs to the MLA layer, which hands it to its backend.
+            yield name.replace(".self_attn.kv_b_proj.", ".self_attn.attn.kv_b_proj."), tensor
+
+    def quantize_(self, method: str) -> None:
+        raise ValueError(f"{method} weight-only quantization is not supported for "
+                         f"multi-head latent attention models ({type(self).__name__})")
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

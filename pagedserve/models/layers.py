@@ -143,23 +143,23 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | Non
 
 
 def _rope_table(config: PretrainedConfig, head_dim: int, layer_type: str | None,
-                max_positions: int) -> torch.Tensor:
-    """[P, D] float32: cos | sin of every position. LongRoPE (Phi-3) rotates positions below
-    `original_max_position_embeddings` with its short factors and the later ones with its long
-    factors: a position's rotation never depends on how long its sequence grows, so cached K
-    stays valid under chunked prefill, preemption and prefix sharing. (transformers instead
-    recomputes the whole sequence with the long factors once it outgrows the original
-    context; both agree on every sequence within it.)"""
+                max_positions: int, max_model_len: int) -> torch.Tensor:
+    """[P, D] float32: cos | sin of every position. LongRoPE (Phi-3) picks one factor set for
+    the engine, as llama.cpp does: the long factors when the engine serves sequences past
+    `original_max_position_embeddings` (`max_model_len`), else the short ones. Mixing them by
+    position would break relative positions between old keys and new queries; switching per
+    sequence, as transformers does (it recomputes the whole sequence once it grows past the
+    original context), would invalidate cached K. Both agree with transformers on every
+    sequence when max_model_len is within the original context."""
     positions = torch.arange(max_positions, dtype=torch.float32)
     inv_freq, scaling = rope_inv_freq(config, head_dim, layer_type)
-    freqs = positions[:, None] * inv_freq[None, :]
     params = rope_parameters(config, layer_type)
     if params["rope_type"] == "longrope":
         original = (params.get("original_max_position_embeddings")
                     or getattr(config, "original_max_position_embeddings", max_positions))
-        long_freq, _ = rope_inv_freq(config, head_dim, layer_type, seq_len=original + 1)
-        beyond = positions >= original
-        freqs[beyond] = positions[beyond, None] * long_freq[None, :]
+        if max_model_len > original:
+            inv_freq, _ = rope_inv_freq(config, head_dim, layer_type, seq_len=original + 1)
+    freqs = positions[:, None] * inv_freq[None, :]
     return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
 
 
@@ -174,6 +174,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.layer_type = layer_type  # rope settings per layer type (Gemma 3), else None
         self.max_positions = config.max_position_embeddings
+        self.max_model_len = self.max_positions  # what the engine serves (LongRoPE's choice)
         self.register_buffer("cos_sin_cache", torch.empty(self.max_positions, head_dim),
                              persistent=False)
         self._positions: torch.Tensor | None = None  # the step whose cos/sin are gathered
@@ -181,8 +182,12 @@ class RotaryEmbedding(nn.Module):
         if self.cos_sin_cache.device.type != "meta":
             self.build_cache(self.cos_sin_cache.device, torch.get_default_dtype())
 
-    def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
-        cache = _rope_table(self.config, self.head_dim, self.layer_type, self.max_positions)
+    def build_cache(self, device: torch.device, dtype: torch.dtype,
+                    max_model_len: int | None = None) -> None:
+        if max_model_len is not None:
+            self.max_model_len = max_model_len
+        cache = _rope_table(self.config, self.head_dim, self.layer_type, self.max_positions,
+                            self.max_model_len)
         self.cos_sin_cache = cache.to(device=device, dtype=dtype)
         self._positions = self._cos_sin = None
 
@@ -202,12 +207,14 @@ class RotaryEmbedding(nn.Module):
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
-def build_rope_caches(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def build_rope_caches(module: nn.Module, device: torch.device, dtype: torch.dtype,
+                      max_model_len: int | None = None) -> None:
     """(Re)build every rotary embedding's cos/sin table under `module` (after loading, or
-    after `to_empty` left the non-persistent tables unset)."""
+    after `to_empty` left the non-persistent tables unset); `max_model_len`: the longest
+    sequence the engine serves, where the table depends on it (LongRoPE)."""
     for sub in module.modules():
         if isinstance(sub, RotaryEmbedding):
-            sub.build_cache(device, dtype)
+            sub.build_cache(device, dtype, max_model_len)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
             loaded = _load_gguf(path, dtype, device, max_model_len, quantization)
         if model is None:
             loaded.name = DEFAULT_MODEL_NAME
+    if _rope_depends_on_length(loaded.model):
+        build_rope_caches(loaded.model, device, dtype, loaded.max_model_len)
     if generation_config != "auto":
         loaded.generation_config = _read_generation_config(generation_config)
     if tokenizer is not None:
@@ -96,6 +98,15 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         loaded.eos_token_ids = _eos_token_ids(loaded.generation_config, loaded.hf_config,
                                               loaded.tokenizer)
     return loaded
+
+
+def _rope_depends_on_length(module: nn.Module) -> bool:
+    """Whether a rope table changes with the served length (LongRoPE picks its factors by it)."""
+    from pagedserve.models.layers import RotaryEmbedding, rope_parameters
+
+    return any(isinstance(m, RotaryEmbedding)
+               and rope_parameters(m.config, m.layer_type)["rope_type"] == "longrope"
+               for m in module.modules())
 
 
 def load_tokenizer(path: str) -> Any:
@@ -228,14 +239,23 @@ def text_decoder(config: PretrainedConfig, weights: Iterator[tuple[str, torch.Te
                  if a in TEXT_DECODERS), None)
     if arch is None:
         return config, weights
-    text_arch, prefix = TEXT_DECODERS[arch]
+    text_arch, prefixes = TEXT_DECODERS[arch]
     text = config.text_config
     text.architectures = [text_arch]
     text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
     logger.info("%s: serving its text decoder (%s); image inputs are not supported", arch,
                 text_arch)
-    return text, ((name.removeprefix(prefix), tensor) for name, tensor in weights
-                  if name.startswith(prefix))
+    return text, _renamed(weights, prefixes)
+
+
+def _renamed(weights: Iterator[tuple[str, torch.Tensor]], prefixes: dict[str, str]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors under one of `prefixes`, renamed to its replacement; the others dropped."""
+    for name, tensor in weights:
+        for old, new in prefixes.items():
+            if name.startswith(old):
+                yield new + name[len(old):], tensor
+                break
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,

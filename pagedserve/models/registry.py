@@ -29,9 +29,12 @@ _MODELS: dict[str, str] = {
 
 
 # Multimodal checkpoints whose text decoder is served on its own (text in, text out): the text
-# model's architecture, and the prefix its weights carry in the checkpoint.
-TEXT_DECODERS: dict[str, tuple[str, str]] = {
-    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model."),
+# model's architecture, and how the checkpoint prefixes its weights -> the text model's prefix
+# (transformers 4.50 saved `language_model.model.*`, 4.52 and later `model.language_model.*`
+# beside `lm_head.*`); other tensors (vision tower, projector) are skipped.
+TEXT_DECODERS: dict[str, tuple[str, dict[str, str]]] = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", {
+        "language_model.": "", "model.language_model.": "model.", "lm_head.": "lm_head."}),
 }
 
 

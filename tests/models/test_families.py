@@ -8,6 +8,7 @@ from both checkpoint layouts (one tensor per expert, or stacked)."""
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +36,8 @@ DEEPSEEK = dict(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head
                 moe_intermediate_size=32, n_routed_experts=8, n_group=4, topk_group=2,
                 num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                 routed_scaling_factor=2.5)
-# LongRoPE: every sequence here stays within the original 64 positions (short factors).
+# LongRoPE: the engine serves up to the original 64 positions (short factors, as transformers
+# uses for every sequence within them); the factor of 4 still scales cos/sin.
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}
@@ -84,8 +86,10 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
                              "original_max_position_embeddings": 128, "mscale": 1.0,
                              "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
+        # Rotate-half rope instead of DeepSeek's interleaved pairs.
         "deepseek_v3_no_q_lora": transformers.DeepseekV3Config(
-            **MLA_COMMON, **DEEPSEEK, q_lora_rank=None, norm_topk_prob=False),
+            **MLA_COMMON, **DEEPSEEK, q_lora_rank=None, norm_topk_prob=False,
+            rope_interleave=False),
         "deepseek_v2": transformers.DeepseekV2Config(
             **MLA_COMMON, **DEEPSEEK, q_lora_rank=None,
             topk_method="group_limited_greedy", norm_topk_prob=False),
@@ -122,6 +126,9 @@ def family_models(tmp_path_factory):
     return models
 
 
+# Per-config engine settings.
+ENGINE_ARGS = {"phi3_window": {"max_model_len": 64}}
+
 VARIANTS = {
     "default": {},
     "chunked_prefill": {"max_num_batched_tokens": 16},
@@ -134,6 +141,7 @@ VARIANTS = {
 def test_greedy_matches_transformers(family_models, make_llm, name, variant):
     path, _, prompts, expected = family_models[name]
     llm = make_llm(model=path, dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                   **ENGINE_ARGS.get(name, {}),
                    **VARIANTS[variant])
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -174,6 +182,7 @@ def test_greedy_on_cuda_matches_transformers(tmp_path, name):
 def test_prompt_logprobs_match_transformers(family_models, make_llm, name):
     path, hf, prompts, _ = family_models[name]
     llm = make_llm(model=path, dtype="float32", device="cpu", max_num_batched_tokens=16,
+                   **ENGINE_ARGS.get(name, {}),
                    kv_cache_memory="16MiB")
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -207,24 +216,49 @@ def test_layers_follow_the_config(family_models):
     assert layout("deepseek_v3") == ([dense, sparse, sparse], [None] * 3)
 
 
-def test_longrope_table_past_the_original_context():
-    """Positions from original_max_position_embeddings on rotate with the long factors, as
-    transformers' rotary does once a sequence outgrows the original context; earlier ones with
-    the short factors."""
+@pytest.mark.parametrize("max_model_len", [64, 256])
+def test_longrope_factors_follow_the_served_length(max_model_len):
+    """Within the original 64 positions every position rotates with the short factors; an
+    engine serving past them rotates every position with the long ones (one set per engine,
+    so relative positions hold): transformers' rotary over a sequence of that length."""
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
     from pagedserve.models.layers import RotaryEmbedding
 
     config = _configs()["phi3_window"]
     ours = RotaryEmbedding(config, 16)
-    ours.build_cache(torch.device("cpu"), torch.float32)
-    hf = Phi3RotaryEmbedding(config)
-    x = torch.zeros(1, 1, 16)
-    for lo, hi in ((0, 64), (64, 256)):
-        # transformers picks the factors from the largest position in the call.
-        cos, sin = hf(x, torch.arange(lo, hi)[None])
-        torch.testing.assert_close(ours.cos_sin_cache[lo:hi, :8], cos[0, :, :8])
-        torch.testing.assert_close(ours.cos_sin_cache[lo:hi, 8:], sin[0, :, :8])
+    ours.build_cache(torch.device("cpu"), torch.float32, max_model_len)
+    cos, sin = Phi3RotaryEmbedding(config)(torch.zeros(1, 1, 16),
+                                           torch.arange(max_model_len)[None])
+    torch.testing.assert_close(ours.cos_sin_cache[:max_model_len, :8], cos[0, :, :8])
+    torch.testing.assert_close(ours.cos_sin_cache[:max_model_len, 8:], sin[0, :, :8])
+
+
+def test_engine_picks_longrope_factors_by_max_model_len(family_models):
+    path = family_models["phi3_window"][0]
+    tables = [load_model(path, torch.float32, torch.device("cpu"), n).model.model.rotary_emb
+              .cos_sin_cache[1] for n in (64, 65)]
+    assert not torch.equal(*tables)
+
+
+def test_deepseek_checkpoints_outside_what_is_served(family_models):
+    """The multi-token-prediction layer after the decoder is skipped; FP8 weights and int8
+    quantization are refused by name."""
+    from safetensors.torch import load_file
+
+    path = family_models["deepseek_v3"][0]
+    config = transformers.AutoConfig.from_pretrained(path)
+    state = {}
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(shard))
+    extra = {"model.layers.3.eh_proj.weight": torch.zeros(2, 2),
+             "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(2, 2)}
+    get_model_cls(config)(config).load_weights([*state.items(), *extra.items()])
+    fp8 = {**state, "model.layers.1.mlp.experts.0.up_proj.weight_scale_inv": torch.ones(1)}
+    with pytest.raises(ValueError, match="weight_scale_inv.*FP8-quantised"):
+        get_model_cls(config)(config).load_weights(fp8.items())
+    with pytest.raises(ValueError, match="int8 weight-only quantization is not supported"):
+        get_model_cls(config)(config).quantize_("int8")
 
 
 # ---- the Mixture-of-Experts layer ----------------------------------------------------------

@@ -45,3 +45,21 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_decoder(tmp_path, make_llm
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_gemma3_multimodal_names_of_either_transformers_layout():
+    """`language_model.model.*` (older saves) and `model.language_model.*` + `lm_head.*`
+    (newer) both become the text model's names; the vision tower is dropped."""
+    from pagedserve.models.loader import text_decoder
+
+    config = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(num_hidden_layers=1),
+        vision_config=transformers.SiglipVisionConfig(num_hidden_layers=1),
+        architectures=["Gemma3ForConditionalGeneration"])
+    names = ["language_model.model.norm.weight", "model.language_model.layers.0.mlp.w",
+             "lm_head.weight", "vision_tower.x", "model.vision_tower.y",
+             "model.multi_modal_projector.z"]
+    text, weights = text_decoder(config, ((n, torch.zeros(1)) for n in names))
+    assert text.architectures == ["Gemma3ForCausalLM"]
+    assert [n for n, _ in weights] == ["model.norm.weight", "model.layers.0.mlp.w",
+                                      "lm_head.weight"]
