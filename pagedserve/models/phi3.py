@@ -1,7 +1,7 @@
 """Phi-3: a Llama-family decoder whose checkpoints already hold q/k/v and gate/up fused (the
 names `qkv_proj` and `gate_up_proj` load as they are), an optional window on every layer, and
-LongRoPE (short factors within the original context, long factors past it: see
-`layers._rope_table`)."""
+LongRoPE (one factor set per engine: the long factors when it serves sequences past the
+original context, else the short ones; see `layers._rope_table`)."""
 
 from __future__ import annotations
 
