@@ -406,7 +406,10 @@ def test_tokenizer_cache_round_trip(built, tmp_path, monkeypatch):
 def test_greedy_matches_transformers(built):
     architecture = type(built.model).__name__
     _require_model_class(architecture)
-    loaded = load_model(str(built.path), torch.float32, CPU)
+    # LongRoPE (Phi-3): serve within the original context, where transformers uses the short
+    # factors for every sequence (the engine picks one factor set by max_model_len).
+    max_len = getattr(built.model.config, "original_max_position_embeddings", None)
+    loaded = load_model(str(built.path), torch.float32, CPU, max_len)
     assert loaded.hf_config.architectures == [architecture]
     vocab = built.vocab
     expected_eos = [vocab.special["eos"]] + ([vocab.special["eot"]] if "eot" in vocab.special
