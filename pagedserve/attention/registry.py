@@ -192,6 +192,8 @@ _BUILTIN = {
     "TRITON_MLA": "triton_mla:TritonMLABackend",
     "ROCM": "rocm:RocmAttentionBackend",
     "TURBOQUANT": "turboquant:TurboQuantBackend",
+    # chosen by name only (eager, unfused on the CPU): never in AUTO_ORDER.
+    "FLEX_ATTENTION": "flex_attention:FlexAttentionBackend",
     # Mamba layers' state slots; the model runner picks it for them (never auto-selected for
     # attention).
     "MAMBA": "mamba:MambaBackend",
