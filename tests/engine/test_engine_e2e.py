@@ -150,6 +150,16 @@ def test_smollm2_matches_transformers(smollm_reference, make_llm, variant):
 
 
 @pytest.mark.slow
+def test_smollm2_flex_attention_matches_transformers(smollm_reference, make_llm):
+    """The bundled model through FLEX_ATTENTION (eager flex on the CPU), chunked prefill."""
+    _, prompts, expected = smollm_reference
+    got, llm = _engine_greedy(make_llm, None, prompts, attention_backend="FLEX_ATTENTION",
+                              max_num_batched_tokens=32)
+    assert llm.engine.runner.backend.get_name() == "FLEX_ATTENTION"
+    assert got == expected
+
+
+@pytest.mark.slow
 def test_smollm2_prompt_logprobs(smollm_reference, make_llm):
     hf, prompts, _ = smollm_reference
     llm = make_llm(model=None, dtype="float32", device="cpu")

@@ -150,6 +150,18 @@ def test_greedy_matches_transformers(family_models, make_llm, name, variant):
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_greedy_through_flex_attention(family_models, make_llm, name):
+    """FLEX_ATTENTION's score and mask mods (soft-cap and windows: Gemma 2; sinks and windows:
+    gpt-oss) against transformers, with chunked prefill."""
+    path, _, prompts, expected = family_models[name]
+    llm = make_llm(model=path, dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                   attention_backend="FLEX_ATTENTION", max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral_window", "gpt_oss", "gemma2", "gemma3"])
 def test_greedy_on_cuda_matches_transformers(tmp_path, name):
