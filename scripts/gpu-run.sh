@@ -10,7 +10,8 @@
 # tqtests (TurboQuant's GPU tests), moe (the MoE kernel's, sinks' and new families' GPU tests,
 # the MoE kernel benchmark), moe_engine (the Qwen3-30B-A3B shape next to transformers), mla
 # (TRITON_MLA's and DiffKV's GPU tests, MLA decode bandwidth, DeepSeek-V2-Lite's throughput
-# and KV capacity), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
+# and KV capacity), flex (FLEX_ATTENTION's conformance and kernel timings beside TRITON and
+# FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
 # conformance and benchmark rows), tq (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
@@ -340,6 +341,16 @@ stage_mla() {  # TRITON_MLA and DiffKV on the H200 (never run there yet), then t
         --attention-backend TRITON_MLA --skip-hf --workloads 128/1024 \
         >"$OUT/deepseek-v2-lite.log" 2>&1; echo "exit $?" >>"$OUT/deepseek-v2-lite.log"
     tail -12 "$OUT/mla-decode.log" "$OUT/deepseek-v2-lite.log"
+}
+
+stage_flex() {  # FLEX_ATTENTION on the H200 (never run there): conformance in bf16, its kernels
+    setup_env
+    shard flex tests/attention/test_conformance.py tests/attention/test_flex_attention.py \
+        -k "FLEX_ATTENTION or flex"
+    wait
+    timeout 240 python3 benchmarks/attention_kernels.py --backends TRITON,FLASHINFER,FLEX_ATTENTION \
+        >"$OUT/flex-bench.log" 2>&1; echo "exit $?" >>"$OUT/flex-bench.log"
+    tail -20 "$OUT/flex-bench.log"
 }
 
 for stage in "$@"; do
