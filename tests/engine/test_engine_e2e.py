@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from pagedserve import SamplingParams
-from tests.utils.paged import hf_greedy
+from tests.utils.paged import check_prompt_logprobs, hf_greedy, hf_prompt_logprobs
 
 NUM_NEW = 32
 PROMPT_LENS = [3, 17, 8, 40, 1, 25, 12, 33, 64]
@@ -48,11 +48,6 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def hf_prompt_logprobs(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    logits = model(torch.tensor([prompt])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
-
-
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     models = {}
@@ -93,18 +88,7 @@ def test_tiny_models_prompt_logprobs(tiny_models, make_llm, name):
                    kv_cache_memory="16MiB")
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        ref = hf_prompt_logprobs(hf, prompt)
-        assert output.prompt_logprobs[0] is None
-        assert len(output.prompt_logprobs) == len(prompt)
-        for pos, entry in enumerate(output.prompt_logprobs[1:], start=1):
-            assert prompt[pos] in entry
-            for token_id, lp in entry.items():
-                expected = ref[pos - 1, token_id].item()
-                assert lp.logprob == pytest.approx(expected, rel=1e-4, abs=1e-5)
-            # The top alternatives really are the top of transformers' distribution.
-            top = ref[pos - 1].topk(5).indices.tolist()
-            assert set(top) <= set(entry)
+    check_prompt_logprobs(hf, prompts, outputs, top=5)
 
 
 # ---- the bundled SmolLM2 -------------------------------------------------------------------

@@ -17,8 +17,7 @@ import transformers
 from pagedserve import LLM, SamplingParams
 from pagedserve.models import get_model_cls, load_model
 from pagedserve.models.moe import SparseMoeBlock
-from tests.engine.test_engine_e2e import hf_prompt_logprobs
-from tests.utils.paged import hf_greedy
+from tests.utils.paged import check_prompt_logprobs, hf_greedy
 
 NUM_NEW = 24
 PROMPT_LENS = [3, 17, 8, 40, 1, 25]
@@ -194,17 +193,10 @@ def test_greedy_on_cuda_matches_transformers(tmp_path, name):
 def test_prompt_logprobs_match_transformers(family_models, make_llm, name):
     path, hf, prompts, _ = family_models[name]
     llm = make_llm(model=path, dtype="float32", device="cpu", max_num_batched_tokens=16,
-                   **ENGINE_ARGS.get(name, {}),
-                   kv_cache_memory="16MiB")
+                   kv_cache_memory="16MiB", **ENGINE_ARGS.get(name, {}))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        ref = hf_prompt_logprobs(hf, prompt)
-        for pos, entry in enumerate(output.prompt_logprobs[1:], start=1):
-            for token_id, lp in entry.items():
-                assert lp.logprob == pytest.approx(ref[pos - 1, token_id].item(), rel=1e-4,
-                                                   abs=1e-5)
-            assert set(ref[pos - 1].topk(5).indices.tolist()) <= set(entry)
+    check_prompt_logprobs(hf, prompts, outputs, top=5)
 
 
 def test_layers_follow_the_config(family_models):

