@@ -31,8 +31,24 @@ def diff_kv_reason(head_size: int, head_size_v: int) -> str:
     return f"value head size {head_size_v} != head size {head_size} not supported"
 
 
+class _ValueHeadSize:
+    """Shared by the layer and builder configs: `head_size_v` stored normalised (None when it
+    equals head_size), `value_head_size` resolved."""
+
+    head_size: int
+    head_size_v: int | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "head_size_v",
+                           normalized_head_size_v(self.head_size, self.head_size_v))
+
+    @property
+    def value_head_size(self) -> int:
+        return self.head_size if self.head_size_v is None else self.head_size_v
+
+
 @dataclass(frozen=True)
-class AttentionLayerConfig:
+class AttentionLayerConfig(_ValueHeadSize):
     """What one attention layer asks of a backend."""
 
     num_heads: int
@@ -50,13 +66,6 @@ class AttentionLayerConfig:
     # queries/keys, 128 for values); None (or head_size, stored as None): the same size.
     head_size_v: int | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "head_size_v",
-                           normalized_head_size_v(self.head_size, self.head_size_v))
-
-    @property
-    def value_head_size(self) -> int:
-        return self.head_size if self.head_size_v is None else self.head_size_v
 
     @property
     def softmax_scale(self) -> float:
@@ -64,7 +73,7 @@ class AttentionLayerConfig:
 
 
 @dataclass(frozen=True)
-class BuilderConfig:
+class BuilderConfig(_ValueHeadSize):
     """Sizes a metadata builder allocates its persistent buffers for."""
 
     num_heads: int
@@ -82,13 +91,6 @@ class BuilderConfig:
     has_sinks: bool = False
     head_size_v: int | None = None  # as AttentionLayerConfig's
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "head_size_v",
-                           normalized_head_size_v(self.head_size, self.head_size_v))
-
-    @property
-    def value_head_size(self) -> int:
-        return self.head_size if self.head_size_v is None else self.head_size_v
 
     @classmethod
     def for_layer(cls, layer: AttentionLayerConfig, block_size: int, max_num_reqs: int,

@@ -26,11 +26,10 @@ from pagedserve.attention.backend import (
     BuilderConfig,
 )
 from pagedserve.attention.backends.cpu_mla import CPUMLABackend
+from pagedserve.attention.backends.triton_attn import MAX_BLOCK_SIZE, TritonAttentionBackend
 from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.attention.mla import MLAImpl
 from pagedserve.attention.ops.query_blocks import QueryBlockMap
-
-MAX_BLOCK_SIZE = 1024  # keys are addressed one at a time through the block table
 
 
 @dataclass
@@ -102,17 +101,7 @@ class TritonMLABackend(CPUMLABackend):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        try:
-            import triton
-        except ImportError as exc:
-            return False, f"triton is not importable ({exc}); pip install triton"
-        if torch.cuda.is_available():
-            where = "ROCm" if torch.version.hip else "CUDA"
-            return True, f"Triton {triton.__version__} kernels on {where}"
-        if envs.TRITON_INTERPRET:
-            return True, "Triton interpreter on CPU (testing only)"
-        return False, ("no GPU; set TRITON_INTERPRET=1 to run the kernels in the Triton "
-                       "interpreter on the CPU (testing only)")
+        return TritonAttentionBackend.is_available()  # the same kernels' requirements
 
     @classmethod
     def validate_configuration(cls, layer: AttentionLayerConfig, block_size: int,
