@@ -47,7 +47,6 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@torch.no_grad()
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     models = {}

@@ -125,6 +125,7 @@ def hf_greedy(model: nn.Module, prompt: list[int], num_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@torch.no_grad()
 def hf_prompt_logprobs(model: nn.Module, prompt: list[int]) -> torch.Tensor:
     """transformers' log-distribution after each prompt position [len(prompt), vocab]."""
     logits = model(torch.tensor([prompt])).logits[0].float()
