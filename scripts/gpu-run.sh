@@ -11,7 +11,8 @@
 # the MoE kernel benchmark), moe_engine (the Qwen3-30B-A3B shape next to transformers), mla
 # (TRITON_MLA's and DiffKV's GPU tests, MLA decode bandwidth, DeepSeek-V2-Lite's throughput
 # and KV capacity), flex (FLEX_ATTENTION's conformance and kernel timings beside TRITON and
-# FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
+# FLASHINFER), families (the families' GPU greedy test), flexbench (the bundled GGUF's bench
+# throughput on FLEX_ATTENTION beside TRITON and FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
 # conformance and benchmark rows), tq (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
@@ -351,6 +352,24 @@ stage_flex() {  # FLEX_ATTENTION on the H200 (never run there): conformance in b
     timeout 240 python3 benchmarks/attention_kernels.py --backends TRITON,FLASHINFER,FLEX_ATTENTION \
         >"$OUT/flex-bench.log" 2>&1; echo "exit $?" >>"$OUT/flex-bench.log"
     tail -20 "$OUT/flex-bench.log"
+}
+
+stage_families() {  # the model families' GPU greedy test (float32 TRITON against transformers)
+    setup_env
+    shard families tests/models/test_families.py
+    wait
+}
+
+stage_flexbench() {  # the bundled GGUF through bench throughput on FLEX_ATTENTION, TRITON, FLASHINFER
+    setup_env
+    [ -f "$PAGEDSERVE_TEST_GGUF" ] || { echo "no GGUF at $PAGEDSERVE_TEST_GGUF"; return; }
+    local b
+    for b in FLEX_ATTENTION TRITON FLASHINFER; do
+        timeout 150 python3 -m pagedserve bench throughput --model "$PAGEDSERVE_TEST_GGUF" \
+            --attention-backend "$b" --num-prompts 256 --input-len 128 --output-len 512 \
+            >"$OUT/flexbench-$b.log" 2>&1; echo "exit $?" >>"$OUT/flexbench-$b.log"
+        tail -4 "$OUT/flexbench-$b.log"
+    done
 }
 
 for stage in "$@"; do
