@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
     if args.kernels == "torch":
-        os.environ["PAGEDSERVE_MAMBA_KERNELS"] = "torch"
+        os.environ["PAGEDSERVE_STATE_KERNELS"] = "torch"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     g = torch.Generator().manual_seed(0)
@@ -114,9 +114,9 @@ def main() -> None:
         build_model(path, args)
         prefill_s, decode_s = run_engine(path, prompts, args, device)
         ours = decode_tokens / decode_s
-        from pagedserve.attention.backends.mamba import use_triton_kernels
+        from pagedserve.attention.ops import state_kernels_enabled
 
-        kernels = "triton" if use_triton_kernels(device) else "torch"
+        kernels = "triton" if state_kernels_enabled(device) else "torch"
         print(f"pagedserve ({kernels} kernels): prefill {prefill_s * 1e3:.0f} ms, decode "
               f"{decode_tokens} tokens in {decode_s:.2f} s = {ours:.0f} tok/s")
         if args.skip_transformers:

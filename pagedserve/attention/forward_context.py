@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,6 +15,9 @@ class ForwardContext:
     # Backend metadata per distinct layer configuration (most models have one).
     attn_metadata: dict[Any, Any]
     kv_caches: list[torch.Tensor]
+    # State layers (attention/state.py): each one's tensors by name, and the step's metadata.
+    state_caches: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    state_metadata: Any = None
 
 
 _CONTEXT: ForwardContext | None = None
@@ -27,10 +30,12 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: dict[Any, Any],
-                        kv_caches: list[torch.Tensor]) -> Iterator[None]:
+def set_forward_context(attn_metadata: dict[Any, Any], kv_caches: list[torch.Tensor],
+                        state_caches: list[dict[str, torch.Tensor]] | None = None,
+                        state_metadata: Any = None) -> Iterator[None]:
     global _CONTEXT
-    previous, _CONTEXT = _CONTEXT, ForwardContext(attn_metadata, kv_caches)
+    previous, _CONTEXT = _CONTEXT, ForwardContext(attn_metadata, kv_caches,
+                                                  state_caches or [], state_metadata)
     try:
         yield
     finally:

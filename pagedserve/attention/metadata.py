@@ -49,6 +49,9 @@ class CommonAttentionMetadata:
     # A request's cached prefix includes blocks this same step writes (a same-step prefix-cache
     # hit): a backend that fuses its K/V write into attention must write first.
     context_written_in_step: bool = False
+    # [B] int64, each request's state slot, for models with state layers (attention/state.py);
+    # set by the runner after `build`.
+    state_slots: torch.Tensor | None = None
 
 
 # Padding of a running sum: each padding request adds one (one token, one page).

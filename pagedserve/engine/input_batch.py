@@ -54,6 +54,8 @@ class InputBatch:
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.max_model_len = max_model_len
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)  # bumped when a row changes hands
+        # Each row's state slot (models with state layers; -1 otherwise), set on admission.
+        self.state_slot = np.full(max_num_reqs, -1, dtype=np.int64)
 
     def add(self, request: Request, block_ids: list[int]) -> int:
         row = self._free_rows.pop()
@@ -61,6 +63,7 @@ class InputBatch:
         self.generation[row] += 1
         self.token_ids[row, :request.num_tokens] = request.all_token_ids
         self.block_table.add_row(row, block_ids)
+        self.state_slot[row] = request.state_slot
         return row
 
     def remove(self, request_id: str) -> None:

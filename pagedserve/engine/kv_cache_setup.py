@@ -3,7 +3,8 @@ holds, and the cache tensors themselves.
 
 On the CPU the budget is `kv_cache_memory`; on CUDA it is what `gpu_memory_utilization` leaves
 after the peak of a profiling forward over the largest step (weights and activations). Every
-layer keeps its own page for a block id, so one block costs the sum of the layers' pages.
+layer keeps its own page for a block id, so one block costs the sum of the layers' pages; state
+layers keep a slot per running request (`split_budget` says how the budget is shared).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from pagedserve.attention import AttentionBackend, AttentionLayerConfig
 from pagedserve.config import CacheConfig
 from pagedserve.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from pagedserve.kv_cache.specs import MambaSpec, gpu_kv_cache_budget, num_blocks_for_budget
+from pagedserve.kv_cache.specs import StateSpec, gpu_kv_cache_budget, split_budget
 
 
 def attention_specs(backend: type[AttentionBackend], layers: list[AttentionLayerConfig],
@@ -44,18 +45,24 @@ def _value_size(head_size_v: int | None) -> dict[str, int]:
     return {} if head_size_v is None else {"head_size_v": head_size_v}
 
 
-def determine_num_blocks(cache: CacheConfig, specs: list[KVCacheSpec] | list[MambaSpec],
-                         device: torch.device, profile_peak_memory: Callable[[], int]) -> int:
-    """Blocks (or Mamba state slots) the budget holds; `profile_peak_memory` runs the
-    profiling forward on CUDA and returns its peak bytes, the cache it used excluded."""
-    if cache.num_gpu_blocks_override is not None:
-        return cache.num_gpu_blocks_override
+def determine_cache_size(cache: CacheConfig, attention: list[KVCacheSpec],
+                         state: list[StateSpec], max_num_seqs: int, device: torch.device,
+                         profile_peak_memory: Callable[[], int]) -> tuple[int, int]:
+    """(attention blocks, state slots) the budget holds (`split_budget`); `profile_peak_memory`
+    runs the profiling forward on CUDA and returns its peak bytes, the cache it used excluded.
+    `num_gpu_blocks_override` sets the blocks (with state layers: max_num_seqs slots beside
+    them), or for a model without attention layers the slots."""
+    override = cache.num_gpu_blocks_override
+    if override is not None:
+        if not attention:
+            return 0, min(override, max_num_seqs)
+        return override, max_num_seqs if state else 0
     if device.type != "cuda":
-        return num_blocks_for_budget(specs, int(cache.kv_cache_memory))
+        return split_budget(attention, state, int(cache.kv_cache_memory), max_num_seqs)
     peak = profile_peak_memory()
     total = torch.cuda.get_device_properties(device).total_memory
     budget = gpu_kv_cache_budget(total, peak, cache.gpu_memory_utilization)
-    return num_blocks_for_budget(specs, budget)
+    return split_budget(attention, state, budget, max_num_seqs)
 
 
 def allocate_kv_caches(backend: type[AttentionBackend], specs: list[KVCacheSpec],
@@ -69,10 +76,8 @@ def allocate_kv_caches(backend: type[AttentionBackend], specs: list[KVCacheSpec]
             for spec in specs]
 
 
-def allocate_state_slots(specs: list[MambaSpec], num_slots: int,
-                         device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(conv state, SSM state) per Mamba layer, `num_slots` slots each."""
-    return [(torch.zeros((num_slots, *spec.conv_state_shape), dtype=spec.dtype, device=device),
-             torch.zeros((num_slots, *spec.ssm_state_shape), dtype=spec.ssm_dtype,
-                         device=device))
-            for spec in specs]
+def allocate_state_slots(specs: list[StateSpec], num_slots: int,
+                         device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Each state layer's tensors by name, `num_slots` slots each."""
+    return [{t.name: torch.zeros((num_slots, *t.shape), dtype=t.dtype, device=device)
+             for t in spec.tensors} for spec in specs]

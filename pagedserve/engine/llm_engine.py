@@ -17,7 +17,7 @@ from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput, Pendi
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.kv_cache import KVCacheManager
-from pagedserve.kv_cache.specs import bytes_per_block
+from pagedserve.kv_cache.specs import bytes_per_block, bytes_per_slot
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
 
@@ -76,21 +76,22 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded.model, loaded.hf_config.vocab_size,
                                   self.max_model_len,
                                   self.eos_token_id)
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        num_blocks, num_slots = self.runner.determine_cache_size()
+        self.runner.allocate_kv_cache(num_blocks, num_slots)
         self.runner.warmup()
-        if self.runner.mamba_layers:
-            # Per-request state, not per block: no prefix caching (turned off automatically).
-            self.kv_cache = KVCacheManager.for_state_slots(num_blocks, self.runner.block_size)
-            logger.info("Mamba state: %d slots (one per running request); backend %s",
-                        num_blocks, self.runner.backend.get_name())
-        else:
-            self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
-                                           config.cache.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
+                                       config.cache.enable_prefix_caching, num_slots)
+        if num_blocks:
             logger.info("KV cache: %d blocks of %d tokens (%d tokens, %d bytes per token over "
                         "all layers); backend %s", num_blocks, config.cache.block_size,
                         num_blocks * config.cache.block_size, self.kv_cache_bytes_per_token(),
                         self.runner.backend.get_name())
+        if num_slots:
+            logger.info("state layers: %d slots (one per running request), %d bytes per slot",
+                        num_slots, bytes_per_slot(self.runner.state_specs))
+            if config.cache.enable_prefix_caching:
+                logger.info("prefix caching is off: state layers keep one state per request, "
+                            "not one per block")
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.async_scheduling = config.use_async_scheduling
@@ -342,13 +343,16 @@ class LLMEngine:
         self._last_log, self._logged_tokens = now, s.generation_tokens
 
     def kv_cache_bytes_per_token(self) -> int:
-        """What one token's K/V (or MLA latent) costs over every layer, in the cache's layout."""
+        """What one token's K/V (or MLA latent) costs over every attention layer, in the
+        cache's layout (0 without attention layers)."""
+        if not self.runner.kv_specs:
+            return 0
         return bytes_per_block(self.runner.kv_specs) // self.runner.block_size
 
     def check_blocks_free(self) -> bool:
-        """True when no request holds a KV block (all free or cached-evictable); for a Mamba
-        model the manager's blocks are its state slots, so this covers them too."""
-        return self.kv_cache.num_free_blocks == self.kv_cache.num_blocks
+        """True when no request holds a KV block (all free or cached-evictable) or a state
+        slot."""
+        return self.kv_cache.all_free()
 
 
 def check_settings(config: EngineConfig) -> str | None:

@@ -19,9 +19,10 @@ import torch
 from pagedserve.attention import AttentionLayerConfig, BuilderConfig, select_backend
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
-from pagedserve.attention.mamba import MambaLayer
 from pagedserve.attention.metadata import CommonAttentionMetadata, CommonMetadataBuilder
+from pagedserve.attention.ops import state_kernels_enabled
 from pagedserve.attention.registry import get_backend_cls
+from pagedserve.attention.state import StateLayer, StateMetadataBuilder
 from pagedserve.config import EngineConfig
 from pagedserve.engine import kv_cache_setup, scoring
 from pagedserve.engine.cuda_graphs import DecodeGraphs, GraphInputs, setup_decode_graphs
@@ -33,7 +34,7 @@ from pagedserve.engine.sampler import (
     SamplingMetadata,
     distinct_params,
 )
-from pagedserve.kv_cache.specs import bytes_per_block
+from pagedserve.kv_cache.specs import StateSpec, bytes_per_block, bytes_per_slot
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, SchedulerOutput
 
@@ -89,10 +90,16 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
 
         self.attn_layers = _indexed_layers(model, Attention)
-        self.mamba_layers = _indexed_layers(model, MambaLayer)
-        if self.mamba_layers:
-            self._bind_mamba_layers()
-        else:
+        self.state_layers = _indexed_layers(model, StateLayer)
+        if not self.attn_layers and not self.state_layers:
+            raise ValueError("the model has neither attention nor state layers")
+        self.builders: dict[Any, Any] = {}
+        self.kv_specs = []
+        self.state_specs: list[StateSpec] = []
+        self.state_builder: StateMetadataBuilder | None = None
+        if self.state_layers:
+            self._bind_state_layers()
+        if self.attn_layers:
             self._bind_attention_layers()
 
         self.input_batch = InputBatch(self.max_num_reqs, max_model_len, self.max_blocks_per_seq)
@@ -118,7 +125,9 @@ class ModelRunner:
         # logprobs, scoring by prefill): a step looks for them only while there are any.
         self._wants_logits: set[str] = set()
         self.kv_caches: list[Any] = []
+        self.state_caches: list[dict[str, torch.Tensor]] = []
         self.num_blocks = 0
+        self.num_state_slots = 0
         self.decode_graphs: DecodeGraphs | None = None  # once captured
         self._ran_graph = False
         self._common: CommonAttentionMetadata | None = None  # the last step's
@@ -155,37 +164,37 @@ class ModelRunner:
                                        self.max_num_tokens, self.max_blocks_per_seq,
                                        self.device)
 
-    def _bind_mamba_layers(self) -> None:
-        """One state slot per request: the slot id is the request's only "block" (block_size =
-        max_model_len), so it reaches the MAMBA builder in the block table's first column."""
-        from pagedserve.attention.backends.mamba import use_triton_kernels
-
-        if self.attn_layers:
-            raise ValueError("models mixing attention and Mamba layers are not supported yet")
-        if self.config.attention_backend not in (None, "MAMBA", "mamba"):
-            logger.info("a Mamba model always uses the MAMBA backend; attention_backend=%s "
-                        "does not apply", self.config.attention_backend)
-        self.backend = get_backend_cls("MAMBA")
-        logger.info("attention backend: %s (%s)", self.backend.get_name(),
-                    self.backend.is_available()[1])
-        self.kv_cache_dtype = self.backend.get_kv_cache_dtype(self.config.cache.kv_cache_dtype,
-                                                              self.dtype)
-        self.block_size = self.max_model_len
-        self.max_blocks_per_seq = 1
-        triton = use_triton_kernels(self.device)
-        self.kv_specs = [m.spec(self.dtype) for m in self.mamba_layers]
-        self.builders = {spec: self.backend.get_builder_cls()(spec, self.device, triton)
-                         for spec in dict.fromkeys(self.kv_specs)}
-        for layer, spec in zip(self.mamba_layers, self.kv_specs, strict=True):
-            layer.bind(self.backend.get_impl_cls()(triton), spec)
+    def _bind_state_layers(self) -> None:
+        """Each state layer gets its kind's backend (its `backend_name`); one metadata builder
+        serves them all. --attention-backend names the attention layers' backend only."""
+        use_triton = state_kernels_enabled(self.device)
+        self.state_specs = [m.state_spec(self.dtype) for m in self.state_layers]
+        impls: dict[str, Any] = {}
+        for layer, spec in zip(self.state_layers, self.state_specs, strict=True):
+            if spec.backend not in impls:
+                backend = get_backend_cls(spec.backend)
+                if not self.attn_layers:  # a kv_cache_dtype can only mean the state then
+                    backend.get_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.dtype)
+                    self.backend = backend
+                impls[spec.backend] = backend.get_impl_cls()(use_triton)
+                logger.info("state layers %s: backend %s (%s)", spec.backend,
+                            backend.get_name(), backend.is_available()[1])
+            layer.bind(impls[spec.backend], spec)
+        self.state_builder = StateMetadataBuilder(self.device, use_triton)
+        if not self.attn_layers:
+            self.kv_cache_dtype = self.dtype
+            if self.config.attention_backend not in (None, self.backend.get_name()):
+                logger.info("a model without attention layers runs its state backends only; "
+                            "attention_backend=%s does not apply",
+                            self.config.attention_backend)
 
     # ---- KV cache -----------------------------------------------------------------------
 
-    def determine_num_blocks(self) -> int:
-        num_blocks = kv_cache_setup.determine_num_blocks(self.config.cache, self.kv_specs,
-                                                         self.device, self.profile_peak_memory)
-        # A state slot serves one running request: slots beyond max_num_seqs would sit idle.
-        return min(num_blocks, self.max_num_reqs) if self.mamba_layers else num_blocks
+    def determine_cache_size(self) -> tuple[int, int]:
+        """(attention blocks, state slots) the memory budget holds."""
+        return kv_cache_setup.determine_cache_size(self.config.cache, self.kv_specs,
+                                                   self.state_specs, self.max_num_reqs,
+                                                   self.device, self.profile_peak_memory)
 
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
@@ -195,9 +204,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.max_num_tokens, self.max_model_len)
-        needed = -(-num_tokens // self.block_size)
-        self.allocate_kv_cache(needed)
+        needed = -(-num_tokens // self.block_size) if self.attn_layers else 0
+        self.allocate_kv_cache(needed, 1 if self.state_layers else 0)
         probe = Request("__profile__", [0] * num_tokens, SamplingParams(max_tokens=1))
+        probe.state_slot = 0 if self.state_layers else -1
         rows = InputBatch(1, self.max_model_len, self.max_blocks_per_seq)
         rows.add(probe, list(range(needed)))
         batch = SchedulerOutput([probe], np.array([num_tokens], dtype=np.int32),
@@ -211,19 +221,21 @@ class ModelRunner:
         finally:
             self.input_batch = saved
         peak = torch.cuda.max_memory_allocated(self.device)
-        self.kv_caches = []
+        self.kv_caches, self.state_caches = [], []
         torch.cuda.empty_cache()
         # The cache we just used counts against the peak but will be allocated anew.
-        return peak - needed * bytes_per_block(self.kv_specs)
+        used = needed * bytes_per_block(self.kv_specs) if needed else 0
+        return peak - used - (bytes_per_slot(self.state_specs) if self.state_layers else 0)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        if self.mamba_layers:
-            self.kv_caches = kv_cache_setup.allocate_state_slots(self.kv_specs, num_blocks,
-                                                                 self.device)
-        else:
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
+        """The attention layers' pages and the state layers' slots."""
+        if self.attn_layers:
             self.kv_caches = kv_cache_setup.allocate_kv_caches(
                 self.backend, self.kv_specs, num_blocks, self.kv_cache_dtype, self.device)
+        self.state_caches = kv_cache_setup.allocate_state_slots(self.state_specs,
+                                                                num_state_slots, self.device)
         self.num_blocks = num_blocks
+        self.num_state_slots = num_state_slots
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -259,9 +271,13 @@ class ModelRunner:
             num_patched = self.input_ids.queue_patch(prev.batch, prev.rows, batch, rows,
                                                      common.query_start_loc_cpu)
         graph_size = self.decode_graphs.prepare(common) if self.decode_graphs else None
-        attn_metadata = None
+        attn_metadata = state_metadata = None
         if graph_size is None:
             attn_metadata = {cfg: b.build(common) for cfg, b in self.builders.items()}
+        if self.state_builder is not None:
+            slots = torch.from_numpy(self.input_batch.state_slot[rows])
+            common.state_slots = slots.to(self.device, non_blocking=True)
+            state_metadata = self.state_builder.build(common)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         if self.step_events is not None:
@@ -273,7 +289,8 @@ class ModelRunner:
         if graph_size is not None:
             self._ran_graph = True
             return self.decode_graphs.replay(graph_size, common.num_reqs)
-        with set_forward_context(attn_metadata, self.kv_caches):
+        with set_forward_context(attn_metadata, self.kv_caches, self.state_caches,
+                                 state_metadata):
             return self.model(input_ids, common.positions)
 
     def run_model(self, attn_metadata: dict[Any, Any], num_tokens: int) -> torch.Tensor:
@@ -385,11 +402,12 @@ class ModelRunner:
         """Compile/JIT whatever the backend needs before the first request, then capture the
         decode graphs."""
         t0 = time.perf_counter()
-        if not self.mamba_layers:
-            for builder in self.builders.values():
-                builder.warmup()
+        for builder in self.builders.values():
+            builder.warmup()
         logger.debug("backend warm-up took %.1f s", time.perf_counter() - t0)
-        if not self.mamba_layers:
+        # Steps of models with state layers run eagerly: a graph would need a scratch slot for
+        # its padding rows (future work).
+        if not self.state_layers:
             self.decode_graphs = setup_decode_graphs(self.graph_inputs(), self.backend,
                                                      self.config, self.max_model_len)
 

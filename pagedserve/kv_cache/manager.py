@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pagedserve.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagedserve.kv_cache.state_slots import StateSlotPool
 
 NONE_HASH = b"\x00" * 32
 
@@ -18,6 +19,7 @@ class CacheableRequest(Protocol):
     num_computed_tokens: int
     cache_salt: str | None
     skip_prefix_cache: bool
+    state_slot: int
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: str | None) -> bytes:
@@ -49,10 +51,21 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    """Which blocks each request holds, and with state layers (attention/state.py) which state
+    slot: a request is admitted only when both its blocks and a slot are free, and gives both
+    back together. A model without attention layers has no blocks (`num_blocks` 0), only
+    slots. Prefix caching needs every layer's cache per block, so it is off with state slots:
+    a state sums up the whole prefix, it is not kept per block (the engine says so once)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0) -> None:
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
+        self.enable_prefix_caching = enable_prefix_caching and self.state_slots is None
+        # A model of state layers only has no blocks: a one-block pool keeps the accounting
+        # total, and no request ever takes from it.
+        self.pool = BlockPool(max(num_blocks, 1), enable_caching=self.enable_prefix_caching)
+        self.has_blocks = num_blocks > 0
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -63,19 +76,9 @@ class KVCacheManager:
         # so a request that hits one reads K/V the same step writes.
         self._published_in_step: set[int] = set()
 
-    @classmethod
-    def for_state_slots(cls, num_slots: int, max_model_len: int) -> KVCacheManager:
-        """The manager of a model whose layers keep per-request state (Mamba) instead of K/V
-        pages. Each block is a state slot spanning a whole request (block_size =
-        max_model_len), so a request takes exactly one on admission and holds it until it
-        finishes or is preempted; admission waits while none is free, and its block id is its
-        slot index (the runner's block table carries it). Prefix caching is off: the state sums
-        up the whole prefix, it is not kept per block."""
-        return cls(num_slots, max_model_len, enable_prefix_caching=False)
-
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        return self.pool.num_blocks if self.has_blocks else 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,10 +86,19 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        if self.state_slots is None:
+            return self.pool.usage
+        slots = 1 - self.state_slots.num_free / self.state_slots.num_slots
+        return max(slots, self.pool.usage) if self.has_blocks else slots
+
+    def all_free(self) -> bool:
+        """No request holds a block or a state slot (cached blocks count as free)."""
+        slots_free = (self.state_slots is None
+                      or self.state_slots.num_free == self.state_slots.num_slots)
+        return slots_free and self.pool.num_free_blocks == self.pool.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+        return cdiv(num_tokens, self.block_size) if self.has_blocks else 0
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
@@ -137,7 +149,12 @@ class KVCacheManager:
 
     def can_allocate(self, request: CacheableRequest, num_new_tokens: int,
                      new_computed_blocks: Sequence[KVCacheBlock] = ()) -> bool:
+        if self._needs_slot(request) and not self.state_slots.num_free:
+            return False
         return self._num_blocks_to_take(request, num_new_tokens, new_computed_blocks) is not None
+
+    def _needs_slot(self, request: CacheableRequest) -> bool:
+        return self.state_slots is not None and request.state_slot < 0
 
     def _num_blocks_to_take(self, request: CacheableRequest, num_new_tokens: int,
                             new_computed_blocks: Sequence[KVCacheBlock]) -> int | None:
@@ -157,6 +174,8 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens (after `new_computed_blocks`, the prefix
         hits found on admission). Returns the blocks appended to the request, cache hits first,
         or None when the pool cannot supply them (nothing changes then)."""
+        if self.state_slots is not None:
+            return self._allocate_with_slot(request, num_new_tokens)
         # The step fills a block when a multiple of block_size lies in (computed, end]: when
         # end % block_size < num_new_tokens. Most decode steps fill none and skip all caching
         # work on that one test (done first: it is as cheap with caching on as off).
@@ -184,6 +203,24 @@ class KVCacheManager:
         if (end % self.block_size < num_new_tokens and self.enable_prefix_caching
                 and not request.skip_prefix_cache):
             self._cache_full_blocks(request, blocks, end)
+        return appended
+
+    def _allocate_with_slot(self, request: CacheableRequest,
+                            num_new_tokens: int) -> list[KVCacheBlock] | None:
+        """allocate_slots with state layers (no prefix caching): a request without a slot
+        takes one together with its blocks, or neither."""
+        needs_slot = self._needs_slot(request)
+        if needs_slot and not self.state_slots.num_free:
+            return None
+        appended: list[KVCacheBlock] = []
+        if self.has_blocks:
+            num_new_blocks = self._num_blocks_to_take(request, num_new_tokens, ())
+            if num_new_blocks is None:
+                return None
+            appended = self.pool.allocate(num_new_blocks)
+            self.req_to_blocks.setdefault(request.request_id, []).extend(appended)
+        if needs_slot:
+            request.state_slot = self.state_slots.take()
         return appended
 
     def _cache_full_blocks(self, request: CacheableRequest, blocks: list[KVCacheBlock],
@@ -233,6 +270,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.pool.free(reversed(blocks))
         self.num_cached_blocks.pop(request.request_id, None)
+        if self.state_slots is not None and request.state_slot >= 0:
+            self.state_slots.give_back(request.state_slot)
+            request.state_slot = -1
 
     def forget(self, request: CacheableRequest) -> None:
         """Drop a finished request's hash list (kept across preemption, since its tokens stay)."""

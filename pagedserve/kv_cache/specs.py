@@ -57,59 +57,81 @@ class SlidingWindowSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
-class MambaSpec:
-    """One Mamba layer's cache: a state slot per running request (not per block) holding the
-    conv state [d_inner, conv_kernel - 1] (the last inputs the causal conv still needs) and the
-    SSM state [d_inner, state_size]. The SSM state is float32 by default: it accumulates over
-    the whole sequence, and transformers' reference keeps it in float32 too."""
+class StateTensor:
+    """One named tensor a state layer keeps per request slot, e.g. a conv window or an SSM
+    state."""
 
-    d_inner: int
-    conv_kernel: int
-    state_size: int
-    dtype: torch.dtype  # conv state (the model dtype)
-    ssm_dtype: torch.dtype = torch.float32
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
     @property
-    def conv_state_shape(self) -> tuple[int, int]:
-        return (self.d_inner, self.conv_kernel - 1)
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.dtype).element_size()
 
-    @property
-    def ssm_state_shape(self) -> tuple[int, int]:
-        return (self.d_inner, self.state_size)
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One state layer's cache (Mamba-1/2, gated delta net, short conv, linear attention): a
+    slot per running request, not pages per block, holding `tensors`. `backend` names the state
+    backend that runs the layer. Recurrent states are usually float32: they accumulate over the
+    whole sequence, and transformers' references keep them in float32 too."""
+
+    backend: str
+    tensors: tuple[StateTensor, ...]
 
     @property
     def slot_size_bytes(self) -> int:
-        conv = self.d_inner * (self.conv_kernel - 1) * torch.empty((), dtype=self.dtype).itemsize
-        ssm = self.d_inner * self.state_size * torch.empty((), dtype=self.ssm_dtype).itemsize
-        return conv + ssm
+        return sum(t.nbytes for t in self.tensors)
 
 
-def bytes_per_slot(specs: list[MambaSpec]) -> int:
-    """A state slot id indexes every Mamba layer's state, so one slot costs the sum over them."""
+def bytes_per_slot(specs: list[StateSpec]) -> int:
+    """A state slot id indexes every state layer's tensors, so one slot costs the sum over them."""
     return sum(spec.slot_size_bytes for spec in specs)
 
 
-def bytes_per_block(specs: list[KVCacheSpec] | list[MambaSpec]) -> int:
-    """Every layer keeps its own page for a block id, so one block costs the sum over layers.
-    For a pure Mamba model the unit the manager hands out is a state slot (its bytes)."""
+def bytes_per_block(specs: list[KVCacheSpec]) -> int:
+    """Every attention layer keeps its own page for a block id, so one block costs the sum over
+    layers."""
     if not specs:
-        raise ValueError("the model declares no KV cache layers")
-    if all(isinstance(spec, MambaSpec) for spec in specs):
-        return bytes_per_slot(specs)
+        raise ValueError("the model declares no attention layers")
     sizes = {spec.block_size for spec in specs}
     if len(sizes) != 1:
         raise ValueError(f"all layers must share one block size, got {sorted(sizes)}")
     return sum(spec.page_size_bytes for spec in specs)
 
 
-def num_blocks_for_budget(specs: list[KVCacheSpec] | list[MambaSpec], budget_bytes: int) -> int:
+def num_blocks_for_budget(specs: list[KVCacheSpec], budget_bytes: int) -> int:
     num_blocks = budget_bytes // bytes_per_block(specs)
     if num_blocks < 1:
-        unit = "state slot" if isinstance(specs[0], MambaSpec) else "block"
         raise ValueError(
-            f"a KV cache budget of {budget_bytes} bytes holds no {unit} "
-            f"({bytes_per_block(specs)} bytes per {unit}): raise the memory budget")
+            f"a KV cache budget of {budget_bytes} bytes holds no block "
+            f"({bytes_per_block(specs)} bytes per block): raise the memory budget")
     return int(num_blocks)
+
+
+def split_budget(attention: list[KVCacheSpec], state: list[StateSpec], budget_bytes: int,
+                 max_num_seqs: int) -> tuple[int, int]:
+    """(attention blocks, state slots) one memory budget holds. A state slot serves one running
+    request, so there are at most max_num_seqs of them (more would sit idle); each is counted
+    with one attention block beside it, so a small budget is not all spent on slots whose
+    requests could not hold a block. The rest holds attention blocks."""
+    if not state:
+        return num_blocks_for_budget(attention, budget_bytes), 0
+    slot_bytes = bytes_per_slot(state)
+    block_bytes = bytes_per_block(attention) if attention else 0
+    num_slots = min(max_num_seqs, budget_bytes // (slot_bytes + block_bytes))
+    if num_slots < 1:
+        raise ValueError(
+            f"a KV cache budget of {budget_bytes} bytes holds no state slot ({slot_bytes} bytes"
+            f" per slot{f' and {block_bytes} per block' if attention else ''}): raise the "
+            "memory budget")
+    if not attention:
+        return 0, int(num_slots)
+    return num_blocks_for_budget(attention, budget_bytes - num_slots * slot_bytes), int(num_slots)
 
 
 def gpu_kv_cache_budget(total_bytes: int, peak_bytes_in_use: int, utilization: float) -> int:

@@ -86,6 +86,9 @@ class Request:
         # scheduling the next step is scheduled while this request's last one still runs).
         self.num_output_placeholders = 0
         self.num_preemptions = 0
+        # The state slot of a model with state layers while the request runs (the KV cache
+        # manager hands it out and takes it back); -1 when it holds none.
+        self.state_slot = -1
         # Teacher forcing: the runner emits these tokens instead of sampled ones.
         self.forced_output_ids: list[int] | None = (
             list(scoring.continuation) if scoring is not None and scoring.mode == "decode"

@@ -15,7 +15,7 @@ import transformers
 
 from pagedserve import SamplingParams
 from pagedserve.kv_cache.manager import KVCacheManager
-from pagedserve.kv_cache.specs import MambaSpec
+from pagedserve.kv_cache.specs import StateSpec, StateTensor
 from pagedserve.scheduler import Request
 from tests.utils.paged import hf_greedy
 
@@ -82,8 +82,8 @@ def _greedy(llm, prompts):
 
 def _assert_slots_free(llm) -> None:
     kv = llm.engine.kv_cache
-    assert kv.num_free_blocks == kv.num_blocks, "state slots leaked"
-    assert not kv.req_to_blocks
+    assert kv.all_free(), "state slots leaked"
+    assert kv.state_slots.num_free == kv.state_slots.num_slots
 
 
 # ---- greedy tokens and logprobs against transformers --------------------------------------
@@ -109,10 +109,10 @@ def test_chunked_prefill_matches_transformers(mamba_models, make_llm):
 def test_few_state_slots_matches_transformers(mamba_models, make_llm):
     """A budget of 3 slots for 8 prompts: requests wait for a slot to free up."""
     path, _, prompts, expected = mamba_models["untied"]
-    slot_bytes = 2 * MambaSpec(128, 4, 8, torch.float32).slot_size_bytes  # 2 layers
+    slot_bytes = 2 * _mamba_spec(torch.float32).slot_size_bytes  # 2 layers
     budget = 3 * slot_bytes + 100
     llm = _make(make_llm, path, kv_cache_memory=budget, max_num_batched_tokens=24)
-    assert llm.engine.kv_cache.num_blocks == 3
+    assert llm.engine.kv_cache.state_slots.num_slots == 3
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -148,9 +148,9 @@ def test_forced_preemption_matches_transformers(mamba_models, make_llm, async_sc
                 got[out.request_id] = out.outputs[0].token_ids
         step += 1
         if step % 7 == 0 and sched.running:
-            free_before = engine.kv_cache.num_free_blocks
+            free_before = engine.kv_cache.state_slots.num_free
             sched._preempt(sched.running.pop())
-            assert engine.kv_cache.num_free_blocks == free_before + 1
+            assert engine.kv_cache.state_slots.num_free == free_before + 1
     assert sched.num_preemptions > 0
     assert [got[str(i)] for i in range(len(prompts))] == expected
     _assert_slots_free(llm)
@@ -195,7 +195,8 @@ def test_prefix_caching_off_and_aborts_free_slots(mamba_models, make_llm):
     engine = llm.engine
     engine.add_request("a", prompts[7], SamplingParams(max_tokens=NUM_NEW))
     engine.step()
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - 1
+    slots = engine.kv_cache.state_slots
+    assert slots.num_free == slots.num_slots - 1
     engine.abort_request("a")
     _assert_slots_free(llm)
 
@@ -217,13 +218,21 @@ def test_cli_generate_on_mamba_directory(mamba_models, tmp_path, capsys):
 
 # ---- slots, specs, backend ----------------------------------------------------------------
 
+def _mamba_spec(dtype: torch.dtype) -> StateSpec:
+    return StateSpec("MAMBA", (StateTensor("conv", (128, 3), dtype),
+                               StateTensor("ssm", (128, 8), torch.float32)))
+
+
 def test_state_slot_sizing(mamba_models, make_llm):
-    spec = MambaSpec(d_inner=128, conv_kernel=4, state_size=8, dtype=torch.bfloat16)
+    spec = _mamba_spec(torch.bfloat16)
     assert spec.slot_size_bytes == 128 * 3 * 2 + 128 * 8 * 4
     path = mamba_models["untied"][0]
     llm = _make(make_llm, path, max_num_seqs=5)
-    assert llm.engine.kv_cache.num_blocks == 5  # capped: one slot per running request
-    conv, ssm = llm.engine.runner.kv_caches[0]
+    runner = llm.engine.runner
+    assert runner.state_specs[0] == _mamba_spec(torch.float32)  # the layer's own spec
+    assert llm.engine.kv_cache.num_blocks == 0  # no attention layers: slots only
+    assert llm.engine.kv_cache.state_slots.num_slots == 5  # one per running request
+    conv, ssm = runner.state_caches[0]["conv"], runner.state_caches[0]["ssm"]
     assert conv.shape == (5, 128, 3) and ssm.shape == (5, 128, 8) and ssm.dtype == torch.float32
     with pytest.raises(ValueError, match="state slot"):
         _make(make_llm, path, kv_cache_memory=1000)
@@ -232,16 +241,39 @@ def test_state_slot_sizing(mamba_models, make_llm):
 
 
 def test_slot_manager_one_slot_per_request():
-    kv = KVCacheManager.for_state_slots(num_slots=2, max_model_len=64)
+    kv = KVCacheManager(0, 16, enable_prefix_caching=True, num_state_slots=2)
+    assert not kv.enable_prefix_caching  # a state is not kept per block
     reqs = [Request(str(i), list(range(1, 41)), SamplingParams()) for i in range(3)]
-    assert kv.allocate_slots(reqs[0], 40) is not None
+    assert kv.allocate_slots(reqs[0], 40) == []  # a slot, no blocks
     reqs[0].num_computed_tokens = 40
     assert kv.allocate_slots(reqs[0], 20) == []  # growing takes no second slot
-    assert len(kv.allocate_slots(reqs[1], 40)) == 1
+    assert kv.allocate_slots(reqs[1], 40) == []
+    assert sorted([reqs[0].state_slot, reqs[1].state_slot]) == [0, 1]
+    assert not kv.can_allocate(reqs[2], 40)
     assert kv.allocate_slots(reqs[2], 40) is None  # admission waits for a slot
+    freed = reqs[0].state_slot
     kv.free(reqs[0])
-    assert kv.allocate_slots(reqs[2], 40) is not None
+    assert reqs[0].state_slot == -1
+    assert kv.allocate_slots(reqs[2], 40) == [] and reqs[2].state_slot == freed
     assert kv.get_computed_blocks(reqs[2]) == ([], 0)
+    kv.free(reqs[1])
+    kv.free(reqs[2])
+    assert kv.all_free()
+
+
+def test_hybrid_manager_takes_blocks_and_a_slot_together():
+    """With attention and state layers a request is admitted only when both its blocks and a
+    slot are free; a failed allocation takes neither."""
+    kv = KVCacheManager(4, 16, num_state_slots=2)
+    a, b, c = (Request(str(i), list(range(1, 41)), SamplingParams()) for i in range(3))
+    assert len(kv.allocate_slots(a, 40)) == 3 and a.state_slot >= 0
+    assert kv.allocate_slots(b, 40) is None  # one block left: no slot taken either
+    assert b.state_slot == -1 and kv.state_slots.num_free == 1
+    assert len(kv.allocate_slots(b, 10)) == 1 and b.state_slot >= 0
+    assert kv.allocate_slots(c, 1) is None  # no slot left
+    kv.free(a)
+    kv.free(b)
+    assert kv.all_free()
 
 
 def test_mamba_backend_registered_but_not_for_attention():
@@ -263,12 +295,12 @@ def test_engine_on_triton_path_in_interpreter(mamba_models, make_llm, monkeypatc
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1")
-    from pagedserve.attention.backends import mamba as backend
+    from pagedserve.engine import model_runner
 
-    monkeypatch.setattr(backend, "use_triton_kernels", lambda device: True)
+    monkeypatch.setattr(model_runner, "state_kernels_enabled", lambda device: True)
     path, _, prompts, expected = mamba_models["untied"]
     llm = _make(make_llm, path, max_num_batched_tokens=8)
-    assert llm.engine.runner.mamba_layers[0].impl.use_triton
+    assert llm.engine.runner.state_layers[0].impl.use_triton
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     # 17 tokens: chunks of 8 and 8 continue the state, the last token runs as a decode; a
     # one-token prompt is a decode without an initial state.
@@ -283,14 +315,14 @@ def test_engine_on_triton_path_in_interpreter(mamba_models, make_llm, monkeypatc
 @pytest.mark.parametrize("variant", [{}, {"max_num_batched_tokens": 16}])
 def test_engine_greedy_matches_transformers_on_gpu(tmp_path, make_llm, variant):
     """float32 on the GPU, the Triton path, against transformers' Mamba on the same GPU."""
-    from pagedserve.attention.backends.mamba import use_triton_kernels
+    from pagedserve.attention.ops import state_kernels_enabled
 
     hf = _save(_config(tie=False), tmp_path, seed=0).to(CUDA)
     prompts = _prompts(211, seed=100)
     expected = [hf_greedy(hf, p, NUM_NEW) for p in prompts]  # on the GPU
     assert expected[0] == hf_greedy(hf.cpu(), prompts[0], NUM_NEW)  # the GPU reference is sane
     llm = make_llm(model=str(tmp_path), dtype="float32", device="cuda", **variant)
-    assert use_triton_kernels(CUDA)
+    assert state_kernels_enabled(CUDA)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
