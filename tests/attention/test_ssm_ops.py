@@ -7,7 +7,10 @@ References: a per-token float64 recurrence; transformers' own chunked scan and s
 BambaMixer / Lfm2ShortConv modules with random weights run request by request with their cache,
 against the same layer composed from our ops over a packed batch. The Triton kernels run in the
 interpreter on the CPU (small shapes, float32); the `gpu` tests check them against the torch ops
-in float32 and bfloat16 at realistic sizes."""
+in float32 and bfloat16 at realistic sizes.
+
+Longer than 500 lines: the SSD, conv and LFM2 cases share the packed-step helpers (`_Step`,
+`_conv_step`, the case builders); apart they would be copied."""
 
 from __future__ import annotations
 

@@ -21,7 +21,9 @@ the decays between positions, plus the chunk's start state read through C. Acros
 over the chunk index, vectorised over requests, carries each request's state. Everything runs in
 float32 and y is cast to x's dtype.
 
-Decode (`ssd_state_update`): one step of the recurrence per request, batched.
+Decode (`ssd_state_update`): one step of the recurrence per request, batched. It clamps dt to
+dt_limit like the prefill; transformers' mixers call their single-step update without it, which
+only matters for a model with a limit other than (0, inf): pass the default there to match them.
 """
 
 from __future__ import annotations
