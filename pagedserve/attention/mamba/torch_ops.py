@@ -1,4 +1,5 @@
-"""Mamba-1 state ops in plain torch: the CPU path and the reference for the Triton kernels.
+"""Mamba-1 state ops (and the causal conv Mamba-2 and LFM2 share) in plain torch: the CPU path
+and the reference for the Triton kernels.
 
 Shapes: tokens are packed [T, ...] in batch order; `conv_state` [num_slots, d_inner, K - 1] and
 `ssm_state` [num_slots, d_inner, N] hold every slot, indexed by `state_indices` [B]. A request
@@ -25,6 +26,16 @@ def _to_grid(packed: torch.Tensor, token_index: torch.Tensor, num_reqs: int,
     return grid.view(num_reqs, max_len, -1)
 
 
+def activation_fn(activation: str | None):
+    """The conv's output activation by name: Mamba-1 and Mamba-2 use SiLU, LFM2's short conv
+    none."""
+    if activation is None:
+        return lambda out: out
+    if activation in ("silu", "swish"):
+        return F.silu
+    raise ValueError(f"unsupported conv activation {activation!r} (silu or None)")
+
+
 def _initial(state: torch.Tensor, state_indices: torch.Tensor,
              has_initial_state: torch.Tensor) -> torch.Tensor:
     """The saved state of each request, or zeros for a request that starts now."""
@@ -35,14 +46,17 @@ def _initial(state: torch.Tensor, state_indices: torch.Tensor,
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           conv_state: torch.Tensor, state_indices: torch.Tensor,
                           has_initial_state: torch.Tensor, token_index: torch.Tensor,
-                          lens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Depthwise causal conv + SiLU over each request's new tokens x [T, d] (weight [d, K]),
-    continuing from its saved inputs; writes the last K - 1 inputs back. Returns [T, d]."""
+                          lens: torch.Tensor, max_len: int,
+                          activation: str | None = "silu") -> torch.Tensor:
+    """Depthwise causal conv (+ `activation`) over each request's new tokens x [T, d] (weight
+    [d, K]), continuing from its saved inputs; writes the last K - 1 inputs back. Returns
+    [T, d]."""
+    act = activation_fn(activation)
     num_reqs, (_, d), k = len(state_indices), x.shape, weight.shape[1]
     init = _initial(conv_state, state_indices, has_initial_state).to(x.dtype)
     new = _to_grid(x, token_index, num_reqs, max_len).transpose(1, 2)  # [B, d, L]
     full = torch.cat([init, new], dim=2)  # [B, d, K - 1 + L]
-    out = F.silu(F.conv1d(full.to(weight.dtype), weight[:, None, :], bias, groups=d))
+    out = act(F.conv1d(full.to(weight.dtype), weight[:, None, :], bias, groups=d))
     # A request of n tokens ends at column K - 2 + n: its last K - 1 inputs start at column n.
     cols = lens[:, None] + torch.arange(k - 1, device=x.device)
     conv_state[state_indices] = full.gather(2, cols[:, None, :].expand(-1, d, -1)).to(
@@ -52,13 +66,15 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          conv_state: torch.Tensor, state_indices: torch.Tensor,
-                         has_initial_state: torch.Tensor) -> torch.Tensor:
-    """One new token per request, x [B, d]: conv over (saved inputs, x), shift x into the
-    state."""
+                         has_initial_state: torch.Tensor,
+                         activation: str | None = "silu") -> torch.Tensor:
+    """One new token per request, x [B, d]: conv (+ `activation`) over (saved inputs, x), shift
+    x into the state."""
+    act = activation_fn(activation)
     d = x.shape[1]
     init = _initial(conv_state, state_indices, has_initial_state).to(x.dtype)
     window = torch.cat([init, x[:, :, None]], dim=2)  # [B, d, K]
-    out = F.silu(F.conv1d(window.to(weight.dtype), weight[:, None, :], bias, groups=d))
+    out = act(F.conv1d(window.to(weight.dtype), weight[:, None, :], bias, groups=d))
     conv_state[state_indices] = window[:, :, 1:].to(conv_state.dtype)
     return out[:, :, 0].to(x.dtype)
 

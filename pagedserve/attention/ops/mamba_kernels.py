@@ -5,7 +5,8 @@ stride is not required), `conv_state` [num_slots, d, K - 1], `ssm_state` [num_sl
 per request `query_start_loc` (token offsets), `state_indices` and `has_initial_state`.
 Loads are upcast to float32 at once (bf16 arithmetic is also broken in the interpreter).
 
-Kernel `_causal_conv1d_kernel` (prefill chunks and decodes in one launch)
+Kernel `_causal_conv1d_kernel` (prefill chunks and decodes in one launch; SiLU or no activation,
+so Mamba-2's xBC conv and LFM2's short conv use it too)
   grid:    (B, cdiv(max_query_len, BLOCK_T), cdiv(d, BLOCK_D))
   tiling:  a [BLOCK_T, BLOCK_D] tile of output tokens; tap k reads the input K - 1 - k tokens
            back, from the new tokens or, before the first one, from the saved conv state. Only
@@ -43,7 +44,8 @@ def _causal_conv1d_kernel(
     dim,
     stride_xt, stride_xd, stride_wd, stride_wk, stride_ss, stride_sd, stride_sk,
     stride_ot, stride_od,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     req = tl.program_id(0)
     tile = tl.program_id(1)
@@ -72,7 +74,8 @@ def _causal_conv1d_kernel(
         old = tl.load(state_row[None, :] + (K - 1 + pos)[:, None] * stride_sk, mask=old_mask,
                       other=0.0)
         acc += w.to(tl.float32)[None, :] * (new.to(tl.float32) + old.to(tl.float32))
-    acc = acc * tl.sigmoid(acc)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
     tl.store(out_ptr + (start + t)[:, None].to(tl.int64) * stride_ot + d[None, :] * stride_od,
              acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & d_mask[None, :])
 
@@ -198,9 +201,12 @@ def _check_channels_contiguous(*tensors: torch.Tensor) -> None:
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   conv_state: torch.Tensor, query_start_loc: torch.Tensor,
                   state_indices: torch.Tensor, has_initial_state: torch.Tensor,
-                  max_query_len: int, block_t: int = 32, block_d: int = 64) -> torch.Tensor:
-    """Depthwise causal conv + SiLU of every request's new tokens x [T, d] (weight [d, K]),
-    continuing from and updating its conv state. Returns [T, d]."""
+                  max_query_len: int, block_t: int = 32, block_d: int = 64,
+                  activation: str | None = "silu") -> torch.Tensor:
+    """Depthwise causal conv (+ `activation`: "silu" or None) of every request's new tokens
+    x [T, d] (weight [d, K]), continuing from and updating its conv state. Returns [T, d]."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported conv activation {activation!r} (silu or None)")
     num_reqs = len(state_indices)
     d, k = weight.shape
     out = torch.empty_like(x)
@@ -214,7 +220,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         out.stride(0), out.stride(1),
-        K=k, HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_D=block_d)
+        K=k, HAS_BIAS=bias is not None, SILU=activation is not None, BLOCK_T=block_t,
+        BLOCK_D=block_d)
     return out
 
 
