@@ -129,12 +129,14 @@ def test_gdn_torch_matches_transformers(chunk_size):
     _check_gdn(o, state, c)
 
 
-def test_gdn_kernels_match_transformers():
+@pytest.mark.parametrize("form", [dict(chunk_size=16), dict(token_by_token=True)],
+                         ids=["chunked", "token_by_token"])
+def test_gdn_kernels_match_transformers(form):
     device = _triton_device()
     from pagedserve.attention.ops import gdn_kernels
 
     c = _step(seed=1)
-    o, state = _run_gdn(gdn_kernels, c, device)
+    o, state = _run_gdn(gdn_kernels, c, device, block_v=16, **form)
     _check_gdn(o, state, c)
 
 
@@ -339,20 +341,21 @@ def _tol(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("token_by_token", [False, True], ids=["chunked", "token_by_token"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,dk,dv", [(8, 128, 128), (4, 64, 96)])
-def test_gdn_kernels_match_torch_on_cuda(dtype, heads, dk, dv):
+def test_gdn_kernels_match_torch_on_cuda(dtype, heads, dk, dv, token_by_token):
     from pagedserve.attention.ops import gdn_kernels
 
     c = _gpu_case(heads, dk, dv, dtype, seed=0)
     p, tp = c["p"], c["tp"]
     outs, states = [], []
-    for ops in (gdn_torch, gdn_kernels):
+    for ops, form in ((gdn_torch, {}), (gdn_kernels, dict(token_by_token=token_by_token))):
         state = c["state"].clone()
         args = [c[n] for n in ("q", "k", "v", "g", "beta")]
         o = ops.chunk_gated_delta_rule(*(x[:tp] for x in args), state, c["qsl"],
                                        c["slots"][:p], c["has_init"][:p],
-                                       max_query_len=max(c["lens"]))
+                                       max_query_len=max(c["lens"]), **form)
         o_dec = ops.recurrent_gated_delta_rule(*(x[tp:] for x in args), state,
                                                c["slots"][p:], c["has_init"][p:])
         outs.append(torch.cat([o, o_dec]))

@@ -129,8 +129,8 @@ def lightning_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 query_start_loc: torch.Tensor, state_indices: torch.Tensor,
                                 has_initial_state: torch.Tensor, block_size: int = 64, *,
                                 max_query_len: int | None = None,
-                                out: torch.Tensor | None = None, block_v: int = 64,
-                                num_warps: int = 4) -> torch.Tensor:
+                                out: torch.Tensor | None = None, block_v: int = 32,
+                                num_warps: int = 8) -> torch.Tensor:
     """Prefill, as `lightning_torch.lightning_attention_prefill` (q, k [T, H, D], v [T, H, Dv],
     slope [H]; state [num_slots, H, D, Dv] float32, final states written back). `block_size`
     is the kernel's token block (a power of two, >= 16); `max_query_len` is accepted for the
