@@ -224,6 +224,7 @@ def test_lightning_naive_reference_matches_transformers_layer():
                            num_key_value_heads=4, intermediate_size=32, num_local_experts=2)
     layer = hf.MiniMaxLightningAttention(config, layer_idx=1).eval()
     slope = layer.slope_rate.flatten()
+    torch.testing.assert_close(lightning_torch.slope_rate(4, 1, 4), slope)
 
     def ours(x, state):
         qkv = layer.act_fn(layer.qkv_proj(x)).reshape(x.shape[1], 4, 24)

@@ -6,9 +6,10 @@ Per head, with the kv state S [D, Dv] and a constant per-head decay rate s > 0:
     o_t = S_t^T q_t
 
 No scaling of q and no normalisation: the layer applies SiLU to q, k, v before the call and its
-RMSNorm and output gate after it. `slope` [H] is the rate the layer computed, transformers'
-`MiniMaxLightningAttention.slope_rate` flattened: base^(h+1) * (1 - l / (L - 1 + 1e-5) + 1e-5)
-for head h of layer l of L, base = 2^(-8 / H); the per-token decay is exp(-slope).
+RMSNorm and output gate after it. `slope` [H] is the rate the layer computed (`slope_rate`
+here), transformers' `MiniMaxLightningAttention.slope_rate` flattened:
+base^(h+1) * (1 - l / (L - 1 + 1e-5) + 1e-5) for head h (from 0) of layer l of L layers,
+base = 2^(-8 / H); the per-token decay is exp(-slope).
 
 Prefill (`lightning_attention_prefill`): the requests are scattered into a zero-padded grid of
 blocks of `block_size` tokens, processed block by block for all requests and heads at once, as
@@ -24,6 +25,15 @@ from __future__ import annotations
 import torch
 
 from pagedserve.attention.linear import packing
+
+
+def slope_rate(num_heads: int, layer_idx: int, num_layers: int) -> torch.Tensor:
+    """MiniMax's per-head decay rate [H] for one layer: ALiBi-like slopes base^(h+1), base =
+    2^(-8 / H), scaled down linearly with depth (to ~1e-5 at the last layer), as transformers'
+    `MiniMaxLightningAttention.get_slope_rate` (whose epsilons are kept)."""
+    base = 1 / (2 ** (8 / num_heads))
+    factor = 1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5
+    return base ** torch.arange(1, num_heads + 1, dtype=torch.float32) * factor
 
 
 def lightning_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
