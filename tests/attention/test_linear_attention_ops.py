@@ -167,12 +167,12 @@ def test_gdn_without_l2norm_matches_transformers():
 def _split_prefill(ops, prefill, device, split):
     """One request's 70 tokens in one call, and in two (the second from the saved state)."""
     c = {n: x.to(device) for n, x in _step(seed=3, lens=[70], num_decodes=0).items()}
-    names = ("q", "k", "v") + (("g", "beta") if "delta" in prefill else ("slope",))
-    args = [c[n] for n in names]
-    per_token = len(args) if "delta" in prefill else 3
+    gdn = prefill == "chunk_gated_delta_rule"
+    per_token = [c[n] for n in (("q", "k", "v", "g", "beta") if gdn else ("q", "k", "v"))]
+    per_head = [] if gdn else [c["slope"]]
 
     def call(lo, hi, state, init):
-        xs = [x[lo:hi] for x in args[:per_token]] + args[per_token:]
+        xs = [x[lo:hi] for x in per_token] + per_head
         return getattr(ops, prefill)(*xs, state, _qsl([hi - lo], device),
                                      torch.tensor([0], device=device),
                                      torch.tensor([init], device=device))
