@@ -90,7 +90,9 @@ class BuilderConfig(_ValueHeadSize):
     kv_cache_dtype: str = "auto"
     has_sinks: bool = False
     head_size_v: int | None = None  # as AttentionLayerConfig's
-
+    # A multi-head latent attention layer's (key, value) head sizes once its latents are
+    # expanded into per-head K and V (nope + rope, v_head_dim; `MLALayerConfig`); None else.
+    expanded_head_sizes: tuple[int, int] | None = None
 
     @classmethod
     def for_layer(cls, layer: AttentionLayerConfig, block_size: int, max_num_reqs: int,
@@ -99,7 +101,8 @@ class BuilderConfig(_ValueHeadSize):
         return cls(layer.num_heads, layer.num_kv_heads, layer.head_size, layer.dtype,
                    block_size, max_num_reqs, max_num_tokens, max_blocks_per_seq, device,
                    layer.sliding_window, layer.logits_soft_cap, layer.kv_cache_dtype,
-                   layer.has_sinks, layer.head_size_v)
+                   layer.has_sinks, layer.head_size_v,
+                   getattr(layer, "expanded_head_sizes", None))
 
 
 class AttentionMetadataBuilder(ABC):

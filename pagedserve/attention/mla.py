@@ -36,6 +36,11 @@ class MLALayerConfig(AttentionLayerConfig):
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
 
+    @property
+    def expanded_head_sizes(self) -> tuple[int, int]:
+        """(key, value) head sizes of the expanded form: nope + rope, v_head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+
 
 def is_mla(layer: AttentionLayerConfig) -> bool:
     return isinstance(layer, MLALayerConfig)
