@@ -37,9 +37,10 @@ class MLALayerConfig(AttentionLayerConfig):
     v_head_dim: int = 0
 
     @property
-    def expanded_head_sizes(self) -> tuple[int, int]:
-        """(key, value) head sizes of the expanded form: nope + rope, v_head_dim."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+    def mla_dims(self) -> tuple[int, int, int, int]:
+        """(kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), for builders."""
+        return (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
+                self.v_head_dim)
 
 
 def is_mla(layer: AttentionLayerConfig) -> bool:

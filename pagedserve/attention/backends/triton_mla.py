@@ -87,11 +87,11 @@ class TritonMLAMetadata:
 def expanded_prefill_bytes(common: CommonAttentionMetadata, config: BuilderConfig) -> int:
     """Bytes of the step's expanded prefill buffer: every page of its prefill requests x
     block_size x heads x (nope + rope + v) in the model dtype."""
-    assert config.expanded_head_sizes is not None
+    assert config.mla_dims is not None
+    _, nope, rope, v = config.mla_dims
     pages = int(common.paged_kv_indptr_cpu[common.num_prefills])
     elem = torch.empty((), dtype=config.dtype).element_size()
-    return (pages * common.block_size * config.num_heads * sum(config.expanded_head_sizes)
-            * elem)
+    return pages * common.block_size * config.num_heads * (nope + rope + v) * elem
 
 
 class ExpandedPrefillPlanner:
@@ -110,11 +110,11 @@ class ExpandedPrefillPlanner:
         the unified kernel's prefill tiles, one KV head per query head."""
         from pagedserve.attention.ops.unified_attention import query_block_shape, select_tiles
 
-        assert self.config.expanded_head_sizes is not None
+        assert self.config.mla_dims is not None
+        _, nope, rope, _ = self.config.mla_dims
         p = common.num_prefills
         indptr = common.paged_kv_indptr_cpu[:p + 1]
-        tiles = select_tiles(self.device, self.config.expanded_head_sizes[0], self.config.dtype,
-                             decode_only=False)
+        tiles = select_tiles(self.device, nope + rope, self.config.dtype, decode_only=False)
         block_q, block_m = query_block_shape(1, tiles, decode_only=False)
         num_qblocks = self.query_blocks.fill(common, block_q, 0, p)
         width = int(np.diff(indptr).max())
