@@ -105,6 +105,7 @@ class FlashInferMLAMetadataBuilder(AttentionMetadataBuilder):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.wrapper = self._new_wrapper()
         self.prefill_planner = ExpandedPrefillPlanner(config, self.device)
+        self._refusal = _plan_refusal_type()
         self._refusal_logged = False
         self._graphs: dict[int, FlashInferMLAMetadata] = {}
         self._graph_buffers: dict[str, torch.Tensor] | None = None
@@ -132,7 +133,7 @@ class FlashInferMLAMetadataBuilder(AttentionMetadataBuilder):
         try:
             self._plan(self.wrapper, csr_args(common))
             return FlashInferMLAMetadata(n, slots, self.wrapper)
-        except ValueError as exc:  # FlashInfer's refusal of this shape (a ValueError kind)
+        except self._refusal as exc:  # FlashInfer's kernels refuse this step's shape
             if not common.num_prefills:
                 raise
             return self._build_split(common, exc)
@@ -189,6 +190,19 @@ class FlashInferMLAMetadataBuilder(AttentionMetadataBuilder):
         md = FlashInferMLAMetadata(size, torch.empty(0, dtype=torch.int64), wrapper)
         self._graphs[size] = md
         return md
+
+def _plan_refusal_type() -> type[Exception]:
+    """What FlashInfer's MLA planner raises when its kernels cannot run a step's shape (a
+    ValueError subclass, kept apart from its errors about malformed metadata, which must not
+    be caught); ValueError where the version names it otherwise."""
+    try:
+        from flashinfer.mla._batch_mla._backends._capabilities import (
+            _BackendPlanUnsupportedError,
+        )
+    except ImportError:
+        return ValueError
+    return _BackendPlanUnsupportedError
+
 
 class FlashInferMLAImpl(MLAImpl):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
