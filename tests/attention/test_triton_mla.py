@@ -252,7 +252,8 @@ def _mla_layers() -> list[AttentionLayerConfig]:
 
 def test_selection(monkeypatch):
     cpu = torch.device("cpu")
-    # CUDA (or ROCm) devices pick it first; a CPU never unasked, interpreter or not.
+    # CUDA (or ROCm) devices pick it for these float32 layers (FLASHINFER_MLA, first where
+    # available, takes fp16/bf16 only); a CPU never unasked, interpreter or not.
     assert select_backend(None, torch.device("cuda"), _mla_layers(), 16) is TRITON_MLA
     assert select_backend(None, cpu, _mla_layers(), 16).get_name() == "CPU_MLA"
     assert select_backend("TRITON_MLA", cpu, _mla_layers(), 16) is TRITON_MLA
