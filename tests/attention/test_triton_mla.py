@@ -303,3 +303,20 @@ def test_deepseek_decode_shape_bf16_matches_cpu_mla():
     ref, ref_cache = step.run(CPU_MLA)
     torch.testing.assert_close(got_cache, ref_cache, rtol=0, atol=0)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["prefill", "chunked_prefill", "mixed"])
+def test_deepseek_widths_expanded_prefill_matches_cpu_mla(kind, dtype):
+    """DeepSeek's widths on the GPU (latent 512 + 64, nope/v 128, 16 heads): the prefills
+    expanded to 192/128 through the unified kernel's large-head tiles, the decodes absorbed."""
+    step = Step(BATCHES[kind], 16, dtype, DEVICE, seed=8, lora=512, rope=64, nope=128, v=128,
+                heads=16)
+    got, got_cache = step.run(TRITON_MLA)
+    assert step.metadata.prefill is not None
+    ref, ref_cache = step.run(CPU_MLA)
+    torch.testing.assert_close(got_cache, ref_cache, rtol=0, atol=0)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol,
+                               msg=lambda m: f"{kind}, {dtype}: {m}")
