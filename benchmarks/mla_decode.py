@@ -1,11 +1,14 @@
-"""Time TRITON_MLA's decode kernel (ops/mla_decode.py) on DeepSeek's decode shape and report the
-fraction of HBM bandwidth it reaches on the latent cache.
+"""Time MLA decode (TRITON_MLA's kernel, ops/mla_decode.py, and FLASHINFER_MLA's FlashInfer
+wrapper where available) on DeepSeek's decode shape and report the fraction of HBM bandwidth
+each reaches on the latent cache.
 
 Default workload: 64 sequences x 4,096 context, 128 heads, latent 512 + rope 64, bf16, page 64.
 Bytes = sequences x context x (L + R) x element size (each latent row read once; the queries
 and the output are small beside it), against --peak-tbs (4.8 TB/s, the H200's HBM3e). Rows:
 `kernel` (the attention launch alone, every key from the pages), `forward` (the impl as the
-model runs it: q_nope @ W_UK, the latent write, the kernel, out @ W_UV). --sweep also times
+model runs it: q_nope @ W_UK, the latent write, the kernel, out @ W_UV), for TRITON_MLA and
+then FLASHINFER_MLA (its `kernel` row: the planned wrapper's run alone; the plan, host work
+once per step, is timed apart). --sweep also times
 every launch shape of the grid below on the same data, checks each against the default's
 output and prints the fastest; the winner goes into ops/mla_decode.py by hand.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--peak-tbs", type=float, default=4.8, help="HBM peak, TB/s")
     p.add_argument("--sweep", action="store_true", help="time every launch shape in SWEEP")
+    p.add_argument("--backends", default="TRITON_MLA,FLASHINFER_MLA",
+                   help="comma-separated; unavailable ones are skipped with the reason")
     return p.parse_args()
 
 
@@ -97,9 +103,37 @@ class Decode:
         self.impl.forward(self.query, self.latent, None, self.kv_cache, self.metadata)
 
 
+class FlashInferDecode:
+    """FLASHINFER_MLA on the same step, cache and weights as a `Decode`."""
+
+    def __init__(self, step: Decode, args: argparse.Namespace) -> None:
+        from pagedserve.attention.backends.flashinfer_mla import FlashInferMLABackend
+
+        dev, bs = torch.device(args.device), args.block_size
+        pages = -(-args.context // bs)
+        config = BuilderConfig.for_layer(step.layer, bs, args.seqs, args.seqs, pages, dev)
+        self.step = step
+        self.builder = FlashInferMLABackend.get_builder_cls()(config)
+        self.metadata = self.builder.build(step.common)
+        self.impl = FlashInferMLABackend.get_impl_cls()(step.layer)
+        self.impl.bind_kv_b_proj(step.impl._kv_b_proj)
+        self.q_pe = step.query[..., step.layer.qk_nope_head_dim:]
+
+    def kernel(self) -> None:
+        self.metadata.wrapper.run(query=(self.step.q_lat, self.q_pe),
+                                  kv_cache=self.step.kv_cache, out=self.step.out_lat)
+
+    def plan(self) -> None:
+        self.builder.build(self.step.common)
+
+    def forward(self) -> None:
+        s = self.step
+        self.impl.forward(s.query, s.latent, None, s.kv_cache, self.metadata)
+
+
 def report(name: str, seconds: float, cache_bytes: int, peak_tbs: float) -> None:
     tbs = cache_bytes / seconds / 1e12
-    print(f"{name:<40} {seconds * 1e6:9.1f} us  {tbs:6.2f} TB/s  {tbs / peak_tbs:6.1%} of peak")
+    print(f"{name:<50} {seconds * 1e6:9.1f} us  {tbs:6.2f} TB/s  {tbs / peak_tbs:6.1%} of peak")
 
 
 def sweep(step: Decode, args: argparse.Namespace, cache_bytes: int) -> None:
@@ -127,12 +161,38 @@ def main() -> None:
     print(f"decode {args.seqs} x {args.context}, {args.heads} heads, latent {args.lora} + "
           f"{args.rope}, {args.dtype}, page {args.block_size}: {cache_bytes / 2**20:.0f} MiB "
           f"of latent cache; tiles {step.metadata.tiles}")
-    seconds = time_cuda(lambda: step.kernel(step.metadata.tiles), args.warmup, args.iters)
-    report("kernel", seconds, cache_bytes, args.peak_tbs)
-    seconds = time_cuda(step.forward, args.warmup, args.iters)
-    report("forward (bmm + write + kernel + bmm)", seconds, cache_bytes, args.peak_tbs)
-    if args.sweep:
-        sweep(step, args, cache_bytes)
+    backends = [b.strip().upper() for b in args.backends.split(",") if b.strip()]
+    if "TRITON_MLA" in backends:
+        seconds = time_cuda(lambda: step.kernel(step.metadata.tiles), args.warmup, args.iters)
+        report("TRITON_MLA kernel", seconds, cache_bytes, args.peak_tbs)
+        seconds = time_cuda(step.forward, args.warmup, args.iters)
+        report("TRITON_MLA forward (bmm + write + kernel + bmm)", seconds, cache_bytes,
+               args.peak_tbs)
+        triton_out = step.out_lat.clone()
+        if args.sweep:
+            sweep(step, args, cache_bytes)
+    if "FLASHINFER_MLA" in backends:
+        from pagedserve.attention.backends.flashinfer_mla import FlashInferMLABackend
+
+        ok, why = FlashInferMLABackend.is_available()
+        if not ok:
+            print(f"FLASHINFER_MLA skipped: {why}")
+            return
+        fi = FlashInferDecode(step, args)
+        seconds = time_cuda(fi.kernel, args.warmup, args.iters)
+        report("FLASHINFER_MLA kernel (wrapper.run)", seconds, cache_bytes, args.peak_tbs)
+        if "TRITON_MLA" in backends:
+            err = (step.out_lat.float() - triton_out.float()).abs().max().item()
+            print(f"{'':<50} max abs diff of the two kernels' latent outputs: {err:.2e}")
+        seconds = time_cuda(fi.forward, args.warmup, args.iters)
+        report("FLASHINFER_MLA forward (bmm + write + run + bmm)", seconds, cache_bytes,
+               args.peak_tbs)
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            fi.plan()
+        torch.cuda.synchronize()
+        print(f"{'FLASHINFER_MLA plan (host, per step)':<50} "
+              f"{(time.perf_counter() - start) / args.iters * 1e6:9.1f} us")
 
 
 if __name__ == "__main__":

@@ -141,7 +141,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str | None = setting(
-        None, "FLASHINFER, FLASH_ATTN, TRITON, CPU, ROCM, TURBOQUANT (default: "
+        None, "FLASHINFER, FLASH_ATTN, TRITON, CPU, ROCM, TURBOQUANT, FLEX_ATTENTION; MLA "
+              "models: FLASHINFER_MLA, TRITON_MLA, CPU_MLA (default: "
               "$PAGEDSERVE_ATTENTION_BACKEND, else the best available)")
     device: str | None = setting(None, "cpu or cuda (default: cuda when available)")
     enforce_eager: bool = setting(False, "never capture CUDA graphs")

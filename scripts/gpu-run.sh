@@ -9,10 +9,11 @@
 # kernels), features (Mamba and prefix caching GPU tests), engine (benchmarks/gpu_engine.py),
 # tqtests (TurboQuant's GPU tests), moe (the MoE kernel's, sinks' and new families' GPU tests,
 # the MoE kernel benchmark), moe_engine (the Qwen3-30B-A3B shape next to transformers), mla
-# (TRITON_MLA's and DiffKV's GPU tests, MLA decode bandwidth, DeepSeek-V2-Lite's throughput
-# and KV capacity), flex (FLEX_ATTENTION's conformance and kernel timings beside TRITON and
-# FLASHINFER), families (the families' GPU greedy test), flexbench (the bundled GGUF's bench
-# throughput on FLEX_ATTENTION beside TRITON and FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
+# (TRITON_MLA's, FLASHINFER_MLA's, MLA decode graphs' and DiffKV's GPU tests, MLA decode
+# bandwidth of both backends, DeepSeek-V2-Lite's throughput and KV capacity), flex
+# (FLEX_ATTENTION's conformance and kernel timings beside TRITON and FLASHINFER), families (the
+# families' GPU greedy test), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
+# beside TRITON and FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
 # conformance and benchmark rows), tq (TurboQuant decode benchmark), quality (TurboQuant's bf16 quality table), measure (prefix
@@ -331,12 +332,17 @@ stage_moe_engine() {  # the Qwen3-30B-A3B shape through bench throughput, next t
     tail -20 "$OUT/moe-engine.log"
 }
 
-stage_mla() {  # TRITON_MLA and DiffKV on the H200 (never run there yet), then the MLA figures
+stage_mla() {  # TRITON_MLA, FLASHINFER_MLA (after `install` with .gpu carried: FlashInfer JIT-
+    # compiles its MLA kernels on first use) and DiffKV on the H200, none run there yet; MLA
+    # decode graphs against eager; then the MLA figures: decode bandwidth of both backends
     setup_env
     shard mla tests/attention/test_triton_mla.py
+    shard flashinfer_mla tests/attention/test_flashinfer_mla.py
+    shard mla_graphs tests/engine/test_cuda_graphs.py -k mla
     shard diffkv tests/attention/test_triton_ops.py -k "diff_kv"
     wait
-    timeout 180 python3 benchmarks/mla_decode.py >"$OUT/mla-decode.log" 2>&1
+    timeout 240 python3 benchmarks/mla_decode.py --backends TRITON_MLA,FLASHINFER_MLA \
+        >"$OUT/mla-decode.log" 2>&1
     echo "exit $?" >>"$OUT/mla-decode.log"
     timeout 300 python3 benchmarks/moe_engine.py --model random:deepseek-v2-lite \
         --attention-backend TRITON_MLA --skip-hf --workloads 128/1024 \

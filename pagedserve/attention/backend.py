@@ -90,7 +90,11 @@ class BuilderConfig(_ValueHeadSize):
     kv_cache_dtype: str = "auto"
     has_sinks: bool = False
     head_size_v: int | None = None  # as AttentionLayerConfig's
-
+    # A multi-head latent attention layer's (kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+    # v_head_dim) (`MLALayerConfig.mla_dims`); None for other layers.
+    mla_dims: tuple[int, int, int, int] | None = None
+    # The layer's softmax scale (resolved), for builders that bake it into a plan.
+    softmax_scale: float | None = None
 
     @classmethod
     def for_layer(cls, layer: AttentionLayerConfig, block_size: int, max_num_reqs: int,
@@ -99,7 +103,8 @@ class BuilderConfig(_ValueHeadSize):
         return cls(layer.num_heads, layer.num_kv_heads, layer.head_size, layer.dtype,
                    block_size, max_num_reqs, max_num_tokens, max_blocks_per_seq, device,
                    layer.sliding_window, layer.logits_soft_cap, layer.kv_cache_dtype,
-                   layer.has_sinks, layer.head_size_v)
+                   layer.has_sinks, layer.head_size_v,
+                   getattr(layer, "mla_dims", None), layer.softmax_scale)
 
 
 class AttentionMetadataBuilder(ABC):

@@ -52,6 +52,9 @@ class CommonAttentionMetadata:
     # [B] int64, each request's state slot, for models with state layers (attention/state.py);
     # set by the runner after `build`.
     state_slots: torch.Tensor | None = None
+    # The page ids on the host too, for planners that read them there (FlashInfer's MLA plan
+    # takes their range; reading the device copy would wait for the GPU).
+    paged_kv_indices_cpu: np.ndarray | None = None
 
 
 # Padding of a running sum: each padding request adds one (one token, one page).
@@ -82,7 +85,7 @@ BUFFERS: dict[str, Buffer] = {
     "paged_kv_last_page_len": Buffer(torch.int32, "reqs", 1),
 }
 HOST_MIRRORS = ("query_start_loc", "seq_lens", "context_lens", "paged_kv_indptr",
-                "paged_kv_last_page_len")
+                "paged_kv_last_page_len", "paged_kv_indices")
 
 
 def _lengths(num_reqs: int, num_tokens: int, num_pages: int) -> dict[str, int]:

@@ -36,6 +36,12 @@ class MLALayerConfig(AttentionLayerConfig):
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
 
+    @property
+    def mla_dims(self) -> tuple[int, int, int, int]:
+        """(kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), for builders."""
+        return (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
+                self.v_head_dim)
+
 
 def is_mla(layer: AttentionLayerConfig) -> bool:
     return isinstance(layer, MLALayerConfig)

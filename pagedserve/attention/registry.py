@@ -25,9 +25,13 @@ AUTO_ORDER = {
     "cpu": ("CPU",),
 }
 # Models with multi-head latent attention layers (DeepSeek): their own backends. Per device as
-# above: the Triton interpreter is never picked on a CPU unasked.
-AUTO_ORDER_MLA = {"cuda": ("TRITON_MLA", "CPU_MLA"), "hip": ("TRITON_MLA", "CPU_MLA"),
-                  "cpu": ("CPU_MLA",)}
+# above: the Triton interpreter is never picked on a CPU unasked. On CUDA FlashInfer's MLA
+# kernels come first, as FLASHINFER does for GQA: they are FlashInfer's tuned decode kernels,
+# where TRITON_MLA's decode tiles are unmeasured starting points (benchmarks/mla_decode.py
+# times both); FLASHINFER_MLA takes fp16/bf16 with latent widths of 128k + 64j only, so float32
+# models and other shapes fall through to TRITON_MLA.
+AUTO_ORDER_MLA = {"cuda": ("FLASHINFER_MLA", "TRITON_MLA", "CPU_MLA"),
+                  "hip": ("TRITON_MLA", "CPU_MLA"), "cpu": ("CPU_MLA",)}
 
 
 # vLLM's names for the same kernels, accepted as they are.
@@ -190,6 +194,7 @@ _BUILTIN = {
     "CPU": "cpu:CPUAttentionBackend",
     "CPU_MLA": "cpu_mla:CPUMLABackend",
     "TRITON_MLA": "triton_mla:TritonMLABackend",
+    "FLASHINFER_MLA": "flashinfer_mla:FlashInferMLABackend",
     "ROCM": "rocm:RocmAttentionBackend",
     "TURBOQUANT": "turboquant:TurboQuantBackend",
     # chosen by name only (eager, unfused on the CPU): never in AUTO_ORDER.

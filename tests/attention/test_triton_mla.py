@@ -78,13 +78,20 @@ class Step:
             num_prefills=sum(1 for _, q in batch if q > 1), block_table=table.table)
         self.block_size, self.max_blocks = block_size, max(blocks)
 
-    def run(self, backend) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output [T, H, v], the cache after the step) of `backend` on a copy of the cache."""
+    def run(self, backend, expand_budget_bytes: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [T, H, v], the cache after the step) of `backend` on a copy of the cache.
+        expand_budget_bytes: TRITON_MLA's limit on the expanded prefill buffer, if not the
+        default."""
         cache = self.kv_cache.clone()
         config = BuilderConfig.for_layer(self.layer, self.block_size, self.common.num_reqs,
                                          self.common.num_actual_tokens, self.max_blocks,
                                          cache.device)
-        metadata = backend.get_builder_cls()(config).build(self.common)
+        builder = backend.get_builder_cls()(config)
+        if expand_budget_bytes is not None:
+            builder.expand_budget_bytes = expand_budget_bytes
+        metadata = builder.build(self.common)
+        self.metadata = metadata
         impl = backend.get_impl_cls()(self.layer)
         assert isinstance(impl, MLAImpl)
         impl.bind_kv_b_proj(self.kv_b_proj)
@@ -101,6 +108,47 @@ def test_backend_matches_cpu_mla(kind, block_size):
     assert got.shape == ref.shape == (step.query.shape[0], SMALL["heads"], SMALL["v"])
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_cache, ref_cache, rtol=0, atol=0)
+
+
+# A prefill, a chunk continuing a cached context (across a page boundary), a one-page prompt
+# and decodes of various contexts, in batch order.
+MIXED_CHUNKED = [(0, 13), (33, 19), (7, 2), (40, 1), (0, 1), (15, 1)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", [3, 8])
+def test_expanded_prefill_and_absorbed_decode_match_cpu_mla(block_size, heads):
+    """The prefills run expanded (per-head K of nope + rope, V of v through the unified
+    kernel), the decodes absorbed, in one step; against CPU_MLA in float32."""
+    step = Step(MIXED_CHUNKED, block_size, torch.float32, DEVICE, seed=6, heads=heads, nope=24,
+                v=20)
+    got, got_cache = step.run(TRITON_MLA)
+    md, common = step.metadata, step.common
+    assert md.prefill is not None and md.prefill.num_reqs == common.num_prefills == 3
+    assert md.absorbed_token_start == md.prefill.num_tokens == common.num_prefill_tokens == 34
+    assert md.num_qblocks == 3  # the decodes alone, one token each
+    ref, ref_cache = step.run(CPU_MLA)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_cache, ref_cache, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["chunked_prefill", "mixed"])
+def test_prefill_over_budget_runs_absorbed(kind):
+    """A step whose expanded buffer would exceed the budget runs its prefills absorbed, and
+    agrees with CPU_MLA all the same."""
+    step = Step(BATCHES[kind], 4, torch.float32, DEVICE, seed=7)
+    got, _ = step.run(TRITON_MLA, expand_budget_bytes=0)
+    assert step.metadata.prefill is None and step.metadata.absorbed_token_start == 0
+    ref, _ = step.run(CPU_MLA)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_step_plans_no_prefill():
+    step = Step(BATCHES["decode"], 16, torch.float32, DEVICE)
+    step.run(TRITON_MLA)
+    md = step.metadata
+    assert md.prefill is None and md.absorbed_token_start == 0
+    assert md.tiles.block_q == 1 and md.num_qblocks == len(BATCHES["decode"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -204,7 +252,8 @@ def _mla_layers() -> list[AttentionLayerConfig]:
 
 def test_selection(monkeypatch):
     cpu = torch.device("cpu")
-    # CUDA (or ROCm) devices pick it first; a CPU never unasked, interpreter or not.
+    # CUDA (or ROCm) devices pick it for these float32 layers (FLASHINFER_MLA, first where
+    # available, takes fp16/bf16 only); a CPU never unasked, interpreter or not.
     assert select_backend(None, torch.device("cuda"), _mla_layers(), 16) is TRITON_MLA
     assert select_backend(None, cpu, _mla_layers(), 16).get_name() == "CPU_MLA"
     assert select_backend("TRITON_MLA", cpu, _mla_layers(), 16) is TRITON_MLA
@@ -254,3 +303,20 @@ def test_deepseek_decode_shape_bf16_matches_cpu_mla():
     ref, ref_cache = step.run(CPU_MLA)
     torch.testing.assert_close(got_cache, ref_cache, rtol=0, atol=0)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["prefill", "chunked_prefill", "mixed"])
+def test_deepseek_widths_expanded_prefill_matches_cpu_mla(kind, dtype):
+    """DeepSeek's widths on the GPU (latent 512 + 64, nope/v 128, 16 heads): the prefills
+    expanded to 192/128 through the unified kernel's large-head tiles, the decodes absorbed."""
+    step = Step(BATCHES[kind], 16, dtype, DEVICE, seed=8, lora=512, rope=64, nope=128, v=128,
+                heads=16)
+    got, got_cache = step.run(TRITON_MLA)
+    assert step.metadata.prefill is not None
+    ref, ref_cache = step.run(CPU_MLA)
+    torch.testing.assert_close(got_cache, ref_cache, rtol=0, atol=0)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol,
+                               msg=lambda m: f"{kind}, {dtype}: {m}")

@@ -99,7 +99,7 @@ def write_latents(latent: torch.Tensor, kv_cache: torch.Tensor,
 @triton.jit
 def _mla_attention_kernel(
     q_lat, q_pe, cache, out, block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
-    sm_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_ot, stride_oh,
+    token_base, sm_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_bt,
     NUM_HEADS: tl.constexpr, L: tl.constexpr, L_PAD: tl.constexpr, R: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -119,7 +119,7 @@ def _mla_attention_kernel(
     head = tl.program_id(1) * BLOCK_H + rows % BLOCK_H
     row_ok = (tok < q_len) & (head < NUM_HEADS)
     q_pos = context + tok
-    token = (q_start + tok).to(tl.int64)
+    token = (q_start - token_base + tok).to(tl.int64)
     offs_l = tl.arange(0, L_PAD)
     offs_r = tl.arange(0, R_PAD)
     l_ok = offs_l < L
@@ -193,10 +193,13 @@ def _mla_tiles(ql, qp, q_pos, cache, table_row, kv_end, sm_scale, stride_cb, str
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                   out: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, qblock_req: torch.Tensor, qblock_start: torch.Tensor,
-                  num_qblocks: int, scale: float, tiles: MLATiles) -> None:
+                  num_qblocks: int, scale: float, tiles: MLATiles, token_base: int = 0) -> None:
     """q_lat [T, H, L] and q_pe [T, H, R] (last dim contiguous) against the latent cache
     [num_blocks, block_size, L + R]; writes out [T, H, L] (the latent-space output) for every
-    token a query block covers. One launch, no host sync."""
+    token a query block covers. One launch, no host sync.
+
+    token_base: the step's token index of row 0 of q_lat, q_pe and out, so a caller can pass
+    only a tail of the step (the decodes after the prefills) with the step's query_start_loc."""
     if num_qblocks == 0:
         return
     num_heads, lora = q_lat.shape[1], q_lat.shape[2]
@@ -207,8 +210,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     grid = (num_qblocks, triton.cdiv(num_heads, tiles.block_h))
     _mla_attention_kernel[grid](
         q_lat, q_pe, kv_cache, out, block_table, query_start_loc, seq_lens, qblock_req,
-        qblock_start, scale, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
-        out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        qblock_start, token_base, scale, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
+        q_pe.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
         NUM_HEADS=num_heads, L=lora, L_PAD=max(16, triton.next_power_of_2(lora)), R=rope,
         R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=kv_cache.shape[1],

@@ -38,11 +38,15 @@ class QueryBlockMap:
                      else self._host)
         self.req, self.start = self._dev[0], self._dev[1]
 
-    def fill(self, common: CommonAttentionMetadata, block_q: int) -> int:
-        """Plan the step's blocks of `block_q` query tokens; returns how many there are."""
-        b = common.num_reqs
-        req, start = query_block_map(common.query_start_loc_cpu[:b + 1],
-                                     common.seq_lens_cpu[:b], block_q)
+    def fill(self, common: CommonAttentionMetadata, block_q: int, first_req: int = 0,
+             end_req: int | None = None) -> int:
+        """Plan the blocks of `block_q` query tokens of requests [first_req, end_req) (default:
+        the whole step); request ids in the map stay the step's. Returns how many there are."""
+        b = common.num_reqs if end_req is None else end_req
+        req, start = query_block_map(common.query_start_loc_cpu[first_req:b + 1],
+                                     common.seq_lens_cpu[first_req:b], block_q)
+        if first_req:
+            req += np.int32(first_req)
         n = len(req)
         self._host[0, :n] = torch.from_numpy(req)
         self._host[1, :n] = torch.from_numpy(start)
