@@ -172,7 +172,9 @@ def bench_backend(name: str, setup: Setup, args
     v_view.copy_(setup.v_cache)
     config = BuilderConfig(args.heads, args.kv_heads, args.head_dim, torch.bfloat16,
                            args.block_size, w.seqs, w.seqs * w.new, setup.pages, dev)
-    metadata = cls.get_builder_cls()(config).build(setup.common)
+    builder = cls.get_builder_cls()(config)
+    builder.warmup()  # what engine start-up does: FLEX_ATTENTION compiles flex_attention here
+    metadata = builder.build(setup.common)
     impl = cls.get_impl_cls()(layer)
     out = torch.empty_like(setup.query)
 

@@ -37,8 +37,8 @@ from pagedserve.attention.metadata import CommonMetadataBuilder  # noqa: E402
 from pagedserve.attention.mla import MLALayerConfig  # noqa: E402
 from pagedserve.attention.ops.mla_decode import MLATiles, mla_attention  # noqa: E402
 
-SWEEP = dict(block_h=[16, 32, 64], block_q=[1], block_n=[16, 32, 64], num_warps=[4, 8],
-             num_stages=[1, 2, 3])
+SWEEP = dict(block_h=[32, 64], block_q=[1], block_n=[16, 32, 64], num_warps=[4, 8],
+             num_stages=[1, 2], num_splits=[1, 2, 4])
 
 
 def parse_args() -> argparse.Namespace:
@@ -151,6 +151,7 @@ def sweep(step: Decode, args: argparse.Namespace, cache_bytes: int) -> None:
         results.append((seconds, tiles, err))
     for seconds, tiles, err in sorted(results, key=lambda r: r[0])[:10]:
         report(f"h{tiles.block_h} n{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}"
+               f" splits{tiles.num_splits}"
                f" (err {err:.1e})", seconds, cache_bytes, args.peak_tbs)
 
 

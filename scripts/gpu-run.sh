@@ -12,7 +12,7 @@
 # (TRITON_MLA's, FLASHINFER_MLA's, MLA decode graphs' and DiffKV's GPU tests, MLA decode
 # bandwidth of both backends, DeepSeek-V2-Lite's throughput and KV capacity), flex
 # (FLEX_ATTENTION's conformance and kernel timings beside TRITON and FLASHINFER), families (the
-# families' GPU greedy test), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
+# families' GPU greedy test), stateops (the state layers' kernels), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
 # beside TRITON and FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
@@ -341,8 +341,8 @@ stage_mla() {  # TRITON_MLA, FLASHINFER_MLA (after `install` with .gpu carried: 
     shard mla_graphs tests/engine/test_cuda_graphs.py -k mla
     shard diffkv tests/attention/test_triton_ops.py -k "diff_kv"
     wait
-    timeout 240 python3 benchmarks/mla_decode.py --backends TRITON_MLA,FLASHINFER_MLA \
-        >"$OUT/mla-decode.log" 2>&1
+    timeout 300 python3 benchmarks/mla_decode.py --backends TRITON_MLA,FLASHINFER_MLA \
+        ${MLA_SWEEP:+--sweep --iters 20} >"$OUT/mla-decode.log" 2>&1
     echo "exit $?" >>"$OUT/mla-decode.log"
     timeout 300 python3 benchmarks/moe_engine.py --model random:deepseek-v2-lite \
         --attention-backend TRITON_MLA --skip-hf --workloads 128/1024 \
@@ -352,12 +352,21 @@ stage_mla() {  # TRITON_MLA, FLASHINFER_MLA (after `install` with .gpu carried: 
 
 stage_flex() {  # FLEX_ATTENTION on the H200 (never run there): conformance in bf16, its kernels
     setup_env
-    shard flex tests/attention/test_conformance.py tests/attention/test_flex_attention.py \
-        -k "FLEX_ATTENTION or flex"
+    # The conformance suite is not GPU-marked: it runs on CUDA (bf16) wherever CUDA is.
+    ( timeout "$SHARD_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rs \
+        tests/attention/test_conformance.py tests/attention/test_flex_attention.py \
+        -k "FLEX_ATTENTION or flex or sink" >"$OUT/flex.log" 2>&1; echo "exit $?" >>"$OUT/flex.log" ) &
     wait
     timeout 240 python3 benchmarks/attention_kernels.py --backends TRITON,FLASHINFER,FLEX_ATTENTION \
         >"$OUT/flex-bench.log" 2>&1; echo "exit $?" >>"$OUT/flex-bench.log"
     tail -20 "$OUT/flex-bench.log"
+}
+
+stage_stateops() {  # the state layers' Triton kernels (GDN, lightning, SSD, conv) against torch
+    setup_env
+    shard stateops tests/attention/test_linear_attention_ops.py tests/attention/test_ssm_ops.py \
+        tests/attention/test_mamba_ops.py
+    wait
 }
 
 stage_families() {  # the model families' GPU greedy test (float32 TRITON against transformers)

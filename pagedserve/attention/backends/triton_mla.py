@@ -177,7 +177,8 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
             prefill = self.prefill_planner.plan(common)
         first = p if prefill is not None else 0
         decode_only = common.max_query_len <= 1 or prefill is not None
-        tiles = select_mla_tiles(self.device, self.config.num_heads, decode_only)
+        tiles = select_mla_tiles(self.device, self.config.num_heads, decode_only,
+                                 num_reqs=b - first)
         num_qblocks = self.query_blocks.fill(common, tiles.block_q, first, b)
         return TritonMLAMetadata(
             common=common, qblock_req=self.query_blocks.req,

@@ -36,13 +36,15 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class MLATiles:
-    """Launch shape: block_h heads and block_q tokens per program, block_n keys per tile."""
+    """Launch shape: block_h heads and block_q tokens per program, block_n keys per tile;
+    decode steps (block_q 1) may split each sequence's keys over num_splits programs."""
 
     block_h: int
     block_q: int
     block_n: int
     num_warps: int
     num_stages: int
+    num_splits: int = 1
 
     @property
     def block_m(self) -> int:
@@ -55,18 +57,29 @@ _DECODE_ROWS = 64
 _PREFILL_ROWS = 64
 _GPU_BLOCK_N = 32
 _INTERPRETER_ROWS = 64  # the interpreter runs programs in turn: few, large ones are fastest
+# Decode programs wanted per SM: below it a step splits each sequence's keys (flash-decoding).
+_PROGRAMS_PER_SM = 2
+_MAX_SPLITS = 8
 
 
-def select_mla_tiles(device: torch.device, num_heads: int, decode_only: bool) -> MLATiles:
+def select_mla_tiles(device: torch.device, num_heads: int, decode_only: bool,
+                     num_reqs: int = 0) -> MLATiles:
     """Heads per program: all of them up to the row budget (the fewer head tiles, the fewer
-    times a page is read); at least 16 rows, the smallest dot on a GPU."""
+    times a page is read); at least 16 rows, the smallest dot on a GPU. A decode step of
+    `num_reqs` requests with fewer programs than the GPU wants splits the keys."""
     interp = device.type == "cpu"
     rows = _INTERPRETER_ROWS if interp else (_DECODE_ROWS if decode_only else _PREFILL_ROWS)
     block_h = min(max(16, triton.next_power_of_2(num_heads)), rows)
     block_q = 1 if decode_only else max(1, rows // block_h)
     if interp:
         return MLATiles(block_h, block_q, block_n=64, num_warps=1, num_stages=1)
-    return MLATiles(block_h, block_q, block_n=_GPU_BLOCK_N, num_warps=8, num_stages=2)
+    splits = 1
+    if decode_only and num_reqs:
+        programs = num_reqs * triton.cdiv(num_heads, block_h)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        splits = max(1, min(_MAX_SPLITS, triton.cdiv(_PROGRAMS_PER_SM * sms, programs)))
+    return MLATiles(block_h, block_q, block_n=_GPU_BLOCK_N, num_warps=8, num_stages=2,
+                    num_splits=splits)
 
 
 @triton.jit
@@ -98,13 +111,13 @@ def write_latents(latent: torch.Tensor, kv_cache: torch.Tensor,
 
 @triton.jit
 def _mla_attention_kernel(
-    q_lat, q_pe, cache, out, block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
-    token_base, sm_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_bt,
+    q_lat, q_pe, cache, out, part_out, part_lse, block_table, query_start_loc, seq_lens,
+    qblock_req, qblock_start, token_base, sm_scale, stride_qlt, stride_qlh, stride_qpt,
+    stride_qph, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
     NUM_HEADS: tl.constexpr, L: tl.constexpr, L_PAD: tl.constexpr, R: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     qb = tl.program_id(0)
     req = tl.load(qblock_req + qb)
@@ -138,21 +151,61 @@ def _mla_attention_kernel(
 
     # The last key any row of the block sees: the block's last token, or the sequence end.
     kv_end = tl.minimum(seq_len, context + first + BLOCK_Q)
-    acc, l_i = _mla_tiles(ql, qp, q_pos, cache, block_table + req.to(tl.int64) * stride_bt,
-                          kv_end, sm_scale, stride_cb, stride_cs, L, L_PAD, R, R_PAD,
-                          BLOCK_SIZE, BLOCK_Q * BLOCK_H, BLOCK_N, UPCAST, DOT_PRECISION)
+    kv_start = 0
+    split = tl.program_id(2)
+    if NUM_SPLITS > 1:  # decode (BLOCK_Q 1): this program's share of the keys, whole tiles
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = split * chunk
+        kv_end = tl.minimum(kv_end, kv_start + chunk)
+    acc, l_i, m_i = _mla_tiles(ql, qp, q_pos, cache, block_table + req.to(tl.int64) * stride_bt,
+                               kv_start, kv_end, sm_scale, stride_cb, stride_cs, L, L_PAD, R,
+                               R_PAD, BLOCK_SIZE, BLOCK_Q * BLOCK_H, BLOCK_N, UPCAST,
+                               DOT_PRECISION)
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_ptrs = out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :]
-    tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & l_ok[None, :])
+    if NUM_SPLITS > 1:
+        # Partial output and its log-sum-exp (base 2; -inf for a split past the sequence end),
+        # merged by _merge_splits_kernel.
+        row = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse + row, lse, mask=row_ok)
+        tl.store(part_out + row[:, None] * L + offs_l[None, :], acc,
+                 mask=row_ok[:, None] & l_ok[None, :])
+    else:
+        o_ptrs = out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :]
+        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & l_ok[None, :])
 
 
 @triton.jit
-def _mla_tiles(ql, qp, q_pos, cache, table_row, kv_end, sm_scale, stride_cb, stride_cs,
+def _merge_splits_kernel(part_out, part_lse, out, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, L: tl.constexpr, L_PAD: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One (token, head): the splits' partial outputs weighted by their share of the softmax
+    mass."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_ok = offs_s < NUM_SPLITS
+    offs_l = tl.arange(0, L_PAD)
+    row = (token * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse + row + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    parts = tl.load(part_out + (row + offs_s)[:, None] * L + offs_l[None, :],
+                    mask=s_ok[:, None] & (offs_l[None, :] < L), other=0.0)
+    merged = tl.sum(parts * w[:, None], 0)
+    tl.store(out + token * stride_ot + head * stride_oh + offs_l, merged.to(out.dtype.element_ty),
+             mask=offs_l < L)
+
+
+@triton.jit
+def _mla_tiles(ql, qp, q_pos, cache, table_row, kv_start, kv_end, sm_scale, stride_cb,
+               stride_cs,
                L: tl.constexpr, L_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
                BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax over keys [0, kv_end): returns the unnormalised [BLOCK_M, L_PAD]
-    accumulator and the row sums."""
+    """Online softmax over keys [kv_start, kv_end): returns the unnormalised [BLOCK_M, L_PAD]
+    accumulator, the row sums and the row maxima (base 2)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, L_PAD)
     offs_r = tl.arange(0, R_PAD)
@@ -162,7 +215,7 @@ def _mla_tiles(ql, qp, q_pos, cache, table_row, kv_end, sm_scale, stride_cb, str
     acc = tl.zeros([BLOCK_M, L_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for tile in range(0, kv_end, BLOCK_N):
+    for tile in range(kv_start, kv_end, BLOCK_N):
         k_pos = tile + offs_n
         k_ok = k_pos < kv_end
         page = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
@@ -187,7 +240,7 @@ def _mla_tiles(ql, qp, q_pos, cache, table_row, kv_end, sm_scale, stride_cb, str
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, l_i
+    return acc, l_i, m_i
 
 
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -207,14 +260,33 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     assert q_lat.stride(2) == 1 and q_pe.stride(2) == 1 and out.stride(2) == 1
     assert kv_cache.stride(2) == 1 and kv_cache.shape[2] == lora + rope
     upcast = kv_cache.dtype == torch.float32 or kv_cache.device.type == "cpu"
-    grid = (num_qblocks, triton.cdiv(num_heads, tiles.block_h))
+    splits = tiles.num_splits
+    if splits > 1 and tiles.block_q != 1:
+        raise ValueError("only decode launches (block_q 1) split the keys")
+    part_out = part_lse = out  # unused without splits
+    if splits > 1:
+        # Rows of the step's tokens [token_base, token_base + T); allocated per call (inside a
+        # captured graph: from its private pool, so replays keep the pointers).
+        num_tokens = q_lat.shape[0]
+        part_out = torch.empty(num_tokens * num_heads * splits * lora, dtype=torch.float32,
+                               device=q_lat.device)
+        part_lse = torch.empty(num_tokens * num_heads * splits, dtype=torch.float32,
+                               device=q_lat.device)
+    l_pad = max(16, triton.next_power_of_2(lora))
+    grid = (num_qblocks, triton.cdiv(num_heads, tiles.block_h), splits)
     _mla_attention_kernel[grid](
-        q_lat, q_pe, kv_cache, out, block_table, query_start_loc, seq_lens, qblock_req,
-        qblock_start, token_base, scale, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
-        q_pe.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0),
-        NUM_HEADS=num_heads, L=lora, L_PAD=max(16, triton.next_power_of_2(lora)), R=rope,
+        q_lat, q_pe, kv_cache, out, part_out, part_lse, block_table, query_start_loc, seq_lens,
+        qblock_req, qblock_start, token_base, scale, q_lat.stride(0), q_lat.stride(1),
+        q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0),
+        kv_cache.stride(1), block_table.stride(0),
+        NUM_HEADS=num_heads, L=lora, L_PAD=l_pad, R=rope,
         R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=kv_cache.shape[1],
-        BLOCK_Q=tiles.block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, UPCAST=upcast,
-        DOT_PRECISION="ieee" if upcast else None,
+        BLOCK_Q=tiles.block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
+        NUM_SPLITS=splits, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if splits > 1:
+        # Decode blocks cover one token each: the step's tokens are rows 0..T-1 here.
+        _merge_splits_kernel[(q_lat.shape[0], num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+            L=lora, L_PAD=l_pad, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+            num_warps=4)
