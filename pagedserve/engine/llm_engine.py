@@ -16,7 +16,7 @@ from pagedserve.engine.cpu_threads import configure_cpu_threads
 from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
-from pagedserve.kv_cache import KVCacheManager
+from pagedserve.kv_cache import KVCacheManager, SlidingWindowSpec
 from pagedserve.kv_cache.specs import bytes_per_block, bytes_per_slot
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
@@ -80,7 +80,8 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks, num_slots)
         self.runner.warmup()
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
-                                       config.cache.enable_prefix_caching, num_slots)
+                                       config.cache.enable_prefix_caching, num_slots,
+                                       sliding_window=shared_sliding_window(self.runner.kv_specs))
         if num_blocks:
             logger.info("KV cache: %d blocks of %d tokens (%d tokens, %d bytes per token over "
                         "all layers); backend %s", num_blocks, config.cache.block_size,
@@ -353,6 +354,15 @@ class LLMEngine:
         """True when no request holds a KV block (all free or cached-evictable) or a state
         slot."""
         return self.kv_cache.all_free()
+
+
+def shared_sliding_window(specs: list) -> int | None:
+    """The largest window when every attention layer has one: blocks before it can be freed
+    while a request runs. A model mixing windowed and full layers keeps every block (freeing
+    them per layer kind needs a block table per kind)."""
+    if not specs or not all(isinstance(spec, SlidingWindowSpec) for spec in specs):
+        return None
+    return max(spec.sliding_window for spec in specs)
 
 
 def check_settings(config: EngineConfig) -> str | None:

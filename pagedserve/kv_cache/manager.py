@@ -11,6 +11,9 @@ from pagedserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagedserve.kv_cache.state_slots import StateSlotPool
 
 NONE_HASH = b"\x00" * 32
+# Stands in a request's block list for a block freed because it fell out of every layer's
+# sliding window; never in the pool, never read (those positions are masked out).
+OUT_OF_WINDOW = KVCacheBlock(-1)
 
 
 class CacheableRequest(Protocol):
@@ -58,8 +61,12 @@ class KVCacheManager:
     a state sums up the whole prefix, it is not kept per block (the engine says so once)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        # When every attention layer has a sliding window (the largest of them here), blocks
+        # whose tokens no query can see any more are freed while the request runs.
+        self.sliding_window = sliding_window
+        self.num_out_of_window: dict[str, int] = {}
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
         self.enable_prefix_caching = enable_prefix_caching and self.state_slots is None
         # A model of state layers only has no blocks: a one-block pool keeps the accounting
@@ -180,6 +187,8 @@ class KVCacheManager:
         # end % block_size < num_new_tokens. Most decode steps fill none and skip all caching
         # work on that one test (done first: it is as cheap with caching on as off).
         held = self.req_to_blocks.get(request.request_id)
+        if held is not None and self.sliding_window is not None:
+            self._free_out_of_window(request, held)
         if held is not None and not new_computed_blocks:
             end = request.num_computed_tokens + num_new_tokens
             if end <= len(held) * self.block_size:
@@ -204,6 +213,25 @@ class KVCacheManager:
                 and not request.skip_prefix_cache):
             self._cache_full_blocks(request, blocks, end)
         return appended
+
+    def _free_out_of_window(self, request: CacheableRequest, held: list[KVCacheBlock]) -> None:
+        """Free the blocks before the first key this step's queries can see: query p sees keys
+        p - window + 1 .. p, and the step's first query is at num_computed_tokens. A step still
+        in flight may read them, but its kernels run before any later step's writes (one
+        stream), so handing them out again is safe."""
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        num_out = min(max(0, first_visible // self.block_size), len(held))
+        if self.enable_prefix_caching and not request.skip_prefix_cache:
+            # A block leaves only once published (with async scheduling a block's last token
+            # can be known a step late), so its hash outlives it as an evictable cache entry.
+            num_out = min(num_out, self.num_cached_blocks.get(request.request_id, 0))
+        done = self.num_out_of_window.get(request.request_id, 0)
+        if num_out <= done:
+            return
+        freed = held[done:num_out]
+        held[done:num_out] = [OUT_OF_WINDOW] * (num_out - done)
+        self.pool.free(reversed(freed))
+        self.num_out_of_window[request.request_id] = num_out
 
     def _allocate_with_slot(self, request: CacheableRequest,
                             num_new_tokens: int) -> list[KVCacheBlock] | None:
@@ -268,6 +296,8 @@ class KVCacheManager:
         queue first, so under pressure a prompt's last blocks are evicted before its first ones
         (which more requests are likely to share)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        if self.num_out_of_window.pop(request.request_id, 0):
+            blocks = [b for b in blocks if b is not OUT_OF_WINDOW]
         self.pool.free(reversed(blocks))
         self.num_cached_blocks.pop(request.request_id, None)
         if self.state_slots is not None and request.state_slot >= 0:
