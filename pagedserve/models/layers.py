@@ -150,8 +150,7 @@ def rotary_dim(config: PretrainedConfig, head_dim: int, layer_type: str | None =
 def _rope_table(config: PretrainedConfig, head_dim: int, layer_type: str | None,
                 max_positions: int, max_model_len: int) -> torch.Tensor:
     """[P, rotary dim] float32: cos | sin of every position. LongRoPE (Phi-3) picks one factor
-    set for
-    the engine, as llama.cpp does: the long factors when the engine serves sequences past
+    set for the engine, as llama.cpp does: the long factors when the engine serves sequences past
     `original_max_position_embeddings` (`max_model_len`), else the short ones. Mixing them by
     position would break relative positions between old keys and new queries; switching per
     sequence, as transformers does (it recomputes the whole sequence once it grows past the
