@@ -202,6 +202,7 @@ _BUILTIN = {
     # Mamba layers' state slots; the model runner picks it for them (never auto-selected for
     # attention).
     "MAMBA": "mamba:MambaBackend",
+    "MAMBA2": "mamba2:Mamba2Backend",  # Mamba-2 mixers (Mamba2, Bamba), likewise
 }
 for _name, _target in _BUILTIN.items():
     register_backend(_name, f"pagedserve.attention.backends.{_target}")

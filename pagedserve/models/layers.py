@@ -112,7 +112,7 @@ def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> 
 
 def rope_inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | None = None,
                   seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """inv_freq [head_dim // 2] float32 and the cos/sin scale, from transformers' own rope init
+    """inv_freq [rotary dim // 2] float32 and the cos/sin scale, from transformers' own rope init
     functions (`default` is not among them in transformers 5, so it is computed here as
     transformers' Llama does). `seq_len` reaches the functions that depend on it (LongRoPE's
     long factors apply past the original context).
@@ -124,9 +124,6 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | Non
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = rope_parameters(config, layer_type)
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial rotary embeddings (partial_rotary_factor="
-                         f"{params['partial_rotary_factor']}) are not supported")
     rope_type = params["rope_type"]
     if rope_type in ROPE_INIT_FUNCTIONS:
         extra = {} if layer_type is None else {"layer_type": layer_type}
@@ -138,14 +135,22 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | Non
         raise ValueError(f"rope type {rope_type!r} is not supported; transformers knows "
                          f"{', '.join(ROPE_INIT_FUNCTIONS)}")
     base = params["rope_theta"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    dim = rotary_dim(config, head_dim, layer_type)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     return inv_freq, 1.0
+
+
+def rotary_dim(config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> int:
+    """How many leading dims of each head the rotary embedding turns (`partial_rotary_factor`,
+    e.g. Bamba's half); the rest pass through."""
+    factor = rope_parameters(config, layer_type).get("partial_rotary_factor", 1.0)
+    return int(head_dim * factor)
 
 
 def _rope_table(config: PretrainedConfig, head_dim: int, layer_type: str | None,
                 max_positions: int, max_model_len: int) -> torch.Tensor:
-    """[P, D] float32: cos | sin of every position. LongRoPE (Phi-3) picks one factor set for
-    the engine, as llama.cpp does: the long factors when the engine serves sequences past
+    """[P, rotary dim] float32: cos | sin of every position. LongRoPE (Phi-3) picks one factor
+    set for the engine, as llama.cpp does: the long factors when the engine serves sequences past
     `original_max_position_embeddings` (`max_model_len`), else the short ones. Mixing them by
     position would break relative positions between old keys and new queries; switching per
     sequence, as transformers does (it recomputes the whole sequence once it grows past the
@@ -175,7 +180,8 @@ class RotaryEmbedding(nn.Module):
         self.layer_type = layer_type  # rope settings per layer type (Gemma 3), else None
         self.max_positions = config.max_position_embeddings
         self.max_model_len = self.max_positions  # what the engine serves (LongRoPE's choice)
-        self.register_buffer("cos_sin_cache", torch.empty(self.max_positions, head_dim),
+        self.rotary_dim = rotary_dim(config, head_dim, layer_type)
+        self.register_buffer("cos_sin_cache", torch.empty(self.max_positions, self.rotary_dim),
                              persistent=False)
         self._positions: torch.Tensor | None = None  # the step whose cos/sin are gathered
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -195,8 +201,9 @@ class RotaryEmbedding(nn.Module):
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, H, D], key [T, Hkv, D] -> rotated (rotate-half convention); on the fused
         path in place."""
+        partial = self.rotary_dim < self.head_dim
         kernels = fused_kernels(query)
-        if kernels is not None:
+        if kernels is not None and not partial:
             kernels.rotary_embedding_(positions, query, key, self.cos_sin_cache)
             return query, key
         # Every layer of a step rotates by the same positions: gather cos/sin once per step.
@@ -204,6 +211,10 @@ class RotaryEmbedding(nn.Module):
             self._positions = positions
             self._cos_sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         cos, sin = self._cos_sin
+        if partial:  # the leading rotary_dim dims turn, the rest pass through
+            d = self.rotary_dim
+            return (torch.cat([_rotate(query[..., :d], cos, sin), query[..., d:]], dim=-1),
+                    torch.cat([_rotate(key[..., :d], cos, sin), key[..., d:]], dim=-1))
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 

@@ -25,6 +25,8 @@ _MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "pagedserve.models.deepseek:DeepseekV3ForCausalLM",
     "GptOssForCausalLM": "pagedserve.models.gpt_oss:GptOssForCausalLM",
     "MambaForCausalLM": "pagedserve.models.mamba:MambaForCausalLM",
+    "Mamba2ForCausalLM": "pagedserve.models.mamba2:Mamba2ForCausalLM",
+    "BambaForCausalLM": "pagedserve.models.bamba:BambaForCausalLM",
 }
 
 
