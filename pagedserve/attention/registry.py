@@ -197,6 +197,8 @@ _BUILTIN = {
     # Mamba layers' state slots; the model runner picks it for them (never auto-selected for
     # attention).
     "MAMBA": "mamba:MambaBackend",
+    # Gated delta net layers' state slots (Qwen3-Next), likewise picked by the runner.
+    "GDN_ATTN": "gdn:GDNBackend",
 }
 for _name, _target in _BUILTIN.items():
     register_backend(_name, f"pagedserve.attention.backends.{_target}")
