@@ -111,11 +111,14 @@ def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> 
 
 
 def rope_inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | None = None,
-                  seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """inv_freq [head_dim // 2] float32 and the cos/sin scale, from transformers' own rope init
-    functions (`default` is not among them in transformers 5, so it is computed here as
+                  seq_len: int | None = None,
+                  rotary_dim: int | None = None) -> tuple[torch.Tensor, float]:
+    """inv_freq [rotary_dim // 2] float32 and the cos/sin scale, from transformers' own rope
+    init functions (`default` is not among them in transformers 5, so it is computed here as
     transformers' Llama does). `seq_len` reaches the functions that depend on it (LongRoPE's
-    long factors apply past the original context).
+    long factors apply past the original context). `rotary_dim` (default head_dim): the leading
+    channels a partial rotary embedding rotates (`partial_rotary_factor`, Qwen3-Next); a family
+    that does not pass it refuses a partial factor rather than rotate every channel.
 
     `dynamic` NTK in transformers recomputes inv_freq only once a sequence grows past
     max_position_embeddings; at or below it the frequencies are the init-time ones. The engine
@@ -124,7 +127,7 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | Non
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = rope_parameters(config, layer_type)
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if params.get("partial_rotary_factor", 1.0) != 1.0 and rotary_dim is None:
         raise ValueError(f"partial rotary embeddings (partial_rotary_factor="
                          f"{params['partial_rotary_factor']}) are not supported")
     rope_type = params["rope_type"]
@@ -138,44 +141,51 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | Non
         raise ValueError(f"rope type {rope_type!r} is not supported; transformers knows "
                          f"{', '.join(ROPE_INIT_FUNCTIONS)}")
     base = params["rope_theta"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    dim = head_dim if rotary_dim is None else rotary_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     return inv_freq, 1.0
 
 
 def _rope_table(config: PretrainedConfig, head_dim: int, layer_type: str | None,
-                max_positions: int, max_model_len: int) -> torch.Tensor:
-    """[P, D] float32: cos | sin of every position. LongRoPE (Phi-3) picks one factor set for
-    the engine, as llama.cpp does: the long factors when the engine serves sequences past
+                max_positions: int, max_model_len: int,
+                rotary_dim: int | None = None) -> torch.Tensor:
+    """[P, rotary_dim] float32: cos | sin of every position. LongRoPE (Phi-3) picks one factor
+    set for the engine, as llama.cpp does: the long factors when the engine serves sequences past
     `original_max_position_embeddings` (`max_model_len`), else the short ones. Mixing them by
     position would break relative positions between old keys and new queries; switching per
     sequence, as transformers does (it recomputes the whole sequence once it grows past the
     original context), would invalidate cached K. Both agree with transformers on every
     sequence when max_model_len is within the original context."""
     positions = torch.arange(max_positions, dtype=torch.float32)
-    inv_freq, scaling = rope_inv_freq(config, head_dim, layer_type)
+    inv_freq, scaling = rope_inv_freq(config, head_dim, layer_type, rotary_dim=rotary_dim)
     params = rope_parameters(config, layer_type)
     if params["rope_type"] == "longrope":
         original = (params.get("original_max_position_embeddings")
                     or getattr(config, "original_max_position_embeddings", max_positions))
         if max_model_len > original:
-            inv_freq, _ = rope_inv_freq(config, head_dim, layer_type, seq_len=original + 1)
+            inv_freq, _ = rope_inv_freq(config, head_dim, layer_type, seq_len=original + 1,
+                                        rotary_dim=rotary_dim)
     freqs = positions[:, None] * inv_freq[None, :]
     return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin of every position up to max_position_embeddings, computed once ([P, D/2] each,
-    in the model dtype as transformers casts them), gathered by position each step."""
+    in the model dtype as transformers casts them), gathered by position each step.
+    `rotary_dim` < head_dim: only each head's leading rotary_dim channels turn (a partial
+    rotary embedding), the rest pass through."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int,
-                 layer_type: str | None = None) -> None:
+                 layer_type: str | None = None, rotary_dim: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
         self.layer_type = layer_type  # rope settings per layer type (Gemma 3), else None
         self.max_positions = config.max_position_embeddings
         self.max_model_len = self.max_positions  # what the engine serves (LongRoPE's choice)
-        self.register_buffer("cos_sin_cache", torch.empty(self.max_positions, head_dim),
+        self.register_buffer("cos_sin_cache",
+                             torch.empty(self.max_positions, rotary_dim or head_dim),
                              persistent=False)
         self._positions: torch.Tensor | None = None  # the step whose cos/sin are gathered
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -187,7 +197,7 @@ class RotaryEmbedding(nn.Module):
         if max_model_len is not None:
             self.max_model_len = max_model_len
         cache = _rope_table(self.config, self.head_dim, self.layer_type, self.max_positions,
-                            self.max_model_len)
+                            self.max_model_len, self.rotary_dim)
         self.cos_sin_cache = cache.to(device=device, dtype=dtype)
         self._positions = self._cos_sin = None
 
@@ -195,16 +205,34 @@ class RotaryEmbedding(nn.Module):
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, H, D], key [T, Hkv, D] -> rotated (rotate-half convention); on the fused
         path in place."""
+        if self.rotary_dim is not None and self.rotary_dim < query.shape[-1]:
+            return self._partial(positions, query, key)
         kernels = fused_kernels(query)
         if kernels is not None:
             kernels.rotary_embedding_(positions, query, key, self.cos_sin_cache)
             return query, key
+        return self._rotate_torch(positions, query, key)
+
+    def _rotate_torch(self, positions: torch.Tensor, query: torch.Tensor,
+                      key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer of a step rotates by the same positions: gather cos/sin once per step.
         if positions is not self._positions:
             self._positions = positions
             self._cos_sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         cos, sin = self._cos_sin
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def _partial(self, positions: torch.Tensor, query: torch.Tensor,
+                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.rotary_dim
+        kernels = fused_kernels(query)
+        if kernels is not None:  # the kernel takes the leading channels as strided views
+            kernels.rotary_embedding_(positions, query[..., :d], key[..., :d],
+                                      self.cos_sin_cache)
+            return query, key
+        q_rot, k_rot = self._rotate_torch(positions, query[..., :d], key[..., :d])
+        return (torch.cat([q_rot, query[..., d:]], dim=-1),
+                torch.cat([k_rot, key[..., d:]], dim=-1))
 
 
 def build_rope_caches(module: nn.Module, device: torch.device, dtype: torch.dtype,

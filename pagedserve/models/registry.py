@@ -25,6 +25,7 @@ _MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "pagedserve.models.deepseek:DeepseekV3ForCausalLM",
     "GptOssForCausalLM": "pagedserve.models.gpt_oss:GptOssForCausalLM",
     "MambaForCausalLM": "pagedserve.models.mamba:MambaForCausalLM",
+    "Qwen3NextForCausalLM": "pagedserve.models.qwen3_next:Qwen3NextForCausalLM",
 }
 
 
