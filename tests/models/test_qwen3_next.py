@@ -214,3 +214,25 @@ def test_greedy_on_cuda_matches_transformers(tmp_path, name):
         gc.collect()
         torch.cuda.empty_cache()
     assert got == expected
+
+
+@pytest.mark.gpu
+def test_partial_rotary_fused_kernel_matches_torch():
+    """In bfloat16 on CUDA the rotary kernel turns the leading quarter of each head in place
+    (strided views); the rest passes through. Against the torch path in float32."""
+    from pagedserve.models.layers import RotaryEmbedding
+
+    config = _configs()["dense"]
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    fused, ref = RotaryEmbedding(config, 16, rotary_dim=4), RotaryEmbedding(config, 16,
+                                                                            rotary_dim=4)
+    fused.build_cache(cuda, torch.bfloat16)
+    ref.build_cache(cpu, torch.float32)
+    positions = torch.randint(0, 200, (9,))
+    q, k = torch.randn(9, 4, 16), torch.randn(9, 2, 16)
+    q_ref, k_ref = ref(positions, q.clone(), k.clone())
+    q_got, k_got = fused(positions.to(cuda), q.to(cuda, torch.bfloat16),
+                         k.to(cuda, torch.bfloat16))
+    torch.testing.assert_close(q_got.float().cpu(), q_ref, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(k_got.float().cpu(), k_ref, atol=3e-2, rtol=2e-2)
+    assert torch.equal(q_got[..., 4:].float().cpu(), q[..., 4:].bfloat16().float())
