@@ -203,6 +203,8 @@ _BUILTIN = {
     # attention).
     "MAMBA": "mamba:MambaBackend",
     "MAMBA2": "mamba2:Mamba2Backend",  # Mamba-2 mixers (Mamba2, Bamba), likewise
+    # Gated delta net layers' state slots (Qwen3-Next), likewise picked by the runner.
+    "GDN_ATTN": "gdn:GDNBackend",
 }
 for _name, _target in _BUILTIN.items():
     register_backend(_name, f"pagedserve.attention.backends.{_target}")

@@ -143,7 +143,8 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | Non
 def rotary_dim(config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> int:
     """How many leading dims of each head the rotary embedding turns (`partial_rotary_factor`,
     e.g. Bamba's half); the rest pass through."""
-    factor = rope_parameters(config, layer_type).get("partial_rotary_factor", 1.0)
+    factor = rope_parameters(config, layer_type).get(
+        "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     return int(head_dim * factor)
 
 

@@ -27,6 +27,7 @@ _MODELS: dict[str, str] = {
     "MambaForCausalLM": "pagedserve.models.mamba:MambaForCausalLM",
     "Mamba2ForCausalLM": "pagedserve.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "pagedserve.models.bamba:BambaForCausalLM",
+    "Qwen3NextForCausalLM": "pagedserve.models.qwen3_next:Qwen3NextForCausalLM",
 }
 
 
