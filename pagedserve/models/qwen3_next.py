@@ -35,7 +35,6 @@ from pagedserve.models.layers import (
     GemmaRMSNorm,
     RotaryEmbedding,
     build_rope_caches,
-    rope_parameters,
 )
 from pagedserve.models.llama import LlamaMLP
 from pagedserve.models.moe import FusedMoE, SwiGLUMLP, TopKRouter
