@@ -194,9 +194,11 @@ _BUILTIN = {
     "TURBOQUANT": "turboquant:TurboQuantBackend",
     # chosen by name only (eager, unfused on the CPU): never in AUTO_ORDER.
     "FLEX_ATTENTION": "flex_attention:FlexAttentionBackend",
-    # Mamba layers' state slots; the model runner picks it for them (never auto-selected for
-    # attention).
+    # State layers' slots; the model runner picks each for its layers by the layer's
+    # backend_name (never auto-selected for attention).
     "MAMBA": "mamba:MambaBackend",
+    "SHORT_CONV": "short_conv:ShortConvBackend",  # LFM2's short convolutions
+    "LINEAR_ATTN": "linear_attn:LinearAttentionBackend",  # MiniMax's lightning attention
 }
 for _name, _target in _BUILTIN.items():
     register_backend(_name, f"pagedserve.attention.backends.{_target}")

@@ -25,6 +25,8 @@ _MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "pagedserve.models.deepseek:DeepseekV3ForCausalLM",
     "GptOssForCausalLM": "pagedserve.models.gpt_oss:GptOssForCausalLM",
     "MambaForCausalLM": "pagedserve.models.mamba:MambaForCausalLM",
+    "Lfm2ForCausalLM": "pagedserve.models.lfm2:Lfm2ForCausalLM",
+    "MiniMaxForCausalLM": "pagedserve.models.minimax:MiniMaxForCausalLM",
 }
 
 
