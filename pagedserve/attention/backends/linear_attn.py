@@ -39,8 +39,9 @@ class LinearAttentionImpl:
             if self.use_triton:
                 ops.lightning_attention_prefill(*prefill, out=out[:tp])
             else:
-                out[:tp] = ops.lightning_attention_prefill(*prefill,
-                                                           max_query_len=md.max_prefill_len)
+                out[:tp] = ops.lightning_attention_prefill(
+                    *prefill, _torch_block_size(md.max_prefill_len),
+                    max_query_len=md.max_prefill_len)
         if md.num_decodes:
             decode = (q[tp:], k[tp:], v[tp:], slope, kv_state, md.state_indices[p:],
                       md.has_initial_state[p:])
@@ -49,6 +50,12 @@ class LinearAttentionImpl:
             else:
                 out[tp:] = ops.lightning_attention_decode(*decode)
         return out
+
+
+def _torch_block_size(max_prefill_len: int) -> int:
+    """The torch op's token block: 256 (transformers' MiniMax block), smaller for short chunks,
+    whose padding to a whole block would be most of the work."""
+    return min(256, max(16, 1 << (max_prefill_len - 1).bit_length()))
 
 
 class LinearAttentionBackend(StateBackend):
