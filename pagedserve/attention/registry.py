@@ -199,12 +199,14 @@ _BUILTIN = {
     "TURBOQUANT": "turboquant:TurboQuantBackend",
     # chosen by name only (eager, unfused on the CPU): never in AUTO_ORDER.
     "FLEX_ATTENTION": "flex_attention:FlexAttentionBackend",
-    # Mamba layers' state slots; the model runner picks it for them (never auto-selected for
-    # attention).
+    # State layers' slots; the model runner picks each for its layers by the layer's
+    # backend_name (never auto-selected for attention).
     "MAMBA": "mamba:MambaBackend",
     "MAMBA2": "mamba2:Mamba2Backend",  # Mamba-2 mixers (Mamba2, Bamba), likewise
     # Gated delta net layers' state slots (Qwen3-Next), likewise picked by the runner.
     "GDN_ATTN": "gdn:GDNBackend",
+    "SHORT_CONV": "short_conv:ShortConvBackend",  # LFM2's short convolutions
+    "LINEAR_ATTN": "linear_attn:LinearAttentionBackend",  # MiniMax's lightning attention
 }
 for _name, _target in _BUILTIN.items():
     register_backend(_name, f"pagedserve.attention.backends.{_target}")

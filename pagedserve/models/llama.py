@@ -31,13 +31,14 @@ class LlamaAttention(nn.Module):
     """q/k/v as one fused projection, an optional RMSNorm of q and k (per head: Qwen3, Gemma 3;
     over the whole projection: OLMo-2), the rotary embedding, paged attention, o_proj. The
     families set the rest: `scale` (default head_dim ** -0.5), a logit soft-cap (Gemma 2),
-    learned sinks (gpt-oss)."""
+    learned sinks (gpt-oss), the q/k norm's eps where the config does not call it
+    rms_norm_eps (LFM2)."""
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
                  sliding_window: int | None, qk_norm: bool = False, *,
                  norm_cls: type[nn.Module] = RMSNorm, qk_norm_per_head: bool = True,
                  scale: float | None = None, logits_soft_cap: float | None = None,
-                 has_sinks: bool = False) -> None:
+                 has_sinks: bool = False, qk_norm_eps: float | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -54,8 +55,9 @@ class LlamaAttention(nn.Module):
         self.qk_norm_per_head = qk_norm_per_head
         q_dim, k_dim = ((self.head_dim, self.head_dim) if qk_norm_per_head
                         else (self.q_size, self.kv_size))
-        self.q_norm = norm_cls(q_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = norm_cls(k_dim, config.rms_norm_eps) if qk_norm else None
+        eps = config.rms_norm_eps if qk_norm and qk_norm_eps is None else qk_norm_eps
+        self.q_norm = norm_cls(q_dim, eps) if qk_norm else None
+        self.k_norm = norm_cls(k_dim, eps) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 rotary: RotaryEmbedding) -> torch.Tensor:
@@ -272,7 +274,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _shard(self, target: str, param: torch.Tensor, shard: str) -> torch.Tensor:
         if ".qkv_proj." in target:
-            attn = self.model.layers[0].self_attn
+            # The attention module that owns it (hybrid models have layers without one).
+            attn = self.get_submodule(target.rpartition(".qkv_proj.")[0])
             q, kv = attn.q_size, attn.kv_size
             start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
         else:  # gate rows, then up rows, of any gated MLP (dense or shared experts)

@@ -28,6 +28,8 @@ _MODELS: dict[str, str] = {
     "Mamba2ForCausalLM": "pagedserve.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "pagedserve.models.bamba:BambaForCausalLM",
     "Qwen3NextForCausalLM": "pagedserve.models.qwen3_next:Qwen3NextForCausalLM",
+    "Lfm2ForCausalLM": "pagedserve.models.lfm2:Lfm2ForCausalLM",
+    "MiniMaxForCausalLM": "pagedserve.models.minimax:MiniMaxForCausalLM",
 }
 
 

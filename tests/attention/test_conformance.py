@@ -14,6 +14,7 @@ from pagedserve.attention import (
 )
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.metadata import CommonMetadataBuilder
+from pagedserve.attention.state import StateBackend
 from tests.utils.conformance import BATCHES, Case, reference_attention, run_case
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,8 +82,9 @@ def test_backend_soft_cap(name):
 # ---- attention sinks (gpt-oss) ---------------------------------------------------------------
 
 SINK_BACKENDS = [name for name in AVAILABLE if get_backend_cls(name).supports_sinks]
-# Backends that run attention layers (MAMBA runs state slots, never attention).
-ATTENTION_BACKENDS = [name for name in registered_names() if name != "MAMBA"]
+# Backends that run attention layers (state backends run state slots, never attention).
+ATTENTION_BACKENDS = [name for name in registered_names()
+                      if not issubclass(get_backend_cls(name), StateBackend)]
 
 
 def _sink_params():
