@@ -153,6 +153,9 @@ class EngineConfig:
     async_scheduling: bool | None = setting(
         None, "schedule the next step and finish this one on the host while the GPU runs "
               "(default: on for CUDA, off on the CPU)")
+    guided_decoding_backend: str = setting(
+        "xgrammar", "grammar library of guided decoding (structured outputs)",
+        choices=["xgrammar", "guidance"])
 
     def __post_init__(self) -> None:
         if self.device is None:
