@@ -58,7 +58,7 @@ def parse_grammar(key: tuple[str, str]) -> Any:
             return xgr.Grammar.from_ebnf(text)
         if kind == "json_object":  # OpenAI's json_object: an object, not any JSON value
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
-    except (RuntimeError, ValueError) as exc:
+    except Exception as exc:  # xgrammar's C++ errors come as RuntimeError, others as they may
         raise ValueError(f"invalid {_WHAT[kind]}: {_clean(exc)}") from None
     raise ValueError(f"unknown guided decoding kind {kind!r}; one of {', '.join(GRAMMAR_KINDS)}")
 
@@ -79,6 +79,8 @@ def _check_json_schema(schema: Any) -> None:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path)
         raise ValueError(f"{exc.message}" + (f" (at {where})" if where else "")) from None
+    except Exception as exc:  # e.g. a $schema URI jsonschema cannot resolve
+        raise ValueError(str(exc) or type(exc).__name__) from None
 
 
 def _clean(exc: BaseException) -> str:
