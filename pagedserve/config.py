@@ -154,6 +154,9 @@ class EngineConfig:
     async_scheduling: bool | None = setting(
         None, "schedule the next step and finish this one on the host while the GPU runs "
               "(default: on for CUDA, off on the CPU)")
+    guided_decoding_backend: str = setting(
+        "xgrammar", "grammar library of guided decoding (structured outputs)",
+        choices=["xgrammar", "guidance"])
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -280,5 +283,11 @@ class ServerConfig:
                                             "may finish in before they end with an error; a "
                                             "second signal exits at once")
     uvicorn_log_level: str = setting("warning", "uvicorn's own log level")
+    tool_call_parser: str | None = setting(
+        None, "how the model writes tool calls, for tool_choice 'auto' (required and named "
+              "choices need none)", choices=["hermes", "smollm2", "llama3_json"])
+    reasoning_parser: str | None = setting(
+        None, "split <think>...</think> into reasoning_content",
+        choices=["qwen3", "think", "deepseek_r1"])
     enable_log_requests: bool = setting(True, "log a line per finished request "
                                               "(--disable-log-requests turns it off)")

@@ -19,6 +19,64 @@ def _bad(name: str, value: Any, rule: str) -> ValueError:
     return ValueError(f"{name} must be {rule}, got {value!r}")
 
 
+# OpenAI's range for a logit bias.
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Constrain a request's output to a grammar: exactly one of a JSON schema (`json`, a dict
+    or its JSON text), a `regex`, a `choice` of strings, an EBNF `grammar` (xgrammar's
+    dialect, rule `root`), or `json_object` (any JSON object). Parsed when made: a bad schema,
+    regex or grammar raises ValueError saying what is wrong. JSON from a schema is compact
+    (`", "` and `": "` between items) unless `any_whitespace`."""
+
+    json: str | dict[str, Any] | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        from pagedserve.structured_output.grammar import grammar_key, parse_grammar
+
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("guided_decoding needs exactly one of json, regex, choice, grammar "
+                             f"or json_object, got {', '.join(given) or 'none'}")
+        self._kind = kind = given[0]
+        value = getattr(self, kind)
+        if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+            raise _bad(f"guided_decoding.{kind}", value, "a non-empty string")
+        if kind == "choice":
+            if (not isinstance(value, list | tuple) or not value
+                    or not all(isinstance(c, str) and c for c in value)):
+                raise _bad("guided_decoding.choice", value, "a non-empty list of non-empty "
+                                                            "strings")
+            self.choice = list(value)
+        if kind == "json_object" and value is not True:
+            raise _bad("guided_decoding.json_object", value, "true")
+        if kind == "json" and not isinstance(value, str | dict):
+            raise _bad("guided_decoding.json", value, "a JSON schema (an object or its text)")
+        try:
+            self._key = grammar_key(kind, getattr(self, kind), self.any_whitespace)
+            parse_grammar(self._key)
+        except ValueError as exc:
+            raise ValueError(f"guided_decoding.{kind}: {exc}") from None
+
+    @property
+    def kind(self) -> str:
+        """json, regex, choice, grammar or json_object."""
+        return self._kind
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The spec's cache key: its kind and canonical text."""
+        return self._key
+
+
 @dataclass
 class SamplingParams:
     n: int = setting(1, "sequences to generate for the prompt")
@@ -43,6 +101,11 @@ class SamplingParams:
     prompt_logprobs: int | None = setting(None, "log-probabilities of the prompt tokens")
     skip_special_tokens: bool = setting(True, "leave special tokens out of the text")
     include_stop_str_in_output: bool = setting(False, "keep the stop string in the text")
+    # Offline and API only: no flags.
+    guided_decoding: GuidedDecodingParams | None = setting(
+        None, "constrain the output to a JSON schema, regex, choice or grammar", flag=False)
+    logit_bias: dict[int, float] | None = setting(
+        None, "token id -> bias added to its logit, in [-100, 100]", flag=False)
 
     def __post_init__(self) -> None:
         # Normalise the "one or many" fields first so validation sees lists only.
@@ -53,6 +116,10 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if isinstance(self.guided_decoding, dict):
+            self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -105,6 +172,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise _bad("stop_token_ids", self.stop_token_ids, "a list of ints >= 0")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding,
+                                                               GuidedDecodingParams):
+            raise _bad("guided_decoding", self.guided_decoding, "a GuidedDecodingParams")
 
     @property
     def greedy(self) -> bool:
@@ -113,9 +183,11 @@ class SamplingParams:
     @property
     def needs_host_history(self) -> bool:
         """Penalties and min_tokens read the request's earlier output tokens on the host when
-        a step is launched, so its previous sample must be back first (no async overlap)."""
+        a step is launched, and a grammar's bitmask needs its matcher to have accepted the
+        previous sample, so that sample must be back first (no async overlap)."""
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty
-                    or self.frequency_penalty or self.min_tokens)
+                    or self.frequency_penalty or self.min_tokens
+                    or self.guided_decoding is not None)
 
     def end_token_ids(self, eos_token_id: int | None) -> frozenset[int]:
         """The token ids that end a sequence: `stop_token_ids`, and EOS unless `ignore_eos`.
@@ -132,6 +204,25 @@ class SamplingParams:
             if key not in allowed:
                 raise ValueError(f"unknown sampling parameter {key!r}")
         return cls(**d)
+
+
+def _checked_logit_bias(bias: Any) -> dict[int, float]:
+    """{token id: bias}; ids may come as decimal strings (JSON object keys)."""
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias", bias, "a mapping of token id to bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str):
+            token = int(key) if key.strip().lstrip("-").isdigit() else None
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise _bad("logit_bias", key, "keyed by token ids (ints >= 0)")
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise _bad("logit_bias", value, f"bias values in [-{MAX_LOGIT_BIAS:g}, "
+                                            f"{MAX_LOGIT_BIAS:g}] (token {token})")
+        out[token] = float(value)
+    return out
 
 
 def _check_int(name: str, value: Any) -> None:

@@ -174,12 +174,15 @@ def _prompt_input(prompt: Prompt) -> str | list[int]:
 
 
 def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> list[int]:
-    """Messages -> prompt token ids with the tokenizer's chat template."""
+                chat_template: str | None = None,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Messages -> prompt token ids with the tokenizer's chat template (given `tools`, the
+    template's own tools section, if it has one)."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template")
+    extra = {"tools": tools} if tools else {}
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        chat_template=chat_template, tokenize=True)
+                                        chat_template=chat_template, tokenize=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns an encoding
         ids = ids["input_ids"]
     return list(ids)

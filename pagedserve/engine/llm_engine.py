@@ -20,6 +20,7 @@ from pagedserve.kv_cache import KVCacheManager, SlidingWindowSpec
 from pagedserve.kv_cache.specs import bytes_per_block, bytes_per_slot
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
+from pagedserve.structured_output import StructuredOutputManager, check_backend
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded.model, loaded.hf_config.vocab_size,
                                   self.max_model_len,
                                   self.eos_token_id)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.runner.vocab_size, device, config.scheduler.max_num_seqs,
+            config.guided_decoding_backend)
+        self.runner.structured_output = self.structured_output
         num_blocks, num_slots = self.runner.determine_cache_size()
         self.runner.allocate_kv_cache(num_blocks, num_slots)
         self.runner.warmup()
@@ -129,6 +134,13 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids must be token ids below the vocabulary size "
                              f"{vocab}, got {bad[0]}")
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias must be keyed by token ids below the vocabulary size "
+                             f"{vocab}, got {bad[0]}")
+        if params.guided_decoding is not None and self.tokenizer is None:
+            raise ValueError("guided_decoding needs the model's tokenizer, and this model has "
+                             "none")
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.runner.vocab_size
@@ -171,6 +183,11 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         requests = [Request(seq_id, token_ids, child, self.eos_token_id, arrival, cache_salt)
                     for seq_id, child in zip(ids, children, strict=True)]
+        if params.guided_decoding is not None:
+            # One matcher per sequence; the grammar is compiled once (or found in the cache).
+            for request in requests:
+                request.grammar = self.structured_output.new_grammar(
+                    params.guided_decoding, request.end_token_ids)
         state = RequestState(request_id, text, token_ids, [], RequestMetrics(arrival),
                              stream=stream)
         if params.prompt_logprobs is not None:
@@ -373,6 +390,7 @@ def check_settings(config: EngineConfig) -> str | None:
 
     config.check_device()
     requested_backend(config.attention_backend)
+    check_backend(config.guided_decoding_backend)
     m = config.model
     if not (m.model or "").startswith("random:"):
         model_path(m.model)

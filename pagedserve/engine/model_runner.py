@@ -37,6 +37,7 @@ from pagedserve.engine.sampler import (
 from pagedserve.kv_cache.specs import StateSpec, bytes_per_block, bytes_per_slot
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, SchedulerOutput
+from pagedserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,10 @@ class ModelRunner:
         # Live requests that need more than the sampled token (teacher forcing, prompt
         # logprobs, scoring by prefill): a step looks for them only while there are any.
         self._wants_logits: set[str] = set()
+        # Guided decoding: the engine's StructuredOutputManager, and the live requests with a
+        # grammar (a step fills a bitmask only while there are any).
+        self.structured_output: StructuredOutputManager | None = None
+        self._guided: set[str] = set()
         self.kv_caches: list[Any] = []
         self.state_caches: list[dict[str, torch.Tensor]] = []
         self.num_blocks = 0
@@ -245,10 +250,13 @@ class ModelRunner:
             self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
         if request.needs_logits:
             self._wants_logits.add(request.request_id)
+        if request.grammar is not None:
+            self._guided.add(request.request_id)
 
     def finish_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
         self._wants_logits.discard(request_id)
+        self._guided.discard(request_id)
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -318,6 +326,8 @@ class ModelRunner:
         meta = self._sampling_metadata(batch)
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
+        if self._guided:  # host work while the device runs the forward
+            self._fill_token_bitmask(batch, meta)
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
@@ -397,6 +407,28 @@ class ModelRunner:
         outputs = [r.output_token_ids for r in requests] if needs_tokens else [[]] * len(params)
         return SamplingMetadata.build(params, prompts, outputs, generators, self.eos_token_id,
                                       self.vocab_size, self.device, distinct)
+
+    def _fill_token_bitmask(self, batch: SchedulerOutput, meta: SamplingMetadata) -> None:
+        """The grammar's allowed tokens for the rows that sample in this step. A guided
+        request runs without async overlap (`needs_host_history`), so its matcher has accepted
+        every earlier sample by now."""
+        rows, grammars = [], []
+        for i, (request, samples) in enumerate(zip(batch.requests, batch.will_sample.tolist(),
+                                                   strict=True)):
+            grammar = request.grammar
+            if grammar is None or not samples:
+                continue
+            if batch.is_new[i]:
+                # Readmitted after preemption: recompute keeps every output token, so this is
+                # a no-op unless a sample was dropped; the matcher follows the tokens kept.
+                grammar.rollback_to(request.num_output_tokens)
+            rows.append(i)
+            grammars.append(grammar)
+        if rows:
+            assert self.structured_output is not None
+            meta.token_bitmask = self.structured_output.fill_bitmask(grammars, rows,
+                                                                     batch.num_reqs)
+            meta.bitmask_rows = rows
 
     def warmup(self) -> None:
         """Compile/JIT whatever the backend needs before the first request, then capture the

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output.manager import apply_token_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -43,6 +44,11 @@ class SamplingMetadata:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
+    logit_bias: Tensor | None = None  # [B, V] float32; None unless a row has a logit_bias
+    # Guided decoding: [B, ceil(V / 32)] int32 allowed-token bits, applied to `bitmask_rows`
+    # only (the runner fills it once the step's forward is queued).
+    token_bitmask: Tensor | None = None
+    bitmask_rows: list[int] | None = None
 
     @property
     def no_top_k_top_p_min_p(self) -> bool:
@@ -103,6 +109,20 @@ class SamplingMetadata:
             banned = torch.zeros(n, v, dtype=torch.bool, device=device)
             banned[_long(ban_rows, device), _long(ban_cols, device)] = True
 
+        bias = None
+        if any(p.logit_bias for p in uniq):
+            bias_rows: list[int] = []
+            bias_cols: list[int] = []
+            bias_values: list[float] = []
+            for row, p in enumerate(params):
+                if p.logit_bias:
+                    bias_rows.extend([row] * len(p.logit_bias))
+                    bias_cols.extend(p.logit_bias)
+                    bias_values.extend(p.logit_bias.values())
+            bias = torch.zeros(n, v, dtype=torch.float32, device=device)
+            bias[_long(bias_rows, device), _long(bias_cols, device)] = _to_device(
+                torch.tensor(bias_values, dtype=torch.float32), device)
+
         asked = [p.logprobs for p in uniq if p.logprobs is not None]
         # One transfer for the per-row values (top_k and vocab ids are exact in float32).
         table = torch.tensor([temperature, top_p, min_p, pres, freq, rep, top_k, greedy],
@@ -133,6 +153,7 @@ class SamplingMetadata:
             no_top_k=all(k >= v for k in top_k),
             no_top_p=all(p >= 1.0 for p in top_p),
             no_min_p=not any(min_p),
+            logit_bias=bias,
         )
 
 
@@ -198,7 +219,14 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    """min_tokens ban, then repetition, then frequency/presence penalties. Out of place."""
+    """Logit bias, the grammar's bitmask, the min_tokens ban, then repetition, then
+    frequency/presence penalties. Out of place."""
+    if meta.logit_bias is not None:
+        logits = logits + meta.logit_bias
+    if meta.token_bitmask is not None:
+        if meta.logit_bias is None:  # the kernel works in place: not on the caller's tensor
+            logits = logits.clone()
+        apply_token_bitmask(logits, meta.token_bitmask, meta.bitmask_rows)
     if meta.banned_token_mask is not None:
         logits = logits.masked_fill(meta.banned_token_mask, _NEG_INF)
     if meta.no_penalties:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -109,6 +109,9 @@ class Request:
         # before its next step launches (no async overlap while it runs).
         self.needs_host_history = (sampling_params.needs_host_history
                                    or self.forced_output_ids is not None)
+        # Guided decoding: the engine's matcher for this sequence (structured_output's
+        # RequestGrammar), advanced by the scheduler with each sampled token.
+        self.grammar: Any = None
         if scoring is not None:
             self.max_tokens = len(scoring.continuation) if scoring.mode == "decode" else 1
             self.min_tokens = 0
@@ -140,6 +143,10 @@ class Request:
             return None
         if (self.num_output_tokens >= self.min_tokens
                 and self.output_token_ids[-1] in self.end_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        # The grammar has ended (its stop token accepted, even one ignore_eos would pass), or
+        # refused a token: nothing more it could accept.
+        if self.grammar is not None and (self.grammar.failed or self.grammar.is_terminated):
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH

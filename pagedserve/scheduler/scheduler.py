@@ -3,6 +3,7 @@ preemption by recompute when the KV pool runs out."""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 
@@ -12,6 +13,8 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache import KVCacheManager
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -192,6 +195,9 @@ class Scheduler:
             # step saw its whole context.
             request.num_output_placeholders -= 1
             request.append_output_token(token)
+            if request.grammar is not None and not request.grammar.accept(token):
+                logger.error("request %s: its grammar refused sampled token %d; it ends here",
+                             request.request_id, token)
             self.kv.cache_computed_blocks(request)
             status = request.check_stop(self.max_model_len)
             if status is not None:

@@ -29,6 +29,8 @@ from pagedserve.server.common import (
 from pagedserve.server.completions import create_completion
 from pagedserve.server.gatekeeper import Gatekeeper
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.reasoning import get_reasoning_parser
+from pagedserve.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -40,6 +42,10 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     state = ServerState(llm, config.served_model_name or llm.engine.model_name,
                         ServerMetrics(llm), log_requests=config.enable_log_requests,
                         max_n=config.max_n)
+    if config.tool_call_parser is not None:
+        state.tool_parser = get_tool_parser(config.tool_call_parser)
+    if config.reasoning_parser is not None:
+        state.reasoning_parser = get_reasoning_parser(config.reasoning_parser)
     llm.observer = state.metrics
 
     @asynccontextmanager

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages through the chat template, whole responses and
-streamed deltas in OpenAI's chunk shape."""
+streamed deltas in OpenAI's chunk shape; structured outputs, tool calls and reasoning
+(chat_tools and chat_output hold how)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from pagedserve.engine.async_llm import EngineDeadError, RequestStream
 from pagedserve.engine.llm import render_chat
 from pagedserve.engine.outputs import PositionLogprobs
 from pagedserve.server import protocol as p
+from pagedserve.server.chat_output import ChatChoiceParser
+from pagedserve.server.chat_tools import ToolPrompt, tool_plan
 from pagedserve.server.common import ApiError, ServerState, common_checks, finite, sampling_params
+from pagedserve.server.guided import guided_decoding, with_guided
 from pagedserve.server.streaming import (
     SSE_DONE,
     SSEResponse,
@@ -28,7 +32,7 @@ from pagedserve.server.streaming import (
 
 
 def render_messages(state: ServerState, messages: list[p.ChatMessage],
-                     add_generation_prompt: bool) -> list[int]:
+                     add_generation_prompt: bool, tools: ToolPrompt | None = None) -> list[int]:
     rendered = []
     for i, message in enumerate(messages):
         content = message.content
@@ -46,10 +50,16 @@ def render_messages(state: ServerState, messages: list[p.ChatMessage],
             item["name"] = message.name
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            item["tool_calls"] = [c.model_dump() for c in message.tool_calls]
         rendered.append(item)
+    template = state.llm.engine.chat_template or getattr(state.tokenizer, "chat_template", "")
+    template_tools = None
+    if tools is not None:
+        template_tools, rendered = tools.apply(rendered, template or "")
     try:
         return render_chat(state.tokenizer, rendered, add_generation_prompt,
-                           state.llm.engine.chat_template)
+                           state.llm.engine.chat_template, template_tools)
     except ApiError:
         raise
     except Exception as exc:  # template errors are the request's fault, not the server's
@@ -90,30 +100,46 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     if body.max_completion_tokens is not None:
         renames["max_tokens"] = "max_completion_tokens"
     params = sampling_params(state, body, "messages", renames)
+    plan = tool_plan(state, body)
+    guided, field = guided_decoding(body)
+    if plan.guided is not None:
+        if guided is not None:
+            raise ApiError(400, f"{field} cannot be combined with tool_choice "
+                                f"{plan.mode!r}: the tool call's grammar applies",
+                           param=field)
+        guided, field = plan.guided, "tool_choice"
+    params = await with_guided(state, params, guided, field)
     # The template renders and tokenizes in a worker thread (a long chat holds nothing up).
     prompt = await asyncio.to_thread(render_messages, state, body.messages,
-                                     body.add_generation_prompt)
+                                     body.add_generation_prompt, plan.prompt)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await add_all(state, request_id, [(None, prompt)], params, body.cache_salt,
                             "messages", renames)
+    parsers = [plan.parser(state) for _ in range(params.n)]
     if body.stream:
-        return SSEResponse(_stream_chat(state, body, request_id, streams[0], params.n, start),
+        return SSEResponse(_stream_chat(state, body, request_id, streams[0], parsers, start),
                             streams)
-    return await until_disconnect(request, _full_chat(state, body, request_id, streams, start))
+    return await until_disconnect(request, _full_chat(state, body, request_id, streams,
+                                                      parsers, start))
 
 
 async def _full_chat(state: ServerState, body: p.ChatCompletionRequest, request_id: str,
-                     streams: list[RequestStream], start: float) -> p.ChatCompletionResponse:
+                     streams: list[RequestStream], parsers: list[ChatChoiceParser],
+                     start: float) -> p.ChatCompletionResponse:
     tally = Tally()
     try:
         output = (await final_outputs(streams))[0]
         tally.add(0, output)
         top_n = body.top_logprobs or 0
-        choices = [p.ChatCompletionChoice(
-            index=c.index, message=p.ChatResponseMessage(content=c.text),
-            logprobs=_chat_logprobs(state, c.token_ids, c.logprobs, top_n) if body.logprobs
-            else None, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            parser = parsers[c.index]
+            message = parser.message(c.text)
+            choices.append(p.ChatCompletionChoice(
+                index=c.index, message=message,
+                logprobs=_chat_logprobs(state, c.token_ids, c.logprobs, top_n) if body.logprobs
+                else None, finish_reason=parser.finish_reason(c.finish_reason),
+                stop_reason=c.stop_reason))
         return p.ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
                                         usage=tally.usage(),
                                         system_fingerprint=state.fingerprint)
@@ -124,13 +150,15 @@ async def _full_chat(state: ServerState, body: p.ChatCompletionRequest, request_
 def _chat_chunk(chunk: p.ChatCompletionStreamResponse, include_usage: bool) -> str:
     """OpenAI's chunk shape: a delta carries only the keys it sets ({} at the end)."""
     data = chunk.model_dump(exclude=None if include_usage else {"usage"})
-    for choice in data["choices"]:
-        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    for choice, original in zip(data["choices"], chunk.choices, strict=True):
+        choice["delta"] = original.delta.model_dump(exclude_none=True)
     return sse(data)
 
 
 async def _stream_chat(state: ServerState, body: p.ChatCompletionRequest, request_id: str,
-                       stream: RequestStream, n: int, start: float) -> AsyncIterator[str]:
+                       stream: RequestStream, parsers: list[ChatChoiceParser], start: float
+                       ) -> AsyncIterator[str]:
+    n = len(parsers)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     created = int(time.time())
     top_n = body.top_logprobs or 0
@@ -154,14 +182,16 @@ async def _stream_chat(state: ServerState, body: p.ChatCompletionRequest, reques
                 logprobs = None
                 if body.logprobs and c.delta_logprobs:
                     logprobs = _chat_logprobs(state, c.delta_token_ids, c.delta_logprobs, top_n)
-                if c.delta_text or logprobs is not None:
+                parser = parsers[c.index]
+                delta = parser.delta(c.delta_text, c.finish_reason is not None)
+                if delta is not None or logprobs is not None:
                     yield chunk([p.ChatCompletionStreamChoice(
-                        index=c.index, delta=p.DeltaMessage(content=c.delta_text),
-                        logprobs=logprobs)])
+                        index=c.index, delta=delta or p.DeltaMessage(), logprobs=logprobs)])
                 if c.finish_reason is not None and c.index not in finished:
                     finished.add(c.index)
                     yield chunk([p.ChatCompletionStreamChoice(
-                        index=c.index, delta=p.DeltaMessage(), finish_reason=c.finish_reason,
+                        index=c.index, delta=p.DeltaMessage(),
+                        finish_reason=parser.finish_reason(c.finish_reason),
                         stop_reason=c.stop_reason)])
         if include_usage:
             yield _chat_chunk(p.ChatCompletionStreamResponse(

@@ -15,6 +15,8 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as p
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.reasoning import ReasoningParser
+from pagedserve.server.tool_parsers import ToolParser
 
 MIN_LOGPROB = -9999.0
 SAMPLING_PARAM_NAMES = {*p.SAMPLING_FIELDS, "max_tokens", "logprobs", "prompt_logprobs"}
@@ -64,6 +66,8 @@ class ServerState:
     max_n: int = 128  # most sequences per prompt, and prompts per request
     draining: bool = False  # shutting down: new requests get 503
     in_flight: int = 0  # API requests whose response has not ended (Gatekeeper counts)
+    tool_parser: ToolParser | None = None  # --tool-call-parser: tool_choice "auto"
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
 
     @property
     def tokenizer(self) -> Any:
@@ -109,8 +113,6 @@ def common_checks(state: ServerState, body: p.SamplingRequest, num_prompts: int 
     if num_prompts > state.max_n:
         raise ApiError(400, f"at most {state.max_n} prompts per request, got {num_prompts}",
                        param="prompt")
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true",
                        param="stream_options")

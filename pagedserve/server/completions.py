@@ -21,6 +21,7 @@ from pagedserve.server.common import (
     sampling_params,
     tokenize_prompts,
 )
+from pagedserve.server.guided import guided_decoding, with_guided
 from pagedserve.server.streaming import (
     SSE_DONE,
     SSEResponse,
@@ -137,6 +138,7 @@ async def create_completion(state: ServerState, body: p.CompletionRequest,
         if isinstance(prompt, list):
             check_token_ids(state, prompt, "prompt")
     params = sampling_params(state, body, "prompt")
+    params = await with_guided(state, params, *guided_decoding(body))
     prompts = await tokenize_prompts(state, prompts)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await add_all(state, request_id, prompts, params, body.cache_salt, "prompt")

@@ -2,7 +2,9 @@
 
 Request models forbid unknown fields, as OpenAI does; the engine's sampling fields that OpenAI
 lacks (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
-skip_special_tokens, include_stop_str_in_output, cache_salt) are accepted as vLLM accepts them.
+skip_special_tokens, include_stop_str_in_output, cache_salt) are accepted as vLLM accepts them,
+and so are vLLM's guided-decoding fields (guided_json, guided_regex, guided_choice,
+guided_grammar) beside OpenAI's response_format.
 """
 
 from __future__ import annotations
@@ -85,7 +87,22 @@ class UsageInfo(BaseModel):
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "stop",
                    "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                   "include_stop_str_in_output")
+                   "include_stop_str_in_output", "logit_bias")
+
+
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    # "schema" would shadow pydantic's BaseModel.schema.
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced: strict or not
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingRequest(OpenAIModel):
@@ -109,7 +126,14 @@ class SamplingRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, unused
-    logit_bias: dict[str, float] | None = None  # accepted only empty: not supported
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None
+    # vLLM's guided decoding fields: at most one, and not with response_format.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # refused: xgrammar has no such setting
 
     def base_sampling_fields(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         """The sampling fields the request set, over `defaults` (the model's)."""
@@ -181,15 +205,58 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class RequestToolCall(OpenAIModel):
+    """A tool call in an assistant message of the conversation sent back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # a tool message answers this call
+    tool_calls: list[RequestToolCall] | None = None  # an assistant message's calls
 
     @model_validator(mode="after")
     def _as_openai_requires(self) -> ChatMessage:
         # OpenAI: every message but the assistant's has content; a tool message names its call.
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         if self.role == "tool" and not self.tool_call_id:
@@ -204,6 +271,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         fields = self.base_sampling_fields(defaults)
@@ -232,6 +302,8 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -252,9 +324,26 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first carries id, type and name; the rest append
+    to the arguments of the call at `index`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

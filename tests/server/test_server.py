@@ -386,7 +386,7 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", None),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options", None),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias", None),
     ("/v1/completions", {"prompt": []}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt", None),
     ("/v1/completions", {}, 400, "prompt", None),

@@ -1,0 +1,26 @@
+"""Guided decoding (structured outputs): a grammar per request, compiled from a JSON schema, a
+regex, a choice list or an EBNF grammar with xgrammar; each step a token bitmask for the rows
+that have one, applied to the logits before sampling. See docs/structured_outputs.md.
+
+xgrammar is imported lazily: an engine that never sees a guided request never loads it.
+"""
+
+from pagedserve.structured_output.grammar import GRAMMAR_KINDS, grammar_key, parse_grammar
+from pagedserve.structured_output.manager import (
+    BACKENDS,
+    RequestGrammar,
+    StructuredOutputManager,
+    apply_token_bitmask,
+    check_backend,
+)
+
+__all__ = [
+    "BACKENDS",
+    "GRAMMAR_KINDS",
+    "RequestGrammar",
+    "StructuredOutputManager",
+    "apply_token_bitmask",
+    "check_backend",
+    "grammar_key",
+    "parse_grammar",
+]

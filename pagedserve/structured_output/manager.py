@@ -1,0 +1,177 @@
+"""The engine's side of guided decoding: grammars compiled against the model's vocabulary
+(cached by spec), a matcher per sequence, and each step's token bitmask.
+
+Flow of one step (docs/structured_outputs.md): the runner queues the forward, then fills the
+bitmask rows of the sequences that have a grammar and sample in this step (xgrammar's batch
+matcher, in C++ threads, while the device computes), copies it to the device, and the sampler
+applies it to the logits. The scheduler hands each sampled token to its sequence's matcher; a
+matcher that reaches its end finishes the sequence.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedserve.structured_output.grammar import parse_grammar
+
+if TYPE_CHECKING:
+    from pagedserve.sampling_params import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("xgrammar", "guidance")
+# Compiled grammars kept (a compiled JSON schema over a 50k vocabulary is tens of KiB to a few
+# MiB); the least recently used goes first.
+CACHE_ENTRIES = 512
+
+
+def check_backend(name: str) -> None:
+    """The backend can run here; a ValueError naming what is missing otherwise."""
+    # find_spec, not import: the check runs at start-up and xgrammar takes seconds to import.
+    if name == "xgrammar":
+        if importlib.util.find_spec("xgrammar") is None:
+            raise ValueError("guided_decoding_backend 'xgrammar' needs the xgrammar package "
+                             "(pip install xgrammar)")
+        return
+    if name == "guidance":
+        if importlib.util.find_spec("llguidance") is None:
+            raise ValueError("guided_decoding_backend 'guidance' needs the llguidance package, "
+                             "which is not installed; use 'xgrammar'")
+        raise ValueError("guided_decoding_backend 'guidance' is not implemented by this engine "
+                         "yet; use 'xgrammar'")
+    raise ValueError(f"guided_decoding_backend must be one of {', '.join(BACKENDS)}, "
+                     f"got {name!r}")
+
+
+class RequestGrammar:
+    """One sequence's matcher and the number of its output tokens it has accepted."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.num_accepted = 0
+        self.failed = False  # a token the grammar refused (never expected: the mask forbids it)
+
+    def accept(self, token_id: int) -> bool:
+        if self.failed or self.matcher.is_terminated():
+            self.failed = True
+            return False
+        if not self.matcher.accept_token(token_id):
+            self.failed = True
+            return False
+        self.num_accepted += 1
+        return True
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and has accepted its stop token: the sequence ends."""
+        return self.matcher.is_terminated()
+
+    def rollback_to(self, num_tokens: int) -> None:
+        """Forget the accepted tokens beyond the first `num_tokens` (the sequence lost them)."""
+        extra = self.num_accepted - num_tokens
+        if extra > 0:
+            self.matcher.rollback(extra)
+            self.num_accepted = num_tokens
+
+
+class StructuredOutputManager:
+    """Compiles grammars for one tokenizer and vocabulary (the model's logits width) and fills
+    the token bitmask of a step. Thread-safe for `compile`: the server compiles in worker
+    threads before a request is added, so the engine thread finds the grammar in the cache."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device,
+                 max_num_reqs: int, backend: str = "xgrammar") -> None:
+        check_backend(backend)
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.device = device
+        self.max_num_reqs = max_num_reqs
+        self._compiler: Any = None
+        self._batch_matcher: Any = None
+        self._bitmask: torch.Tensor | None = None  # [max_num_reqs, ceil(V / 32)] int32, host
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        # Bitmask work of the steps so far (benchmarks read these).
+        self.fill_seconds = 0.0
+        self.num_fills = 0
+
+    def _ensure_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                if self.tokenizer is None:
+                    raise ValueError("guided decoding needs the model's tokenizer, and this "
+                                     "model has none")
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer,
+                                                          vocab_size=self.vocab_size)
+                # Our own LRU cache below; xgrammar's would keep a second copy.
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            return self._compiler
+
+    def compile(self, guided: GuidedDecodingParams) -> Any:
+        """The compiled grammar of a spec, from the cache or compiled now."""
+        key = guided.key
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        compiler = self._ensure_compiler()
+        t0 = time.perf_counter()
+        compiled = compiler.compile_grammar(parse_grammar(key))
+        logger.debug("compiled a %s grammar in %.3f s", key[0], time.perf_counter() - t0)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def new_grammar(self, guided: GuidedDecodingParams, end_token_ids: frozenset[int]
+                    ) -> RequestGrammar:
+        """A fresh matcher for one sequence. Its stop tokens are the sequence's end tokens (EOS
+        and stop ids), so the grammar allows them exactly where it may end; a sequence that
+        ignores EOS still ends with its grammar, on the tokenizer's EOS."""
+        import xgrammar as xgr
+
+        compiled = self.compile(guided)
+        stop = sorted(end_token_ids) or None
+        return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stop))
+
+    def fill_bitmask(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int
+                     ) -> torch.Tensor:
+        """The [num_rows, ceil(V / 32)] int32 bitmask on the device, rows `rows` filled from
+        `grammars` (bit set: token allowed); the other rows are left as they are and must not be
+        applied."""
+        import xgrammar as xgr
+
+        t0 = time.perf_counter()
+        if self._bitmask is None:
+            self._bitmask = xgr.allocate_token_bitmask(self.max_num_reqs, self.vocab_size)
+            self._batch_matcher = xgr.BatchGrammarMatcher()
+        bitmask = self._bitmask[:num_rows]
+        self._batch_matcher.batch_fill_next_token_bitmask(
+            [g.matcher for g in grammars], bitmask, indices=rows)
+        if self.device.type == "cuda":
+            # A pinned copy from torch's caching host allocator: the host buffer is refilled
+            # next step while this copy may still be queued.
+            bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
+        self.fill_seconds += time.perf_counter() - t0
+        self.num_fills += 1
+        return bitmask
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """-inf, in place, on the logits of the tokens a row's bitmask forbids, for `rows` only
+    (xgrammar's kernel: C++ on the CPU, Triton or CUDA on a GPU)."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
+                                    indices=rows)

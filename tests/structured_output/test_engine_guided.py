@@ -1,0 +1,212 @@
+"""Guided decoding in the engine with the bundled SmolLM2 (float32, CPU): outputs of JSON
+schemas validate with jsonschema, regex and choice outputs match, every sampled token is one a
+fresh xgrammar matcher accepts, n > 1, preemption, unguided greedy outputs unchanged beside
+guided ones, logit_bias; and the bitmask application against a naive float32 reference."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.sampling_params import GuidedDecodingParams
+from pagedserve.structured_output import apply_token_bitmask
+from tests.structured_output.schemas import FAST, SCHEMAS
+
+PROMPT = "Answer with JSON only.\n"
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    # float32: greedy tokens do not depend on how requests are batched.
+    return LLM(model=None, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=64)
+
+
+_COMPILERS: dict[int, xgr.GrammarCompiler] = {}
+
+
+def _matcher_accepts_all(llm: LLM, guided: GuidedDecodingParams, token_ids: list[int]) -> bool:
+    """A fresh matcher (compiled apart from the engine's) accepts the tokens, ending there."""
+    vocab = llm.engine.runner.vocab_size
+    if vocab not in _COMPILERS:
+        info = xgr.TokenizerInfo.from_huggingface(llm.get_tokenizer(), vocab_size=vocab)
+        _COMPILERS[vocab] = xgr.GrammarCompiler(info)
+    matcher = xgr.GrammarMatcher(_COMPILERS[vocab].compile_grammar(_reference_grammar(guided)))
+    return all(matcher.accept_token(t) for t in token_ids) and matcher.is_terminated()
+
+
+def _reference_grammar(guided: GuidedDecodingParams) -> xgr.Grammar:
+    if guided.json is not None:
+        return xgr.Grammar.from_json_schema(json.dumps(guided.json), any_whitespace=False)
+    if guided.regex is not None:
+        return xgr.Grammar.from_regex(guided.regex)
+    raise AssertionError("not used here")
+
+
+def _generate_schemas(llm: LLM, names: list[str], samples: int) -> None:
+    params, expected = [], []
+    for name in names:
+        guided = GuidedDecodingParams(json=SCHEMAS[name])
+        for i in range(samples):
+            params.append(SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=MAX_TOKENS,
+                                         guided_decoding=guided))
+            expected.append(name)
+    outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    for name, p, out in zip(expected, params, outs, strict=True):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (name, c.text)
+        jsonschema.validate(json.loads(c.text), SCHEMAS[name])
+        assert _matcher_accepts_all(llm, p.guided_decoding, c.token_ids), (name, c.text)
+
+
+def test_json_schemas_fast(llm: LLM) -> None:
+    _generate_schemas(llm, FAST, samples=2)
+
+
+@pytest.mark.slow
+def test_json_schemas_all(llm: LLM) -> None:
+    _generate_schemas(llm, list(SCHEMAS), samples=5)
+
+
+def test_regex_choice_json_object(llm: LLM) -> None:
+    regex = r"[A-Z][a-z]{2,5} [0-9]{1,3}"
+    choices = ["Paris", "London", "New York", "a \"quoted\" one"]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=40,
+                             guided_decoding=GuidedDecodingParams(regex=regex)) for i in range(3)]
+    params += [SamplingParams(temperature=0.8, seed=i, max_tokens=40,
+                              guided_decoding=GuidedDecodingParams(choice=choices))
+               for i in range(3)]
+    params += [SamplingParams(temperature=0.8, seed=i, max_tokens=120,
+                              guided_decoding=GuidedDecodingParams(json_object=True))
+               for i in range(2)]
+    outs = llm.generate(["The capital of France is"] * len(params), params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    assert all(re.fullmatch(regex, t) for t in texts[:3]), texts[:3]
+    assert all(t in choices for t in texts[3:6]), texts[3:6]
+    for out in outs[6:]:
+        if out.outputs[0].finish_reason == "stop":  # an unbounded object may hit the limit
+            assert isinstance(json.loads(out.outputs[0].text), dict)
+        else:
+            assert out.outputs[0].text.startswith("{")
+
+
+def test_n_sequences_each_follow_the_grammar(llm: LLM) -> None:
+    schema = SCHEMAS["weather_call"]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=MAX_TOKENS,
+                            guided_decoding=GuidedDecodingParams(json=schema))
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    for c in out.outputs:
+        jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_unguided_greedy_unchanged_beside_guided(llm: LLM) -> None:
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    guided = [SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS,
+                             guided_decoding=GuidedDecodingParams(json=SCHEMAS[name]))
+              for i, name in enumerate(FAST)]
+    mixed = llm.generate([*prompts, *[PROMPT] * len(guided)], [greedy] * 3 + guided,
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
+    for name, out in zip(FAST, mixed[3:], strict=True):
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
+
+
+def test_guided_through_preemption() -> None:
+    # 20 blocks of 4 tokens for 8 requests of ~10 prompt tokens growing by up to 60: the
+    # scheduler must preempt (recompute), and the matchers must follow the tokens kept.
+    llm = LLM(model=None, dtype="float32", kv_cache_memory="16MiB", block_size=4,
+              num_gpu_blocks_override=40, max_num_seqs=8)
+    schema = SCHEMAS["array_of_objects"]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=60,
+                             guided_decoding=GuidedDecodingParams(json=schema))
+              for i in range(8)]
+    outs = llm.generate([PROMPT] * 8, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for p, out in zip(params, outs, strict=True):
+        c = out.outputs[0]
+        assert _matcher_accepts_all(llm, p.guided_decoding, c.token_ids), c.text
+        jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_ignore_eos_still_ends_with_the_grammar(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                            guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    c = llm.generate("Is water wet?", params, use_tqdm=False)[0].outputs[0]
+    assert c.text in ("yes", "no") and c.finish_reason == "stop"
+
+
+def test_logit_bias(llm: LLM) -> None:
+    prompt = "The capital of France is"
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    forced = 1234
+    up = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                        logit_bias={forced: 100})
+    assert llm.generate(prompt, up, use_tqdm=False)[0].outputs[0].token_ids == [forced] * 4
+    down = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                          logit_bias={str(plain[0]): -100})  # JSON-style string keys too
+    assert llm.generate(prompt, down, use_tqdm=False)[0].outputs[0].token_ids[0] != plain[0]
+    for bad in ({1: 101}, {-1: 1.0}, {"x": 1.0}, {1: float("nan")}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="vocabulary size"):
+        llm.engine.check_sampling(SamplingParams(logit_bias={10**6: 1.0}))
+
+
+@pytest.mark.parametrize("bad, what", [
+    ({"json": {"type": "strnig"}}, "invalid JSON schema"),
+    ({"json": "{not json"}, "not valid JSON"),
+    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}},
+     "invalid JSON schema"),
+    ({"regex": "[a-"}, "invalid regex"),
+    ({"grammar": "root ::= undefined_rule"}, "invalid EBNF grammar"),
+    ({"choice": []}, "non-empty list"),
+    ({"regex": "a", "choice": ["b"]}, "exactly one"),
+    ({}, "exactly one"),
+])
+def test_bad_specs_are_value_errors(bad: dict, what: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(what)):
+        SamplingParams(guided_decoding=GuidedDecodingParams(**bad))
+
+
+def test_bitmask_application_matches_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    batch, vocab = 5, 1000
+    logits = torch.randn(batch, vocab, generator=g)
+    allowed = torch.rand(batch, vocab, generator=g) < 0.3
+    # Pack the allowed bits the way xgrammar reads them: bit j of word k is token 32k + j.
+    words = -(-vocab // 32)
+    padded = torch.zeros(batch, words * 32, dtype=torch.bool)
+    padded[:, :vocab] = allowed
+    weights = torch.tensor([1 << j for j in range(32)], dtype=torch.int64)
+    packed = (padded.view(batch, words, 32).long() * weights).sum(-1)
+    bitmask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    rows = [0, 2, 3]
+    out = logits.clone()
+    apply_token_bitmask(out, bitmask, rows)
+    expected = logits.clone()
+    expected[rows] = expected[rows].masked_fill(~allowed[rows], float("-inf"))
+    assert torch.equal(out, expected)
+
+
+def test_rollback_matches_a_fresh_matcher(llm: LLM) -> None:
+    manager = llm.engine.structured_output
+    guided = GuidedDecodingParams(json=SCHEMAS["flat_required"])
+    tokens = llm.get_tokenizer().encode('{"name": "Ann", "age": 7}', add_special_tokens=False)
+    grammar = manager.new_grammar(guided, frozenset({2}))
+    assert all(grammar.accept(t) for t in tokens)
+    grammar.rollback_to(3)
+    fresh = manager.new_grammar(guided, frozenset({2}))
+    assert all(fresh.accept(t) for t in tokens[:3])
+    a = manager.fill_bitmask([grammar], [0], 1).clone()
+    b = manager.fill_bitmask([fresh], [0], 1).clone()
+    assert torch.equal(a, b) and grammar.num_accepted == 3
