@@ -233,3 +233,16 @@ def test_async_scheduling_with_guided_requests(device: str) -> None:
     again: every output equals the step-by-step run's (the CPU runs the async code paths
     without overlap; on CUDA the bitmask goes through pinned memory and Triton/CUDA)."""
     assert _mixed_batch(device, True) == _mixed_batch(device, False)
+
+
+def test_backend_choice() -> None:
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import check_settings
+    from pagedserve.structured_output import check_backend
+
+    check_backend("xgrammar")
+    with pytest.raises(ValueError, match="guidance.*(llguidance|not implemented)"):
+        check_settings(EngineConfig.from_kwargs(guided_decoding_backend="guidance",
+                                                device="cpu"))
+    with pytest.raises(ValueError, match="one of xgrammar, guidance"):
+        check_backend("outlines")
