@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "__version__"]
+__all__ = ["LLM", "GuidedDecodingParams", "LLMEngine", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -11,4 +11,8 @@ def __getattr__(name: str):
         import pagedserve.engine as engine
 
         return getattr(engine, name)
+    if name == "GuidedDecodingParams":
+        from pagedserve.sampling_params import GuidedDecodingParams
+
+        return GuidedDecodingParams
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

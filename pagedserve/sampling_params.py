@@ -31,7 +31,7 @@ class GuidedDecodingParams:
     regex or grammar raises ValueError saying what is wrong. JSON from a schema is compact
     (`", "` and `": "` between items) unless `any_whitespace`."""
 
-    json: str | dict[str, Any] | bool | None = None
+    json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None

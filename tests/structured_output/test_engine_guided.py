@@ -210,3 +210,39 @@ def test_rollback_matches_a_fresh_matcher(llm: LLM) -> None:
     a = manager.fill_bitmask([grammar], [0], 1).clone()
     b = manager.fill_bitmask([fresh], [0], 1).clone()
     assert torch.equal(a, b) and grammar.num_accepted == 3
+
+
+def _mixed_batch(device: str, async_scheduling: bool) -> list[list[int]]:
+    llm = LLM(model=None, dtype="float32", device=device, kv_cache_memory="64MiB",
+              async_scheduling=async_scheduling)
+    prompts = ["The capital of France is", "Once upon a time", PROMPT, PROMPT]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),  # outlives
+              SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True),
+              *[SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS,
+                               guided_decoding=GuidedDecodingParams(json=SCHEMAS[name]))
+                for i, name in enumerate(FAST[:2])]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for name, out in zip(FAST[:2], outs[2:], strict=True):
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_async_scheduling_with_guided_requests(device: str) -> None:
+    """Guided requests make the engine step synchronously while they live, then it overlaps
+    again: every output equals the step-by-step run's (the CPU runs the async code paths
+    without overlap; on CUDA the bitmask goes through pinned memory and Triton/CUDA)."""
+    assert _mixed_batch(device, True) == _mixed_batch(device, False)
+
+
+def test_backend_choice() -> None:
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import check_settings
+    from pagedserve.structured_output import check_backend
+
+    check_backend("xgrammar")
+    with pytest.raises(ValueError, match="guidance.*(llguidance|not implemented)"):
+        check_settings(EngineConfig.from_kwargs(guided_decoding_backend="guidance",
+                                                device="cpu"))
+    with pytest.raises(ValueError, match="one of xgrammar, guidance"):
+        check_backend("outlines")

@@ -151,6 +151,13 @@ def test_json_object_regex_choice_grammar_fields(server, client) -> None:
     jsonschema.validate(json.loads(resp.choices[0].text), schema)
 
 
+def test_logit_bias_through_the_api(client) -> None:
+    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
+                                     logit_bias={"1234": 100},
+                                     extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert resp.choices[0].model_extra["token_ids"] == [1234] * 3
+
+
 class Step(pydantic.BaseModel):
     explanation: str = pydantic.Field(max_length=30)
     output: int

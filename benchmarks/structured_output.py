@@ -1,0 +1,122 @@
+"""The cost of guided decoding: decode throughput of a batch whose every request follows a JSON
+schema against the same batch unguided, and the per-step bitmask time.
+
+Each request generates exactly --output-len tokens either way (unguided: ignore_eos; guided: a
+schema of at least 64 objects of several typed fields, which cannot close sooner), so both runs
+take the same steps at the same batch size and the throughput ratio is the grammar's cost: the
+bitmask fill on the host (xgrammar's batch matcher), its copy and application on the device,
+the matchers' token acceptance, and on CUDA the loss of async scheduling (a guided request runs
+step by step, as penalties do). Runs alternate unguided / guided --repeats times.
+
+    python benchmarks/structured_output.py [--device cpu|cuda] [--batch 64] [--output-len 32]
+        [--repeats 2] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.sampling_params import GuidedDecodingParams
+
+ITEM = {"type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 16},
+                       "qty": {"type": "integer", "minimum": 0, "maximum": 1000},
+                       "unit": {"enum": ["g", "kg", "ml", "l"]},
+                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                "maxItems": 3}},
+        "required": ["name", "qty", "unit", "tags"], "additionalProperties": False}
+SCHEMA = {"type": "array", "minItems": 64, "items": ITEM}
+PROMPT = "List the ingredients of a cake as JSON:"
+
+
+def run(llm: LLM, batch: int, output_len: int, guided: bool) -> tuple[float, float, int]:
+    """(wall seconds, this process's CPU seconds, tokens generated)."""
+    g = GuidedDecodingParams(json=SCHEMA) if guided else None
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=output_len, ignore_eos=True,
+                             guided_decoding=g) for i in range(batch)]
+    if llm.engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = llm.generate([PROMPT] * batch, params, use_tqdm=False)
+    if llm.engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == batch * output_len, "a request ended early: the comparison is off"
+    return elapsed, cpu, tokens
+
+
+def apply_time(device: torch.device, batch: int, vocab: int, iters: int = 50) -> float:
+    """Median seconds of one bitmask application on [batch, vocab] float32 logits."""
+    from pagedserve.structured_output import apply_token_bitmask
+
+    logits = torch.randn(batch, vocab, device=device)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (batch, -(-vocab // 32)), dtype=torch.int32,
+                            device=device)
+    rows = list(range(batch))
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        apply_token_bitmask(logits, bitmask, rows)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(model=None, device=args.device, max_num_seqs=args.batch,
+              kv_cache_memory="512MiB")
+    manager = llm.engine.structured_output
+    # Compile the grammar and warm both paths up at the full batch size (the first run of a
+    # shape is slower, and would otherwise count against whichever goes first).
+    run(llm, args.batch, 2, guided=True)
+    run(llm, args.batch, 2, guided=False)
+    # Throughput by wall time, and by this process's CPU time (steadier on a shared CPU
+    # machine, where neighbours take cores; meaningless on CUDA, where the host waits).
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    cpu_rates: dict[bool, list[float]] = {False: [], True: []}
+    fill_s = fills = 0.0
+    for _ in range(args.repeats):
+        for guided in (False, True):
+            before = (manager.fill_seconds, manager.num_fills)
+            elapsed, cpu, tokens = run(llm, args.batch, args.output_len, guided)
+            rates[guided].append(tokens / elapsed)
+            cpu_rates[guided].append(tokens / cpu)
+            if guided:
+                fill_s += manager.fill_seconds - before[0]
+                fills += manager.num_fills - before[1]
+    plain, guided = statistics.median(rates[False]), statistics.median(rates[True])
+    device = llm.engine.runner.device
+    print(f"device {device}, batch {args.batch}, {args.output_len} output tokens, "
+          f"{args.repeats} repeats")
+    print(f"unguided: {plain:.1f} tok/s (runs: {', '.join(f'{r:.1f}' for r in rates[False])})")
+    print(f"guided:   {guided:.1f} tok/s (runs: {', '.join(f'{r:.1f}' for r in rates[True])})")
+    print(f"guided / unguided: {guided / plain:.3f} by wall time, "
+          f"{statistics.median(cpu_rates[True]) / statistics.median(cpu_rates[False]):.3f} "
+          f"by CPU time")
+    print(f"bitmask fill + copy per step: {1e3 * fill_s / max(fills, 1):.3f} ms "
+          f"({int(fills)} steps)")
+    vocab = llm.engine.runner.vocab_size
+    print(f"bitmask apply per step [{args.batch} x {vocab}]: "
+          f"{1e3 * apply_time(device, args.batch, vocab):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
