@@ -12,7 +12,8 @@
 # (TRITON_MLA's, FLASHINFER_MLA's, MLA decode graphs' and DiffKV's GPU tests, MLA decode
 # bandwidth of both backends, DeepSeek-V2-Lite's throughput and KV capacity), flex
 # (FLEX_ATTENTION's conformance and kernel timings beside TRITON and FLASHINFER), families (the
-# families' GPU greedy test), stateops (the state layers' kernels), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
+# families' GPU greedy test), stateops (the state layers' kernels),
+# hybrid (the hybrid models on CUDA, Qwen3-Next decode), structured (guided decoding's cost), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
 # beside TRITON and FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
@@ -368,6 +369,25 @@ stage_stateops() {  # the state layers' Triton kernels (GDN, lightning, SSD, con
     shard stateops tests/attention/test_linear_attention_ops.py tests/attention/test_ssm_ops.py \
         tests/attention/test_mamba_ops.py
     wait
+}
+
+stage_hybrid() {  # the hybrid models' GPU greedy tests, then Qwen3-Next decode beside transformers
+    setup_env
+    shard hybrid tests/models/test_qwen3_next.py tests/models/test_mamba2_bamba.py \
+        tests/models/test_lfm2_minimax.py tests/models/test_mamba.py
+    wait
+    timeout 200 python3 benchmarks/hybrid_decode.py >"$OUT/hybrid-decode.log" 2>&1
+    echo "exit $?" >>"$OUT/hybrid-decode.log"
+    tail -12 "$OUT/hybrid-decode.log"
+}
+
+stage_structured() {  # guided decoding's cost on the bundled model (needs the GGUF), its GPU test
+    setup_env
+    shard structured tests/structured_output
+    timeout 200 python3 benchmarks/structured_output.py --device cuda \
+        >"$OUT/structured-bench.log" 2>&1; echo "exit $?" >>"$OUT/structured-bench.log"
+    wait
+    tail -12 "$OUT/structured-bench.log"
 }
 
 stage_families() {  # the model families' GPU greedy test (float32 TRITON against transformers)
