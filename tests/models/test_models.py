@@ -340,7 +340,7 @@ def test_directory_with_tokenizer_files(smollm2, tmp_path):
     assert "<|im_start|>" in loaded.chat_template
 
 
-# --- GPU (run by the lead on the H200; skipped without CUDA) ----------------------------------
+# --- GPU (run on the H200; skipped without CUDA) -----------------------------------------------
 
 def _gpu_backends() -> list[str]:
     from pagedserve.attention.registry import backend_status

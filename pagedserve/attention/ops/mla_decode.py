@@ -58,8 +58,10 @@ _PREFILL_ROWS = 64
 _GPU_BLOCK_N = 32
 _INTERPRETER_ROWS = 64  # the interpreter runs programs in turn: few, large ones are fastest
 # Decode programs wanted per SM: below it a step splits each sequence's keys (flash-decoding).
+# Off (at most 1 split) on the measurement: 64 x 4,096 x 128 heads took 492 us with 3 splits
+# against 455 us unsplit on the H200 (2026-12-01); the sweep's `num_splits` finds where it pays.
 _PROGRAMS_PER_SM = 2
-_MAX_SPLITS = 8
+_MAX_SPLITS = 1
 
 
 def select_mla_tiles(device: torch.device, num_heads: int, decode_only: bool,
