@@ -133,6 +133,11 @@ class ModelRunner:
         self.state_caches: list[dict[str, torch.Tensor]] = []
         self.num_blocks = 0
         self.num_state_slots = 0
+        # The step's state slots, host (pinned on CUDA, rewritten only after the last step's
+        # input copies, as the other step inputs) and device.
+        self._slots_host = torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=pin)
+        self._slots_dev = self._slots_host if not pin else torch.zeros_like(
+            self._slots_host, device=self.device)
         self.decode_graphs: DecodeGraphs | None = None  # once captured
         self._ran_graph = False
         self._common: CommonAttentionMetadata | None = None  # the last step's
@@ -283,8 +288,11 @@ class ModelRunner:
         if graph_size is None:
             attn_metadata = {cfg: b.build(common) for cfg, b in self.builders.items()}
         if self.state_builder is not None:
-            slots = torch.from_numpy(self.input_batch.state_slot[rows])
-            common.state_slots = slots.to(self.device, non_blocking=True)
+            n = len(rows)
+            np.take(self.input_batch.state_slot, rows, out=self._slots_host.numpy()[:n])
+            common.state_slots = self._slots_dev[:n]
+            if self._slots_dev is not self._slots_host:
+                common.state_slots.copy_(self._slots_host[:n], non_blocking=True)
             state_metadata = self.state_builder.build(common)
         if self._inputs_copied is not None:
             self._inputs_copied.record()

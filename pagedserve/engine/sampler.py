@@ -44,7 +44,8 @@ class SamplingMetadata:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
-    logit_bias: Tensor | None = None  # [B, V] float32; None unless a row has a logit_bias
+    # (rows, token ids, biases) of every row's logit_bias entries; None unless a row has one.
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
     # Guided decoding: [B, ceil(V / 32)] int32 allowed-token bits, applied to `bitmask_rows`
     # only (the runner fills it once the step's forward is queued).
     token_bitmask: Tensor | None = None
@@ -119,9 +120,8 @@ class SamplingMetadata:
                     bias_rows.extend([row] * len(p.logit_bias))
                     bias_cols.extend(p.logit_bias)
                     bias_values.extend(p.logit_bias.values())
-            bias = torch.zeros(n, v, dtype=torch.float32, device=device)
-            bias[_long(bias_rows, device), _long(bias_cols, device)] = _to_device(
-                torch.tensor(bias_values, dtype=torch.float32), device)
+            bias = (_long(bias_rows, device), _long(bias_cols, device),
+                    _to_device(torch.tensor(bias_values, dtype=torch.float32), device))
 
         asked = [p.logprobs for p in uniq if p.logprobs is not None]
         # One transfer for the per-row values (top_k and vocab ids are exact in float32).
@@ -221,11 +221,12 @@ class SamplerOutput:
 def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     """Logit bias, the grammar's bitmask, the min_tokens ban, then repetition, then
     frequency/presence penalties. Out of place."""
+    if meta.logit_bias is not None or meta.token_bitmask is not None:
+        logits = logits.clone()  # both work in place: not on the caller's tensor
     if meta.logit_bias is not None:
-        logits = logits + meta.logit_bias
+        rows, token_ids, biases = meta.logit_bias
+        logits.index_put_((rows, token_ids), biases, accumulate=True)
     if meta.token_bitmask is not None:
-        if meta.logit_bias is None:  # the kernel works in place: not on the caller's tensor
-            logits = logits.clone()
         apply_token_bitmask(logits, meta.token_bitmask, meta.bitmask_rows)
     if meta.banned_token_mask is not None:
         logits = logits.masked_fill(meta.banned_token_mask, _NEG_INF)
