@@ -57,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--peak-tbs", type=float, default=4.8, help="HBM peak, TB/s")
     p.add_argument("--sweep", action="store_true", help="time every launch shape in SWEEP")
+    p.add_argument("--flashinfer-kernels", default="fa2,fa3",
+                   help="FlashInfer MLA kernel families to time beside its auto choice")
     p.add_argument("--backends", default="TRITON_MLA,FLASHINFER_MLA",
                    help="comma-separated; unavailable ones are skipped with the reason")
     return p.parse_args()
@@ -179,6 +181,18 @@ def main() -> None:
         if not ok:
             print(f"FLASHINFER_MLA skipped: {why}")
             return
+        for kind in args.flashinfer_kernels.split(","):
+            builder_cls = FlashInferMLABackend.get_builder_cls()
+            builder_cls.kernel_backend = kind
+            try:
+                fi = FlashInferDecode(step, args)
+                seconds = time_cuda(fi.kernel, args.warmup, args.iters)
+            except Exception as exc:  # a kernel family this FlashInfer or GPU does not build
+                print(f"FLASHINFER_MLA kernel ({kind}): failed ({type(exc).__name__}: {exc})")
+                continue
+            report(f"FLASHINFER_MLA kernel (wrapper.run, {kind})", seconds, cache_bytes,
+                   args.peak_tbs)
+        builder_cls.kernel_backend = "auto"
         fi = FlashInferDecode(step, args)
         seconds = time_cuda(fi.kernel, args.warmup, args.iters)
         report("FLASHINFER_MLA kernel (wrapper.run)", seconds, cache_bytes, args.peak_tbs)

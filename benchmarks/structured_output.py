@@ -74,6 +74,7 @@ def apply_time(device: torch.device, batch: int, vocab: int, iters: int = 50) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default=None)
+    parser.add_argument("--model", default=None, help="model path (default: the bundled GGUF)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
@@ -81,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=None, device=args.device, max_num_seqs=args.batch,
+    llm = LLM(model=args.model, device=args.device, max_num_seqs=args.batch,
               kv_cache_memory="512MiB")
     manager = llm.engine.structured_output
     # Compile the grammar and warm both paths up at the full batch size (the first run of a

@@ -384,7 +384,7 @@ stage_hybrid() {  # the hybrid models' GPU greedy tests, then Qwen3-Next decode 
 stage_structured() {  # guided decoding's cost on the bundled model (needs the GGUF), its GPU test
     setup_env
     shard structured tests/structured_output
-    timeout 200 python3 benchmarks/structured_output.py --device cuda \
+    timeout 200 python3 benchmarks/structured_output.py --device cuda --model "$PAGEDSERVE_TEST_GGUF" \
         >"$OUT/structured-bench.log" 2>&1; echo "exit $?" >>"$OUT/structured-bench.log"
     wait
     tail -12 "$OUT/structured-bench.log"
@@ -402,7 +402,7 @@ stage_flexbench() {  # the bundled GGUF through bench throughput on FLEX_ATTENTI
     local b
     for b in FLEX_ATTENTION TRITON FLASHINFER; do
         timeout 150 python3 -m pagedserve bench throughput --model "$PAGEDSERVE_TEST_GGUF" \
-            --attention-backend "$b" --num-prompts 256 --input-len 128 --output-len 512 \
+            --attention-backend "$b" --num-prompts 128 --input-len 128 --output-len 256 \
             >"$OUT/flexbench-$b.log" 2>&1; echo "exit $?" >>"$OUT/flexbench-$b.log"
         tail -4 "$OUT/flexbench-$b.log"
     done

@@ -17,6 +17,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import GuidedDecodingParams
 from pagedserve.structured_output import apply_token_bitmask
 from tests.structured_output.schemas import FAST, SCHEMAS
+from tests.utils.paged import bundled_gguf
 
 PROMPT = "Answer with JSON only.\n"
 MAX_TOKENS = 160
@@ -213,8 +214,8 @@ def test_rollback_matches_a_fresh_matcher(llm: LLM) -> None:
 
 
 def _mixed_batch(device: str, async_scheduling: bool) -> list[list[int]]:
-    llm = LLM(model=None, dtype="float32", device=device, kv_cache_memory="64MiB",
-              async_scheduling=async_scheduling)
+    llm = LLM(model=str(bundled_gguf()), dtype="float32", device=device,
+              kv_cache_memory="64MiB", async_scheduling=async_scheduling)
     prompts = ["The capital of France is", "Once upon a time", PROMPT, PROMPT]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),  # outlives
               SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True),

@@ -91,6 +91,10 @@ def csr_args(common: CommonAttentionMetadata, first: int = 0) -> tuple[torch.Ten
 
 
 class FlashInferMLAMetadataBuilder(AttentionMetadataBuilder):
+    # FlashInfer's MLA kernel family ("auto" lets it choose: fa3 on Hopper); the MLA decode
+    # benchmark sets "fa2"/"fa3" to compare them.
+    kernel_backend = "auto"
+
     def __init__(self, config: BuilderConfig) -> None:
         super().__init__(config)
         import flashinfer
@@ -112,7 +116,8 @@ class FlashInferMLAMetadataBuilder(AttentionMetadataBuilder):
 
     def _new_wrapper(self, **graph_buffers: torch.Tensor) -> Any:
         return self._flashinfer.mla.BatchMLAPagedAttentionWrapper(
-            self.workspace, use_cuda_graph=bool(graph_buffers), backend="auto", **graph_buffers)
+            self.workspace, use_cuda_graph=bool(graph_buffers), backend=self.kernel_backend,
+            **graph_buffers)
 
     def _plan(self, wrapper: Any, csr: tuple[torch.Tensor, ...]) -> None:
         c = self.config

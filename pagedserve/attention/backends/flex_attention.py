@@ -161,10 +161,16 @@ class FlexAttentionImpl(AttentionImpl):
                 block_mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
         flex = _flex_module()
         compiled = FlexAttentionImpl._flex
-        fn = compiled if compiled is not None and q.is_cuda else flex.flex_attention
+        use_compiled = compiled is not None and q.is_cuda
+        fn = compiled if use_compiled else flex.flex_attention
+        # Fewer than 128 queries (decode steps) would route to torch's flex-decoding kernel,
+        # which found no valid launch configuration for the packed layout (GQA, one batch row,
+        # every request's keys; torch 2.11 on the H200): the main kernel handles any length.
+        options = ({"FORCE_USE_FLEX_ATTENTION": True}
+                   if use_compiled and q.shape[2] < _MASK_BLOCK else None)
         out, aux = fn(q, k, v, score_mod=self.score_mod(), block_mask=block_mask,
                       scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
-                      return_aux=flex.AuxRequest(lse=True))
+                      kernel_options=options, return_aux=flex.AuxRequest(lse=True))
         return out, aux.lse
 
 
