@@ -14,13 +14,29 @@ one with `TurboQuantBackend.for_kv_cache_dtype(kv_cache_dtype)`, a subclass whos
 and page size are those of that preset (the unbound class stands for the default preset and
 refuses to size a cache for another one).
 
-On CUDA the builder plans the Triton kernels (ops/turboquant_kernels.py): one fused
-rotate-quantize-pack store and one attention launch per layer that dequantizes pages in
-registers. Decode-only steps of the rotated presets at head sizes 64 and 128 run a CUDA kernel
-instead (ops/tq_decode_cuda.py, built with nvcc when the builder starts; the Triton kernel
-where it cannot run; PAGEDSERVE_TQ_DECODE_KERNEL). Elsewhere the builder builds the CPU
-backend's padded groups and the impl runs the plain torch format, dequantizing the pages it
-gathers.
+On CUDA the builder plans the kernels once per step and each layer only launches them
+(ops/turboquant_kernels.py): one fused rotate-quantize-pack store of the step's K/V, then
+  - a decode-only step: one decode launch, the CUDA kernel for the rotated presets at head
+    sizes 64 and 128 (ops/tq_decode_cuda.py, built with nvcc when the builder starts;
+    PAGEDSERVE_TQ_DECODE_KERNEL) or the Triton kernel at decode tiles, split-KV for small
+    batches;
+  - a step with prefills: the prefills' queries over their own new keys at full precision
+    through TRITON's dense unified kernel (a first chunk needs nothing else: no page is
+    dequantized), which also leaves each row's log-sum-exp; the prefills that continue
+    earlier pages then attend those pages alone through the TurboQuant kernel, which merges
+    its softmax into the dense one (log-sum-exp weights); the step's decodes run as a decode
+    launch of their own, not at prefill tiles.
+Decode steps replay CUDA graphs (engine/cuda_graphs.py): every launch reads its sizes from the
+padded batch and its data from buffers of fixed address, the split count is fixed per
+captured size for the engine's longest sequence (`build_for_cudagraph`; the kernels cut each
+request's context into the splits on the device), padding requests (context 0, slot -1)
+attend their own token and write nothing, and the CUDA kernel is built before any capture.
+Elsewhere the builder builds the CPU backend's padded groups and the impl runs the plain torch
+format, dequantizing the pages it gathers.
+
+Longer than 500 lines: the backend's layout hooks, the builder's three launch plans and the
+impl's kernel and torch paths share the plan dataclasses; split, each part would import the
+others.
 """
 
 from __future__ import annotations

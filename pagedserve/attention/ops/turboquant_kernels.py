@@ -46,6 +46,10 @@ Kernel `_tq_attention_kernel`
                 registers).
              2. the step's new tokens [context, seq_len) at full precision, read from the key and
                 value inputs (they are attended exactly, never through the cache), causally.
+                MERGE_NEW (prefill steps): a dense kernel (unified_attention) has attended the
+                new tokens already, writing out and each row's base-2 log-sum-exp; phase 2 is
+                skipped and the context's (m, l, acc) merge into out by their weights
+                (rows of requests without context are left alone).
            Split-KV decode (num_splits > 1, block_q 1): the context tiles are cut into
            num_splits whole-tile ranges, one per program; each rotates its accumulator back
            and writes its (m, l, acc) partials, the last split alone also attending the new

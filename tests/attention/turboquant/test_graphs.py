@@ -167,6 +167,46 @@ def test_prefill_split_window_and_soft_cap(window, soft_cap):
     torch.testing.assert_close(out, dequant, rtol=1e-4, atol=1e-4)
 
 
+@kernels
+@pytest.mark.slow  # about a minute in the interpreter
+def test_engine_padded_graph_steps_match_eager():
+    """The engine on the kernels (interpreter): chunked prefills (24-token steps: a chunk
+    continuing its context beside a first chunk and a decode), then decode steps through the
+    graph path (`DecodeGraphs(capture=False)`: padded metadata from `build_for_cudagraph`,
+    split for a 4,096-token bound), give the eager engine's greedy tokens."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.bench import random_prompts
+    from pagedserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+
+    llm = LLM(model="random:tiny", attention_backend="TURBOQUANT", kv_cache_dtype="tq_4bit",
+              max_num_seqs=8, num_gpu_blocks_override=8, enable_prefix_caching=False,
+              device="cpu", dtype="float32", kv_cache_memory="16MiB",
+              max_num_batched_tokens=24)
+    runner = llm.engine.runner
+    for builder in runner.builders.values():
+        builder.use_kernels = True  # the CUDA path's kernels, under the interpreter
+        builder.num_sms = 64
+    prompts = [random_prompts(1, n, 512, seed=n)[0] for n in (5, 21, 11)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def greedy() -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    runner.step_log = []
+    eager = greedy()
+    assert any(prefills and len(n) > prefills for _, n, prefills, _ in runner.step_log), \
+        "no mixed step: the decode launch of a prefill step went untested"
+    graphs = DecodeGraphs(runner.graph_inputs(), graph_batch_sizes(8, runner.max_num_tokens),
+                          capture=False)
+    for builder in runner.builders.values():
+        builder.prepare_for_cudagraphs(4096)
+    runner.decode_graphs = graphs
+    assert greedy() == eager
+    assert graphs.replays[4] > 0  # 3 decodes ran padded to 4
+
+
 # ---- GPU ----------------------------------------------------------------------------------
 
 def _graph_step(preset: str, decode_kernel: str, contexts: list[int], size: int, seed: int):
