@@ -196,7 +196,9 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
             raise ValueError("TURBOQUANT builds graph metadata from the padded step")
         if not self.use_kernels:
             return self.build(padded)
-        bound = max(self.capture_max_seq_len or 0, padded.max_seq_len)
+        # The bound prepare_for_cudagraphs fixed (never the step's lengths: the captured grid
+        # has that split count).
+        bound = self.capture_max_seq_len or padded.max_seq_len
         return TurboQuantMetadata(padded, kernel=self._plan_decodes(
             padded, 0, padded.num_reqs, self.query_blocks, bound))
 

@@ -74,6 +74,7 @@ Kernel `_tq_attention_kernel`
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -228,6 +229,7 @@ def format_tensors(preset: KVPreset, head_size: int, device: torch.device) -> Fo
                          table(codebook_boundaries(preset.value)))
 
 
+@functools.cache  # the launch arguments of a layer never change: computed once, not per launch
 def _codec_args(prefix: str, codec: VectorCodec, head_size: int) -> dict[str, int]:
     return {f"{prefix}_KIND": _KIND_IDS[codec.kind], f"{prefix}_BITS": codec.bits,
             f"{prefix}_CODE_BYTES": codec.code_bytes(head_size),
@@ -244,9 +246,13 @@ def _layout_args(preset: KVPreset, kv_cache: torch.Tensor,
         raise ValueError(f"{preset.name} needs a uint8 cache [blocks, Hkv, block_size, "
                          f"{preset.slot_bytes(head_size)}] with contiguous blocks, got "
                          f"{kv_cache.dtype} {tuple(kv_cache.shape)} strides {kv_cache.stride()}")
+    return kv_cache.view(torch.float16), _plane_args(preset, head_size, block_size)
+
+
+@functools.cache
+def _plane_args(preset: KVPreset, head_size: int, block_size: int) -> dict[str, int]:
     _, v_codes, k_meta, v_meta = preset.plane_offsets(head_size, block_size)
-    return kv_cache.view(torch.float16), dict(V_CODES_OFF=v_codes, K_META_OFF=k_meta // 2,
-                                              V_META_OFF=v_meta // 2)
+    return dict(V_CODES_OFF=v_codes, K_META_OFF=k_meta // 2, V_META_OFF=v_meta // 2)
 
 
 # ---- store ------------------------------------------------------------------------------------
