@@ -290,6 +290,24 @@ def test_graph_replay_matches_eager_gpu(preset, decode_kernel, size, contexts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decode_kernel", ["triton", "auto"])
+@pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit", "naive_int4"])
+def test_prefill_split_matches_reference_gpu(preset, decode_kernel):
+    """The 8B shape (32:8 heads, d128, bf16): a first chunk, chunks continuing long contexts
+    (the merge) and decodes of the same step (their own decode launch, the CUDA kernel under
+    'auto'), against the float32 reference over the same bf16 inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    batch = [(0, 300), (700, 257), (129, 64), (2048, 33), (900, 1), (40, 1), (0, 1)]
+    out, cache, reqs, new_slots, key, value = run_turboquant_case(
+        preset, batch, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+        use_kernels=True, device="cuda", decode_kernel=decode_kernel)
+    dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
+    _check_new_slots(preset, cache, new_slots, key, value)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tq_k8v4", "tq_4bit", "tq_3bit"])
 def test_engine_graphs_match_eager_gpu(preset):
     """The engine captures TURBOQUANT decode graphs (start-up checks replay against eager),
