@@ -310,11 +310,13 @@ class TurboQuantImpl(AttentionImpl):
         super().__init__(layer)
         self.preset = tqf.get_preset(layer.kv_cache_dtype)
         self._cuda_decode_reasons: dict[tuple, str | None] = {}
+        self._slot_bytes = self.preset.slot_bytes(self.head_size)  # checked every forward
+        self._tensors: dict[torch.device, object] = {}  # the preset's constants per device
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TurboQuantMetadata,
                 output: torch.Tensor | None = None) -> torch.Tensor:
-        slot_bytes = self.preset.slot_bytes(self.head_size)
+        slot_bytes = self._slot_bytes
         if kv_cache.dtype != torch.uint8 or kv_cache.shape[-1] != slot_bytes:
             raise ValueError(
                 f"{self.preset.name} needs a uint8 cache of {slot_bytes}-byte slots, got "
@@ -336,7 +338,10 @@ class TurboQuantImpl(AttentionImpl):
         from pagedserve.attention.ops.turboquant_kernels import tq_attention, tq_store
 
         common = md.common
-        tensors = _format_tensors(self.preset.name, self.head_size, str(query.device))
+        tensors = self._tensors.get(query.device)
+        if tensors is None:
+            tensors = self._tensors[query.device] = _format_tensors(
+                self.preset.name, self.head_size, str(query.device))
         # Every new token quantized into its slot in one pass; the attention launches below
         # read the step's own tokens from key/value, never back from the cache.
         tq_store(self.preset, tensors, key, value, kv_cache, common.slot_mapping)
