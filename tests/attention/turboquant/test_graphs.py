@@ -207,6 +207,26 @@ def test_engine_padded_graph_steps_match_eager():
     assert graphs.replays[4] > 0  # 3 decodes ran padded to 4
 
 
+@kernels
+def test_prefill_benchmark_runs():
+    """benchmarks/tq_prefill.py: a TRITON row and one per preset and context-launch shape, the
+    TURBOQUANT output within the quantization's error of TRITON's."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[3] / "benchmarks" / "tq_prefill.py"
+    spec = importlib.util.spec_from_file_location("tq_prefill", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.prefill_benchmark(num_seqs=2, context=20, chunk=12, num_heads=4,
+                                   num_kv_heads=2, head_size=32, presets=("tq_4bit",),
+                                   prefill_tiles=["16/32/1/1", "16/32/1/1/select"],
+                                   device="cpu", dtype=torch.float32, warmup=0, iters=1)
+    assert [r["tiles"] for r in rows] == ["", "16/32/1/1", "16/32/1/1/select"]
+    assert all(0.0 < r["rel_err"] < 0.3 for r in rows[1:])
+    assert rows[1]["rel_err"] == pytest.approx(rows[2]["rel_err"], rel=1e-4)
+
+
 # ---- GPU ----------------------------------------------------------------------------------
 
 def _graph_step(preset: str, decode_kernel: str, contexts: list[int], size: int, seed: int):
