@@ -162,6 +162,7 @@ def small_model(args: argparse.Namespace) -> None:
     for eager in (False, True):
         llm = LLM(config="smollm2-random-gpu", model=args.small_model,
                   attention_backend=args.attention_backend, enforce_eager=eager,
+                  kv_cache_dtype=args.kv_cache_dtype,
                   gpu_memory_utilization=0.3, async_scheduling=args.async_scheduling)
         graphs = llm.engine.runner.decode_graphs
         if not eager and graphs is None:
@@ -418,7 +419,7 @@ def big_model(args: argparse.Namespace, rates: tuple[float, float]) -> None:
     print("\n== Llama-3.1-8B-shaped random bf16", flush=True)
     t0 = time.perf_counter()
     llm = LLM(config="llama3-8b-random",
-              attention_backend=args.attention_backend,
+              attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     row("8B engine start-up (weights, profile, KV, graphs)", f"{time.perf_counter() - t0:.1f} s",
@@ -451,6 +452,9 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="TRITON",
                         help="TRITON compiles in seconds; FLASHINFER JITs ~90 s per head size "
                              "on a fresh machine")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="e.g. tq_4bit with --attention-backend TURBOQUANT (its decode "
+                             "steps replay CUDA graphs too)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.75,
                         help="8B engine; leaves room for transformers on the same weights")
     parser.add_argument("--enforce-eager", action="store_true", help="8B engine without graphs")

@@ -4,7 +4,7 @@ the hot loop (the phase-1 loop over the quantized context: the largest loop of t
 key tile and per key.
 
     python scripts/tq_kernel_resources.py [--arch 90] [--presets tq_k8v4,tq_4bit,tq_3bit]
-        [--tiles 16/64/8/2/prmt/128,...] [--prefill] [--sass DIR] [--splits 1]
+        [--tiles 16/64/8/2/prmt/128,...] [--prefill [--merge]] [--sass DIR] [--splits 1]
 
 Decode shapes (one query token per request; 32:8 heads, d128, block size 16, bf16) unless
 --prefill, which compiles the prefill block shape of each tile string; --splits N compiles the
@@ -136,6 +136,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None)
     parser.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS here")
     parser.add_argument("--splits", type=int, default=1, help="split-KV decode programs")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --prefill: the context-only variant that merges into a "
+                             "dense kernel's output (a prefill step continuing its pages)")
     args = parser.parse_args()
     heads, kv_heads = map(int, args.heads.split(":"))
     d, bs, dtype, i32 = args.head_size, args.block_size, torch.bfloat16, torch.int32
@@ -165,6 +168,8 @@ def main() -> None:
                 if args.splits > 1 and not args.prefill:
                     split = dict(num_splits=args.splits,
                                  partials=allocate_partials(t, heads, d, args.splits, "cpu"))
+                if args.merge and args.prefill:
+                    split = dict(merge_lse=torch.zeros(t, heads, dtype=torch.float32))
                 tqk.tq_attention(preset, tensors, query, key, key, cache, torch.empty_like(query),
                                  torch.zeros(2, 4, dtype=i32), torch.tensor([0, 2, 4], dtype=i32),
                                  torch.tensor([10, 10], dtype=i32), torch.zeros(2, dtype=i32),

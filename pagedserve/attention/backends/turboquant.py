@@ -14,13 +14,29 @@ one with `TurboQuantBackend.for_kv_cache_dtype(kv_cache_dtype)`, a subclass whos
 and page size are those of that preset (the unbound class stands for the default preset and
 refuses to size a cache for another one).
 
-On CUDA the builder plans the Triton kernels (ops/turboquant_kernels.py): one fused
-rotate-quantize-pack store and one attention launch per layer that dequantizes pages in
-registers. Decode-only steps of the rotated presets at head sizes 64 and 128 run a CUDA kernel
-instead (ops/tq_decode_cuda.py, built with nvcc when the builder starts; the Triton kernel
-where it cannot run; PAGEDSERVE_TQ_DECODE_KERNEL). Elsewhere the builder builds the CPU
-backend's padded groups and the impl runs the plain torch format, dequantizing the pages it
-gathers.
+On CUDA the builder plans the kernels once per step and each layer only launches them
+(ops/turboquant_kernels.py): one fused rotate-quantize-pack store of the step's K/V, then
+  - a decode-only step: one decode launch, the CUDA kernel for the rotated presets at head
+    sizes 64 and 128 (ops/tq_decode_cuda.py, built with nvcc when the builder starts;
+    PAGEDSERVE_TQ_DECODE_KERNEL) or the Triton kernel at decode tiles, split-KV for small
+    batches;
+  - a step with prefills: the prefills' queries over their own new keys at full precision
+    through TRITON's dense unified kernel (a first chunk needs nothing else: no page is
+    dequantized), which also leaves each row's log-sum-exp; the prefills that continue
+    earlier pages then attend those pages alone through the TurboQuant kernel, which merges
+    its softmax into the dense one (log-sum-exp weights); the step's decodes run as a decode
+    launch of their own, not at prefill tiles.
+Decode steps replay CUDA graphs (engine/cuda_graphs.py): every launch reads its sizes from the
+padded batch and its data from buffers of fixed address, the split count is fixed per
+captured size for the engine's longest sequence (`build_for_cudagraph`; the kernels cut each
+request's context into the splits on the device), padding requests (context 0, slot -1)
+attend their own token and write nothing, and the CUDA kernel is built before any capture.
+Elsewhere the builder builds the CPU backend's padded groups and the impl runs the plain torch
+format, dequantizing the pages it gathers.
+
+Longer than 500 lines: the backend's layout hooks, the builder's three launch plans and the
+impl's kernel and torch paths share the plan dataclasses; split, each part would import the
+others.
 """
 
 from __future__ import annotations
@@ -29,6 +45,7 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,7 +67,7 @@ MAX_KERNEL_HEAD_SIZE = 128
 
 @dataclass
 class KernelPlan:
-    """Launch plan of the Triton attention kernel for one step."""
+    """Launch plan of one TurboQuant attention launch (Triton, or the CUDA decode kernel)."""
 
     qblock_req: torch.Tensor  # [num_qblocks] int32
     qblock_start: torch.Tensor  # [num_qblocks] int32
@@ -60,15 +77,38 @@ class KernelPlan:
     tiles: object  # ops.turboquant_kernels.TQTiles
     num_splits: int = 1  # > 1: split-KV decode through `partials`
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # A decode-only step may run the CUDA kernel (ops.tq_decode_cuda): 'auto' where the layer
+    # A decode launch may run the CUDA kernel (ops.tq_decode_cuda): 'auto' where the layer
     # allows it, 'cuda' (or fail), 'triton'.
     decode_kernel: str = "triton"
 
 
 @dataclass
+class PrefillPlan:
+    """A step with prefills: the prefills' new tokens attend each other at full precision
+    through the dense unified kernel (which also leaves each row's log-sum-exp), the prefills
+    that continue a context then attend their quantized pages alone and merge into that
+    (`context`, None when no prefill has context), and the step's decodes run as a decode
+    launch of their own (`decodes`, None when there are none)."""
+
+    dense_req: torch.Tensor  # unified_attention's query-block map over the prefills
+    dense_start: torch.Tensor
+    dense_qblocks: int
+    dense_block_q: int
+    dense_block_m: int
+    dense_tiles: object  # ops.unified_attention.TileConfig
+    new_lens: torch.Tensor  # [num_prefills] int32: each prefill's new tokens (seq_lens there)
+    no_slots: torch.Tensor  # [>= T] int64 of -1: the dense kernel writes no cache
+    lse: torch.Tensor  # [>= T, H] fp32
+    no_cache: torch.Tensor  # [1, 1, Hkv, D]: the dense kernel's cache argument, never read
+    context: KernelPlan | None
+    decodes: KernelPlan | None
+
+
+@dataclass
 class TurboQuantMetadata:
     common: CommonAttentionMetadata
-    kernel: KernelPlan | None = None  # set: the Triton path
+    kernel: KernelPlan | None = None  # set: a decode-only step on the kernels
+    prefill: PrefillPlan | None = None  # set: a step with prefills on the kernels
     groups: list[AttentionGroup] | None = None  # set: the torch path
     # Per group: flat index of each new token in the group's [B * max_seq_len] key grid.
     new_key_index: list[torch.Tensor] | None = None
@@ -82,7 +122,11 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         self.use_kernels = device.type == "cuda"  # tests may turn it on under the interpreter
         self.num_queries_per_kv = config.num_heads // config.num_kv_heads
         self._groups = CPUAttentionMetadataBuilder(config)
+        # Query-block maps: the step's TurboQuant launch (a decode step; a prefill step's
+        # context launch), the decodes of a mixed step, the prefills' dense launch.
         self.query_blocks = QueryBlockMap(config.max_num_tokens, device)
+        self.decode_blocks = QueryBlockMap(config.max_num_reqs, device)
+        self.dense_blocks = QueryBlockMap(config.max_num_tokens, device)
         # Launch shapes of the attention kernel (ops.turboquant_kernels.TQTiles); None: the
         # kernel module's defaults for the device. Benchmarks and tests set them to sweep.
         self.decode_tiles = None
@@ -90,6 +134,9 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         # Split-KV decode (ops.decode_split_kv): None picks the split count per step
         # (`choose_num_splits`: only while decodes x KV heads leave SMs idle); tests set it.
         self.num_splits: int | None = None
+        # Set by prepare_for_cudagraphs: graph steps take their split count from the padded
+        # batch and this bound, never from the step (the captured grid is fixed).
+        self.capture_max_seq_len: int | None = None
         # Decode-only steps: 'auto', 'cuda' or 'triton' (ops.tq_decode_cuda);
         # PAGEDSERVE_TQ_DECODE_KERNEL sets it, benchmarks and tests override it.
         from pagedserve.attention.ops.tq_decode_cuda import requested_kernel, unsupported_reason
@@ -97,7 +144,8 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         self.decode_kernel = requested_kernel()
         if device.type == "cuda" and self.decode_kernel != "triton":
             # Compile (first run) or load the CUDA kernel at start-up, not in the first decode
-            # step, where the layer can use it (the impl checks again per layer).
+            # step (nor inside a graph capture), where the layer can use it (the impl checks
+            # again per layer).
             unsupported_reason(tqf.get_preset(config.kv_cache_dtype), config.head_size,
                                config.block_size, config.dtype, self.num_queries_per_kv,
                                config.sliding_window, config.logits_soft_cap, device)
@@ -113,15 +161,46 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         split_decodes = max_split_decodes(config.max_num_reqs, config.num_kv_heads, self.num_sms)
         if split_decodes:
             self._split_partials(split_decodes, MAX_SPLITS)
+        # The prefill path's persistent buffers (allocated lazily: the torch path needs none).
+        self._new_lens: torch.Tensor | None = None
+        self._no_slots: torch.Tensor | None = None
+        self._no_cache: torch.Tensor | None = None
+        self._lse: torch.Tensor | None = None
 
     def build(self, common: CommonAttentionMetadata) -> TurboQuantMetadata:
         if self.use_kernels:
-            return TurboQuantMetadata(common, kernel=self._plan(common))
+            if common.max_query_len <= 1:
+                return TurboQuantMetadata(common, kernel=self._plan_decodes(
+                    common, 0, common.num_reqs, self.query_blocks, common.max_seq_len))
+            return TurboQuantMetadata(common, prefill=self._plan_prefills(common))
         groups = self._groups.build(common).groups
         return TurboQuantMetadata(common, groups=groups,
                                   new_key_index=[self._new_key_index(common, g, s)
                                                  for g, s in zip(groups, self._group_starts(
                                                      common), strict=True)])
+
+    def prepare_for_cudagraphs(self, max_seq_len: int) -> None:
+        self.capture_max_seq_len = max_seq_len
+        if self.num_splits is not None and self.num_splits > 1:
+            # A forced split count: its buffers at their largest before any capture.
+            self._split_partials(self.config.max_num_reqs, self.num_splits)
+
+    def build_for_cudagraph(self, common: CommonAttentionMetadata, num_reqs_padded: int,
+                            padded: CommonAttentionMetadata | None = None) -> TurboQuantMetadata:
+        """The padded decode step with launch bounds fixed per captured size: one program per
+        padded request (block_q 1), and the split count chosen for the padded batch at the
+        longest sequence the engine allows (prepare_for_cudagraphs), which the kernels cut
+        on the device from each request's real length. Padding requests (context 0, slot -1)
+        attend their own new token only and write nothing."""
+        if padded is None:
+            raise ValueError("TURBOQUANT builds graph metadata from the padded step")
+        if not self.use_kernels:
+            return self.build(padded)
+        # The bound prepare_for_cudagraphs fixed (never the step's lengths: the captured grid
+        # has that split count).
+        bound = self.capture_max_seq_len or padded.max_seq_len
+        return TurboQuantMetadata(padded, kernel=self._plan_decodes(
+            padded, 0, padded.num_reqs, self.query_blocks, bound))
 
     @staticmethod
     def _group_starts(common: CommonAttentionMetadata) -> list[int]:
@@ -136,28 +215,73 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder):
         context = common.context_lens[first_req:].long()[req]
         return req * group.max_seq_len + context + offset
 
-    def _plan(self, common: CommonAttentionMetadata) -> KernelPlan:
+    def _plan_decodes(self, common: CommonAttentionMetadata, first: int, end: int,
+                      blocks: QueryBlockMap, max_seq_len: int | None) -> KernelPlan:
+        """Requests [first, end), one new token each: one program per (request, KV head
+        [, split]). max_seq_len: the bound the split count is chosen for; None: no split."""
         from pagedserve.attention.ops.turboquant_kernels import select_tiles
         from pagedserve.attention.ops.unified_attention import query_block_shape
 
-        decode_only = common.max_query_len <= 1
-        tiles = self.decode_tiles if decode_only else self.prefill_tiles
-        if tiles is None:
-            tiles = select_tiles(self.device, decode_only)
-        block_q, block_m = query_block_shape(self.num_queries_per_kv, tiles, decode_only)
-        num_qblocks = self.query_blocks.fill(common, block_q)
+        tiles = self.decode_tiles or select_tiles(self.device, True)
+        block_q, block_m = query_block_shape(self.num_queries_per_kv, tiles, True)
+        num_qblocks = blocks.fill(common, block_q, first, end)
         num_splits = 1
-        if decode_only and num_qblocks:
+        if max_seq_len is not None and num_qblocks:
             num_splits = self.num_splits
             if num_splits is None:
                 from pagedserve.attention.ops.decode_split_kv import choose_num_splits
 
                 num_splits = choose_num_splits(num_qblocks, self.config.num_kv_heads,
-                                               common.max_seq_len, self.num_sms, tiles.block_n)
+                                               max_seq_len, self.num_sms, tiles.block_n)
         partials = self._split_partials(num_qblocks, num_splits) if num_splits > 1 else None
-        decode_kernel = self.decode_kernel if decode_only else "triton"
-        return KernelPlan(self.query_blocks.req, self.query_blocks.start, num_qblocks, block_q,
-                          block_m, tiles, num_splits, partials, decode_kernel)
+        return KernelPlan(blocks.req, blocks.start, num_qblocks, block_q, block_m, tiles,
+                          num_splits, partials, self.decode_kernel)
+
+    def _plan_prefills(self, common: CommonAttentionMetadata) -> PrefillPlan:
+        from pagedserve.attention.ops import unified_attention as ua
+        from pagedserve.attention.ops.turboquant_kernels import select_tiles
+
+        c, p, b = self.config, common.num_prefills, common.num_reqs
+        self._prefill_buffers()
+        qsl = common.query_start_loc_cpu[:p + 1]
+        new_lens = np.diff(qsl).astype(np.int32)
+        context = common.context_lens_cpu[:p]
+        # Dense: the new tokens alone, as a prefill without context (seq_len = new tokens).
+        dense_tiles = ua.select_tiles(self.device, c.head_size, c.dtype, False)
+        dense_q, dense_m = ua.query_block_shape(self.num_queries_per_kv, dense_tiles, False)
+        dense_qblocks = self.dense_blocks.fill_arrays(qsl, new_lens, dense_q)
+        # On the device from query_start_loc (no host buffer to rewrite while a step in
+        # flight may still be copying it).
+        torch.sub(common.query_start_loc[1:p + 1], common.query_start_loc[:p],
+                  out=self._new_lens[:p])
+        # Context: the query blocks of the prefills that continue earlier pages (a request
+        # without context gets no block).
+        context_plan = None
+        if context.any():
+            tiles = self.prefill_tiles or select_tiles(self.device, False)
+            block_q, block_m = ua.query_block_shape(self.num_queries_per_kv, tiles, False)
+            with_context = np.where(context > 0, new_lens, 0)
+            n = self.query_blocks.fill_arrays(
+                np.concatenate([[0], np.cumsum(with_context)]), context + with_context, block_q)
+            context_plan = KernelPlan(self.query_blocks.req, self.query_blocks.start, n,
+                                      block_q, block_m, tiles)
+        decodes = (self._plan_decodes(common, p, b, self.decode_blocks, None) if b > p
+                   else None)
+        return PrefillPlan(self.dense_blocks.req, self.dense_blocks.start, dense_qblocks,
+                           dense_q, dense_m, dense_tiles, self._new_lens[:p],
+                           self._no_slots, self._lse, self._no_cache, context_plan, decodes)
+
+    def _prefill_buffers(self) -> None:
+        if self._lse is not None:
+            return
+        c = self.config
+        self._new_lens = torch.zeros(c.max_num_reqs, dtype=torch.int32, device=self.device)
+        self._no_slots = torch.full((c.max_num_tokens,), -1, dtype=torch.int64,
+                                    device=self.device)
+        self._lse = torch.empty(c.max_num_tokens, c.num_heads, dtype=torch.float32,
+                                device=self.device)
+        self._no_cache = torch.zeros(1, 1, c.num_kv_heads, c.head_size, dtype=c.dtype,
+                                     device=self.device)
 
     def _split_partials(self, num_tokens: int,
                         num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,11 +310,13 @@ class TurboQuantImpl(AttentionImpl):
         super().__init__(layer)
         self.preset = tqf.get_preset(layer.kv_cache_dtype)
         self._cuda_decode_reasons: dict[tuple, str | None] = {}
+        self._slot_bytes = self.preset.slot_bytes(self.head_size)  # checked every forward
+        self._tensors: dict[torch.device, object] = {}  # the preset's constants per device
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TurboQuantMetadata,
                 output: torch.Tensor | None = None) -> torch.Tensor:
-        slot_bytes = self.preset.slot_bytes(self.head_size)
+        slot_bytes = self._slot_bytes
         if kv_cache.dtype != torch.uint8 or kv_cache.shape[-1] != slot_bytes:
             raise ValueError(
                 f"{self.preset.name} needs a uint8 cache of {slot_bytes}-byte slots, got "
@@ -198,7 +324,7 @@ class TurboQuantImpl(AttentionImpl):
                 f"TurboQuantBackend.for_kv_cache_dtype({self.preset.name!r})")
         if output is None:
             output = torch.empty_like(query)
-        if attn_metadata.kernel is not None:
+        if attn_metadata.kernel is not None or attn_metadata.prefill is not None:
             self._forward_kernels(query, key, value, kv_cache, attn_metadata, output)
         else:
             self._forward_torch(query, key, value, kv_cache, attn_metadata, output)
@@ -211,9 +337,55 @@ class TurboQuantImpl(AttentionImpl):
                          output: torch.Tensor) -> None:
         from pagedserve.attention.ops.turboquant_kernels import tq_attention, tq_store
 
-        common, plan = md.common, md.kernel
-        tensors = _format_tensors(self.preset.name, self.head_size, str(query.device))
+        common = md.common
+        tensors = self._tensors.get(query.device)
+        if tensors is None:
+            tensors = self._tensors[query.device] = _format_tensors(
+                self.preset.name, self.head_size, str(query.device))
+        # Every new token quantized into its slot in one pass; the attention launches below
+        # read the step's own tokens from key/value, never back from the cache.
         tq_store(self.preset, tensors, key, value, kv_cache, common.slot_mapping)
+        if md.kernel is not None:
+            self._attend_decodes(query, key, value, kv_cache, common, md.kernel, tensors,
+                                 output)
+            return
+        plan = md.prefill
+        if plan.decodes is not None:
+            self._attend_decodes(query, key, value, kv_cache, common, plan.decodes, tensors,
+                                 output)
+        self._attend_new_tokens(query, key, value, common, plan, output)
+        ctx = plan.context
+        if ctx is not None:
+            tq_attention(self.preset, tensors, query, key, value, kv_cache, output,
+                         common.block_table, common.query_start_loc, common.seq_lens,
+                         ctx.qblock_req, ctx.qblock_start, ctx.num_qblocks, ctx.block_q,
+                         ctx.block_m, self.scale, ctx.tiles, self.sliding_window,
+                         self.logits_soft_cap, merge_lse=plan.lse)
+
+    def _attend_new_tokens(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           common: CommonAttentionMetadata, plan: PrefillPlan,
+                           output: torch.Tensor) -> None:
+        """The prefills' queries over their own new keys at full precision, causally: the dense
+        unified kernel (TRITON's), fed seq_lens = new tokens so that it sees no context and
+        reads every key from key/value (slots -1: it writes no cache). It leaves each row's
+        log-sum-exp for the context launch's merge."""
+        from pagedserve.attention.ops.unified_attention import unified_attention
+
+        unified_attention(query, plan.no_cache, plan.no_cache, output, common.block_table,
+                          common.query_start_loc, plan.new_lens, plan.dense_req,
+                          plan.dense_start, plan.dense_qblocks, plan.dense_block_q,
+                          plan.dense_block_m, self.scale, plan.dense_tiles, self.sliding_window,
+                          self.logits_soft_cap, key=key, value=value, slot_mapping=plan.no_slots,
+                          lse=plan.lse)
+
+    def _attend_decodes(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        kv_cache: torch.Tensor, common: CommonAttentionMetadata,
+                        plan: KernelPlan, tensors: object, output: torch.Tensor) -> None:
+        """One new token per request of the plan's map: the CUDA decode kernel where it can
+        run the layer, else the Triton kernel at decode tiles. Graph-safe: no host sync, no
+        allocation (the CUDA library is built when the builder starts)."""
+        from pagedserve.attention.ops.turboquant_kernels import tq_attention
+
         if plan.decode_kernel != "triton":
             reason = self._cuda_decode_reason(query, kv_cache)
             if reason is None:
@@ -308,6 +480,11 @@ class TurboQuantBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", *tqf.PRESETS)
     supports_sliding_window = True
     supports_soft_cap = True
+    # Decode steps replay CUDA graphs: every launch of a decode step (the store, the Triton
+    # attention or the CUDA decode kernel, the split merge) reads its sizes from the padded
+    # batch and device buffers of fixed address, and the split count is fixed per captured
+    # size (build_for_cudagraph); the CUDA kernel is built when the builder starts.
+    supports_cuda_graphs = True
     description = ("rotated Lloyd-Max low-bit KV cache (TurboQuant), Triton and CUDA kernels on "
                    "CUDA, torch else")
     # Its cache is lossy: exact-tolerance conformance does not apply (its own tests check it

@@ -43,8 +43,15 @@ class QueryBlockMap:
         """Plan the blocks of `block_q` query tokens of requests [first_req, end_req) (default:
         the whole step); request ids in the map stay the step's. Returns how many there are."""
         b = common.num_reqs if end_req is None else end_req
-        req, start = query_block_map(common.query_start_loc_cpu[first_req:b + 1],
-                                     common.seq_lens_cpu[first_req:b], block_q)
+        return self.fill_arrays(common.query_start_loc_cpu[first_req:b + 1],
+                                common.seq_lens_cpu[first_req:b], block_q, first_req)
+
+    def fill_arrays(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_q: int,
+                    first_req: int = 0) -> int:
+        """`fill` from host arrays of requests first_req, first_req + 1, ...: a caller that
+        plans a subset of the tokens (only some requests' queries, or the new keys alone)
+        passes its own query_start_loc / seq_lens."""
+        req, start = query_block_map(query_start_loc, seq_lens, block_q)
         if first_req:
             req += np.int32(first_req)
         n = len(req)

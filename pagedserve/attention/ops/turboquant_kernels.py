@@ -46,6 +46,10 @@ Kernel `_tq_attention_kernel`
                 registers).
              2. the step's new tokens [context, seq_len) at full precision, read from the key and
                 value inputs (they are attended exactly, never through the cache), causally.
+                MERGE_NEW (prefill steps): a dense kernel (unified_attention) has attended the
+                new tokens already, writing out and each row's base-2 log-sum-exp; phase 2 is
+                skipped and the context's (m, l, acc) merge into out by their weights
+                (rows of requests without context are left alone).
            Split-KV decode (num_splits > 1, block_q 1): the context tiles are cut into
            num_splits whole-tile ranges, one per program; each rotates its accumulator back
            and writes its (m, l, acc) partials, the last split alone also attending the new
@@ -70,6 +74,7 @@ Kernel `_tq_attention_kernel`
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -224,6 +229,7 @@ def format_tensors(preset: KVPreset, head_size: int, device: torch.device) -> Fo
                          table(codebook_boundaries(preset.value)))
 
 
+@functools.cache  # the launch arguments of a layer never change: computed once, not per launch
 def _codec_args(prefix: str, codec: VectorCodec, head_size: int) -> dict[str, int]:
     return {f"{prefix}_KIND": _KIND_IDS[codec.kind], f"{prefix}_BITS": codec.bits,
             f"{prefix}_CODE_BYTES": codec.code_bytes(head_size),
@@ -240,9 +246,13 @@ def _layout_args(preset: KVPreset, kv_cache: torch.Tensor,
         raise ValueError(f"{preset.name} needs a uint8 cache [blocks, Hkv, block_size, "
                          f"{preset.slot_bytes(head_size)}] with contiguous blocks, got "
                          f"{kv_cache.dtype} {tuple(kv_cache.shape)} strides {kv_cache.stride()}")
+    return kv_cache.view(torch.float16), _plane_args(preset, head_size, block_size)
+
+
+@functools.cache
+def _plane_args(preset: KVPreset, head_size: int, block_size: int) -> dict[str, int]:
     _, v_codes, k_meta, v_meta = preset.plane_offsets(head_size, block_size)
-    return kv_cache.view(torch.float16), dict(V_CODES_OFF=v_codes, K_META_OFF=k_meta // 2,
-                                              V_META_OFF=v_meta // 2)
+    return dict(V_CODES_OFF=v_codes, K_META_OFF=k_meta // 2, V_META_OFF=v_meta // 2)
 
 
 # ---- store ------------------------------------------------------------------------------------
@@ -853,7 +863,7 @@ def _tq_attention_kernel(
     q_ptr, key_ptr, value_ptr, cache_ptr, cache16_ptr, out_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, qblock_req_ptr, qblock_start_ptr,
     signs_ptr, had_ptr, k_levels_ptr, v_levels_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    sm_scale, soft_cap, window,
+    lse_ptr, sm_scale, soft_cap, window,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
     stride_cb, stride_ch, stride_cb16, stride_ch16, stride_bt,
@@ -861,7 +871,7 @@ def _tq_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr,
     ROTATED: tl.constexpr, LOOKUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, MERGE_NEW: tl.constexpr,
     V_CODES_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, K_GROUP: tl.constexpr,
     K_META_N: tl.constexpr,
@@ -1032,7 +1042,8 @@ def _tq_attention_kernel(
         signs = tl.load(signs_ptr + offs_d) * (1.0 / tl.sqrt(float(HEAD_SIZE)))
         acc = _hadamard(acc, had) * signs[None, :]
 
-    # Phase 2: this step's own tokens at full precision, causally.
+    # Phase 2: this step's own tokens at full precision, causally (MERGE_NEW: a dense kernel
+    # has attended them already, merged below).
     q_new = q
     if not UPCAST:
         q_new = q.to(q_ptr.dtype.element_ty)
@@ -1040,6 +1051,8 @@ def _tq_attention_kernel(
     new_lo = tl.maximum(context, lo)
     if NUM_SPLITS > 1:  # the new tokens go to the last split alone
         new_lo = tl.where(split == NUM_SPLITS - 1, new_lo, hi)
+    if MERGE_NEW:
+        new_lo = hi
     for tile in range(new_lo, hi, BLOCK_N):
         k_pos = tile + offs_n
         k_ok = k_pos < hi
@@ -1065,6 +1078,24 @@ def _tq_attention_kernel(
         tl.store(part_l_ptr + part_row, l_sum, mask=row_ok)
         tl.store(part_acc_ptr + part_row[:, None] * HEAD_SIZE + offs_d[None, :], acc,
                  mask=row_ok[:, None])
+    elif MERGE_NEW:
+        # out holds the new tokens' attention, normalised, and lse_ptr its base-2 log-sum-exp
+        # [T, H] (in the same scaled units as m_i): the two softmaxes merge by their weights.
+        # Requests without context keep the dense result untouched.
+        ok = row_ok & (context > 0)
+        o_ptrs = (out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+                  + offs_d[None, :] * stride_od)
+        o_new = tl.load(o_ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+        lse_new = tl.load(lse_ptr + token * (tl.num_programs(0) * QPK) + head, mask=ok,
+                          other=float("-inf"))
+        m_all = tl.maximum(m_i, lse_new)
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+        w_ctx = tl.exp2(m_i - m_all)
+        w_new = tl.exp2(lse_new - m_all)
+        total = l_sum * w_ctx + w_new
+        out = (acc * w_ctx[:, None] + o_new * w_new[:, None]) \
+            / tl.where(total > 0.0, total, 1.0)[:, None]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
     else:
         l_safe = tl.where(l_sum > 0.0, l_sum, 1.0)
         out = acc / l_safe[:, None]
@@ -1093,6 +1124,7 @@ def tq_attention(
     tiles: TQTiles, sliding_window: int | None = None, soft_cap: float | None = None,
     upcast: bool | None = None, num_splits: int = 1,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    merge_lse: torch.Tensor | None = None,
 ) -> None:
     """Attention of query [T, H, D] over the packed cache (context) and key/value [T, Hkv, D]
     (the step's new tokens, full precision) into out [T, H, D]. qblock_req/qblock_start: the
@@ -1100,7 +1132,10 @@ def tq_attention(
     inputs and in the interpreter). All sizes are host ints: no sync. num_splits > 1 (decode
     batches: block_q 1): each request's context is cut into num_splits ranges attended by
     separate programs (the new tokens by the last), which write `partials`
-    (`decode_split_kv.allocate_partials`), merged into out by `reduce_split_kv`."""
+    (`decode_split_kv.allocate_partials`), merged into out by `reduce_split_kv`. merge_lse
+    [T, H] fp32: the new tokens were attended already (a dense kernel wrote out and this base-2
+    log-sum-exp, as unified_attention's `lse`): attend the context alone and merge it into
+    out, for the query blocks of requests with context (the others are left as they are)."""
     if num_qblocks == 0:
         return
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -1117,12 +1152,14 @@ def tq_attention(
         k_levels, v_levels = tensors.level_tables(torch.float32 if upcast else query.dtype)
     if num_splits > 1 and (partials is None or block_q != 1):
         raise ValueError("split-KV attention is for decode batches and needs partial buffers")
+    if num_splits > 1 and merge_lse is not None:
+        raise ValueError("the context-only merge writes out directly: no split-KV")
     part_m, part_l, part_acc = partials if num_splits > 1 else (out, out, out)
     _tq_attention_kernel[(num_kv_heads, num_qblocks, num_splits)](
         query, key, value, kv_cache, cache16, out,
         block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
         tensors.signs, tensors.hadamard, k_levels, v_levels, part_m, part_l, part_acc,
-        scale, soft_cap or 0.0, sliding_window or 0,
+        out if merge_lse is None else merge_lse, scale, soft_cap or 0.0, sliding_window or 0,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(),
         kv_cache.stride(0), kv_cache.stride(1), cache16.stride(0), cache16.stride(1),
         block_table.stride(0),
@@ -1130,7 +1167,7 @@ def tq_attention(
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
         UPCAST=upcast, ROTATED=preset.rotated, LOOKUP=lookup, NUM_SPLITS=num_splits,
-        PREFETCH=bool(tiles.prefetch),
+        PREFETCH=bool(tiles.prefetch), MERGE_NEW=merge_lse is not None,
         **layout,
         **_codec_args("K", preset.key, head_size), **_codec_args("V", preset.value, head_size),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

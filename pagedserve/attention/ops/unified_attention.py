@@ -248,7 +248,7 @@ def _attend_part(
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, key_ptr, value_ptr, slot_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, qblock_req_ptr, qblock_start_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, lse_ptr,
     sm_scale, soft_cap, window,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -261,6 +261,7 @@ def _unified_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FUSED_WRITE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     USE_SINKS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     qblock = tl.program_id(1)  # the map lists blocks heaviest first (query_block_map)
@@ -401,6 +402,9 @@ def _unified_attention_kernel(
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_dv[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & dv_ok[None, :])
+        if STORE_LSE:  # base 2, in the scaled logits' units: for a caller's merge
+            tl.store(lse_ptr + token * NUM_HEADS + head,
+                     tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
 
 def unified_attention(
@@ -412,6 +416,7 @@ def unified_attention(
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """Attention of query [T, H, D] over the paged cache (k_cache [..., D], v_cache [..., D_v])
     into `out` [T, H, D_v].
@@ -424,7 +429,9 @@ def unified_attention(
     writes the step's new K/V into the cache (each program its own block's tokens; slot -1
     skipped) and reads the new keys from key/value; without them the cache must already hold
     them. sinks [H] (any float dtype): per-head sink logits joining every softmax; a split
-    launch takes none (`reduce_split_kv` adds them, once). All sizes are host ints: no sync."""
+    launch takes none (`reduce_split_kv` adds them, once). lse [T, H] fp32 (contiguous; not
+    with splits): also store each row's log-sum-exp in base 2 (scores times scale x log2(e)),
+    for a caller that merges this softmax with another. All sizes are host ints: no sync."""
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads, head_size_v = k_cache.shape[2], v_cache.shape[3]
     if num_qblocks == 0:
@@ -433,6 +440,8 @@ def unified_attention(
         raise ValueError("k_cache and v_cache must have the same strides")
     if num_splits > 1 and (partials is None or block_q != 1):
         raise ValueError("the split-KV path is for decode batches and needs partial buffers")
+    if num_splits > 1 and lse is not None:
+        raise ValueError("a split launch writes partials, not a log-sum-exp")
     if num_splits > 1 and sinks is not None:
         raise ValueError("split partials leave the sinks out: reduce_split_kv adds them")
     fused = key is not None
@@ -451,6 +460,7 @@ def unified_attention(
         query, k_cache, v_cache, out, key, value, slot_mapping,
         block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
         part_m, part_l, part_acc, query if sinks is None else sinks,
+        out if lse is None else lse,
         scale, soft_cap or 0.0, sliding_window or 0,
         *query.stride(), *out.stride(), *k_cache.stride(), *key.stride(), *value.stride(),
         block_table.stride(0),
@@ -461,5 +471,6 @@ def unified_attention(
         BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits, FUSED_WRITE=fused,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
         USE_SINKS=sinks is not None, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else None,
+        STORE_LSE=lse is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

@@ -29,13 +29,19 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
                         soft_cap: float | None = None, use_kernels: bool = False,
                         device: str = "cpu", seed: int = 0, tiles=None,
                         num_splits: int | None = None, fill: int = 0,
-                        decode_kernel: str | None = None, fused: bool = False):
+                        decode_kernel: str | None = None, fused: bool = False,
+                        graph_size: int | None = None, graph_max_seq_len: int = 0,
+                        num_sms: int | None = None):
     """Context K/V written into shuffled pages through the torch format, then one step of the
     backend (builder + impl) over the new tokens (tiles: the kernels' launch shape, if given;
     fill: the byte of every slot not written, 255 makes NaN metas and fp8 codes;
     decode_kernel: 'auto', 'cuda' or 'triton' for decode steps, default 'triton' when tiles
     are given, as they are the Triton kernel's; fused: query/key/value as views of one fused
-    QKV output and the output with padded rows, as a model hands them over).
+    QKV output and the output with padded rows, as a model hands them over; graph_size: a
+    decode batch padded to that many requests as for a captured CUDA graph, its metadata from
+    `build_for_cudagraph` after `prepare_for_cudagraphs(graph_max_seq_len)`, the padding rows'
+    query/key/value random; the real rows are returned; num_sms: what the split heuristic
+    believes the device has).
     Returns (output, cache, per request: (query, K, V, context length)), everything needed to
     build references."""
     gen = torch.Generator().manual_seed(seed)
@@ -70,17 +76,22 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
     table = BlockTable(len(batch), max_blocks)
     for row, ids in enumerate(block_ids):
         table.add_row(row, ids)
-    common = CommonMetadataBuilder(len(batch), sum(q for _, q in batch), max_blocks, bs,
-                                   torch.device(device)).build(
+    capacity = max(len(batch), graph_size or 0)
+    common_builder = CommonMetadataBuilder(capacity, sum(q for _, q in batch) + capacity,
+                                           max_blocks, bs, torch.device(device))
+    common = common_builder.build(
         rows=np.arange(len(batch)), num_computed=np.array([c for c, _ in batch], np.int32),
         num_scheduled=np.array([q for _, q in batch], np.int32), num_prefills=num_prefills,
         block_table=table.table)
-    config = BuilderConfig(num_heads, hkv, d, dtype, bs, len(batch), common.num_actual_tokens,
-                           max_blocks, torch.device(device), window, soft_cap, preset)
+    config = BuilderConfig(num_heads, hkv, d, dtype, bs, capacity,
+                           common.num_actual_tokens + capacity, max_blocks,
+                           torch.device(device), window, soft_cap, preset)
     builder = backend.get_builder_cls()(config)
     builder.use_kernels = use_kernels
     builder.decode_tiles = builder.prefill_tiles = tiles
     builder.num_splits = num_splits
+    if num_sms is not None:  # the SMs the split heuristic fills (0 off CUDA: never splits)
+        builder.num_sms = num_sms
     if decode_kernel is not None or tiles is not None:
         builder.decode_kernel = decode_kernel or "triton"
     impl = backend.get_impl_cls()(AttentionLayerConfig(num_heads, hkv, d, dtype, window,
@@ -95,7 +106,24 @@ def run_turboquant_case(preset: str, batch: list[tuple[int, int]], block_size: i
         query, key, value = (x.view(t, -1, d) for x in qkv.split(
             [num_heads * d, hkv * d, hkv * d], dim=1))
         output = torch.empty(t, num_heads, d + 8, dtype=dtype, device=device)[..., :d]
-    out = impl.forward(query, key, value, cache, builder.build(common), output=output)
+    if graph_size is None:
+        metadata = builder.build(common)
+    else:
+        t, extra = query.shape[0], graph_size - len(batch)
+        padded = common_builder.pad_decode(common, graph_size)
+        builder.prepare_for_cudagraphs(graph_max_seq_len)
+        metadata = builder.build_for_cudagraph(common, graph_size, padded)
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            rows = torch.randn((extra, *x.shape[1:]), generator=gen).to(x.dtype)
+            return torch.cat([x, rows.to(x.device)])
+
+        query, key, value = pad(query), pad(key), pad(value)
+        if output is not None:
+            output = torch.empty(t + extra, num_heads, d, dtype=dtype, device=device)
+    out = impl.forward(query, key, value, cache, metadata, output=output)
+    if graph_size is not None:
+        out, key, value = out[:t], key[:t], value[:t]
     # The new tokens' slots hold their encodings.
     new_slots = torch.tensor([ids[t // bs] * bs + t % bs for ids, (c, q) in
                               zip(block_ids, batch, strict=True) for t in range(c, c + q)])
