@@ -36,6 +36,9 @@ class WorkerSpec:
     init_method: str
     dtype: torch.dtype
     quantization: str | None
+    # The device this rank uses, where the executor places it (a Ray actor sees its one GPU
+    # as cuda:0); None: `rank_device`.
+    device: str | None = None
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -62,8 +65,8 @@ def join_group(config: EngineConfig, rank: int, world_size: int, init_method: st
 class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.config = dataclasses.replace(spec.config,
-                                          device=rank_device(spec.config, spec.rank))
+        self.config = dataclasses.replace(
+            spec.config, device=spec.device or rank_device(spec.config, spec.rank))
         self.runner: ModelRunner | None = None
         # The engine's requests as this rank knows them, by id.
         self.requests: dict[str, Request] = {}
