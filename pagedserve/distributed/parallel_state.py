@@ -55,6 +55,25 @@ def destroy_distributed() -> None:
     _rank, _world_size = 0, 1
 
 
+def abort_distributed() -> None:
+    """Leave a group whose collectives may never complete (a rank died): abort them rather
+    than wait, then forget the group."""
+    global _rank, _world_size
+    if dist.is_initialized():
+        from torch.distributed import distributed_c10d
+
+        abort = getattr(distributed_c10d, "_abort_process_group", None)
+        try:
+            # NCCL's in-flight kernels wait on the dead peer; gloo's calls have failed already.
+            if abort is not None and dist.get_backend() == "nccl":
+                abort()
+            else:
+                dist.destroy_process_group()
+        except Exception:  # a broken group may refuse even this; the process is leaving it
+            pass
+    _rank, _world_size = 0, 1
+
+
 @contextmanager
 def single_rank() -> Iterator[None]:
     """Build layers as one rank would (the whole model's shapes, e.g. on the meta device to

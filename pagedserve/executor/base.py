@@ -82,6 +82,14 @@ class Executor:
         """Rank 0's runner over the model shard this process loaded."""
         self.runner = ModelRunner(self.config, model, vocab_size, max_model_len, eos_token_id)
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the executor lacks: rank 0's runner's (its model, caches and graphs,
+        # which tests and benchmarks inspect).
+        runner = self.__dict__.get("runner")
+        if runner is None:
+            raise AttributeError(name)
+        return getattr(runner, name)
+
     # ---- what the engine reads ------------------------------------------------------------
 
     @property

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from pagedserve import envs
 from pagedserve.distributed import destroy_distributed
+from pagedserve.distributed.parallel_state import abort_distributed
 from pagedserve.engine.model_runner import ModelRunnerOutput, PendingStep
 from pagedserve.executor.base import Executor, StepMessage, WorkerError
 from pagedserve.scheduler import Request, SchedulerOutput
@@ -88,6 +89,8 @@ class RemoteRanksExecutor(Executor):
         self.check_health()
         try:
             yield
+        except WorkerError:
+            raise
         except Exception as exc:
             self._await_failure(2.0)
             self._raise(exc)
@@ -155,11 +158,30 @@ class RemoteRanksExecutor(Executor):
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         with self._guard():
             self._send(("collect", None))
+            self._wait_for_device(pending)
             return self.runner.collect(pending)
+
+    def _wait_for_device(self, pending: PendingStep) -> None:
+        """On CUDA, wait for the step's samples while watching the ranks: a step whose NCCL
+        peer died would otherwise hold the host until the group's timeout."""
+        event = pending.host_copy[1]
+        if event is None:
+            return
+        next_poll = time.monotonic()
+        while not event.query():
+            if time.monotonic() >= next_poll:
+                self._poll()
+                next_poll = time.monotonic() + 0.01
+            if self.failure is not None:
+                self._raise()
+            time.sleep(50e-6)
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closing = self._closed = True
         self._stop_ranks()
-        destroy_distributed()
+        if self.failure is not None:
+            abort_distributed()  # collectives may be stuck in flight: do not wait for them
+        else:
+            destroy_distributed()

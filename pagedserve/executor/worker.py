@@ -55,7 +55,7 @@ def join_group(config: EngineConfig, rank: int, world_size: int, init_method: st
     share the machine's cores."""
     device = config.torch_device
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)
     else:
         torch.set_num_threads(max(1, cpu_threads() // world_size))
     init_distributed(rank, world_size, init_method, "nccl" if device.type == "cuda" else "gloo",
