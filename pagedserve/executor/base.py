@@ -90,6 +90,16 @@ class Executor:
             raise AttributeError(name)
         return getattr(runner, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Likewise a runner setting the executor does not have itself (benchmarks switch on
+        # the runner's step_log, tests swap its decode graphs).
+        runner = self.__dict__.get("runner")
+        if (runner is not None and name not in self.__dict__ and not hasattr(type(self), name)
+                and hasattr(runner, name)):
+            setattr(runner, name, value)
+        else:
+            super().__setattr__(name, value)
+
     # ---- what the engine reads ------------------------------------------------------------
 
     @property
