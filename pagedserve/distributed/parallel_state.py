@@ -42,6 +42,9 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
     file://path, chosen by the driver). `timeout_s` bounds every collective: a rank that stops
     answering becomes an error on the others, not a hang."""
     global _rank, _world_size
+    if world_size > 1 and dist.is_initialized():
+        raise RuntimeError("this process is in a tensor-parallel group already: shut the "
+                           "engine that uses it down first (LLMEngine.shutdown())")
     if world_size > 1:
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))

@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import free_port_init_method
+from pagedserve.distributed.parallel_state import abort_distributed
 from pagedserve.executor.remote import RemoteRanksExecutor
 from pagedserve.executor.worker import WorkerSpec, join_group, worker_main
 
@@ -27,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 def _stop(processes: list[Any], commands: list[Connection], grace_s: float = 5.0) -> None:
-    """Ask the workers to exit, then terminate, then kill: none outlives this."""
+    """Ask the workers to exit, then terminate, then kill: none outlives this. The group goes
+    with them (an engine dropped without shutdown() frees the process for the next one)."""
     for conn in commands:
         try:
             conn.send(None)
@@ -43,6 +45,7 @@ def _stop(processes: list[Any], commands: list[Connection], grace_s: float = 5.0
         if proc.is_alive():
             proc.kill()
             proc.join()
+    abort_distributed()
 
 
 class MultiprocExecutor(RemoteRanksExecutor):
@@ -69,6 +72,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
             self.replies.append(reply_recv)
         # Workers are stopped even when the engine is dropped without shutdown().
         self._stopper = weakref.finalize(self, _stop, list(self.processes), list(self.commands))
+        self.loaded: set[int] = set()
         self.ready: set[int] = set()
         threading.Thread(target=self._watch, name="pagedserve-tp monitor", daemon=True).start()
         self._while_watching(lambda: join_group(config, 0, self.world_size, init_method),
@@ -97,12 +101,17 @@ class MultiprocExecutor(RemoteRanksExecutor):
         try:
             while pipe in pipes and pipe.poll():
                 kind, rank, text = pipe.recv()
-                if kind == "ready":
+                if kind == "loaded":
+                    self.loaded.add(rank)
+                elif kind == "ready":
                     self.ready.add(rank)
                 else:
                     self._fail(f"tensor-parallel rank {rank} failed: {text}")
         except (EOFError, OSError):
             pipes.remove(pipe)
+
+    def _all_loaded(self) -> bool:
+        return len(self.loaded) == self.world_size - 1
 
     def _all_ready(self) -> bool:
         return len(self.ready) == self.world_size - 1

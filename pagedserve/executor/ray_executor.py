@@ -27,9 +27,11 @@ class RayWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.worker = Worker(spec)
 
-    def setup(self) -> int:
-        self.worker.setup()
-        return self.worker.spec.rank
+    def load(self) -> None:
+        self.worker.load()
+
+    def finish_setup(self) -> None:
+        self.worker.finish_setup()
 
     def handle(self, kind: str, payload: Any = None) -> None:
         self.worker.handle(kind, payload)
@@ -73,10 +75,13 @@ class RayExecutor(RemoteRanksExecutor):
                                                  name=None).remote(spec))
         # Calls not yet known to have succeeded: object ref -> rank.
         self._outstanding: dict[Any, int] = {}
-        self._setup = {actor.setup.remote(): rank
+        # Ray runs one caller's calls to an actor in order: finish_setup after load.
+        self._load = {actor.load.remote(): rank for rank, actor in enumerate(self.actors, 1)}
+        self._setup = {actor.finish_setup.remote(): rank
                        for rank, actor in enumerate(self.actors, start=1)}
+        self._outstanding.update(self._load)
         self._outstanding.update(self._setup)
-        self._ready = 0
+        self._loaded = self._ready = 0
         self._while_watching(lambda: join_group(config, 0, self.world_size, init_method),
                              "joining the group")
 
@@ -92,8 +97,11 @@ class RayExecutor(RemoteRanksExecutor):
             except Exception as exc:  # RayActorError (it died), RayTaskError (it raised)
                 self._fail(f"tensor-parallel rank {rank} failed: {exc}")
                 continue
-            if ref in self._setup:
-                self._ready += 1
+            self._loaded += ref in self._load
+            self._ready += ref in self._setup
+
+    def _all_loaded(self) -> bool:
+        return self._loaded == self.world_size - 1
 
     def _all_ready(self) -> bool:
         return self._ready == self.world_size - 1

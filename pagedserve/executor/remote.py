@@ -48,9 +48,24 @@ class RemoteRanksExecutor(Executor):
     def _poll(self) -> None:
         """Learn of failures the transport knows of now (`_fail`), without blocking."""
 
+    def _all_loaded(self) -> bool:
+        """Whether every other rank has loaded its shard."""
+        raise NotImplementedError
+
     def _all_ready(self) -> bool:
         """Whether every other rank has finished starting."""
         raise NotImplementedError
+
+    def _wait_until(self, done: Callable[[], bool], timeout_s: float | None, what: str) -> None:
+        """Wait for the other ranks while watching them."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done() and self.failure is None:
+            if deadline is not None and time.monotonic() > deadline:
+                self._fail(f"tensor-parallel ranks did not finish {what} in {timeout_s:.0f} s")
+                break
+            self._poll()
+            time.sleep(0.02)
+        self.check_health()
 
     def _stop_ranks(self) -> None:
         """End every other rank (politely, then by force); none may outlive this."""
@@ -128,18 +143,14 @@ class RemoteRanksExecutor(Executor):
             super().start_runner(model, vocab_size, max_model_len, eos_token_id)
 
     def determine_cache_size(self) -> tuple[int, int]:
+        # Loading takes as long as it takes on each rank: no collective (and so no group
+        # timeout) until every rank has its shard; from here on the ranks move together.
+        self._wait_until(self._all_loaded, None, "loading")
         return self._while_watching(super().determine_cache_size, "sizing the cache")
 
     def warmup(self) -> None:
         self._while_watching(super().warmup, "warm-up")
-        deadline = time.monotonic() + envs.PAGEDSERVE_DIST_TIMEOUT_S
-        while not self._all_ready() and self.failure is None:
-            if time.monotonic() > deadline:
-                self._fail("tensor-parallel ranks did not finish starting in time")
-                break
-            self._poll()
-            time.sleep(0.02)
-        self.check_health()
+        self._wait_until(self._all_ready, envs.PAGEDSERVE_DIST_TIMEOUT_S, "starting")
 
     def add_request(self, request: Request) -> None:
         self.check_health()

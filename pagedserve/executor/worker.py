@@ -72,20 +72,22 @@ class Worker:
         self.requests: dict[str, Request] = {}
         self.pending: deque[PendingStep] = deque()
 
-    def setup(self, join: bool = True) -> None:
-        """Join the group, load this rank's shard, size the cache as every rank agrees, warm
-        up: the engine's runner does the same steps in the same order (their collectives
-        meet)."""
+    def load(self) -> None:
+        """Join the group and load this rank's shard. Ranks load at their own pace (no
+        collective meanwhile); the engine waits for every rank's word before the next part."""
         from pagedserve.models.loader import load_model
 
         spec, m = self.spec, self.config.model
-        if join:
-            join_group(self.config, spec.rank, spec.world_size, spec.init_method)
+        join_group(self.config, spec.rank, spec.world_size, spec.init_method)
         loaded = load_model(m.model, spec.dtype, self.config.torch_device, m.max_model_len,
                             m.tokenizer, m.generation_config, spec.quantization)
         eos = loaded.eos_token_ids[0] if loaded.eos_token_ids else None
         self.runner = ModelRunner(self.config, loaded.model, loaded.hf_config.vocab_size,
                                   loaded.max_model_len, eos)
+
+    def finish_setup(self) -> None:
+        """Size the cache as every rank agrees, allocate it, warm up: the engine's runner does
+        the same in the same order (their collectives meet)."""
         num_blocks, num_slots = self.runner.determine_cache_size()
         num_blocks, num_slots = all_reduce_min([num_blocks, num_slots], self.runner.device)
         self.runner.allocate_kv_cache(num_blocks, num_slots)
@@ -133,7 +135,9 @@ def worker_main(spec: WorkerSpec, commands: Connection, replies: Connection) -> 
                         format=f"%(asctime)s tp{spec.rank} %(levelname)s %(name)s: %(message)s")
     worker = Worker(spec)
     try:
-        worker.setup()
+        worker.load()
+        replies.send(("loaded", spec.rank, None))
+        worker.finish_setup()
         replies.send(("ready", spec.rank, None))
         while (command := commands.recv()) is not None:
             worker.handle(*command)

@@ -1,8 +1,9 @@
 """Tensor parallelism end to end on the CPU (gloo, float32): greedy tokens of two ranks equal
 one rank's for a Llama with one K/V head (replicated over the ranks), a Qwen3 (q/k norms,
 heads split) and a Qwen3-MoE (experts split inside), saved as sharded safetensors and read a
-slice per rank; with chunked prefill and preemption forced. A worker killed mid-generation is
-a WorkerError within seconds and leaves no process behind."""
+slice per rank; with chunked prefill, and preemption forced for Qwen3. A worker killed
+mid-generation is a WorkerError within seconds and leaves no process behind; a start-up error
+comes back as itself."""
 
 from __future__ import annotations
 
@@ -73,29 +74,24 @@ def _no_workers_left() -> None:
     assert not multiprocessing.active_children()
 
 
+# Qwen3 runs with few blocks: requests are preempted and resumed (their rows rebuilt on every
+# rank from the copies the engine sends).
+PREEMPTING = {"qwen3": {"kv_cache_memory": None, "num_gpu_blocks_override": 16}}
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_ranks_match_one(models, name):
     path, expected = models[name]
-    llm = LLM(model=path, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(model=path, tensor_parallel_size=2, **{**ENGINE, **PREEMPTING.get(name, {})})
     try:
         assert llm.engine.runner.world_size == 2
         assert greedy(llm) == expected
         assert llm.engine.check_blocks_free()
+        if name in PREEMPTING:
+            assert llm.engine.scheduler.num_preemptions > 0
     finally:
         llm.engine.shutdown()
     _no_workers_left()
-
-
-def test_two_ranks_with_preemption(models):
-    """Few blocks: requests are preempted and resumed (their rows rebuilt on every rank)."""
-    path, expected = models["qwen3"]
-    llm = LLM(model=path, tensor_parallel_size=2, **{**ENGINE, "kv_cache_memory": None},
-              num_gpu_blocks_override=16)
-    try:
-        assert greedy(llm) == expected
-        assert llm.engine.scheduler.num_preemptions > 0
-    finally:
-        llm.engine.shutdown()
 
 
 def test_random_weights_split_as_one_rank_draws_them(tmp_path):
@@ -148,3 +144,14 @@ def test_families_without_tensor_parallel_refuse_by_name(monkeypatch):
         check_tensor_parallel(Gemma2ForCausalLM)
     with pytest.raises(ValueError, match="int8 quantization"):
         check_tensor_parallel(Qwen3ForCausalLM, "int8")
+
+
+def test_start_up_failure_is_the_ranks_error(tmp_path):
+    """Three query heads cannot split over two ranks: the error says so, and the worker
+    started for rank 1 does not outlive it."""
+    config = CONFIGS["qwen3"]()
+    config.num_attention_heads, config.num_key_value_heads = 3, 1
+    path = save_model(config, tmp_path / "three_heads")
+    with pytest.raises(ValueError, match="attention heads divisible by 2, got 3"):
+        LLM(model=path, tensor_parallel_size=2, **ENGINE)
+    _no_workers_left()
