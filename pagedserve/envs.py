@@ -63,6 +63,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS")
         else None,
         "OpenMP's threads; when set, pagedserve leaves torch's CPU threads as it says"),
+    "CUDA_VISIBLE_DEVICES": (
+        lambda: os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "CUDA's own: the GPUs this process sees (Ray names GPUs by these ids)"),
     "TRITON_INTERPRET": (
         lambda: os.environ.get("TRITON_INTERPRET") == "1",
         "triton's own: 1 runs Triton kernels on CPU tensors in its interpreter (tests)"),

@@ -60,6 +60,7 @@ class LLMEngine:
         # The executor first: with tensor parallelism it starts the other ranks and joins
         # their group, so the load below takes this process's (rank 0's) shard.
         self.runner = create_executor(config, dtype, quantization)
+        device = config.torch_device  # Ray may have given rank 0 another GPU
         try:
             loaded = load_model(m.model, dtype, device, m.max_model_len, m.tokenizer,
                                 m.generation_config, quantization)

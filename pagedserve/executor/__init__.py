@@ -24,6 +24,13 @@ def create_executor(config: EngineConfig, dtype: torch.dtype,
     backend = executor_backend(config)
     if backend == "uni":
         return UniProcExecutor(config)
+    device = config.torch_device
+    if backend == "mp" and device.type == "cuda":
+        needed = (device.index or 0) + config.tensor_parallel_size
+        if torch.cuda.device_count() < needed:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} from "
+                             f"{device} needs cuda:0..{needed - 1}; this machine has "
+                             f"{torch.cuda.device_count()} GPUs")
     if backend == "mp":
         from pagedserve.executor.multiproc import MultiprocExecutor
 

@@ -2,8 +2,9 @@
 
 The actors are placed in a placement group of one bundle per rank (a GPU each on CUDA, a CPU
 each on the CPU), so Ray reserves them together or not at all; on CUDA the engine's own rank
-uses the engine's device, outside the group. Commands are actor calls (Ray runs one caller's
-calls to an actor in order); their results are only checked for errors, without waiting.
+runs on the GPU of bundle 0, which an idle actor holds so that no rank lands on it. Commands
+are actor calls (Ray runs one caller's calls to an actor in order); their results are only
+checked for errors, without waiting.
 Ray is imported only when this executor is asked for; the engine starts a local Ray unless
 one is running (or RAY_ADDRESS names a cluster).
 """
@@ -40,6 +41,24 @@ class RayWorker:
         self.worker.close()
 
 
+class GpuHolder:
+    """An idle actor on the engine's own bundle: it keeps that GPU reserved for rank 0 and
+    says which one Ray gave it."""
+
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(i) for i in ray.get_gpu_ids()]
+
+
+def _local_index(gpu_id: str) -> int:
+    """A Ray GPU id as this process's CUDA index (Ray names GPUs by CUDA_VISIBLE_DEVICES)."""
+    visible = envs.CUDA_VISIBLE_DEVICES
+    if visible:
+        return [v.strip() for v in visible.split(",")].index(gpu_id)
+    return int(gpu_id)
+
+
 class RayExecutor(RemoteRanksExecutor):
     def __init__(self, config: EngineConfig, dtype: torch.dtype,
                  quantization: str | None) -> None:
@@ -53,26 +72,38 @@ class RayExecutor(RemoteRanksExecutor):
         if not ray.is_initialized():
             ray.init()
         cuda = config.torch_device.type == "cuda"
+        # One bundle per rank; on CUDA bundle 0 is the engine's GPU (held by a GpuHolder, so
+        # no actor lands on it), on the CPU the engine's rank needs no bundle.
         bundle = {"GPU": 1.0, "CPU": 1.0} if cuda else {"CPU": 1.0}
-        others = self.world_size - 1
-        self.placement = placement_group([bundle] * others, strategy="PACK")
+        first = 1 if cuda else 0
+        count = self.world_size - 1 + first
+        self.placement = placement_group([bundle] * count, strategy="PACK")
         try:
             ray.get(self.placement.ready(), timeout=envs.PAGEDSERVE_DIST_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(self.placement)
-            raise ValueError(f"Ray could not reserve {others} bundles of {bundle} for "
+            raise ValueError(f"Ray could not reserve {count} bundles of {bundle} for "
                              f"tensor_parallel_size {self.world_size} (cluster resources: "
                              f"{ray.cluster_resources()})") from None
+
+        def on_bundle(index: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(self.placement,
+                                                    placement_group_bundle_index=index)
+
+        self.holder = None
+        if cuda:
+            self.holder = ray.remote(num_cpus=0, num_gpus=1)(GpuHolder).options(
+                scheduling_strategy=on_bundle(0)).remote()
+            (gpu,) = ray.get(self.holder.gpu_ids.remote())
+            config.device = f"cuda:{_local_index(gpu)}"  # the engine loads rank 0 there
         init_method = free_port_init_method(ray.util.get_node_ip_address())
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if cuda else 0)(RayWorker)
         self.actors = []
         for rank in range(1, self.world_size):
             spec = WorkerSpec(config, rank, self.world_size, init_method, dtype, quantization,
-                              device="cuda:0" if cuda else "cpu")
-            strategy = PlacementGroupSchedulingStrategy(
-                self.placement, placement_group_bundle_index=rank - 1)
-            self.actors.append(actor_cls.options(scheduling_strategy=strategy,
-                                                 name=None).remote(spec))
+                              device="cuda:0" if cuda else "cpu")  # an actor sees its one GPU
+            self.actors.append(actor_cls.options(
+                scheduling_strategy=on_bundle(rank - 1 + first)).remote(spec))
         # Calls not yet known to have succeeded: object ref -> rank.
         self._outstanding: dict[Any, int] = {}
         # Ray runs one caller's calls to an actor in order: finish_setup after load.
@@ -113,6 +144,6 @@ class RayExecutor(RemoteRanksExecutor):
             self._poll()  # results of calls long done: let them go
 
     def _stop_ranks(self) -> None:
-        for actor in self.actors:
+        for actor in [*self.actors, *([self.holder] if self.holder is not None else [])]:
             self.ray.kill(actor)
         self.ray.util.remove_placement_group(self.placement)

@@ -1,8 +1,8 @@
 """Tensor parallelism on two GPUs (NCCL), as the engine runs there by default (asynchronous
 scheduling, decode steps replayed from CUDA graphs with the collectives captured in them):
 greedy tokens of two ranks equal one rank's in float32, for a dense model and a
-Mixture-of-Experts one (the Triton grouped GEMM over each rank's share of the experts); a
-worker killed mid-generation is a WorkerError within seconds."""
+Mixture-of-Experts one (the Triton grouped GEMM over each rank's share of the experts), and
+through Ray; a worker killed mid-generation is a WorkerError within seconds."""
 
 from __future__ import annotations
 
@@ -48,6 +48,28 @@ def test_two_gpus_match_one(tmp_path, name):
         assert _greedy(llm) == expected
     finally:
         llm.engine.shutdown()
+
+
+def test_ray_two_gpus_match_one(tmp_path):
+    """Ray on CUDA: rank 0 takes the GPU of the placement group's first bundle, rank 1 an
+    actor on the second."""
+    _need_two_gpus()
+    ray = pytest.importorskip("ray")
+    path = save_model(CONFIGS["qwen3"](), tmp_path / "qwen3")
+    one = LLM(model=path, **ENGINE)
+    expected = _greedy(one)
+    del one
+    torch.cuda.empty_cache()
+    ray.init(num_gpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        llm = LLM(model=path, tensor_parallel_size=2, distributed_executor_backend="ray",
+                  **ENGINE)
+        try:
+            assert _greedy(llm) == expected
+        finally:
+            llm.engine.shutdown()
+    finally:
+        ray.shutdown()
 
 
 def test_killed_gpu_worker_is_a_clear_error(tmp_path):
