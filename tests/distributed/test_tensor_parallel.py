@@ -157,3 +157,20 @@ def test_start_up_failure_is_the_ranks_error(tmp_path):
     with pytest.raises(ValueError, match="attention heads divisible by 2, got 3"):
         LLM(model=path, tensor_parallel_size=2, **ENGINE)
     _no_workers_left()
+
+
+def test_gguf_two_ranks_match_one(tmp_path, monkeypatch):
+    """A GGUF is dequantized, then each rank takes its slices."""
+    from tests.models.test_gguf_families import FAMILIES, random_model, write_gguf
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", "")  # no converted tokenizer kept
+    family = FAMILIES["qwen3"]
+    vocab = family.make_vocab()
+    path = tmp_path / "tiny-qwen3.gguf"
+    write_gguf(path, family, random_model(family.make_config(len(vocab.tokens)), False), vocab)
+    expected = greedy(LLM(model=str(path), **ENGINE))
+    llm = LLM(model=str(path), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert greedy(llm) == expected
+    finally:
+        llm.engine.shutdown()
