@@ -157,8 +157,24 @@ class EngineConfig:
     guided_decoding_backend: str = setting(
         "xgrammar", "grammar library of guided decoding (structured outputs)",
         choices=["xgrammar", "guidance"])
+    tensor_parallel_size: int = setting(
+        1, "ranks each layer is split over (GPUs on CUDA: ranks use cuda:N, N+1, ...; "
+           "processes on the CPU)")
+    distributed_executor_backend: str | None = setting(
+        None, "how the ranks run: uni (in the engine's process, one rank only), mp (a process "
+              "per rank beside the engine's) or ray (Ray actors); default: uni at one rank, "
+              "mp above", choices=["uni", "mp", "ray"])
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend {self.distributed_executor_backend!r}"
+                             " is not uni, mp or ray")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend uni runs one rank: use mp or ray "
+                             "with tensor_parallel_size > 1")
         if self.device is None:
             return
         try:

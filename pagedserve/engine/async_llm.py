@@ -236,6 +236,7 @@ class AsyncLLM:
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.shutdown()  # the model's other ranks, if any
 
     def _send(self, command: _Add | _Abort) -> None:
         self._commands.append(command)

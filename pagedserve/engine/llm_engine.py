@@ -13,7 +13,7 @@ import torch
 
 from pagedserve.config import EngineConfig, resolve_dtype
 from pagedserve.engine.cpu_threads import configure_cpu_threads
-from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
+from pagedserve.engine.model_runner import ModelRunnerOutput, PendingStep
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.kv_cache import KVCacheManager, SlidingWindowSpec
@@ -39,6 +39,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+        from pagedserve.executor import create_executor
         from pagedserve.models.loader import load_model
         from pagedserve.models.quantization import resolve_quantization
 
@@ -56,8 +57,16 @@ class LLMEngine:
             logger.info("%s weight-only linears with %s activations on the CPU (exact float32: "
                         "--dtype float32 or --quantization none)", quantization, dtype)
         t0 = time.perf_counter()
-        loaded = load_model(m.model, dtype, device, m.max_model_len, m.tokenizer,
-                            m.generation_config, quantization)
+        # The executor first: with tensor parallelism it starts the other ranks and joins
+        # their group, so the load below takes this process's (rank 0's) shard.
+        self.runner = create_executor(config, dtype, quantization)
+        device = config.torch_device  # Ray may have given rank 0 another GPU
+        try:
+            loaded = load_model(m.model, dtype, device, m.max_model_len, m.tokenizer,
+                                m.generation_config, quantization)
+        except BaseException:
+            self.runner.shutdown()
+            raise
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.chat_template = chat_template or loaded.chat_template
@@ -74,9 +83,8 @@ class LLMEngine:
         logger.info("loaded %s (%s, %s) in %.1f s", self.model_name, dtype, device,
                     time.perf_counter() - t0)
 
-        self.runner = ModelRunner(config, loaded.model, loaded.hf_config.vocab_size,
-                                  self.max_model_len,
-                                  self.eos_token_id)
+        self.runner.start_runner(loaded.model, loaded.hf_config.vocab_size,
+                                 self.max_model_len, self.eos_token_id)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.runner.vocab_size, device, config.scheduler.max_num_seqs,
             config.guided_decoding_backend)
@@ -359,6 +367,10 @@ class LLMEngine:
                     "prefix cache hit rate %.1f%%, preemptions %d", rate, s.num_running,
                     s.num_waiting, 100 * s.kv_cache_usage, 100 * hit_rate, s.num_preemptions)
         self._last_log, self._logged_tokens = now, s.generation_tokens
+
+    def shutdown(self) -> None:
+        """Stop the model's other ranks, if any (idempotent)."""
+        self.runner.shutdown()
 
     def kv_cache_bytes_per_token(self) -> int:
         """What one token's K/V (or MLA latent) costs over every attention layer, in the

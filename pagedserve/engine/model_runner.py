@@ -24,6 +24,7 @@ from pagedserve.attention.ops import state_kernels_enabled
 from pagedserve.attention.registry import get_backend_cls
 from pagedserve.attention.state import StateLayer, StateMetadataBuilder
 from pagedserve.config import EngineConfig
+from pagedserve.distributed import broadcast_, tp_rank, tp_world_size
 from pagedserve.engine import kv_cache_setup, scoring
 from pagedserve.engine.cuda_graphs import DecodeGraphs, GraphInputs, setup_decode_graphs
 from pagedserve.engine.input_batch import InputBatch, InputIds
@@ -89,6 +90,10 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_tokens = config.scheduler.max_num_batched_tokens
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        # Tensor parallelism: every rank runs the forward and the head (logits gathered on
+        # every rank, so steps that keep logits run the same collectives everywhere); rank 0
+        # alone samples and sends its tokens to the others.
+        self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
 
         self.attn_layers = _indexed_layers(model, Attention)
         self.state_layers = _indexed_layers(model, StateLayer)
@@ -331,7 +336,7 @@ class ModelRunner:
         if prev is not None and prev.sampled is not None:
             prev = None  # its samples are in the token table already
         rows = self.input_batch.update(batch)
-        meta = self._sampling_metadata(batch)
+        meta = self._sampling_metadata(batch) if self.tp_rank == 0 else None
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
         if self._guided:  # host work while the device runs the forward
@@ -343,7 +348,13 @@ class ModelRunner:
         # Each request's last new token, from the step's cu_seqlens already on the device.
         last = self._common.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last])
-        out = self.sampler(logits, meta)
+        if meta is not None:
+            out = self.sampler(logits, meta)
+        else:  # a rank > 0: rank 0's samples arrive below
+            out = SamplerOutput(torch.empty(batch.num_reqs, dtype=torch.int64,
+                                            device=self.device))
+        if self.tp_size > 1:
+            broadcast_(out.sampled_token_ids, src=0)
         host_copy, logprobs = self._copy_to_host(out)
         if self.step_events is not None:
             self.step_events[-1][1].record()

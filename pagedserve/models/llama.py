@@ -24,6 +24,15 @@ from transformers.activations import ACT2FN
 from pagedserve.attention.layer import Attention
 from pagedserve.models.layers import RMSNorm, RotaryEmbedding, build_rope_caches, silu_and_mul
 from pagedserve.models.moe import SparseMoeBlock
+from pagedserve.models.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_vocab,
+    rank_part,
+)
 from pagedserve.models.quantization import Int8Linear, quantize_linears_
 
 
@@ -40,14 +49,18 @@ class LlamaAttention(nn.Module):
                  scale: float | None = None, logits_soft_cap: float | None = None,
                  has_sinks: bool = False, qk_norm_eps: float | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        num_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        # With tensor parallelism the heads are split over the ranks: the sizes below are this
+        # rank's (the whole layer's at one rank).
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads,
+                                          config.num_key_value_heads, bias=qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size,
+                                        bias=o_bias)
         self.attn = Attention(self.num_heads, self.head_dim,
                               self.head_dim ** -0.5 if scale is None else scale,
                               self.num_kv_heads, layer_idx, sliding_window=sliding_window,
@@ -81,8 +94,10 @@ class LlamaMLP(nn.Module):
         act = act or config.hidden_act
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size,
+                                                       config.intermediate_size, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=bias)
         self.act_fn = ACT2FN[act]
         self.fused_silu = act == "silu"
 
@@ -121,7 +136,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, family: type[LlamaForCausalLM]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, family)
                                     for i in range(config.num_hidden_layers))
         self.norm = family.norm_cls(config.hidden_size, config.rms_norm_eps)
@@ -176,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     # Architecture differences, overridden by the families below (a family is a subclass that
     # changes some of these; its layers are built from them).
@@ -231,7 +246,8 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] float32 (the matmul in the model dtype, as
         transformers does)."""
         if self.lm_head is None:  # tied
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+            return gather_vocab(logits, self.config.vocab_size).float()
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -260,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
                                  f"{type(self).__name__}")
             param = params[target]
+            owner, _, leaf = target.rpartition(".")
+            tensor = rank_part(self.get_submodule(owner), tensor, leaf, shard)
             dst = param.data if shard is None else self._shard(target, param, shard)
             if dst.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -374,3 +392,11 @@ class MixtralForCausalLM(MistralForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((name.replace(".block_sparse_moe.", ".mlp."), tensor)
                              for name, tensor in weights)
+
+
+# The families whose every layer splits over tensor-parallel ranks. Exact classes: a family
+# built on these with layers of its own (Gemma's norms, gpt-oss's sinks, DeepSeek's latent
+# attention) is not one until its layers are checked and it is added here.
+TENSOR_PARALLEL_FAMILIES = frozenset({
+    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM, MixtralForCausalLM})

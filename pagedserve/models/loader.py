@@ -23,8 +23,11 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from pagedserve.distributed import tp_world_size
+from pagedserve.distributed.parallel_state import single_rank
 from pagedserve.models import gguf_file
 from pagedserve.models.layers import build_rope_caches
+from pagedserve.models.parallel import LazySlice
 from pagedserve.models.registry import TEXT_DECODERS, get_model_cls
 
 logger = logging.getLogger(__name__)
@@ -177,6 +180,7 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.devi
     """The registered class for `config`, materialised on `device` in `dtype` and filled;
     `quantization` ("int8"): its linears then run weight-only int8 (models/quantization.py)."""
     cls = get_model_cls(config)
+    check_tensor_parallel(cls, quantization)
     with torch.device("meta"):
         module = cls(config)
     module = module.to(dtype).to_empty(device=device)
@@ -189,12 +193,29 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.devi
     return module.eval()
 
 
+def check_tensor_parallel(cls: type[nn.Module], quantization: str | None = None) -> None:
+    """With more than one tensor-parallel rank, the model's family must split its layers."""
+    if tp_world_size() == 1:
+        return
+    from pagedserve.models.llama import TENSOR_PARALLEL_FAMILIES
+
+    if cls not in TENSOR_PARALLEL_FAMILIES:
+        names = ", ".join(sorted(c.__name__ for c in TENSOR_PARALLEL_FAMILIES))
+        raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet "
+                         f"(supported: {names})")
+    if quantization is not None:
+        raise ValueError(f"{quantization} quantization does not support "
+                         "tensor_parallel_size > 1 yet")
+
+
 def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,
                        max_model_len: int | None, quantization: str | None) -> LoadedModel:
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model "
                                  "directory")
-    config, weights = text_decoder(AutoConfig.from_pretrained(path), safetensors_weights(path))
+    # With tensor parallelism each rank reads only its slices of the sharded tensors.
+    weights = safetensors_weights(path, lazy=tp_world_size() > 1)
+    config, weights = text_decoder(AutoConfig.from_pretrained(path), weights)
     max_len = resolve_max_model_len(max_model_len, config)
     module = build_model(config, dtype, device, weights, quantization)
     tokenizer = None
@@ -212,9 +233,11 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,
         chat_template=_chat_template(tokenizer), name=path.name)
 
 
-def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights(path: Path, lazy: bool = False
+                        ) -> Iterator[tuple[str, torch.Tensor | LazySlice]]:
     """Every tensor of the directory's safetensors files (the index's shards when there is one),
-    read one at a time on the CPU."""
+    read one at a time on the CPU; `lazy`: as `LazySlice`s the model reads only its part of
+    (each is valid until the next is yielded)."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -227,7 +250,7 @@ def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(str(path / name), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield key, f.get_tensor(key)
+                yield key, LazySlice(f.get_slice(key)) if lazy else f.get_tensor(key)
 
 
 def text_decoder(config: PretrainedConfig, weights: Iterator[tuple[str, torch.Tensor]]
@@ -394,32 +417,62 @@ def load_random_model(spec: str, dtype: torch.dtype, device: torch.device,
     config = random_model_config(spec)
     max_len = resolve_max_model_len(max_model_len, config)
     cls = get_model_cls(config)
-    with torch.device("meta"):
-        module = cls(config)
-    module = module.to(dtype).to_empty(device=device)
-    init_random_weights(module, seed)
-    build_rope_caches(module, device, dtype)  # to_empty left them unset
+    if tp_world_size() > 1:
+        # Each rank takes its part of the very weights one rank would draw.
+        module = build_model(config, dtype, device, _random_full_weights(config, dtype, device,
+                                                                         seed))
+    else:
+        with torch.device("meta"):
+            module = cls(config)
+        module = module.to(dtype).to_empty(device=device)
+        init_random_weights(module, seed)
+        build_rope_caches(module, device, dtype)  # to_empty left them unset
     eos = [] if config.eos_token_id is None else [int(config.eos_token_id)]
     return LoadedModel(model=module.eval(), hf_config=config, tokenizer=None,
                        generation_config=None, max_model_len=max_len, eos_token_ids=eos,
                        name=f"random-{Path(spec).stem}")
 
 
+def _random_full_weights(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                         seed: int, std: float = RANDOM_INIT_STD
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights `init_random_weights` gives the whole (one-rank) model, drawn one tensor
+    at a time in the same order from the same generator, under Hugging Face names."""
+    with single_rank(), torch.device("meta"):
+        full = get_model_cls(config)(config).to(dtype)
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, meta in full.named_parameters():
+        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        if name.endswith(".bias"):
+            tensor.zero_()
+        elif "norm" in name:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, std, generator=generator)
+        yield from _hf_parts(full, name, tensor)
+
+
+def _hf_parts(module: nn.Module, name: str, tensor: torch.Tensor
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameter `name` of a Llama-family module as Hugging Face tensors (a fused q/k/v or
+    gate/up split back into its parts; views)."""
+    split = {".self_attn.qkv_proj.": ("q", "k", "v"), ".mlp.gate_up_proj.": ("gate", "up")}
+    hf_name = {shard: hf.split(".")[-2] for hf, (_, shard) in _hf_fused_parts().items()}
+    for fused, shards in split.items():
+        if fused in name:
+            for shard in shards:
+                yield (name.replace(fused.split(".")[-2], hf_name[shard]),
+                       module._shard(name, tensor, shard))
+            return
+    yield name, tensor
+
+
 def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """A Llama-family module's weights under Hugging Face names (the fused q/k/v and gate/up
     rows split back out; views, no copies), so transformers can run the very same weights."""
-    split = {".self_attn.qkv_proj.": ("q", "k", "v"), ".mlp.gate_up_proj.": ("gate", "up")}
-    hf_name = {shard: hf.split(".")[-2] for hf, (_, shard) in _hf_fused_parts().items()}
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
-        for fused, shards in split.items():
-            if fused in name:
-                for shard in shards:
-                    part = name.replace(fused.split(".")[-2], hf_name[shard])
-                    out[part] = module._shard(name, param, shard)
-                break
-        else:
-            out[name] = param.data
+        out.update(_hf_parts(module, name, param.data))
     if getattr(module, "lm_head", None) is None and "lm_head.weight" not in out:
         out["lm_head.weight"] = module.model.embed_tokens.weight.data  # tied
     return out

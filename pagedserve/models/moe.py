@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedserve.distributed import all_reduce, tp_rank, tp_world_size
 from pagedserve.models.layers import silu_and_mul
+from pagedserve.models.parallel import Weight, divide, materialize, narrow
 
 
 class TopKRouter(nn.Module):
@@ -111,12 +113,21 @@ class FusedMoE(nn.Module):
     """E experts, each act(x W_gate^T, x W_up^T) W_down^T, stacked: gate_up_proj [E, 2I, H]
     (gate rows, then up rows) and down_proj [E, H, I], transformers' own layout for Mixtral and
     Qwen3-MoE; optional biases (gpt-oss). On CUDA the Triton grouped GEMM
-    (`moe_kernels.fused_experts`) runs them, elsewhere `torch_experts`."""
+    (`moe_kernels.fused_experts`) runs them, elsewhere `torch_experts`.
+
+    With tensor parallelism every rank holds every expert with its intermediate features
+    split (I above is this rank's share): each expert's gate/up is column-parallel, its down
+    row-parallel, and one all-reduce sums the routed output over the ranks."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  activation: ExpertActivation = SILU, bias: bool = False) -> None:
         super().__init__()
+        self.tp_size, self.tp_rank = tp_world_size(), tp_rank()
+        if bias and self.tp_size > 1:
+            raise ValueError("experts with biases are not tensor-parallel yet")
         self.num_experts = num_experts
+        self.full_intermediate_size = intermediate_size
+        intermediate_size = divide(intermediate_size, self.tp_size, "the experts' size")
         self.intermediate_size = intermediate_size
         self.activation = activation
         self.gate_up_proj = nn.Parameter(
@@ -133,12 +144,29 @@ class FusedMoE(nn.Module):
         experts = torch_experts
         if x.is_cuda:
             from pagedserve.models.moe_kernels import fused_experts as experts
-        return experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
-                       self.gate_up_proj_bias, self.down_proj_bias)
+        out = experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
+                      self.gate_up_proj_bias, self.down_proj_bias)
+        return all_reduce(out) if self.tp_size > 1 else out
 
-    def load_expert(self, expert: int, shard: str, tensor: torch.Tensor) -> None:
-        """One expert's checkpoint tensor into the stacked weights: `shard` is gate, up or
-        down."""
+    def rank_part(self, tensor: Weight, name: str, shard: str | None = None) -> torch.Tensor:
+        """This rank's share of a full checkpoint tensor: one expert's gate, up ([I, H]) or
+        down ([H, I]) as `shard` says, or the stacked gate_up_proj [E, 2I, H] or down_proj
+        [E, H, I] (`name`)."""
+        if self.tp_size == 1:
+            return materialize(tensor)
+        n, full = self.intermediate_size, self.full_intermediate_size
+        start = self.tp_rank * n
+        if name == "gate_up_proj":
+            return torch.cat([narrow(tensor, 1, start, n), narrow(tensor, 1, full + start, n)],
+                             dim=1)
+        if name == "down_proj":
+            return narrow(tensor, 2, start, n)
+        return narrow(tensor, 1 if shard == "down" else 0, start, n)
+
+    def load_expert(self, expert: int, shard: str, tensor: Weight) -> None:
+        """One expert's full checkpoint tensor into the stacked weights (this rank's share of
+        it): `shard` is gate, up or down."""
+        tensor = self.rank_part(tensor, "", shard)
         n = self.intermediate_size
         if shard == "down":
             dst = self.down_proj.data[expert]

@@ -1,0 +1,124 @@
+"""Ranks 1..N-1 in worker processes (spawned), rank 0 in the engine's process.
+
+Commands go down one pipe per worker (a `StepMessage` per launch, a word per collect);
+answers come up another only at start-up ("ready" or the rank's error). A monitor thread
+watches the workers' process sentinels and answer pipes, so a worker that dies or fails is
+known at once (`remote.RemoteRanksExecutor` turns it into the engine's error).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.distributed import free_port_init_method
+from pagedserve.distributed.parallel_state import abort_distributed
+from pagedserve.executor.remote import RemoteRanksExecutor
+from pagedserve.executor.worker import WorkerSpec, join_group, worker_main
+
+logger = logging.getLogger(__name__)
+
+
+def _stop(processes: list[Any], commands: list[Connection], grace_s: float = 5.0) -> None:
+    """Ask the workers to exit, then terminate, then kill: none outlives this. The group goes
+    with them (an engine dropped without shutdown() frees the process for the next one)."""
+    for conn in commands:
+        try:
+            conn.send(None)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace_s
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    abort_distributed()
+
+
+class MultiprocExecutor(RemoteRanksExecutor):
+    def __init__(self, config: EngineConfig, dtype: torch.dtype,
+                 quantization: str | None) -> None:
+        super().__init__(config)
+        self._init_state(config.tensor_parallel_size)
+        init_method = free_port_init_method()
+        ctx = mp.get_context("spawn")
+        self.processes: list[Any] = []
+        self.commands: list[Connection] = []
+        self.replies: list[Connection] = []
+        for rank in range(1, self.world_size):
+            spec = WorkerSpec(config, rank, self.world_size, init_method, dtype, quantization)
+            cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+            reply_recv, reply_send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, args=(spec, cmd_recv, reply_send),
+                               name=f"pagedserve-tp{rank}", daemon=True)
+            proc.start()
+            cmd_recv.close()
+            reply_send.close()
+            self.processes.append(proc)
+            self.commands.append(cmd_send)
+            self.replies.append(reply_recv)
+        # Workers are stopped even when the engine is dropped without shutdown().
+        self._stopper = weakref.finalize(self, _stop, list(self.processes), list(self.commands))
+        self.loaded: set[int] = set()
+        self.ready: set[int] = set()
+        threading.Thread(target=self._watch, name="pagedserve-tp monitor", daemon=True).start()
+        self._while_watching(lambda: join_group(config, 0, self.world_size, init_method),
+                             "joining the group")
+
+    def _watch(self) -> None:
+        """Until every worker has exited: record readiness, errors and deaths."""
+        rank_of = {p.sentinel: r for r, p in enumerate(self.processes, start=1)}
+        pipes = list(self.replies)
+        sentinels = list(rank_of)
+        while sentinels:
+            for ready in wait(pipes + sentinels):
+                if ready not in rank_of:
+                    self._read(ready, pipes)
+                    continue
+                sentinels.remove(ready)
+                rank = rank_of[ready]
+                self._read(self.replies[rank - 1], pipes)  # its own error first, if it sent one
+                proc = self.processes[rank - 1]
+                proc.join(0.5)
+                self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                           f"{proc.exitcode}")
+
+    def _read(self, pipe: Connection, pipes: list[Connection]) -> None:
+        """Whatever a worker has sent: "ready", or its error."""
+        try:
+            while pipe in pipes and pipe.poll():
+                kind, rank, text = pipe.recv()
+                if kind == "loaded":
+                    self.loaded.add(rank)
+                elif kind == "ready":
+                    self.ready.add(rank)
+                else:
+                    self._fail(f"tensor-parallel rank {rank} failed: {text}")
+        except (EOFError, OSError):
+            pipes.remove(pipe)
+
+    def _all_loaded(self) -> bool:
+        return len(self.loaded) == self.world_size - 1
+
+    def _all_ready(self) -> bool:
+        return len(self.ready) == self.world_size - 1
+
+    def _send(self, command: tuple[str, Any]) -> None:
+        for conn in self.commands:
+            conn.send(command)
+
+    def _stop_ranks(self) -> None:
+        self._stopper()
