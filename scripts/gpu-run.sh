@@ -13,7 +13,7 @@
 # bandwidth of both backends, DeepSeek-V2-Lite's throughput and KV capacity), flex
 # (FLEX_ATTENTION's conformance and kernel timings beside TRITON and FLASHINFER), families (the
 # families' GPU greedy test), stateops (the state layers' kernels),
-# hybrid (the hybrid models on CUDA, Qwen3-Next decode), structured (guided decoding's cost), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
+# hybrid (the hybrid models on CUDA, Qwen3-Next decode), tqgraphs (TURBOQUANT's graphs: tests, 8B decode-heavy beside bf16), structured (guided decoding's cost), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
 # beside TRITON and FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
@@ -396,6 +396,23 @@ stage_families() {  # the model families' GPU greedy test (float32 TRITON agains
     wait
 }
 
+stage_tqgraphs() {  # TURBOQUANT's graph and prefill GPU tests, then the 8B shape decode-heavy
+    # beside bf16 TRITON (TQ_PROMPTS x 128/TQ_OUT; the issue's workload is 1000 x 128/1024)
+    setup_env
+    shard tq_graphs tests/attention/turboquant/test_graphs.py
+    wait
+    local kv
+    for kv in auto tq_4bit tq_k8v4; do
+        local backend=TURBOQUANT
+        [ "$kv" = auto ] && backend=TRITON
+        timeout "${TQ_TIMEOUT:-120}" python3 -m pagedserve bench throughput \
+            --config llama3-8b-random --attention-backend "$backend" \
+            --kv-cache-dtype "$kv" --num-prompts "${TQ_PROMPTS:-1000}" --input-len 128 \
+            --output-len "${TQ_OUT:-1024}" >"$OUT/tq-throughput-$kv.log" 2>&1
+        echo "exit $?" >>"$OUT/tq-throughput-$kv.log"
+        echo "$kv: $(grep -h Throughput "$OUT/tq-throughput-$kv.log")"
+    done
+}
 stage_flexbench() {  # the bundled GGUF through bench throughput on FLEX_ATTENTION, TRITON, FLASHINFER
     setup_env
     [ -f "$PAGEDSERVE_TEST_GGUF" ] || { echo "no GGUF at $PAGEDSERVE_TEST_GGUF"; return; }
