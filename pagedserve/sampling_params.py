@@ -183,11 +183,11 @@ class SamplingParams:
     @property
     def needs_host_history(self) -> bool:
         """Penalties and min_tokens read the request's earlier output tokens on the host when
-        a step is launched, and a grammar's bitmask needs its matcher to have accepted the
-        previous sample, so that sample must be back first (no async overlap)."""
+        a step is launched, so its previous sample must be back first (no async overlap). A
+        grammar needs that sample too, but only for its bitmask, which the runner fills while
+        the step's forward runs (engine/guided.py)."""
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty
-                    or self.frequency_penalty or self.min_tokens
-                    or self.guided_decoding is not None)
+                    or self.frequency_penalty or self.min_tokens)
 
     def end_token_ids(self, eos_token_id: int | None) -> frozenset[int]:
         """The token ids that end a sequence: `stop_token_ids`, and EOS unless `ignore_eos`.

@@ -25,7 +25,7 @@ from pagedserve.attention.registry import get_backend_cls
 from pagedserve.attention.state import StateLayer, StateMetadataBuilder
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import broadcast_, tp_rank, tp_world_size
-from pagedserve.engine import kv_cache_setup, scoring
+from pagedserve.engine import guided, kv_cache_setup, scoring
 from pagedserve.engine.cuda_graphs import DecodeGraphs, GraphInputs, setup_decode_graphs
 from pagedserve.engine.input_batch import InputBatch, InputIds
 from pagedserve.engine.sampler import (
@@ -340,7 +340,15 @@ class ModelRunner:
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
         if self._guided:  # host work while the device runs the forward
-            self._fill_token_bitmask(batch, meta)
+            ahead: set[str] = set()
+            if prev is not None:  # uncollected: its samples are waited for here
+                self._record_samples(prev)
+                ahead = guided.advance_by_step(prev.batch, prev.sampled)
+            rows, grammars = guided.rows_to_mask(batch, ahead)
+            if rows:
+                meta.token_bitmask = self.structured_output.fill_bitmask(grammars, rows,
+                                                                         batch.num_reqs)
+                meta.bitmask_rows = rows
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
@@ -426,28 +434,6 @@ class ModelRunner:
         outputs = [r.output_token_ids for r in requests] if needs_tokens else [[]] * len(params)
         return SamplingMetadata.build(params, prompts, outputs, generators, self.eos_token_id,
                                       self.vocab_size, self.device, distinct)
-
-    def _fill_token_bitmask(self, batch: SchedulerOutput, meta: SamplingMetadata) -> None:
-        """The grammar's allowed tokens for the rows that sample in this step. A guided
-        request runs without async overlap (`needs_host_history`), so its matcher has accepted
-        every earlier sample by now."""
-        rows, grammars = [], []
-        for i, (request, samples) in enumerate(zip(batch.requests, batch.will_sample.tolist(),
-                                                   strict=True)):
-            grammar = request.grammar
-            if grammar is None or not samples:
-                continue
-            if batch.is_new[i]:
-                # Readmitted after preemption: recompute keeps every output token, so this is
-                # a no-op unless a sample was dropped; the matcher follows the tokens kept.
-                grammar.rollback_to(request.num_output_tokens)
-            rows.append(i)
-            grammars.append(grammar)
-        if rows:
-            assert self.structured_output is not None
-            meta.token_bitmask = self.structured_output.fill_bitmask(grammars, rows,
-                                                                     batch.num_reqs)
-            meta.bitmask_rows = rows
 
     def warmup(self) -> None:
         """Compile/JIT whatever the backend needs before the first request, then capture the

@@ -195,7 +195,8 @@ class Scheduler:
             # step saw its whole context.
             request.num_output_placeholders -= 1
             request.append_output_token(token)
-            if request.grammar is not None and not request.grammar.accept(token):
+            if request.grammar is not None and not request.grammar.accept(
+                    token, len(request.output_token_ids) - 1):
                 logger.error("request %s: its grammar refused sampled token %d; it ends here",
                              request.request_id, token)
             self.kv.cache_computed_blocks(request)

@@ -58,7 +58,12 @@ class RequestGrammar:
         self.num_accepted = 0
         self.failed = False  # a token the grammar refused (never expected: the mask forbids it)
 
-    def accept(self, token_id: int) -> bool:
+    def accept(self, token_id: int, position: int | None = None) -> bool:
+        """Advance by the sequence's output token at `position` (None: the next one). With
+        async scheduling the runner accepts a sample before the scheduler records it; the
+        scheduler's call for the same position is then a no-op."""
+        if position is not None and position < self.num_accepted:
+            return not self.failed
         if self.failed or self.matcher.is_terminated():
             self.failed = True
             return False

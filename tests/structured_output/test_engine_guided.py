@@ -230,10 +230,17 @@ def _mixed_batch(device: str, async_scheduling: bool) -> list[list[int]]:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_async_scheduling_with_guided_requests(device: str) -> None:
-    """Guided requests make the engine step synchronously while they live, then it overlaps
-    again: every output equals the step-by-step run's (the CPU runs the async code paths
-    without overlap; on CUDA the bitmask goes through pinned memory and Triton/CUDA)."""
+    """Guided requests keep async scheduling on: the runner advances their matchers by the
+    in-flight step's samples before it fills the next step's bitmask. Every output equals the
+    step-by-step run's (the CPU runs the async code paths without overlap; on CUDA the bitmask
+    goes through pinned memory and Triton/CUDA)."""
     assert _mixed_batch(device, True) == _mixed_batch(device, False)
+
+
+def test_guided_requests_do_not_force_synchronous_steps() -> None:
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    assert not params.needs_host_history
+    assert SamplingParams(repetition_penalty=1.2).needs_host_history
 
 
 def test_backend_choice() -> None:
