@@ -344,11 +344,11 @@ class ModelRunner:
             if prev is not None:  # uncollected: its samples are waited for here
                 self._record_samples(prev)
                 ahead = guided.advance_by_step(prev.batch, prev.sampled)
-            rows, grammars = guided.rows_to_mask(batch, ahead)
-            if rows:
-                meta.token_bitmask = self.structured_output.fill_bitmask(grammars, rows,
+            mask_rows, grammars = guided.rows_to_mask(batch, ahead)
+            if mask_rows:
+                meta.token_bitmask = self.structured_output.fill_bitmask(grammars, mask_rows,
                                                                          batch.num_reqs)
-                meta.bitmask_rows = rows
+                meta.bitmask_rows = mask_rows
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
