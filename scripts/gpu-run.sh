@@ -13,7 +13,7 @@
 # bandwidth of both backends, DeepSeek-V2-Lite's throughput and KV capacity), flex
 # (FLEX_ATTENTION's conformance and kernel timings beside TRITON and FLASHINFER), families (the
 # families' GPU greedy test), stateops (the state layers' kernels),
-# hybrid (the hybrid models on CUDA, Qwen3-Next decode), tqgraphs (TURBOQUANT's graphs: tests, 8B decode-heavy beside bf16), structured (guided decoding's cost), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
+# hybrid (the hybrid models on CUDA, Qwen3-Next decode), tqgraphs (TURBOQUANT's graphs: tests, 8B decode-heavy beside bf16), tp (tensor parallelism on 2+ GPUs: parity, 8B and 70B throughput, Ray), structured (guided decoding's cost), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
 # beside TRITON and FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
@@ -412,6 +412,34 @@ stage_tqgraphs() {  # TURBOQUANT's graph and prefill GPU tests, then the 8B shap
         echo "exit $?" >>"$OUT/tq-throughput-$kv.log"
         echo "$kv: $(grep -h Throughput "$OUT/tq-throughput-$kv.log")"
     done
+}
+stage_tp() {  # tensor parallelism on a machine with 2+ GPUs (nvidia-h200-x2): the GPU tests,
+    # TP=2 against TP=1 (greedy share, teacher-forced KL), the 8B shape's throughput at TP=1
+    # and 2 (prefill- and decode-heavy), the 70B shape at TP=2, and the Ray executor
+    setup_env
+    [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "stage tp needs 2 GPUs"; return; }
+    shard tp tests/distributed/test_tp_gpu.py
+    wait
+    timeout 300 python3 benchmarks/tp_parity.py --model random:llama3-8b --dtype bfloat16 \
+        --tp 2 >"$OUT/tp-parity.log" 2>&1; echo "exit $?" >>"$OUT/tp-parity.log"
+    local tp shape
+    for tp in 1 2; do
+        for shape in 1024:128 128:1024; do
+            timeout 240 python3 -m pagedserve bench throughput --config llama3-8b-random \
+                --tensor-parallel-size "$tp" --num-prompts 1000 --input-len "${shape%:*}" \
+                --output-len "${shape#*:}" >"$OUT/tp$tp-${shape/:/-}.log" 2>&1
+            echo "exit $?" >>"$OUT/tp$tp-${shape/:/-}.log"
+        done
+    done
+    timeout 400 python3 -m pagedserve bench throughput --model random:llama3-70b \
+        --dtype bfloat16 --tensor-parallel-size 2 --num-prompts 256 --input-len 128 \
+        --output-len 512 >"$OUT/tp2-70b.log" 2>&1; echo "exit $?" >>"$OUT/tp2-70b.log"
+    timeout 240 python3 -m pagedserve bench throughput --config llama3-8b-random \
+        --tensor-parallel-size 2 --distributed-executor-backend ray --num-prompts 1000 \
+        --input-len 128 --output-len 1024 >"$OUT/tp2-ray.log" 2>&1
+    echo "exit $?" >>"$OUT/tp2-ray.log"
+    tail -4 "$OUT/tp-parity.log"
+    for f in "$OUT"/tp[12]-*.log; do echo "$(basename "$f"): $(grep -h Throughput "$f")"; done
 }
 stage_flexbench() {  # the bundled GGUF through bench throughput on FLEX_ATTENTION, TRITON, FLASHINFER
     setup_env

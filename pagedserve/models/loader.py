@@ -335,6 +335,11 @@ RANDOM_PRESETS: dict[str, dict[str, Any]] = {
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                       tie_word_embeddings=False),
+    # Llama-3-70B's shape: does not fit one H200 in bf16 (141 GB of weights), TP=2 does.
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False),
     # Qwen3-30B-A3B: 48 layers, 128 experts of 768, top-8 renormalised, 32:4 heads of 128.
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
                           intermediate_size=6144, moe_intermediate_size=768,
