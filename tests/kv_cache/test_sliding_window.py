@@ -84,9 +84,10 @@ def test_mixed_kinds_split_into_groups_sharing_tensors():
         assert [layout.tensor_of_layer[i] for i in group.layer_ids] == [0, 1]
     # Windows of two sizes are two kinds.
     assert plan_kv_cache_groups([_spec(8), _spec(12)]).windows == [8, 12]
-    # The size that pads the fewest layers, the largest of those.
+    # The largest size that pads at most a tenth of the layers.
     assert choose_group_size([6, 3]) == 3 and choose_group_size([7, 2]) == 1
-    assert choose_group_size([8, 4]) == 4
+    assert choose_group_size([8, 4]) == 4 and choose_group_size([52, 10]) == 6
+    assert choose_group_size([40, 9]) == 5  # 9 pads 5 of 49 layers; 5 pads 1: 10 groups
 
 
 def test_pages_of_different_shapes_keep_one_group(caplog):
