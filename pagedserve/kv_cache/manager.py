@@ -264,13 +264,16 @@ class KVCacheManager:
         num_new_blocks = self._num_blocks_to_take(request, num_new_tokens, new_computed_blocks)
         if num_new_blocks is None:
             return None
+        if new_computed_blocks:
+            # Every group's hits leave the free queue before any group takes new blocks: an
+            # evictable hit of one group must not be handed to another as a fresh block.
+            for hits in new_computed_blocks:
+                self.pool.touch(b for b in hits if b is not OUT_OF_WINDOW)
         appended = []
         for g, manager in enumerate(self.groups):
             blocks = manager.req_to_blocks.setdefault(request_id, [])
             if new_computed_blocks:
-                hits = new_computed_blocks[g]
-                self.pool.touch(b for b in hits if b is not OUT_OF_WINDOW)
-                added = list(hits) + self.pool.allocate(num_new_blocks)
+                added = list(new_computed_blocks[g]) + self.pool.allocate(num_new_blocks)
             else:
                 added = self.pool.allocate(num_new_blocks)
             blocks.extend(added)

@@ -191,3 +191,28 @@ def test_window_blocks_leave_only_once_published():
     assert kv.groups[1].num_out_of_window["r"] > 0
     kv.free(request)
     assert kv.all_free()
+
+
+def test_one_groups_new_blocks_never_take_another_groups_hits():
+    """Every group's hits leave the free queue before any group takes a fresh block: an
+    evictable hit at the queue's head must not be handed out as another group's new block."""
+    kv = KVCacheManager(8, BLOCK, windows=[None, WINDOW])
+    prompt = list(range(1, 13))
+    a = _req("a", prompt)
+    kv.allocate_slots(a, 12)  # 3 blocks per group, published
+    c = _req("c", [1])
+    kv.allocate_slots(c, 1)  # the two blocks no one used yet
+    # a's second group's blocks go back head first: the free queue starts with its hits.
+    kv.pool.free(kv.groups[1].req_to_blocks.pop("a"))
+    kv.pool.free(reversed(kv.groups[0].req_to_blocks.pop("a")))
+    kv.num_cached_blocks.pop("a")
+    b = _req("b", prompt[:8] + [99] * 4)
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 8 and hits[1][0] is kv.pool.free_queue._head.next_free
+    blocks = kv.allocate_slots(b, 4, hits)
+    ids = [blk.block_id for group in blocks for blk in group]
+    assert len(set(ids)) == len(ids) == 6
+    assert all(blk.ref_cnt == 1 for group in blocks for blk in group)
+    kv.free(b)
+    kv.free(c)
+    assert kv.all_free()
