@@ -87,6 +87,14 @@ def choose_group_size(counts: list[int]) -> int:
     return min(sizes, key=waste)
 
 
+def plain_layout(specs: list[KVCacheSpec], window: int | None = None) -> KVCacheLayout:
+    """One group of every layer, each with a tensor of its own (`window`: the one window every
+    layer shares, else None: no block is freed before its request ends)."""
+    n = len(specs)
+    return KVCacheLayout((KVCacheGroup(tuple(range(n)), window),), tuple(range(n)), tuple(specs),
+                         sum(spec.page_size_bytes for spec in specs))
+
+
 def plan_kv_cache_groups(specs: list[KVCacheSpec]) -> KVCacheLayout:
     """The groups and cache tensors of a model's attention layers (`specs` by layer_idx)."""
     if not specs:
@@ -94,17 +102,14 @@ def plan_kv_cache_groups(specs: list[KVCacheSpec]) -> KVCacheLayout:
     kinds: dict[int | None, list[int]] = {}
     for i, spec in enumerate(specs):
         kinds.setdefault(_kind(spec), []).append(i)
-    plain_bytes = sum(spec.page_size_bytes for spec in specs)
     if len(kinds) == 1:
         (window,) = kinds
-        return KVCacheLayout((KVCacheGroup(tuple(range(len(specs))), window),),
-                             tuple(range(len(specs))), tuple(specs), plain_bytes)
+        return plain_layout(specs, window)
     if len({_page_shape(spec) for spec in specs}) != 1:
         logger.info("KV cache groups off: the attention layers' pages differ in shape, so "
                     "windowed and full layers cannot share cache tensors; every layer keeps "
                     "every block of a request")
-        return KVCacheLayout((KVCacheGroup(tuple(range(len(specs))), None),),
-                             tuple(range(len(specs))), tuple(specs), plain_bytes)
+        return plain_layout(specs)
     size = choose_group_size([len(layers) for layers in kinds.values()])
     groups: list[KVCacheGroup] = []
     tensor_of_layer = [0] * len(specs)

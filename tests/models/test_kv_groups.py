@@ -143,3 +143,100 @@ def test_sliding_groups_hold_about_a_window(models, make_llm, name):
             assert prompt_blocks < peak <= total
         else:
             assert peak <= -(-(WINDOW - 1 + chunk) // BLOCK) + 2 < total // 2
+
+
+def test_padded_decode_steps_with_groups(models, make_llm):
+    """Decode steps padded to a captured size the way CUDA graphs run them (here eagerly:
+    `DecodeGraphs(capture=False)`): every group's block table and slot mapping padded in its
+    own persistent buffers; tokens still transformers'."""
+    from pagedserve.engine.cuda_graphs import DecodeGraphs
+
+    path, prompts, expected = models["gemma3"]
+    llm = _llm(make_llm, path, max_num_batched_tokens=64, max_num_seqs=8)
+    runner = llm.engine.runner
+    assert runner.decode_graphs is None  # never on the CPU
+    graphs = DecodeGraphs(runner.graph_inputs(), [4, 8], capture=False)
+    runner.decode_graphs = graphs
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert graphs.replays[4] > 0  # the 3 requests' decodes, padded to 4
+
+
+def _plain_layout(monkeypatch) -> None:
+    """Engines built from here on keep every layer in one group (no block freed early): the
+    layout before cache groups, as a reference."""
+    from pagedserve.engine import model_runner
+    from pagedserve.kv_cache.groups import plain_layout
+
+    monkeypatch.setattr(model_runner, "plan_kv_cache_groups", plain_layout)
+
+
+def test_plain_layout_reference_is_one_group(models, make_llm, monkeypatch):
+    path, prompts, expected = models["gemma2"]
+    _plain_layout(monkeypatch)
+    llm = _llm(make_llm, path, max_num_batched_tokens=24)
+    assert llm.engine.kv_cache.num_groups == 1 and llm.engine.kv_cache.sliding_window is None
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER", "FLASH_ATTN"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_groups_on_cuda(tmp_path, monkeypatch, name, backend):
+    """KV cache groups on CUDA: each group's block table and slot mapping in persistent
+    buffers that decode graphs replay over, async scheduling, prefix hits on the second run
+    (the sliding groups' window blocks). TRITON in float32 against transformers' tokens; the
+    bfloat16-only backends against the same backend with every layer in one group (the
+    layout before groups: the same kernels over the same sequences, so the same tokens)."""
+    import gc
+
+    from pagedserve import LLM
+    from pagedserve.attention.registry import get_backend_cls
+
+    ok, why = get_backend_cls(backend).is_available()
+    if not ok:
+        pytest.skip(f"{backend}: {why}")
+    config = _configs()[name]
+    config.head_dim = 64
+    torch.manual_seed(7)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                       dtype=torch.float32)
+    hf.eval().save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist()
+               for n in PROMPT_LENS]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    dtype = "float32" if backend == "TRITON" else "bfloat16"
+
+    def run(plain: bool):
+        if plain:
+            _plain_layout(monkeypatch)
+        llm = LLM(model=str(tmp_path), dtype=dtype, device="cuda", attention_backend=backend,
+                  gpu_memory_utilization=0.2, max_num_batched_tokens=64, block_size=16)
+        try:
+            assert llm.engine.kv_cache.num_groups == (1 if plain else NUM_GROUPS[name])
+            runs = []
+            for _ in range(2):
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                       use_tqdm=False)
+                runs.append([o.outputs[0].token_ids for o in outputs])
+            hits = llm.engine.stats().prefix_cache_hits
+            graphs = llm.engine.runner.decode_graphs
+            assert llm.engine.check_blocks_free()
+        finally:
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        assert hits > 0
+        assert graphs is not None and sum(graphs.replays.values()) > 0
+        return runs
+
+    grouped = run(plain=False)
+    if backend == "TRITON":
+        expected = [hf_greedy(hf, p, NUM_NEW) for p in prompts]
+        assert grouped == [expected, expected]
+    else:  # run for run: the second hits the cache in both layouts alike
+        assert grouped == run(plain=True)
