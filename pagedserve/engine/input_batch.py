@@ -83,12 +83,19 @@ class InputBatch:
         for request_id in batch.freed_request_ids:
             self.remove(request_id)
         rows = np.empty(batch.num_reqs, dtype=np.int64)
+        # One cache group (the common case) without the loop over groups; most decode steps
+        # append no block at all.
+        single = self.block_table if len(self.block_tables) == 1 else None
         for i, (request, block_ids, is_new) in enumerate(
                 zip(batch.requests, batch.new_block_ids, batch.is_new, strict=True)):
             if is_new:
                 rows[i] = self.add(request, block_ids)
+                continue
+            rows[i] = row = self.row_of[request.request_id]
+            if single is not None:
+                if block_ids[0]:
+                    single.append(row, block_ids[0])
             else:
-                rows[i] = row = self.row_of[request.request_id]
                 for table, ids in zip(self.block_tables, block_ids, strict=True):
                     table.append(row, ids)
         return rows

@@ -95,8 +95,7 @@ class ModelRunner:
         self.state_layers = _indexed_layers(model, StateLayer)
         if not self.attn_layers and not self.state_layers:
             raise ValueError("the model has neither attention nor state layers")
-        # Backend metadata builders by metadata key (Attention.metadata_key), and the KV cache
-        # group whose block table each one reads.
+        # Backend builders by Attention.metadata_key, and the cache group each one reads.
         self.builders: dict[Any, Any] = {}
         self.builder_group: dict[Any, int] = {}
         self.kv_specs = []
@@ -241,8 +240,7 @@ class ModelRunner:
         probe = Request("__profile__", [0] * num_tokens, SamplingParams(max_tokens=1))
         probe.state_slot = 0 if self.state_layers else -1
         rows = InputBatch(1, self.max_model_len, self.max_blocks_per_seq, self.num_kv_groups)
-        # Every group on the same blocks: the profile only needs valid pages.
-        block_ids = tuple(list(range(needed)) for _ in range(self.num_kv_groups))
+        block_ids = tuple(list(range(needed)) for _ in range(self.num_kv_groups))  # any pages
         rows.add(probe, block_ids)
         batch = SchedulerOutput([probe], np.array([num_tokens], dtype=np.int32),
                                 np.zeros(1, dtype=np.int32), [block_ids], [False], 1,
