@@ -68,6 +68,9 @@ def models(tmp_path_factory):
 VARIANTS = {
     "default": {},
     "chunked_prefill": {"max_num_batched_tokens": 24},
+    # Step N+1 scheduled before N's samples are back: a block's last token is known a step
+    # late, so a sliding group frees a block only once it is published.
+    "async_chunked": {"max_num_batched_tokens": 24, "async_scheduling": True},
     # Just the room the longest request needs alone (its full group's blocks and each sliding
     # group's window and chunk): the next one admitted beside it runs out mid-prefill.
     "preemption": {"max_num_batched_tokens": 16},
@@ -96,13 +99,14 @@ def test_greedy_matches_transformers(models, make_llm, name, variant):
         assert llm.engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_prefix_cache_hits_with_groups(models, make_llm, name):
+@pytest.mark.parametrize(("name", "async_scheduling"),
+                         [("gemma2", False), ("gemma3", False), ("gemma3", True)])
+def test_prefix_cache_hits_with_groups(models, make_llm, name, async_scheduling):
     """The same prompts again hit the cache in every group (the sliding groups the blocks of
     the window before the hit): the second run computes only the last block, and its tokens
     are still transformers'."""
     path, prompts, expected = models[name]
-    llm = _llm(make_llm, path, max_num_batched_tokens=64)
+    llm = _llm(make_llm, path, max_num_batched_tokens=64, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     for round_ in range(2):
         before = llm.engine.stats().prefix_cache_hits
