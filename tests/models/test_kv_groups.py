@@ -244,3 +244,44 @@ def test_groups_on_cuda(tmp_path, monkeypatch, name, backend):
         assert grouped == [expected, expected]
     else:  # run for run: the second hits the cache in both layouts alike
         assert grouped == run(plain=True)
+
+
+def test_group_metadata_equals_a_full_build_over_its_table():
+    """A further group's metadata (`build_group`): the shared per-step arrays of the first
+    group's, its own block table, slot mapping and page table, as a full build over its table
+    would give them, in its own buffers."""
+    import numpy as np
+
+    from pagedserve.attention.metadata import TABLE_BUFFERS, CommonMetadataBuilder
+
+    rng = np.random.default_rng(0)
+    tables = [rng.permutation(64).astype(np.int32).reshape(4, 16) for _ in range(2)]
+    rows = np.array([2, 0, 3])
+    computed = np.array([20, 33, 7], dtype=np.int32)
+    scheduled = np.array([9, 1, 1], dtype=np.int32)
+
+    def builder():
+        return CommonMetadataBuilder(4, 32, 16, BLOCK, torch.device("cpu"))
+
+    first, second, reference = builder(), builder(), builder()
+    common = first.build(rows, computed, scheduled, 1, tables[0])
+    grouped = second.build_group(common, rows, tables[1])
+    full = reference.build(rows, computed, scheduled, 1, tables[1])
+    for name in TABLE_BUFFERS:
+        assert torch.equal(getattr(grouped, name), getattr(full, name)), name
+        assert getattr(grouped, name).data_ptr() == second.dev[name].data_ptr()
+    assert not torch.equal(grouped.slot_mapping, common.slot_mapping)
+    for name in ("query_start_loc", "seq_lens", "positions", "context_lens"):
+        assert getattr(grouped, name) is getattr(common, name)
+    assert np.array_equal(grouped.paged_kv_indptr_cpu, full.paged_kv_indptr_cpu)
+
+
+def test_start_up_log_names_the_groups(models, make_llm, caplog):
+    path, _, _ = models["gemma3"]
+    with caplog.at_level("INFO", logger="pagedserve"):
+        llm = _llm(make_llm, path)
+    assert "KV cache groups share" in caplog.text
+    assert "group 5: full, layers [5]" in caplog.text
+    assert "group 0: sliding window 32, layers [0]" in caplog.text
+    # Bytes per token count every group: six layers' K and V of 2 heads of 16 floats.
+    assert llm.engine.kv_cache_bytes_per_token() == 6 * 2 * 2 * 16 * 4
