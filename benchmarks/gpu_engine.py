@@ -296,12 +296,12 @@ def decode_step_time(llm: LLM, shape: Shape, batch: int, context: int,
         row(f"8B decode step b={batch}", "skipped: the KV cache is too small")
         return
 
-    common = helper.dummy_decode(batch, [context] * batch)
+    commons = helper.dummy_decode(batch, [context] * batch)  # one per KV cache group
 
     def step() -> None:
-        hidden = graphs.run(common) if graphs is not None else None
+        hidden = graphs.run(commons) if graphs is not None else None
         if hidden is None:
-            md = {cfg: b.build(common) for cfg, b in runner.builders.items()}
+            md = runner.graph_inputs().group_metadata(commons, lambda b, c: b.build(c))
             hidden = runner.run_model(md, batch)
         runner.model.compute_logits(hidden).argmax(-1).cpu()
 
@@ -319,17 +319,17 @@ def decode_step_time(llm: LLM, shape: Shape, batch: int, context: int,
     row(f"8B decode step b={batch} ctx={context} ({mode})", f"{ms:.2f} ms",
         f"floor {floor_ms:.2f} ms ({nbytes / 1e9:.1f} GB) -> {ms / floor_ms:.2f}x")
     if mode == "graph":
-        gpu_ms = replay_time_ms(graphs, common)
+        gpu_ms = replay_time_ms(graphs, commons)
         row(f"8B decode step b={batch} GPU time of the graph alone", f"{gpu_ms:.2f} ms",
             f"-> {gpu_ms / floor_ms:.2f}x the floor; host and logits {ms - gpu_ms:.2f} ms")
-    kernel_breakdown(runner, common, batch)
+    kernel_breakdown(runner, commons, batch)
 
 
-def replay_time_ms(graphs, common) -> float:
+def replay_time_ms(graphs, commons) -> float:
     """GPU time of one replay: back-to-back replays between two events, so no host gap."""
-    graphs.run(common)
+    graphs.run(commons)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    size = padded_batch_size(graphs.sizes, common.num_reqs)
+    size = padded_batch_size(graphs.sizes, commons[0].num_reqs)
     iters = 20
     start.record()
     for _ in range(iters):
@@ -339,13 +339,13 @@ def replay_time_ms(graphs, common) -> float:
     return start.elapsed_time(end) / iters
 
 
-def kernel_breakdown(runner, common, batch: int, top: int = 8) -> None:
+def kernel_breakdown(runner, commons, batch: int, top: int = 8) -> None:
     """Kernels of one eager decode step by name (torch.profiler): where the GPU time goes."""
     from torch.profiler import ProfilerActivity, profile
 
 
     def forward() -> None:
-        md = {cfg: b.build(common) for cfg, b in runner.builders.items()}
+        md = runner.graph_inputs().group_metadata(commons, lambda b, c: b.build(c))
         hidden = runner.run_model(md, batch)
         runner.model.compute_logits(hidden).argmax(-1)
 

@@ -36,6 +36,9 @@ class Attention(nn.Module):
                                            else None)
         self.impl: AttentionImpl | None = None
         self.layer_config: AttentionLayerConfig | None = None
+        # Where the layer finds its metadata in the forward context: its configuration, or
+        # (cache group, configuration) when the model's layers form several KV cache groups.
+        self.metadata_key: object = None
 
     def config(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> AttentionLayerConfig:
         return AttentionLayerConfig(self.num_heads, self.num_kv_heads, self.head_size, dtype,
@@ -43,12 +46,14 @@ class Attention(nn.Module):
                                     self.scale, has_sinks=self.sinks is not None,
                                     head_size_v=self.head_size_v)
 
-    def bind(self, impl: AttentionImpl, layer_config: AttentionLayerConfig) -> None:
+    def bind(self, impl: AttentionImpl, layer_config: AttentionLayerConfig,
+             metadata_key: object = None) -> None:
         if self.sinks is not None:
             # The parameter itself: weights loaded into it in place stay visible to the impl.
             impl.bind_sinks(self.sinks)
         self.impl = impl
         self.layer_config = layer_config
+        self.metadata_key = layer_config if metadata_key is None else metadata_key
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if self.impl is None:
@@ -60,6 +65,6 @@ class Attention(nn.Module):
             key.view(t, self.num_kv_heads, self.head_size),
             value.view(t, self.num_kv_heads, self.head_size_v),
             ctx.kv_caches[self.layer_idx],
-            ctx.attn_metadata[self.layer_config],
+            ctx.attn_metadata[self.metadata_key],
         )
         return out.reshape(t, self.num_heads * self.head_size_v)

@@ -55,6 +55,9 @@ class CommonAttentionMetadata:
     # The page ids on the host too, for planners that read them there (FlashInfer's MLA plan
     # takes their range; reading the device copy would wait for the GPU).
     paged_kv_indices_cpu: np.ndarray | None = None
+    # The new tokens' positions on the host (a second cache group's slot mapping is built
+    # from them).
+    positions_cpu: np.ndarray | None = None
 
 
 # Padding of a running sum: each padding request adds one (one token, one page).
@@ -85,7 +88,10 @@ BUFFERS: dict[str, Buffer] = {
     "paged_kv_last_page_len": Buffer(torch.int32, "reqs", 1),
 }
 HOST_MIRRORS = ("query_start_loc", "seq_lens", "context_lens", "paged_kv_indptr",
-                "paged_kv_last_page_len", "paged_kv_indices")
+                "paged_kv_last_page_len", "paged_kv_indices", "positions")
+# The buffers that follow a KV cache group's block table; the rest are one per step.
+TABLE_BUFFERS = ("block_table", "slot_mapping", "paged_kv_indptr", "paged_kv_indices",
+                 "paged_kv_last_page_len")
 
 
 def _lengths(num_reqs: int, num_tokens: int, num_pages: int) -> dict[str, int]:
@@ -133,29 +139,12 @@ class CommonMetadataBuilder:
         np.add(num_computed, num_scheduled, out=seq_lens)
         h["context_lens"][:b] = num_computed
 
-        table = h["block_table"][:b]
-        np.take(block_table, rows, axis=0, out=table)
-
         # Position of every new token: its request's cached length plus its offset in the step.
         token_req = np.repeat(self._arange[:b], num_scheduled)
         positions = h["positions"][:t]
         np.subtract(self._arange[:t], qsl[token_req], out=positions)
         positions += num_computed[token_req]
-        slots = h["slot_mapping"][:t]
-        np.multiply(table[token_req, positions // bs], bs, out=slots)
-        slots += positions % bs
-
-        # CSR page table over the pages each request's context occupies.
-        num_pages = (seq_lens + bs - 1) // bs
-        indptr = h["paged_kv_indptr"][: b + 1]
-        indptr[0] = 0
-        np.cumsum(num_pages, out=indptr[1:])
-        total_pages = int(indptr[b])
-        width = int(num_pages.max()) if b else 0
-        mask = self._arange[:width] < num_pages[:, None]
-        h["paged_kv_indices"][:total_pages] = table[:, :width][mask]
-        last = h["paged_kv_last_page_len"][:b]
-        np.subtract(seq_lens, (num_pages - 1) * bs, out=last)
+        total_pages = self._fill_table(rows, block_table, token_req, positions, seq_lens)
 
         lengths = _lengths(b, t, total_pages)
         self._copy_to_device(None, lengths)
@@ -174,7 +163,48 @@ class CommonMetadataBuilder:
             context_written_in_step=context_written_in_step,
         )
 
-    def pad_decode(self, common: CommonAttentionMetadata, size: int) -> CommonAttentionMetadata:
+    def _fill_table(self, rows: np.ndarray, block_table: np.ndarray, token_req: np.ndarray,
+                    positions: np.ndarray, seq_lens: np.ndarray) -> int:
+        """The block table's rows, the slot mapping and the CSR page table into the host
+        buffers; returns the number of pages."""
+        bs = self.block_size
+        b = len(rows)
+        h = self.np
+        table = h["block_table"][:b]
+        np.take(block_table, rows, axis=0, out=table)
+        slots = h["slot_mapping"][:len(positions)]
+        np.multiply(table[token_req, positions // bs], bs, out=slots)
+        slots += positions % bs
+
+        # CSR page table over the pages each request's context occupies.
+        num_pages = (seq_lens + bs - 1) // bs
+        indptr = h["paged_kv_indptr"][: b + 1]
+        indptr[0] = 0
+        np.cumsum(num_pages, out=indptr[1:])
+        total_pages = int(indptr[b])
+        width = int(num_pages.max()) if b else 0
+        mask = self._arange[:width] < num_pages[:, None]
+        h["paged_kv_indices"][:total_pages] = table[:, :width][mask]
+        last = h["paged_kv_last_page_len"][:b]
+        np.subtract(seq_lens, (num_pages - 1) * bs, out=last)
+        return total_pages
+
+    def build_group(self, common: CommonAttentionMetadata, rows: np.ndarray,
+                    block_table: np.ndarray) -> CommonAttentionMetadata:
+        """`common`, built by another builder for this step, with the block table, slot
+        mapping and page table of another KV cache group (its `block_table`, the engine's
+        persistent table of that group) in this builder's own buffers. The per-request and
+        per-token arrays are shared; only the page-dependent ones are built again."""
+        b, t = common.num_reqs, common.num_actual_tokens
+        token_req = np.repeat(self._arange[:b], np.diff(common.query_start_loc_cpu))
+        total_pages = self._fill_table(rows, block_table, token_req, common.positions_cpu,
+                                       common.seq_lens_cpu)
+        lengths = _lengths(b, t, total_pages)
+        self._copy_to_device(None, lengths, TABLE_BUFFERS)
+        return dataclasses.replace(common, **self._views(lengths, TABLE_BUFFERS))
+
+    def pad_decode(self, common: CommonAttentionMetadata, size: int,
+                   onto: CommonAttentionMetadata | None = None) -> CommonAttentionMetadata:
         """`common`, a pure-decode step of B requests this builder just built, padded in place to
         `size` requests for a captured CUDA graph. Entries [B, size) of every buffer are
         written on the host and copied over, so the copies `build` issued for [0, B) stand. A
@@ -186,7 +216,11 @@ class CommonMetadataBuilder:
         before = _lengths(b, t, pages)
         after = _lengths(size, t + extra, pages + extra)
         steps = self._arange[1:extra + 1]
-        for name, buf in BUFFERS.items():
+        # Another group's tables (`onto`: the step already padded by the first group's builder)
+        # pad only the page-dependent buffers.
+        names = tuple(BUFFERS) if onto is None else TABLE_BUFFERS
+        for name in names:
+            buf = BUFFERS[name]
             lo, hi = before[buf.length], after[buf.length]
             dst = self.np[name][lo:hi]
             if buf.pad is RUNNING_SUM:
@@ -194,25 +228,33 @@ class CommonMetadataBuilder:
             else:
                 dst[...] = buf.pad
         self.np["block_table"][b:size, 0] = 0  # a padding request's one page
-        self._copy_to_device(before, after)
+        self._copy_to_device(before, after, names)
+        if onto is not None:
+            return dataclasses.replace(onto, **self._views(after, names))
         return dataclasses.replace(
             common, **self._views(after), num_reqs=size, num_actual_tokens=t + extra,
             max_query_len=1, max_seq_len=max(common.max_seq_len, 1), num_decodes=size,
             num_decode_tokens=t + extra)
 
-    def _copy_to_device(self, start: dict[str, int] | None, end: dict[str, int]) -> None:
-        """Copy entries [start, end) of every buffer (lengths by kind; None: from 0)."""
+    def _copy_to_device(self, start: dict[str, int] | None, end: dict[str, int],
+                        names: tuple[str, ...] | None = None) -> None:
+        """Copy entries [start, end) of the buffers `names` (all by default; lengths by kind;
+        None: from 0)."""
         if self.dev is self.host:
             return
-        for name, buf in BUFFERS.items():
+        for name in BUFFERS if names is None else names:
+            buf = BUFFERS[name]
             lo = 0 if start is None else start[buf.length]
             hi = end[buf.length]
             if hi > lo:
                 self.dev[name][lo:hi].copy_(self.host[name][lo:hi], non_blocking=True)
 
-    def _views(self, lengths: dict[str, int]) -> dict[str, torch.Tensor | np.ndarray]:
+    def _views(self, lengths: dict[str, int], names: tuple[str, ...] | None = None
+               ) -> dict[str, torch.Tensor | np.ndarray]:
+        names = tuple(BUFFERS) if names is None else names
         views: dict[str, torch.Tensor | np.ndarray] = {
-            name: self.dev[name][:lengths[buf.length]] for name, buf in BUFFERS.items()}
+            name: self.dev[name][:lengths[BUFFERS[name].length]] for name in names}
         for name in HOST_MIRRORS:
-            views[f"{name}_cpu"] = self.np[name][:lengths[BUFFERS[name].length]]
+            if name in names:
+                views[f"{name}_cpu"] = self.np[name][:lengths[BUFFERS[name].length]]
         return views

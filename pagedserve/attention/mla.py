@@ -67,11 +67,12 @@ class MLAAttention(Attention):
                               qk_nope_head_dim=self.qk_nope_head_dim,
                               qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
 
-    def bind(self, impl: AttentionImpl, layer_config: AttentionLayerConfig) -> None:
+    def bind(self, impl: AttentionImpl, layer_config: AttentionLayerConfig,
+             metadata_key: object = None) -> None:
         if not isinstance(impl, MLAImpl):
             raise TypeError(f"{type(impl).__name__} cannot run multi-head latent attention")
         impl.bind_kv_b_proj(self.kv_b_proj.weight)
-        super().bind(impl, layer_config)
+        super().bind(impl, layer_config, metadata_key)
 
     def forward(self, query: torch.Tensor, latent: torch.Tensor,  # type: ignore[override]
                 value: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,7 +81,7 @@ class MLAAttention(Attention):
         ctx = get_forward_context()
         t = query.shape[0]
         out = self.impl.forward(query, latent.view(t, 1, self.head_size), None,
-                                ctx.kv_caches[self.layer_idx], ctx.attn_metadata[self.layer_config])
+                                ctx.kv_caches[self.layer_idx], ctx.attn_metadata[self.metadata_key])
         return out.reshape(t, self.num_heads * self.v_head_dim)
 
 

@@ -49,6 +49,24 @@ class GraphInputs:
     # The model routes tokens to experts: its outputs at different batch sizes may differ by
     # more than rounding (a flipped expert choice), so the padded-vs-unpadded check only logs.
     routes_experts: bool = False
+    # With several KV cache groups: each group's table builder (the first is common_builder)
+    # and the group each backend builder reads; None: one group.
+    group_builders: list[CommonMetadataBuilder] | None = None
+    builder_group: dict[Any, int] | None = None
+
+    def group_metadata(self, commons: list[CommonAttentionMetadata],
+                       build: Callable[[Any, CommonAttentionMetadata], Any]) -> dict[Any, Any]:
+        """`build(builder, common of its group)` for every backend builder, by key."""
+        group = self.builder_group or {}
+        return {key: build(builder, commons[group.get(key, 0)])
+                for key, builder in self.builders.items()}
+
+    def group_commons(self, common: CommonAttentionMetadata, rows: np.ndarray,
+                      tables: list[np.ndarray]) -> list[CommonAttentionMetadata]:
+        """`common` (the first group's) and the other groups' metadata of the same step."""
+        others = (self.group_builders or [])[1:]
+        return [common] + [b.build_group(common, rows, t)
+                           for b, t in zip(others, tables[1:], strict=True)]
 
 
 def graph_batch_sizes(max_num_seqs: int, max_num_tokens: int,
@@ -85,22 +103,23 @@ class DecodeGraphs:
 
     # ---- per step -------------------------------------------------------------------------
 
-    def run(self, common: CommonAttentionMetadata) -> torch.Tensor | None:
+    def run(self, commons: list[CommonAttentionMetadata]) -> torch.Tensor | None:
         """Hidden states [num_reqs, hidden] of a pure-decode step through its graph (the
         step's input ids are already in the runner's buffer), or None when the step is not
-        one to replay."""
-        size = self.prepare(common)
-        return None if size is None else self.replay(size, common.num_reqs)
+        one to replay. `commons`: the step's metadata of each KV cache group."""
+        size = self.prepare(commons)
+        return None if size is None else self.replay(size, commons[0].num_reqs)
 
-    def prepare(self, common: CommonAttentionMetadata) -> int | None:
+    def prepare(self, commons: list[CommonAttentionMetadata]) -> int | None:
         """Pad the step's metadata into the graph buffers (host work and copies only); the
         padded size to replay, or None when the step is not one to replay."""
+        common = commons[0]
         if common.num_prefills or common.max_query_len != 1 or not common.num_reqs:
             return None
         size = padded_batch_size(self.sizes, common.num_reqs)
         if size is None or (self.capture_graphs and size not in self.graphs):
             return None
-        self._metadata = self._graph_metadata(common, size)
+        self._metadata = self._graph_metadata(commons, size)
         return size
 
     def replay(self, size: int, num_reqs: int) -> torch.Tensor:
@@ -118,12 +137,20 @@ class DecodeGraphs:
     def _forward(self, metadata: dict[Any, Any], size: int) -> torch.Tensor:
         return self.inputs.run_model(metadata, size)
 
-    def _graph_metadata(self, common: CommonAttentionMetadata, size: int) -> dict[Any, Any]:
-        t = common.num_actual_tokens
-        padded = self.inputs.common_builder.pad_decode(common, size)
-        self.inputs.input_ids.pad(t, padded.num_actual_tokens)
-        return {cfg: builder.build_for_cudagraph(common, size, padded)
-                for cfg, builder in self.inputs.builders.items()}
+    def _graph_metadata(self, commons: list[CommonAttentionMetadata], size: int
+                        ) -> dict[Any, Any]:
+        """Each group's metadata padded into its builder's persistent buffers (the per-step
+        arrays by the first group's builder, the page-dependent ones by each group's own), then
+        every backend builder's graph metadata from its group's."""
+        t = commons[0].num_actual_tokens
+        padded = [self.inputs.common_builder.pad_decode(commons[0], size)]
+        for builder, common in zip((self.inputs.group_builders or [])[1:], commons[1:],
+                                   strict=True):
+            padded.append(builder.pad_decode(common, size, onto=padded[0]))
+        self.inputs.input_ids.pad(t, padded[0].num_actual_tokens)
+        pairs = list(zip(commons, padded, strict=True))
+        return self.inputs.group_metadata(
+            pairs, lambda builder, pair: builder.build_for_cudagraph(pair[0], size, pair[1]))
 
     # ---- start-up ---------------------------------------------------------------------------
 
@@ -139,8 +166,7 @@ class DecodeGraphs:
                     time.perf_counter() - t0)
 
     def _capture(self, size: int) -> None:
-        common = self.dummy_decode(1)
-        metadata = self._graph_metadata(common, size)
+        metadata = self._graph_metadata(self.dummy_decode(1), size)
         for _ in range(2):  # compile and autotune outside the capture
             self._forward(metadata, size)
         torch.cuda.synchronize(self.inputs.common_builder.device)
@@ -151,10 +177,11 @@ class DecodeGraphs:
         self.outputs[size] = output
 
     def dummy_decode(self, num_reqs: int, context_lens: list[int] | None = None
-                     ) -> CommonAttentionMetadata:
-        """Common metadata (and zero input ids) of a decode step over requests of the given
-        cached lengths, laid out over consecutive blocks from 0. For start-up only: it writes
-        the cache's first blocks, which hold no request yet."""
+                     ) -> list[CommonAttentionMetadata]:
+        """Common metadata of each KV cache group (and zero input ids) of a decode step over
+        requests of the given cached lengths, laid out over consecutive blocks from 0 (the same
+        blocks in every group). For start-up only: it writes the cache's first blocks, which
+        hold no request yet."""
         cb = self.inputs.common_builder
         context = np.array(context_lens or [0] * num_reqs, dtype=np.int32)
         if int((context // cb.block_size + 1).sum()) > self.inputs.num_blocks:
@@ -165,10 +192,11 @@ class DecodeGraphs:
             n = c // cb.block_size + 1
             table[row, :n] = np.arange(next_block, next_block + n)
             next_block += n
-        common = cb.build(np.arange(num_reqs), context, np.ones(num_reqs, dtype=np.int32), 0,
-                          table)
+        rows = np.arange(num_reqs)
+        common = cb.build(rows, context, np.ones(num_reqs, dtype=np.int32), 0, table)
         self.inputs.input_ids.pad(0, num_reqs)
-        return common
+        groups = len(self.inputs.group_builders or [cb])
+        return self.inputs.group_commons(common, rows, [table] * groups)
 
     @torch.inference_mode()
     def check_against_eager(self, rtol: float = 0.05) -> float:
@@ -186,22 +214,22 @@ class DecodeGraphs:
         padding of the metadata shows there)."""
         inputs = self.inputs
         b = min(3, max(self.sizes))
-        common = self.dummy_decode(b, [5, 37, 18][:b])
+        commons = self.dummy_decode(b, [5, 37, 18][:b])
         ids = torch.randint(0, inputs.vocab_size, (b,), dtype=torch.int64)
         inputs.input_ids.device[:b].copy_(ids)
-        eager_md = {cfg: builder.build(common) for cfg, builder in inputs.builders.items()}
+        eager_md = inputs.group_metadata(commons, lambda builder, common: builder.build(common))
         eager = inputs.run_model(eager_md, b).float()
         # Force the largest size so the padding rows are exercised too.
         saved, size = self.sizes, max(self.sizes)
         self.sizes = [size]
         try:
-            graphed = self.run(common)
+            graphed = self.run(commons)
         finally:
             self.sizes = saved
         if graphed is None:
             raise RuntimeError("the graph path refused a pure-decode batch")
         graphed = graphed.float().clone()
-        padded_eager = self._forward(self._graph_metadata(common, size), size)[:b].float()
+        padded_eager = self._forward(self._graph_metadata(commons, size), size)[:b].float()
         diff = _relative_diff(graphed, padded_eager)
         if not diff <= rtol:  # also catches NaN
             raise RuntimeError(f"graph replay differs from the eager forward by {diff:.3g} "

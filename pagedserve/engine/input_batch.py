@@ -45,11 +45,15 @@ class BlockTable:
 
 
 class InputBatch:
-    """Row bookkeeping: each live request owns a row of the token table and the block table."""
+    """Row bookkeeping: each live request owns a row of the token table and of the block table
+    of each KV cache group (kv_cache/groups.py; one group for most models)."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_seq: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_seq: int,
+                 num_groups: int = 1) -> None:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
-        self.block_table = BlockTable(max_num_reqs, max_blocks_per_seq)
+        self.block_tables = [BlockTable(max_num_reqs, max_blocks_per_seq)
+                             for _ in range(num_groups)]
+        self.block_table = self.block_tables[0]
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.max_model_len = max_model_len
@@ -57,12 +61,14 @@ class InputBatch:
         # Each row's state slot (models with state layers; -1 otherwise), set on admission.
         self.state_slot = np.full(max_num_reqs, -1, dtype=np.int64)
 
-    def add(self, request: Request, block_ids: list[int]) -> int:
+    def add(self, request: Request, block_ids: tuple[list[int], ...]) -> int:
+        """A row for a request; `block_ids`: its blocks in each group."""
         row = self._free_rows.pop()
         self.row_of[request.request_id] = row
         self.generation[row] += 1
         self.token_ids[row, :request.num_tokens] = request.all_token_ids
-        self.block_table.add_row(row, block_ids)
+        for table, ids in zip(self.block_tables, block_ids, strict=True):
+            table.add_row(row, ids)
         self.state_slot[row] = request.state_slot
         return row
 
@@ -77,13 +83,21 @@ class InputBatch:
         for request_id in batch.freed_request_ids:
             self.remove(request_id)
         rows = np.empty(batch.num_reqs, dtype=np.int64)
+        # One cache group (the common case) without the loop over groups; most decode steps
+        # append no block at all.
+        single = self.block_table if len(self.block_tables) == 1 else None
         for i, (request, block_ids, is_new) in enumerate(
                 zip(batch.requests, batch.new_block_ids, batch.is_new, strict=True)):
             if is_new:
                 rows[i] = self.add(request, block_ids)
+                continue
+            rows[i] = row = self.row_of[request.request_id]
+            if single is not None:
+                if block_ids[0]:
+                    single.append(row, block_ids[0])
             else:
-                rows[i] = self.row_of[request.request_id]
-                self.block_table.append(int(rows[i]), block_ids)
+                for table, ids in zip(self.block_tables, block_ids, strict=True):
+                    table.append(row, ids)
         return rows
 
     def gather_token_ids(self, rows: np.ndarray, num_scheduled: np.ndarray,

@@ -3,8 +3,10 @@ holds, and the cache tensors themselves.
 
 On the CPU the budget is `kv_cache_memory`; on CUDA it is what `gpu_memory_utilization` leaves
 after the peak of a profiling forward over the largest step (weights and activations). Every
-layer keeps its own page for a block id, so one block costs the sum of the layers' pages; state
-layers keep a slot per running request (`split_budget` says how the budget is shared).
+layer of one KV cache group keeps its own page for a block id; groups of several attention kinds
+share cache tensors (kv_cache/groups.py), so one block costs the pages of one group, or with one
+group the sum of the layers' pages. State layers keep a slot per running request
+(`split_budget` says how the budget is shared).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from pagedserve.attention import AttentionBackend, AttentionLayerConfig
 from pagedserve.config import CacheConfig
-from pagedserve.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedserve.kv_cache import FullAttentionSpec, KVCacheLayout, KVCacheSpec, SlidingWindowSpec
 from pagedserve.kv_cache.specs import StateSpec, gpu_kv_cache_budget, split_budget
 
 
@@ -45,24 +47,25 @@ def _value_size(head_size_v: int | None) -> dict[str, int]:
     return {} if head_size_v is None else {"head_size_v": head_size_v}
 
 
-def determine_cache_size(cache: CacheConfig, attention: list[KVCacheSpec],
+def determine_cache_size(cache: CacheConfig, block_bytes: int,
                          state: list[StateSpec], max_num_seqs: int, device: torch.device,
                          profile_peak_memory: Callable[[], int]) -> tuple[int, int]:
-    """(attention blocks, state slots) the budget holds (`split_budget`); `profile_peak_memory`
+    """(attention blocks, state slots) the budget holds (`split_budget`; `block_bytes`: one
+    block id's cost, 0 without attention layers); `profile_peak_memory`
     runs the profiling forward on CUDA and returns its peak bytes, the cache it used excluded.
     `num_gpu_blocks_override` sets the blocks (with state layers: max_num_seqs slots beside
     them), or for a model without attention layers the slots."""
     override = cache.num_gpu_blocks_override
     if override is not None:
-        if not attention:
+        if not block_bytes:
             return 0, min(override, max_num_seqs)
         return override, max_num_seqs if state else 0
     if device.type != "cuda":
-        return split_budget(attention, state, int(cache.kv_cache_memory), max_num_seqs)
+        return split_budget(block_bytes, state, int(cache.kv_cache_memory), max_num_seqs)
     peak = profile_peak_memory()
     total = torch.cuda.get_device_properties(device).total_memory
     budget = gpu_kv_cache_budget(total, peak, cache.gpu_memory_utilization)
-    return split_budget(attention, state, budget, max_num_seqs)
+    return split_budget(block_bytes, state, budget, max_num_seqs)
 
 
 def allocate_kv_caches(backend: type[AttentionBackend], specs: list[KVCacheSpec],
@@ -74,6 +77,16 @@ def allocate_kv_caches(backend: type[AttentionBackend], specs: list[KVCacheSpec]
                                                    **_value_size(spec.head_size_v)),
                         dtype=cache_dtype, device=device)
             for spec in specs]
+
+
+def allocate_layer_caches(backend: type[AttentionBackend], layout: KVCacheLayout,
+                          num_blocks: int, cache_dtype: torch.dtype,
+                          device: torch.device) -> list[torch.Tensor]:
+    """Each attention layer's cache tensor by layer_idx: its own one with one cache group,
+    else the tensor it shares with the layers at its position in the other groups."""
+    tensors = allocate_kv_caches(backend, list(layout.tensor_specs), num_blocks, cache_dtype,
+                                 device)
+    return [tensors[i] for i in layout.tensor_of_layer]
 
 
 def allocate_state_slots(specs: list[StateSpec], num_slots: int,

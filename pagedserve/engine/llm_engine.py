@@ -16,8 +16,8 @@ from pagedserve.engine.cpu_threads import configure_cpu_threads
 from pagedserve.engine.model_runner import ModelRunnerOutput, PendingStep
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
-from pagedserve.kv_cache import KVCacheManager, SlidingWindowSpec
-from pagedserve.kv_cache.specs import bytes_per_block, bytes_per_slot
+from pagedserve.kv_cache import KVCacheManager
+from pagedserve.kv_cache.specs import bytes_per_slot
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
 from pagedserve.structured_output import StructuredOutputManager, check_backend
@@ -92,14 +92,18 @@ class LLMEngine:
         num_blocks, num_slots = self.runner.determine_cache_size()
         self.runner.allocate_kv_cache(num_blocks, num_slots)
         self.runner.warmup()
+        layout = self.runner.kv_layout
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
                                        config.cache.enable_prefix_caching, num_slots,
-                                       sliding_window=shared_sliding_window(self.runner.kv_specs))
+                                       windows=layout.windows if layout else None)
         if num_blocks:
             logger.info("KV cache: %d blocks of %d tokens (%d tokens, %d bytes per token over "
                         "all layers); backend %s", num_blocks, config.cache.block_size,
                         num_blocks * config.cache.block_size, self.kv_cache_bytes_per_token(),
                         self.runner.backend.get_name())
+            if len(layout.groups) > 1:
+                logger.info("KV cache groups share %d blocks of %d bytes (%s)", num_blocks,
+                            layout.bytes_per_block, layout.describe())
         if num_slots:
             logger.info("state layers: %d slots (one per running request), %d bytes per slot",
                         num_slots, bytes_per_slot(self.runner.state_specs))
@@ -375,23 +379,15 @@ class LLMEngine:
     def kv_cache_bytes_per_token(self) -> int:
         """What one token's K/V (or MLA latent) costs over every attention layer, in the
         cache's layout (0 without attention layers)."""
-        if not self.runner.kv_specs:
+        layout = self.runner.kv_layout
+        if layout is None:
             return 0
-        return bytes_per_block(self.runner.kv_specs) // self.runner.block_size
+        return layout.bytes_per_block * len(layout.groups) // self.runner.block_size
 
     def check_blocks_free(self) -> bool:
         """True when no request holds a KV block (all free or cached-evictable) or a state
         slot."""
         return self.kv_cache.all_free()
-
-
-def shared_sliding_window(specs: list) -> int | None:
-    """The largest window when every attention layer has one: blocks before it can be freed
-    while a request runs. A model mixing windowed and full layers keeps every block (freeing
-    them per layer kind needs a block table per kind)."""
-    if not specs or not all(isinstance(spec, SlidingWindowSpec) for spec in specs):
-        return None
-    return max(spec.sliding_window for spec in specs)
 
 
 def check_settings(config: EngineConfig) -> str | None:

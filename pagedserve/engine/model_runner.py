@@ -35,7 +35,8 @@ from pagedserve.engine.sampler import (
     SamplingMetadata,
     distinct_params,
 )
-from pagedserve.kv_cache.specs import StateSpec, bytes_per_block, bytes_per_slot
+from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
+from pagedserve.kv_cache.specs import StateSpec, bytes_per_slot
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, SchedulerOutput
 from pagedserve.structured_output import StructuredOutputManager
@@ -99,8 +100,11 @@ class ModelRunner:
         self.state_layers = _indexed_layers(model, StateLayer)
         if not self.attn_layers and not self.state_layers:
             raise ValueError("the model has neither attention nor state layers")
+        # Backend builders by Attention.metadata_key, and the cache group each one reads.
         self.builders: dict[Any, Any] = {}
+        self.builder_group: dict[Any, int] = {}
         self.kv_specs = []
+        self.kv_layout: KVCacheLayout | None = None
         self.state_specs: list[StateSpec] = []
         self.state_builder: StateMetadataBuilder | None = None
         if self.state_layers:
@@ -108,11 +112,17 @@ class ModelRunner:
         if self.attn_layers:
             self._bind_attention_layers()
 
-        self.input_batch = InputBatch(self.max_num_reqs, max_model_len, self.max_blocks_per_seq)
+        self.num_kv_groups = len(self.kv_layout.groups) if self.kv_layout else 1
+        self.input_batch = InputBatch(self.max_num_reqs, max_model_len, self.max_blocks_per_seq,
+                                      self.num_kv_groups)
         self.input_ids = InputIds(self.max_num_tokens, self.max_num_reqs, self.device)
-        self.common_builder = CommonMetadataBuilder(self.max_num_reqs, self.max_num_tokens,
-                                                    self.max_blocks_per_seq, self.block_size,
-                                                    self.device)
+        # One builder per KV cache group: the first builds the step's common metadata, the
+        # others only their group's block table, slot mapping and page table.
+        self.group_builders = [
+            CommonMetadataBuilder(self.max_num_reqs, self.max_num_tokens,
+                                  self.max_blocks_per_seq, self.block_size, self.device)
+            for _ in range(self.num_kv_groups)]
+        self.common_builder = self.group_builders[0]
         pin = self.device.type == "cuda"
         self.sampler = Sampler()
         # The launched step not yet collected, and two pinned buffers for sampled ids (a
@@ -165,14 +175,20 @@ class ModelRunner:
         logger.info("attention backend: %s (%s)", self.backend.get_name(),
                     self.backend.is_available()[1])
         self.kv_cache_dtype = self.backend.get_kv_cache_dtype(cache.kv_cache_dtype, self.dtype)
-        impl_cls = self.backend.get_impl_cls()
-        for module, layer in zip(self.attn_layers, layers, strict=True):
-            module.bind(impl_cls(layer), layer)
-        builder_cls = self.backend.get_builder_cls()
-        self.builders = {layer: builder_cls(self._builder_config(layer))
-                         for layer in dict.fromkeys(layers)}
         self.kv_specs = kv_cache_setup.attention_specs(self.backend, layers, self.block_size,
                                                        self.kv_cache_dtype)
+        self.kv_layout = plan_kv_cache_groups(self.kv_specs)
+        grouped = len(self.kv_layout.groups) > 1
+        group_of_layer = self.kv_layout.group_of_layer
+        impl_cls = self.backend.get_impl_cls()
+        builder_cls = self.backend.get_builder_cls()
+        for module, layer, group in zip(self.attn_layers, layers, group_of_layer, strict=True):
+            # One group (the common case): metadata by layer configuration, as without groups.
+            key = (group, layer) if grouped else layer
+            module.bind(impl_cls(layer), layer, key)
+            if key not in self.builders:
+                self.builders[key] = builder_cls(self._builder_config(layer))
+                self.builder_group[key] = group
 
     def _builder_config(self, layer: AttentionLayerConfig) -> BuilderConfig:
         return BuilderConfig.for_layer(layer, self.block_size, self.max_num_reqs,
@@ -207,9 +223,14 @@ class ModelRunner:
 
     def determine_cache_size(self) -> tuple[int, int]:
         """(attention blocks, state slots) the memory budget holds."""
-        return kv_cache_setup.determine_cache_size(self.config.cache, self.kv_specs,
+        return kv_cache_setup.determine_cache_size(self.config.cache, self.bytes_per_block,
                                                    self.state_specs, self.max_num_reqs,
                                                    self.device, self.profile_peak_memory)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """What one block id costs over the cache tensors (0 without attention layers)."""
+        return self.kv_layout.bytes_per_block if self.kv_layout is not None else 0
 
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
@@ -223,10 +244,11 @@ class ModelRunner:
         self.allocate_kv_cache(needed, 1 if self.state_layers else 0)
         probe = Request("__profile__", [0] * num_tokens, SamplingParams(max_tokens=1))
         probe.state_slot = 0 if self.state_layers else -1
-        rows = InputBatch(1, self.max_model_len, self.max_blocks_per_seq)
-        rows.add(probe, list(range(needed)))
+        rows = InputBatch(1, self.max_model_len, self.max_blocks_per_seq, self.num_kv_groups)
+        block_ids = tuple(list(range(needed)) for _ in range(self.num_kv_groups))  # any pages
+        rows.add(probe, block_ids)
         batch = SchedulerOutput([probe], np.array([num_tokens], dtype=np.int32),
-                                np.zeros(1, dtype=np.int32), [list(range(needed))], [False], 1,
+                                np.zeros(1, dtype=np.int32), [block_ids], [False], 1,
                                 np.ones(1, dtype=bool))
         saved, self.input_batch = self.input_batch, rows
         try:
@@ -239,14 +261,14 @@ class ModelRunner:
         self.kv_caches, self.state_caches = [], []
         torch.cuda.empty_cache()
         # The cache we just used counts against the peak but will be allocated anew.
-        used = needed * bytes_per_block(self.kv_specs) if needed else 0
+        used = needed * self.bytes_per_block
         return peak - used - (bytes_per_slot(self.state_specs) if self.state_layers else 0)
 
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         """The attention layers' pages and the state layers' slots."""
         if self.attn_layers:
-            self.kv_caches = kv_cache_setup.allocate_kv_caches(
-                self.backend, self.kv_specs, num_blocks, self.kv_cache_dtype, self.device)
+            self.kv_caches = kv_cache_setup.allocate_layer_caches(
+                self.backend, self.kv_layout, num_blocks, self.kv_cache_dtype, self.device)
         self.state_caches = kv_cache_setup.allocate_state_slots(self.state_specs,
                                                                 num_state_slots, self.device)
         self.num_blocks = num_blocks
@@ -279,6 +301,10 @@ class ModelRunner:
         self._common = common = self.common_builder.build(
             rows, batch.num_computed_tokens, batch.num_scheduled_tokens, batch.num_prefills,
             self.input_batch.block_table.table, batch.context_written_in_step)
+        commons = [common]
+        for builder, table in zip(self.group_builders[1:], self.input_batch.block_tables[1:],
+                                  strict=True):
+            commons.append(builder.build_group(common, rows, table.table))
         t = common.num_actual_tokens
         self.input_batch.gather_token_ids(rows, batch.num_scheduled_tokens,
                                           self.common_builder.np["positions"][:t],
@@ -288,10 +314,12 @@ class ModelRunner:
         if prev is not None:
             num_patched = self.input_ids.queue_patch(prev.batch, prev.rows, batch, rows,
                                                      common.query_start_loc_cpu)
-        graph_size = self.decode_graphs.prepare(common) if self.decode_graphs else None
+        graph_size = self.decode_graphs.prepare(commons) if self.decode_graphs else None
         attn_metadata = state_metadata = None
         if graph_size is None:
-            attn_metadata = {cfg: b.build(common) for cfg, b in self.builders.items()}
+            group = self.builder_group
+            attn_metadata = {key: b.build(commons[group[key]])
+                             for key, b in self.builders.items()}
         if self.state_builder is not None:
             n = len(rows)
             np.take(self.input_batch.state_slot, rows, out=self._slots_host.numpy()[:n])
@@ -453,7 +481,9 @@ class ModelRunner:
 
         routes = any(isinstance(m, FusedMoE) for m in self.model.modules())
         return GraphInputs(self.run_model, self.common_builder, self.input_ids, self.builders,
-                           self.num_blocks, self.vocab_size, routes_experts=routes)
+                           self.num_blocks, self.vocab_size, routes_experts=routes,
+                           group_builders=self.group_builders,
+                           builder_group=self.builder_group)
 
 
 def _indexed_layers(model: torch.nn.Module, kind: type) -> list[Any]:

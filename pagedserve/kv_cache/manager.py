@@ -1,4 +1,5 @@
-"""KVCacheManager: which blocks each request holds, and the prefix-cache lookups on admission."""
+"""KVCacheManager, the coordinator of the cache groups: which blocks each request holds in each
+group (kv_cache/groups.py), admission over all groups at once, and the prefix-cache lookups."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pagedserve.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagedserve.kv_cache.single_type import OUT_OF_WINDOW, FullAttentionManager, make_manager
 from pagedserve.kv_cache.state_slots import StateSlotPool
 
 NONE_HASH = b"\x00" * 32
-# Stands in a request's block list for a block freed because it fell out of every layer's
-# sliding window; never in the pool, never read (those positions are masked out).
-OUT_OF_WINDOW = KVCacheBlock(-1)
+# A request's blocks per cache group (a tuple with one entry per group).
+GroupBlocks = tuple[Sequence[KVCacheBlock], ...]
+
+__all__ = ["OUT_OF_WINDOW", "GroupBlocks", "KVCacheManager", "NONE_HASH", "hash_block"]
 
 
 class CacheableRequest(Protocol):
@@ -54,27 +57,34 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Which blocks each request holds, and with state layers (attention/state.py) which state
-    slot: a request is admitted only when both its blocks and a slot are free, and gives both
-    back together. A model without attention layers has no blocks (`num_blocks` 0), only
-    slots. Prefix caching needs every layer's cache per block, so it is off with state slots:
-    a state sums up the whole prefix, it is not kept per block (the engine says so once)."""
+    """The coordinator of a model's cache groups (one per attention kind, `windows`: each
+    group's sliding window or None for full attention; one group by default). Every group of a
+    request holds the same number of block entries, so one count serves all of them: a request
+    is admitted only when every group's new blocks fit in the one shared pool together, and
+    gives all of them back together. With state layers (attention/state.py) it also hands out
+    state slots: a request is admitted only when both its blocks and a slot are free. A model
+    without attention layers has no blocks (`num_blocks` 0), only slots. Prefix caching needs
+    every layer's cache per block, so it is off with state slots: a state sums up the whole
+    prefix, it is not kept per block (the engine says so once)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0, sliding_window: int | None = None) -> None:
+                 num_state_slots: int = 0, sliding_window: int | None = None,
+                 windows: Sequence[int | None] | None = None) -> None:
         self.block_size = block_size
-        # When every attention layer has a sliding window (the largest of them here), blocks
-        # whose tokens no query can see any more are freed while the request runs.
-        self.sliding_window = sliding_window
-        self.num_out_of_window: dict[str, int] = {}
+        if windows is None:  # one group; `sliding_window` when every layer slides
+            windows = (sliding_window,)
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
         self.enable_prefix_caching = enable_prefix_caching and self.state_slots is None
         # A model of state layers only has no blocks: a one-block pool keeps the accounting
         # total, and no request ever takes from it.
         self.pool = BlockPool(max(num_blocks, 1), enable_caching=self.enable_prefix_caching)
         self.has_blocks = num_blocks > 0
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.groups: list[FullAttentionManager] = [
+            make_manager(self.pool, block_size, g, w) for g, w in enumerate(windows)]
+        self._sliding = [m for m in self.groups if m.sliding_window is not None]
+        self._no_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in self.groups)
         self.req_to_hashes: dict[str, list[bytes]] = {}
+        # Blocks of each request published so far (the same in every group).
         self.num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens.
         self.prefix_queries = 0
@@ -82,6 +92,20 @@ class KVCacheManager:
         # Blocks published since `begin_step`: a step that writes them is still being planned,
         # so a request that hits one reads K/V the same step writes.
         self._published_in_step: set[int] = set()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window when there is one group and it slides."""
+        return self.groups[0].sliding_window if len(self.groups) == 1 else None
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """The first group's blocks of each request (all of them with one group)."""
+        return self.groups[0].req_to_blocks
 
     @property
     def num_blocks(self) -> int:
@@ -104,11 +128,29 @@ class KVCacheManager:
                       or self.state_slots.num_free == self.state_slots.num_slots)
         return slots_free and self.pool.num_free_blocks == self.pool.num_blocks
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size) if self.has_blocks else 0
+    def blocks_needed(self, num_tokens: int, max_chunk: int | None = None) -> int:
+        """Blocks of all groups that a request of `num_tokens` tokens may hold at once, its
+        prompt computed in chunks of at most `max_chunk` tokens (None: all at once). A sliding
+        group holds the window before a step's first query and the step's blocks, plus one a
+        step late to be published (async scheduling)."""
+        if not self.has_blocks:
+            return 0
+        full = cdiv(num_tokens, self.block_size)
+        chunk = num_tokens if max_chunk is None else min(max_chunk, num_tokens)
+        total = 0
+        for manager in self.groups:
+            window = manager.sliding_window
+            total += full if window is None else min(
+                full, cdiv(window - 1 + chunk, self.block_size) + 2)
+        return total
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """A request's block ids in one group; a placeholder (a block it does not hold) is page
+        0: masked out, never written, but a valid page to read."""
+        return [max(b.block_id, 0) for b in self.groups[group].req_to_blocks.get(request_id, ())]
+
+    def group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple(self.block_ids(request_id, g) for g in range(len(self.groups)))
 
     def _block_hashes(self, request: CacheableRequest, num_full_blocks: int) -> list[bytes]:
         """The request's chained block hashes, extended to its first `num_full_blocks` blocks.
@@ -131,23 +173,34 @@ class KVCacheManager:
             hashes.append(parent)
         return hashes
 
-    def get_computed_blocks(self, request: CacheableRequest) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of a request about to be admitted, in whole blocks. The
-        last token is always left to compute, so the step has logits to sample from."""
+    def get_computed_blocks(self, request: CacheableRequest) -> tuple[GroupBlocks, int]:
+        """The longest cached prefix of a request about to be admitted, in whole blocks, and its
+        blocks per group; `()` when there is none. Every full group has the prefix cached, and
+        every sliding group the blocks of the last window before its end (placeholders before
+        them). The last token is always left to compute, so the step has logits to sample."""
         if not self.enable_prefix_caching or request.skip_prefix_cache:
-            return [], 0
+            return (), 0
         num_tokens = len(request.all_token_ids)
         # Hash every full block now (one pass), also a last one that cannot be a hit: the
         # admission step fills it and publishes it under this hash.
         hashes = self._block_hashes(request, num_tokens // self.block_size)
-        lookup = self.pool.cached_blocks.get
-        hits: list[KVCacheBlock] = []
-        for i in range((num_tokens - 1) // self.block_size):
-            block = lookup(hashes[i])
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        limit = (num_tokens - 1) // self.block_size
+        hits = [manager.find_hit(hashes, limit) for manager in self.groups]
+        if len(hits) > 1:
+            # Agree on one length: shorter hits of one group can break a sliding group's
+            # window, so narrow until every group holds the same length.
+            while True:
+                limit = min(len(h) for h in hits)
+                stale = [g for g, h in enumerate(hits) if len(h) != limit]
+                if not stale:
+                    break
+                for g in stale:
+                    manager = self.groups[g]
+                    hits[g] = (hits[g][:limit] if manager.sliding_window is None
+                               else manager.find_hit(hashes, limit))
+        if not hits[0]:
+            return (), 0
+        return tuple(hits), len(hits[0]) * self.block_size
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Counted once per admission (a lookup that fails to allocate is retried later)."""
@@ -155,7 +208,9 @@ class KVCacheManager:
         self.prefix_hits += num_hit_tokens
 
     def can_allocate(self, request: CacheableRequest, num_new_tokens: int,
-                     new_computed_blocks: Sequence[KVCacheBlock] = ()) -> bool:
+                     new_computed_blocks: GroupBlocks = ()) -> bool:
+        """Whether `allocate_slots` would succeed; it never says yes when that would fail (it
+        does not count the blocks that call would free out of a window first)."""
         if self._needs_slot(request) and not self.state_slots.num_free:
             return False
         return self._num_blocks_to_take(request, num_new_tokens, new_computed_blocks) is not None
@@ -164,96 +219,99 @@ class KVCacheManager:
         return self.state_slots is not None and request.state_slot < 0
 
     def _num_blocks_to_take(self, request: CacheableRequest, num_new_tokens: int,
-                            new_computed_blocks: Sequence[KVCacheBlock]) -> int | None:
-        held = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
-        total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_new_blocks = max(0, self.blocks_needed(total + num_new_tokens) - held)
+                            new_computed_blocks: GroupBlocks) -> int | None:
+        """New blocks per group (the same in every group), or None when all groups' together
+        and the evictable hits do not fit in the free pool."""
+        if not self.has_blocks:
+            return 0
+        num_hits = len(new_computed_blocks[0]) if new_computed_blocks else 0
+        held = len(self.groups[0].req_to_blocks.get(request.request_id, ())) + num_hits
+        total = request.num_computed_tokens + num_hits * self.block_size
+        num_new_blocks = max(0, cdiv(total + num_new_tokens, self.block_size) - held)
         # A cache hit on an evictable block takes it off the free queue too.
-        evictable_hits = (sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        evictable_hits = (sum(1 for hits in new_computed_blocks for b in hits
+                              if b.ref_cnt == 0 and b is not OUT_OF_WINDOW)
                           if new_computed_blocks else 0)
-        if num_new_blocks + evictable_hits > self.pool.num_free_blocks:
+        if num_new_blocks * len(self.groups) + evictable_hits > self.pool.num_free_blocks:
             return None
         return num_new_blocks
 
     def allocate_slots(self, request: CacheableRequest, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVCacheBlock] = ()
-                       ) -> list[KVCacheBlock] | None:
+                       new_computed_blocks: GroupBlocks = ()) -> GroupBlocks | None:
         """Make room for `num_new_tokens` more tokens (after `new_computed_blocks`, the prefix
-        hits found on admission). Returns the blocks appended to the request, cache hits first,
-        or None when the pool cannot supply them (nothing changes then)."""
+        hits found on admission). Returns the blocks appended to the request in each group,
+        cache hits first, or None when the pool cannot supply them (nothing changes then, but
+        for blocks freed that no query will see again)."""
         if self.state_slots is not None:
             return self._allocate_with_slot(request, num_new_tokens)
+        request_id = request.request_id
+        caching = self.enable_prefix_caching and not request.skip_prefix_cache
+        if self._sliding:
+            published = self.num_cached_blocks.get(request_id, 0) if caching else 1 << 62
+            for manager in self._sliding:
+                manager.free_out_of_window(request_id, request.num_computed_tokens, published)
         # The step fills a block when a multiple of block_size lies in (computed, end]: when
         # end % block_size < num_new_tokens. Most decode steps fill none and skip all caching
         # work on that one test (done first: it is as cheap with caching on as off).
-        held = self.req_to_blocks.get(request.request_id)
-        if held is not None and self.sliding_window is not None:
-            self._free_out_of_window(request, held)
+        held = self.groups[0].req_to_blocks.get(request_id)
         if held is not None and not new_computed_blocks:
             end = request.num_computed_tokens + num_new_tokens
             if end <= len(held) * self.block_size:
                 # Room in the blocks it holds (most decode steps): no pool work at all.
-                if (end % self.block_size < num_new_tokens and self.enable_prefix_caching
-                        and not request.skip_prefix_cache):
-                    self._cache_full_blocks(request, held, end)
-                return []
+                if end % self.block_size < num_new_tokens and caching:
+                    self._cache_full_blocks(request, end)
+                return self._no_blocks
         num_new_blocks = self._num_blocks_to_take(request, num_new_tokens, new_computed_blocks)
         if num_new_blocks is None:
             return None
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-            appended = list(new_computed_blocks) + self.pool.allocate(num_new_blocks)
-        else:
-            appended = self.pool.allocate(num_new_blocks)
-        blocks.extend(appended)
-        end = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-               + num_new_tokens)
-        if (end % self.block_size < num_new_tokens and self.enable_prefix_caching
-                and not request.skip_prefix_cache):
-            self._cache_full_blocks(request, blocks, end)
-        return appended
-
-    def _free_out_of_window(self, request: CacheableRequest, held: list[KVCacheBlock]) -> None:
-        """Free the blocks before the first key this step's queries can see: query p sees keys
-        p - window + 1 .. p, and the step's first query is at num_computed_tokens. A step still
-        in flight may read them, but its kernels run before any later step's writes (one
-        stream), so handing them out again is safe."""
-        first_visible = request.num_computed_tokens - self.sliding_window + 1
-        num_out = min(max(0, first_visible // self.block_size), len(held))
-        if self.enable_prefix_caching and not request.skip_prefix_cache:
-            # A block leaves only once published (with async scheduling a block's last token
-            # can be known a step late), so its hash outlives it as an evictable cache entry.
-            num_out = min(num_out, self.num_cached_blocks.get(request.request_id, 0))
-        done = self.num_out_of_window.get(request.request_id, 0)
-        if num_out <= done:
-            return
-        freed = held[done:num_out]
-        held[done:num_out] = [OUT_OF_WINDOW] * (num_out - done)
-        self.pool.free(reversed(freed))
-        self.num_out_of_window[request.request_id] = num_out
+            # Every group's hits leave the free queue before any group takes new blocks: an
+            # evictable hit of one group must not be handed to another as a fresh block.
+            for hits in new_computed_blocks:
+                self.pool.touch(b for b in hits if b is not OUT_OF_WINDOW)
+        appended = []
+        for g, manager in enumerate(self.groups):
+            blocks = manager.req_to_blocks.setdefault(request_id, [])
+            if new_computed_blocks:
+                added = list(new_computed_blocks[g]) + self.pool.allocate(num_new_blocks)
+            else:
+                added = self.pool.allocate(num_new_blocks)
+            blocks.extend(added)
+            appended.append(added)
+        num_hits = len(new_computed_blocks[0]) if new_computed_blocks else 0
+        if num_hits:  # hits are published already (a sliding group's placeholders are not)
+            self.num_cached_blocks[request_id] = num_hits
+        end = request.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        if end % self.block_size < num_new_tokens and caching:
+            self._cache_full_blocks(request, end)
+        return tuple(appended)
 
     def _allocate_with_slot(self, request: CacheableRequest,
-                            num_new_tokens: int) -> list[KVCacheBlock] | None:
+                            num_new_tokens: int) -> GroupBlocks | None:
         """allocate_slots with state layers (no prefix caching): a request without a slot
         takes one together with its blocks, or neither."""
         needs_slot = self._needs_slot(request)
         if needs_slot and not self.state_slots.num_free:
             return None
-        appended: list[KVCacheBlock] = []
+        appended: list[list[KVCacheBlock]] = [[] for _ in self.groups]
         if self.has_blocks:
+            if self._sliding:
+                for manager in self._sliding:
+                    manager.free_out_of_window(request.request_id, request.num_computed_tokens,
+                                               1 << 62)
             num_new_blocks = self._num_blocks_to_take(request, num_new_tokens, ())
             if num_new_blocks is None:
                 return None
-            appended = self.pool.allocate(num_new_blocks)
-            self.req_to_blocks.setdefault(request.request_id, []).extend(appended)
+            for g, manager in enumerate(self.groups):
+                appended[g] = self.pool.allocate(num_new_blocks)
+                manager.req_to_blocks.setdefault(request.request_id, []).extend(appended[g])
         if needs_slot:
             request.state_slot = self.state_slots.take()
-        return appended
+        return tuple(appended)
 
-    def _cache_full_blocks(self, request: CacheableRequest, blocks: list[KVCacheBlock],
-                           num_tokens: int) -> None:
-        """Publish the blocks this step fills completely (their K/V is written by the step)."""
+    def _cache_full_blocks(self, request: CacheableRequest, num_tokens: int) -> None:
+        """Publish the blocks this step fills completely (their K/V is written by the step), in
+        every group."""
         request_id = request.request_id
         num_known = len(request.all_token_ids)  # with async scheduling, tokens can lag
         num_full = (num_tokens if num_tokens < num_known else num_known) // self.block_size
@@ -261,10 +319,9 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)
-        unpublished = [b for b in blocks[start:num_full] if b.block_hash is None]
-        self.pool.cache_blocks(blocks, hashes, start, num_full)
-        self._published_in_step.update(b.block_id for b in unpublished
-                                       if b.block_hash is not None)
+        for manager in self.groups:
+            fresh = manager.publish(manager.req_to_blocks[request_id], hashes, start, num_full)
+            self._published_in_step.update(b.block_id for b in fresh)
         self.num_cached_blocks[request_id] = num_full
 
     def begin_step(self) -> None:
@@ -272,11 +329,11 @@ class KVCacheManager:
         already planned (queued on the device before any step planned from here)."""
         self._published_in_step.clear()
 
-    def written_in_step(self, blocks: Sequence[KVCacheBlock]) -> bool:
+    def written_in_step(self, hits: GroupBlocks) -> bool:
         """Whether any of these prefix hits is published by the step being planned: its K/V
         is written by that same step, so attention must see the step's writes first."""
         published = self._published_in_step
-        return bool(published) and any(b.block_id in published for b in blocks)
+        return bool(published) and any(b.block_id in published for group in hits for b in group)
 
     def cache_computed_blocks(self, request: CacheableRequest) -> None:
         """After a sampled token is appended: publish a block that this token completes when
@@ -287,18 +344,14 @@ class KVCacheManager:
         if (num_tokens % self.block_size or not self.enable_prefix_caching
                 or request.skip_prefix_cache or request.num_computed_tokens < num_tokens):
             return
-        blocks = self.req_to_blocks.get(request.request_id)
-        if blocks is not None:
-            self._cache_full_blocks(request, blocks, request.num_computed_tokens)
+        if request.request_id in self.groups[0].req_to_blocks:
+            self._cache_full_blocks(request, request.num_computed_tokens)
 
     def free(self, request: CacheableRequest) -> None:
-        """Release a finished, aborted or preempted request's blocks. The tail goes to the free
-        queue first, so under pressure a prompt's last blocks are evicted before its first ones
-        (which more requests are likely to share)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        if self.num_out_of_window.pop(request.request_id, 0):
-            blocks = [b for b in blocks if b is not OUT_OF_WINDOW]
-        self.pool.free(reversed(blocks))
+        """Release a finished, aborted or preempted request's blocks in every group and its
+        state slot."""
+        for manager in self.groups:
+            manager.free(request.request_id)
         self.num_cached_blocks.pop(request.request_id, None)
         if self.state_slots is not None and request.state_slot >= 0:
             self.state_slots.give_back(request.state_slot)

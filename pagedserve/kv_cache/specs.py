@@ -104,34 +104,39 @@ def bytes_per_block(specs: list[KVCacheSpec]) -> int:
     return sum(spec.page_size_bytes for spec in specs)
 
 
-def num_blocks_for_budget(specs: list[KVCacheSpec], budget_bytes: int) -> int:
-    num_blocks = budget_bytes // bytes_per_block(specs)
+def num_blocks_for_budget(specs: list[KVCacheSpec], budget_bytes: int,
+                          block_bytes: int | None = None) -> int:
+    """Blocks a budget holds; `block_bytes`: what one block costs when it is not the sum over
+    `specs` (KV cache groups sharing tensors: kv_cache/groups.py)."""
+    block_bytes = bytes_per_block(specs) if block_bytes is None else block_bytes
+    num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"a KV cache budget of {budget_bytes} bytes holds no block "
-            f"({bytes_per_block(specs)} bytes per block): raise the memory budget")
+            f"({block_bytes} bytes per block): raise the memory budget")
     return int(num_blocks)
 
 
-def split_budget(attention: list[KVCacheSpec], state: list[StateSpec], budget_bytes: int,
+def split_budget(block_bytes: int, state: list[StateSpec], budget_bytes: int,
                  max_num_seqs: int) -> tuple[int, int]:
-    """(attention blocks, state slots) one memory budget holds. A state slot serves one running
-    request, so there are at most max_num_seqs of them (more would sit idle); each is counted
-    with one attention block beside it, so a small budget is not all spent on slots whose
-    requests could not hold a block. The rest holds attention blocks."""
+    """(attention blocks, state slots) one memory budget holds; `block_bytes`: what one block id
+    costs (0 without attention layers). A state slot serves one running request, so there are
+    at most max_num_seqs of them (more would sit idle); each is counted with one attention
+    block beside it, so a small budget is not all spent on slots whose requests could not hold
+    a block. The rest holds attention blocks."""
     if not state:
-        return num_blocks_for_budget(attention, budget_bytes), 0
+        return num_blocks_for_budget([], budget_bytes, block_bytes), 0
     slot_bytes = bytes_per_slot(state)
-    block_bytes = bytes_per_block(attention) if attention else 0
     num_slots = min(max_num_seqs, budget_bytes // (slot_bytes + block_bytes))
     if num_slots < 1:
         raise ValueError(
             f"a KV cache budget of {budget_bytes} bytes holds no state slot ({slot_bytes} bytes"
-            f" per slot{f' and {block_bytes} per block' if attention else ''}): raise the "
+            f" per slot{f' and {block_bytes} per block' if block_bytes else ''}): raise the "
             "memory budget")
-    if not attention:
+    if not block_bytes:
         return 0, int(num_slots)
-    return num_blocks_for_budget(attention, budget_bytes - num_slots * slot_bytes), int(num_slots)
+    return (num_blocks_for_budget([], budget_bytes - num_slots * slot_bytes, block_bytes),
+            int(num_slots))
 
 
 def gpu_kv_cache_budget(total_bytes: int, peak_bytes_in_use: int, utilization: float) -> int:

@@ -17,7 +17,8 @@ class SchedulerOutput:
     requests: list[Request]
     num_scheduled_tokens: np.ndarray  # int32 [B]: new tokens of each request this step
     num_computed_tokens: np.ndarray  # int32 [B]: tokens already in the cache before this step
-    new_block_ids: list[list[int]]  # per request: block ids appended this step
+    # Per request, per KV cache group: the block ids appended this step.
+    new_block_ids: list[tuple[list[int], ...]]
     is_new: list[bool]  # the request needs a fresh row (just admitted, or resumed)
     num_prefills: int
     # bool [B]: the step reaches the end of the request's sequence, so its sample is the

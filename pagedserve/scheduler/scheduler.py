@@ -35,11 +35,15 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         worst_case = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        if self.kv.blocks_needed(worst_case) > self.kv.num_blocks:
+        # Over every KV cache group: a sliding-window group needs only its window's blocks.
+        needed = self.kv.blocks_needed(worst_case, self.config.max_num_batched_tokens)
+        if needed > self.kv.num_blocks:
+            groups = (f" ({needed} blocks over {self.kv.num_groups} cache groups)"
+                      if self.kv.num_groups > 1 else "")
             raise ValueError(
-                f"request {request.request_id!r} may need {worst_case} tokens of KV cache but the"
-                f" pool holds only {self.kv.num_blocks * self.kv.block_size}: raise the KV cache"
-                " memory or lower max_tokens")
+                f"request {request.request_id!r} may need {worst_case} tokens of KV cache"
+                f"{groups} but the pool holds only {self.kv.num_blocks * self.kv.block_size}: "
+                "raise the KV cache memory or lower max_tokens")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -82,7 +86,8 @@ class Scheduler:
         scheduled before this one's samples are back (the runner puts them into the next
         step's inputs before launching it)."""
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int, list[int], bool]] = []
+        # (request, new tokens, new block ids per cache group, newly admitted)
+        scheduled: list[tuple[Request, int, tuple[list[int], ...], bool]] = []
         num_preempted = 0
         self.kv.begin_step()
         context_written_in_step = False
@@ -106,7 +111,8 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(request, num_new)
             if blocks is None:
                 break
-            scheduled.append((request, num_new, [b.block_id for b in blocks], False))
+            scheduled.append((request, num_new,
+                              tuple([b.block_id for b in group] for group in blocks), False))
             budget -= num_new
             i += 1
 
@@ -126,7 +132,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             self.running.append(request)
-            scheduled.append((request, num_new, self.kv.block_ids(request.request_id), True))
+            scheduled.append((request, num_new, self.kv.group_block_ids(request.request_id),
+                              True))
             budget -= num_new
 
         # Batch order: prefills (more than one new token) first, then decodes.

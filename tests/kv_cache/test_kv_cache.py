@@ -107,13 +107,13 @@ def test_prefix_hit_shares_blocks_and_survives_while_in_use():
     kv = KVCacheManager(num_blocks=5, block_size=4)
     prompt = list(range(10))  # two full blocks + 2 tokens
     a = _req("a", prompt)
-    assert kv.get_computed_blocks(a) == ([], 0)
-    blocks_a = kv.allocate_slots(a, 10)
+    assert kv.get_computed_blocks(a) == ((), 0)
+    (blocks_a,) = kv.allocate_slots(a, 10)  # one cache group
     assert len(blocks_a) == 3
     a.num_computed_tokens = 10
     b = _req("b", prompt + [99])
     hits, num = kv.get_computed_blocks(b)
-    assert num == 8 and hits == blocks_a[:2]
+    assert num == 8 and hits == (blocks_a[:2],)
     assert kv.allocate_slots(b, 3, hits) is not None
     assert [blk.ref_cnt for blk in blocks_a[:2]] == [2, 2]
     # Fill the pool: the shared blocks are in use and cannot be evicted.
@@ -142,7 +142,7 @@ def test_last_token_is_never_a_hit():
     prompt = list(range(8))
     kv.allocate_slots(_req("a", prompt), 8)
     hits, num = kv.get_computed_blocks(_req("b", prompt))
-    assert num == 4 and len(hits) == 1
+    assert num == 4 and len(hits[0]) == 1
 
 
 def test_specs_and_budget():

@@ -196,14 +196,14 @@ def test_hit_on_evictable_block_is_taken_out_of_the_queue():
     assert kv.num_free_blocks == 3
     b = _req("b", list(range(9)) + [1, 2, 3])  # hits two evictable blocks, needs one fresh
     hits, num_hit = kv.get_computed_blocks(b)
-    assert num_hit == 8 and all(h.ref_cnt == 0 for h in hits)
+    assert num_hit == 8 and all(h.ref_cnt == 0 for h in hits[0])
     assert kv.allocate_slots(b, 4, hits) is not None
-    assert [h.ref_cnt for h in hits] == [1, 1] and kv.num_free_blocks == 0
+    assert [h.ref_cnt for h in hits[0]] == [1, 1] and kv.num_free_blocks == 0
     assert kv.pool.num_evictions == 0  # the fresh block was a's unhashed tail
     # A request that would need the hit blocks to be free cannot be placed.
     c = _req("c", [70, 71, 72])
     assert not kv.can_allocate(c, 3) and kv.allocate_slots(c, 3) is None
-    assert [h.block_hash is not None for h in hits] == [True, True]
+    assert [h.block_hash is not None for h in hits[0]] == [True, True]
     kv.free(b)
 
 
@@ -215,10 +215,10 @@ def test_can_allocate_counts_evictable_hits_against_the_free_pool():
     assert kv.pool.num_evictions == 0 and kv.num_free_blocks == 2
     b = _req("b", list(range(9)) + [50, 51, 52])
     hits, _ = kv.get_computed_blocks(b)
-    assert len(hits) == 2 and all(h.ref_cnt == 0 for h in hits)
+    assert len(hits[0]) == 2 and all(h.ref_cnt == 0 for h in hits[0])
     # One fresh block is needed and two are free, but both free ones are the hits themselves.
     assert not kv.can_allocate(b, 4, hits) and kv.allocate_slots(b, 4, hits) is None
-    assert [h.ref_cnt for h in hits] == [0, 0] and kv.num_free_blocks == 2
+    assert [h.ref_cnt for h in hits[0]] == [0, 0] and kv.num_free_blocks == 2
     kv.free(filler)
     assert kv.allocate_slots(b, 4, hits) is not None
     assert kv.pool.num_evictions == 1 and _hit(kv, list(range(90, 99))) == 4  # filler's tail
@@ -238,7 +238,7 @@ def test_prompt_logprobs_requests_skip_the_cache():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     _run_prompt(kv, "a", list(range(9)))
     b = Request("b", list(range(9)), Params(4, prompt_logprobs=1))
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b) == ((), 0)
 
 
 # ---- scheduler admission ---------------------------------------------------------------------

@@ -46,15 +46,57 @@ def test_manager_frees_blocks_before_the_window(prefix_caching):
     assert kv.all_free()
 
 
-def test_mixed_window_and_full_layers_keep_every_block():
-    from pagedserve.engine.llm_engine import shared_sliding_window
+def _spec(window=None, heads=2):
     from pagedserve.kv_cache import FullAttentionSpec, SlidingWindowSpec
 
-    full = FullAttentionSpec(BLOCK, 2, 16, torch.float32)
-    local = [SlidingWindowSpec(BLOCK, 2, 16, torch.float32, sliding_window=w) for w in (8, 12)]
-    assert shared_sliding_window(local) == 12
-    assert shared_sliding_window([local[0], full]) is None
-    assert shared_sliding_window([full]) is None
+    if window is None:
+        return FullAttentionSpec(BLOCK, heads, 16, torch.float32)
+    return SlidingWindowSpec(BLOCK, heads, 16, torch.float32, sliding_window=window)
+
+
+def test_one_kind_is_one_group_with_a_tensor_per_layer():
+    from pagedserve.kv_cache import plan_kv_cache_groups
+
+    for specs in ([_spec()] * 3, [_spec(8)] * 2, [_spec(), _spec(heads=4)]):
+        layout = plan_kv_cache_groups(specs)
+        assert len(layout.groups) == 1 and layout.tensor_of_layer == tuple(range(len(specs)))
+        assert layout.bytes_per_block == sum(s.page_size_bytes for s in specs)
+    assert plan_kv_cache_groups([_spec(8)] * 2).windows == [8]
+
+
+def test_mixed_kinds_split_into_groups_sharing_tensors():
+    from pagedserve.kv_cache import plan_kv_cache_groups
+    from pagedserve.kv_cache.groups import choose_group_size
+
+    page = _spec().page_size_bytes
+    # Gemma 2: local, global, local. G = 1: three groups over one tensor.
+    layout = plan_kv_cache_groups([_spec(12), _spec(), _spec(12)])
+    assert [g.layer_ids for g in layout.groups] == [(0,), (2,), (1,)]
+    assert layout.windows == [12, 12, None]
+    assert layout.tensor_of_layer == (0, 0, 0) and layout.bytes_per_block == page
+    # Gemma 3: five local to one global, twice. G = 2 pads nothing: 5 + 1 groups of 2.
+    specs = [_spec(None if i % 6 == 5 else 32) for i in range(12)]
+    layout = plan_kv_cache_groups(specs)
+    assert layout.windows == [32] * 5 + [None]
+    assert layout.groups[-1].layer_ids == (5, 11)
+    assert layout.bytes_per_block == 2 * page
+    for group in layout.groups:  # layer j of every group writes tensor j
+        assert [layout.tensor_of_layer[i] for i in group.layer_ids] == [0, 1]
+    # Windows of two sizes are two kinds.
+    assert plan_kv_cache_groups([_spec(8), _spec(12)]).windows == [8, 12]
+    # The largest size that pads at most a tenth of the layers.
+    assert choose_group_size([6, 3]) == 3 and choose_group_size([7, 2]) == 1
+    assert choose_group_size([8, 4]) == 4 and choose_group_size([52, 10]) == 6
+    assert choose_group_size([40, 9]) == 5  # 9 pads 5 of 49 layers; 5 pads 1: 10 groups
+
+
+def test_pages_of_different_shapes_keep_one_group(caplog):
+    from pagedserve.kv_cache import plan_kv_cache_groups
+
+    with caplog.at_level("INFO"):
+        layout = plan_kv_cache_groups([_spec(12), _spec(heads=4)])
+    assert layout.windows == [None] and layout.tensor_of_layer == (0, 1)
+    assert "KV cache groups off" in caplog.text
 
 
 @pytest.fixture(scope="module")

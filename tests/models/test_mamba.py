@@ -244,18 +244,18 @@ def test_slot_manager_one_slot_per_request():
     kv = KVCacheManager(0, 16, enable_prefix_caching=True, num_state_slots=2)
     assert not kv.enable_prefix_caching  # a state is not kept per block
     reqs = [Request(str(i), list(range(1, 41)), SamplingParams()) for i in range(3)]
-    assert kv.allocate_slots(reqs[0], 40) == []  # a slot, no blocks
+    assert kv.allocate_slots(reqs[0], 40) == ([],)  # a slot, no blocks
     reqs[0].num_computed_tokens = 40
-    assert kv.allocate_slots(reqs[0], 20) == []  # growing takes no second slot
-    assert kv.allocate_slots(reqs[1], 40) == []
+    assert kv.allocate_slots(reqs[0], 20) == ([],)  # growing takes no second slot
+    assert kv.allocate_slots(reqs[1], 40) == ([],)
     assert sorted([reqs[0].state_slot, reqs[1].state_slot]) == [0, 1]
     assert not kv.can_allocate(reqs[2], 40)
     assert kv.allocate_slots(reqs[2], 40) is None  # admission waits for a slot
     freed = reqs[0].state_slot
     kv.free(reqs[0])
     assert reqs[0].state_slot == -1
-    assert kv.allocate_slots(reqs[2], 40) == [] and reqs[2].state_slot == freed
-    assert kv.get_computed_blocks(reqs[2]) == ([], 0)
+    assert kv.allocate_slots(reqs[2], 40) == ([],) and reqs[2].state_slot == freed
+    assert kv.get_computed_blocks(reqs[2]) == ((), 0)
     kv.free(reqs[1])
     kv.free(reqs[2])
     assert kv.all_free()
@@ -266,10 +266,10 @@ def test_hybrid_manager_takes_blocks_and_a_slot_together():
     slot are free; a failed allocation takes neither."""
     kv = KVCacheManager(4, 16, num_state_slots=2)
     a, b, c = (Request(str(i), list(range(1, 41)), SamplingParams()) for i in range(3))
-    assert len(kv.allocate_slots(a, 40)) == 3 and a.state_slot >= 0
+    assert len(kv.allocate_slots(a, 40)[0]) == 3 and a.state_slot >= 0
     assert kv.allocate_slots(b, 40) is None  # one block left: no slot taken either
     assert b.state_slot == -1 and kv.state_slots.num_free == 1
-    assert len(kv.allocate_slots(b, 10)) == 1 and b.state_slot >= 0
+    assert len(kv.allocate_slots(b, 10)[0]) == 1 and b.state_slot >= 0
     assert kv.allocate_slots(c, 1) is None  # no slot left
     kv.free(a)
     kv.free(b)
