@@ -1,8 +1,9 @@
 """Guided decoding (structured outputs): a grammar per request, compiled from a JSON schema, a
-regex, a choice list or an EBNF grammar with xgrammar; each step a token bitmask for the rows
-that have one, applied to the logits before sampling. See docs/structured_outputs.md.
+regex, a choice list or an EBNF grammar with xgrammar (or llguidance: the `guidance` backend);
+each step a token bitmask for the rows that have one, applied to the logits before sampling.
+See docs/structured_outputs.md.
 
-xgrammar is imported lazily: an engine that never sees a guided request never loads it.
+Both libraries are imported lazily: an engine that never sees a guided request loads neither.
 """
 
 from pagedserve.structured_output.grammar import GRAMMAR_KINDS, grammar_key, parse_grammar

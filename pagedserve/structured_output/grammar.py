@@ -48,7 +48,7 @@ def parse_grammar(key: tuple[str, str]) -> Any:
     kind, text = key
     try:
         if kind in ("json", "json+ws"):
-            _check_json_schema(json.loads(text))
+            check_json_schema(json.loads(text))
             return xgr.Grammar.from_json_schema(text, any_whitespace=kind == "json+ws")
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
@@ -67,9 +67,10 @@ _WHAT = {"json": "JSON schema", "json+ws": "JSON schema", "regex": "regex", "cho
          "grammar": "EBNF grammar", "json_object": "JSON object grammar"}
 
 
-def _check_json_schema(schema: Any) -> None:
-    """The schema against its metaschema (jsonschema's checker): xgrammar ignores keywords it
-    does not know, so a typo such as {"type": "strnig"} would otherwise pass silently in places."""
+def check_json_schema(schema: Any) -> None:
+    """The schema against its metaschema (jsonschema's checker): the grammar libraries ignore
+    keywords they do not know, so a typo such as {"type": "strnig"} would otherwise pass
+    silently in places."""
     import jsonschema
 
     if not isinstance(schema, dict | bool):

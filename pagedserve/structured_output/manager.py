@@ -2,10 +2,11 @@
 (cached by spec), a matcher per sequence, and each step's token bitmask.
 
 Flow of one step (docs/structured_outputs.md): the runner queues the forward, then fills the
-bitmask rows of the sequences that have a grammar and sample in this step (xgrammar's batch
-matcher, in C++ threads, while the device computes), copies it to the device, and the sampler
-applies it to the logits. The scheduler hands each sampled token to its sequence's matcher; a
-matcher that reaches its end finishes the sequence.
+bitmask rows of the sequences that have a grammar and sample in this step (the backend's batch
+fill, in its own threads, while the device computes), copies it to the device, and the
+sampler applies it to the logits. Backends: `xgrammar` (xgrammar_backend.py, the default) and
+`guidance` (guidance.py, llguidance). The scheduler hands each sampled token to its sequence's
+matcher; a matcher that reaches its end finishes the sequence.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from pagedserve.structured_output.grammar import parse_grammar
 
 if TYPE_CHECKING:
     from pagedserve.sampling_params import GuidedDecodingParams
@@ -35,19 +34,13 @@ CACHE_ENTRIES = 512
 def check_backend(name: str) -> None:
     """The backend can run here; a ValueError naming what is missing otherwise."""
     # find_spec, not import: the check runs at start-up and xgrammar takes seconds to import.
-    if name == "xgrammar":
-        if importlib.util.find_spec("xgrammar") is None:
-            raise ValueError("guided_decoding_backend 'xgrammar' needs the xgrammar package "
-                             "(pip install xgrammar)")
-        return
-    if name == "guidance":
-        if importlib.util.find_spec("llguidance") is None:
-            raise ValueError("guided_decoding_backend 'guidance' needs the llguidance package, "
-                             "which is not installed; use 'xgrammar'")
-        raise ValueError("guided_decoding_backend 'guidance' is not implemented by this engine "
-                         "yet; use 'xgrammar'")
-    raise ValueError(f"guided_decoding_backend must be one of {', '.join(BACKENDS)}, "
-                     f"got {name!r}")
+    packages = {"xgrammar": "xgrammar", "guidance": "llguidance"}
+    if name not in packages:
+        raise ValueError(f"guided_decoding_backend must be one of {', '.join(BACKENDS)}, "
+                         f"got {name!r}")
+    if importlib.util.find_spec(packages[name]) is None:
+        raise ValueError(f"guided_decoding_backend {name!r} needs the {packages[name]} package "
+                         f"(pip install {packages[name]})")
 
 
 class RequestGrammar:
@@ -98,8 +91,8 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.device = device
         self.max_num_reqs = max_num_reqs
-        self._compiler: Any = None
-        self._batch_matcher: Any = None
+        self.backend_name = backend
+        self._backend: Any = None  # XGrammarBackend or GuidanceBackend, made on first use
         self._bitmask: torch.Tensor | None = None  # [max_num_reqs, ceil(V / 32)] int32, host
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -107,19 +100,21 @@ class StructuredOutputManager:
         self.fill_seconds = 0.0
         self.num_fills = 0
 
-    def _ensure_compiler(self) -> Any:
+    def _ensure_backend(self) -> Any:
         with self._lock:
-            if self._compiler is None:
-                import xgrammar as xgr
-
+            if self._backend is None:
                 if self.tokenizer is None:
                     raise ValueError("guided decoding needs the model's tokenizer, and this "
                                      "model has none")
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer,
-                                                          vocab_size=self.vocab_size)
-                # Our own LRU cache below; xgrammar's would keep a second copy.
-                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-            return self._compiler
+                if self.backend_name == "guidance":
+                    from pagedserve.structured_output.guidance import GuidanceBackend
+
+                    self._backend = GuidanceBackend(self.tokenizer, self.vocab_size)
+                else:
+                    from pagedserve.structured_output.xgrammar_backend import XGrammarBackend
+
+                    self._backend = XGrammarBackend(self.tokenizer, self.vocab_size)
+            return self._backend
 
     def compile(self, guided: GuidedDecodingParams) -> Any:
         """The compiled grammar of a spec, from the cache or compiled now."""
@@ -129,9 +124,9 @@ class StructuredOutputManager:
             if compiled is not None:
                 self._cache.move_to_end(key)
                 return compiled
-        compiler = self._ensure_compiler()
+        backend = self._ensure_backend()
         t0 = time.perf_counter()
-        compiled = compiler.compile_grammar(parse_grammar(key))
+        compiled = backend.compile(key)
         logger.debug("compiled a %s grammar in %.3f s", key[0], time.perf_counter() - t0)
         with self._lock:
             self._cache[key] = compiled
@@ -144,26 +139,21 @@ class StructuredOutputManager:
         """A fresh matcher for one sequence. Its stop tokens are the sequence's end tokens (EOS
         and stop ids), so the grammar allows them exactly where it may end; a sequence that
         ignores EOS still ends with its grammar, on the tokenizer's EOS."""
-        import xgrammar as xgr
-
         compiled = self.compile(guided)
         stop = sorted(end_token_ids) or None
-        return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stop))
+        return RequestGrammar(self._backend.new_matcher(compiled, stop))
 
     def fill_bitmask(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int
                      ) -> torch.Tensor:
         """The [num_rows, ceil(V / 32)] int32 bitmask on the device, rows `rows` filled from
         `grammars` (bit set: token allowed); the other rows are left as they are and must not be
         applied."""
-        import xgrammar as xgr
-
         t0 = time.perf_counter()
         if self._bitmask is None:
-            self._bitmask = xgr.allocate_token_bitmask(self.max_num_reqs, self.vocab_size)
-            self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._bitmask = torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,
+                                       dtype=torch.int32)
         bitmask = self._bitmask[:num_rows]
-        self._batch_matcher.batch_fill_next_token_bitmask(
-            [g.matcher for g in grammars], bitmask, indices=rows)
+        self._backend.fill([g.matcher for g in grammars], bitmask, rows)
         if self.device.type == "cuda":
             # A pinned copy from torch's caching host allocator: the host buffer is refilled
             # next step while this copy may still be queued.

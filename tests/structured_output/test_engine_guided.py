@@ -249,8 +249,7 @@ def test_backend_choice() -> None:
     from pagedserve.structured_output import check_backend
 
     check_backend("xgrammar")
-    with pytest.raises(ValueError, match="guidance.*(llguidance|not implemented)"):
-        check_settings(EngineConfig.from_kwargs(guided_decoding_backend="guidance",
-                                                device="cpu"))
+    assert check_settings(EngineConfig.from_kwargs(guided_decoding_backend="guidance",
+                                                   device="cpu")) is None
     with pytest.raises(ValueError, match="one of xgrammar, guidance"):
         check_backend("outlines")
