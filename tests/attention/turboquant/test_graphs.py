@@ -8,14 +8,19 @@ through the dense kernel and merge the quantized context, against the float32 re
 dequantizes the context the same way.
 
 GPU (`gpu` mark, the lead runs them): a captured graph replayed on other lengths equals the
-eager step for each preset and decode kernel; the engine's greedy tokens with graphs equal
-those without, and graphs were replayed.
+eager step for each preset and decode kernel, and the float32 attention over the cache it
+read; prefill steps at the 8B shape against the same reference. On the GPU the store kernel's
+codes are held to the torch format's within boundary rounding (a coordinate on a decision
+boundary may fall either way), so the attention references decode the cache as written, not
+a re-encoding. The engine's greedy tokens with graphs equal those without, and graphs were
+replayed.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -28,6 +33,8 @@ from pagedserve.attention.ops import turboquant_format as tqf
 from tests.attention.turboquant.harness import (
     PRESETS,
     _check_new_slots,
+    assert_only_slots_written,
+    cache_references,
     references,
     run_turboquant_case,
 )
@@ -153,6 +160,8 @@ def test_prefill_split_matches_reference(preset, batch):
     dequant, _ = references(preset, reqs)
     torch.testing.assert_close(out, dequant, rtol=1e-4, atol=1e-4)
     _check_new_slots(preset, cache, new_slots, key, value)
+    assert_only_slots_written(preset, torch.zeros_like(cache), cache,
+                              torch.cat([r.slots for r in reqs]), 32)
 
 
 @kernels
@@ -229,12 +238,78 @@ def test_prefill_benchmark_runs():
     assert rows[1]["rel_err"] == pytest.approx(rows[2]["rel_err"], rel=1e-4)
 
 
+@pytest.mark.parametrize("preset", ["tq_3bit", "tq_k8v4", "naive_int4"])
+def test_gpu_checks_see_real_errors(preset):
+    """The checks the GPU tests rely on, on the torch path: the reference that decodes the
+    cache equals the re-encoding one where the cache holds the same codes and follows the
+    cache where it does not; the near-code check passes one-level flips and a meta ulp but not
+    a record in the wrong slot, two levels off or too many flips; a stray write is seen."""
+    from tests.attention.turboquant.harness import MAX_FLIP_FRACTION, assert_records_close
+
+    p, d = tqf.PRESETS[preset], 32
+    out, cache, reqs, new_slots, key, value = run_turboquant_case(
+        preset, BATCHES["mixed"], head_size=d, seed=13)
+    dequant, _ = references(preset, reqs)
+    torch.testing.assert_close(cache_references(preset, cache, reqs), dequant, rtol=0, atol=0)
+    torch.testing.assert_close(out, cache_references(preset, cache, reqs), rtol=1e-4,
+                               atol=1e-4)
+    # A context code moved one level: the cache's reference moves with it.
+    r = next(r for r in reqs if r.context > 0)
+    bs, slot = cache.shape[2], int(r.slots[0])
+    moved = cache.clone()
+    k_codes = tqf.cache_planes(p, moved, d)[0]
+    k_codes[slot // bs, :, slot % bs, 0] ^= 1
+    assert not torch.equal(cache_references(preset, moved, reqs), dequant)
+
+    records = tqf.slot_records(p, cache, d)[new_slots // bs, :, new_slots % bs]
+    expected = tqf.encode_kv(p, key.float(), value.float())
+    assert_records_close(p, records, expected, d)
+
+    def recorded(codes_k: torch.Tensor) -> torch.Tensor:
+        """`records` with its K codes replaced."""
+        n = p.key.code_bytes(d)
+        return torch.cat([tqf.pack_codes(codes_k, p.key.bits), records[..., n:]], -1)
+
+    codes = tqf.unpack_codes(records[..., :p.key.code_bytes(d)], p.key.bits, d)
+    one_off = codes.clone().flatten()
+    up = one_off[0] < (1 << p.key.bits) - 1
+    one_off[0] += 1 if up else -1
+    assert_records_close(p, recorded(one_off.view_as(codes)), expected, d)
+    two_off = codes.clone().flatten()
+    two_off[0] += 2 if up else -2
+    with pytest.raises(AssertionError):
+        assert_records_close(p, recorded(two_off.view_as(codes)), expected, d)
+    many = codes.clone().flatten()
+    n = int(many.numel() * MAX_FLIP_FRACTION) + 2
+    many[:n] = torch.where(many[:n] < (1 << p.key.bits) - 1, many[:n] + 1, many[:n] - 1)
+    with pytest.raises(AssertionError):
+        assert_records_close(p, recorded(many.view_as(codes)), expected, d)
+    with pytest.raises(AssertionError):  # the records of the slots one row on
+        assert_records_close(p, records.roll(1, 0), expected, d)
+
+    written = torch.cat([r.slots for r in reqs])
+    assert_only_slots_written(preset, torch.zeros_like(cache), cache, written, d)
+    with pytest.raises(AssertionError):  # a slot of the step left out: its write is stray
+        assert_only_slots_written(preset, torch.zeros_like(cache), cache, written[1:], d)
+
+
 # ---- GPU ----------------------------------------------------------------------------------
 
-def _graph_step(preset: str, decode_kernel: str, contexts: list[int], size: int, seed: int):
-    """(eager output, graph output, reference inputs) of a decode step over `contexts`: a
-    graph captured at `size` on a dummy step (every context 0), replayed after the real step's
-    metadata was written into its buffers."""
+class GraphStep(NamedTuple):
+    graphed: torch.Tensor  # the replay's output of the real rows, float32
+    eager: torch.Tensor  # the eager step's, from the cache as it was before the replay
+    reqs: list  # per request (query, K, V, context, slots), float32 as drawn
+    cache_before: torch.Tensor  # the cache before the step (the contexts written on the CPU)
+    graph_cache: torch.Tensor  # after the replay
+    eager_cache: torch.Tensor  # after the eager step
+
+
+def _graph_step(preset: str, decode_kernel: str, contexts: list[int], size: int,
+                seed: int) -> GraphStep:
+    """A decode step over `contexts` (bf16, 32:8 heads, d128) through a graph captured at
+    `size` on a dummy step (every context 0), replayed after the real step's metadata was
+    written into its buffers, and eagerly from the same cache. The contexts are encoded on the
+    CPU from the float32 draws, so only the cache says what the kernels read."""
     gen = torch.Generator().manual_seed(seed)
     backend = TurboQuantBackend.for_kv_cache_dtype(preset)
     p = tqf.PRESETS[preset]
@@ -250,9 +325,10 @@ def _graph_step(preset: str, decode_kernel: str, contexts: list[int], size: int,
         k = torch.randn(c + 1, hkv, d, generator=gen)
         v = torch.randn(c + 1, hkv, d, generator=gen)
         q = torch.randn(1, h, d, generator=gen)
-        tqf.store_kv(p, cache, k[:c], v[:c], torch.tensor(
-            [ids[t // bs] * bs + t % bs for t in range(c)], dtype=torch.int64))
-        reqs.append((q, k, v, c))
+        slots = torch.tensor([ids[t // bs] * bs + t % bs for t in range(c + 1)],
+                             dtype=torch.int64)
+        tqf.store_kv(p, cache, k[:c], v[:c], slots[:c])
+        reqs.append((q, k, v, c, slots))
     cache = cache.to(dev)
     cb = CommonMetadataBuilder(size, size, max_blocks, bs, dev)
     config = BuilderConfig(h, hkv, d, torch.bfloat16, bs, size, size, max_blocks, dev,
@@ -289,9 +365,10 @@ def _graph_step(preset: str, decode_kernel: str, contexts: list[int], size: int,
     graph.replay()
     torch.cuda.synchronize()
     graphed = out_buf[:b].float().cpu()
+    graph_cache = cache.cpu()
     cache.copy_(cache_before)
     eager = impl.forward(q_buf[:b], k_buf[:b], v_buf[:b], cache, builder.build(common)).float()
-    return graphed, eager.cpu(), reqs
+    return GraphStep(graphed, eager.cpu(), reqs, cache_before.cpu(), graph_cache, cache.cpu())
 
 
 @pytest.mark.gpu
@@ -300,15 +377,26 @@ def _graph_step(preset: str, decode_kernel: str, contexts: list[int], size: int,
 @pytest.mark.parametrize("size,contexts", [(4, [700, 3000, 65]), (32, [1200] * 20 + [5, 17])])
 def test_graph_replay_matches_eager_gpu(preset, decode_kernel, size, contexts):
     """A graph captured on a dummy step and replayed on a real one (other lengths, padding
-    rows) equals the eager step and the reference within bf16 rounding."""
+    rows) equals the eager step, and the float32 reference within bf16 rounding; it wrote the
+    new tokens' slots as the eager step did, near the torch format's codes, and nothing
+    else (the padding rows' slots are -1)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    graphed, eager, reqs = _graph_step(preset, decode_kernel, contexts, size, seed=size)
-    # Reference: the same bf16-rounded inputs in float32.
-    rounded = [(q.bfloat16(), k.bfloat16(), v.bfloat16(), c) for q, k, v, c in reqs]
-    dequant, _ = references(preset, rounded)
-    torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(graphed, dequant, rtol=3e-2, atol=3e-2)
+    step = _graph_step(preset, decode_kernel, contexts, size, seed=size)
+    torch.testing.assert_close(step.graphed, step.eager, rtol=2e-2, atol=2e-2)
+    # Reference: the bf16-rounded query and new token in float32, over the context the cache
+    # holds (encoded from the float32 draws: re-encoding their bf16 rounding would move codes
+    # across decision boundaries the kernel never saw).
+    rounded = [(q.bfloat16(), k.bfloat16(), v.bfloat16(), c, slots)
+               for q, k, v, c, slots in step.reqs]
+    dequant = cache_references(preset, step.graph_cache, rounded)
+    torch.testing.assert_close(step.graphed, dequant, rtol=3e-2, atol=3e-2)
+    new_slots = torch.stack([slots[c] for _, _, _, c, slots in step.reqs])
+    assert_only_slots_written(preset, step.cache_before, step.graph_cache, new_slots, 128)
+    assert torch.equal(step.graph_cache, step.eager_cache)
+    new_k = torch.stack([k[c] for _, k, _, c, _ in rounded])
+    new_v = torch.stack([v[c] for _, _, v, c, _ in rounded])
+    _check_new_slots(preset, step.graph_cache, new_slots, new_k, new_v, exact=False)
 
 
 @pytest.mark.gpu
@@ -317,16 +405,27 @@ def test_graph_replay_matches_eager_gpu(preset, decode_kernel, size, contexts):
 def test_prefill_split_matches_reference_gpu(preset, decode_kernel):
     """The 8B shape (32:8 heads, d128, bf16): a first chunk, chunks continuing long contexts
     (the merge) and decodes of the same step (their own decode launch, the CUDA kernel under
-    'auto'), against the float32 reference over the same bf16 inputs."""
+    'auto'), against the float32 reference over the same bf16 inputs and the context the cache
+    holds; the store kernel wrote the new tokens' slots (within boundary rounding of the torch
+    format's codes) and nothing else."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     batch = [(0, 300), (700, 257), (129, 64), (2048, 33), (900, 1), (40, 1), (0, 1)]
     out, cache, reqs, new_slots, key, value = run_turboquant_case(
         preset, batch, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
         use_kernels=True, device="cuda", decode_kernel=decode_kernel)
-    dequant, _ = references(preset, reqs)
-    torch.testing.assert_close(out.float(), dequant, rtol=2e-2, atol=2e-2)
-    _check_new_slots(preset, cache, new_slots, key, value)
+    out = out.float()
+    dequant = cache_references(preset, cache, reqs)
+    torch.testing.assert_close(out, dequant, rtol=2e-2, atol=2e-2)
+    # The tolerance sees the merge: with the earlier pages weighted zero, the rows of the
+    # requests that have them would be far off.
+    alone = cache_references(preset, cache, [(q, k[c:], v[c:], 0, s[c:])
+                                             for q, k, v, c, s in reqs])
+    has_context = torch.cat([torch.full((len(r.query),), r.context > 0) for r in reqs])
+    assert (out - alone)[has_context].abs().amax() > 0.2
+    _check_new_slots(preset, cache, new_slots, key, value, exact=False)
+    assert_only_slots_written(preset, torch.zeros_like(cache), cache,
+                              torch.cat([r.slots for r in reqs]), 128)
 
 
 @pytest.mark.gpu
