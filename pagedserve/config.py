@@ -154,6 +154,13 @@ class EngineConfig:
     async_scheduling: bool | None = setting(
         None, "schedule the next step and finish this one on the host while the GPU runs "
               "(default: on for CUDA, off on the CPU)")
+    # The engine core (scheduler, KV cache manager, model runner) in a process of its own, so
+    # that HTTP, tokenization and detokenization never hold the step loop's GIL. None: on for
+    # CUDA, off on the CPU (where tests start many small engines and start-up dominates).
+    engine_core_process: bool | None = setting(
+        None, "run the scheduler, KV cache and model runner in a process of their own, apart "
+              "from the server, tokenization and detokenization (default: on for CUDA, off on "
+              "the CPU)")
     guided_decoding_backend: str = setting(
         "xgrammar", "grammar library of guided decoding (structured outputs)",
         choices=["xgrammar", "guidance"])
@@ -187,6 +194,12 @@ class EngineConfig:
     def use_async_scheduling(self) -> bool:
         if self.async_scheduling is not None:
             return self.async_scheduling
+        return self.torch_device.type == "cuda"
+
+    @property
+    def use_engine_core_process(self) -> bool:
+        if self.engine_core_process is not None:
+            return self.engine_core_process
         return self.torch_device.type == "cuda"
 
     @classmethod
