@@ -106,6 +106,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     else:
         config = EngineConfig.from_kwargs(**kwargs)
     warn_unused(config, kwargs)
+    if config.engine_core_process is None:
+        # The command line's default: on a GPU the host is the bottleneck, so the core steps
+        # in a process of its own while this one serves HTTP and detokenizes.
+        config.engine_core_process = config.torch_device.type == "cuda"
     return config
 
 

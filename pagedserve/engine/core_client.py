@@ -41,6 +41,8 @@ class EngineDeadError(RuntimeError):
 class InprocClient:
     """The core in the front's process: a step runs when the front asks for an output."""
 
+    idle_poll_s: float | None = None  # nothing arrives while the front is idle
+
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         self.core = EngineCore(config, log_stats=log_stats)
         self.info: CoreInfo = self.core.info()
@@ -79,6 +81,8 @@ class InprocClient:
 class MPClient:
     """The core in a spawned daemon process; adds and aborts are sent in one message per
     flush (before each wait for an output), outputs arrive one message per step."""
+
+    idle_poll_s: float | None = 0.2  # an idle front still reads the core's late stats
 
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         import zmq
@@ -156,7 +160,9 @@ class MPClient:
         self._adds.append(requests)
 
     def abort_requests(self, seq_ids: list[str], stopped: bool = False) -> None:
+        """Sent at once: the core frees the blocks before its next step."""
         (self._stopped if stopped else self._aborts).extend(seq_ids)
+        self._flush()
 
     def _flush(self) -> None:
         from pagedserve.engine.core_process import CoreInput

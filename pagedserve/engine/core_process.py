@@ -148,7 +148,8 @@ class CoreLoop:
         while True:
             idle = not core.has_unfinished_requests()
             out = StepOutput()
-            if self._apply_inputs(out, block=idle):
+            applied = self._apply_inputs(out, block=idle)
+            if applied is None:
                 return
             if core.has_unfinished_requests():
                 step = core.step()
@@ -157,13 +158,14 @@ class CoreLoop:
             elif idle and os.getppid() != self.parent_pid:
                 logger.warning("the front process is gone: the engine core exits")
                 return
-            if not out.is_empty:
+            # With no step to report, the front still learns what its aborts freed.
+            if not out.is_empty or applied:
                 out.stats = core.stats()
                 self.outputs.put(StepMessage(out))
 
-    def _apply_inputs(self, out: StepOutput, block: bool) -> bool:
-        """Every input queued; waits (a second at most) for one when the core is idle. True
-        when the front asked the core to shut down."""
+    def _apply_inputs(self, out: StepOutput, block: bool) -> bool | None:
+        """Every input queued; waits (a second at most) for one when the core is idle. Whether
+        any came; None when the front asked the core to shut down."""
         messages = []
         try:
             messages.append(self.inputs.get(timeout=1.0) if block else self.inputs.get_nowait())
@@ -174,7 +176,7 @@ class CoreLoop:
         core = self.core
         for msg in messages:
             if msg is None:
-                return True
+                return None
             for group in msg.adds:
                 try:
                     core.add_requests(group)
@@ -193,8 +195,8 @@ class CoreLoop:
                 except Exception as exc:
                     out.utility.append((call_id, False, one_line(exc)))
             if msg.shutdown:
-                return True
-        return False
+                return None
+        return bool(messages)
 
     def _read_inputs(self, ctx: Any) -> None:
         import zmq

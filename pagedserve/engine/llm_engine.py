@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -313,6 +314,19 @@ class LLMEngine:
         """True when no request holds a KV block (all free or cached-evictable) or a state
         slot."""
         return self.client.call_utility("stats").all_free
+
+    @property
+    def idle_poll_s(self) -> float | None:
+        """How often an idle driver (AsyncLLM) should still read the core's messages."""
+        return self.client.idle_poll_s
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError once the core process has died."""
+        self.client.check_alive()
+
+    def on_core_death(self, callback: Callable[[], None]) -> None:
+        """`callback()`, from another thread, when the core process dies (never in-process)."""
+        self.client.on_death(callback)
 
     def shutdown(self) -> None:
         """Stop the core process, if there is one (also done when the engine is collected and
