@@ -28,8 +28,9 @@ from pagedserve.scheduler import RequestStatus
 
 logger = logging.getLogger(__name__)
 
-# How long the front waits for the core to start (loading a large model) and to stop.
-STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_CORE_STARTUP_TIMEOUT", "1800"))
+# How long the front waits for the core to start (loading a large model, capturing graphs)
+# and to stop before it is terminated.
+STARTUP_TIMEOUT_S = 1800.0
 SHUTDOWN_TIMEOUT_S = 10.0
 
 

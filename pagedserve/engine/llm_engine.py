@@ -84,6 +84,17 @@ class LLMEngine:
                                  "(--no-engine-core-process keeps it here)")
         return self.client.core
 
+    def __getattr__(self, name: str) -> Any:
+        """The in-process core's other attributes (loaded, async_scheduling, ...), read-only:
+        what tests and benchmarks inspect."""
+        client = self.__dict__.get("client")
+        if name.startswith("__") or client is None:
+            raise AttributeError(name)
+        if not isinstance(client, InprocClient):
+            raise AttributeError(f"LLMEngine.{name}: the engine core runs in its own process "
+                                 "(engine_core_process=False keeps it here)")
+        return getattr(client.core, name)
+
     @property
     def scheduler(self) -> Any:
         return self.core.scheduler
