@@ -549,6 +549,15 @@ def test_client_disconnect_aborts_and_frees_blocks(any_server, ref):
     assert resp.json()["choices"][0]["text"] == ref.texts[0][4]
 
 
+def test_bench_serve_runs_against_both(any_server, capsys):
+    from pagedserve.cli import main
+
+    rc = main(["bench", "serve", "--url", any_server.url, "--num-prompts", "4",
+               "--input-len", "8", "--output-len", "4", "--max-concurrency", "2"])
+    assert rc == 0, capsys.readouterr()
+    assert_all_blocks_free(any_server.url)
+
+
 def test_metrics_exposition(server):
     post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 3, **GREEDY})
     m = read_metrics(server.url)
