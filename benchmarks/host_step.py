@@ -71,17 +71,19 @@ def timed(totals: collections.Counter, label: str, fn):
     return wrapper
 
 
-def encoded_step(totals: collections.Counter, step):
-    """core.step, plus what the core process does with its result: one msgpack message."""
+def encoded_step(totals: collections.Counter, core):
+    """core.step, plus what the core process does with its result: its counters and one
+    msgpack message."""
     from pagedserve.engine.core_process import StepMessage, encoder
 
     enc = encoder()
+    step = core.step
 
     @functools.wraps(step)
     def wrapper(*args, **kwargs):
         out = step(*args, **kwargs)
         start = time.perf_counter()
-        enc.encode(StepMessage(out))
+        enc.encode(StepMessage(out, core.stats()))
         totals[ENCODE] += time.perf_counter() - start
         return out
     return wrapper
@@ -138,7 +140,7 @@ def main() -> None:
     for path, method, label, _ in PHASES:
         obj = owner(engine, path)
         setattr(obj, method, timed(totals, label, getattr(obj, method)))
-    engine.core.step = encoded_step(totals, engine.core.step)
+    engine.core.step = encoded_step(totals, engine.core)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 49000, args.prompt_len).tolist()}
                for _ in range(args.num_requests)]

@@ -100,7 +100,6 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # seq id -> (first scheduled time, prompt tokens found in the prefix cache), once.
     scheduled: dict[str, tuple[float, int]] = msgspec.field(default_factory=dict)
     time: float = 0.0  # time.monotonic() when the step completed (one clock for both processes)
-    stats: CoreStats | None = None
     utility: list[tuple[int, bool, Any]] = msgspec.field(default_factory=list)  # id, ok, result
     failed: dict[str, str] = msgspec.field(default_factory=dict)  # seq id -> why its add failed
 

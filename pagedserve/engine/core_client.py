@@ -196,8 +196,8 @@ class MPClient:
             self._die(f"the engine core failed: {msg.error}")
             self.check_alive()
         out = msg.output
-        if out.stats is not None:
-            self._stats = out.stats
+        if msg.stats is not None:
+            self._stats = msg.stats
         for call_id, ok, result in out.utility:
             self._results[call_id] = (ok, result)
         return out

@@ -31,7 +31,7 @@ import msgspec
 import numpy as np
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import CoreRequest, EngineCore, StepOutput
+from pagedserve.engine.core import CoreRequest, CoreStats, EngineCore, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class StepMessage(msgspec.Struct, array_like=True, omit_defaults=True):
     """One output message: a step's outputs, or the error that ended the core."""
 
     output: StepOutput | None = None
+    stats: CoreStats | None = None
     error: str | None = None
 
 
@@ -135,10 +136,13 @@ class CoreLoop:
             self._loop()
         except BaseException as exc:
             logger.exception("engine core step failed")
-            self.outputs.put(StepMessage(error=one_line(exc)))
+            self._put(StepMessage(error=one_line(exc)))
         finally:
             self.stop.set()
-            self.outputs.put(None)
+            try:
+                self.outputs.put(None, timeout=5.0)
+            except queue.Full:  # the output thread is stuck on a gone front: leave it
+                pass
             for thread in threads:
                 thread.join(5)
             ctx.destroy(linger=0)
@@ -159,9 +163,19 @@ class CoreLoop:
                 logger.warning("the front process is gone: the engine core exits")
                 return
             # With no step to report, the front still learns what its aborts freed.
-            if not out.is_empty or applied:
-                out.stats = core.stats()
-                self.outputs.put(StepMessage(out))
+            if (not out.is_empty or applied) and not self._put(StepMessage(out, core.stats())):
+                return
+
+    def _put(self, msg: StepMessage) -> bool:
+        """Hand a message to the output thread, waiting while it is behind (back-pressure);
+        False once it has stopped (the front is gone)."""
+        while not self.stop.is_set():
+            try:
+                self.outputs.put(msg, timeout=1.0)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def _apply_inputs(self, out: StepOutput, block: bool) -> bool | None:
         """Every input queued; waits (a second at most) for one when the core is idle. Whether
@@ -230,6 +244,8 @@ class CoreLoop:
                 # Blocks while the front is SOCKET_HWM messages behind: back-pressure.
                 while not sock.poll(1000, zmq.POLLOUT):
                     if os.getppid() != self.parent_pid:
+                        logger.warning("the front process is gone: the engine core exits")
+                        self.stop.set()
                         return
                 sock.send(data, copy=False)
         finally:

@@ -253,3 +253,46 @@ def test_arrays_cross_the_socket_as_bytes():
     back = decoder(StepOutput).decode(encoder().encode(out))
     assert back.seq_ids == ["a", "b"] and back.tokens.tolist() == [5, -1]
     assert back.logprobs[0].dtype == np.float32 and back.logprobs[0].shape == (2, 3)
+
+
+ORPHAN_SCRIPT = """
+import sys, time
+from pagedserve import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", kv_cache_memory="16MiB", engine_core_process=True)
+engine = llm.engine
+engine.add_request("a", "Hello", SamplingParams(max_tokens=400, ignore_eos=True))
+while not engine.step():
+    pass
+print(engine.client.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_core_exits_when_its_front_is_killed(tiny_dir, tmp_path):
+    """SIGKILL of the front while the core is generating: the core notices within seconds
+    (its output socket's peer is gone) and exits instead of running on as an orphan."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "front.py"
+    script.write_text(ORPHAN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    front = subprocess.Popen([sys.executable, str(script), tiny_dir], stdout=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        core_pid = int(front.stdout.readline())
+    finally:
+        front.kill()
+        front.wait(30)
+    deadline = time.monotonic() + 30
+    while _pid_alive(core_pid):
+        assert time.monotonic() < deadline, "the engine core outlived its front"
+        time.sleep(0.2)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
