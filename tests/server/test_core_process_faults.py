@@ -110,3 +110,60 @@ def test_idle_core_death_turns_health_503(served):
     while httpx.get(url + "/health", timeout=2).status_code != 503:
         assert time.monotonic() - killed < 10, "/health still 200 after the core died"
         time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gone(pids: list[int], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "core killed"])
+def test_real_server_leaves_no_process(tmp_path, how):
+    """`pagedserve serve --engine-core-process`: Ctrl-C stops the server and its core; a core
+    killed under it makes the server exit with status 1 (a supervisor restarts it)."""
+    from tests.utils.server import ServerProcess
+
+    model = str(tiny_chat_model(tmp_path / "tiny"))
+    srv = ServerProcess(["--model", model, "--device", "cpu", "--dtype", "float32",
+                         "--kv-cache-memory", "16MiB", "--engine-core-process",
+                         "--shutdown-timeout", "2"], tmp_path / "server.log")
+    try:
+        children = _children(srv.proc.pid)
+        cores = [p for p in children if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        assert cores, children
+        if how == "ctrl-c":
+            srv.proc.send_signal(signal.SIGINT)
+            assert srv.proc.wait(60) == 0
+        else:
+            for pid in cores:
+                os.kill(pid, signal.SIGKILL)
+            assert srv.proc.wait(30) == 1, srv.log()
+        assert _gone(children), [p for p in children if _alive(p)]
+    finally:
+        srv.stop()
