@@ -296,3 +296,40 @@ def _pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.gpu
+def test_cuda_core_process_matches_in_process():
+    """On the GPU (async scheduling and CUDA graphs on): the core process gives the in-process
+    engine's greedy tokens and texts, float32 so batching cannot round them apart; stop strings
+    included (the core process learns of them a step later and must still report the same)."""
+    common = dict(model=None, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                  max_num_seqs=64)
+    prompts = [f"{p} {i}" for i in range(12) for p in PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=48, stop=["."] if i % 3 == 0 else None,
+                             ignore_eos=i % 2 == 0) for i in range(len(prompts))]
+    results = []
+    for core_process in (False, True):
+        llm = LLM(engine_core_process=core_process, **common)
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+        assert llm.engine.check_blocks_free()
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    for a, b in zip(*results, strict=True):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert (ca.token_ids, ca.text, ca.finish_reason, ca.stop_reason) == \
+            (cb.token_ids, cb.text, cb.finish_reason, cb.stop_reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["--no-engine-core-process", "--engine-core-process"])
+def test_cuda_bench_throughput_in_both_modes(capsys, mode):
+    from pagedserve.cli import main
+
+    rc = main(["bench", "throughput", "--model", "random:tiny", "--device", "cuda",
+               "--gpu-memory-utilization", "0.3", "--num-prompts", "64", "--input-len", "32",
+               "--output-len", "32", mode])
+    out = capsys.readouterr().out
+    assert rc == 0 and "Total num output tokens: 2048" in out
