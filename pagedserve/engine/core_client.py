@@ -193,6 +193,8 @@ class MPClient:
             return None
         msg = self._decoder.decode(self._output.recv(copy=False).buffer)
         if msg.error is not None:
+            # The core's own line says more than the watcher's exit code: it wins.
+            self.dead = None
             self._die(f"the engine core failed: {msg.error}")
             self.check_alive()
         out = msg.output
@@ -233,8 +235,17 @@ class MPClient:
     # ---- lifetime -----------------------------------------------------------------------
 
     def check_alive(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(self.dead)
+        if self.dead is None:
+            return
+        # A failed step's error may still be in the socket behind the process's exit.
+        try:
+            while self._output.poll(0):
+                self._receive(0)
+        except EngineDeadError:
+            pass
+        except Exception:  # the socket is closed: the reason already set stands
+            pass
+        raise EngineDeadError(self.dead)
 
     def on_death(self, callback: Callable[[], None]) -> None:
         """`callback()` from another thread once the core process is gone (not after shutdown)."""
