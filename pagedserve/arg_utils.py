@@ -133,12 +133,13 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def make_llm(args: argparse.Namespace | EngineConfig) -> Any:
     """LLM from the engine flags (or a config built from them); a bad setting exits with a
     one-line error."""
+    from pagedserve.engine.core_client import EngineStartupError
     from pagedserve.engine.llm import LLM
 
     try:
         config = args if isinstance(args, EngineConfig) else engine_config(args)
         return LLM(config=config)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, EngineStartupError) as exc:
         raise SystemExit(f"pagedserve: error: {exc}") from None
 
 

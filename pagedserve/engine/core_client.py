@@ -39,6 +39,11 @@ class EngineDeadError(RuntimeError):
     progress."""
 
 
+class EngineStartupError(RuntimeError):
+    """The core process failed to start (out of memory, a model it cannot build): its own
+    error, as one line."""
+
+
 class InprocClient:
     """The core in the front's process: a step runs when the front asks for an output."""
 
@@ -144,15 +149,16 @@ class MPClient:
                     return msg[1]
                 if msg is not None:
                     _, kind, line = msg
+                    # A bad setting stays a ValueError (the CLI prints it as one line).
                     error = (ValueError if kind in ("ValueError", "ModelNotFoundError")
-                             else OSError if kind.endswith("Error") and kind in _OS_ERRORS
-                             else RuntimeError)
+                             else OSError if kind in _OS_ERRORS else EngineStartupError)
                     raise error(f"the engine core failed to start: {line}")
             if not self.proc.is_alive():
                 self.proc.join(1)
-                raise RuntimeError(f"the engine core process exited during start-up (exit code "
-                                   f"{self.proc.exitcode}); see its log above")
-        raise RuntimeError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
+                raise EngineStartupError(f"the engine core process exited during start-up "
+                                         f"(exit code {self.proc.exitcode}); see its log above")
+        raise EngineStartupError(f"the engine core did not start within "
+                                 f"{STARTUP_TIMEOUT_S:.0f} s")
 
     # ---- requests -----------------------------------------------------------------------
 

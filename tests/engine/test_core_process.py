@@ -18,6 +18,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.engine.core_client import EngineStartupError
 from pagedserve.engine.core_process import decoder, encoder
 from pagedserve.engine.llm_engine import LLMEngine
 from tests.utils.paged import tiny_chat_model
@@ -220,11 +221,29 @@ def test_startup_error_comes_back_as_one_line(tmp_path):
     bad.write_text("base: no-such-base-model\n")
     before = _cores()
     start = time.monotonic()
-    with pytest.raises((ValueError, RuntimeError), match="engine core failed to start") as info:
+    with pytest.raises((ValueError, EngineStartupError),
+                       match="engine core failed to start") as info:
         LLM(model=f"random:{bad}", engine_core_process=True)
     assert "\n" not in str(info.value)
     assert time.monotonic() - start < 120
     assert _no_core_left(before)
+
+
+def test_serve_reports_a_core_startup_error_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: no-such-base-model\n")
+    done = subprocess.run([sys.executable, "-m", "pagedserve", "serve", "--model",
+                           f"random:{bad}", "--device", "cpu", "--engine-core-process"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("pagedserve serve: error: the engine core failed to start"), \
+        done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
 
 
 def test_deleted_llm_leaves_no_process(tiny_dir):
