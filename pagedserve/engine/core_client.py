@@ -93,7 +93,13 @@ class MPClient:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         import zmq
 
-        from pagedserve.engine.core_process import StepMessage, decoder, encoder, run_engine_core
+        from pagedserve.engine.core_process import (
+            SOCKET_HWM,
+            StepMessage,
+            decoder,
+            encoder,
+            run_engine_core,
+        )
 
         self._dir = tempfile.mkdtemp(prefix="pagedserve-core-")
         input_addr = f"ipc://{self._dir}/input"
@@ -102,6 +108,8 @@ class MPClient:
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.bind(input_addr)
         self._output = self._ctx.socket(zmq.PULL)
+        # Few steps buffered on either side: a front that falls behind soon holds the core.
+        self._output.setsockopt(zmq.RCVHWM, SOCKET_HWM)
         self._output.bind(output_addr)
         self._encoder = encoder()
         self._decoder = decoder(StepMessage)
