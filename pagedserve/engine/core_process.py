@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import signal
 import threading
 from multiprocessing.connection import Connection
@@ -146,6 +147,9 @@ class CoreLoop:
             for thread in threads:
                 thread.join(5)
             ctx.destroy(linger=0)
+            if os.getppid() != self.parent_pid:  # nobody else will remove the sockets
+                shutil.rmtree(os.path.dirname(self.input_addr.removeprefix("ipc://")),
+                              ignore_errors=True)
 
     def _loop(self) -> None:
         core = self.core

@@ -282,7 +282,7 @@ engine = llm.engine
 engine.add_request("a", "Hello", SamplingParams(max_tokens=400, ignore_eos=True))
 while not engine.step():
     pass
-print(engine.client.proc.pid, flush=True)
+print(engine.client.proc.pid, engine.client._dir, flush=True)
 time.sleep(600)
 """
 
@@ -299,7 +299,8 @@ def test_core_exits_when_its_front_is_killed(tiny_dir, tmp_path):
     front = subprocess.Popen([sys.executable, str(script), tiny_dir], stdout=subprocess.PIPE,
                              text=True, env=env)
     try:
-        core_pid = int(front.stdout.readline())
+        pid, sockets = front.stdout.readline().split()
+        core_pid = int(pid)
     finally:
         front.kill()
         front.wait(30)
@@ -307,6 +308,7 @@ def test_core_exits_when_its_front_is_killed(tiny_dir, tmp_path):
     while _pid_alive(core_pid):
         assert time.monotonic() < deadline, "the engine core outlived its front"
         time.sleep(0.2)
+    assert not os.path.exists(sockets)  # the core removed its socket files
 
 
 def _pid_alive(pid: int) -> bool:
