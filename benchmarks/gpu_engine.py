@@ -377,7 +377,7 @@ def engine_decode(llm: LLM, shape: Shape, rates: tuple[float, float], batch: int
     prompts = random_prompts(batch, context, runner.vocab_size, seed=batch)
     for i, p in enumerate(prompts):
         engine.add_request(f"decode-{batch}-{i}", p, params, stream=False)
-    while any(s.request.num_output_tokens == 0 for st in engine.output_processor.states.values()
+    while any(not s.token_ids for st in engine.output_processor.states.values()
               for s in st.sequences):
         engine.step()
     for _ in range(3):

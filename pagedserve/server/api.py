@@ -149,7 +149,7 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def models() -> p.ModelList:
         engine = state.llm.engine
         return p.ModelList(data=[p.ModelCard(id=state.model_name, created=int(state.started),
-                                             root=engine.config.model.model or engine.loaded.name,
+                                             root=engine.config.model.model or engine.model_name,
                                              max_model_len=engine.max_model_len)])
 
     @router.post("/v1/completions", response_model=None)

@@ -41,13 +41,14 @@ def add_serve_parser(subparsers: Any, parents: list[Any] | None = None
 
 def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.engine.core_client import EngineStartupError
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.api import build_app
 
     try:
         server = server_config(args)
         engine = LLMEngine(engine_config(args), log_stats=True)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, EngineStartupError) as exc:
         raise SystemExit(f"pagedserve serve: error: {exc}") from None
     if server.api_key is None:
         server.api_key = envs.PAGEDSERVE_API_KEY

@@ -100,7 +100,7 @@ async def tokenize_prompts(state: ServerState, prompts: list[str | list[int]]
 
 
 def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> None:
-    vocab = state.llm.engine.runner.vocab_size
+    vocab = state.llm.engine.vocab_size
     bad = [t for t in token_ids if not 0 <= t < vocab]
     if bad:
         raise ApiError(400, f"token id {bad[0]} is out of range [0, {vocab})", param=param)

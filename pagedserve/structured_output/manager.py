@@ -46,8 +46,11 @@ def check_backend(name: str) -> None:
 class RequestGrammar:
     """One sequence's matcher and the number of its output tokens it has accepted."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, ends_on_stop_token: bool = True) -> None:
         self.matcher = matcher
+        # xgrammar's matcher ends by accepting a stop token (EOS or a stop id: not text);
+        # llguidance's ends once nothing but EOS could follow, on an ordinary token.
+        self.ends_on_stop_token = ends_on_stop_token
         self.num_accepted = 0
         self.failed = False  # a token the grammar refused (never expected: the mask forbids it)
 
@@ -141,7 +144,8 @@ class StructuredOutputManager:
         ignores EOS still ends with its grammar, on the tokenizer's EOS."""
         compiled = self.compile(guided)
         stop = sorted(end_token_ids) or None
-        return RequestGrammar(self._backend.new_matcher(compiled, stop))
+        return RequestGrammar(self._backend.new_matcher(compiled, stop),
+                              ends_on_stop_token=self.backend_name == "xgrammar")
 
     def fill_bitmask(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int
                      ) -> torch.Tensor:

@@ -589,9 +589,9 @@ def test_stats_log_line_and_cli_switch(tiny_model, make_llm, caplog):
         engine.step()
     stats = engine.stats()
     assert 0 < stats.prefix_cache_hits < stats.prefix_cache_queries
-    engine.log_stats = True
-    with caplog.at_level("INFO", logger="pagedserve.engine.llm_engine"):
-        engine._maybe_log_stats(interval=0.0)
+    engine.core.log_stats = True
+    with caplog.at_level("INFO", logger="pagedserve.engine.core"):
+        engine.core._maybe_log_stats(interval=0.0)
     rate = 100 * stats.prefix_cache_hits / stats.prefix_cache_queries
     assert f"prefix cache hit rate {rate:.1f}%" in caplog.text
 

@@ -27,10 +27,11 @@ from pagedserve.models.loader import hf_state_dict, load_random_model
 CPU_ARGS = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB")
 
 
-def test_bench_throughput_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("mode", ["--no-engine-core-process", "--engine-core-process"])
+def test_bench_throughput_prints_figures(capsys: pytest.CaptureFixture[str], mode: str) -> None:
     rc = main(["bench", "throughput", "--model", "random:tiny", "--device", "cpu",
                "--attention-backend", "CPU", "--kv-cache-memory", "16MiB", "--num-prompts", "3",
-               "--input-len", "12", "--output-len", "5", "--no-warmup"])
+               "--input-len", "12", "--output-len", "5", "--no-warmup", mode])
     out = capsys.readouterr().out
     assert rc == 0
     assert "requests/s" in out and "total tokens/s" in out and "output tokens/s" in out

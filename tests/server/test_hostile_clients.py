@@ -274,7 +274,20 @@ def test_a_dead_engine_stops_the_server() -> None:
 
     class Broken:
         tokenizer = None
-        kv_cache = type("KV", (), {"num_blocks": 1, "num_free_blocks": 1})()
+
+        def core_stats(self):
+            from pagedserve.engine.core import CoreStats
+
+            return CoreStats(0, 0, 0.0, 0, 0, 0, 0, 0, 1, 1, True, 0, 0.0)
+
+        def on_core_death(self, callback) -> None:
+            pass
+
+        def check_alive(self) -> None:
+            pass
+
+        def shutdown(self) -> None:
+            pass
 
         def stats(self):
             from pagedserve.engine.llm_engine import EngineStats

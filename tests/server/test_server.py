@@ -108,8 +108,25 @@ def server(request, tmp_path_factory) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=600,
+def core_server(request, tmp_path_factory) -> ServerProcess:
+    """The same server with its engine core in a process of its own."""
+    request.getfixturevalue("ref")
+    srv = ServerProcess(["--served-model-name", MODEL, "--dtype", "float32",
+                         "--kv-cache-memory", "512MiB", "--engine-core-process"],
+                        tmp_path_factory.mktemp("core_server") / "server.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module", params=["in-process", "core-process"])
+def any_server(request) -> ServerProcess:
+    """The tests that take it (and `client`) run against both: same texts, same answers."""
+    return request.getfixturevalue("server" if request.param == "in-process" else "core_server")
+
+
+@pytest.fixture(scope="module")
+def client(any_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=any_server.url + "/v1", api_key="unused", timeout=600,
                          max_retries=0)
 
 
@@ -220,7 +237,8 @@ def test_completion_prompt_forms(server, ref):
         assert body["usage"]["completion_tokens"] == n * k
 
 
-def test_completion_stream(client, server, ref):
+def test_completion_stream(client, any_server, ref):
+    server = any_server
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=REF_TOKENS,
                                        stream=True, stream_options={"include_usage": True},
                                        extra_body={**GREEDY})
@@ -451,7 +469,8 @@ def test_bad_requests_do_not_disturb_others(server, ref):
 # ---- concurrency, disconnects, metrics ----------------------------------------------------
 
 
-def test_64_concurrent_streams_batch_and_free_all_blocks(server, ref):
+def test_64_concurrent_streams_batch_and_free_all_blocks(any_server, ref):
+    server = any_server
     lengths = [2, 4, 6, 8]
     jobs = [(i, k) for k in lengths for i in range(len(PROMPTS))]
     assert len(jobs) == 64
@@ -501,7 +520,8 @@ def test_64_concurrent_streams_batch_and_free_all_blocks(server, ref):
     assert max(seen_running) > 1, seen_running
 
 
-def test_client_disconnect_aborts_and_frees_blocks(server, ref):
+def test_client_disconnect_aborts_and_frees_blocks(any_server, ref):
+    server = any_server
     before = read_metrics(server.url)
     body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 4000, "stream": True,
             **GREEDY}
@@ -527,6 +547,15 @@ def test_client_disconnect_aborts_and_frees_blocks(server, ref):
     assert generated < 4000
     resp = post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, **GREEDY})
     assert resp.json()["choices"][0]["text"] == ref.texts[0][4]
+
+
+def test_bench_serve_runs_against_both(any_server, capsys):
+    from pagedserve.cli import main
+
+    rc = main(["bench", "serve", "--url", any_server.url, "--num-prompts", "4",
+               "--input-len", "8", "--output-len", "4", "--max-concurrency", "2"])
+    assert rc == 0, capsys.readouterr()
+    assert_all_blocks_free(any_server.url)
 
 
 def test_metrics_exposition(server):

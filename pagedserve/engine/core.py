@@ -1,0 +1,442 @@
+"""EngineCore: the scheduler, the KV cache manager and the model runner, and the step over them.
+
+The core takes requests already tokenized and checked (`CoreRequest`, one per sequence; a
+request's `n` sequences are added together) and aborts, and turns each completed step into one
+compact `StepOutput`: per sequence its new token, its finish if the core ended it (EOS, a stop
+token id, the length limit, its grammar), its logprobs as arrays. Text, stop strings and
+RequestOutputs are the front's (`LLMEngine` and its `OutputProcessor`). The same core runs in
+the front's process or in a process of its own (`core_process.py`); the messages are msgspec
+structs so that they cross a socket as msgpack with numpy arrays as raw bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from pagedserve.config import EngineConfig, resolve_dtype
+from pagedserve.engine.cpu_threads import configure_cpu_threads
+from pagedserve.engine.model_runner import ModelRunnerOutput, PendingStep
+from pagedserve.kv_cache import KVCacheManager
+from pagedserve.kv_cache.specs import bytes_per_slot
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
+from pagedserve.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+# A scoring request samples nothing it keeps: greedy, so no generator or filter is built.
+SCORING_PARAMS = SamplingParams(temperature=0)
+
+# generation_config.json keys that are sampling settings (vLLM reads the same ones).
+GENERATION_CONFIG_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class CoreInfo:
+    """What the front needs of the loaded model; sent once when the core is ready."""
+
+    model_name: str
+    tokenizer: Any
+    chat_template: str | None
+    generation_config: dict[str, Any] | None
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_blocks: int
+    kv_cache_bytes_per_token: int
+
+
+class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence to run: `request_id` is the sequence's id (`rid#i` for n > 1)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None = None
+    scoring_mode: str | None = None  # ScoringTask.mode of a scoring request
+    continuation: list[int] | None = None
+
+
+class CoreStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_blocks: int
+    num_free_blocks: int  # free or cached-evictable: not held by any request
+    all_free: bool  # no request holds a block or a state slot
+    num_steps: int
+    step_seconds: float  # host wall time inside step() over all steps
+
+
+class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One completed step, compact. Rows follow `seq_ids` (the sequences the step touched,
+    batch order); arrays are numpy (bytes on the wire)."""
+
+    seq_ids: list[str] = msgspec.field(default_factory=list)
+    # int64 [N]: each sequence's new token; -1 when it kept none (a partial prompt chunk).
+    tokens: Any = None
+    # seq id -> (finish reason, the stop token id that ended it or None, whether its last token
+    # is an end token (EOS or a stop id), whose text is not shown): ended by the core.
+    finished: dict[str, tuple[str, int | None, bool]] = msgspec.field(default_factory=dict)
+    # Sampled-token logprobs, rows of seq_ids: float32 [N, K+1], int64 ids [N, K+1], ranks [N].
+    logprobs: tuple[Any, Any, Any] | None = None
+    # seq id -> (first prompt position predicted, logprobs, ids, ranks) of this chunk.
+    prompt_logprobs: dict[str, tuple[int, Any, Any, Any]] = msgspec.field(default_factory=dict)
+    # seq id -> new rows of a scoring request's next-token log-distributions, float32 [r, V].
+    scores: dict[str, Any] = msgspec.field(default_factory=dict)
+    num_preemptions: dict[str, int] = msgspec.field(default_factory=dict)  # nonzero only
+    # seq id -> (first scheduled time, prompt tokens found in the prefix cache), once.
+    scheduled: dict[str, tuple[float, int]] = msgspec.field(default_factory=dict)
+    time: float = 0.0  # time.monotonic() when the step completed (one clock for both processes)
+    utility: list[tuple[int, bool, Any]] = msgspec.field(default_factory=list)  # id, ok, result
+    failed: dict[str, str] = msgspec.field(default_factory=dict)  # seq id -> why its add failed
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.seq_ids or self.scheduled or self.utility or self.failed)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+        from pagedserve.executor import create_executor
+        from pagedserve.models.loader import load_model
+        from pagedserve.models.quantization import resolve_quantization
+
+        self.config = config
+        device = config.torch_device
+        if device.type == "cpu":
+            configure_cpu_threads()
+        m = config.model
+        quantization = resolve_quantization(m.quantization, m.model, m.dtype, device)
+        # Weight-only int8 runs with bfloat16 activations unless a dtype was asked for.
+        dtype = (torch.bfloat16 if quantization and m.dtype == "auto"
+                 else resolve_dtype(m.dtype, device))
+        if quantization:
+            logger.info("%s weight-only linears with %s activations on the CPU (exact float32: "
+                        "--dtype float32 or --quantization none)", quantization, dtype)
+        t0 = time.perf_counter()
+        # The executor first: with tensor parallelism it starts the other ranks and joins
+        # their group, so the load below takes this process's (rank 0's) shard.
+        self.runner = create_executor(config, dtype, quantization)
+        device = config.torch_device  # Ray may have given rank 0 another GPU
+        try:
+            loaded = load_model(m.model, dtype, device, m.max_model_len, m.tokenizer,
+                                m.generation_config, quantization)
+        except BaseException:
+            self.runner.shutdown()
+            raise
+        self.loaded = loaded
+        self.max_model_len = loaded.max_model_len
+        eos_ids = list(loaded.eos_token_ids)
+        self.eos_token_id = eos_ids[0] if eos_ids else None
+        logger.info("loaded %s (%s, %s) in %.1f s", loaded.name, dtype, device,
+                    time.perf_counter() - t0)
+
+        self.runner.start_runner(loaded.model, loaded.hf_config.vocab_size,
+                                 self.max_model_len, self.eos_token_id)
+        self.structured_output = StructuredOutputManager(
+            loaded.tokenizer, self.runner.vocab_size, device, config.scheduler.max_num_seqs,
+            config.guided_decoding_backend)
+        self.runner.structured_output = self.structured_output
+        num_blocks, num_slots = self.runner.determine_cache_size()
+        self.runner.allocate_kv_cache(num_blocks, num_slots)
+        self.runner.warmup()
+        layout = self.runner.kv_layout
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
+                                       config.cache.enable_prefix_caching, num_slots,
+                                       windows=layout.windows if layout else None)
+        if num_blocks:
+            logger.info("KV cache: %d blocks of %d tokens (%d tokens, %d bytes per token over "
+                        "all layers); backend %s", num_blocks, config.cache.block_size,
+                        num_blocks * config.cache.block_size, self.kv_cache_bytes_per_token(),
+                        self.runner.backend.get_name())
+            if len(layout.groups) > 1:
+                logger.info("KV cache groups share %d blocks of %d bytes (%s)", num_blocks,
+                            layout.bytes_per_block, layout.describe())
+        if num_slots:
+            logger.info("state layers: %d slots (one per running request), %d bytes per slot",
+                        num_slots, bytes_per_slot(self.runner.state_specs))
+            if config.cache.enable_prefix_caching:
+                logger.info("prefix caching is off: state layers keep one state per request, "
+                            "not one per block")
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.async_scheduling = config.use_async_scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        # Live sequences whose sampling needs all earlier tokens on the host (see step()).
+        self._sync_requests: set[str] = set()
+        # Rows of scored distributions already sent per scoring sequence (a request recomputing
+        # its prompt after preemption computes some again).
+        self._num_scored: dict[str, int] = {}
+        self.log_stats = log_stats
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self._last_log = time.monotonic()
+        self._logged_tokens = 0
+
+    def info(self) -> CoreInfo:
+        loaded = self.loaded
+        return CoreInfo(loaded.name, loaded.tokenizer, loaded.chat_template,
+                        loaded.generation_config, self.max_model_len, self.runner.vocab_size,
+                        list(loaded.eos_token_ids), self.kv_cache.num_blocks,
+                        self.kv_cache_bytes_per_token())
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_requests(self, requests: list[CoreRequest]) -> None:
+        """A request's sequences: every part of the core learns them, or none does."""
+        built = [self._build(r) for r in requests]
+        added: list[str] = []
+        try:
+            for request in built:
+                self.scheduler.add_request(request)
+                added.append(request.request_id)
+                self.runner.add_request(request)
+                if request.needs_host_history:
+                    self._sync_requests.add(request.request_id)
+                if request.scoring is not None:
+                    self._num_scored[request.request_id] = 0
+        except BaseException:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            self._forget(added)
+            raise
+
+    def _build(self, r: CoreRequest) -> Request:
+        if r.scoring_mode is not None:
+            task = ScoringTask(r.scoring_mode, tuple(r.continuation or ()))
+            return Request(r.request_id, r.prompt_token_ids, SCORING_PARAMS, self.eos_token_id,
+                           r.arrival_time, scoring=task)
+        request = Request(r.request_id, r.prompt_token_ids, r.params, self.eos_token_id,
+                          r.arrival_time, r.cache_salt)
+        if r.params.guided_decoding is not None:
+            # One matcher per sequence; the grammar is compiled once (or found in the cache).
+            request.grammar = self.structured_output.new_grammar(r.params.guided_decoding,
+                                                                 request.end_token_ids)
+        return request
+
+    def abort_requests(self, seq_ids: list[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish sequences wherever they are (aborts, and stop strings found by the front);
+        their blocks are free at once. Unknown or finished ids are ignored."""
+        self.scheduler.finish_requests(seq_ids, status)
+        self._forget(seq_ids)
+
+    def _forget(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self._sync_requests.discard(seq_id)
+            self._num_scored.pop(seq_id, None)
+            self.runner.finish_request(seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests waiting, running, or with a sample still in flight. A step in flight whose
+        requests have all finished (their last sample was wasted) is completed by the next
+        step() and needs none."""
+        if self.scheduler.has_unfinished_requests():
+            return True
+        return self._in_flight is not None and not all(
+            r.is_finished for r in self._in_flight[0].requests)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        """Schedule and launch one step; return what the step that completed produced.
+
+        With async scheduling the step launched here runs on the GPU while the host finishes
+        the previous one; on the next call it schedules the step after: outputs come one call
+        later. Requests whose sampling needs every earlier token on the host (penalties,
+        min_tokens, teacher forcing) make the core run step by step while any of them is
+        live."""
+        start = time.perf_counter()
+        out = StepOutput()
+        overlap = self.async_scheduling and not self._sync_requests
+        if self._in_flight is not None and not overlap:
+            self._complete(*self._in_flight, out)
+            self._in_flight = None
+        batch = self.scheduler.schedule()
+        launched = None
+        if not batch.is_empty:
+            self._note_scheduled(batch, out)
+            launched = (batch, self.runner.launch(batch))
+        if self._in_flight is not None:
+            self._complete(*self._in_flight, out)
+        self._in_flight = launched if overlap else None
+        if launched is not None and not overlap:
+            self._complete(*launched, out)
+        out.time = time.monotonic()
+        self.num_steps += 1
+        self.step_seconds += time.perf_counter() - start
+        self._maybe_log_stats()
+        return out
+
+    def _note_scheduled(self, batch: SchedulerOutput, out: StepOutput) -> None:
+        now = time.monotonic()
+        for i in np.flatnonzero(batch.is_new).tolist():
+            # The front keeps the first (a preempted request is admitted again).
+            out.scheduled[batch.requests[i].request_id] = (now, int(batch.num_computed_tokens[i]))
+        self.prompt_tokens += int(batch.num_scheduled_tokens.sum()) - int(
+            (batch.num_scheduled_tokens == 1).sum())
+
+    def _complete(self, batch: SchedulerOutput, pending: PendingStep, out: StepOutput) -> None:
+        output = self.runner.collect(pending)
+        results = self.scheduler.update_from_output(batch, output.sampled_token_ids)
+        if results:
+            self._record(batch, output, results, out)
+
+    def _record(self, batch: SchedulerOutput, output: ModelRunnerOutput,
+                results: list[tuple[Request, int | None]], out: StepOutput) -> None:
+        """A completed step's results into `out` (appended: a call may complete two steps)."""
+        seq_ids = [r.request_id for r, _ in results]
+        tokens = np.fromiter((-1 if t is None else t for _, t in results), np.int64,
+                             len(results))
+        first_row = len(out.seq_ids)
+        out.seq_ids += seq_ids
+        out.tokens = tokens if out.tokens is None else np.concatenate([out.tokens, tokens])
+        finished: list[str] = []
+        for request, token in results:
+            if request.num_preemptions:
+                out.num_preemptions[request.request_id] = request.num_preemptions
+            if token is None or not request.is_finished:
+                continue
+            finished.append(request.request_id)
+            stop_token = None
+            # EOS and stop token ids end the sequence without adding their text; a stop token
+            # id is its stop reason, EOS none. A grammar that can accept nothing more ends it
+            # on an ordinary token (llguidance), whose text is kept.
+            grammar = request.grammar
+            on_end_token = request.status == RequestStatus.FINISHED_STOPPED and (
+                token in request.end_token_ids
+                or (grammar is not None and grammar.is_terminated
+                    and grammar.ends_on_stop_token))
+            if on_end_token and token in request.sampling_params.stop_token_ids:
+                stop_token = token
+            out.finished[request.request_id] = (request.status.finish_reason, stop_token,
+                                                on_end_token)
+        self.generation_tokens += int((tokens >= 0).sum())
+        # Logprobs, prompt logprobs and scores are rare: looked at only when the step has any.
+        new_lp = None
+        if output.logprobs is not None or output.prompt_logprobs:
+            row_of = {r.request_id: i for i, r in enumerate(batch.requests)}
+            if output.logprobs is not None:
+                rows = np.fromiter((row_of[s] for s in seq_ids), np.int64, len(seq_ids))
+                lp = output.logprobs
+                new_lp = (lp.logprobs.numpy()[rows], lp.token_ids.numpy()[rows],
+                          lp.ranks.numpy()[rows])
+            for seq_id, lp in output.prompt_logprobs.items():
+                first = int(batch.num_computed_tokens[row_of[seq_id]]) + 1
+                out.prompt_logprobs[seq_id] = (first, lp.logprobs.numpy(), lp.token_ids.numpy(),
+                                               lp.ranks.numpy())
+        if new_lp is not None or out.logprobs is not None:
+            out.logprobs = _merge_rows(out.logprobs, first_row, new_lp, len(seq_ids))
+        if output.score_logprobs or output.forced_logprobs:
+            self._record_scores(output, results, out)
+        self._forget(finished)
+
+    def _record_scores(self, output: ModelRunnerOutput,
+                       results: list[tuple[Request, int | None]], out: StepOutput) -> None:
+        for request, token in results:
+            seq_id = request.request_id
+            chunks = []
+            if seq_id in output.score_logprobs:
+                # Rows by position: a request recomputing its prompt after preemption sends
+                # positions it already sent.
+                first, rows = output.score_logprobs[seq_id]
+                skip = request.score_from + self._num_scored[seq_id] - first
+                assert skip >= 0, "a gap in the scored positions"
+                if skip < rows.shape[0]:
+                    chunks.append(rows[skip:])
+            if token is not None and seq_id in output.forced_logprobs:
+                chunks.append(output.forced_logprobs[seq_id][None])
+            if chunks:
+                rows = torch.cat(chunks).float().numpy()
+                self._num_scored[seq_id] += rows.shape[0]
+                if seq_id in out.scores:
+                    rows = np.concatenate([out.scores[seq_id], rows])
+                out.scores[seq_id] = rows
+
+    # ---- stats and utilities ------------------------------------------------------------
+
+    def stats(self) -> CoreStats:
+        kv = self.kv_cache
+        return CoreStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage,
+                         self.scheduler.num_preemptions, kv.prefix_queries, kv.prefix_hits,
+                         self.prompt_tokens, self.generation_tokens, kv.num_blocks,
+                         kv.num_free_blocks, kv.all_free(), self.num_steps, self.step_seconds)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (nothing done) while a request holds blocks."""
+        return self.kv_cache.pool.reset_prefix_cache()
+
+    def call_utility(self, name: str) -> Any:
+        """The calls a front may make by name (the core process answers them between steps)."""
+        if name == "stats":
+            return self.stats()
+        if name == "reset_prefix_cache":
+            return self.reset_prefix_cache()
+        if name == "ping":
+            return "pong"
+        raise ValueError(f"unknown engine core utility {name!r}")
+
+    def _maybe_log_stats(self, interval: float = 10.0) -> None:
+        if not self.log_stats:
+            return
+        now = time.monotonic()
+        if now - self._last_log < interval:
+            return
+        s = self.stats()
+        rate = (s.generation_tokens - self._logged_tokens) / (now - self._last_log)
+        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0
+        logger.info("generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
+                    "prefix cache hit rate %.1f%%, preemptions %d", rate, s.num_running,
+                    s.num_waiting, 100 * s.kv_cache_usage, 100 * hit_rate, s.num_preemptions)
+        self._last_log, self._logged_tokens = now, s.generation_tokens
+
+    def shutdown(self) -> None:
+        """Stop the model's other ranks, if any (idempotent)."""
+        self.runner.shutdown()
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """What one token's K/V (or MLA latent) costs over every attention layer, in the
+        cache's layout (0 without attention layers)."""
+        layout = self.runner.kv_layout
+        if layout is None:
+            return 0
+        return layout.bytes_per_block * len(layout.groups) // self.runner.block_size
+
+
+def _merge_rows(first: tuple[Any, ...] | None, num_first: int, more: tuple[Any, ...] | None,
+                num_more: int) -> tuple[Any, ...]:
+    """Logprob rows of two steps completed in one call (the switch from overlapped to step by
+    step); the rows of a step without logprobs are zeros, never read: its sequences asked for
+    none."""
+    if first is None or more is None:
+        like = more if first is None else first
+        zeros = tuple(np.zeros((num_first if first is None else num_more, *a.shape[1:]),
+                               a.dtype) for a in like)
+        first, more = (zeros, more) if first is None else (first, zeros)
+    width = max(first[0].shape[1], more[0].shape[1])
+
+    def pad(a: Any) -> Any:
+        return a if a.ndim == 1 or a.shape[1] == width else np.pad(
+            a, ((0, 0), (0, width - a.shape[1])))
+
+    return tuple(np.concatenate([pad(a), pad(b)]) for a, b in zip(first, more, strict=True))
+
+
+def default_sampling(generation_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The sampling settings a model's generation config recommends (request fields win)."""
+    config = generation_config or {}
+    return {k: config[k] for k in GENERATION_CONFIG_SAMPLING if config.get(k) is not None}

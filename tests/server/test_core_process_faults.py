@@ -1,0 +1,169 @@
+"""The server over an engine core process that dies mid-generation: requests in flight fail
+with the engine's error (no hang), /health answers 503 within 10 s, new requests get 503, and
+once the server stops no process is left. Runs the app in this process (uvicorn in a thread)
+so the test holds the core process and can kill it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from pagedserve.config import ServerConfig
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.server.api import build_app
+from tests.utils.paged import tiny_chat_model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def served(tmp_path):
+    model = str(tiny_chat_model(tmp_path / "tiny"))
+    engine = LLMEngine.from_kwargs(model=model, dtype="float32", kv_cache_memory="16MiB",
+                                   engine_core_process=True)
+    llm = AsyncLLM(engine)
+    app = build_app(llm, ServerConfig(served_model_name="tiny"))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.1)
+    yield url, engine, llm
+    server.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_killed_core_fails_requests_and_health(served):
+    url, engine, llm = served
+    proc = engine.client.proc
+    assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                      timeout=60).status_code == 200
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0}
+    non_streamed: dict[str, httpx.Response] = {}
+    waiter = threading.Thread(target=lambda: non_streamed.setdefault(
+        "reply", httpx.post(url + "/v1/completions", json=body, timeout=60)))
+    waiter.start()
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as resp:
+        lines = resp.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 2:
+                    break
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        events += [line for line in lines if line.startswith("data: ")]
+    assert time.monotonic() - killed < 10, "the stream hung after the core died"
+    tail = [json.loads(e[6:]) for e in events[2:] if e != "data: [DONE]"]
+    errors = [e["error"] for e in tail if "error" in e]
+    assert errors and "engine" in errors[-1]["message"], tail[-3:]
+    waiter.join(10)
+    reply = non_streamed["reply"]
+    assert reply.status_code == 503 and "engine" in reply.json()["error"]["message"]
+    health = None
+    while time.monotonic() - killed < 10:
+        health = httpx.get(url + "/health", timeout=2)
+        if health.status_code == 503:
+            break
+        time.sleep(0.1)
+    assert health is not None and health.status_code == 503
+    assert "engine core process died" in health.json()["error"]["message"]
+    again = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                       timeout=10)
+    assert again.status_code == 503
+    assert not proc.is_alive()
+
+
+def test_idle_core_death_turns_health_503(served):
+    """No request in flight: the death watcher alone must make /health fail."""
+    url, engine, _ = served
+    proc = engine.client.proc
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while httpx.get(url + "/health", timeout=2).status_code != 503:
+        assert time.monotonic() - killed < 10, "/health still 200 after the core died"
+        time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gone(pids: list[int], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "core killed"])
+def test_real_server_leaves_no_process(tmp_path, how):
+    """`pagedserve serve --engine-core-process`: Ctrl-C stops the server and its core; a core
+    killed under it makes the server exit with status 1 (a supervisor restarts it)."""
+    from tests.utils.server import ServerProcess
+
+    model = str(tiny_chat_model(tmp_path / "tiny"))
+    srv = ServerProcess(["--model", model, "--device", "cpu", "--dtype", "float32",
+                         "--kv-cache-memory", "16MiB", "--engine-core-process",
+                         "--shutdown-timeout", "2"], tmp_path / "server.log")
+    try:
+        children = _children(srv.proc.pid)
+        cores = [p for p in children if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        assert cores, children
+        if how == "ctrl-c":
+            srv.proc.send_signal(signal.SIGINT)
+            assert srv.proc.wait(60) == 0
+        else:
+            for pid in cores:
+                os.kill(pid, signal.SIGKILL)
+            assert srv.proc.wait(30) == 1, srv.log()
+        assert _gone(children), [p for p in children if _alive(p)]
+    finally:
+        srv.stop()
