@@ -159,6 +159,7 @@ def test_start_up_failure_is_the_ranks_error(tmp_path):
     _no_workers_left()
 
 
+@pytest.mark.slow  # safetensors cases cover the layers; GGUF adds its load only
 def test_gguf_two_ranks_match_one(tmp_path, monkeypatch):
     """A GGUF is dequantized, then each rank takes its slices."""
     from tests.models.test_gguf_families import FAMILIES, random_model, write_gguf

@@ -229,6 +229,7 @@ def test_startup_error_comes_back_as_one_line(tmp_path):
     assert _no_core_left(before)
 
 
+@pytest.mark.slow  # test_startup_error_comes_back_as_one_line, through a CLI
 def test_serve_reports_a_core_startup_error_in_one_line(tmp_path):
     import subprocess
     import sys
@@ -287,6 +288,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # 17 s; shutdown without a front is also covered by the deleted-LLM test
 def test_core_exits_when_its_front_is_killed(tiny_dir, tmp_path):
     """SIGKILL of the front while the core is generating: the core notices within seconds
     (its output socket's peer is gone) and exits instead of running on as an orphan."""

@@ -101,6 +101,7 @@ def test_killed_core_fails_requests_and_health(served):
     assert not proc.is_alive()
 
 
+@pytest.mark.slow  # the busy case covers /health
 def test_idle_core_death_turns_health_503(served):
     """No request in flight: the death watcher alone must make /health fail."""
     url, engine, _ = served
@@ -143,6 +144,7 @@ def _gone(pids: list[int], timeout: float = 15.0) -> bool:
     return True
 
 
+@pytest.mark.slow  # 30 s of server processes; deletion and fault tests cover it
 @pytest.mark.parametrize("how", ["ctrl-c", "core killed"])
 def test_real_server_leaves_no_process(tmp_path, how):
     """`pagedserve serve --engine-core-process`: Ctrl-C stops the server and its core; a core

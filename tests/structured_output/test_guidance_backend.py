@@ -80,6 +80,7 @@ def test_regex_choice_and_grammar(llm: LLM) -> None:
         assert _fresh_matcher_accepts(llm, p.guided_decoding, out.outputs[0].token_ids)
 
 
+@pytest.mark.slow  # the xgrammar preemption test covers the shared path
 def test_n_sequences_and_preemption() -> None:
     """Tiny cache: sequences are preempted and recomputed; each still follows its grammar."""
     llm = LLM(model=None, dtype="float32", guided_decoding_backend="guidance", block_size=16,
