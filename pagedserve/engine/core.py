@@ -112,7 +112,6 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineCore:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         from pagedserve.executor import create_executor
-        from pagedserve.models.loader import load_model
         from pagedserve.models.quantization import resolve_quantization
 
         self.config = config
@@ -132,12 +131,35 @@ class EngineCore:
         # their group, so the load below takes this process's (rank 0's) shard.
         self.runner = create_executor(config, dtype, quantization)
         device = config.torch_device  # Ray may have given rank 0 another GPU
-        try:
-            loaded = load_model(m.model, dtype, device, m.max_model_len, m.tokenizer,
-                                m.generation_config, quantization)
+        try:  # a failure from here on stops the ranks the executor started
+            self._start(config, dtype, device, quantization, t0)
         except BaseException:
             self.runner.shutdown()
             raise
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.async_scheduling = config.use_async_scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        # Live sequences whose sampling needs all earlier tokens on the host (see step()).
+        self._sync_requests: set[str] = set()
+        # Rows of scored distributions already sent per scoring sequence (a request recomputing
+        # its prompt after preemption computes some again).
+        self._num_scored: dict[str, int] = {}
+        self.log_stats = log_stats
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self._last_log = time.monotonic()
+        self._logged_tokens = 0
+
+    def _start(self, config: EngineConfig, dtype: torch.dtype, device: torch.device,
+               quantization: str | None, t0: float) -> None:
+        """Load this rank's weights, start the runner, size and allocate the cache."""
+        from pagedserve.models.loader import load_model
+
+        m = config.model
+        loaded = load_model(m.model, dtype, device, m.max_model_len, m.tokenizer,
+                            m.generation_config, quantization)
         self.loaded = loaded
         self.max_model_len = loaded.max_model_len
         eos_ids = list(loaded.eos_token_ids)
@@ -172,21 +194,6 @@ class EngineCore:
             if config.cache.enable_prefix_caching:
                 logger.info("prefix caching is off: state layers keep one state per request, "
                             "not one per block")
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
-        self.async_scheduling = config.use_async_scheduling
-        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
-        # Live sequences whose sampling needs all earlier tokens on the host (see step()).
-        self._sync_requests: set[str] = set()
-        # Rows of scored distributions already sent per scoring sequence (a request recomputing
-        # its prompt after preemption computes some again).
-        self._num_scored: dict[str, int] = {}
-        self.log_stats = log_stats
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.num_steps = 0
-        self.step_seconds = 0.0
-        self._last_log = time.monotonic()
-        self._logged_tokens = 0
 
     def info(self) -> CoreInfo:
         loaded = self.loaded

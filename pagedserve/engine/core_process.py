@@ -20,6 +20,7 @@ fails (its error goes out first as the last message).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import queue
 import shutil
@@ -99,6 +100,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, con
                         format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group: the front decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The core is a daemon (it must not outlive the front), but with tensor parallelism it
+    # starts the other ranks' processes, which multiprocessing refuses to a daemon. It stops
+    # them itself (EngineCore.shutdown), and they exit when their pipes close.
+    multiprocessing.current_process()._config["daemon"] = False
     try:
         core = EngineCore(config, log_stats=log_stats)
         info = core.info()

@@ -96,6 +96,19 @@ def test_two_ranks_match_one(models, name):
     _no_workers_left()
 
 
+def test_two_ranks_behind_a_core_process(models):
+    """The engine core in its own (daemon) process starts the other rank itself, as `serve`
+    does on CUDA by default; outputs and shutdown as in one process."""
+    path, expected = models["llama"]
+    llm = LLM(model=path, tensor_parallel_size=2, engine_core_process=True, **ENGINE)
+    try:
+        assert greedy(llm) == expected
+        assert llm.engine.check_blocks_free()
+    finally:
+        llm.engine.shutdown()
+    _no_workers_left()
+
+
 def test_random_weights_split_as_one_rank_draws_them(tmp_path):
     spec = tmp_path / "tiny.yaml"
     spec.write_text("base: tiny\nvocab_size: 97\nnum_attention_heads: 4\n"
