@@ -49,6 +49,26 @@ INSTALL_HINT = ("pip install flashinfer-python (or the project's cuda extra: "
                 "pip install 'pagedserve[cuda]')")
 
 
+def import_flashinfer(submodule: str | None = None) -> tuple[Any | None, str]:
+    """(flashinfer, "") where it can run (installed, importable, an NVIDIA GPU), else (None,
+    why not). `submodule` is imported too ("mla")."""
+    reasons = []
+    if importlib.util.find_spec("flashinfer") is None:
+        reasons.append(f"flashinfer-python is not installed: {INSTALL_HINT}")
+    if not torch.cuda.is_available() or torch.version.hip:
+        reasons.append("needs an NVIDIA CUDA GPU, and none is visible")
+    if reasons:
+        return None, "; ".join(reasons)
+    try:
+        import flashinfer
+
+        if submodule is not None:
+            importlib.import_module(f"flashinfer.{submodule}")
+    except Exception as exc:  # a broken install names itself rather than crash listing
+        return None, f"flashinfer failed to import ({exc}); reinstall: {INSTALL_HINT}"
+    return flashinfer, ""
+
+
 # ---- host-side CSR slicing (no flashinfer needed; tested on the CPU) --------------------------
 
 @dataclass
@@ -462,17 +482,9 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        reasons = []
-        if importlib.util.find_spec("flashinfer") is None:
-            reasons.append(f"flashinfer-python is not installed: {INSTALL_HINT}")
-        if not torch.cuda.is_available() or torch.version.hip:
-            reasons.append("needs an NVIDIA CUDA GPU, and none is visible")
-        if reasons:
-            return False, "; ".join(reasons)
-        try:
-            import flashinfer
-        except Exception as exc:  # a broken install names itself rather than crash listing
-            return False, f"flashinfer failed to import ({exc}); reinstall: {INSTALL_HINT}"
+        flashinfer, why_not = import_flashinfer()
+        if flashinfer is None:
+            return False, why_not
         return True, f"FlashInfer {flashinfer.__version__} paged prefill/decode"
 
     @classmethod

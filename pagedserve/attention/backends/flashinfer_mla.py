@@ -31,7 +31,6 @@ imported lazily.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +44,7 @@ from pagedserve.attention.backend import (
     BuilderConfig,
 )
 from pagedserve.attention.backends.cpu_mla import CPUMLABackend
-from pagedserve.attention.backends.flashinfer import INSTALL_HINT
+from pagedserve.attention.backends.flashinfer import import_flashinfer
 from pagedserve.attention.backends.triton_mla import (
     EXPAND_BUDGET_BYTES,
     ExpandedPrefill,
@@ -256,18 +255,9 @@ class FlashInferMLABackend(CPUMLABackend):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        reasons = []
-        if importlib.util.find_spec("flashinfer") is None:
-            reasons.append(f"flashinfer-python is not installed: {INSTALL_HINT}")
-        if not torch.cuda.is_available() or torch.version.hip:
-            reasons.append("needs an NVIDIA CUDA GPU, and none is visible")
-        if reasons:
-            return False, "; ".join(reasons)
-        try:
-            import flashinfer
-            import flashinfer.mla
-        except Exception as exc:  # a broken install names itself rather than crash listing
-            return False, f"flashinfer failed to import ({exc}); reinstall: {INSTALL_HINT}"
+        flashinfer, why_not = import_flashinfer("mla")
+        if flashinfer is None:
+            return False, why_not
         missing = [name for name in ("BatchMLAPagedAttentionWrapper", "MLAPlanMetadata")
                    if not hasattr(flashinfer.mla, name)]
         if missing:
