@@ -13,7 +13,9 @@
 # bandwidth of both backends, DeepSeek-V2-Lite's throughput and KV capacity), flex
 # (FLEX_ATTENTION's conformance and kernel timings beside TRITON and FLASHINFER), families (the
 # families' GPU greedy test), stateops (the state layers' kernels),
-# hybrid (the hybrid models on CUDA, Qwen3-Next decode), tqgraphs (TURBOQUANT's graphs: tests, 8B decode-heavy beside bf16), tp (tensor parallelism on 2+ GPUs: parity, 8B and 70B throughput, Ray), structured (guided decoding's cost), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
+# hybrid (the hybrid models on CUDA, Qwen3-Next decode), tqbound (TURBOQUANT where the bf16 cache
+# binds, 400 x 7,680/256), coreproc (the engine core process: throughput and GPU busy both ways),
+# kvgroups (KV-cache groups' and the families' GPU tests), tqgraphs (TURBOQUANT's graphs: tests, 8B decode-heavy beside bf16), tp (tensor parallelism on 2+ GPUs: parity, 8B and 70B throughput, Ray), structured (guided decoding's cost), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
 # beside TRITON and FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
@@ -381,6 +383,49 @@ stage_hybrid() {  # the hybrid models' GPU greedy tests, then Qwen3-Next decode 
     tail -12 "$OUT/hybrid-decode.log"
 }
 
+stage_tqbound() {  # where the bf16 cache binds: 400 x 7,680/256, --max-num-seqs 512, 8B shape
+    setup_env
+    local kv backend
+    for kv in ${TQ_PRESETS:-auto tq_4bit}; do
+        backend=TURBOQUANT
+        [ "$kv" = auto ] && backend=TRITON
+        timeout "${TQ_TIMEOUT:-240}" python3 -m pagedserve bench throughput \
+            --config llama3-8b-random --attention-backend "$backend" --kv-cache-dtype "$kv" \
+            --max-num-seqs 512 --num-prompts "${TQ_PROMPTS:-400}" --input-len "${TQ_IN:-7680}" \
+            --output-len "${TQ_OUT:-256}" >"$OUT/tqbound-$kv.log" 2>&1
+        echo "exit $?" >>"$OUT/tqbound-$kv.log"
+        echo "$kv: $(grep -hiE "kv cache|blocks" "$OUT/tqbound-$kv.log" | head -2 | tr '\n' ' ')"
+        echo "$kv: $(grep -h -A3 Throughput "$OUT/tqbound-$kv.log" | tr '\n' ' ')"
+    done
+}
+stage_coreproc() {  # the bundled GGUF, 256 x 128/512, in one process and with the engine core in
+    # its own, GPU busy from nvidia-smi's samples over the timed run; then the core's GPU tests
+    setup_env
+    [ -f "$PAGEDSERVE_TEST_GGUF" ] || { echo "no GGUF at $PAGEDSERVE_TEST_GGUF"; return; }
+    local mode
+    for mode in no-engine-core-process engine-core-process no-engine-core-process \
+            engine-core-process; do
+        nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader,nounits \
+            -lms 100 >"$OUT/util-$mode.csv" &
+        local smi=$!
+        timeout 200 python3 -m pagedserve bench throughput --model "$PAGEDSERVE_TEST_GGUF" \
+            --attention-backend "${CORE_BACKEND:-TRITON}" --"$mode" --num-prompts 256 \
+            --input-len 128 --output-len 512 --output-json "$OUT/core-$mode.json" \
+            >"$OUT/coreproc-$mode.log" 2>&1
+        echo "exit $?" >>"$OUT/coreproc-$mode.log"
+        kill $smi; wait $smi 2>/dev/null
+        python3 benchmarks/gpu_busy.py "$OUT/util-$mode.csv" "$OUT/core-$mode.json" \
+            --label "$mode" | tee -a "$OUT/coreproc-$mode.log"
+    done
+    shard coreproc tests/engine/test_core_process.py
+    wait
+}
+stage_kvgroups() {  # KV-cache groups on CUDA (Gemma 2/3, gpt-oss), then the families
+    setup_env
+    shard kvgroups tests/models/test_kv_groups.py
+    shard families tests/models/test_families.py
+    wait
+}
 stage_structured() {  # guided decoding's cost on the bundled model (needs the GGUF), its GPU test
     setup_env
     shard structured tests/structured_output
@@ -402,7 +447,7 @@ stage_tqgraphs() {  # TURBOQUANT's graph and prefill GPU tests, then the 8B shap
     shard tq_graphs tests/attention/turboquant/test_graphs.py
     wait
     local kv
-    for kv in auto tq_4bit tq_k8v4; do
+    for kv in ${TQ_PRESETS:-auto tq_4bit tq_k8v4 tq_3bit}; do
         local backend=TURBOQUANT
         [ "$kv" = auto ] && backend=TRITON
         timeout "${TQ_TIMEOUT:-120}" python3 -m pagedserve bench throughput \
