@@ -429,9 +429,9 @@ stage_kvgroups() {  # KV-cache groups on CUDA (Gemma 2/3, gpt-oss), then the fam
 stage_structured() {  # guided decoding's cost on the bundled model (needs the GGUF), its GPU test
     setup_env
     shard structured tests/structured_output
+    wait  # the benchmark alone on the GPU
     timeout 200 python3 benchmarks/structured_output.py --device cuda --model "$PAGEDSERVE_TEST_GGUF" \
         >"$OUT/structured-bench.log" 2>&1; echo "exit $?" >>"$OUT/structured-bench.log"
-    wait
     tail -12 "$OUT/structured-bench.log"
 }
 
@@ -444,7 +444,7 @@ stage_families() {  # the model families' GPU greedy test (float32 TRITON agains
 stage_tqgraphs() {  # TURBOQUANT's graph and prefill GPU tests, then the 8B shape decode-heavy
     # beside bf16 TRITON (TQ_PROMPTS x 128/TQ_OUT; the issue's workload is 1000 x 128/1024)
     setup_env
-    shard tq_graphs tests/attention/turboquant/test_graphs.py
+    [ "${TQ_TESTS:-1}" = 1 ] && shard tq_graphs tests/attention/turboquant/test_graphs.py
     wait
     local kv
     for kv in ${TQ_PRESETS:-auto tq_4bit tq_k8v4 tq_3bit}; do
@@ -452,10 +452,10 @@ stage_tqgraphs() {  # TURBOQUANT's graph and prefill GPU tests, then the 8B shap
         [ "$kv" = auto ] && backend=TRITON
         timeout "${TQ_TIMEOUT:-120}" python3 -m pagedserve bench throughput \
             --config llama3-8b-random --attention-backend "$backend" \
-            --kv-cache-dtype "$kv" --num-prompts "${TQ_PROMPTS:-1000}" --input-len 128 \
-            --output-len "${TQ_OUT:-1024}" >"$OUT/tq-throughput-$kv.log" 2>&1
-        echo "exit $?" >>"$OUT/tq-throughput-$kv.log"
-        echo "$kv: $(grep -h Throughput "$OUT/tq-throughput-$kv.log")"
+            --kv-cache-dtype "$kv" --num-prompts "${TQ_PROMPTS:-1000}" --input-len "${TQ_IN:-128}" \
+            --output-len "${TQ_OUT:-1024}" >"$OUT/tq-throughput-$kv-${TQ_IN:-128}.log" 2>&1
+        echo "exit $?" >>"$OUT/tq-throughput-$kv-${TQ_IN:-128}.log"
+        echo "$kv: $(grep -h Throughput "$OUT/tq-throughput-$kv-${TQ_IN:-128}.log")"
     done
 }
 stage_tp() {  # tensor parallelism on a machine with 2+ GPUs (nvidia-h200-x2): the GPU tests,

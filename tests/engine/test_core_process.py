@@ -326,8 +326,10 @@ def test_cuda_core_process_matches_in_process():
     """On the GPU (async scheduling and CUDA graphs on): the core process gives the in-process
     engine's greedy tokens and texts, float32 so batching cannot round them apart; stop strings
     included (the core process learns of them a step later and must still report the same)."""
-    common = dict(model=None, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
-                  max_num_seqs=64)
+    from tests.utils.paged import bundled_gguf
+
+    common = dict(model=str(bundled_gguf()), device="cuda", dtype="float32",
+                  gpu_memory_utilization=0.3, max_num_seqs=64)
     prompts = [f"{p} {i}" for i in range(12) for p in PROMPTS]
     params = [SamplingParams(temperature=0, max_tokens=48, stop=["."] if i % 3 == 0 else None,
                              ignore_eos=i % 2 == 0) for i in range(len(prompts))]

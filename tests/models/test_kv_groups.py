@@ -198,7 +198,7 @@ def test_groups_on_cuda(tmp_path, monkeypatch, name, backend):
     import gc
 
     from pagedserve import LLM
-    from pagedserve.attention.registry import get_backend_cls
+    from pagedserve.attention.registry import BackendSelectionError, get_backend_cls
 
     ok, why = get_backend_cls(backend).is_available()
     if not ok:
@@ -218,8 +218,12 @@ def test_groups_on_cuda(tmp_path, monkeypatch, name, backend):
     def run(plain: bool):
         if plain:
             _plain_layout(monkeypatch)
-        llm = LLM(model=str(tmp_path), dtype=dtype, device="cuda", attention_backend=backend,
-                  gpu_memory_utilization=0.2, max_num_batched_tokens=64, block_size=16)
+        try:
+            llm = LLM(model=str(tmp_path), dtype=dtype, device="cuda",
+                      attention_backend=backend, gpu_memory_utilization=0.2,
+                      max_num_batched_tokens=64, block_size=16)
+        except BackendSelectionError as exc:  # e.g. soft-cap on FLASH_ATTN's torch kernels
+            pytest.skip(str(exc).splitlines()[0])
         try:
             assert llm.engine.kv_cache.num_groups == (1 if plain else NUM_GROUPS[name])
             runs = []
@@ -229,13 +233,17 @@ def test_groups_on_cuda(tmp_path, monkeypatch, name, backend):
                 runs.append([o.outputs[0].token_ids for o in outputs])
             hits = llm.engine.stats().prefix_cache_hits
             graphs = llm.engine.runner.decode_graphs
+            # No reference to the engine may outlive it: its cache (a fifth of the GPU) would
+            # count in the next engine's profiled peak.
+            replays = 0 if graphs is None else sum(graphs.replays.values())
+            del graphs
             assert llm.engine.check_blocks_free()
         finally:
             del llm
             gc.collect()
             torch.cuda.empty_cache()
         assert hits > 0
-        assert graphs is not None and sum(graphs.replays.values()) > 0
+        assert replays > 0
         return runs
 
     grouped = run(plain=False)
