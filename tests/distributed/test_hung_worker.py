@@ -153,6 +153,29 @@ def test_worker_stuck_in_a_step_is_a_clear_error(model_path, monkeypatch):
         engine.shutdown()
 
 
+def test_idle_engine_fails_once_a_worker_stops(model_path, monkeypatch):
+    """No request in flight: AsyncLLM's idle engine thread still checks on the ranks, so its
+    error (which /health reports) is set within seconds."""
+    from pagedserve.engine.async_llm import AsyncLLM
+
+    monkeypatch.setenv("PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S", "2")
+    llm = AsyncLLM.from_kwargs(model=model_path, tensor_parallel_size=2, **ENGINE)
+    (worker,) = llm.engine.runner.processes
+    llm.start()
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while llm.error is None:
+            assert time.monotonic() - stopped < 8, "still healthy after the worker stopped"
+            time.sleep(0.1)
+        assert isinstance(llm.error, WorkerError)
+        assert "rank 1" in str(llm.error) and "no heartbeat" in str(llm.error)
+        assert _gone([worker.pid])
+    finally:
+        _release([worker.pid])
+        llm.shutdown()
+
+
 # ---- behind the engine core process and the server --------------------------------------
 
 
@@ -174,9 +197,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_stopped_worker_fails_requests_and_health(model_path, monkeypatch):
-    """TP=2 behind an engine core process, served: the request in flight fails with the hang's
-    message and /health answers 503 within seconds of the worker stopping."""
+@pytest.mark.slow  # 25 s, most of it starting the core process and its worker
+@pytest.mark.parametrize("when", ["streaming", "idle"])
+def test_stopped_worker_fails_requests_and_health(model_path, monkeypatch, when):
+    """TP=2 behind an engine core process, served: a worker stopped while a request streams
+    fails that request with the hang's message, or while the engine idles fails it all the
+    same (the core loop checks on the ranks); /health answers 503 within seconds."""
     import uvicorn
 
     from pagedserve.config import ServerConfig
@@ -209,20 +235,26 @@ def test_stopped_worker_fails_requests_and_health(model_path, monkeypatch):
             time.sleep(0.1)
         body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True,
                 "temperature": 0, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
-            lines = resp.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    break  # generating
+        if when == "streaming":
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
+                lines = resp.iter_lines()
+                for line in lines:
+                    if line.startswith("data: "):
+                        break  # generating
+                os.kill(worker, signal.SIGSTOP)
+                stopped = time.monotonic()
+                tail = [line for line in lines if line.startswith("data: ")]
+            assert time.monotonic() - stopped < 15, "the stream hung after the worker stopped"
+            assert any("heartbeat" in line and "rank 1" in line for line in tail), tail[-3:]
+        else:
             os.kill(worker, signal.SIGSTOP)
             stopped = time.monotonic()
-            tail = [line for line in lines if line.startswith("data: ")]
-        assert time.monotonic() - stopped < 15, "the stream hung after the worker stopped"
-        assert any("heartbeat" in line and "rank 1" in line for line in tail), tail[-3:]
         while (health := httpx.get(url + "/health", timeout=2)).status_code != 503:
             assert time.monotonic() - stopped < 15, "/health still 200 after the hang"
             time.sleep(0.1)
         assert "no heartbeat" in health.json()["error"]["message"]
+        again = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+        assert again.status_code == 503
     finally:
         _release([worker])
         server.should_exit = True
