@@ -134,13 +134,20 @@ class RayExecutor(RemoteRanksExecutor):
     def _watch(self) -> None:
         """Poll while rank 0 may be blocked in a collective (on the CPU its forward waits
         there), so a hung actor is declared and killed within the step timeout."""
-        while not self._closed:
+        while True:
             time.sleep(0.25)
-            self._poll()
+            if self._closed:
+                return
+            try:
+                self._poll()
+            except Exception as exc:  # Ray itself went away under us
+                self._fail(f"tensor-parallel ranks: Ray failed: {exc}")
+                return
 
     def _poll(self) -> None:
         with self._calls_lock:
-            self._poll_calls()
+            if not self._closed:  # after shutdown the actors and maybe Ray are gone
+                self._poll_calls()
 
     def _poll_calls(self) -> None:
         if self._outstanding:
