@@ -151,7 +151,8 @@ class _Replies:
 def _heartbeat(replies: _Replies, worker: Worker, stop: threading.Event) -> None:
     """("alive", rank, commands finished) every HEARTBEAT_INTERVAL_S: its absence tells the
     engine the process is stopped or wedged, the count whether its steps still finish."""
-    interval = min(HEARTBEAT_INTERVAL_S, envs.PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S / 4)
+    interval = max(0.05, min(HEARTBEAT_INTERVAL_S,
+                             envs.PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S / 4))
     rank = worker.spec.rank
     while not stop.wait(interval):
         try:
