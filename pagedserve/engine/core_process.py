@@ -172,6 +172,8 @@ class CoreLoop:
             elif idle and os.getppid() != self.parent_pid:
                 logger.warning("the front process is gone: the engine core exits")
                 return
+            elif idle:
+                core.check_health()  # a rank lost while idle fails the core now
             # With no step to report, the front still learns what its aborts freed.
             if (not out.is_empty or applied) and not self._put(StepMessage(out, core.stats())):
                 return

@@ -331,7 +331,8 @@ class LLMEngine:
         return self.client.idle_poll_s
 
     def check_alive(self) -> None:
-        """Raise EngineDeadError once the core process has died."""
+        """Raise EngineDeadError once the core process has died (in this process: WorkerError
+        once a tensor-parallel rank has failed or hung)."""
         self.client.check_alive()
 
     def on_core_death(self, callback: Callable[[], None]) -> None:

@@ -1,9 +1,14 @@
 """Ranks 1..N-1 in worker processes (spawned), rank 0 in the engine's process.
 
 Commands go down one pipe per worker (a `StepMessage` per launch, a word per collect);
-answers come up another only at start-up ("ready" or the rank's error). A monitor thread
-watches the workers' process sentinels and answer pipes, so a worker that dies or fails is
-known at once (`remote.RemoteRanksExecutor` turns it into the engine's error).
+answers come up another: "loaded" and "ready" at start-up, the rank's error, and from "ready"
+on a heartbeat every 0.5 s carrying how many commands the worker has finished. A monitor
+thread watches the workers' process sentinels and answer pipes, so a worker that dies or fails
+is known at once (`remote.RemoteRanksExecutor` turns it into the engine's error), and one that
+hangs within seconds: silent for `PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S` (stopped, wedged with
+the GIL held), or beating but not finishing a command within `PAGEDSERVE_STEP_TIMEOUT_S` of
+its sending (stuck in a kernel or a collective). The monitor then kills it, so that rank 0's
+collective fails at once rather than after the group's timeout.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from typing import Any
 
 import torch
 
+from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import free_port_init_method
 from pagedserve.distributed.parallel_state import abort_distributed
+from pagedserve.executor.progress import StepProgress
 from pagedserve.executor.remote import RemoteRanksExecutor
 from pagedserve.executor.worker import WorkerSpec, join_group, worker_main
 
@@ -74,41 +81,76 @@ class MultiprocExecutor(RemoteRanksExecutor):
         self._stopper = weakref.finalize(self, _stop, list(self.processes), list(self.commands))
         self.loaded: set[int] = set()
         self.ready: set[int] = set()
+        self.heard: dict[int, float] = {}  # rank -> when it last spoke, from "ready" on
+        self.progress = StepProgress(range(1, self.world_size))
         threading.Thread(target=self._watch, name="pagedserve-tp monitor", daemon=True).start()
         self._while_watching(lambda: join_group(config, 0, self.world_size, init_method),
                              "joining the group")
 
     def _watch(self) -> None:
-        """Until every worker has exited: record readiness, errors and deaths."""
+        """Until every worker has exited: record readiness, heartbeats, errors and deaths,
+        and declare a worker hung when it falls silent or behind."""
         rank_of = {p.sentinel: r for r, p in enumerate(self.processes, start=1)}
         pipes = list(self.replies)
         sentinels = list(rank_of)
         while sentinels:
-            for ready in wait(pipes + sentinels):
+            for ready in wait(pipes + sentinels, timeout=0.25):
                 if ready not in rank_of:
                     self._read(ready, pipes)
                     continue
                 sentinels.remove(ready)
                 rank = rank_of[ready]
                 self._read(self.replies[rank - 1], pipes)  # its own error first, if it sent one
+                self.heard.pop(rank, None)
+                self.progress.forget(rank)
                 proc = self.processes[rank - 1]
                 proc.join(0.5)
                 self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
                            f"{proc.exitcode}")
+            # Only after the pipes that had something are read: a monitor that was itself
+            # held up must not blame a worker for words it has not read yet.
+            self._check_liveness(time.monotonic())
 
     def _read(self, pipe: Connection, pipes: list[Connection]) -> None:
-        """Whatever a worker has sent: "ready", or its error."""
+        """Whatever a worker has sent: "loaded", "ready", a heartbeat, or its error."""
         try:
             while pipe in pipes and pipe.poll():
-                kind, rank, text = pipe.recv()
-                if kind == "loaded":
+                kind, rank, payload = pipe.recv()
+                if kind == "alive":
+                    self.heard[rank] = time.monotonic()
+                    self.progress.done(rank, payload)
+                elif kind == "loaded":
                     self.loaded.add(rank)
                 elif kind == "ready":
+                    self.heard[rank] = time.monotonic()
                     self.ready.add(rank)
                 else:
-                    self._fail(f"tensor-parallel rank {rank} failed: {text}")
+                    self._fail(f"tensor-parallel rank {rank} failed: {payload}")
         except (EOFError, OSError):
             pipes.remove(pipe)
+
+    def _check_liveness(self, now: float) -> None:
+        if self.failure is not None or self._closing:
+            return  # the ranks are being stopped anyway
+        silence = envs.PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S
+        for rank, heard in list(self.heard.items()):
+            if now - heard > silence:
+                self._hung(rank, f"stopped responding: no heartbeat for {silence:g} s")
+                return
+        late = self.progress.overdue(envs.PAGEDSERVE_STEP_TIMEOUT_S, now)
+        if late is not None:
+            self._hung(late.rank, late.describe())
+
+    def _hung(self, rank: int, what: str) -> None:
+        """Report a hung worker, then kill it: its peers' collectives (rank 0's among them)
+        fail at once when its sockets close, and the engine raises this message (the first
+        failure recorded wins over the exit the kill causes)."""
+        proc = self.processes[rank - 1]
+        message = f"tensor-parallel rank {rank} (pid {proc.pid}) {what}"
+        logger.error("%s: killing it", message)
+        self._fail(message)
+        self.heard.pop(rank, None)
+        proc.kill()
 
     def _all_loaded(self) -> bool:
         return len(self.loaded) == self.world_size - 1
@@ -117,6 +159,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
         return len(self.ready) == self.world_size - 1
 
     def _send(self, command: tuple[str, Any]) -> None:
+        self.progress.sent(command[0])
         for conn in self.commands:
             conn.send(command)
 

@@ -4,13 +4,19 @@ The actors are placed in a placement group of one bundle per rank (a GPU each on
 each on the CPU), so Ray reserves them together or not at all; on CUDA the engine's own rank
 runs on the GPU of bundle 0, which an idle actor holds so that no rank lands on it. Commands
 are actor calls (Ray runs one caller's calls to an actor in order); their results are only
-checked for errors, without waiting.
+checked for errors, without waiting, by the engine's thread and by a watcher thread (rank 0
+may be blocked in a collective). A call unfinished for `PAGEDSERVE_STEP_TIMEOUT_S` marks its
+actor hung: it is reported and killed, so that rank 0's collective fails at once (Ray's own
+health checks cover dead nodes and processes).
 Ray is imported only when this executor is asked for; the engine starts a local Ray unless
 one is running (or RAY_ADDRESS names a cluster).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import Any
 
 import torch
@@ -18,8 +24,11 @@ import torch
 from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import free_port_init_method
+from pagedserve.executor.progress import StepProgress
 from pagedserve.executor.remote import RemoteRanksExecutor
 from pagedserve.executor.worker import Worker, WorkerSpec, join_group
+
+logger = logging.getLogger(__name__)
 
 
 class RayWorker:
@@ -104,8 +113,12 @@ class RayExecutor(RemoteRanksExecutor):
                               device="cuda:0" if cuda else "cpu")  # an actor sees its one GPU
             self.actors.append(actor_cls.options(
                 scheduling_strategy=on_bundle(rank - 1 + first)).remote(spec))
-        # Calls not yet known to have succeeded: object ref -> rank.
+        # Calls not yet known to have succeeded: object ref -> rank. The engine's thread and
+        # the watcher both poll them.
         self._outstanding: dict[Any, int] = {}
+        self._calls_lock = threading.Lock()
+        self._commands_done = dict.fromkeys(range(1, self.world_size), 0)
+        self.progress = StepProgress(range(1, self.world_size))
         # Ray runs one caller's calls to an actor in order: finish_setup after load.
         self._load = {actor.load.remote(): rank for rank, actor in enumerate(self.actors, 1)}
         self._setup = {actor.finish_setup.remote(): rank
@@ -113,23 +126,54 @@ class RayExecutor(RemoteRanksExecutor):
         self._outstanding.update(self._load)
         self._outstanding.update(self._setup)
         self._loaded = self._ready = 0
+        threading.Thread(target=self._watch, name="pagedserve-tp ray monitor",
+                         daemon=True).start()
         self._while_watching(lambda: join_group(config, 0, self.world_size, init_method),
                              "joining the group")
 
-    def _poll(self) -> None:
-        if not self._outstanding:
-            return
-        refs = list(self._outstanding)
-        done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
-        for ref in done:
-            rank = self._outstanding.pop(ref)
+    def _watch(self) -> None:
+        """Poll while rank 0 may be blocked in a collective (on the CPU its forward waits
+        there), so a hung actor is declared and killed within the step timeout."""
+        while True:
+            time.sleep(0.25)
+            if self._closed:
+                return
             try:
-                self.ray.get(ref)
-            except Exception as exc:  # RayActorError (it died), RayTaskError (it raised)
-                self._fail(f"tensor-parallel rank {rank} failed: {exc}")
-                continue
-            self._loaded += ref in self._load
-            self._ready += ref in self._setup
+                self._poll()
+            except Exception as exc:  # Ray itself went away under us
+                self._fail(f"tensor-parallel ranks: Ray failed: {exc}")
+                return
+
+    def _poll(self) -> None:
+        with self._calls_lock:
+            if not self._closed:  # after shutdown the actors and maybe Ray are gone
+                self._poll_calls()
+
+    def _poll_calls(self) -> None:
+        if self._outstanding:
+            refs = list(self._outstanding)
+            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in done:
+                rank = self._outstanding.pop(ref)
+                try:
+                    self.ray.get(ref)
+                except Exception as exc:  # RayActorError (it died), RayTaskError (it raised)
+                    self._fail(f"tensor-parallel rank {rank} failed: {exc}")
+                    continue
+                if ref in self._load:
+                    self._loaded += 1
+                elif ref in self._setup:
+                    self._ready += 1
+                else:  # a step's command: an actor runs its calls in order, so a count
+                    self._commands_done[rank] += 1
+                    self.progress.done(rank, self._commands_done[rank])
+        if self.failure is None and not self._closing:
+            late = self.progress.overdue(envs.PAGEDSERVE_STEP_TIMEOUT_S)
+            if late is not None:
+                message = f"tensor-parallel rank {late.rank} (Ray actor) {late.describe()}"
+                logger.error("%s: killing it", message)
+                self._fail(message)
+                self.ray.kill(self.actors[late.rank - 1])
 
     def _all_loaded(self) -> bool:
         return self._loaded == self.world_size - 1
@@ -138,10 +182,12 @@ class RayExecutor(RemoteRanksExecutor):
         return self._ready == self.world_size - 1
 
     def _send(self, command: tuple[str, Any]) -> None:
-        for rank, actor in enumerate(self.actors, start=1):
-            self._outstanding[actor.handle.remote(*command)] = rank
-        if len(self._outstanding) > 64 * len(self.actors):
-            self._poll()  # results of calls long done: let them go
+        with self._calls_lock:
+            self.progress.sent(command[0])
+            for rank, actor in enumerate(self.actors, start=1):
+                self._outstanding[actor.handle.remote(*command)] = rank
+            if len(self._outstanding) > 64 * len(self.actors):
+                self._poll_calls()  # results of calls long done: let them go
 
     def _stop_ranks(self) -> None:
         for actor in [*self.actors, *([self.holder] if self.holder is not None else [])]:

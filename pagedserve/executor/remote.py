@@ -4,9 +4,12 @@ calls and each step is also sent to the other ranks; a rank's failure, once know
 rank and becomes a `WorkerError` that names it.
 
 A rank's failure is learnt two ways: the transport reports it (a process sentinel, an error
-the worker sent, a failed actor call), or a collective in rank 0's forward fails (gloo: the
-dead peer's socket closes; a rank that hangs: the group's timeout,
-`PAGEDSERVE_DIST_TIMEOUT_S`), after which the transport gets a moment to say which rank.
+the worker sent, a failed actor call, a rank declared hung), or a collective in rank 0's
+forward fails (gloo: the dead peer's socket closes), after which the transport gets a moment
+to say which rank. A rank that hangs is declared so by the transport's watcher (no heartbeat,
+or a step unfinished for `PAGEDSERVE_STEP_TIMEOUT_S`: `progress.StepProgress`) and killed, so
+that rank 0's collective fails at once; the group's timeout (`PAGEDSERVE_DIST_TIMEOUT_S`) is
+the last resort.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import traceback
 from collections import deque
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ class Worker:
         # The engine's requests as this rank knows them, by id.
         self.requests: dict[str, Request] = {}
         self.pending: deque[PendingStep] = deque()
+        self.commands_done = 0  # what the heartbeat reports: the engine's progress check
 
     def load(self) -> None:
         """Join the group and load this rank's shard. Ranks load at their own pace (no
@@ -124,31 +126,67 @@ class Worker:
             self.collect()
         else:
             raise ValueError(f"unknown worker command {kind!r}")
+        self.commands_done += 1
 
     def close(self) -> None:
         destroy_distributed()
 
 
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+class _Replies:
+    """The reply pipe, shared by the main thread (loaded, ready, its error) and the heartbeat
+    thread: one message at a time."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, kind: str, rank: int, payload: Any) -> None:
+        with self.lock:
+            self.conn.send((kind, rank, payload))
+
+
+def _heartbeat(replies: _Replies, worker: Worker, stop: threading.Event) -> None:
+    """("alive", rank, commands finished) every HEARTBEAT_INTERVAL_S: its absence tells the
+    engine the process is stopped or wedged, the count whether its steps still finish."""
+    interval = max(0.05, min(HEARTBEAT_INTERVAL_S,
+                             envs.PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S / 4))
+    rank = worker.spec.rank
+    while not stop.wait(interval):
+        try:
+            replies.send("alive", rank, worker.commands_done)
+        except OSError:  # the engine is gone; the main thread learns it from its own pipe
+            return
+
+
 def worker_main(spec: WorkerSpec, commands: Connection, replies: Connection) -> None:
-    """A worker process: set up, say ready (or why not), then run commands until None."""
+    """A worker process: set up, say ready (or why not), then run commands until None, with a
+    heartbeat from "ready" on."""
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s tp{spec.rank} %(levelname)s %(name)s: %(message)s")
     worker = Worker(spec)
+    out = _Replies(replies)
+    stop_beating = threading.Event()
     try:
         worker.load()
-        replies.send(("loaded", spec.rank, None))
+        out.send("loaded", spec.rank, None)
         worker.finish_setup()
-        replies.send(("ready", spec.rank, None))
+        out.send("ready", spec.rank, None)
+        threading.Thread(target=_heartbeat, args=(out, worker, stop_beating), daemon=True,
+                         name=f"pagedserve-tp{spec.rank} heartbeat").start()
         while (command := commands.recv()) is not None:
             worker.handle(*command)
     except EOFError:  # the engine went away
         pass
     except BaseException as exc:
         try:
-            replies.send(("error", spec.rank, f"{type(exc).__name__}: {exc}\n"
-                                               f"{traceback.format_exc()}"))
+            out.send("error", spec.rank, f"{type(exc).__name__}: {exc}\n"
+                                         f"{traceback.format_exc()}")
         except OSError:
             pass
         raise SystemExit(1) from None
     finally:
+        stop_beating.set()
         worker.close()

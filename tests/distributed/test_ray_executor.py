@@ -27,3 +27,49 @@ def test_ray_two_ranks_match_one(tmp_path):
             llm.engine.shutdown()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_actor_stuck_in_a_step_is_a_clear_error(tmp_path, monkeypatch):
+    """A stopped actor still looks alive to Ray: its unfinished step call marks it hung
+    within the step timeout, it is killed, and rank 0's collective fails at once."""
+    import os
+    import signal
+    import time
+
+    from pagedserve import SamplingParams
+    from pagedserve.executor import WorkerError
+    from tests.distributed.test_tensor_parallel import PROMPTS
+
+    monkeypatch.setenv("PAGEDSERVE_STEP_TIMEOUT_S", "3")
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
+    path = save_model(CONFIGS["llama"](), tmp_path / "model")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    pid = None
+    try:
+        llm = LLM(model=path, tensor_parallel_size=2, distributed_executor_backend="ray",
+                  **ENGINE)
+        engine = llm.engine
+        try:
+            (actor,) = engine.runner.actors
+            pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+            engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=100,
+                                                               ignore_eos=True))
+            for _ in range(3):
+                engine.step()
+            os.kill(pid, signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(WorkerError, match=r"rank 1 \(Ray actor\) has not finished "
+                                                  r"step \d+.* in 3 s"):
+                while engine.has_unfinished_requests():
+                    engine.step()
+            assert time.monotonic() - start < 15
+        finally:
+            engine.shutdown()
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        ray.shutdown()

@@ -2,10 +2,12 @@
 scheduling, decode steps replayed from CUDA graphs with the collectives captured in them):
 greedy tokens of two ranks equal one rank's in float32, for a dense model and a
 Mixture-of-Experts one (the Triton grouped GEMM over each rank's share of the experts), and
-through Ray; a worker killed mid-generation is a WorkerError within seconds."""
+through Ray; a worker killed, stopped (no heartbeat) or stuck in a step (its NCCL peer waits
+in the collective) mid-generation is a WorkerError within seconds."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.executor import WorkerError
+from pagedserve.executor import WorkerError, multiproc
+from tests.distributed.hang_hooks import worker_main_stuck_at_launch
 from tests.distributed.test_tensor_parallel import CONFIGS, PROMPTS, save_model
 
 pytestmark = pytest.mark.gpu
@@ -89,3 +92,39 @@ def test_killed_gpu_worker_is_a_clear_error(tmp_path):
             engine.step()
     assert time.monotonic() - start < 10
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("how", ["stopped", "stuck"])
+def test_hung_gpu_worker_is_a_clear_error(tmp_path, monkeypatch, how):
+    """Rank 0 waits on the step's event while rank 1's half of the collective never comes:
+    the monitor declares rank 1 hung (no heartbeat; its 6th step unfinished), kills it, and
+    rank 0 stops waiting (its NCCL group aborted)."""
+    _need_two_gpus()
+    monkeypatch.setenv("PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S", "2")
+    monkeypatch.setenv("PAGEDSERVE_STEP_TIMEOUT_S", "3")
+    if how == "stuck":
+        monkeypatch.setattr(multiproc, "worker_main",
+                            functools.partial(worker_main_stuck_at_launch, 6))
+    path = save_model(CONFIGS["llama"](), tmp_path / "llama")
+    llm = LLM(model=path, tensor_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    (worker,) = engine.runner.processes
+    try:
+        engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=100,
+                                                           ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        if how == "stopped":
+            os.kill(worker.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        expected = "no heartbeat for 2 s" if how == "stopped" else "has not finished step 6"
+        with pytest.raises(WorkerError, match=f"rank 1 .*{expected}"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        print(f"\n{how}: WorkerError {time.monotonic() - start:.1f} s after the hang")
+        assert time.monotonic() - start < 15
+        assert not multiprocessing.active_children()
+    finally:
+        if worker.is_alive():
+            worker.kill()
+        engine.shutdown()

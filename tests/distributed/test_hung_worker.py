@@ -1,0 +1,263 @@
+"""A tensor-parallel worker that hangs, rather than dies, is a clear error within seconds, not
+after the group's timeout: one that stops answering (SIGSTOP) is caught by its missing
+heartbeat, one that still beats but never finishes a step by the step timeout; either is
+killed so rank 0's collective fails at once, and the engine's WorkerError names the rank and
+why (not the kill's exit code). Behind a server the same error fails the request in flight
+and /health. The progress bookkeeping is checked on its own first."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.executor import WorkerError, multiproc
+from pagedserve.executor.progress import StepProgress
+from tests.distributed.hang_hooks import worker_main_stuck_at_launch
+from tests.distributed.test_tensor_parallel import CONFIGS, ENGINE, PROMPTS, save_model
+
+LONG = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+# ---- the bookkeeping ------------------------------------------------------------------------
+
+
+def test_progress_reports_the_rank_furthest_behind():
+    p = StepProgress([1, 2])
+    p.sent("launch", now=0.0)
+    p.sent("collect", now=1.0)
+    p.sent("launch", now=2.0)
+    assert p.overdue(5.0, now=4.9) is None  # the oldest is 4.9 s old: not yet
+    late = p.overdue(5.0, now=6.5)
+    assert (late.rank, late.kind, late.step) == (1, "launch", 1)
+    assert late.describe() == "has not finished step 1 in 6 s"
+    p.done(1, 2)  # rank 1 finished launch 1 and collect 1; rank 2 nothing
+    late = p.overdue(5.0, now=6.5)
+    assert (late.rank, late.kind, late.step) == (2, "launch", 1)
+    p.done(2, 3)  # rank 2 is ahead now; rank 1's oldest is launch 2, sent at 2.0
+    assert p.overdue(5.0, now=6.5) is None
+    late = p.overdue(5.0, now=7.5)
+    assert (late.rank, late.kind, late.step, late.age_s) == (1, "launch", 2, 5.5)
+    p.done(1, 3)
+    assert p.overdue(5.0, now=100.0) is None  # nothing in flight
+
+
+def test_progress_forgets_finished_commands_and_gone_ranks():
+    p = StepProgress([1, 2])
+    for i in range(10):
+        p.sent("launch" if i % 2 == 0 else "collect", now=float(i))
+    p.done(1, 10)
+    assert p.in_flight() == 10  # rank 2 has finished none: all kept
+    p.done(2, 4)
+    assert p.in_flight() == 6  # finished by both: gone
+    p.done(2, 3)  # an older report (counts only grow) changes nothing
+    assert p.in_flight() == 6
+    late = p.overdue(1.0, now=20.0)
+    assert (late.rank, late.kind, late.step) == (2, "launch", 3)
+    assert late.describe() == "has not finished step 3 in 16 s"
+    p.done(2, 5)
+    assert p.overdue(1.0, now=20.0).describe() == "has not finished step 3's collect in 15 s"
+    p.forget(2)  # rank 2 died: its failure is reported already, rank 1 is up to date
+    assert p.overdue(1.0, now=20.0) is None
+    p.sent("launch", now=21.0)
+    assert p.overdue(1.0, now=23.0).rank == 1
+
+
+# ---- worker processes ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return save_model(CONFIGS["llama"](), tmp_path_factory.mktemp("llama"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _release(pids: list[int]) -> None:
+    """Whatever the test's outcome, no stopped or stuck process stays behind."""
+    for pid in pids:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)  # a stopped process dies of it too
+            except ProcessLookupError:
+                pass
+
+
+def _gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(p) for p in pids)
+
+
+def _fails_within(engine, seconds: float) -> WorkerError:
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < seconds, f"took {time.monotonic() - start:.1f} s"
+    return info.value
+
+
+def test_stopped_worker_is_a_clear_error(model_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S", "2")
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")  # far beyond what the test allows
+    llm = LLM(model=model_path, tensor_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    (worker,) = engine.runner.processes
+    try:
+        engine.add_request("r", PROMPTS[0], LONG)
+        for _ in range(3):
+            engine.step()
+        os.kill(worker.pid, signal.SIGSTOP)
+        error = _fails_within(engine, 10)
+        message = str(error)
+        assert f"rank 1 (pid {worker.pid}) stopped responding: no heartbeat for 2 s" in message
+        assert "exited with code" not in message
+        assert _gone([worker.pid])
+    finally:
+        _release([worker.pid])
+        engine.shutdown()
+
+
+def test_worker_stuck_in_a_step_is_a_clear_error(model_path, monkeypatch):
+    """Rank 1 still beats, but its 5th step never finishes."""
+    monkeypatch.setenv("PAGEDSERVE_STEP_TIMEOUT_S", "3")
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
+    monkeypatch.setattr(multiproc, "worker_main",
+                        functools.partial(worker_main_stuck_at_launch, 5))
+    llm = LLM(model=model_path, tensor_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    (worker,) = engine.runner.processes
+    try:
+        engine.add_request("r", PROMPTS[0], LONG)
+        error = _fails_within(engine, 10)
+        message = str(error)
+        assert f"rank 1 (pid {worker.pid}) has not finished step 5 in 3 s" in message
+        assert "heartbeat" not in message and "exited with code" not in message
+        assert _gone([worker.pid])
+    finally:
+        _release([worker.pid])
+        engine.shutdown()
+
+
+def test_idle_engine_fails_once_a_worker_stops(model_path, monkeypatch):
+    """No request in flight: AsyncLLM's idle engine thread still checks on the ranks, so its
+    error (which /health reports) is set within seconds."""
+    from pagedserve.engine.async_llm import AsyncLLM
+
+    monkeypatch.setenv("PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S", "2")
+    llm = AsyncLLM.from_kwargs(model=model_path, tensor_parallel_size=2, **ENGINE)
+    (worker,) = llm.engine.runner.processes
+    llm.start()
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while llm.error is None:
+            assert time.monotonic() - stopped < 8, "still healthy after the worker stopped"
+            time.sleep(0.1)
+        assert isinstance(llm.error, WorkerError)
+        assert "rank 1" in str(llm.error) and "no heartbeat" in str(llm.error)
+        assert _gone([worker.pid])
+    finally:
+        _release([worker.pid])
+        llm.shutdown()
+
+
+# ---- behind the engine core process and the server --------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # 25 s, most of it starting the core process and its worker
+@pytest.mark.parametrize("when", ["streaming", "idle"])
+def test_stopped_worker_fails_requests_and_health(model_path, monkeypatch, when):
+    """TP=2 behind an engine core process, served: a worker stopped while a request streams
+    fails that request with the hang's message, or while the engine idles fails it all the
+    same (the core loop checks on the ranks); /health answers 503 within seconds."""
+    import uvicorn
+
+    from pagedserve.config import ServerConfig
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.api import build_app
+
+    monkeypatch.setenv("PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S", "2")
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
+    engine = LLMEngine.from_kwargs(model=model_path, tensor_parallel_size=2,
+                                   engine_core_process=True, **ENGINE)
+    core = engine.client.proc
+    (worker,) = _children(core.pid)
+    llm = AsyncLLM(engine)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, ServerConfig(served_model_name="m")),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.1)
+        body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        if when == "streaming":
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
+                lines = resp.iter_lines()
+                for line in lines:
+                    if line.startswith("data: "):
+                        break  # generating
+                os.kill(worker, signal.SIGSTOP)
+                stopped = time.monotonic()
+                tail = [line for line in lines if line.startswith("data: ")]
+            assert time.monotonic() - stopped < 15, "the stream hung after the worker stopped"
+            assert any("heartbeat" in line and "rank 1" in line for line in tail), tail[-3:]
+        else:
+            os.kill(worker, signal.SIGSTOP)
+            stopped = time.monotonic()
+        while (health := httpx.get(url + "/health", timeout=2)).status_code != 503:
+            assert time.monotonic() - stopped < 15, "/health still 200 after the hang"
+            time.sleep(0.1)
+        assert "no heartbeat" in health.json()["error"]["message"]
+        again = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+        assert again.status_code == 503
+    finally:
+        _release([worker])
+        server.should_exit = True
+        thread.join(30)
+        engine.shutdown()
+    assert _gone([worker, core.pid])
