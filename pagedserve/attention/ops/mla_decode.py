@@ -84,11 +84,14 @@ _MIN_TILES_PER_SPLIT = 4  # shorter splits cost more in partials and merging tha
 
 def decode_splits(num_programs: int, num_sms: int, max_seq_len: int, block_n: int) -> int:
     """Key splits per sequence for a decode launch of `num_programs` (request, head block)
-    programs: as many as fill whole waves of the SMs, none past the longest sequence."""
+    programs: as many as fill whole waves of the SMs, none past the longest sequence
+    (`max_seq_len` 0: unknown, as in a captured graph, which keeps its split count for every
+    replay; a split past a sequence's end returns at once)."""
     if num_programs <= 0 or num_sms <= 0:
         return 1
     by_sms = (_PROGRAMS_PER_SM * num_sms) // num_programs
-    by_length = max(1, max_seq_len // (_MIN_TILES_PER_SPLIT * block_n)) if max_seq_len else 1
+    by_length = (max(1, max_seq_len // (_MIN_TILES_PER_SPLIT * block_n)) if max_seq_len
+                 else _MAX_SPLITS)
     return max(1, min(_MAX_SPLITS, by_sms, by_length))
 
 
