@@ -49,15 +49,19 @@ from pagedserve.attention.ops.mla_decode import MLATiles, mla_attention  # noqa:
 
 
 def sweep_tiles() -> list[MLATiles]:
-    """The H200 grid, ~80 shapes: 64 heads per program (128 KB of fp32 accumulator: 8 or 16
-    warps) with 16-64 key tiles, 2-4 stages, unsplit or split in two, lazy rescaling on and
-    off; and 32 heads per program (the rows read four times, from L2) on 4 or 8 warps."""
-    grid = [MLATiles(64, 1, n, w, st, sp, lazy)
-            for n, w, st, sp, lazy in itertools.product([16, 32, 64], [8, 16], [2, 3, 4],
-                                                        [1, 2], [True, False])
-            if not (n == 64 and st == 4)]  # 72 KB q + 3 x 72 KB of keys: no shared memory
+    """The H200 grid, 42 shapes. 64 heads per program (the 128 KB fp32 accumulator): 8 warps
+    with 16-64 key tiles, 2 or 3 stages (sm_90a compiles keep two key buffers at 3 and 4
+    stages: the third stage fetches page ids earlier), unsplit or split, lazy rescaling on and
+    off; 16 warps (128 registers a thread: they spill); 32 heads per program (rows read four
+    times, from L2; 2 programs per SM on 4 warps)."""
+    grid = [MLATiles(64, 1, n, 8, st, sp, lazy)
+            for n, st, sp, lazy in itertools.product([16, 32, 64], [2, 3], [1, 2], [True, False])]
+    grid += [MLATiles(64, 1, 32, 8, 3, sp, True) for sp in (3, 4)]
+    grid += [MLATiles(64, 1, n, 16, st, 1, True)
+             for n, st in itertools.product([16, 32, 64], [2, 3])]
     grid += [MLATiles(32, 1, n, w, st, 1, True)
              for n, w, st in itertools.product([32, 64], [4, 8], [2, 3])]
+    grid += [MLATiles(64, 1, n, 8, 4, 1, True) for n in (16, 32)]
     return grid
 
 
