@@ -33,6 +33,17 @@ Kernel `_mla_attention_kernel`
            page 0 and only produce output for padding rows.
   dtypes:  fp32/fp16/bf16; UPCAST (fp32, and the interpreter, whose bf16 arithmetic is broken)
            converts tiles to fp32 after the load and runs ieee dots.
+
+On Hopper (sm_90a compiles: scripts/mla_kernel_resources.py) both dots are wgmma, q sits in
+shared memory and the [64, 512] fp32 accumulator takes 128 registers a thread over 8 warps,
+so an SM holds one program. Two things bound a 128-head decode before HBM does: its dots do
+~240 FLOP per cache byte (2 x (L + R + L) per key and head), above the H200's bf16 ridge
+(~206), so even every tensor-core cycle would give only ~85% of HBM's 4.8 TB/s; and Triton lays
+a dot that feeds another dot out with every warp along M, so with 64 rows and 8 warps both
+warpgroups compute the same scores (the score dot, 53% of the work, runs twice, in n16/n32
+wgmma pieces that re-read q from shared memory). Reading each latent row once for all 128
+heads would need a 256 KB accumulator: more than an SM's registers; the second head block's
+read comes from L2 instead (the grid order above).
 """
 
 from __future__ import annotations
