@@ -226,26 +226,28 @@ def test_kernel_matches_dense_reference(kind, tiles):
     _check_kernel(step, batch, tiles, heads=6)
 
 
+@pytest.mark.parametrize("block_size", [4, 32])
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_kernel_rising_scores_and_padded_latent(lazy, splits):
+def test_kernel_rising_scores_and_padded_latent(lazy, splits, block_size):
     """Keys whose scores climb along the sequence (rows scaled by their position), so the
     running maxima pass LAZY_RESCALE's slack on later tiles, not only the first; a latent
-    width of 40 (padded to 64: the masked loads) and ragged sequence ends."""
+    width of 40 (padded to 64: the masked loads) and ragged sequence ends; 16-key tiles
+    across pages of 4 (a page id per row) or inside pages of 32 (one per tile)."""
     batch = [(61, 1), (30, 1), (7, 1)]
-    step = Step(batch, 4, torch.float32, DEVICE, seed=10, lora=40, heads=5)
+    step = Step(batch, block_size, torch.float32, DEVICE, seed=10, lora=40, heads=5)
     common = step.common
     for i, (c, _) in enumerate(batch):
         pos = torch.arange(c + 1)
-        pages = common.block_table[i, (pos // 4).to(DEVICE)].long()
-        step.kv_cache[pages, (pos % 4).to(DEVICE)] *= (1 + pos[:, None].to(DEVICE)) / 4.0
+        pages = common.block_table[i, (pos // block_size).to(DEVICE)].long()
+        step.kv_cache[pages, (pos % block_size).to(DEVICE)] *= (1 + pos[:, None].to(DEVICE)) / 4
     tiles = MLATiles(block_h=4, block_q=1, block_n=16, num_warps=4, num_stages=1,
                      num_splits=splits, lazy_rescale=lazy)
     q_lat, q_pe = _check_kernel(step, batch, tiles, heads=5, atol=1e-4)
     # The data does what the test is for: for every head of the longest request, the best
     # score of its last tile passes the best of its first tile by more than the slack (8 in
     # base-2 logits), so the running maxima move after the first tile.
-    rows = step.kv_cache[common.block_table[0, :16].long()].flatten(0, 1)[:62]
+    rows = step.kv_cache[common.block_table[0, :64 // block_size].long()].flatten(0, 1)[:62]
     scores = (q_lat[0] @ rows[:, :40].T + q_pe[0] @ rows[:, 40:].T) * 0.3 / math.log(2)
     assert bool((scores[:, 48:].amax(-1) - scores[:, :16].amax(-1) > 8).all())
 

@@ -29,8 +29,9 @@ Kernel `_mla_attention_kernel`
   splits:  decode launches may cut a sequence's keys into NUM_SPLITS whole-tile ranges; each
            writes a partial output and its log-sum-exp, merged by `_merge_splits_kernel`.
   pages:   the step's latents are written first (`write_latents`), so every key is read from
-           the pages; block-table entries of -1 (padding requests of a captured graph) read
-           page 0 and only produce output for padding rows.
+           the pages (one page id per tile when BLOCK_N divides the page size, else one per
+           row: tiles start at multiples of BLOCK_N); block-table entries of -1 (padding
+           requests of a captured graph) read page 0 and only produce output for padding rows.
   dtypes:  fp32/fp16/bf16; UPCAST (fp32, and the interpreter, whose bf16 arithmetic is broken)
            converts tiles to fp32 after the load and runs ieee dots.
 
@@ -282,9 +283,17 @@ def _mla_tiles(ql, qp, q_pos, cache, table_row, kv_start, kv_end, sm_scale, stri
         # Rows past the end re-read the last key: written, so finite (p = 0 must not meet a
         # NaN of an unwritten row), and the loads need no per-row mask.
         k_read = tl.minimum(k_pos, kv_end - 1)
-        page = tl.load(table_row + k_read // BLOCK_SIZE)
-        # -1 entries (graph padding requests) must not address memory before the cache.
-        slot = tl.maximum(page, 0).to(tl.int64) * stride_cb + (k_read % BLOCK_SIZE) * stride_cs
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # Tiles start at multiples of BLOCK_N, so a tile lies in one page: one page id
+            # and one base offset per tile instead of one per row.
+            page = tl.load(table_row + tile // BLOCK_SIZE)
+            # -1 entries (graph padding requests) must not address memory before the cache.
+            slot = (tl.maximum(page, 0).to(tl.int64) * stride_cb
+                    + ((tile % BLOCK_SIZE) + (k_read - tile)) * stride_cs)
+        else:
+            page = tl.load(table_row + k_read // BLOCK_SIZE)
+            slot = (tl.maximum(page, 0).to(tl.int64) * stride_cb
+                    + (k_read % BLOCK_SIZE) * stride_cs)
         if L == L_PAD:
             c = tl.load(cache + slot[:, None] + offs_l[None, :])  # [BLOCK_N, L]
         else:
