@@ -83,7 +83,8 @@ def main() -> None:
             if isinstance(text, mla.MLATiles):
                 tiles = text
             else:
-                tiles = parse_tiles(text) if text else mla.default_decode_tiles(132, h, t)
+                tiles = (parse_tiles(text) if text
+                         else mla.default_decode_tiles(132, h, t, args.block_size))
             kernel, merge = Compile(real_kernel, target), Compile(real_merge, target)
             mla._mla_attention_kernel, mla._merge_splits_kernel = kernel, merge
             cache = torch.zeros(8, args.block_size, args.lora + args.rope, dtype=dtype)

@@ -253,11 +253,21 @@ def test_kernel_rising_scores_and_padded_latent(lazy, splits, block_size):
 
 
 def test_decode_launch_defaults():
-    """The H200 decode default: 64 heads per program, 32-key tiles, 8 warps, 3 stages, and
-    splits only when whole extra waves fit (one program per SM), never past the sequence."""
+    """The H200 decode default: 64 heads per program, 64-key tiles (two buffers beside q fit
+    227 KB at bf16 DeepSeek widths; 16 at fp32), 8 warps, eager rescaling, 3 stages over pages
+    smaller than a tile (2 when a tile lies in one page), and splits only when whole extra
+    waves fit (one program per SM), never past the sequence."""
+    from pagedserve.attention.ops.mla_decode import gpu_key_tiles, latent_row_bytes
+
     t = default_decode_tiles(132, 128, 64)
     assert (t.block_h, t.block_q, t.block_n, t.num_warps, t.num_stages, t.num_splits,
-            t.lazy_rescale) == (64, 1, 32, 8, 3, 1, True)
+            t.lazy_rescale) == (64, 1, 64, 8, 3, 1, False)
+    assert default_decode_tiles(132, 128, 64, block_size=64).num_stages == 2
+    assert latent_row_bytes(512, 64, torch.bfloat16) == 1152
+    assert latent_row_bytes(500, 60, torch.float32) == (512 + 64) * 4
+    assert gpu_key_tiles(64, 16, latent_row_bytes(512, 64, torch.float32)) == (16, 2)
+    assert gpu_key_tiles(16, 16, latent_row_bytes(512, 64, torch.float32)) == (32, 3)
+    assert gpu_key_tiles(64, 128, 1152) == (64, 2)
     assert default_decode_tiles(132, 128, 8).num_splits == 8  # 16 programs: 8 waves
     assert default_decode_tiles(132, 16, 32).num_splits == 4  # one head block: 32 programs
     assert default_decode_tiles(132, 128, 1).num_splits == 16  # capped
@@ -364,7 +374,7 @@ def test_deepseek_decode_shape_bf16_matches_cpu_mla():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", ["64/1/32/8/3/1/1", "64/1/32/8/2/1/0", "64/1/64/8/2/1/1",
+@pytest.mark.parametrize("tiles", ["64/1/64/8/3/1/0", "64/1/64/8/2/1/0", "64/1/32/8/3/1/1",
                                    "64/1/16/8/4/2/1", "64/1/32/16/3/2/1", "32/1/64/4/2/1/1"])
 def test_decode_launch_shapes_bf16_match_float32(tiles):
     """The sweep's kinds of launch shape on the GPU (lazy and eager rescaling, 16-64 key

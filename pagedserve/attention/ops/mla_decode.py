@@ -75,16 +75,19 @@ class MLATiles:
 
 
 # GPU launch shape, chosen from sm_90a compiles (scripts/mla_kernel_resources.py), not yet
-# timed (benchmarks/mla_decode.py --sweep): the fp32 accumulator of 64 heads x 512 latent
-# channels is 128 KB of registers over 8 warps, so one program fills an SM's registers and the
-# latent rows of 128 heads are read by two programs. Its shared memory is q (72 KB) plus
-# num_stages - 1 key tiles of BLOCK_N x 576 bf16: 32-key tiles with 3 stages (the page ids two
-# tiles ahead, the rows one ahead) take 144 KB; 64-key tiles fit only 2 stages (216 KB).
+# timed (benchmarks/mla_decode.py --sweep picks among 42): the fp32 accumulator of 64 heads x
+# 512 latent channels is 128 KB of registers over 8 warps, so one program fills an SM's
+# registers and the latent rows of 128 heads are read by two programs. Its shared memory is q
+# (BLOCK_M rows) plus two key tiles of BLOCK_N rows (one loading while one is used; more
+# stages only fetch the page ids earlier): 64-key tiles at bf16 take 216 KB of the 227 KB,
+# the most keys in flight per SM, and the fewest instructions per key (the score dot is
+# issued in n32 wgmma pieces instead of n16). Eager rescaling: lazy rescaling's saved
+# multiplies cost as many instructions in its program-wide test, and spill at 64-key tiles.
 _DECODE_ROWS = 64
 _PREFILL_ROWS = 64
-_GPU_BLOCK_N = 32
+_GPU_BLOCK_NS = (64, 32, 16)  # the largest whose two key buffers fit beside q
 _GPU_WARPS = 8
-_GPU_STAGES = 3
+_SMEM_BYTES = 227 * 1024
 _INTERPRETER_ROWS = 64  # the interpreter runs programs in turn: few, large ones are fastest
 # A decode step splits each sequence's keys while whole extra waves of programs fit on the SMs
 # (one program per SM: registers). 64 x 4,096 x 128 heads is 128 programs on 132 SMs: no
@@ -107,22 +110,43 @@ def decode_splits(num_programs: int, num_sms: int, max_seq_len: int, block_n: in
     return max(1, min(_MAX_SPLITS, by_sms, by_length))
 
 
-def default_decode_tiles(num_sms: int, num_heads: int, num_reqs: int,
-                         max_seq_len: int = 0) -> MLATiles:
-    """The GPU decode launch of `num_reqs` requests on `num_sms` SMs."""
+def gpu_key_tiles(block_m: int, block_size: int, row_bytes: int) -> tuple[int, int]:
+    """(block_n, num_stages) for programs of `block_m` query rows over pages of `block_size`
+    latent rows of `row_bytes` (padded L + R channels x element size): the largest key tile
+    whose two buffers fit in shared memory beside q. Two stages when a tile lies in one page
+    (one page id per tile), else three, so each row's page id is fetched a tile earlier; at
+    bf16 DeepSeek widths those are the 64-key shapes that compile without spills."""
+    fits = [n for n in _GPU_BLOCK_NS if (block_m + 2 * n) * row_bytes <= _SMEM_BYTES]
+    block_n = fits[0] if fits else _GPU_BLOCK_NS[-1]
+    return block_n, 2 if block_size % block_n == 0 else 3
+
+
+def default_decode_tiles(num_sms: int, num_heads: int, num_reqs: int, block_size: int = 16,
+                         row_bytes: int = 1152, max_seq_len: int = 0) -> MLATiles:
+    """The GPU decode launch of `num_reqs` requests on `num_sms` SMs (row_bytes: DeepSeek's
+    512 + 64 channels in bf16 unless given)."""
     block_h = min(max(16, triton.next_power_of_2(num_heads)), _DECODE_ROWS)
+    block_n, stages = gpu_key_tiles(block_h, block_size, row_bytes)
     programs = num_reqs * triton.cdiv(num_heads, block_h)
-    splits = decode_splits(programs, num_sms, max_seq_len, _GPU_BLOCK_N)
-    return MLATiles(block_h, 1, block_n=_GPU_BLOCK_N, num_warps=_GPU_WARPS,
-                    num_stages=_GPU_STAGES, num_splits=splits)
+    splits = decode_splits(programs, num_sms, max_seq_len, block_n)
+    return MLATiles(block_h, 1, block_n=block_n, num_warps=_GPU_WARPS, num_stages=stages,
+                    num_splits=splits, lazy_rescale=False)
+
+
+def latent_row_bytes(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one latent row as the kernel holds it: both parts padded to powers of two."""
+    padded = (max(16, triton.next_power_of_2(kv_lora_rank))
+              + max(16, triton.next_power_of_2(rope_dim)))
+    return padded * torch.empty((), dtype=dtype).element_size()
 
 
 def select_mla_tiles(device: torch.device, num_heads: int, decode_only: bool,
-                     num_reqs: int = 0, max_seq_len: int = 0) -> MLATiles:
+                     num_reqs: int = 0, max_seq_len: int = 0, block_size: int = 16,
+                     row_bytes: int = 1152) -> MLATiles:
     """Heads per program: all of them up to the row budget (the fewer head tiles, the fewer
     times a page is read); at least 16 rows, the smallest dot on a GPU. A decode step of
     `num_reqs` requests (longest `max_seq_len`) with too few programs to fill the GPU splits
-    the keys."""
+    the keys. block_size and row_bytes (`latent_row_bytes`) size the key tiles."""
     interp = device.type == "cpu"
     rows = _INTERPRETER_ROWS if interp else (_DECODE_ROWS if decode_only else _PREFILL_ROWS)
     block_h = min(max(16, triton.next_power_of_2(num_heads)), rows)
@@ -131,9 +155,11 @@ def select_mla_tiles(device: torch.device, num_heads: int, decode_only: bool,
         return MLATiles(block_h, block_q, block_n=64, num_warps=1, num_stages=1)
     if decode_only:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return default_decode_tiles(sms, num_heads, num_reqs, max_seq_len)
-    return MLATiles(block_h, block_q, block_n=_GPU_BLOCK_N, num_warps=_GPU_WARPS,
-                    num_stages=_GPU_STAGES)
+        return default_decode_tiles(sms, num_heads, num_reqs, block_size, row_bytes,
+                                    max_seq_len)
+    block_n, stages = gpu_key_tiles(block_h * block_q, block_size, row_bytes)
+    return MLATiles(block_h, block_q, block_n=block_n, num_warps=_GPU_WARPS,
+                    num_stages=stages, lazy_rescale=False)
 
 
 # LAZY_RESCALE's slack in base-2 logits: probabilities up to 2^8 before the running max moves.
