@@ -65,6 +65,10 @@ def sweep_tiles() -> list[MLATiles]:
     return grid
 
 
+# The launch shape measured at 454.5 us (13.8% of peak) on 2026-12-01, for comparison.
+OLD_DEFAULT = MLATiles(64, 1, 32, 8, 2, 1, False)
+
+
 def parse_tiles(text: str) -> MLATiles:
     """block_h/block_q/block_n/num_warps/num_stages[/num_splits[/lazy_rescale]]"""
     values = [int(v) for v in text.split("/")]
@@ -237,7 +241,8 @@ def sweep(step: Decode, args: argparse.Namespace, rates: Rates) -> None:
     print(f"{'config':<36} time, rate, of HBM peak, of the copy rate, TFLOP/s, max abs diff "
           "from float32")
     for seconds, tiles, err in sorted(results, key=lambda r: r[0]):
-        mark = " (default)" if tiles == default else ""
+        mark = (" (default)" if tiles == default
+                else " (old default)" if tiles == OLD_DEFAULT else "")
         print(f"{tiles_label(tiles) + mark:<36} {rates.columns(seconds)}  {err:.1e}")
     for line in failed:
         print(f"failed: {line}")
