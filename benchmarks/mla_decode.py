@@ -242,7 +242,7 @@ def sweep(step: Decode, args: argparse.Namespace, rates: Rates) -> None:
           "from float32")
     for seconds, tiles, err in sorted(results, key=lambda r: r[0]):
         mark = (" (default)" if tiles == default
-                else " (old default)" if tiles == OLD_DEFAULT else "")
+                else " (old default shape)" if tiles == OLD_DEFAULT else "")
         print(f"{tiles_label(tiles) + mark:<36} {rates.columns(seconds)}  {err:.1e}")
     for line in failed:
         print(f"failed: {line}")
