@@ -4,17 +4,27 @@ each reaches on the latent cache.
 
 Default workload: 64 sequences x 4,096 context, 128 heads, latent 512 + rope 64, bf16, page 64.
 Bytes = sequences x context x (L + R) x element size (each latent row read once; the queries
-and the output are small beside it), against --peak-tbs (4.8 TB/s, the H200's HBM3e). Rows:
-`kernel` (the attention launch alone, every key from the pages), `forward` (the impl as the
-model runs it: q_nope @ W_UK, the latent write, the kernel, out @ W_UV), for TRITON_MLA and
-then FLASHINFER_MLA (its `kernel` row: the planned wrapper's run alone; the plan, host work
-once per step, is timed apart). --sweep also times
-every launch shape of the grid below on the same data, checks each against the default's
-output and prints the fastest; the winner goes into ops/mla_decode.py by hand.
+and the output are small beside it), against --peak-tbs (4.8 TB/s, the H200's HBM3e) and
+against the device-to-device copy rate measured first (`copy`: bytes read + written of a
+cache-sized copy per second). TFLOP/s counts the absorbed form's dots, 2 x (L + R + L) per key
+and head: at 128 heads that is ~240 FLOP per cache byte, above the H200's bf16 ridge (~206),
+so a 128-head decode is bound by its tensor cores before HBM (all 989 dense TFLOP/s would be
+85% of 4.8 TB/s). Rows: `kernel` (the attention launch alone, every key from the pages),
+`forward` (the impl as the model runs it: q_nope @ W_UK, the latent write, the kernel,
+out @ W_UV), for TRITON_MLA and then FLASHINFER_MLA (its `kernel` row: the planned wrapper's
+run alone; the plan, host work once per step, is timed apart).
+
+--sweep times every launch shape of `sweep_tiles()` (or --configs) on the same data and prints
+one table, fastest first: each shape's time, % of peak and of the copy rate, TFLOP/s and its
+largest difference from a float32 reference; shapes that do not compile (shared memory) are
+listed as failed. The winner goes into ops/mla_decode.py's defaults by hand.
+Tile strings: block_h/block_q/block_n/num_warps/num_stages/num_splits/lazy_rescale.
 
     python benchmarks/mla_decode.py [--seqs 64] [--context 4096] [--heads 128] [--sweep]
+        [--configs 64/1/32/8/3/1/1,64/1/64/8/2/1/0] [--block-size 16]
     TRITON_INTERPRET=1 python benchmarks/mla_decode.py --device cpu --seqs 2 --context 64 \
-        --heads 4 --lora 32 --rope 8 --nope 16 --v 12 --iters 1   # smoke run, no GPU
+        --heads 4 --lora 32 --rope 8 --nope 16 --v 12 --iters 1 --sweep \
+        --configs 16/1/16/4/1/1/1,16/1/16/4/1/2/0   # smoke run, no GPU
 """
 
 from __future__ import annotations
@@ -37,8 +47,39 @@ from pagedserve.attention.metadata import CommonMetadataBuilder  # noqa: E402
 from pagedserve.attention.mla import MLALayerConfig  # noqa: E402
 from pagedserve.attention.ops.mla_decode import MLATiles, mla_attention  # noqa: E402
 
-SWEEP = dict(block_h=[32, 64], block_q=[1], block_n=[16, 32, 64], num_warps=[4, 8],
-             num_stages=[1, 2], num_splits=[1, 2, 4])
+
+def sweep_tiles() -> list[MLATiles]:
+    """The H200 grid, 42 shapes. 64 heads per program (the 128 KB fp32 accumulator): 8 warps
+    with 16-64 key tiles, 2 or 3 stages (sm_90a compiles keep two key buffers at 3 and 4
+    stages: the third stage fetches page ids earlier), unsplit or split, lazy rescaling on and
+    off; 16 warps (128 registers a thread: they spill); 32 heads per program (rows read four
+    times, from L2; 2 programs per SM on 4 warps)."""
+    grid = [MLATiles(64, 1, n, 8, st, sp, lazy)
+            for n, st, sp, lazy in itertools.product([16, 32, 64], [2, 3], [1, 2], [True, False])]
+    grid += [MLATiles(64, 1, 32, 8, 3, sp, True) for sp in (3, 4)]
+    grid += [MLATiles(64, 1, n, 16, st, 1, True)
+             for n, st in itertools.product([16, 32, 64], [2, 3])]
+    grid += [MLATiles(32, 1, n, w, st, 1, True)
+             for n, w, st in itertools.product([32, 64], [4, 8], [2, 3])]
+    grid += [MLATiles(64, 1, n, 8, 4, 1, True) for n in (16, 32)]
+    return grid
+
+
+# The launch shape measured at 454.5 us (13.8% of peak) on 2026-12-01, for comparison.
+OLD_DEFAULT = MLATiles(64, 1, 32, 8, 2, 1, False)
+
+
+def parse_tiles(text: str) -> MLATiles:
+    """block_h/block_q/block_n/num_warps/num_stages[/num_splits[/lazy_rescale]]"""
+    values = [int(v) for v in text.split("/")]
+    if len(values) > 6:
+        values[6] = bool(values[6])
+    return MLATiles(*values)
+
+
+def tiles_label(t: MLATiles) -> str:
+    return (f"h{t.block_h} n{t.block_n} w{t.num_warps} st{t.num_stages} sp{t.num_splits}"
+            f"{' lazy' if t.lazy_rescale else ''}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,7 +97,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--peak-tbs", type=float, default=4.8, help="HBM peak, TB/s")
-    p.add_argument("--sweep", action="store_true", help="time every launch shape in SWEEP")
+    p.add_argument("--sweep", action="store_true",
+                   help="time every launch shape of sweep_tiles() (or --configs)")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated tile strings for --sweep instead of its grid")
     p.add_argument("--flashinfer-kernels", default="fa2,fa3",
                    help="FlashInfer MLA kernel families to time beside its auto choice")
     p.add_argument("--backends", default="TRITON_MLA,FLASHINFER_MLA",
@@ -104,6 +148,22 @@ class Decode:
     def forward(self) -> None:
         self.impl.forward(self.query, self.latent, None, self.kv_cache, self.metadata)
 
+    def reference(self) -> torch.Tensor:
+        """The kernel's latent output in float32 torch, a sequence at a time (the whole batch
+        at once would hold seqs x heads x context scores)."""
+        c, lora = self.common, self.layer.kv_lora_rank
+        q_pe = self.query[..., self.layer.qk_nope_head_dim:].float()
+        out = torch.empty(self.q_lat.shape, dtype=torch.float32, device=self.q_lat.device)
+        seq_lens = c.seq_lens_cpu
+        for i in range(len(seq_lens)):
+            n = int(seq_lens[i])
+            pages = c.block_table[i, :-(-n // self.kv_cache.shape[1])].long()
+            rows = self.kv_cache[pages].flatten(0, 1)[:n].float()
+            scores = (self.q_lat[i].float() @ rows[:, :lora].T
+                      + q_pe[i] @ rows[:, lora:].T) * self.impl.scale
+            out[i] = torch.softmax(scores, dim=-1) @ rows[:, :lora]
+        return out
+
 
 class FlashInferDecode:
     """FLASHINFER_MLA on the same step, cache and weights as a `Decode`."""
@@ -133,47 +193,81 @@ class FlashInferDecode:
         self.impl.forward(s.query, s.latent, None, s.kv_cache, self.metadata)
 
 
-def report(name: str, seconds: float, cache_bytes: int, peak_tbs: float) -> None:
-    tbs = cache_bytes / seconds / 1e12
-    print(f"{name:<50} {seconds * 1e6:9.1f} us  {tbs:6.2f} TB/s  {tbs / peak_tbs:6.1%} of peak")
+class Rates:
+    """What a time means for this workload: cache bytes over seconds against the HBM peak and
+    the measured copy rate, and the absorbed dots' FLOP/s."""
+
+    def __init__(self, args: argparse.Namespace, cache_bytes: int, copy_tbs: float) -> None:
+        self.cache_bytes, self.peak_tbs, self.copy_tbs = cache_bytes, args.peak_tbs, copy_tbs
+        self.flops = 2 * args.seqs * args.context * args.heads * (2 * args.lora + args.rope)
+
+    def columns(self, seconds: float) -> str:
+        tbs = self.cache_bytes / seconds / 1e12
+        copy = f"{tbs / self.copy_tbs:6.1%}" if self.copy_tbs else "     -"
+        return (f"{seconds * 1e6:9.1f} us  {tbs:6.2f} TB/s  {tbs / self.peak_tbs:6.1%} of peak"
+                f"  {copy} of copy  {self.flops / seconds / 1e12:6.1f} TFLOP/s")
 
 
-def sweep(step: Decode, args: argparse.Namespace, cache_bytes: int) -> None:
-    step.kernel(step.metadata.tiles)
-    expected = step.out_lat.clone()
-    results = []
-    for values in itertools.product(*SWEEP.values()):
-        tiles = MLATiles(*values)
+def report(name: str, seconds: float, rates: Rates) -> None:
+    print(f"{name:<50} {rates.columns(seconds)}")
+
+
+def copy_rate(nbytes: int, device: torch.device, args: argparse.Namespace) -> float:
+    """TB/s of a device-to-device copy of `nbytes` (read + written), 0 off CUDA."""
+    if device.type != "cuda":
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = time_cuda(lambda: dst.copy_(src), args.warmup, args.iters)
+    return 2 * nbytes / seconds / 1e12
+
+
+def sweep(step: Decode, args: argparse.Namespace, rates: Rates) -> None:
+    expected = step.reference()
+    configs = ([parse_tiles(t) for t in args.configs.split(",")] if args.configs
+               else sweep_tiles())
+    print(f"sweep: {len(configs)} launch shapes (block_h/block_n/warps/stages/splits/lazy)")
+    results, failed = [], []
+    for tiles in configs:
+        step.out_lat.fill_(float("nan"))
         try:
             seconds = time_cuda(lambda t=tiles: step.kernel(t), args.warmup, args.iters)
         except Exception as exc:  # shared memory or registers out of range: skip the shape
-            print(f"{tiles}: failed ({type(exc).__name__})")
+            failed.append(f"{tiles_label(tiles)}: {type(exc).__name__}")
             continue
-        err = (step.out_lat.float() - expected.float()).abs().max().item()
+        err = (step.out_lat.float() - expected).abs().max().item()
         results.append((seconds, tiles, err))
-    for seconds, tiles, err in sorted(results, key=lambda r: r[0])[:10]:
-        report(f"h{tiles.block_h} n{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}"
-               f" splits{tiles.num_splits}"
-               f" (err {err:.1e})", seconds, cache_bytes, args.peak_tbs)
+    default = step.metadata.tiles
+    print(f"{'config':<36} time, rate, of HBM peak, of the copy rate, TFLOP/s, max abs diff "
+          "from float32")
+    for seconds, tiles, err in sorted(results, key=lambda r: r[0]):
+        mark = (" (default)" if tiles == default
+                else " (old default shape)" if tiles == OLD_DEFAULT else "")
+        print(f"{tiles_label(tiles) + mark:<36} {rates.columns(seconds)}  {err:.1e}")
+    for line in failed:
+        print(f"failed: {line}")
 
 
 def main() -> None:
     args = parse_args()
     step = Decode(args)
     cache_bytes = args.seqs * args.context * (args.lora + args.rope) * step.kv_cache.element_size()
+    rates = Rates(args, cache_bytes, copy_rate(cache_bytes, torch.device(args.device), args))
     print(f"decode {args.seqs} x {args.context}, {args.heads} heads, latent {args.lora} + "
           f"{args.rope}, {args.dtype}, page {args.block_size}: {cache_bytes / 2**20:.0f} MiB "
-          f"of latent cache; tiles {step.metadata.tiles}")
+          f"of latent cache; copy rate {rates.copy_tbs:.2f} TB/s; default tiles "
+          f"{tiles_label(step.metadata.tiles)}")
     backends = [b.strip().upper() for b in args.backends.split(",") if b.strip()]
     if "TRITON_MLA" in backends:
         seconds = time_cuda(lambda: step.kernel(step.metadata.tiles), args.warmup, args.iters)
-        report("TRITON_MLA kernel", seconds, cache_bytes, args.peak_tbs)
+        report("TRITON_MLA kernel", seconds, rates)
+        err = (step.out_lat.float() - step.reference()).abs().max().item()
+        print(f"{'':<50} max abs diff from the float32 reference: {err:.2e}")
         seconds = time_cuda(step.forward, args.warmup, args.iters)
-        report("TRITON_MLA forward (bmm + write + kernel + bmm)", seconds, cache_bytes,
-               args.peak_tbs)
+        report("TRITON_MLA forward (bmm + write + kernel + bmm)", seconds, rates)
         triton_out = step.out_lat.clone()
         if args.sweep:
-            sweep(step, args, cache_bytes)
+            sweep(step, args, rates)
     if "FLASHINFER_MLA" in backends:
         from pagedserve.attention.backends.flashinfer_mla import FlashInferMLABackend
 
@@ -190,18 +284,16 @@ def main() -> None:
             except Exception as exc:  # a kernel family this FlashInfer or GPU does not build
                 print(f"FLASHINFER_MLA kernel ({kind}): failed ({type(exc).__name__}: {exc})")
                 continue
-            report(f"FLASHINFER_MLA kernel (wrapper.run, {kind})", seconds, cache_bytes,
-                   args.peak_tbs)
+            report(f"FLASHINFER_MLA kernel (wrapper.run, {kind})", seconds, rates)
         builder_cls.kernel_backend = "auto"
         fi = FlashInferDecode(step, args)
         seconds = time_cuda(fi.kernel, args.warmup, args.iters)
-        report("FLASHINFER_MLA kernel (wrapper.run)", seconds, cache_bytes, args.peak_tbs)
+        report("FLASHINFER_MLA kernel (wrapper.run)", seconds, rates)
         if "TRITON_MLA" in backends:
             err = (step.out_lat.float() - triton_out.float()).abs().max().item()
             print(f"{'':<50} max abs diff of the two kernels' latent outputs: {err:.2e}")
         seconds = time_cuda(fi.forward, args.warmup, args.iters)
-        report("FLASHINFER_MLA forward (bmm + write + run + bmm)", seconds, cache_bytes,
-               args.peak_tbs)
+        report("FLASHINFER_MLA forward (bmm + write + run + bmm)", seconds, rates)
         start = time.perf_counter()
         for _ in range(args.iters):
             fi.plan()

@@ -29,6 +29,8 @@ if DEVICE.type == "cpu" and not TRITON_MLA.is_available()[0]:
 
 from pagedserve.attention.ops.mla_decode import (  # noqa: E402
     MLATiles,
+    decode_splits,
+    default_decode_tiles,
     mla_attention,
     write_latents,
 )
@@ -175,43 +177,103 @@ def _dense_absorbed(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     return torch.softmax(scores, dim=-1) @ c
 
 
+def _check_kernel(step: Step, batch: list[tuple[int, int]], tiles: MLATiles, heads: int,
+                  scale: float = 0.3, atol: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel over `step`'s cache with random absorbed queries against _dense_absorbed;
+    returns the queries (q_lat, q_pe)."""
+    from pagedserve.attention.ops.query_blocks import query_block_map
+
+    common, lora, rope = step.common, step.layer.kv_lora_rank, step.layer.qk_rope_head_dim
+    gen = torch.Generator().manual_seed(4)
+    t = common.num_actual_tokens
+    q_lat = torch.randn(t, heads, lora, generator=gen).to(DEVICE)
+    q_pe = torch.randn(t, heads, rope + 3, generator=gen)[..., 3:].to(DEVICE)  # strided view
+    req, start = query_block_map(common.query_start_loc_cpu, common.seq_lens_cpu,
+                                 tiles.block_q)
+    out = torch.full((t, heads, lora), float("nan"), device=DEVICE)
+    mla_attention(q_lat, q_pe, step.kv_cache, out, common.block_table, common.query_start_loc,
+                  common.seq_lens, torch.from_numpy(req).to(DEVICE),
+                  torch.from_numpy(start).to(DEVICE), len(req), scale, tiles)
+    qsl = common.query_start_loc_cpu
+    for i, (c, _) in enumerate(batch):
+        s, e = qsl[i], qsl[i + 1]
+        ref = _dense_absorbed(q_lat[s:e], q_pe[s:e], step.kv_cache, common.block_table[i],
+                              c, scale)
+        torch.testing.assert_close(out[s:e], ref, rtol=1e-5, atol=atol)
+    return q_lat, q_pe
+
+
 @pytest.mark.parametrize("tiles", [MLATiles(block_h=16, block_q=1, block_n=16, num_warps=4,
                                             num_stages=1),
                                    MLATiles(block_h=4, block_q=4, block_n=32, num_warps=4,
                                             num_stages=1),
                                    MLATiles(block_h=4, block_q=1, block_n=16, num_warps=4,
-                                            num_stages=1, num_splits=3)],
-                         ids=["all_heads", "head_tiles", "split_keys"])
+                                            num_stages=1, num_splits=3),
+                                   MLATiles(block_h=4, block_q=1, block_n=8, num_warps=4,
+                                            num_stages=1, num_splits=2, lazy_rescale=False)],
+                         ids=["all_heads", "head_tiles", "split_keys", "split_eager_rescale"])
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_kernel_matches_dense_reference(kind, tiles):
     """Six heads: two head tiles of four (the second half masked) or one of 16; a decode
-    step's keys split three ways (some splits past a short sequence's end, merged by their
-    log-sum-exp)."""
-    from pagedserve.attention.ops.query_blocks import query_block_map
-
+    step's keys split two or three ways (some splits past a short sequence's end, merged by
+    their log-sum-exp), with lazy and eager rescaling."""
     batch = BATCHES[kind]
     if kind == "mixed" and tiles.num_splits > 1:
         pytest.skip("only decode launches split the keys")
     if kind == "decode" and tiles.block_q > 1:
         tiles = MLATiles(tiles.block_h, 1, tiles.block_n, tiles.num_warps, tiles.num_stages)
     step = Step(batch, 4, torch.float32, DEVICE, seed=3, heads=6)
-    common, h, lora, rope = step.common, 6, SMALL["lora"], SMALL["rope"]
-    gen = torch.Generator().manual_seed(4)
-    t = common.num_actual_tokens
-    q_lat = torch.randn(t, h, lora, generator=gen).to(DEVICE)
-    q_pe = torch.randn(t, h, rope + 3, generator=gen)[..., 3:].to(DEVICE)  # strided view
-    req, start = query_block_map(common.query_start_loc_cpu, common.seq_lens_cpu,
-                                 tiles.block_q)
-    out = torch.full((t, h, lora), float("nan"), device=DEVICE)
-    mla_attention(q_lat, q_pe, step.kv_cache, out, common.block_table, common.query_start_loc,
-                  common.seq_lens, torch.from_numpy(req).to(DEVICE),
-                  torch.from_numpy(start).to(DEVICE), len(req), 0.3, tiles)
-    qsl = common.query_start_loc_cpu
+    _check_kernel(step, batch, tiles, heads=6)
+
+
+@pytest.mark.parametrize("block_size", [4, 32])
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_kernel_rising_scores_and_padded_latent(lazy, splits, block_size):
+    """Keys whose scores climb along the sequence (rows scaled by their position), so the
+    running maxima pass LAZY_RESCALE's slack on later tiles, not only the first; a latent
+    width of 40 (padded to 64: the masked loads) and ragged sequence ends; 16-key tiles
+    across pages of 4 (a page id per row) or inside pages of 32 (one per tile)."""
+    batch = [(61, 1), (30, 1), (7, 1)]
+    step = Step(batch, block_size, torch.float32, DEVICE, seed=10, lora=40, heads=5)
+    common = step.common
     for i, (c, _) in enumerate(batch):
-        s, e = qsl[i], qsl[i + 1]
-        ref = _dense_absorbed(q_lat[s:e], q_pe[s:e], step.kv_cache, common.block_table[i],
-                              c, 0.3)
-        torch.testing.assert_close(out[s:e], ref, rtol=1e-5, atol=1e-5)
+        pos = torch.arange(c + 1)
+        pages = common.block_table[i, (pos // block_size).to(DEVICE)].long()
+        step.kv_cache[pages, (pos % block_size).to(DEVICE)] *= (1 + pos[:, None].to(DEVICE)) / 4
+    tiles = MLATiles(block_h=4, block_q=1, block_n=16, num_warps=4, num_stages=1,
+                     num_splits=splits, lazy_rescale=lazy)
+    q_lat, q_pe = _check_kernel(step, batch, tiles, heads=5, atol=1e-4)
+    # The data does what the test is for: for every head of the longest request, the best
+    # score of its last tile passes the best of its first tile by more than the slack (8 in
+    # base-2 logits), so the running maxima move after the first tile.
+    rows = step.kv_cache[common.block_table[0, :64 // block_size].long()].flatten(0, 1)[:62]
+    scores = (q_lat[0] @ rows[:, :40].T + q_pe[0] @ rows[:, 40:].T) * 0.3 / math.log(2)
+    assert bool((scores[:, 48:].amax(-1) - scores[:, :16].amax(-1) > 8).all())
+
+
+def test_decode_launch_defaults():
+    """The H200 decode default: 64 heads per program, 64-key tiles (two buffers beside q fit
+    227 KB at bf16 DeepSeek widths; 16 at fp32), 8 warps, eager rescaling, 3 stages over pages
+    smaller than a tile (2 when a tile lies in one page), and splits only when whole extra
+    waves fit (one program per SM), never past the sequence."""
+    from pagedserve.attention.ops.mla_decode import gpu_key_tiles, latent_row_bytes
+
+    t = default_decode_tiles(132, 128, 64)
+    assert (t.block_h, t.block_q, t.block_n, t.num_warps, t.num_stages, t.num_splits,
+            t.lazy_rescale) == (64, 1, 64, 8, 3, 1, False)
+    assert default_decode_tiles(132, 128, 64, block_size=64).num_stages == 2
+    assert latent_row_bytes(512, 64, torch.bfloat16) == 1152
+    assert latent_row_bytes(500, 60, torch.float32) == (512 + 64) * 4
+    assert gpu_key_tiles(64, 16, latent_row_bytes(512, 64, torch.float32)) == (16, 2)
+    assert gpu_key_tiles(16, 16, latent_row_bytes(512, 64, torch.float32)) == (32, 3)
+    assert gpu_key_tiles(64, 128, 1152) == (64, 2)
+    assert default_decode_tiles(132, 128, 8).num_splits == 8  # 16 programs: 8 waves
+    assert default_decode_tiles(132, 16, 32).num_splits == 4  # one head block: 32 programs
+    assert default_decode_tiles(132, 128, 1).num_splits == 16  # capped
+    assert decode_splits(16, 132, max_seq_len=256, block_n=32) == 2  # 4 tiles per split
+    assert decode_splits(200, 132, max_seq_len=8192, block_n=32) == 1
+    assert decode_splits(0, 132, 8192, 32) == decode_splits(4, 0, 8192, 32) == 1
 
 
 def test_write_latents_skips_padding_slots():
@@ -309,6 +371,21 @@ def test_deepseek_decode_shape_bf16_matches_cpu_mla():
     ref, ref_cache = step.run(CPU_MLA)
     torch.testing.assert_close(got_cache, ref_cache, rtol=0, atol=0)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", ["64/1/64/8/3/1/0", "64/1/64/8/2/1/0", "64/1/32/8/3/1/1",
+                                   "64/1/16/8/4/2/1", "64/1/32/16/3/2/1", "32/1/64/4/2/1/1"])
+def test_decode_launch_shapes_bf16_match_float32(tiles):
+    """The sweep's kinds of launch shape on the GPU (lazy and eager rescaling, 16-64 key
+    tiles, 8/16 warps, split keys, 32-head programs) at DeepSeek's widths in bf16, 128 heads,
+    page 16, against the dense float32 absorbed form."""
+    values = [int(v) for v in tiles.split("/")]
+    batch = [(1500, 1), (777, 1), (64, 1), (3, 1)]
+    step = Step(batch, 16, torch.bfloat16, DEVICE, seed=13, lora=512, rope=64, nope=128, v=128,
+                heads=128)
+    _check_kernel(step, batch, MLATiles(*values[:6], bool(values[6])), heads=128, scale=0.07,
+                  atol=2e-2)
 
 
 @pytest.mark.gpu

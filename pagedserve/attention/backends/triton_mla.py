@@ -169,7 +169,7 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
         self.expand_budget_bytes = EXPAND_BUDGET_BYTES
 
     def build(self, common: CommonAttentionMetadata) -> TritonMLAMetadata:
-        from pagedserve.attention.ops.mla_decode import select_mla_tiles
+        from pagedserve.attention.ops.mla_decode import latent_row_bytes, select_mla_tiles
 
         p, b = common.num_prefills, common.num_reqs
         prefill = None
@@ -177,8 +177,11 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
             prefill = self.prefill_planner.plan(common)
         first = p if prefill is not None else 0
         decode_only = common.max_query_len <= 1 or prefill is not None
+        assert self.config.mla_dims is not None
+        lora, _, rope, _ = self.config.mla_dims
         tiles = select_mla_tiles(self.device, self.config.num_heads, decode_only,
-                                 num_reqs=b - first)
+                                 num_reqs=b - first, block_size=self.config.block_size,
+                                 row_bytes=latent_row_bytes(lora, rope, self.config.dtype))
         num_qblocks = self.query_blocks.fill(common, tiles.block_q, first, b)
         return TritonMLAMetadata(
             common=common, qblock_req=self.query_blocks.req,
