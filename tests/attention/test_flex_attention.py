@@ -291,3 +291,76 @@ def test_physical_block_mask_lists_exactly_the_tiles_the_mask_needs(layout, bloc
     if layout == "SmallTilePhysicalBuilder" and step == "shared" and block_size == 16 \
             and window is None:
         assert any(full), "no full tile: the case does not test them"
+
+
+@pytest.mark.parametrize("block_size", [16, pytest.param(1, marks=pytest.mark.slow)])
+def test_tiny_llama_greedy_through_the_physical_layout(tmp_path, make_llm, monkeypatch,
+                                                       block_size):
+    """The engine with the physical layout forced on the CPU (a small cache: eager flex scores
+    every slot): chunked prefills sharing steps with decodes, transformers' greedy tokens."""
+    monkeypatch.setattr(BACKEND.builder_cls, "physical_kv", True)
+    config = transformers.LlamaConfig(
+        vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2, tie_word_embeddings=False, rope_theta=10000.0)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    hf.eval()
+    hf.save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 211, (n,), generator=g).tolist() for n in (3, 21, 1)]
+    expected = [hf_greedy(hf, p, 6) for p in prompts]
+    llm = make_llm(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                   num_gpu_blocks_override=16 * 16 // block_size, attention_backend=NAME,
+                   max_num_batched_tokens=8, block_size=block_size)
+    runner = llm.engine.runner
+    assert all(b.uses_physical_kv() for b in runner.builders.values())
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+# A longer step for the GPU: several query and KV tiles per request, decodes over long contexts.
+LONG_BATCH = [(0, 300), (200, 77), (1000, 1), (517, 1), (31, 1), (2047, 1), (0, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", list(PHYSICAL))
+@pytest.mark.parametrize("batch", [*BATCHES, "long"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("window", [None, 100])
+def test_compiled_physical_layout_on_cuda(layout, batch, block_size, window):
+    """The compiled flex kernel (which, unlike eager flex, visits only the block mask's listed
+    tiles and skips the mask_mod in full ones) against the float32 reference, bf16, GQA 4,
+    soft-cap and sinks."""
+    from pagedserve.attention.backends.flex_attention import FlexAttentionImpl
+
+    FlexAttentionImpl.compile_flex()
+    requests = LONG_BATCH if batch == "long" else BATCHES[batch]
+    case = Case(requests, block_size, 8, 2, 64, torch.bfloat16, window, 30.0, sinks=True)
+    run_case(PHYSICAL[layout], case, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+def test_tiny_llama_greedy_on_cuda(tmp_path):
+    """The engine on CUDA through FLEX_ATTENTION (compiled at warm-up, the physical layout)
+    against transformers' greedy tokens, float32, chunked prefill."""
+    from pagedserve import LLM
+
+    config = transformers.LlamaConfig(
+        vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2, tie_word_embeddings=False, rope_theta=10000.0)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    hf.eval()
+    hf.save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 211, (n,), generator=g).tolist() for n in (3, 17, 40, 1, 25)]
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", attention_backend=NAME,
+              gpu_memory_utilization=0.2, max_num_batched_tokens=16)
+    assert all(b.uses_physical_kv() for b in llm.engine.runner.builders.values())
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -95,14 +95,19 @@ class KVTilePlan:
     logical: np.ndarray  # [E] int64, its logical index in its request
 
 
-def _tile_rows(num_tiles: int, row: np.ndarray, value: np.ndarray) -> tuple[np.ndarray,
-                                                                            np.ndarray]:
-    """Each tile's distinct values, ascending and left-packed: ([Tq] counts, [Tq, W])."""
+def _tile_rows(num_tiles: int, row: np.ndarray, value: np.ndarray,
+               distinct: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each tile's distinct values, left-packed: ([Tq] counts, [Tq, W]). `row` is sorted;
+    `distinct`: no value repeats within a row (else they are sorted and deduplicated)."""
     counts = np.bincount(row, minlength=num_tiles)
     width = max(int(counts.max()) if num_tiles else 0, 1)
+    col = np.arange(len(row)) - (np.cumsum(counts) - counts)[row]
+    if distinct:
+        grid = np.zeros((num_tiles, width), dtype=np.int32)
+        grid[row, col] = value
+        return counts.astype(np.int32), grid
     big = np.iinfo(np.int64).max
     grid = np.full((num_tiles, width), big, dtype=np.int64)
-    col = np.arange(len(row)) - (np.cumsum(counts) - counts)[row]
     grid[row, col] = value
     grid.sort(axis=1)
     # Duplicates (a page shared through the prefix cache, pages of one KV tile) sent to the end.
@@ -120,12 +125,14 @@ def _tile_rows(num_tiles: int, row: np.ndarray, value: np.ndarray) -> tuple[np.n
 def plan_kv_tiles(row_start: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray,
                   page_ids: np.ndarray, page_indptr: np.ndarray, block_size: int,
                   window: int | None, q_tile: int, pages_per_kv_tile: int,
-                  num_rows: int) -> KVTilePlan:
+                  num_rows: int, one_request_per_tile: bool = False) -> KVTilePlan:
     """The physical layout's tiles. Request r's queries are flex rows [row_start[r],
     row_start[r] + query_lens[r]) at positions context_lens[r] + i; its pages are
     page_ids[page_indptr[r]:page_indptr[r + 1]]. A query at p sees positions
     (p - window, p] (all of [0, p] without a window). Query tile t is rows
-    [t * q_tile, (t + 1) * q_tile); KV tile j is pages [j * pages_per_kv_tile, ...)."""
+    [t * q_tile, (t + 1) * q_tile); KV tile j is pages [j * pages_per_kv_tile, ...).
+    `one_request_per_tile` (rows aligned to tiles) with one page a KV tile lists each tile's
+    pages as they come: a request's visible pages are distinct."""
     bs = block_size
     num_tiles = -(-num_rows // q_tile)
     b = len(query_lens)
@@ -159,8 +166,9 @@ def plan_kv_tiles(row_start: np.ndarray, query_lens: np.ndarray, context_lens: n
     else:
         full = np.zeros(len(seg), dtype=bool)
     kv_tiles = pages // pages_per_kv_tile
-    kv_num, kv_idx = _tile_rows(num_tiles, tile[seg][~full], kv_tiles[~full])
-    full_num, full_idx = _tile_rows(num_tiles, tile[seg][full], kv_tiles[full])
+    distinct = one_request_per_tile and pages_per_kv_tile == 1
+    kv_num, kv_idx = _tile_rows(num_tiles, tile[seg][~full], kv_tiles[~full], distinct)
+    full_num, full_idx = _tile_rows(num_tiles, tile[seg][full], kv_tiles[full], distinct)
     return KVTilePlan(kv_num, kv_idx, full_num, full_idx, pages, logical.astype(np.int64))
 
 
@@ -206,7 +214,8 @@ class FlexAttentionMetadata:
             return self.block_mask
         device = self.q_req.device
         inverse = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
-        inverse[self.plan["pages"]] = self.plan["logical"]
+        # A page shared by several requests (prefix cache) has one logical index in each.
+        inverse.scatter_(0, self.plan["pages"], self.plan["logical"])
         self.page_logical = inverse
         self.block_mask = _flex_module().BlockMask.from_kv_blocks(
             self.plan["kv_num_blocks"], self.plan["kv_indices"],
@@ -247,19 +256,26 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         else:
             md = self._build_gathered(common)
         md.mask_fn = self.mask_mod(md)
-        if not md.physical:
-            flex = _flex_module()
-            tiles = -(-max(md.num_rows, 1) // _GATHER_TILE)
-            kv_tiles = -(-max(len(md.kv_slot), 1) // _GATHER_TILE)
-            device = common.query_start_loc.device
+        if md.physical:
+            return md
+        flex = _flex_module()
+        device = common.query_start_loc.device
+        num_keys = len(md.kv_slot)
+        if device.type != "cpu":  # the gathered layout off the CPU: a sparse mask
+            md.block_mask = flex.create_block_mask(md.mask_fn, None, None, md.num_rows,
+                                                   num_keys, device=device,
+                                                   BLOCK_SIZE=_GATHER_TILE)
+        else:
             # Eager flex applies the mask_mod to every pair: listing every tile costs nothing
             # and spares create_block_mask's dense evaluation.
+            tiles = -(-max(md.num_rows, 1) // _GATHER_TILE)
+            kv_tiles = -(-max(num_keys, 1) // _GATHER_TILE)
             num = torch.full((1, 1, tiles), kv_tiles, dtype=torch.int32, device=device)
             idx = torch.arange(kv_tiles, dtype=torch.int32, device=device).expand(
                 1, 1, tiles, kv_tiles)
             md.block_mask = flex.BlockMask.from_kv_blocks(
                 num, idx, BLOCK_SIZE=_GATHER_TILE, mask_mod=md.mask_fn,
-                seq_lengths=(md.num_rows, len(md.kv_slot)), compute_q_blocks=False)
+                seq_lengths=(md.num_rows, num_keys), compute_q_blocks=False)
         return md
 
     def _build_gathered(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
@@ -303,7 +319,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         pages_per_kv_tile = -(-_MIN_KV_TILE // bs)
         plan = plan_kv_tiles(row_start, query_lens, context_lens,
                              common.paged_kv_indices_cpu, common.paged_kv_indptr_cpu, bs,
-                             self.config.sliding_window, q_tile, pages_per_kv_tile, num_rows)
+                             self.config.sliding_window, q_tile, pages_per_kv_tile, num_rows,
+                             one_request_per_tile=self.ALIGN_REQUESTS)
         arrays = {"kv_num_blocks": plan.kv_num_blocks[None, None],
                   "kv_indices": plan.kv_indices[None, None],
                   "full_num_blocks": plan.full_num_blocks[None, None],
