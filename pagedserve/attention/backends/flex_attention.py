@@ -26,10 +26,11 @@ The plan is built on the host in numpy from the metadata's host mirrors (page ta
 lengths; no per-token loop and no device sync), once per step per layer configuration (window),
 and shared by every layer of it; the inverse page table needs the cache's size and is filled by
 the first layer that runs (`FlexAttentionMetadata.block_mask_for`). Host cost per step on the
-CPU (benchmarks/flex_attention_cpu.py, 2 threads, 8:2 heads, block 16, median of 20), builder
-build + mask: decode 64 x 2,048 gathered (the old create_block_mask) 3.3 ms -> physical plan
-0.6 ms; prefill 4 x 512 13.4 ms -> 0.3 ms; the gathered CPU path now lists every tile instead
-of evaluating the mask densely (decode 0.25 ms, prefill 0.2 ms).
+2-core CPU machine (benchmarks/flex_attention_cpu.py, 2 threads, 8:2 heads, block 16, median
+of 20, a loaded machine: docs/benchmarks.md), builder build plus block mask: decode 64 x 2,048
+280 ms before (gathered keys and create_block_mask's dense mask evaluation) -> 0.44 ms (the
+physical plan CUDA runs) / 12.7 ms (the gathered CPU path, every tile listed); prefill
+4 x 512 100 ms -> 0.27 ms / 16 ms.
 
 Soft-cap is a score_mod (cap * tanh(s / cap)); attention sinks are exact from the LSE flex
 returns: the sink column adds exp(sink) to the softmax denominator, so the output is rescaled
