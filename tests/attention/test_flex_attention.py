@@ -364,3 +364,65 @@ def test_tiny_llama_greedy_on_cuda(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.slow  # a C++ compile of flex per case (~25 s each on the 2-core machine)
+@pytest.mark.parametrize("layout,step,block_size,window", [
+    ("PhysicalBuilder", "mixed", 16, None), ("PhysicalBuilder", "shared", 1, 7),
+    ("PackedPhysicalBuilder", "shared", 16, 7), ("SmallTilePhysicalBuilder", "shared", 16, None)])
+def test_physical_block_mask_drives_a_sparse_kernel(layout, step, block_size, window):
+    """flex compiled for the CPU visits only the listed tiles, as the GPU kernel does: with
+    the physical block mask it matches eager flex (which scores every pair), and without one
+    listed tile it does not (so the comparison can fail). The CPU kernel wants kv_indices as
+    wide as the whole KV length, so they are padded here (the CUDA kernel does not)."""
+    flex = torch.nn.attention.flex_attention
+    if step == "shared":
+        batch, _, common, max_blocks = _shared_step(block_size, window)
+        num_blocks = 40
+    else:
+        batch = BATCHES[step]
+        blocks = [-(-(c + q) // block_size) for c, q in batch]
+        num_blocks = sum(blocks) + 3
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6)).tolist()
+        max_blocks = max(blocks) + 1
+        table = np.full((len(batch), max_blocks), -1, np.int32)
+        pos = 0
+        for row, nb in enumerate(blocks):
+            table[row, :nb] = perm[pos:pos + nb]
+            pos += nb
+        common = CommonMetadataBuilder(len(batch), sum(q for _, q in batch), max_blocks,
+                                       block_size, CPU).build(
+            rows=np.arange(len(batch)), num_computed=np.array([c for c, _ in batch], np.int32),
+            num_scheduled=np.array([q for _, q in batch], np.int32),
+            num_prefills=sum(q > 1 for _, q in batch), block_table=table)
+    layer = Case(batch, block_size, 8, 2, 64, torch.float32, window).layer()
+    config = BuilderConfig.for_layer(layer, block_size, len(batch), common.num_actual_tokens,
+                                     max_blocks, CPU)
+    md = PHYSICAL[layout].builder_cls(config).build(common)
+    mask = md.block_mask_for(num_blocks)
+    slots = num_blocks * block_size
+    width = -(-slots // md.tiles[1])
+
+    def sparse(num):
+        def pad(t):
+            return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+        return flex.BlockMask.from_kv_blocks(
+            num, pad(mask.kv_indices), mask.full_kv_num_blocks, pad(mask.full_kv_indices),
+            BLOCK_SIZE=md.tiles, mask_mod=md.mask_fn, seq_lengths=(md.num_rows, slots),
+            compute_q_blocks=False)
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 8, md.num_rows, 64, generator=g)
+    k, v = torch.randn(1, 2, slots, 64, generator=g), torch.randn(1, 2, slots, 64, generator=g)
+    rows = torch.arange(md.num_rows) if md.q_rows is None else md.q_rows
+    eager = flex.flex_attention(q, k, v, block_mask=mask, enable_gqa=True)[:, :, rows]
+    # Static shapes: the CPU template's dynamic-shape code fails to compile (torch 2.13).
+    torch._dynamo.reset()
+    compiled = torch.compile(flex.flex_attention, dynamic=False)
+    got = compiled(q, k, v, block_mask=sparse(mask.kv_num_blocks), enable_gqa=True)
+    torch.testing.assert_close(got[:, :, rows], eager, rtol=1e-5, atol=1e-5)
+    dropped = mask.kv_num_blocks.clone()
+    tile = int(torch.argmax(dropped))
+    dropped[..., tile] -= 1
+    got = compiled(q, k, v, block_mask=sparse(dropped), enable_gqa=True)
+    assert not torch.allclose(got[:, :, rows], eager, rtol=1e-3, atol=1e-3)

@@ -384,6 +384,11 @@ class FlexAttentionImpl(AttentionImpl):
     @classmethod
     def compile_flex(cls) -> None:
         if FlexAttentionImpl._flex is None:
+            # One compiled variant per mask kind (causal, windowed), score_mod (soft-cap or
+            # none) and query tile (decode, prefill): more than dynamo's default limit of 8
+            # recompiles per frame, after which it would fall back to eager flex.
+            dynamo_config = torch._dynamo.config
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 32)
             FlexAttentionImpl._flex = torch.compile(_flex_module().flex_attention)
 
     def score_mod(self) -> Callable[..., torch.Tensor] | None:
