@@ -176,11 +176,16 @@ def test_greedy_through_flex_attention(family_models, make_llm, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral_window", "gpt_oss", "gemma2", "gemma3"])
-def test_greedy_on_cuda_matches_transformers(tmp_path, name):
+@pytest.mark.parametrize("name,backend", [
+    *((name, "TRITON") for name in ("qwen3_moe", "mixtral_window", "gpt_oss", "gemma2",
+                                    "gemma3")),
+    # FLEX_ATTENTION's physical layout: sinks, soft-caps, windows over grouped caches whose
+    # sliding groups hold page 0 before the window.
+    *((name, "FLEX_ATTENTION") for name in ("gpt_oss", "gemma2", "gemma3"))])
+def test_greedy_on_cuda_matches_transformers(tmp_path, name, backend):
     """The CUDA path (the Triton MoE kernel, TRITON's soft-caps, windows and sinks, CUDA
-    graphs) in float32 against transformers' float32 tokens on the CPU; heads of 64, the
-    smallest TRITON runs."""
+    graphs; or compiled FLEX_ATTENTION) in float32 against transformers' float32 tokens on the
+    CPU; heads of 64, the smallest TRITON runs."""
     config = _configs()[name]
     config.head_dim = 64
     hf = _save(config, tmp_path, seed=7)
@@ -196,7 +201,7 @@ def test_greedy_on_cuda_matches_transformers(tmp_path, name):
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     del cpu
     # A small share of the GPU, and freed before the next case profiles its memory.
-    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", attention_backend="TRITON",
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", attention_backend=backend,
               gpu_memory_utilization=0.2, max_num_batched_tokens=16)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
