@@ -11,13 +11,15 @@ FlashInfer's wrappers called directly on the same data.
 
 FLEX_ATTENTION beside TRITON (compiled flex; the first call of each shape compiles):
 
-    python benchmarks/attention_kernels.py --backends TRITON,FLEX_ATTENTION,FLEX_PACKED,FLEX_GATHER
+    python benchmarks/attention_kernels.py \\
+        --backends TRITON,FLEX_ATTENTION,FLEX_UNFOLDED,FLEX_PACKED,FLEX_GATHER
 
 FLEX_ATTENTION is the backend as the engine runs it on CUDA (the cache itself as keys, each
-request starting its own query tile); FLEX_PACKED the same with packed query tiles (vLLM's
-layout: one tile may hold several requests); FLEX_GATHER the keys gathered from the pages
-(the layout before issue #25). Each backend's host build (once per step for all layers) is
-printed beside it.
+request starting its own query tile, the query heads of a KV head folded into rows);
+FLEX_UNFOLDED the same with flex's enable_gqa (a flex head per query head); FLEX_PACKED also
+with packed query tiles (vLLM's layout: one tile may hold several requests); FLEX_GATHER the
+keys gathered from the pages (the layout before issue #25). Each backend's host build (once
+per step for all layers) is printed beside it.
 """
 
 from __future__ import annotations
@@ -167,7 +169,8 @@ def flex_variants() -> dict[str, type]:
         builder = type(f"{name}Builder", (FlexAttentionMetadataBuilder,), attrs)
         return type(name, (FlexAttentionBackend,), {"builder_cls": builder})
 
-    return {"FLEX_PACKED": variant("FlexPacked", ALIGN_REQUESTS=False),
+    return {"FLEX_UNFOLDED": variant("FlexUnfolded", FOLD_GQA=False),
+            "FLEX_PACKED": variant("FlexPacked", ALIGN_REQUESTS=False, FOLD_GQA=False),
             "FLEX_GATHER": variant("FlexGathered", physical_kv=False)}
 
 
@@ -189,7 +192,7 @@ def bench_backend(name: str, setup: Setup, args
     """(seconds, output, seconds as a CUDA graph or why not) of the backend's impl.forward,
     or why it was skipped."""
     try:
-        variants = flex_variants() if name in ("FLEX_PACKED", "FLEX_GATHER") else {}
+        variants = flex_variants() if name.startswith("FLEX_") else {}
         cls = variants.get(name) or get_backend_cls(name)
         ok, why = cls.is_available()
     except Exception as exc:  # a broken optional install

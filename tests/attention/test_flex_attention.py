@@ -125,18 +125,23 @@ class SmallTilePhysicalBuilder(PhysicalBuilder):
     PREFILL_Q_TILE = 16  # prefill tiles of 16 rows: the test batches fill whole tiles
 
 
+class UnfoldedPhysicalBuilder(PhysicalBuilder):
+    FOLD_GQA = False  # flex's enable_gqa: a flex head per query head
+
+
 def _physical(builder):
     return type(f"{NAME}_{builder.__name__}", (BACKEND,), {"builder_cls": builder})
 
 
 PHYSICAL = {b.__name__: _physical(b)
-            for b in (PhysicalBuilder, PackedPhysicalBuilder, SmallTilePhysicalBuilder)}
+            for b in (PhysicalBuilder, PackedPhysicalBuilder, SmallTilePhysicalBuilder,
+                      UnfoldedPhysicalBuilder)}
 
 
 def _physical_grid():
     # CI runs every batch kind through the default layout (block size 16 with every feature,
-    # block size 1 with GQA 3 and a window) and the other two layouts' decode and mixed
-    # batches at block size 32; the rest is slow.
+    # block size 1 with GQA 3 and a window) and the other layouts' decode and mixed batches at
+    # block size 32; the rest is slow.
     combos = ((1, None, None, False), (4, 8, 5.0, True), (3, 20, None, False))
     for layout in PHYSICAL:
         for batch in BATCHES:

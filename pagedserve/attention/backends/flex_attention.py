@@ -14,7 +14,11 @@ Each layer runs one flex call with batch 1 over the step's new tokens. Two key l
   inside a tile). Query tiles are 16 rows in decode-heavy steps and 128 in prefill-heavy ones,
   and each request starts a new tile (`ALIGN_REQUESTS`: its rows are padded to a tile; padding
   rows are masked out), so a tile reads one request's pages only and the tiles of a decode
-  batch run side by side rather than one tile walking every request's context.
+  batch run side by side rather than one tile walking every request's context. The query
+  heads that share a KV head are rows of one flex head (`FOLD_GQA`: a token's G heads are G
+  consecutive rows), so a tile reads each page once for all of them (flex's enable_gqa would
+  run a flex head per query head, each reading the pages again) and a decode tile of 16 rows
+  holds G real rows rather than one.
 - **Gathered** (CPU): the keys are every request's context gathered from its pages into one
   packed sequence. Eager flex materialises the [H, T, K] scores and applies the mask_mod to
   every pair (the block mask's sparsity is ignored): with the physical layout K would be the
@@ -43,7 +47,9 @@ Adding a custom score_mod or mask_mod: subclass `FlexAttentionMetadataBuilder` a
 `mask_mod` (combine with `torch.nn.attention.flex_attention.and_masks` / `or_masks`), or
 subclass `FlexAttentionImpl` and extend `score_mod`. q_idx is a flex query row (a padding row
 has request 0 and position -1); kv_idx is a physical cache slot (block_id * block_size +
-offset) in the physical layout, a packed key index in the gathered one. Translate them with the
+offset) in the physical layout, a packed key index in the gathered one; h is the KV head when
+GQA is folded (a score_mod that depends on the query head wants `FOLD_GQA = False`, then h is
+the query head as in the gathered layout). Translate them with the
 metadata: `md.q_req[q]`, `md.q_pos[q]` (request, absolute position) and
 `md.key_position(q, kv)` (the key's absolute position in q's request, -1 when the key is not
 q's request's), e.g. a prefix-LM mask_mod is `base(b, h, q, kv) | (md.key_position(q, kv) >= 0)
@@ -126,9 +132,11 @@ def _tile_rows(num_tiles: int, row: np.ndarray, value: np.ndarray,
 def plan_kv_tiles(row_start: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray,
                   page_ids: np.ndarray, page_indptr: np.ndarray, block_size: int,
                   window: int | None, q_tile: int, pages_per_kv_tile: int,
-                  num_rows: int, one_request_per_tile: bool = False) -> KVTilePlan:
+                  num_rows: int, one_request_per_tile: bool = False,
+                  rows_per_token: int = 1) -> KVTilePlan:
     """The physical layout's tiles. Request r's queries are flex rows [row_start[r],
-    row_start[r] + query_lens[r]) at positions context_lens[r] + i; its pages are
+    row_start[r] + query_lens[r] * rows_per_token), rows_per_token consecutive rows a token,
+    at positions context_lens[r] + i; its pages are
     page_ids[page_indptr[r]:page_indptr[r + 1]]. A query at p sees positions
     (p - window, p] (all of [0, p] without a window). Query tile t is rows
     [t * q_tile, (t + 1) * q_tile); KV tile j is pages [j * pages_per_kv_tile, ...).
@@ -142,14 +150,15 @@ def plan_kv_tiles(row_start: np.ndarray, query_lens: np.ndarray, context_lens: n
     # Segments: the rows of one request inside one query tile.
     starts = np.union1d(np.arange(0, num_rows, q_tile), row_start[:b][real])
     seg_req = reqs[np.searchsorted(row_start[:b][real], starts, side="right") - 1]
-    req_end = row_start[seg_req] + query_lens[seg_req]
+    g = rows_per_token
+    req_end = row_start[seg_req] + query_lens[seg_req] * g
     tile = starts // q_tile
     ends = np.minimum(np.minimum((tile + 1) * q_tile, req_end),
                       np.append(starts[1:], num_rows))
     keep = ends > starts  # drop segments made of padding rows only
     starts, ends, seg_req, tile = starts[keep], ends[keep], seg_req[keep], tile[keep]
-    first = context_lens[seg_req] + starts - row_start[seg_req]
-    last = context_lens[seg_req] + ends - 1 - row_start[seg_req]
+    first = context_lens[seg_req] + (starts - row_start[seg_req]) // g
+    last = context_lens[seg_req] + (ends - 1 - row_start[seg_req]) // g
     lo = np.zeros_like(first) if window is None else np.maximum(first - window + 1, 0) // bs
     hi = last // bs
     count = hi - lo + 1
@@ -179,10 +188,13 @@ class FlexAttentionMetadata:
     num_tokens: int  # the step's real tokens (query rows attended)
     physical: bool  # the cache itself as keys (else gathered keys)
     num_rows: int  # flex's query length (real tokens plus padding rows)
-    q_rows: torch.Tensor | None  # [T] int64 flex row of each token; None: row = token
+    q_rows: torch.Tensor | None  # [T * gqa_fold] int64 flex rows of the tokens; None: row =
+    # token. Token t's query heads h * gqa_fold + j (j < gqa_fold) are row q_rows[t *
+    # gqa_fold + j] of flex head h.
     q_req: torch.Tensor  # [num_rows] int64 request of each row (padding: 0)
     q_pos: torch.Tensor  # [num_rows] int64 absolute position of each row (padding: -1)
     block_size: int
+    gqa_fold: int = 1  # query heads per KV head folded into rows (1: flex's enable_gqa)
     # Gathered layout: [K] int64 physical slot, request and position of each packed key.
     kv_slot: torch.Tensor | None = None
     kv_req: torch.Tensor | None = None
@@ -243,6 +255,9 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
     physical_kv: ClassVar[bool | None] = None
     # Each request starts its own query tile (physical layout).
     ALIGN_REQUESTS: ClassVar[bool] = True
+    # The query heads that share a KV head become rows of one flex head (physical layout):
+    # a tile then reads each KV page once for all of them, not once per query head.
+    FOLD_GQA: ClassVar[bool] = True
     DECODE_Q_TILE: ClassVar[int] = 16
     PREFILL_Q_TILE: ClassVar[int] = 128
 
@@ -306,50 +321,44 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
 
     def _build_physical(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
         n, b, bs = common.num_actual_tokens, common.num_reqs, common.block_size
+        g = self.config.num_heads // self.config.num_kv_heads if self.FOLD_GQA else 1
         q_tile = self.q_tile(common)
         qsl = common.query_start_loc_cpu[:b + 1].astype(np.int64)
         query_lens = np.diff(qsl)
         context_lens = common.context_lens_cpu[:b].astype(np.int64)
+        row_start = np.zeros(b + 1, dtype=np.int64)
         if self.ALIGN_REQUESTS:
-            rows = -(-query_lens // q_tile) * q_tile
-            row_start = np.zeros(b + 1, dtype=np.int64)
-            np.cumsum(rows, out=row_start[1:])
+            np.cumsum(-(-query_lens * g // q_tile) * q_tile, out=row_start[1:])
         else:
-            row_start = qsl
+            row_start[1:] = qsl[1:] * g
         num_rows = int(row_start[b])
         pages_per_kv_tile = -(-_MIN_KV_TILE // bs)
         plan = plan_kv_tiles(row_start, query_lens, context_lens,
                              common.paged_kv_indices_cpu, common.paged_kv_indptr_cpu, bs,
                              self.config.sliding_window, q_tile, pages_per_kv_tile, num_rows,
-                             one_request_per_tile=self.ALIGN_REQUESTS)
-        arrays = {"kv_num_blocks": plan.kv_num_blocks[None, None],
-                  "kv_indices": plan.kv_indices[None, None],
-                  "full_num_blocks": plan.full_num_blocks[None, None],
-                  "full_indices": plan.full_indices[None, None],
-                  "pages": plan.pages, "logical": plan.logical.astype(np.int32)}
-        device = common.query_start_loc.device
-        if self.ALIGN_REQUESTS:
-            token_req = np.repeat(np.arange(b), query_lens)
-            token_rows = row_start[token_req] + np.arange(n) - qsl[token_req]
-            q_req = np.zeros(num_rows, dtype=np.int64)
-            q_req[token_rows] = token_req
-            q_pos = np.full(num_rows, -1, dtype=np.int64)
-            q_pos[token_rows] = common.positions_cpu[:n]
-            arrays.update(q_rows=token_rows, q_req=q_req, q_pos=q_pos)
-        dev = _to_device(arrays, device)
-        if self.ALIGN_REQUESTS:
-            q_rows, q_req_t, q_pos_t = dev.pop("q_rows"), dev.pop("q_req"), dev.pop("q_pos")
-        else:
-            q_rows = None
-            q_req_t = torch.repeat_interleave(
-                torch.arange(b, device=device), common.query_start_loc[1:b + 1].long()
-                - common.query_start_loc[:b].long(), output_size=n)
-            q_pos_t = common.positions[:n].long()
+                             one_request_per_tile=self.ALIGN_REQUESTS, rows_per_token=g)
+        # Every token's g rows, token-major; their request and position.
+        token_req = np.repeat(np.arange(b), query_lens)
+        token_rows = row_start[token_req] + (np.arange(n) - qsl[token_req]) * g
+        rows = (token_rows[:, None] + np.arange(g)).ravel()
+        q_req = np.zeros(num_rows, dtype=np.int64)
+        q_req[rows] = np.repeat(token_req, g)
+        q_pos = np.full(num_rows, -1, dtype=np.int64)
+        q_pos[rows] = np.repeat(common.positions_cpu[:n], g)
+        dev = _to_device({"kv_num_blocks": plan.kv_num_blocks[None, None],
+                          "kv_indices": plan.kv_indices[None, None],
+                          "full_num_blocks": plan.full_num_blocks[None, None],
+                          "full_indices": plan.full_indices[None, None],
+                          "pages": plan.pages, "logical": plan.logical.astype(np.int32),
+                          "q_rows": rows, "q_req": q_req, "q_pos": q_pos},
+                         common.query_start_loc.device)
+        q_rows, q_req_t, q_pos_t = dev.pop("q_rows"), dev.pop("q_req"), dev.pop("q_pos")
         kv_tile = pages_per_kv_tile * bs
         options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": min(q_tile, 64),
                    "BLOCK_N": min(kv_tile, 64)}
         return FlexAttentionMetadata(common, n, True, num_rows, q_rows, q_req_t, q_pos_t, bs,
-                                     plan=dev, tiles=(q_tile, kv_tile), kernel_options=options)
+                                     gqa_fold=g, plan=dev, tiles=(q_tile, kv_tile),
+                                     kernel_options=options)
 
     def mask_mod(self, md: FlexAttentionMetadata) -> Callable[..., torch.Tensor]:
         """True where query row q_idx may see key kv_idx: a key of its own request, causal on
@@ -421,26 +430,36 @@ class FlexAttentionImpl(AttentionImpl):
         else:
             block_mask = md.block_mask
             k_slots, v_slots = k_slots[md.kv_slot], v_slots[md.kv_slot]
-        # [S, Hkv, D] -> [1, Hkv, S, D]; queries [rows, H, D] -> [1, H, rows, D].
+        # [S, Hkv, D] -> [1, Hkv, S, D].
         k = k_slots.transpose(0, 1)[None].to(query.dtype)
         v = v_slots.transpose(0, 1)[None].to(query.dtype)
-        if md.q_rows is None:
-            q = query[:n]
-        else:
-            q = query.new_zeros(md.num_rows, self.num_heads, self.head_size)
-            q[md.q_rows] = query[:n]
-        out, lse = self._attend(q.transpose(0, 1)[None], k, v, block_mask, md.kernel_options)
+        # Queries [n, H, D] -> [1, H / g, rows, D]: query head h * g + j of token t is row
+        # q_rows[t * g + j] of flex head h (g = 1: rows are tokens, or q_rows places them).
+        g, hkv = md.gqa_fold, self.num_heads // md.gqa_fold
+        q = query[:n].reshape(n, hkv, g, -1).transpose(0, 1).reshape(hkv, n * g, -1)
+        if md.q_rows is not None:
+            rows = q.new_zeros(hkv, md.num_rows, self.head_size)
+            rows[:, md.q_rows] = q
+            q = rows
+        out, lse = self._attend(q[None], k, v, block_mask, md.kernel_options,
+                                enable_gqa=hkv != self.num_kv_heads)
+        out, lse = out[0], lse[0]
+        if md.q_rows is not None:
+            out, lse = out[:, md.q_rows], lse[:, md.q_rows]
+        # Back to [n, H, Dv] and [n, H].
+        out = out.reshape(hkv, n, g, -1).transpose(0, 1).reshape(n, self.num_heads, -1)
+        lse = lse.reshape(hkv, n, g).transpose(0, 1).reshape(n, self.num_heads)
         sinks = self.bound_sinks()
         if sinks is not None:
             # The sink column only enlarges the denominator: out * sum / (sum + exp(sink)).
-            rescale = torch.sigmoid(lse.float() - sinks.detach().float()[None, :, None])
+            rescale = torch.sigmoid(lse.float() - sinks.detach().float()[None, :])
             out = (out.float() * rescale[..., None]).to(query.dtype)
-        out = out[0].transpose(0, 1)
-        output[:n] = out if md.q_rows is None else out[md.q_rows]
+        output[:n] = out
         return output
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any,
-                kernel_options: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                kernel_options: dict[str, Any] | None,
+                enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
         flex = _flex_module()
         compiled = FlexAttentionImpl._flex
         use_compiled = compiled is not None and q.is_cuda
@@ -451,7 +470,7 @@ class FlexAttentionImpl(AttentionImpl):
             # configuration for it (GQA, one batch row; torch 2.11): the main kernel runs.
             options = {"FORCE_USE_FLEX_ATTENTION": True}
         out, aux = fn(q, k, v, score_mod=self.score_mod(), block_mask=block_mask,
-                      scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
+                      scale=self.scale, enable_gqa=enable_gqa,
                       kernel_options=options if use_compiled else None,
                       return_aux=flex.AuxRequest(lse=True))
         return out, aux.lse
