@@ -29,28 +29,26 @@ Each layer runs one flex call with batch 1 over the step's new tokens. Two key l
 The plan is built on the host in numpy from the metadata's host mirrors (page table in CSR form,
 lengths; no per-token loop and no device sync), once per step per layer configuration (window),
 and shared by every layer of it; the inverse page table needs the cache's size and is filled by
-the first layer that runs (`FlexAttentionMetadata.block_mask_for`). Host cost per step on the
-2-core CPU machine (benchmarks/flex_attention_cpu.py, 2 threads, 8:2 heads, block 16, median
-of 20, a loaded machine: docs/benchmarks.md), builder build plus block mask: decode 64 x 2,048
-280 ms before (gathered keys and create_block_mask's dense mask evaluation) -> 0.44 ms (the
-physical plan CUDA runs) / 12.7 ms (the gathered CPU path, every tile listed); prefill
-4 x 512 100 ms -> 0.27 ms / 16 ms.
+the first layer that runs (`FlexAttentionMetadata.block_mask_for`). Host cost per step
+(benchmarks/flex_attention_cpu.py on the 2-core machine, loaded; docs/benchmarks.md): decode
+64 x 2,048 280 ms before (gathered keys, create_block_mask's dense evaluation) -> 0.44 ms
+(the physical plan) / 12.7 ms (the gathered CPU path, every tile listed); prefill 4 x 512
+100 ms -> 0.27 ms / 16 ms.
 
 Soft-cap is a score_mod (cap * tanh(s / cap)); attention sinks are exact from the LSE flex
 returns: the sink column adds exp(sink) to the softmax denominator, so the output is rescaled
-by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), in float32. GQA is flex's own
-`enable_gqa`. Values of another head size need nothing more (flex takes V's last dimension as
-it comes), so DiffKV layers run on the base class's side-by-side cache layout. On CUDA the
-builder's `warmup` compiles flex_attention once (`torch.compile`); that path is untested here.
+by sigmoid(lse - sink), in float32. GQA: folded into rows (physical), flex's `enable_gqa`
+(gathered, or FOLD_GQA off). Values of another head size need nothing more (flex takes V's
+last dimension as it comes): DiffKV layers run on the base class's side-by-side cache layout.
+On CUDA the builder's `warmup` compiles flex_attention once (`torch.compile`).
 
 Adding a custom score_mod or mask_mod: subclass `FlexAttentionMetadataBuilder` and extend
 `mask_mod` (combine with `torch.nn.attention.flex_attention.and_masks` / `or_masks`), or
 subclass `FlexAttentionImpl` and extend `score_mod`. q_idx is a flex query row (a padding row
 has request 0 and position -1); kv_idx is a physical cache slot (block_id * block_size +
 offset) in the physical layout, a packed key index in the gathered one; h is the KV head when
-GQA is folded (a score_mod that depends on the query head wants `FOLD_GQA = False`, then h is
-the query head as in the gathered layout). Translate them with the
-metadata: `md.q_req[q]`, `md.q_pos[q]` (request, absolute position) and
+GQA is folded (a score_mod that depends on the query head wants `FOLD_GQA = False`). Translate
+them with the metadata: `md.q_req[q]`, `md.q_pos[q]` (request, absolute position) and
 `md.key_position(q, kv)` (the key's absolute position in q's request, -1 when the key is not
 q's request's), e.g. a prefix-LM mask_mod is `base(b, h, q, kv) | (md.key_position(q, kv) >= 0)
 & (md.key_position(q, kv) < prefix)`. A mask that lets a query see keys outside its causal
@@ -227,7 +225,8 @@ class FlexAttentionMetadata:
             return self.block_mask
         device = self.q_req.device
         inverse = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
-        # A page shared by several requests (prefix cache) has one logical index in each.
+        # A page shared through the prefix cache sits at the same logical index in every
+        # request that holds it (a block's hash covers its whole prefix): duplicates agree.
         inverse.scatter_(0, self.plan["pages"], self.plan["logical"])
         self.page_logical = inverse
         self.block_mask = _flex_module().BlockMask.from_kv_blocks(
