@@ -31,9 +31,9 @@ lengths; no per-token loop and no device sync), once per step per layer configur
 and shared by every layer of it; the inverse page table needs the cache's size and is filled by
 the first layer that runs (`FlexAttentionMetadata.block_mask_for`). Host cost per step
 (benchmarks/flex_attention_cpu.py on the 2-core machine, loaded; docs/benchmarks.md): decode
-64 x 2,048 280 ms before (gathered keys, create_block_mask's dense evaluation) -> 0.44 ms
-(the physical plan) / 12.7 ms (the gathered CPU path, every tile listed); prefill 4 x 512
-100 ms -> 0.27 ms / 16 ms.
+64 x 2,048 280 ms before (gathered keys, create_block_mask's dense evaluation) -> 0.4-0.8 ms
+(the physical plan) / 13-88 ms (the gathered CPU path, every tile listed; noisy); prefill
+4 x 512 100 ms -> 0.3-0.4 ms / 16 ms.
 
 Soft-cap is a score_mod (cap * tanh(s / cap)); attention sinks are exact from the LSE flex
 returns: the sink column adds exp(sink) to the softmax denominator, so the output is rescaled
