@@ -8,6 +8,18 @@ FlashInfer's wrappers called directly on the same data.
     python benchmarks/attention_kernels.py [--backends TRITON,FLASHINFER,FLASH_ATTN]
         [--decode-tiles 16,64,4,3] [--prefill-tiles 128,64,8,3]   # block_m,block_n,warps,stages
         [--write]   # also time the ways to write a step's K/V into FlashInfer's NHD cache
+
+FLEX_ATTENTION beside TRITON (compiled flex; the first call of each shape compiles):
+
+    python benchmarks/attention_kernels.py \\
+        --backends TRITON,FLEX_ATTENTION,FLEX_UNFOLDED,FLEX_PACKED,FLEX_GATHER
+
+FLEX_ATTENTION is the backend as the engine runs it on CUDA (the cache itself as keys, each
+request starting its own query tile, the query heads of a KV head folded into rows);
+FLEX_UNFOLDED the same with flex's enable_gqa (a flex head per query head); FLEX_PACKED also
+with packed query tiles (vLLM's layout: one tile may hold several requests); FLEX_GATHER the
+keys gathered from the pages (the layout before issue #25). Each backend's host build (once
+per step for all layers) is printed beside it.
 """
 
 from __future__ import annotations
@@ -146,12 +158,42 @@ class Setup:
         self.v_cache.view(-1, args.kv_heads, args.head_dim)[slots] = self.value
 
 
+def flex_variants() -> dict[str, type]:
+    """FLEX_ATTENTION with another layout, by benchmark name (see the module docstring)."""
+    from pagedserve.attention.backends.flex_attention import (
+        FlexAttentionBackend,
+        FlexAttentionMetadataBuilder,
+    )
+
+    def variant(name: str, **attrs) -> type:
+        builder = type(f"{name}Builder", (FlexAttentionMetadataBuilder,), attrs)
+        return type(name, (FlexAttentionBackend,), {"builder_cls": builder})
+
+    return {"FLEX_UNFOLDED": variant("FlexUnfolded", FOLD_GQA=False),
+            "FLEX_PACKED": variant("FlexPacked", ALIGN_REQUESTS=False, FOLD_GQA=False),
+            "FLEX_GATHER": variant("FlexGathered", physical_kv=False)}
+
+
+def host_build_us(builder, setup: Setup, iters: int) -> float:
+    """Median host microseconds of one step's metadata build (FLEX_ATTENTION's physical layout:
+    with the block mask its first layer finishes)."""
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        md = builder.build(setup.common)
+        if getattr(md, "physical", False):
+            md.block_mask_for(setup.num_blocks)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
 def bench_backend(name: str, setup: Setup, args
                   ) -> tuple[float, torch.Tensor, float | str] | str:
     """(seconds, output, seconds as a CUDA graph or why not) of the backend's impl.forward,
     or why it was skipped."""
     try:
-        cls = get_backend_cls(name)
+        variants = flex_variants() if name.startswith("FLEX_") else {}
+        cls = variants.get(name) or get_backend_cls(name)
         ok, why = cls.is_available()
     except Exception as exc:  # a broken optional install
         return f"import failed: {exc}"
@@ -174,6 +216,7 @@ def bench_backend(name: str, setup: Setup, args
                            args.block_size, w.seqs, w.seqs * w.new, setup.pages, dev)
     builder = cls.get_builder_cls()(config)
     builder.warmup()  # what engine start-up does: FLEX_ATTENTION compiles flex_attention here
+    print(f"  {name} host build: {host_build_us(builder, setup, 20):.0f} us")
     metadata = builder.build(setup.common)
     impl = cls.get_impl_cls()(layer)
     out = torch.empty_like(setup.query)

@@ -361,9 +361,13 @@ stage_flex() {  # FLEX_ATTENTION on the H200 (never run there): conformance in b
         tests/attention/test_conformance.py tests/attention/test_flex_attention.py \
         -k "FLEX_ATTENTION or flex or sink" >"$OUT/flex.log" 2>&1; echo "exit $?" >>"$OUT/flex.log" ) &
     wait
-    timeout 240 python3 benchmarks/attention_kernels.py --backends TRITON,FLASHINFER,FLEX_ATTENTION \
+    # FLEX_ATTENTION (the cache as keys, GQA folded into rows), FLEX_UNFOLDED (enable_gqa),
+    # FLEX_PACKED (vLLM's packed query tiles), FLEX_GATHER (the gathered keys of before): each
+    # compiles per workload.
+    timeout 540 python3 benchmarks/attention_kernels.py \
+        --backends TRITON,FLEX_ATTENTION,FLEX_UNFOLDED,FLEX_PACKED,FLEX_GATHER \
         >"$OUT/flex-bench.log" 2>&1; echo "exit $?" >>"$OUT/flex-bench.log"
-    tail -20 "$OUT/flex-bench.log"
+    tail -24 "$OUT/flex-bench.log"
 }
 
 stage_stateops() {  # the state layers' Triton kernels (GDN, lightning, SSD, conv) against torch

@@ -163,24 +163,38 @@ def test_greedy_matches_transformers(family_models, make_llm, name, variant):
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("layout", ["gathered", pytest.param("physical", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
-def test_greedy_through_flex_attention(family_models, make_llm, name):
+def test_greedy_through_flex_attention(family_models, make_llm, monkeypatch, name, layout):
     """FLEX_ATTENTION's score and mask mods (soft-cap and windows: Gemma 2; sinks and windows:
-    gpt-oss) against transformers, with chunked prefill."""
+    gpt-oss) against transformers, with chunked prefill; "physical": the CUDA layout (the
+    cache as keys; Gemma 2's grouped cache holds page 0 before its windows) forced on the
+    CPU, with a small cache since eager flex scores every slot."""
     path, _, prompts, expected = family_models[name]
+    small = {}
+    if layout == "physical":
+        from pagedserve.attention.backends.flex_attention import FlexAttentionMetadataBuilder
+
+        monkeypatch.setattr(FlexAttentionMetadataBuilder, "physical_kv", True)
+        small = {"num_gpu_blocks_override": 128}
     llm = make_llm(model=path, dtype="float32", device="cpu", kv_cache_memory="16MiB",
-                   attention_backend="FLEX_ATTENTION", max_num_batched_tokens=16)
+                   attention_backend="FLEX_ATTENTION", max_num_batched_tokens=16, **small)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral_window", "gpt_oss", "gemma2", "gemma3"])
-def test_greedy_on_cuda_matches_transformers(tmp_path, name):
+@pytest.mark.parametrize("name,backend", [
+    *((name, "TRITON") for name in ("qwen3_moe", "mixtral_window", "gpt_oss", "gemma2",
+                                    "gemma3")),
+    # FLEX_ATTENTION's physical layout: sinks, soft-caps, windows over grouped caches whose
+    # sliding groups hold page 0 before the window.
+    *((name, "FLEX_ATTENTION") for name in ("gpt_oss", "gemma2", "gemma3"))])
+def test_greedy_on_cuda_matches_transformers(tmp_path, name, backend):
     """The CUDA path (the Triton MoE kernel, TRITON's soft-caps, windows and sinks, CUDA
-    graphs) in float32 against transformers' float32 tokens on the CPU; heads of 64, the
-    smallest TRITON runs."""
+    graphs; or compiled FLEX_ATTENTION) in float32 against transformers' float32 tokens on the
+    CPU; heads of 64, the smallest TRITON runs."""
     config = _configs()[name]
     config.head_dim = 64
     hf = _save(config, tmp_path, seed=7)
@@ -196,7 +210,7 @@ def test_greedy_on_cuda_matches_transformers(tmp_path, name):
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     del cpu
     # A small share of the GPU, and freed before the next case profiles its memory.
-    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", attention_backend="TRITON",
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", attention_backend=backend,
               gpu_memory_utilization=0.2, max_num_batched_tokens=16)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
