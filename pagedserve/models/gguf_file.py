@@ -23,13 +23,65 @@ from pagedserve import envs
 
 
 def open_gguf(path: str) -> Any:
-    """A `gguf.GGUFReader` (memory-maps the file; parses the metadata, ~2 s for SmolLM2)."""
+    """A `gguf.GGUFReader` (memory-maps the file and parses its metadata), with its arrays read
+    the fast way (`_fast_reader_class`)."""
     try:
-        import gguf
+        reader_class = _fast_reader_class()
     except ImportError as exc:
         raise ImportError("reading a .gguf file needs the `gguf` package: pip install gguf") \
             from exc
-    return gguf.GGUFReader(path)
+    return reader_class(path)
+
+
+_FAST_READER: type | None = None
+
+
+def _fast_reader_class() -> type:
+    """gguf's reader with one change: an array field (the tokenizer's ~50k tokens, merges and
+    token types) is parsed with one slice per item instead of four numpy calls, 3.7 s -> ~0.2 s
+    for SmolLM2 on every load. Its fields and tensors are the plain reader's
+    (tests/models/test_gguf_reader.py compares them); byte-swapped files and arrays of arrays
+    take the library's own path."""
+    global _FAST_READER
+    if _FAST_READER is not None:
+        return _FAST_READER
+    import sys
+
+    import gguf
+    from gguf import GGUFValueType
+
+    class FastGGUFReader(gguf.GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            if (raw_type != GGUFValueType.ARRAY or self.byte_order != "I"
+                    or sys.byteorder != "little"):
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            item_type, count = GGUFValueType(int(raw_itype[0])), int(alen[0])
+            flat = self.data.view(np.ndarray)
+            offs = orig_offs + 12
+            parts: list[Any] = [raw_itype, alen]
+            if item_type == GGUFValueType.STRING:
+                raw = memoryview(flat)
+                for _ in range(count):  # length-prefixed: each item's offset needs the last
+                    size = int.from_bytes(raw[offs:offs + 8], "little")
+                    parts.append(flat[offs:offs + 8].view(np.uint64))
+                    parts.append(flat[offs + 8:offs + 8 + size])
+                    offs += 8 + size
+                data = list(range(3, 2 + 2 * count, 2))
+            elif item_type in self.gguf_scalar_to_np:
+                dtype = np.dtype(self.gguf_scalar_to_np[item_type])
+                values = flat[offs:offs + count * dtype.itemsize].view(dtype)
+                parts.extend(values[i:i + 1] for i in range(count))
+                offs += count * dtype.itemsize
+                data = list(range(2, 2 + count))
+            else:
+                return super()._get_field_parts(orig_offs, raw_type)
+            types = [GGUFValueType.ARRAY] + ([item_type] if count else [])
+            return offs - orig_offs, parts, data, types
+
+    _FAST_READER = FastGGUFReader
+    return FastGGUFReader
 
 
 def gguf_config(reader: Any) -> PretrainedConfig:

@@ -27,20 +27,29 @@ PROMPTS = ["The capital of France is", "Hello, my name is", "def fibonacci(n):",
            "Water boils at", "The quick brown fox"]
 
 
-def _params() -> list[SamplingParams]:
+def _params(stops: tuple[str, str]) -> list[SamplingParams]:
     return [
-        SamplingParams(temperature=0, max_tokens=24, stop=[" France", "."], logprobs=2),
+        SamplingParams(temperature=0, max_tokens=24, stop=[stops[0], "\u00a7\u00a7"],
+                       logprobs=2),
         SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=2, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10),
-        SamplingParams(temperature=0, max_tokens=16, stop=["1"],
+        SamplingParams(temperature=0, max_tokens=16, stop=[stops[1]],
                        include_stop_str_in_output=True),
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1),
     ]
 
 
 @pytest.fixture(scope="module")
-def engines():
-    common = dict(model=None, dtype="float32", kv_cache_memory="64MiB")
+def tiny_dir(tmp_path_factory) -> str:
+    return str(tiny_chat_model(tmp_path_factory.mktemp("tiny_chat")))
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    # A tiny model with the bundled tokenizer (text, stop strings, detokenization) and wide
+    # random weights (greedy choices far from ties), float32.
+    model = str(tiny_chat_model(tmp_path_factory.mktemp("tiny_wide"), init_std=0.2))
+    common = dict(model=model, dtype="float32", kv_cache_memory="64MiB")
     core = LLM(engine_core_process=True, **common)
     here = LLM(engine_core_process=False, **common)
     yield here, core
@@ -48,8 +57,19 @@ def engines():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    return str(tiny_chat_model(tmp_path_factory.mktemp("tiny_chat")))
+def stops(engines) -> tuple[str, str]:
+    """Stop strings that occur mid-way in the greedy texts of prompts 0 and 3 (a random model
+    writes no fixed text): two characters from the middle of each."""
+    here, _ = engines
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    texts = [o.outputs[0].text for o in here.generate([PROMPTS[0], PROMPTS[3]], greedy,
+                                                      use_tqdm=False)]
+    picked = []
+    for text in texts:
+        middle = text[len(text) // 2:]
+        picked.append(next(middle[i:i + 2] for i in range(len(middle) - 1)
+                           if middle[i:i + 2].strip()))
+    return picked[0], picked[1]
 
 
 def _cores() -> set[int]:
@@ -83,11 +103,11 @@ def _assert_close_logprobs(a, b) -> None:
             assert lp.logprob == pytest.approx(pb[tid].logprob, abs=1e-4)
 
 
-def test_outputs_identical_in_both_modes(engines):
+def test_outputs_identical_in_both_modes(engines, stops):
     here, core = engines
     assert not isinstance(here.engine.client, type(core.engine.client))
-    a = here.generate(PROMPTS, _params(), use_tqdm=False)
-    b = core.generate(PROMPTS, _params(), use_tqdm=False)
+    a = here.generate(PROMPTS, _params(stops), use_tqdm=False)
+    b = core.generate(PROMPTS, _params(stops), use_tqdm=False)
     stopped = 0
     for x, y in zip(a, b, strict=True):
         assert x.prompt_token_ids == y.prompt_token_ids
@@ -106,10 +126,9 @@ def test_outputs_identical_in_both_modes(engines):
     assert a[0].outputs[0].logprobs  # the comparison above compared something
     # A stop string ended at least one sequence: its text is cut there, as in-process.
     assert stopped >= 1
-    for out in a + b:
-        for c in out.outputs:
+    for params, x, y in zip(_params(stops), a, b, strict=True):
+        for c in x.outputs + y.outputs:
             if isinstance(c.stop_reason, str):
-                params = _params()[[o.request_id for o in a].index(out.request_id)]
                 assert c.finish_reason == "stop"
                 assert c.text.endswith(c.stop_reason) == params.include_stop_str_in_output
     assert core.engine.check_blocks_free()

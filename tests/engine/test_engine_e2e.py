@@ -90,7 +90,11 @@ def test_tiny_models_prompt_logprobs(tiny_models, make_llm, name):
     check_prompt_logprobs(hf, prompts, outputs, top=5)
 
 
-@pytest.mark.parametrize("variant", ["default", "chunked_prefill", "preemption"])
+# The variants exercise the scheduler, which the in-process tests above cover; the core
+# process only moves its outputs.
+@pytest.mark.parametrize("variant", [
+    "default", pytest.param("chunked_prefill", marks=pytest.mark.slow),
+    pytest.param("preemption", marks=pytest.mark.slow)])
 def test_core_process_matches_transformers(tiny_models, make_llm, variant):
     """The engine core in a process of its own: the same greedy tokens (as transformers'),
     preemption seen through the core's stats, prompt logprobs within 1e-4, and the core's

@@ -47,6 +47,7 @@ def model_dir(tmp_path_factory) -> str:
     return str(tiny_chat_model(tmp_path_factory.mktemp("tiny_chat")))
 
 
+@pytest.mark.slow  # process start-ups; the other first-hour tests run the same parser
 def test_version_and_log_level_after_the_subcommand() -> None:
     result = pagedserve("--version")
     assert result.returncode == 0 and result.stdout.strip() == f"pagedserve {__version__}"
@@ -104,6 +105,7 @@ def test_bad_lines_fail_the_run_and_are_found_before_loading(model_dir, tmp_path
     assert [json.loads(x)["line"] for x in dst.read_text().splitlines()] == [1, 4]
 
 
+@pytest.mark.slow  # process start-ups; test_cli checks the parser's flags in process
 def test_help_shows_every_flag_with_its_default() -> None:
     generate = pagedserve("generate", "--help").stdout
     for text in ("--temperature", "(default: 1.0)", "--max-tokens", "(default: 16)",
@@ -117,6 +119,7 @@ def test_help_shows_every_flag_with_its_default() -> None:
         assert text in bench, text
 
 
+@pytest.mark.slow  # twelve process start-ups
 def test_vllm_habits(model_dir, tmp_path) -> None:
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"

@@ -118,6 +118,16 @@ def core_server(request, tmp_path_factory) -> ServerProcess:
     srv.stop()
 
 
+# Run against the core-process server only with `-m slow` (tests/server/conftest.py): their
+# outputs cross the same messages as the tests that do run against it by default.
+CORE_PROCESS_SLOW = {
+    "test_completion_default_max_tokens_is_16", "test_completion_echo_and_logprobs",
+    "test_n_and_seed_reproducible", "test_chat_without_max_tokens_runs_to_eos",
+    "test_chat_logprobs", "test_64_concurrent_streams_batch_and_free_all_blocks",
+    "test_bench_serve_runs_against_both",
+}
+
+
 @pytest.fixture(scope="module", params=["in-process", "core-process"])
 def any_server(request) -> ServerProcess:
     """The tests that take it (and `client`) run against both: same texts, same answers."""

@@ -51,6 +51,7 @@ def test_imports_are_blocked(env) -> None:
     assert probe.returncode != 0 and "No module named 'triton'" in probe.stderr
 
 
+@pytest.mark.slow  # the serve test below imports and runs the same engine without them
 def test_generate_without_gpu_packages(env, model_dir) -> None:
     out = subprocess.run([sys.executable, "-m", "pagedserve", "generate", "--model", model_dir,
                           "--prompt", "hi", "--max-tokens", "4", "--temperature", "0"],

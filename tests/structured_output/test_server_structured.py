@@ -201,7 +201,8 @@ def _tool_calls(client: openai.OpenAI, stream: bool, **kwargs) -> tuple[list, st
     return [tuple(c) for c in calls.values()], finish, content or None
 
 
-@pytest.mark.parametrize("stream", [False, True])
+# Streamed by default (the deltas are the harder path); the whole response with -m slow.
+@pytest.mark.parametrize("stream", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_tool_choice_required_and_named(client, stream: bool) -> None:
     for seed in range(2):
         calls, finish, content = _tool_calls(client, stream, tool_choice="required",
