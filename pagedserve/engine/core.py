@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,10 @@ class EngineCore:
         from pagedserve.models.quantization import resolve_quantization
 
         self.config = config
+        # Sequence groups whose grammar is being compiled, off the step path (a request's
+        # first schema can take a second to compile): they join the scheduler once it is done.
+        self._awaiting_grammar: list[tuple[Future, list[CoreRequest]]] = []
+        self._grammar_pool: ThreadPoolExecutor | None = None
         device = config.torch_device
         if device.type == "cpu":
             configure_cpu_threads()
@@ -205,7 +210,40 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------
 
     def add_requests(self, requests: list[CoreRequest]) -> None:
-        """A request's sequences: every part of the core learns them, or none does."""
+        """A request's sequences: every part of the core learns them, or none does. A grammar
+        not compiled yet is compiled in a worker thread first (`_admit_compiled`)."""
+        uncompiled = [r.params.guided_decoding for r in requests
+                      if r.scoring_mode is None and r.params.guided_decoding is not None
+                      and not self.structured_output.is_compiled(r.params.guided_decoding)]
+        if uncompiled:
+            if self._grammar_pool is None:
+                self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="core-grammar")
+
+            def compile_all() -> None:
+                for spec in uncompiled:
+                    self.structured_output.compile(spec)
+
+            self._awaiting_grammar.append((self._grammar_pool.submit(compile_all), requests))
+            return
+        self._add_now(requests)
+
+    def _admit_compiled(self, out: StepOutput) -> None:
+        """Add the groups whose grammars are compiled; fail those whose compile failed."""
+        waiting = []
+        for future, group in self._awaiting_grammar:
+            if not future.done():
+                waiting.append((future, group))
+                continue
+            try:
+                future.result()
+                self._add_now(group)
+            except Exception as exc:  # the front checked the spec: this request alone fails
+                text = " ".join(str(exc).split())
+                for request in group:
+                    out.failed[request.request_id] = f"{type(exc).__name__}: {text}"
+        self._awaiting_grammar = waiting
+
+    def _add_now(self, requests: list[CoreRequest]) -> None:
         built = [self._build(r) for r in requests]
         added: list[str] = []
         try:
@@ -239,6 +277,11 @@ class EngineCore:
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Finish sequences wherever they are (aborts, and stop strings found by the front);
         their blocks are free at once. Unknown or finished ids are ignored."""
+        if self._awaiting_grammar:
+            gone = set(seq_ids)
+            kept = [(f, [r for r in group if r.request_id not in gone])
+                    for f, group in self._awaiting_grammar]
+            self._awaiting_grammar = [(f, group) for f, group in kept if group]
         self.scheduler.finish_requests(seq_ids, status)
         self._forget(seq_ids)
 
@@ -252,7 +295,7 @@ class EngineCore:
         """Requests waiting, running, or with a sample still in flight. A step in flight whose
         requests have all finished (their last sample was wasted) is completed by the next
         step() and needs none."""
-        if self.scheduler.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests() or self._awaiting_grammar:
             return True
         return self._in_flight is not None and not all(
             r.is_finished for r in self._in_flight[0].requests)
@@ -269,6 +312,12 @@ class EngineCore:
         live."""
         start = time.perf_counter()
         out = StepOutput()
+        if self._awaiting_grammar:
+            if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+                # Nothing else to run: wait for a compile rather than spin.
+                wait([f for f, _ in self._awaiting_grammar], timeout=0.01,
+                     return_when=FIRST_COMPLETED)
+            self._admit_compiled(out)
         overlap = self.async_scheduling and not self._sync_requests
         if self._in_flight is not None and not overlap:
             self._complete(*self._in_flight, out)
@@ -413,6 +462,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the model's other ranks, if any (idempotent)."""
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.runner.shutdown()
 
     def check_health(self) -> None:

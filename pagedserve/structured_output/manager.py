@@ -119,6 +119,11 @@ class StructuredOutputManager:
                     self._backend = XGrammarBackend(self.tokenizer, self.vocab_size)
             return self._backend
 
+    def is_compiled(self, guided: GuidedDecodingParams) -> bool:
+        """Whether the spec's grammar is in the cache (new_grammar then takes no time)."""
+        with self._lock:
+            return guided.key in self._cache
+
     def compile(self, guided: GuidedDecodingParams) -> Any:
         """The compiled grammar of a spec, from the cache or compiled now."""
         key = guided.key

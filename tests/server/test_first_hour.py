@@ -149,6 +149,7 @@ def test_vllm_habits(model_dir, tmp_path) -> None:
         llm.score([3.5], [[1]])
 
 
+@pytest.mark.slow  # a process start-up for one warning
 def test_settings_for_another_device_warn(model_dir) -> None:
     result = pagedserve("generate", "--model", model_dir, *CPU, "--gpu-memory-utilization",
                         "0.5", "--prompt", "hi", "--max-tokens", "2")
@@ -156,6 +157,7 @@ def test_settings_for_another_device_warn(model_dir) -> None:
     assert "--gpu-memory-utilization does not apply on cpu" in result.stderr
 
 
+@pytest.mark.slow  # a server start-up; test_server runs bench serve against its server
 def test_bench_serve_against_a_keyed_server(tmp_path) -> None:
     server = ServerProcess(["--model", "random:tiny", *CPU, "--attention-backend", "CPU",
                             "--api-key", "sk-test", "--disable-log-requests"],

@@ -118,9 +118,13 @@ def core_server(request, tmp_path_factory) -> ServerProcess:
     srv.stop()
 
 
-# Run against the core-process server only with `-m slow` (tests/server/conftest.py): their
-# outputs cross the same messages as the tests that do run against it by default.
+# Run against the core-process server only with `-m slow` (tests/server/conftest.py): by
+# default the served core process is tested by tests/server/test_core_process_faults.py
+# (requests, streams, its death) and the front/core split by tests/engine/test_core_process.py.
 CORE_PROCESS_SLOW = {
+    "test_completion_greedy_equals_llm_generate", "test_completion_stream",
+    "test_stop_strings_and_token_ids", "test_chat_equals_llm_chat",
+    "test_chat_stream_with_openai_client_n2", "test_client_disconnect_aborts_and_frees_blocks",
     "test_completion_default_max_tokens_is_16", "test_completion_echo_and_logprobs",
     "test_n_and_seed_reproducible", "test_chat_without_max_tokens_runs_to_eos",
     "test_chat_logprobs", "test_64_concurrent_streams_batch_and_free_all_blocks",

@@ -50,8 +50,8 @@ def _fresh_matcher_accepts(llm: LLM, guided: GuidedDecodingParams, token_ids: li
 
 def test_json_schemas(llm: LLM) -> None:
     params, names = [], []
-    for name in FAST:
-        for i in range(2):
+    for name in FAST[:3]:  # xgrammar's test runs every schema; this one the backend's own path
+        for i in range(1):
             params.append(SamplingParams(temperature=0.8, seed=100 + i, max_tokens=160,
                                          guided_decoding=GuidedDecodingParams(json=SCHEMAS[name])))
             names.append(name)
