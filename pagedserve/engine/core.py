@@ -116,8 +116,7 @@ class EngineCore:
         from pagedserve.models.quantization import resolve_quantization
 
         self.config = config
-        # Sequence groups whose grammar is being compiled, off the step path (a request's
-        # first schema can take a second to compile): they join the scheduler once it is done.
+        # Sequence groups whose grammars compile off the step path (seconds for a big schema).
         self._awaiting_grammar: list[tuple[Future, list[CoreRequest]]] = []
         self._grammar_pool: ThreadPoolExecutor | None = None
         device = config.torch_device
@@ -218,22 +217,18 @@ class EngineCore:
         if uncompiled:
             if self._grammar_pool is None:
                 self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="core-grammar")
-
-            def compile_all() -> None:
-                for spec in uncompiled:
-                    self.structured_output.compile(spec)
-
-            self._awaiting_grammar.append((self._grammar_pool.submit(compile_all), requests))
+            future = self._grammar_pool.submit(self.structured_output.compile_all, uncompiled)
+            self._awaiting_grammar.append((future, requests))
             return
         self._add_now(requests)
 
     def _admit_compiled(self, out: StepOutput) -> None:
         """Add the groups whose grammars are compiled; fail those whose compile failed."""
-        waiting = []
-        for future, group in self._awaiting_grammar:
-            if not future.done():
-                waiting.append((future, group))
-                continue
+        ready = [f.done() for f, _ in self._awaiting_grammar]  # once: a compile may end now
+        done = [entry for entry, r in zip(self._awaiting_grammar, ready, strict=True) if r]
+        self._awaiting_grammar = [e for e, r in zip(self._awaiting_grammar, ready, strict=True)
+                                  if not r]
+        for future, group in done:
             try:
                 future.result()
                 self._add_now(group)
@@ -241,7 +236,6 @@ class EngineCore:
                 text = " ".join(str(exc).split())
                 for request in group:
                     out.failed[request.request_id] = f"{type(exc).__name__}: {text}"
-        self._awaiting_grammar = waiting
 
     def _add_now(self, requests: list[CoreRequest]) -> None:
         built = [self._build(r) for r in requests]

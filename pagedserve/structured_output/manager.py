@@ -142,6 +142,10 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         return compiled
 
+    def compile_all(self, specs: list[GuidedDecodingParams]) -> None:
+        for spec in specs:
+            self.compile(spec)
+
     def new_grammar(self, guided: GuidedDecodingParams, end_token_ids: frozenset[int]
                     ) -> RequestGrammar:
         """A fresh matcher for one sequence. Its stop tokens are the sequence's end tokens (EOS

@@ -153,6 +153,7 @@ def test_worker_stuck_in_a_step_is_a_clear_error(model_path, monkeypatch):
         engine.shutdown()
 
 
+@pytest.mark.slow  # the served core process test (slow) covers an idle hang too
 def test_idle_engine_fails_once_a_worker_stops(model_path, monkeypatch):
     """No request in flight: AsyncLLM's idle engine thread still checks on the ranks, so its
     error (which /health reports) is set within seconds."""

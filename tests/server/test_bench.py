@@ -27,7 +27,10 @@ from pagedserve.models.loader import hf_state_dict, load_random_model
 CPU_ARGS = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB")
 
 
-@pytest.mark.parametrize("mode", ["--no-engine-core-process", "--engine-core-process"])
+@pytest.mark.parametrize("mode", [
+    "--no-engine-core-process",
+    pytest.param("--engine-core-process", marks=pytest.mark.slow),  # test_core_process covers it
+])
 def test_bench_throughput_prints_figures(capsys: pytest.CaptureFixture[str], mode: str) -> None:
     rc = main(["bench", "throughput", "--model", "random:tiny", "--device", "cpu",
                "--attention-backend", "CPU", "--kv-cache-memory", "16MiB", "--num-prompts", "3",

@@ -55,8 +55,8 @@ def test_version_and_log_level_after_the_subcommand() -> None:
     assert result.returncode == 0 and "CPU" in result.stdout
 
 
-def test_mistakes_are_one_line_before_the_model_loads(model_dir, tmp_path) -> None:
-    cases = [
+def _mistakes(model_dir: str, tmp_path) -> list[tuple[list[str], dict[str, str], tuple]]:
+    return [
         (["generate", "--model", model_dir, *CPU, "--input", str(tmp_path / "missing.jsonl")],
          {}, ("missing.jsonl", "No such file")),
         (["generate", "--model", "meta-llama/Llama-3.1-8B", *CPU, "--prompt", "hi"], {},
@@ -73,7 +73,12 @@ def test_mistakes_are_one_line_before_the_model_loads(model_dir, tmp_path) -> No
         (["bench", "serve", "--url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1"],
          {}, ("is a server running there?",)),
     ]
-    for args, env, needles in cases:
+
+
+# Each case is a process start-up (~3 s): half run by default, the rest with -m slow.
+@pytest.mark.parametrize("half", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_mistakes_are_one_line_before_the_model_loads(model_dir, tmp_path, half) -> None:
+    for args, env, needles in _mistakes(model_dir, tmp_path)[half::2]:
         result = pagedserve(*args, env=env)
         one_line_error(result, *needles)
         assert not loaded(result), args

@@ -201,7 +201,7 @@ def request_bodies(draw) -> tuple[str, object]:
 def test_fuzzed_bodies_never_get_a_5xx(server) -> None:
     seen: dict[int, int] = {}
 
-    @settings(max_examples=150, deadline=None, derandomize=True,
+    @settings(max_examples=100, deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(request_bodies())
     def check(path_body: tuple[str, object]) -> None:
@@ -249,6 +249,7 @@ def test_shutdown_drains_then_ends_streams_with_an_error(model_dir, tmp_path) ->
     assert 3 <= len(events) < 500 and '"error"' in events[-2] and events[-1] == "data: [DONE]"
 
 
+@pytest.mark.slow  # a server start-up; the drain test above covers the first signal
 def test_second_signal_exits_at_once(model_dir, tmp_path) -> None:
     proc = ServerProcess(["--model", model_dir, *CPU, "--shutdown-timeout", "60"],
                          tmp_path / "log")
