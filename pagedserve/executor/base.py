@@ -146,8 +146,6 @@ class Executor:
         self.runner.warmup()
 
     def add_request(self, request: Request) -> None:
-        if request.grammar is not None and self.world_size > 1:
-            raise ValueError("guided decoding does not support tensor_parallel_size > 1 yet")
         self.runner.add_request(request)
 
     def finish_request(self, request_id: str) -> None:
