@@ -10,10 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import socket
-import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +20,7 @@ from pagedserve.executor import WorkerError, multiproc
 from pagedserve.executor.progress import StepProgress
 from tests.distributed.hang_hooks import worker_main_stuck_at_launch
 from tests.distributed.test_tensor_parallel import CONFIGS, ENGINE, PROMPTS, save_model
+from tests.utils.server import app_in_thread, child_pids, pid_alive, pids_gone
 
 LONG = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 
@@ -78,28 +76,14 @@ def model_path(tmp_path_factory) -> str:
     return save_model(CONFIGS["llama"](), tmp_path_factory.mktemp("llama"))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _release(pids: list[int]) -> None:
     """Whatever the test's outcome, no stopped or stuck process stays behind."""
     for pid in pids:
-        if _alive(pid):
+        if pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)  # a stopped process dies of it too
             except ProcessLookupError:
                 pass
-
-
-def _gone(pids: list[int], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(_alive(p) for p in pids)
 
 
 def _fails_within(engine, seconds: float) -> WorkerError:
@@ -126,7 +110,7 @@ def test_stopped_worker_is_a_clear_error(model_path, monkeypatch):
         message = str(error)
         assert f"rank 1 (pid {worker.pid}) stopped responding: no heartbeat for 2 s" in message
         assert "exited with code" not in message
-        assert _gone([worker.pid])
+        assert pids_gone([worker.pid])
     finally:
         _release([worker.pid])
         engine.shutdown()
@@ -147,7 +131,7 @@ def test_worker_stuck_in_a_step_is_a_clear_error(model_path, monkeypatch):
         message = str(error)
         assert f"rank 1 (pid {worker.pid}) has not finished step 5 in 3 s" in message
         assert "heartbeat" not in message and "exited with code" not in message
-        assert _gone([worker.pid])
+        assert pids_gone([worker.pid])
     finally:
         _release([worker.pid])
         engine.shutdown()
@@ -171,7 +155,7 @@ def test_idle_engine_fails_once_a_worker_stops(model_path, monkeypatch):
             time.sleep(0.1)
         assert isinstance(llm.error, WorkerError)
         assert "rank 1" in str(llm.error) and "no heartbeat" in str(llm.error)
-        assert _gone([worker.pid])
+        assert pids_gone([worker.pid])
     finally:
         _release([worker.pid])
         llm.shutdown()
@@ -180,85 +164,49 @@ def test_idle_engine_fails_once_a_worker_stops(model_path, monkeypatch):
 # ---- behind the engine core process and the server --------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # 25 s, most of it starting the core process and its worker
 @pytest.mark.parametrize("when", ["streaming", "idle"])
 def test_stopped_worker_fails_requests_and_health(model_path, monkeypatch, when):
     """TP=2 behind an engine core process, served: a worker stopped while a request streams
     fails that request with the hang's message, or while the engine idles fails it all the
     same (the core loop checks on the ranks); /health answers 503 within seconds."""
-    import uvicorn
-
-    from pagedserve.config import ServerConfig
     from pagedserve.engine.async_llm import AsyncLLM
     from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.server.api import build_app
 
     monkeypatch.setenv("PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S", "2")
     monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
     engine = LLMEngine.from_kwargs(model=model_path, tensor_parallel_size=2,
                                    engine_core_process=True, **ENGINE)
     core = engine.client.proc
-    (worker,) = _children(core.pid)
+    (worker,) = child_pids(core.pid)
     llm = AsyncLLM(engine)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, ServerConfig(served_model_name="m")),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.1)
-        body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True,
-                "temperature": 0, "stream": True}
-        if when == "streaming":
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
-                lines = resp.iter_lines()
-                for line in lines:
-                    if line.startswith("data: "):
-                        break  # generating
+        with app_in_thread(llm, "m", timeout=30) as url:
+            body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True,
+                    "temperature": 0, "stream": True}
+            if when == "streaming":
+                with httpx.stream("POST", url + "/v1/completions", json=body,
+                                  timeout=30) as resp:
+                    lines = resp.iter_lines()
+                    for line in lines:
+                        if line.startswith("data: "):
+                            break  # generating
+                    os.kill(worker, signal.SIGSTOP)
+                    stopped = time.monotonic()
+                    tail = [line for line in lines if line.startswith("data: ")]
+                assert time.monotonic() - stopped < 15, "the stream hung after the worker stopped"
+                assert any("heartbeat" in line and "rank 1" in line for line in tail), tail[-3:]
+            else:
                 os.kill(worker, signal.SIGSTOP)
                 stopped = time.monotonic()
-                tail = [line for line in lines if line.startswith("data: ")]
-            assert time.monotonic() - stopped < 15, "the stream hung after the worker stopped"
-            assert any("heartbeat" in line and "rank 1" in line for line in tail), tail[-3:]
-        else:
-            os.kill(worker, signal.SIGSTOP)
-            stopped = time.monotonic()
-        while (health := httpx.get(url + "/health", timeout=2)).status_code != 503:
-            assert time.monotonic() - stopped < 15, "/health still 200 after the hang"
-            time.sleep(0.1)
-        assert "no heartbeat" in health.json()["error"]["message"]
-        again = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=10)
-        assert again.status_code == 503
+            while (health := httpx.get(url + "/health", timeout=2)).status_code != 503:
+                assert time.monotonic() - stopped < 15, "/health still 200 after the hang"
+                time.sleep(0.1)
+            assert "no heartbeat" in health.json()["error"]["message"]
+            again = httpx.post(url + "/v1/completions", json={**body, "stream": False},
+                               timeout=10)
+            assert again.status_code == 503
     finally:
         _release([worker])
-        server.should_exit = True
-        thread.join(30)
         engine.shutdown()
-    assert _gone([worker, core.pid])
+    assert pids_gone([worker, core.pid])

@@ -10,19 +10,7 @@ import httpx
 
 from pagedserve import LLM
 from tests.distributed.test_tensor_parallel import CONFIGS, ENGINE, GREEDY, PROMPTS, save_model
-from tests.utils.server import ServerProcess
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
+from tests.utils.server import ServerProcess, child_pids
 
 
 def test_serve_with_two_ranks(tmp_path):
@@ -35,7 +23,7 @@ def test_serve_with_two_ranks(tmp_path):
         llm = LLM(model=path, **ENGINE)
         expected = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         server.wait_healthy()
-        workers = _children(server.proc.pid)
+        workers = child_pids(server.proc.pid)
         assert workers, "no worker process under the server"
         body = {"model": Path(path).name, "prompt": PROMPTS[0], "max_tokens": GREEDY.max_tokens,
                 "temperature": 0, "ignore_eos": True}

@@ -8,25 +8,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
-from pagedserve.config import ServerConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.server.api import build_app
 from tests.utils.paged import tiny_chat_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.utils.server import app_in_thread, child_pids, pid_alive, pids_gone
 
 
 @pytest.fixture
@@ -35,26 +26,8 @@ def served(tmp_path):
     engine = LLMEngine.from_kwargs(model=model, dtype="float32", kv_cache_memory="16MiB",
                                    engine_core_process=True)
     llm = AsyncLLM(engine)
-    app = build_app(llm, ServerConfig(served_model_name="tiny"))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.1)
-    yield url, engine, llm
-    server.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive()
+    with app_in_thread(llm, "tiny") as url:
+        yield url, engine, llm
 
 
 def test_killed_core_fails_requests_and_health(served):
@@ -113,37 +86,6 @@ def test_idle_core_death_turns_health_503(served):
         time.sleep(0.1)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _gone(pids: list[int], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 @pytest.mark.slow  # 30 s of server processes; deletion and fault tests cover it
 @pytest.mark.parametrize("how", ["ctrl-c", "core killed"])
 def test_real_server_leaves_no_process(tmp_path, how):
@@ -156,7 +98,7 @@ def test_real_server_leaves_no_process(tmp_path, how):
                          "--kv-cache-memory", "16MiB", "--engine-core-process",
                          "--shutdown-timeout", "2"], tmp_path / "server.log")
     try:
-        children = _children(srv.proc.pid)
+        children = child_pids(srv.proc.pid)
         cores = [p for p in children if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
         assert cores, children
         if how == "ctrl-c":
@@ -166,6 +108,6 @@ def test_real_server_leaves_no_process(tmp_path, how):
             for pid in cores:
                 os.kill(pid, signal.SIGKILL)
             assert srv.proc.wait(30) == 1, srv.log()
-        assert _gone(children), [p for p in children if _alive(p)]
+        assert pids_gone(children, 15.0), [p for p in children if pid_alive(p)]
     finally:
         srv.stop()

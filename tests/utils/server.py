@@ -1,4 +1,5 @@
-"""Run `pagedserve serve` in a subprocess on a free loopback port, and read its /metrics."""
+"""Run `pagedserve serve` in a subprocess on a free loopback port (or the app in a thread of
+this process, for tests that must hold the engine), and read its /metrics."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -16,6 +21,68 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def pids_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    """Whether every process of `pids` has ended within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(pid_alive(p) for p in pids)
+
+
+@contextmanager
+def app_in_thread(llm: Any, served_model_name: str, timeout: float = 60.0) -> Iterator[str]:
+    """The server's app over `llm` (an AsyncLLM) under uvicorn in a thread of this process,
+    healthy; yields its URL and stops it on leaving."""
+    import uvicorn
+
+    from pagedserve.config import ServerConfig
+    from pagedserve.server.api import build_app
+
+    app = build_app(llm, ServerConfig(served_model_name=served_model_name))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.1)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()
 
 
 class ServerProcess:
