@@ -245,6 +245,30 @@ def _tiles(num: torch.Tensor, idx: torch.Tensor) -> list[list[int]]:
     return [idx[0, 0, t, :int(num[0, 0, t])].tolist() for t in range(num.shape[-1])]
 
 
+def _step_for_mask(step: str, block_size: int, window: int | None, seed: int):
+    """(batch, common metadata, table width, cache blocks) of a step for the block-mask tests:
+    the shared-page step, or a BATCHES step over randomly placed pages."""
+    if step == "shared":
+        batch, _, common, max_blocks = _shared_step(block_size, window)
+        return batch, common, max_blocks, 40
+    batch = BATCHES[step]
+    blocks = [-(-(c + q) // block_size) for c, q in batch]
+    num_blocks = sum(blocks) + 3
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    max_blocks = max(blocks) + 1
+    table = np.full((len(batch), max_blocks), -1, np.int32)
+    pos = 0
+    for row, nb in enumerate(blocks):
+        table[row, :nb] = perm[pos:pos + nb]
+        pos += nb
+    common = CommonMetadataBuilder(len(batch), sum(q for _, q in batch), max_blocks,
+                                   block_size, CPU).build(
+        rows=np.arange(len(batch)), num_computed=np.array([c for c, _ in batch], np.int32),
+        num_scheduled=np.array([q for _, q in batch], np.int32),
+        num_prefills=sum(q > 1 for _, q in batch), block_table=table)
+    return batch, common, max_blocks, num_blocks
+
+
 @pytest.mark.parametrize("layout", list(PHYSICAL))
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("window", [None, 7])
@@ -256,25 +280,7 @@ def test_physical_block_mask_lists_exactly_the_tiles_the_mask_needs(layout, bloc
     create_block_mask over the same mask_mod (dense evaluation). Every tile with a visible
     key is listed once (a duplicate would count its keys twice); a tile listed as full (no
     mask_mod) is full."""
-    if step == "shared":
-        batch, _, common, max_blocks = _shared_step(block_size, window)
-        num_blocks = 40
-    else:
-        batch = BATCHES[step]
-        blocks = [-(-(c + q) // block_size) for c, q in batch]
-        num_blocks = sum(blocks) + 3
-        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(5)).tolist()
-        max_blocks = max(blocks) + 1
-        table = np.full((len(batch), max_blocks), -1, np.int32)
-        pos = 0
-        for row, nb in enumerate(blocks):
-            table[row, :nb] = perm[pos:pos + nb]
-            pos += nb
-        common = CommonMetadataBuilder(len(batch), sum(q for _, q in batch), max_blocks,
-                                       block_size, CPU).build(
-            rows=np.arange(len(batch)), num_computed=np.array([c for c, _ in batch], np.int32),
-            num_scheduled=np.array([q for _, q in batch], np.int32),
-            num_prefills=sum(q > 1 for _, q in batch), block_table=table)
+    batch, common, max_blocks, num_blocks = _step_for_mask(step, block_size, window, 5)
     layer = Case(batch, block_size, 4, 2, 16, torch.float32, window).layer()
     config = BuilderConfig.for_layer(layer, block_size, len(batch), common.num_actual_tokens,
                                      max_blocks, CPU)
@@ -391,25 +397,7 @@ def test_physical_block_mask_drives_a_sparse_kernel(layout, step, block_size, wi
     listed tile it does not (so the comparison can fail). The CPU kernel wants kv_indices as
     wide as the whole KV length, so they are padded here (the CUDA kernel does not)."""
     flex = torch.nn.attention.flex_attention
-    if step == "shared":
-        batch, _, common, max_blocks = _shared_step(block_size, window)
-        num_blocks = 40
-    else:
-        batch = BATCHES[step]
-        blocks = [-(-(c + q) // block_size) for c, q in batch]
-        num_blocks = sum(blocks) + 3
-        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6)).tolist()
-        max_blocks = max(blocks) + 1
-        table = np.full((len(batch), max_blocks), -1, np.int32)
-        pos = 0
-        for row, nb in enumerate(blocks):
-            table[row, :nb] = perm[pos:pos + nb]
-            pos += nb
-        common = CommonMetadataBuilder(len(batch), sum(q for _, q in batch), max_blocks,
-                                       block_size, CPU).build(
-            rows=np.arange(len(batch)), num_computed=np.array([c for c, _ in batch], np.int32),
-            num_scheduled=np.array([q for _, q in batch], np.int32),
-            num_prefills=sum(q > 1 for _, q in batch), block_table=table)
+    batch, common, max_blocks, num_blocks = _step_for_mask(step, block_size, window, 6)
     layer = Case(batch, block_size, 8, 2, 64, torch.float32, window).layer()
     config = BuilderConfig.for_layer(layer, block_size, len(batch), common.num_actual_tokens,
                                      max_blocks, CPU)
