@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from pagedserve.device import to_device_async
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.manager import apply_token_bitmask
 
@@ -121,7 +122,7 @@ class SamplingMetadata:
                     bias_cols.extend(p.logit_bias)
                     bias_values.extend(p.logit_bias.values())
             bias = (_long(bias_rows, device), _long(bias_cols, device),
-                    _to_device(torch.tensor(bias_values, dtype=torch.float32), device))
+                    to_device_async(torch.tensor(bias_values, dtype=torch.float32), device))
 
         asked = [p.logprobs for p in uniq if p.logprobs is not None]
         # One transfer for the per-row values (top_k and vocab ids are exact in float32).
@@ -131,7 +132,7 @@ class SamplingMetadata:
             table = table.expand(-1, n).contiguous()
         elif len(uniq) < n:  # with all distinct, `which` is 0..n-1 already
             table = table[:, torch.tensor(which, dtype=torch.int64)]
-        rows = _to_device(table, device)
+        rows = to_device_async(table, device)
         return cls(
             temperature=rows[0],
             is_greedy=rows[7] != 0,
@@ -176,18 +177,9 @@ def distinct_params(params: list[SamplingParams]
 
 
 def _long(xs: list[int], device: torch.device | str) -> Tensor:
-    return _to_device(torch.tensor(xs, dtype=torch.int64), device)
+    return to_device_async(torch.tensor(xs, dtype=torch.int64), device)
 
 
-def _to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    """A host tensor on `device` without waiting for the device: a copy from pageable memory
-    would first wait for the work already queued (with async scheduling, the step in
-    flight). Pinned memory comes from torch's caching host allocator, which keeps the block
-    until the copy has read it."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _token_counts(

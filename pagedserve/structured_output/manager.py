@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedserve.device import to_device_async
+
 if TYPE_CHECKING:
     from pagedserve.sampling_params import GuidedDecodingParams
 
@@ -167,10 +169,7 @@ class StructuredOutputManager:
                                        dtype=torch.int32)
         bitmask = self._bitmask[:num_rows]
         self._backend.fill([g.matcher for g in grammars], bitmask, rows)
-        if self.device.type == "cuda":
-            # A pinned copy from torch's caching host allocator: the host buffer is refilled
-            # next step while this copy may still be queued.
-            bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
+        bitmask = to_device_async(bitmask, self.device)  # the host buffer is refilled next step
         self.fill_seconds += time.perf_counter() - t0
         self.num_fills += 1
         return bitmask

@@ -73,6 +73,7 @@ from pagedserve.attention.backend import (
 )
 from pagedserve.attention.backends.cpu import write_kv
 from pagedserve.attention.metadata import CommonAttentionMetadata
+from pagedserve.device import to_device_async
 
 # The gathered layout's tile (every tile is listed: eager flex ignores sparsity anyway).
 _GATHER_TILE = 128
@@ -240,7 +241,7 @@ class FlexAttentionMetadata:
 def _to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """The host arrays on the device in one copy (int64 on the way, each its own dtype after)."""
     flat = np.concatenate([a.ravel().astype(np.int64) for a in arrays.values()])
-    dev = torch.from_numpy(flat).to(device, non_blocking=True)
+    dev = to_device_async(torch.from_numpy(flat), device)
     out, pos = {}, 0
     for name, a in arrays.items():
         dtype = torch.int32 if a.dtype == np.int32 else torch.int64
