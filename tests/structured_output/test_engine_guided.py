@@ -5,6 +5,7 @@ guided ones, logit_bias; and the bitmask application against a naive float32 ref
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 
@@ -214,8 +215,11 @@ def test_rollback_matches_a_fresh_matcher(llm: LLM) -> None:
 
 
 def _mixed_batch(device: str, async_scheduling: bool) -> list[list[int]]:
+    # On CUDA the cache is sized by gpu_memory_utilization (kv_cache_memory is the CPU's), and
+    # the two runs of the comparison share the process.
     llm = LLM(model=str(bundled_gguf()), dtype="float32", device=device,
-              kv_cache_memory="64MiB", async_scheduling=async_scheduling)
+              kv_cache_memory="64MiB", gpu_memory_utilization=0.2,
+              async_scheduling=async_scheduling)
     regex = r"[A-Z][a-z]{2,5} [0-9]{1,3}"
     prompts = ["The capital of France is", "Once upon a time", PROMPT, PROMPT]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),  # outlives
@@ -224,7 +228,14 @@ def _mixed_batch(device: str, async_scheduling: bool) -> list[list[int]]:
                              guided_decoding=GuidedDecodingParams(json=SCHEMAS["flat_required"])),
               SamplingParams(temperature=0.8, seed=1, max_tokens=MAX_TOKENS,
                              guided_decoding=GuidedDecodingParams(regex=regex))]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     jsonschema.validate(json.loads(outs[2].outputs[0].text), SCHEMAS["flat_required"])
     assert re.fullmatch(regex, outs[3].outputs[0].text)
     return [o.outputs[0].token_ids for o in outs]
