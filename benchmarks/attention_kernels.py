@@ -226,7 +226,9 @@ def bench_backend(name: str, setup: Setup, args
 
     seconds = time_cuda(step, args.warmup, args.iters)
     graphed: float | str = "not on CUDA"
-    if dev.type == "cuda" and cls.can_capture_cuda_graphs(args.block_size):
+    if dev.type == "cuda" and not cls.can_capture_cuda_graphs(args.block_size):
+        graphed = "the backend does not capture CUDA graphs"
+    elif dev.type == "cuda":
         try:
             graphed = time_graph(step, args.warmup, args.iters)
         except Exception as exc:  # a backend whose eager metadata cannot be captured

@@ -289,6 +289,8 @@ def test_physical_block_mask_lists_exactly_the_tiles_the_mask_needs(layout, bloc
     flex = torch.nn.attention.flex_attention
     ref = flex.create_block_mask(md.mask_fn, None, None, md.num_rows, num_blocks * block_size,
                                  device=CPU, BLOCK_SIZE=md.tiles)
+    # flex's CUDA kernels read full_kv_indices with kv_indices' row stride.
+    assert mask.full_kv_indices.shape == mask.kv_indices.shape
     partial = _tiles(mask.kv_num_blocks, mask.kv_indices)
     full = _tiles(mask.full_kv_num_blocks, mask.full_kv_indices)
     ref_partial = _tiles(ref.kv_num_blocks, ref.kv_indices)

@@ -29,11 +29,8 @@ Each layer runs one flex call with batch 1 over the step's new tokens. Two key l
 The plan is built on the host in numpy from the metadata's host mirrors (page table in CSR form,
 lengths; no per-token loop and no device sync), once per step per layer configuration (window),
 and shared by every layer of it; the inverse page table needs the cache's size and is filled by
-the first layer that runs (`FlexAttentionMetadata.block_mask_for`). Host cost per step
-(benchmarks/flex_attention_cpu.py on the 2-core machine, loaded; docs/benchmarks.md): decode
-64 x 2,048 280 ms before (gathered keys, create_block_mask's dense evaluation) -> 0.4-0.8 ms
-(the physical plan) / 13-88 ms (the gathered CPU path, every tile listed; noisy); prefill
-4 x 512 100 ms -> 0.3-0.4 ms / 16 ms.
+the first layer that runs (`FlexAttentionMetadata.block_mask_for`). Its host cost per step is in
+docs/benchmarks.md (benchmarks/flex_attention_cpu.py).
 
 Soft-cap is a score_mod (cap * tanh(s / cap)); attention sinks are exact from the LSE flex
 returns: the sink column adds exp(sink) to the softmax denominator, so the output is rescaled
@@ -96,7 +93,7 @@ class KVTilePlan:
     kv_num_blocks: np.ndarray  # [Tq] int32
     kv_indices: np.ndarray  # [Tq, W] int32, the first kv_num_blocks of a row valid
     full_num_blocks: np.ndarray  # [Tq] int32
-    full_indices: np.ndarray  # [Tq, Wf] int32
+    full_indices: np.ndarray  # [Tq, W] int32 (as wide as kv_indices: see `_same_width`)
     pages: np.ndarray  # [E] int64, physical page of each visible (request, logical page)
     logical: np.ndarray  # [E] int64, its logical index in its request
 
@@ -126,6 +123,13 @@ def _tile_rows(num_tiles: int, row: np.ndarray, value: np.ndarray,
     grid = grid[:, :width]
     grid[grid == big] = 0
     return kept.astype(np.int32), grid.astype(np.int32)
+
+
+def _same_width(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both grids one width: flex's CUDA kernels (torch 2.11) read full_kv_indices with
+    kv_indices' row stride, so different widths read another tile's row."""
+    width = max(a.shape[1], b.shape[1])
+    return tuple(np.pad(x, ((0, 0), (0, width - x.shape[1]))) for x in (a, b))
 
 
 def plan_kv_tiles(row_start: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray,
@@ -178,6 +182,7 @@ def plan_kv_tiles(row_start: np.ndarray, query_lens: np.ndarray, context_lens: n
     distinct = one_request_per_tile and pages_per_kv_tile == 1
     kv_num, kv_idx = _tile_rows(num_tiles, tile[seg][~full], kv_tiles[~full], distinct)
     full_num, full_idx = _tile_rows(num_tiles, tile[seg][full], kv_tiles[full], distinct)
+    kv_idx, full_idx = _same_width(kv_idx, full_idx)
     return KVTilePlan(kv_num, kv_idx, full_num, full_idx, pages, logical.astype(np.int64))
 
 
@@ -212,10 +217,9 @@ class FlexAttentionMetadata:
         req = self.q_req[q_idx]
         if not self.physical:
             return torch.where(self.kv_req[kv_idx] == req, self.kv_pos[kv_idx], -1)
-        bs = self.block_size
+        bs, table = self.block_size, self.common.block_table
         page = kv_idx // bs
         logical = self.page_logical[page]
-        table = self.common.block_table
         held = table[req, logical.clamp(0, table.shape[1] - 1)] == page
         return torch.where(held & (logical >= 0), logical * bs + kv_idx % bs, -1)
 
@@ -224,8 +228,7 @@ class FlexAttentionMetadata:
         by the first layer that asks and shared by the rest."""
         if self.block_mask is not None:
             return self.block_mask
-        device = self.q_req.device
-        inverse = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+        inverse = torch.full((num_blocks,), -1, dtype=torch.int32, device=self.q_req.device)
         # A page shared through the prefix cache sits at the same logical index in every
         # request that holds it (a block's hash covers its whole prefix): duplicates agree.
         inverse.scatter_(0, self.plan["pages"], self.plan["logical"])
@@ -295,8 +298,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         return md
 
     def _build_gathered(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
-        n, b = common.num_actual_tokens, common.num_reqs
-        device = common.query_start_loc.device
+        n, b, device = common.num_actual_tokens, common.num_reqs, common.query_start_loc.device
         seq_lens = common.seq_lens[:b].long()
         qsl = common.query_start_loc[:b + 1].long()
         reqs = torch.arange(b, device=device)
@@ -379,8 +381,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         return causal if window is None else windowed
 
     def warmup(self) -> None:
-        """Compile flex_attention on CUDA (eager elsewhere). Untested: no GPU in CI."""
-        if self.config.device.type == "cuda":
+        if self.config.device.type == "cuda":  # compiled there, eager elsewhere
             FlexAttentionImpl.compile_flex()
 
 
@@ -423,7 +424,6 @@ class FlexAttentionImpl(AttentionImpl):
             output = query.new_empty(query.shape[0], self.num_heads, self.value_head_size)
         if n == 0:
             return output
-        # Slots [num_blocks * block_size, Hkv, D]: a view of the cache, or the gathered keys.
         k_slots, v_slots = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
         if md.physical:
             block_mask = md.block_mask_for(k_cache.shape[0])
