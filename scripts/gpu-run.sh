@@ -24,7 +24,9 @@
 # export (compiled FlashInfer kernels to $OUT, which install.sh reuses when copied into .gpu/
 # as kernels*.tar.xz), compare (greedy tokens and the 8B shape's bench throughput on this tree
 # and on an older one carried in .gpu-old/tree), serve_latency (the 8B shape served: TTFT, TPOT
-# and ITL at several request rates).
+# and ITL at several request rates), mlatests (TRITON_MLA's GPU tests, left running for a later
+# stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
+# on the bundled GGUF: a batch-256 step's host phases and a cProfile).
 #
 # The whole GPU suite: three calls back to back on one machine (10 minutes each at most):
 #   1. carry .gpu .gpu-deps .gpu-smol-a:  install tests1   (Triton, FLASH_ATTN, models, graphs)
@@ -51,7 +53,10 @@ setup_env() {
 
 stage_install() {
     [ -d .gpu ] && bash .gpu/install.sh >"$OUT/install.log" 2>&1
-    [ -d .gpu-deps ] && bash .gpu-deps/install-deps.sh >>"$OUT/install.log" 2>&1
+    # .gpu-deps-lite: the same without tvm_ffi, for calls that carry .gpu (which has it).
+    for d in .gpu-deps .gpu-deps-lite; do
+        [ -d $d ] && bash $d/install-deps.sh >>"$OUT/install.log" 2>&1
+    done
     # FlashAttention-4 travels in two parts (.gpu-fa4a, then .gpu-fa4b in the next call on the
     # same machine).
     [ -d .gpu-fa4a ] && cp -r .gpu-fa4a /tmp/
@@ -354,6 +359,26 @@ stage_mla() {  # TRITON_MLA, FLASHINFER_MLA (after `install` with .gpu carried: 
     tail -12 "$OUT/mla-decode.log" "$OUT/deepseek-v2-lite.log"
 }
 
+stage_mlatests() {  # TRITON_MLA's GPU tests, in the background (a later stage's wait ends them)
+    setup_env
+    shard mla tests/attention/test_triton_mla.py
+}
+stage_mlasweep() {  # TRITON_MLA's launch shapes at 64 x 4,096, 128 heads, page 16
+    setup_env
+    timeout "${MLA_TIMEOUT:-150}" python3 benchmarks/mla_decode.py --sweep --iters 20 \
+        --block-size 16 --backends TRITON_MLA >"$OUT/mla-sweep.log" 2>&1
+    echo "exit $?" >>"$OUT/mla-sweep.log"
+    tail -20 "$OUT/mla-sweep.log"
+}
+stage_hoststep() {  # where a batch-256 step of the bundled GGUF spends its host time
+    setup_env
+    [ -f "$PAGEDSERVE_TEST_GGUF" ] || { echo "no GGUF at $PAGEDSERVE_TEST_GGUF"; return; }
+    timeout "${HOSTSTEP_TIMEOUT:-150}" python3 benchmarks/host_step.py --device cuda \
+        --model "$PAGEDSERVE_TEST_GGUF" --num-requests 256 --prompt-len 128 --output-len 256 \
+        --no-end-to-end --profile 30 >"$OUT/hoststep.log" 2>&1
+    echo "exit $?" >>"$OUT/hoststep.log"
+    head -20 "$OUT/hoststep.log"
+}
 stage_flex() {  # FLEX_ATTENTION on the H200 (never run there): conformance in bf16, its kernels
     setup_env
     # The conformance suite is not GPU-marked: it runs on CUDA (bf16) wherever CUDA is.
@@ -364,8 +389,8 @@ stage_flex() {  # FLEX_ATTENTION on the H200 (never run there): conformance in b
     # FLEX_ATTENTION (the cache as keys, GQA folded into rows), FLEX_UNFOLDED (enable_gqa),
     # FLEX_PACKED (vLLM's packed query tiles), FLEX_GATHER (the gathered keys of before): each
     # compiles per workload.
-    timeout 540 python3 benchmarks/attention_kernels.py \
-        --backends TRITON,FLEX_ATTENTION,FLEX_UNFOLDED,FLEX_PACKED,FLEX_GATHER \
+    timeout "${FLEX_BENCH_TIMEOUT:-540}" python3 benchmarks/attention_kernels.py \
+        --backends "${FLEX_BACKENDS:-TRITON,FLEX_ATTENTION,FLEX_UNFOLDED,FLEX_PACKED,FLEX_GATHER}" \
         >"$OUT/flex-bench.log" 2>&1; echo "exit $?" >>"$OUT/flex-bench.log"
     tail -24 "$OUT/flex-bench.log"
 }
@@ -434,7 +459,8 @@ stage_structured() {  # guided decoding's cost on the bundled model (needs the G
     setup_env
     shard structured tests/structured_output
     wait  # the benchmark alone on the GPU
-    timeout 200 python3 benchmarks/structured_output.py --device cuda --model "$PAGEDSERVE_TEST_GGUF" \
+    timeout "${STRUCT_TIMEOUT:-200}" python3 benchmarks/structured_output.py --device cuda \
+        --model "$PAGEDSERVE_TEST_GGUF" ${STRUCT_ARGS:-} \
         >"$OUT/structured-bench.log" 2>&1; echo "exit $?" >>"$OUT/structured-bench.log"
     tail -12 "$OUT/structured-bench.log"
 }
@@ -494,8 +520,8 @@ stage_flexbench() {  # the bundled GGUF through bench throughput on FLEX_ATTENTI
     setup_env
     [ -f "$PAGEDSERVE_TEST_GGUF" ] || { echo "no GGUF at $PAGEDSERVE_TEST_GGUF"; return; }
     local b
-    for b in FLEX_ATTENTION TRITON FLASHINFER; do
-        timeout 150 python3 -m pagedserve bench throughput --model "$PAGEDSERVE_TEST_GGUF" \
+    for b in ${FLEXBENCH_BACKENDS:-FLEX_ATTENTION TRITON FLASHINFER}; do
+        timeout "${FLEXBENCH_TIMEOUT:-150}" python3 -m pagedserve bench throughput --model "$PAGEDSERVE_TEST_GGUF" \
             --attention-backend "$b" --num-prompts 128 --input-len 128 --output-len 256 \
             >"$OUT/flexbench-$b.log" 2>&1; echo "exit $?" >>"$OUT/flexbench-$b.log"
         tail -4 "$OUT/flexbench-$b.log"
