@@ -428,6 +428,7 @@ stage_tqbound() {  # where the bf16 cache binds: 400 x 7,680/256, --max-num-seqs
     for kv in ${TQ_PRESETS:-auto tq_4bit}; do
         backend=TURBOQUANT
         [ "$kv" = auto ] && backend=TRITON
+        [ "$kv" = fp8 ] && backend=FLASHINFER  # the one fp8 cache (carry .gpu)
         timeout "${TQ_TIMEOUT:-240}" python3 -m pagedserve bench throughput \
             --config llama3-8b-random --attention-backend "$backend" --kv-cache-dtype "$kv" \
             --max-num-seqs 512 --num-prompts "${TQ_PROMPTS:-400}" --input-len "${TQ_IN:-7680}" \
