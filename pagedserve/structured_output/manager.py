@@ -55,6 +55,9 @@ class RequestGrammar:
         self.ends_on_stop_token = ends_on_stop_token
         self.num_accepted = 0
         self.failed = False  # a token the grammar refused (never expected: the mask forbids it)
+        # The grammar is complete and has accepted its stop token (the sequence ends). Kept
+        # here, not asked of the matcher: the step path reads it several times per row.
+        self.is_terminated = bool(matcher.is_terminated())
 
     def accept(self, token_id: int, position: int | None = None) -> bool:
         """Advance by the sequence's output token at `position` (None: the next one). With
@@ -62,19 +65,15 @@ class RequestGrammar:
         scheduler's call for the same position is then a no-op."""
         if position is not None and position < self.num_accepted:
             return not self.failed
-        if self.failed or self.matcher.is_terminated():
+        if self.failed or self.is_terminated:
             self.failed = True
             return False
         if not self.matcher.accept_token(token_id):
             self.failed = True
             return False
         self.num_accepted += 1
+        self.is_terminated = bool(self.matcher.is_terminated())
         return True
-
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar is complete and has accepted its stop token: the sequence ends."""
-        return self.matcher.is_terminated()
 
     def rollback_to(self, num_tokens: int) -> None:
         """Forget the accepted tokens beyond the first `num_tokens` (the sequence lost them)."""
@@ -82,6 +81,7 @@ class RequestGrammar:
         if extra > 0:
             self.matcher.rollback(extra)
             self.num_accepted = num_tokens
+            self.is_terminated = bool(self.matcher.is_terminated())
 
 
 class StructuredOutputManager:
