@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from pagedserve.distributed import broadcast_, tp_rank, tp_world_size
 from pagedserve.engine import guided, kv_cache_setup, scoring
 from pagedserve.engine.cuda_graphs import DecodeGraphs, GraphInputs, setup_decode_graphs
 from pagedserve.engine.input_batch import InputBatch, InputIds
+from pagedserve.engine.sample_copy import SamplesToHost
 from pagedserve.engine.sampler import (
     LogprobsTensors,
     Sampler,
@@ -64,8 +66,8 @@ class PendingStep:
 
     batch: SchedulerOutput
     rows: np.ndarray
-    out: SamplerOutput
-    host_copy: tuple[np.ndarray, torch.cuda.Event | None]  # (host view, copy done event)
+    out: SamplerOutput | None  # None until sampled (see `to_sample`)
+    host_copy: tuple[np.ndarray, torch.cuda.Event | None] | None  # (host view, copy done event)
     # Each row's owner at launch (InputBatch.generation): a row freed and handed to a new request
     # before this step's samples are recorded must not take them.
     generations: np.ndarray
@@ -75,6 +77,9 @@ class PendingStep:
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
     score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     sampled: np.ndarray | None = None  # set once the samples are on the host
+    # (logits, sampling metadata, bitmask fill) of a step whose sampling waits for its
+    # bitmask's fill (guided.BitmaskFiller); None once sampled.
+    to_sample: tuple[torch.Tensor, Any, Future | None] | None = None
 
 
 class ModelRunner:
@@ -128,10 +133,7 @@ class ModelRunner:
         # The launched step not yet collected, and two pinned buffers for sampled ids (a
         # step's copy is read after the next step has been launched).
         self._in_flight: PendingStep | None = None
-        self._host_parity = 0
-        self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64,
-                                          pin_memory=pin) for _ in range(2 if pin else 0)]
-        self._copied = [torch.cuda.Event() for _ in range(2 if pin else 0)]
+        self._samples_to_host = SamplesToHost(self.max_num_reqs, self.device)
         # Recorded once a step's host->device input copies are queued: the next step rewrites
         # the same pinned buffers only after they have been read (with a step in flight they
         # may not have been yet).
@@ -144,6 +146,7 @@ class ModelRunner:
         # grammar (a step fills a bitmask only while there are any).
         self.structured_output: StructuredOutputManager | None = None
         self._guided: set[str] = set()
+        self._filler: guided.BitmaskFiller | None = None
         self.kv_caches: list[Any] = []
         self.state_caches: list[dict[str, torch.Tensor]] = []
         self.num_blocks = 0
@@ -361,12 +364,15 @@ class ModelRunner:
         collects step N: N's samples, N+1's input ids, go from N's output into N+1's inputs
         on the device, so the host never waits for N here."""
         prev = self._in_flight
+        if prev is not None and prev.to_sample is not None:
+            self._sample(prev)  # this step's input ids include its samples
         if prev is not None and prev.sampled is not None:
             prev = None  # its samples are in the token table already
         rows = self.input_batch.update(batch)
         meta = self._sampling_metadata(batch) if self.tp_rank == 0 else None
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
+        fill = None
         if self._guided:  # host work while the device runs the forward
             ahead: set[str] = set()
             if prev is not None:  # uncollected: its samples are waited for here
@@ -374,8 +380,9 @@ class ModelRunner:
                 ahead = guided.advance_by_step(prev.batch, prev.sampled)
             mask_rows, grammars = guided.rows_to_mask(batch, ahead)
             if mask_rows:
-                meta.token_bitmask = self.structured_output.fill_bitmask(grammars, mask_rows,
-                                                                         batch.num_reqs)
+                if self._filler is None:
+                    self._filler = guided.BitmaskFiller(self.structured_output)
+                fill = self._filler.start(grammars, mask_rows, batch.num_reqs)
                 meta.bitmask_rows = mask_rows
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
@@ -384,18 +391,12 @@ class ModelRunner:
         # Each request's last new token, from the step's cu_seqlens already on the device.
         last = self._common.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last])
-        if meta is not None:
-            out = self.sampler(logits, meta)
-        else:  # a rank > 0: rank 0's samples arrive below
-            out = SamplerOutput(torch.empty(batch.num_reqs, dtype=torch.int64,
-                                            device=self.device))
-        if self.tp_size > 1:
-            broadcast_(out.sampled_token_ids, src=0)
-        host_copy, logprobs = self._copy_to_host(out)
-        if self.step_events is not None:
-            self.step_events[-1][1].record()
-        pending = PendingStep(batch, rows, out, host_copy,
-                              self.input_batch.generation[rows], logprobs)
+        pending = PendingStep(batch, rows, None, None, self.input_batch.generation[rows], None,
+                              to_sample=(logits, meta, fill))
+        # With several ranks the samples' broadcast must keep its place among the collectives;
+        # step_events times the device work up to the samples' copy.
+        if fill is None or self.tp_size > 1 or self.step_events is not None:
+            self._sample(pending)
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
                      if r.request_id in self._wants_logits]
@@ -405,6 +406,25 @@ class ModelRunner:
         self._in_flight = pending
         return pending
 
+    def _sample(self, pending: PendingStep) -> None:
+        """Queue a launched step's sampling (after its bitmask's fill, if any) and the copy of
+        its samples to the host."""
+        logits, meta, fill = pending.to_sample
+        pending.to_sample = None
+        if fill is not None:
+            meta.token_bitmask = self.structured_output.bitmask_to_device(fill.result())
+        if meta is not None:
+            out = self.sampler(logits, meta)
+        else:  # a rank > 0: rank 0's samples arrive below
+            out = SamplerOutput(torch.empty(logits.shape[0], dtype=torch.int64,
+                                            device=self.device))
+        if self.tp_size > 1:
+            broadcast_(out.sampled_token_ids, src=0)
+        pending.out = out
+        pending.host_copy, pending.logprobs = self._samples_to_host.start(out)
+        if self.step_events is not None:
+            self.step_events[-1][1].record()
+
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """The samples (and logprobs) of a launched step, waiting for them if need be."""
         self._record_samples(pending)
@@ -413,34 +433,13 @@ class ModelRunner:
         return ModelRunnerOutput(pending.sampled, pending.logprobs, pending.prompt_logprobs,
                                  pending.forced, pending.score_logprobs)
 
-    def _copy_to_host(self, out: SamplerOutput
-                      ) -> tuple[tuple[np.ndarray, torch.cuda.Event | None],
-                                 LogprobsTensors | None]:
-        """Start the copies of a step's sampled ids (and logprobs) to the host, without waiting:
-        on CUDA into pinned memory, with an event after them. The ids go into one of two
-        buffers: a step's is read when it is collected, before the step after next is
-        launched, so two suffice."""
-        sampled = out.sampled_token_ids
-        lp = None
-        if out.logprobs is not None:
-            lp = LogprobsTensors(out.logprobs, out.logprob_token_ids, out.sampled_token_ranks)
-        if sampled.device.type != "cuda":
-            return (sampled.numpy(), None), lp
-        if lp is not None:  # pinned blocks from torch's caching host allocator
-            lp = LogprobsTensors(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                                   .copy_(t, non_blocking=True) for t in lp))
-        self._host_parity ^= 1
-        host = self._sampled_host[self._host_parity][:sampled.shape[0]]
-        host.copy_(sampled, non_blocking=True)
-        event = self._copied[self._host_parity]
-        event.record()
-        return (host.numpy(), event), lp
-
     def _record_samples(self, pending: PendingStep) -> None:
         """Once per step: wait for its samples, put teacher-forced tokens in their place, and
         write each sampling request's new token into its row of the token table."""
         if pending.sampled is not None:
             return
+        if pending.to_sample is not None:
+            self._sample(pending)
         host, event = pending.host_copy
         if event is not None:
             event.synchronize()

@@ -163,16 +163,25 @@ class StructuredOutputManager:
         """The [num_rows, ceil(V / 32)] int32 bitmask on the device, rows `rows` filled from
         `grammars` (bit set: token allowed); the other rows are left as they are and must not be
         applied."""
+        return self.bitmask_to_device(self.fill_bitmask_host(grammars, rows, num_rows))
+
+    def fill_bitmask_host(self, grammars: list[RequestGrammar], rows: list[int],
+                          num_rows: int) -> torch.Tensor:
+        """`fill_bitmask`'s host half: the manager's one host buffer, filled. It may run in a
+        worker thread (xgrammar's fill releases the GIL) while nothing else uses the matchers;
+        the buffer must reach the device before the next fill."""
         t0 = time.perf_counter()
         if self._bitmask is None:
             self._bitmask = torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,
                                        dtype=torch.int32)
         bitmask = self._bitmask[:num_rows]
         self._backend.fill([g.matcher for g in grammars], bitmask, rows)
-        bitmask = to_device_async(bitmask, self.device)  # the host buffer is refilled next step
         self.fill_seconds += time.perf_counter() - t0
         self.num_fills += 1
         return bitmask
+
+    def bitmask_to_device(self, bitmask: torch.Tensor) -> torch.Tensor:
+        return to_device_async(bitmask, self.device)  # pinned: the host buffer is free again
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
