@@ -23,7 +23,7 @@ import torch
 
 from pagedserve.config import EngineConfig, resolve_dtype
 from pagedserve.engine.cpu_threads import configure_cpu_threads
-from pagedserve.engine.model_runner import ModelRunnerOutput, PendingStep
+from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
 from pagedserve.kv_cache import KVCacheManager
 from pagedserve.kv_cache.specs import bytes_per_slot
 from pagedserve.sampling_params import SamplingParams

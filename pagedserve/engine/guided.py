@@ -34,7 +34,7 @@ class BitmaskFiller:
         return self._pool.submit(self.manager.fill_bitmask_host, grammars, rows, num_rows)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # idempotent
 
 
 def advance_by_step(batch: SchedulerOutput, sampled: np.ndarray) -> set[str]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,9 +27,9 @@ from pagedserve.distributed import broadcast_, tp_rank, tp_world_size
 from pagedserve.engine import guided, kv_cache_setup, scoring
 from pagedserve.engine.cuda_graphs import DecodeGraphs, GraphInputs, setup_decode_graphs
 from pagedserve.engine.input_batch import InputBatch, InputIds
+from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
 from pagedserve.engine.sample_copy import SamplesToHost
 from pagedserve.engine.sampler import (
-    LogprobsTensors,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
@@ -44,42 +42,6 @@ from pagedserve.scheduler import Request, SchedulerOutput
 from pagedserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: np.ndarray  # [B] in batch order
-    # Sampled-token logprobs and top alternatives, [B, K+1], when a request asked for them.
-    logprobs: LogprobsTensors | None = None
-    # request id -> logprobs of the prompt tokens this step predicted (rows in prompt order).
-    prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
-    # request id -> full next-token log-distribution [V] of a teacher-forced request.
-    forced_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
-    # request id -> (first position p, float32 [rows, V] on the CPU): the full log-distributions
-    # this step computed at prompt positions p, p+1, ... of a request scored by prefill.
-    score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
-
-
-@dataclass
-class PendingStep:
-    """A launched step whose samples may still be on their way to the host."""
-
-    batch: SchedulerOutput
-    rows: np.ndarray
-    out: SamplerOutput | None  # None until sampled (see `to_sample`)
-    host_copy: tuple[np.ndarray, torch.cuda.Event | None] | None  # (host view, copy done event)
-    # Each row's owner at launch (InputBatch.generation): a row freed and handed to a new request
-    # before this step's samples are recorded must not take them.
-    generations: np.ndarray
-    logprobs: LogprobsTensors | None  # on the host once host_copy's event has fired
-    forced: dict[str, torch.Tensor] = field(default_factory=dict)
-    forced_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
-    score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
-    sampled: np.ndarray | None = None  # set once the samples are on the host
-    # (logits, sampling metadata, bitmask fill) of a step whose sampling waits for its
-    # bitmask's fill (guided.BitmaskFiller); None once sampled.
-    to_sample: tuple[torch.Tensor, Any, Future | None] | None = None
 
 
 class ModelRunner:
@@ -359,15 +321,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput) -> PendingStep:
-        """Queue one step's forward and sampling on the device and return at once; `collect`
-        waits for its samples. With async scheduling the engine launches step N+1 before it
-        collects step N: N's samples, N+1's input ids, go from N's output into N+1's inputs
-        on the device, so the host never waits for N here."""
+        """Queue one step's forward and sampling on the device and return at once (a guided
+        step samples once its bitmask is filled: at the next launch or at its collect);
+        `collect` waits for its samples. With async scheduling the engine launches step N+1
+        before it collects step N: N's samples, N+1's input ids, go from N's output into N+1's
+        inputs on the device, so the host never waits for N here."""
         prev = self._in_flight
-        if prev is not None and prev.to_sample is not None:
-            self._sample(prev)  # this step's input ids include its samples
-        if prev is not None and prev.sampled is not None:
-            prev = None  # its samples are in the token table already
+        if prev is not None:
+            self.ensure_sampled(prev)  # this step's input ids include its samples
+            prev = prev if prev.sampled is None else None  # None: in the token table already
         rows = self.input_batch.update(batch)
         meta = self._sampling_metadata(batch) if self.tp_rank == 0 else None
         self._ran_graph = False
@@ -380,8 +342,7 @@ class ModelRunner:
                 ahead = guided.advance_by_step(prev.batch, prev.sampled)
             mask_rows, grammars = guided.rows_to_mask(batch, ahead)
             if mask_rows:
-                if self._filler is None:
-                    self._filler = guided.BitmaskFiller(self.structured_output)
+                self._filler = self._filler or guided.BitmaskFiller(self.structured_output)
                 fill = self._filler.start(grammars, mask_rows, batch.num_reqs)
                 meta.bitmask_rows = mask_rows
         if self.step_log is not None:
@@ -392,10 +353,10 @@ class ModelRunner:
         last = self._common.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last])
         pending = PendingStep(batch, rows, None, None, self.input_batch.generation[rows], None,
-                              to_sample=(logits, meta, fill))
-        # With several ranks the samples' broadcast must keep its place among the collectives;
-        # step_events times the device work up to the samples' copy.
-        if fill is None or self.tp_size > 1 or self.step_events is not None:
+                              to_sample=(logits, meta, fill),
+                              timed=self.step_events is not None)
+        # Sampled now unless a fill runs (TP: the broadcast keeps its place among collectives).
+        if fill is None or self.tp_size > 1 or pending.timed:
             self._sample(pending)
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
@@ -406,11 +367,18 @@ class ModelRunner:
         self._in_flight = pending
         return pending
 
+    def shutdown(self) -> None:
+        if self._filler is not None:
+            self._filler.shutdown()
+
+    def ensure_sampled(self, pending: PendingStep) -> None:
+        """Queue a launched step's sampling if it still waits for its bitmask's fill."""
+        if pending.to_sample is not None:
+            self._sample(pending)
+
     def _sample(self, pending: PendingStep) -> None:
-        """Queue a launched step's sampling (after its bitmask's fill, if any) and the copy of
-        its samples to the host."""
+        """Queue a step's sampling (after its bitmask's fill) and its samples' copy to the host."""
         logits, meta, fill = pending.to_sample
-        pending.to_sample = None
         if fill is not None:
             meta.token_bitmask = self.structured_output.bitmask_to_device(fill.result())
         if meta is not None:
@@ -422,9 +390,11 @@ class ModelRunner:
             broadcast_(out.sampled_token_ids, src=0)
         pending.out = out
         pending.host_copy, pending.logprobs = self._samples_to_host.start(out)
-        if self.step_events is not None:
+        pending.to_sample = None  # only now: a failed fill fails every later look at the step
+        if pending.timed:
             self.step_events[-1][1].record()
 
+    @torch.inference_mode()
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """The samples (and logprobs) of a launched step, waiting for them if need be."""
         self._record_samples(pending)
@@ -438,8 +408,7 @@ class ModelRunner:
         write each sampling request's new token into its row of the token table."""
         if pending.sampled is not None:
             return
-        if pending.to_sample is not None:
-            self._sample(pending)
+        self.ensure_sampled(pending)
         host, event = pending.host_copy
         if event is not None:
             event.synchronize()

@@ -18,7 +18,8 @@ import numpy as np
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import all_reduce_min
-from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
 from pagedserve.scheduler import Request, SchedulerOutput
 
 
@@ -164,7 +165,9 @@ class Executor:
         """Raise WorkerError if a rank has failed (nothing to check in one process)."""
 
     def shutdown(self) -> None:
-        """Stop the other ranks; idempotent."""
+        """Stop the other ranks and the runner's threads; idempotent."""
+        if self.runner is not None:
+            self.runner.shutdown()
 
 
 class UniProcExecutor(Executor):

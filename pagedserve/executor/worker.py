@@ -20,7 +20,8 @@ from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import all_reduce_min, destroy_distributed, init_distributed
 from pagedserve.engine.cpu_threads import cpu_threads
-from pagedserve.engine.model_runner import ModelRunner, PendingStep
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.runner_outputs import PendingStep
 from pagedserve.executor.base import StepMessage
 from pagedserve.scheduler import Request, SchedulerOutput
 

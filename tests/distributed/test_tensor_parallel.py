@@ -196,7 +196,9 @@ def test_gguf_two_ranks_match_one(tmp_path, monkeypatch):
 
 def test_guided_decoding_with_two_ranks(tmp_path):
     """Rank 0 alone masks and samples (the others get requests without their matchers): a
-    JSON schema and a choice under greedy decoding give TP=1's tokens, beside a plain request."""
+    JSON schema and a choice under greedy decoding give TP=1's tokens, beside a plain request.
+    TP=1 runs through the multiprocess executor too, whose collect waits on a guided step's
+    samples, sampled only once its bitmask's fill is done."""
     from pagedserve.sampling_params import GuidedDecodingParams
     from tests.utils.paged import tiny_chat_model
 
@@ -212,7 +214,7 @@ def test_guided_decoding_with_two_ranks(tmp_path):
     outputs = {}
     for tp in (1, 2):
         llm = LLM(model=model, dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
-                  tensor_parallel_size=tp)
+                  tensor_parallel_size=tp, distributed_executor_backend="mp")
         try:
             outs = llm.generate(["Answer:"] * 3, params, use_tqdm=False)
             outputs[tp] = [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs]

@@ -1,0 +1,51 @@
+"""What the model runner hands back: a launched step (`PendingStep`) and, once collected, its
+samples and whatever else the step kept (`ModelRunnerOutput`)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.engine.sampler import LogprobsTensors, SamplerOutput
+from pagedserve.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: np.ndarray  # [B] in batch order
+    # Sampled-token logprobs and top alternatives, [B, K+1], when a request asked for them.
+    logprobs: LogprobsTensors | None = None
+    # request id -> logprobs of the prompt tokens this step predicted (rows in prompt order).
+    prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
+    # request id -> full next-token log-distribution [V] of a teacher-forced request.
+    forced_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # request id -> (first position p, float32 [rows, V] on the CPU): the full log-distributions
+    # this step computed at prompt positions p, p+1, ... of a request scored by prefill.
+    score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose samples may still be on their way to the host."""
+
+    batch: SchedulerOutput
+    rows: np.ndarray
+    out: SamplerOutput | None  # None until sampled (see `to_sample`)
+    host_copy: tuple[np.ndarray, torch.cuda.Event | None] | None  # (host view, copy done event)
+    # Each row's owner at launch (InputBatch.generation): a row freed and handed to a new request
+    # before this step's samples are recorded must not take them.
+    generations: np.ndarray
+    logprobs: LogprobsTensors | None  # on the host once host_copy's event has fired
+    forced: dict[str, torch.Tensor] = field(default_factory=dict)
+    forced_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
+    score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    sampled: np.ndarray | None = None  # set once the samples are on the host
+    # (logits, sampling metadata, bitmask fill) of a step whose sampling waits for its
+    # bitmask's fill (guided.BitmaskFiller); None once sampled.
+    to_sample: tuple[torch.Tensor, Any, Future | None] | None = None
+    timed: bool = False  # recorded CUDA events around its device work (step_events)
