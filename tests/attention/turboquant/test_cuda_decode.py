@@ -82,6 +82,7 @@ def test_builder_reads_the_decode_kernel_setting(monkeypatch):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.slow  # 16 s of nvcc; every GPU test of the kernel builds it too
 @pytest.mark.skipif(tqc.nvcc_path() is None, reason="needs nvcc")
 def test_kernel_builds_and_its_params_match_the_mirror(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
