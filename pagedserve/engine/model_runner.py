@@ -92,8 +92,7 @@ class ModelRunner:
         self.common_builder = self.group_builders[0]
         pin = self.device.type == "cuda"
         self.sampler = Sampler()
-        # The launched step not yet collected, and two pinned buffers for sampled ids (a
-        # step's copy is read after the next step has been launched).
+        # The launched step not yet collected, and where steps' samples go to the host.
         self._in_flight: PendingStep | None = None
         self._samples_to_host = SamplesToHost(self.max_num_reqs, self.device)
         # Recorded once a step's host->device input copies are queued: the next step rewrites

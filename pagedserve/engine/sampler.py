@@ -180,8 +180,6 @@ def _long(xs: list[int], device: torch.device | str) -> Tensor:
     return to_device_async(torch.tensor(xs, dtype=torch.int64), device)
 
 
-
-
 def _token_counts(
     token_ids: list[list[int]], vocab_size: int, device: torch.device | str
 ) -> Tensor:

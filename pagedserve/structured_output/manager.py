@@ -158,18 +158,13 @@ class StructuredOutputManager:
         return RequestGrammar(self._backend.new_matcher(compiled, stop),
                               ends_on_stop_token=self.backend_name == "xgrammar")
 
-    def fill_bitmask(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int
-                     ) -> torch.Tensor:
-        """The [num_rows, ceil(V / 32)] int32 bitmask on the device, rows `rows` filled from
-        `grammars` (bit set: token allowed); the other rows are left as they are and must not be
-        applied."""
-        return self.bitmask_to_device(self.fill_bitmask_host(grammars, rows, num_rows))
-
     def fill_bitmask_host(self, grammars: list[RequestGrammar], rows: list[int],
                           num_rows: int) -> torch.Tensor:
-        """`fill_bitmask`'s host half: the manager's one host buffer, filled. It may run in a
-        worker thread (xgrammar's fill releases the GIL) while nothing else uses the matchers;
-        the buffer must reach the device before the next fill."""
+        """The [num_rows, ceil(V / 32)] int32 bitmask in the manager's one host buffer, rows
+        `rows` filled from `grammars` (bit set: token allowed); the other rows are left as they
+        are and must not be applied. It may run in a worker thread (xgrammar's fill releases
+        the GIL) while nothing else uses the matchers; `bitmask_to_device` must copy the buffer
+        before the next fill."""
         t0 = time.perf_counter()
         if self._bitmask is None:
             self._bitmask = torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,
