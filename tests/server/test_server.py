@@ -628,6 +628,10 @@ def test_api_key(key_server):
         assert_error(post(key_server, "/v1/completions", {"prompt": "x"}, headers), 401)
         assert_error(post(key_server, "/tokenize", {"prompt": "x"}, headers), 401)
     assert httpx.get(url + "/v1/models", headers=good).status_code == 200
+    # A malformed body without the key is a 401 (the key is checked before the body is read);
+    # with it, a 400.
+    assert_error(post(key_server, "/v1/completions", "{not json"), 401, code="invalid_api_key")
+    assert_error(post(key_server, "/v1/completions", "{not json", good), 400)
     for path in ("/health", "/version", "/metrics"):
         assert httpx.get(url + path).status_code == 200
     with pytest.raises(openai.AuthenticationError):

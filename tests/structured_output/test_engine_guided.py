@@ -26,8 +26,10 @@ MAX_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    # float32: greedy tokens do not depend on how requests are batched.
-    return LLM(model=None, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=64)
+    # The CPU's default int8 weights (a quarter of float32's bytes per step, which bind on the
+    # CPU): these tests check the form of what comes out, not exact tokens. The tests that
+    # compare tokens across batches run float32 engines of their own.
+    return LLM(model=None, kv_cache_memory="64MiB", max_num_seqs=64)
 
 
 _COMPILERS: dict[int, xgr.GrammarCompiler] = {}
@@ -108,25 +110,27 @@ def test_n_sequences_each_follow_the_grammar(llm: LLM) -> None:
         jsonschema.validate(json.loads(c.text), schema)
 
 
-def test_unguided_greedy_unchanged_beside_guided(llm: LLM) -> None:
+def test_unguided_greedy_unchanged_beside_guided() -> None:
+    # float32: greedy tokens do not depend on how requests are batched.
+    llm = LLM(model=None, dtype="float32", kv_cache_memory="16MiB")
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     guided = [SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS,
                              guided_decoding=GuidedDecodingParams(json=SCHEMAS[name]))
-              for i, name in enumerate(FAST)]
+              for i, name in enumerate(FAST[:2])]
     mixed = llm.generate([*prompts, *[PROMPT] * len(guided)], [greedy] * 3 + guided,
                          use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
-    for name, out in zip(FAST, mixed[3:], strict=True):
+    for name, out in zip(FAST[:2], mixed[3:], strict=True):
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
 
 
 def test_guided_through_preemption() -> None:
     # 20 blocks of 4 tokens for 8 requests of ~10 prompt tokens growing by up to 60: the
     # scheduler must preempt (recompute), and the matchers must follow the tokens kept.
-    llm = LLM(model=None, dtype="float32", kv_cache_memory="16MiB", block_size=4,
-              num_gpu_blocks_override=40, max_num_seqs=8)
+    llm = LLM(model=None, kv_cache_memory="16MiB", block_size=4, num_gpu_blocks_override=40,
+              max_num_seqs=8)
     schema = SCHEMAS["array_of_objects"]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=60,
                              guided_decoding=GuidedDecodingParams(json=schema))

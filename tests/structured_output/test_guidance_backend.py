@@ -23,7 +23,7 @@ PROMPT = "Answer with JSON only.\n"
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(model=None, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=32,
+    return LLM(model=None, kv_cache_memory="64MiB", max_num_seqs=32,
                guided_decoding_backend="guidance")
 
 

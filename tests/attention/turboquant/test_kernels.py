@@ -27,6 +27,7 @@ from tests.attention.turboquant.harness import (
     run_turboquant_case,
 )
 from tests.utils.conformance import BATCHES
+from tests.utils.params import diagonal, slow_unless
 
 # ---- Triton kernels (interpreter on the CPU, small shapes) ------------------------------------
 
@@ -36,6 +37,7 @@ def _kernels_runnable() -> bool:
 
 kernels = pytest.mark.skipif(not _kernels_runnable(), reason="needs CUDA or TRITON_INTERPRET=1")
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 
 @kernels
@@ -51,12 +53,11 @@ def test_kernels_store_and_attend(preset):
 
 
 @kernels
-@pytest.mark.parametrize("batch,window,soft_cap,block_size,num_heads,dtype", [
+@pytest.mark.parametrize("batch,window,soft_cap,block_size,num_heads,dtype,preset", diagonal([
     ("chunked_prefill", 8, None, 16, 8, torch.float32),
     ("decode", None, 5.0, 1, 8, torch.float32),
     ("prefill", None, None, 32, 2, torch.float16),
-])
-@pytest.mark.parametrize("preset", ["tq_3bit", "tq_4bit", "tq_k8v4"])  # each code-load path
+], ["tq_3bit", "tq_4bit", "tq_k8v4"]))  # each code-load path
 def test_kernels_shapes_and_options(batch, window, soft_cap, block_size, num_heads, dtype,
                                     preset):
     args = dict(block_size=block_size, num_heads=num_heads, window=window, soft_cap=soft_cap,
@@ -70,10 +71,10 @@ def test_kernels_shapes_and_options(batch, window, soft_cap, block_size, num_hea
 
 
 @kernels
-@pytest.mark.parametrize("batch,window,soft_cap,block_size,head_size", [
+@pytest.mark.parametrize("batch,window,soft_cap,block_size,head_size,preset", diagonal([
     ("chunked_prefill", 8, None, 16, 32), ("decode", 20, 5.0, 1, 32),
-    ("mixed", None, None, 32, 32), ("decode", None, None, 16, 64)])  # 64: two 3-bit chunks
-@pytest.mark.parametrize("preset", ["tq_3bit", "tq_4bit", "tq_k8v4"])
+    ("mixed", None, None, 32, 32), ("decode", None, None, 16, 64)],  # 64: two 3-bit chunks
+    ["tq_3bit", "tq_4bit", "tq_k8v4"]))
 def test_kernels_register_prefetch(batch, window, soft_cap, block_size, head_size, preset):
     """The loop that loads the next tile's codes and metas (and the page numbers two tiles
     ahead) while the current one is computed: windows (tiles starting past 0), page sizes
@@ -90,7 +91,7 @@ def test_kernels_register_prefetch(batch, window, soft_cap, block_size, head_siz
 
 
 @kernels
-@pytest.mark.parametrize("preset,tiles", [
+@pytest.mark.parametrize("preset,tiles", slow_unless([
     ("tq_3bit", "16/16/1/1/select"), ("tq_4bit", "16/64/2/1/select"),
     ("tq_k8v4", "16/16/1/1/select"), ("naive_int3", "16/32/1/1/select"),
     ("tq_4bit", "32/16/1/1/table"), ("tq_3bit", "16/32/1/1/gather"),
@@ -99,7 +100,7 @@ def test_kernels_register_prefetch(batch, window, soft_cap, block_size, head_siz
     # register prefetch of the next tile (the last field)
     ("tq_3bit", "16/16/1/1/prmt/0/1"), ("tq_4bit", "16/32/1/1/prmt/0/1"),
     ("tq_k8v4", "16/16/1/1/prmt/0/1"), ("naive_int3", "16/16/1/1/table/0/1"),
-    ("tq_4bit", "32/16/1/1/select/0/1")])
+    ("tq_4bit", "32/16/1/1/select/0/1")], fast={0, 1, 3, 4, 5, 8, 12}))
 def test_kernels_tile_configs_and_lookups(preset, tiles):
     """Other launch shapes and the select-tree codebook lookup agree with the reference."""
     from pagedserve.attention.ops.turboquant_kernels import TQTiles
@@ -113,12 +114,12 @@ def test_kernels_tile_configs_and_lookups(preset, tiles):
 
 
 @kernels
-@pytest.mark.parametrize("preset,num_splits,window,soft_cap,tiles", [
+@pytest.mark.parametrize("preset,num_splits,window,soft_cap,tiles", slow_unless([
     ("tq_4bit", 3, None, None, "16/16/1/1/prmt"), ("tq_k8v4", 2, None, 5.0, "16/32/1/1/prmt"),
     ("tq_3bit", 5, 20, None, "16/16/1/1/gather"), ("naive_int4", 4, None, None, "16/16/1/1"),
     ("tq_4bit", 16, None, None, "16/16/1/1/prmt"),
     ("tq_3bit", 3, 20, None, "16/16/1/1/prmt/0/1"), ("tq_k8v4", 4, None, 5.0, "16/16/1/1/prmt/0/1"),
-    ("naive_int4", 2, None, None, "16/16/1/1/table/0/1")])
+    ("naive_int4", 2, None, None, "16/16/1/1/table/0/1")], fast={0, 2, 3, 6}))
 def test_kernels_split_kv_decode(preset, num_splits, window, soft_cap, tiles):
     """Split-KV decode: each request's context cut into num_splits ranges (some empty when
     there are more splits than tiles), partials merged by reduce_split_kv; the new token is
@@ -136,8 +137,8 @@ def test_kernels_split_kv_decode(preset, num_splits, window, soft_cap, tiles):
 
 
 @kernels
-@pytest.mark.parametrize("lookup", ["table", "select", "gather", "prmt"])
-@pytest.mark.parametrize("preset", ["tq_4bit", "tq_k8v4", "tq_3bit"])
+@pytest.mark.parametrize("lookup,preset", diagonal(
+    [("table",), ("select",), ("gather",), ("prmt",)], ["tq_4bit", "tq_k8v4", "tq_3bit"]))
 def test_kernels_half_precision_dots(preset, lookup, monkeypatch):
     """The tensor-core path (level tables in the input dtype, half-precision dots) that the GPU
     runs, here in fp16 (the interpreter's bf16 is broken)."""
