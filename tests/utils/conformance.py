@@ -143,15 +143,23 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
 
     tol = 1e-5 if case.dtype == torch.float32 else 2e-2
     start = 0
+    sinks_matter = []
     for i, (c, q) in enumerate(batch):
         ref = reference_attention(queries[i], full_k[i], full_v[i], c, scale,
                                   case.sliding_window, case.logits_soft_cap, sinks)
-        if sinks is not None:  # else a backend that ignored them could pass
-            _assert_sinks_matter(ref, queries[i], full_k[i], full_v[i], c, scale, case, tol)
+        if sinks is not None:
+            sinks_matter.append(_sinks_matter(ref, queries[i], full_k[i], full_v[i], c, scale,
+                                              case, tol))
         got = out[start:start + q].float().cpu()
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol,
                                    msg=lambda m, i=i: f"request {i} {batch[i]}: {m}")
         start += q
+    # Else a backend that ignored the sinks could pass. In float32 every request must show
+    # them; in half precision one is enough: over a long context a sink's share of the softmax
+    # can stay below bf16's tolerance.
+    if sinks_matter:
+        assert (all if case.dtype == torch.float32 else any)(sinks_matter), \
+            "the sinks change these requests by less than the tolerance: the case proves nothing"
     # The new tokens' K/V landed in their slots.
     for ids, (c, q), k, v in zip(block_ids, batch, full_k, full_v, strict=True):
         for t in range(c, c + q):
@@ -163,9 +171,8 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
 
 
 
-def _assert_sinks_matter(ref: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         context_len: int, scale: float, case: Case, tol: float) -> None:
+def _sinks_matter(ref: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  context_len: int, scale: float, case: Case, tol: float) -> bool:
     without = reference_attention(q, k, v, context_len, scale, case.sliding_window,
                                   case.logits_soft_cap)
-    assert not torch.allclose(without, ref, rtol=tol, atol=tol), \
-        "the sinks change this request by less than the tolerance: the case proves nothing"
+    return not torch.allclose(without, ref, rtol=tol, atol=tol)
