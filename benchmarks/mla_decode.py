@@ -14,10 +14,10 @@ so a 128-head decode is bound by its tensor cores before HBM (all 989 dense TFLO
 out @ W_UV), for TRITON_MLA and then FLASHINFER_MLA (its `kernel` row: the planned wrapper's
 run alone; the plan, host work once per step, is timed apart).
 
---sweep times every launch shape of `sweep_tiles()` (or --configs) on the same data and prints
-one table, fastest first: each shape's time, % of peak and of the copy rate, TFLOP/s and its
-largest difference from a float32 reference; shapes that do not compile (shared memory) are
-listed as failed. The winner goes into ops/mla_decode.py's defaults by hand.
+--sweep times every launch shape of `sweep_tiles()` for the head count (or --configs) on the
+same data and prints one table, fastest first: each shape's time, % of peak and of the copy
+rate, TFLOP/s and its largest difference from a float32 reference; shapes that do not compile
+(shared memory) are listed as failed. The winner goes into ops/mla_decode.py's defaults by hand.
 Tile strings: block_h/block_q/block_n/num_warps/num_stages/num_splits/lazy_rescale.
 
     python benchmarks/mla_decode.py [--seqs 64] [--context 4096] [--heads 128] [--sweep]
@@ -48,7 +48,21 @@ from pagedserve.attention.mla import MLALayerConfig  # noqa: E402
 from pagedserve.attention.ops.mla_decode import MLATiles, mla_attention  # noqa: E402
 
 
-def sweep_tiles() -> list[MLATiles]:
+def sweep_tiles(num_heads: int = 128) -> list[MLATiles]:
+    """The launch shapes to time: the small-head grid below 64 heads, else the 128-head one."""
+    return small_head_tiles() if num_heads < 64 else large_head_tiles()
+
+
+def small_head_tiles() -> list[MLATiles]:
+    """16 or 32 heads (DeepSeek's 128 split over 8 or 4 GPUs): one head block per request, so a
+    step has few programs and is bound by how many key tiles are in flight. 48 shapes: 16-64
+    key tiles (shared memory for two or three programs an SM at 16-32), 4 or 8 warps, 2 or 3
+    stages, the keys split 1-8 ways."""
+    return [MLATiles(16, 1, n, w, st, sp, False)
+            for n, w, st, sp in itertools.product([16, 32, 64], [4, 8], [2, 3], [1, 2, 4, 8])]
+
+
+def large_head_tiles() -> list[MLATiles]:
     """The H200 grid, 42 shapes. 64 heads per program (the 128 KB fp32 accumulator): 8 warps
     with 16-64 key tiles, 2 or 3 stages (sm_90a compiles keep two key buffers at 3 and 4
     stages: the third stage fetches page ids earlier), unsplit or split, lazy rescaling on and
@@ -97,6 +111,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--peak-tbs", type=float, default=4.8, help="HBM peak, TB/s")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler table of TRITON_MLA's eager forward (host vs device)")
     p.add_argument("--sweep", action="store_true",
                    help="time every launch shape of sweep_tiles() (or --configs)")
     p.add_argument("--configs", default=None,
@@ -225,7 +241,7 @@ def copy_rate(nbytes: int, device: torch.device, args: argparse.Namespace) -> fl
 def sweep(step: Decode, args: argparse.Namespace, rates: Rates) -> None:
     expected = step.reference()
     configs = ([parse_tiles(t) for t in args.configs.split(",")] if args.configs
-               else sweep_tiles())
+               else sweep_tiles(args.heads))
     print(f"sweep: {len(configs)} launch shapes (block_h/block_n/warps/stages/splits/lazy)")
     results, failed = [], []
     for tiles in configs:
@@ -248,6 +264,20 @@ def sweep(step: Decode, args: argparse.Namespace, rates: Rates) -> None:
         print(f"failed: {line}")
 
 
+def profile_forward(forward, iters: int) -> None:
+    """Each op's host time against its device time over `iters` eager forwards: a forward row
+    far above its kernel row is the host issuing launches slower than the GPU runs them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            forward()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14,
+                                    max_name_column_width=48))
+
+
 def main() -> None:
     args = parse_args()
     step = Decode(args)
@@ -265,6 +295,8 @@ def main() -> None:
         print(f"{'':<50} max abs diff from the float32 reference: {err:.2e}")
         seconds = time_cuda(step.forward, args.warmup, args.iters)
         report("TRITON_MLA forward (bmm + write + kernel + bmm)", seconds, rates)
+        if args.profile:
+            profile_forward(step.forward, args.iters)
         triton_out = step.out_lat.clone()
         if args.sweep:
             sweep(step, args, rates)

@@ -73,7 +73,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
         from mla_decode import sweep_tiles
 
-        texts = sweep_tiles()
+        texts = sweep_tiles(args.heads)
     real_kernel, real_merge, real_upcast = (mla._mla_attention_kernel, mla._merge_splits_kernel,
                                             mla.upcast_tiles)
     mla.upcast_tiles = lambda kv_cache: False  # the bf16 tensor-core variant
