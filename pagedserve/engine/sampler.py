@@ -263,14 +263,23 @@ def apply_top_k_top_p_min_p(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     return logits
 
 
+def _exponential_(noise: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Fill with Exp(1) draws. On the CPU as -log(U): torch's CPU exponential_ draws element by
+    element (75 ms for 64 x 49,152 on two cores, a fifth of a bundled-model step), uniform_
+    and log_ are vectorised (19 ms)."""
+    if noise.device.type == "cpu":
+        return noise.uniform_(generator=generator).log_().neg_()
+    return noise.exponential_(generator=generator)
+
+
 def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
     """Sample one index per row: argmax(p / E) with E ~ Exp(1) is distributed as p."""
     noise = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
-        noise.exponential_()
+        _exponential_(noise)
     for row, gen in generators.items():
         # A row's own V draws: its token depends only on its seed, never on the batch.
-        noise[row].exponential_(generator=gen)
+        _exponential_(noise[row], gen)
     # exponential_ may return exactly 0; 0/0 = nan would win argmax on a masked token.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return probs.div_(noise).argmax(dim=-1)
