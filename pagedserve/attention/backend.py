@@ -325,6 +325,13 @@ class AttentionBackend(ABC):
         return []
 
     @classmethod
+    def warmup_steps(cls, device: torch.device) -> list[tuple[int, int, int]]:
+        """Steps the engine runs through the whole model at start-up, as (requests, new
+        tokens each, cached tokens each), for a backend that compiles per kind and size of
+        step: the first requests then find their kernels compiled. Default: none."""
+        return []
+
+    @classmethod
     def can_capture_cuda_graphs(cls, block_size: int) -> bool:
         """Whether decode steps at this block size may be captured in CUDA graphs (a backend
         whose implementation is chosen at run time decides per implementation)."""

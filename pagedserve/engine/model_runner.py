@@ -205,27 +205,63 @@ class ModelRunner:
         num_tokens = min(self.max_num_tokens, self.max_model_len)
         needed = -(-num_tokens // self.block_size) if self.attn_layers else 0
         self.allocate_kv_cache(needed, 1 if self.state_layers else 0)
-        probe = Request("__profile__", [0] * num_tokens, SamplingParams(max_tokens=1))
-        probe.state_slot = 0 if self.state_layers else -1
-        rows = InputBatch(1, self.max_model_len, self.max_blocks_per_seq, self.num_kv_groups)
-        block_ids = tuple(list(range(needed)) for _ in range(self.num_kv_groups))  # any pages
-        rows.add(probe, block_ids)
-        batch = SchedulerOutput([probe], np.array([num_tokens], dtype=np.int32),
-                                np.zeros(1, dtype=np.int32), [block_ids], [False], 1,
-                                np.ones(1, dtype=bool))
-        saved, self.input_batch = self.input_batch, rows
-        try:
-            hidden = self._forward(batch, np.zeros(1, dtype=np.int64))
-            self.model.compute_logits(hidden[-self.max_num_reqs:])
-            torch.cuda.synchronize(self.device)
-        finally:
-            self.input_batch = saved
+        hidden = self._dummy_forward(1, num_tokens, 0)
+        self.model.compute_logits(hidden[-self.max_num_reqs:])
+        torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches, self.state_caches = [], []
         torch.cuda.empty_cache()
         # The cache we just used counts against the peak but will be allocated anew.
         used = needed * self.bytes_per_block
         return peak - used - (bytes_per_slot(self.state_specs) if self.state_layers else 0)
+
+    def _dummy_forward(self, num_reqs: int, num_new: int, context: int) -> torch.Tensor:
+        """A forward over `num_reqs` stand-in requests of `context` cached and `num_new` new
+        tokens each, on pages 0, 1, ... of the cache (no request holds them yet) and state
+        slot 0, in a row table of their own."""
+        total = context + num_new
+        pages = -(-total // self.block_size) if self.attn_layers else 0
+        table = InputBatch(num_reqs, self.max_model_len, self.max_blocks_per_seq,
+                           self.num_kv_groups)
+        requests, block_ids, rows = [], [], []
+        for i in range(num_reqs):
+            request = Request(f"__dummy_{i}__", [0] * total, SamplingParams(max_tokens=1))
+            request.state_slot = 0 if self.state_layers else -1
+            ids = tuple(list(range(i * pages, (i + 1) * pages))
+                        for _ in range(self.num_kv_groups))
+            rows.append(table.add(request, ids))
+            requests.append(request)
+            block_ids.append(ids)
+        batch = SchedulerOutput(requests, np.full(num_reqs, num_new, dtype=np.int32),
+                                np.full(num_reqs, context, dtype=np.int32), block_ids,
+                                [False] * num_reqs, num_reqs if num_new > 1 else 0,
+                                np.ones(num_reqs, dtype=bool))
+        saved, self.input_batch = self.input_batch, table
+        try:
+            return self._forward(batch, np.array(rows, dtype=np.int64))
+        finally:
+            self.input_batch = saved
+
+    @torch.inference_mode()
+    def run_warmup_steps(self) -> None:
+        """The backend's warm-up steps (`AttentionBackend.warmup_steps`) through the whole
+        model, those that fit this engine's limits and its cache: what the backend compiles
+        per kind of step compiles now, not in the first request."""
+        t0 = time.perf_counter()
+        ran = 0
+        for num_reqs, num_new, context in self.backend.warmup_steps(self.device):
+            pages = num_reqs * -(-(context + num_new) // self.block_size)
+            if (num_reqs > self.max_num_reqs or num_reqs * num_new > self.max_num_tokens
+                    or context + num_new > self.max_model_len or pages > self.num_blocks
+                    or (self.state_layers and self.num_state_slots < 1)):
+                continue
+            self._dummy_forward(num_reqs, num_new, context)
+            ran += 1
+        if ran:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            logger.info("%s: %d warm-up steps in %.1f s", self.backend.name, ran,
+                        time.perf_counter() - t0)
 
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         """The attention layers' pages and the state layers' slots."""
@@ -417,6 +453,7 @@ class ModelRunner:
         for builder in self.builders.values():
             builder.warmup()
         logger.debug("backend warm-up took %.1f s", time.perf_counter() - t0)
+        self.run_warmup_steps()
         # Steps of models with state layers run eagerly: a graph would need a scratch slot for
         # its padding rows (future work).
         if not self.state_layers:

@@ -431,3 +431,35 @@ def test_physical_block_mask_drives_a_sparse_kernel(layout, step, block_size, wi
     dropped[..., tile] -= 1
     got = compiled(q, k, v, block_mask=sparse(dropped), enable_gqa=True)
     assert not torch.allclose(got[:, :, rows], eager, rtol=1e-3, atol=1e-3)
+
+
+def test_warmup_steps_run_at_start_up_and_leave_no_trace(tmp_path, monkeypatch):
+    """The backend's warm-up steps (on CUDA flex compiles per kind of step) run through the
+    whole model when the engine starts, the ones past its limits are skipped, and the greedy
+    tokens after them are transformers' (what they wrote in the cache is never read)."""
+    from pagedserve import LLM
+    from pagedserve.attention.backends.flex_attention import FlexAttentionBackend
+    from pagedserve.engine.model_runner import ModelRunner
+
+    config = transformers.LlamaConfig(
+        vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2, tie_word_embeddings=False, rope_theta=10000.0)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    hf.eval()
+    hf.save_pretrained(tmp_path)
+    steps = [(2, 1, 40), (1, 30, 0), (3, 1, 500)]  # the last is past max_model_len
+    monkeypatch.setattr(FlexAttentionBackend, "warmup_steps", classmethod(lambda cls, d: steps))
+    ran = []
+    real = ModelRunner._dummy_forward
+    monkeypatch.setattr(ModelRunner, "_dummy_forward",
+                        lambda self, *shape: ran.append(shape) or real(self, *shape))
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", attention_backend=NAME,
+              max_model_len=256, kv_cache_memory="8MiB")
+    assert ran == steps[:2]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 211, (n,), generator=g).tolist() for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, 8) for p in prompts]

@@ -37,7 +37,8 @@ returns: the sink column adds exp(sink) to the softmax denominator, so the outpu
 by sigmoid(lse - sink), in float32. GQA: folded into rows (physical), flex's `enable_gqa`
 (gathered, or FOLD_GQA off). Values of another head size need nothing more (flex takes V's
 last dimension as it comes): DiffKV layers run on the base class's side-by-side cache layout.
-On CUDA the builder's `warmup` compiles flex_attention once (`torch.compile`).
+On CUDA flex_attention is compiled (`torch.compile`), and the engine runs the backend's
+`warmup_steps` at start-up so that each kind of step compiles then, not in the first request.
 
 Adding a custom score_mod or mask_mod: subclass `FlexAttentionMetadataBuilder` and extend
 `mask_mod` (combine with `torch.nn.attention.flex_attention.and_masks` / `or_masks`), or
@@ -52,6 +53,9 @@ q's request's), e.g. a prefix-LM mask_mod is `base(b, h, q, kv) | (md.key_positi
 window must also widen the plan (`plan_kv_tiles`), else the physical layout's block mask never
 visits them. Then register the subclass as a backend of its own name
 (registry.register_backend).
+
+Longer than 500 lines: the two key layouts' plans, their mask_mods, the impl and the backend
+share the metadata class and the tile constants; split, each part would import the others.
 """
 
 from __future__ import annotations
@@ -488,6 +492,16 @@ class FlexAttentionBackend(AttentionBackend):
     impl_cls = FlexAttentionImpl
     builder_cls = FlexAttentionMetadataBuilder
     metadata_cls = FlexAttentionMetadata
+
+    @classmethod
+    def warmup_steps(cls, device: torch.device) -> list[tuple[int, int, int]]:
+        """On CUDA each kind of step compiles flex apart: decode-heavy steps (16-row query
+        tiles) under 128 rows (flex's main kernel forced, `_attend`) and over, and
+        prefill-heavy steps (128-row tiles). Each kind runs twice at other sizes: the second
+        compile makes the sizes dynamic, and later steps reuse it. Eager elsewhere: none."""
+        if device.type != "cuda":
+            return []
+        return [(2, 1, 40), (3, 1, 70), (9, 1, 40), (12, 1, 70), (1, 100, 0), (2, 150, 30)]
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
