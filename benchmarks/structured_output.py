@@ -9,7 +9,7 @@ the matchers' token acceptance, and on CUDA the loss of async scheduling (a guid
 step by step, as penalties do). Runs alternate unguided / guided --repeats times.
 
     python benchmarks/structured_output.py [--device cpu|cuda] [--batch 64] [--output-len 32]
-        [--repeats 2] [--threads N] [--no-seed]
+        [--repeats 2] [--threads N] [--no-seed] [--model random:smollm2-135m --tokenizer DIR]
 
 --no-seed samples without per-request seeds (a seeded request draws from its own generator,
 row by row, a cost both runs share that dilutes the grammar's).
@@ -79,6 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default=None)
     parser.add_argument("--model", default=None, help="model path (default: the bundled GGUF)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer path (a random:<shape> model has none of its own)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
@@ -87,8 +89,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, device=args.device, max_num_seqs=args.batch,
-              kv_cache_memory="512MiB")
+    llm = LLM(model=args.model, tokenizer=args.tokenizer, device=args.device,
+              max_num_seqs=args.batch, kv_cache_memory="512MiB")
     manager = llm.engine.structured_output
     # Compile the grammar and warm both paths up at the full batch size (the first run of a
     # shape is slower, and would otherwise count against whichever goes first).
