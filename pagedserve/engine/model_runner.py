@@ -107,7 +107,6 @@ class ModelRunner:
         # grammar (a step fills a bitmask only while there are any).
         self.structured_output: StructuredOutputManager | None = None
         self._guided: set[str] = set()
-        self._filler: guided.BitmaskFiller | None = None
         self.kv_caches: list[Any] = []
         self.state_caches: list[dict[str, torch.Tensor]] = []
         self.num_blocks = 0
@@ -363,13 +362,11 @@ class ModelRunner:
         inputs on the device, so the host never waits for N here."""
         prev = self._in_flight
         if prev is not None:
-            self.ensure_sampled(prev)  # this step's input ids include its samples
             prev = prev if prev.sampled is None else None  # None: in the token table already
         rows = self.input_batch.update(batch)
         meta = self._sampling_metadata(batch) if self.tp_rank == 0 else None
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
-        fill = None
         if self._guided:  # host work while the device runs the forward
             ahead: set[str] = set()
             if prev is not None:  # uncollected: its samples are waited for here
@@ -377,8 +374,9 @@ class ModelRunner:
                 ahead = guided.advance_by_step(prev.batch, prev.sampled)
             mask_rows, grammars = guided.rows_to_mask(batch, ahead)
             if mask_rows:
-                self._filler = self._filler or guided.BitmaskFiller(self.structured_output)
-                fill = self._filler.start(grammars, mask_rows, batch.num_reqs)
+                so = self.structured_output
+                meta.token_bitmask = so.bitmask_to_device(
+                    so.fill_bitmask_host(grammars, mask_rows, batch.num_reqs))
                 meta.bitmask_rows = mask_rows
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
@@ -387,12 +385,8 @@ class ModelRunner:
         # Each request's last new token, from the step's cu_seqlens already on the device.
         last = self._common.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last])
-        pending = PendingStep(batch, rows, None, None, self.input_batch.generation[rows], None,
-                              to_sample=(logits, meta, fill),
-                              timed=self.step_events is not None)
-        # Sampled now unless a fill runs (TP: the broadcast keeps its place among collectives).
-        if fill is None or self.tp_size > 1 or pending.timed:
-            self._sample(pending)
+        pending = PendingStep(batch, rows, None, None, self.input_batch.generation[rows], None)
+        self._sample(pending, logits, meta)
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
                      if r.request_id in self._wants_logits]
@@ -402,20 +396,8 @@ class ModelRunner:
         self._in_flight = pending
         return pending
 
-    def shutdown(self) -> None:
-        if self._filler is not None:
-            self._filler.shutdown()
-
-    def ensure_sampled(self, pending: PendingStep) -> None:
-        """Queue a launched step's sampling if it still waits for its bitmask's fill."""
-        if pending.to_sample is not None:
-            self._sample(pending)
-
-    def _sample(self, pending: PendingStep) -> None:
-        """Queue a step's sampling (after its bitmask's fill) and its samples' copy to the host."""
-        logits, meta, fill = pending.to_sample
-        if fill is not None:
-            meta.token_bitmask = self.structured_output.bitmask_to_device(fill.result())
+    def _sample(self, pending: PendingStep, logits: torch.Tensor, meta: Any) -> None:
+        """Queue a step's sampling and its samples' copy to the host."""
         if meta is not None:
             out = self.sampler(logits, meta)
         else:  # a rank > 0: rank 0's samples arrive below
@@ -425,8 +407,7 @@ class ModelRunner:
             broadcast_(out.sampled_token_ids, src=0)
         pending.out = out
         pending.host_copy, pending.logprobs = self._samples_to_host.start(out)
-        pending.to_sample = None  # only now: a failed fill fails every later look at the step
-        if pending.timed:
+        if self.step_events is not None:
             self.step_events[-1][1].record()
 
     @torch.inference_mode()
@@ -443,7 +424,6 @@ class ModelRunner:
         write each sampling request's new token into its row of the token table."""
         if pending.sampled is not None:
             return
-        self.ensure_sampled(pending)
         host, event = pending.host_copy
         if event is not None:
             event.synchronize()

@@ -3,9 +3,7 @@ samples and whatever else the step kept (`ModelRunnerOutput`)."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +32,7 @@ class PendingStep:
 
     batch: SchedulerOutput
     rows: np.ndarray
-    out: SamplerOutput | None  # None until sampled (see `to_sample`)
+    out: SamplerOutput | None  # set by the runner as it queues the step's sampling
     host_copy: tuple[np.ndarray, torch.cuda.Event | None] | None  # (host view, copy done event)
     # Each row's owner at launch (InputBatch.generation): a row freed and handed to a new request
     # before this step's samples are recorded must not take them.
@@ -45,7 +43,3 @@ class PendingStep:
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
     score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     sampled: np.ndarray | None = None  # set once the samples are on the host
-    # (logits, sampling metadata, bitmask fill) of a step whose sampling waits for its
-    # bitmask's fill (guided.BitmaskFiller); None once sampled.
-    to_sample: tuple[torch.Tensor, Any, Future | None] | None = None
-    timed: bool = False  # recorded CUDA events around its device work (step_events)

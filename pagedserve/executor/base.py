@@ -165,9 +165,7 @@ class Executor:
         """Raise WorkerError if a rank has failed (nothing to check in one process)."""
 
     def shutdown(self) -> None:
-        """Stop the other ranks and the runner's threads; idempotent."""
-        if self.runner is not None:
-            self.runner.shutdown()
+        """Stop the other ranks; idempotent."""
 
 
 class UniProcExecutor(Executor):

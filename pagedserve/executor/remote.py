@@ -178,7 +178,6 @@ class RemoteRanksExecutor(Executor):
     def _wait_for_device(self, pending: PendingStep) -> None:
         """On CUDA, wait for the step's samples while watching the ranks: a step whose NCCL
         peer died would otherwise hold the host until the group's timeout."""
-        self.runner.ensure_sampled(pending)  # a guided step samples once its bitmask is filled
         event = pending.host_copy[1]
         if event is None:
             return
@@ -194,8 +193,6 @@ class RemoteRanksExecutor(Executor):
     def shutdown(self) -> None:
         if self._closed:
             return
-        if self.runner is not None:
-            self.runner.shutdown()
         self._closing = self._closed = True
         self._stop_ranks()
         if self.failure is not None:

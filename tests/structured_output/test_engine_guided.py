@@ -234,9 +234,6 @@ def _mixed_batch(device: str, async_scheduling: bool) -> list[list[int]]:
                              guided_decoding=GuidedDecodingParams(regex=regex))]
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        # Bitmasks are filled in the filler's thread; a step samples once its fill is done
-        # (async: when the next step launches or this one is collected).
-        assert llm.engine.runner._filler is not None
     finally:
         llm.engine.shutdown()
         del llm
