@@ -269,7 +269,9 @@ def test_decode_launch_defaults():
     assert gpu_key_tiles(16, 16, latent_row_bytes(512, 64, torch.float32)) == (32, 3)
     assert gpu_key_tiles(64, 128, 1152) == (64, 2)
     assert default_decode_tiles(132, 128, 8).num_splits == 8  # 16 programs: 8 waves
-    assert default_decode_tiles(132, 16, 32).num_splits == 4  # one head block: 32 programs
+    # One head block of 16: two programs an SM (the H200's 16-head sweep).
+    assert default_decode_tiles(132, 16, 32).num_splits == 8
+    assert default_decode_tiles(132, 16, 64, block_size=64).num_splits == 4
     assert default_decode_tiles(132, 128, 1).num_splits == 16  # capped
     assert decode_splits(16, 132, max_seq_len=256, block_n=32) == 2  # 4 tiles per split
     assert decode_splits(200, 132, max_seq_len=8192, block_n=32) == 1

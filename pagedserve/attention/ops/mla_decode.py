@@ -93,18 +93,22 @@ _INTERPRETER_ROWS = 64  # the interpreter runs programs in turn: few, large ones
 # (one program per SM: registers). 64 x 4,096 x 128 heads is 128 programs on 132 SMs: no
 # split (3 splits measured 492 us against 455 us unsplit on the H200, 2026-12-01).
 _PROGRAMS_PER_SM = 1
+# Programs of 16 heads or fewer (DeepSeek's 128 over 8 GPUs) count two per SM: 64 x 4,096 x
+# 16 heads took 115.7 us in 4 splits against 193.5 us in 2 (H200, 2026-12-02, page 64).
+_SMALL_HEAD_PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 16
 _MIN_TILES_PER_SPLIT = 4  # shorter splits cost more in partials and merging than they gain
 
 
-def decode_splits(num_programs: int, num_sms: int, max_seq_len: int, block_n: int) -> int:
+def decode_splits(num_programs: int, num_sms: int, max_seq_len: int, block_n: int,
+                  programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
     """Key splits per sequence for a decode launch of `num_programs` (request, head block)
     programs: as many as fill whole waves of the SMs, none past the longest sequence
     (`max_seq_len` 0: unknown, as in a captured graph, which keeps its split count for every
     replay; a split past a sequence's end returns at once)."""
     if num_programs <= 0 or num_sms <= 0:
         return 1
-    by_sms = (_PROGRAMS_PER_SM * num_sms) // num_programs
+    by_sms = (programs_per_sm * num_sms) // num_programs
     by_length = (max(1, max_seq_len // (_MIN_TILES_PER_SPLIT * block_n)) if max_seq_len
                  else _MAX_SPLITS)
     return max(1, min(_MAX_SPLITS, by_sms, by_length))
@@ -128,7 +132,8 @@ def default_decode_tiles(num_sms: int, num_heads: int, num_reqs: int, block_size
     block_h = min(max(16, triton.next_power_of_2(num_heads)), _DECODE_ROWS)
     block_n, stages = gpu_key_tiles(block_h, block_size, row_bytes)
     programs = num_reqs * triton.cdiv(num_heads, block_h)
-    splits = decode_splits(programs, num_sms, max_seq_len, block_n)
+    per_sm = _SMALL_HEAD_PROGRAMS_PER_SM if block_h <= 16 else _PROGRAMS_PER_SM
+    splits = decode_splits(programs, num_sms, max_seq_len, block_n, per_sm)
     return MLATiles(block_h, 1, block_n=block_n, num_warps=_GPU_WARPS, num_stages=stages,
                     num_splits=splits, lazy_rescale=False)
 
