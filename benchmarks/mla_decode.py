@@ -54,10 +54,10 @@ def sweep_tiles(num_heads: int = 128) -> list[MLATiles]:
 
 
 def small_head_tiles() -> list[MLATiles]:
-    """16 or 32 heads (DeepSeek's 128 split over 8 or 4 GPUs): one head block per request, so a
-    step has few programs and is bound by how many key tiles are in flight. 48 shapes: 16-64
-    key tiles (shared memory for two or three programs an SM at 16-32), 4 or 8 warps, 2 or 3
-    stages, the keys split 1-8 ways."""
+    """Below 64 heads (DeepSeek's 128 split over 8 or 4 GPUs: 16 or 32): one head block per
+    request, so a step has few programs and is bound by how many key tiles are in flight. 48
+    shapes: 16-64 key tiles (shared memory for two or three programs an SM at 16-32), 4 or 8
+    warps, 2 or 3 stages, the keys split 1-8 ways."""
     return [MLATiles(16, 1, n, w, st, sp, False)
             for n, w, st, sp in itertools.product([16, 32, 64], [4, 8], [2, 3], [1, 2, 4, 8])]
 

@@ -217,8 +217,9 @@ class ModelRunner:
 
     def _dummy_forward(self, num_reqs: int, num_new: int, context: int) -> torch.Tensor:
         """A forward over `num_reqs` stand-in requests of `context` cached and `num_new` new
-        tokens each, on pages 0, 1, ... of the cache (no request holds them yet) and state
-        slot 0, in a row table of their own."""
+        tokens each, on pages 0, 1, ... of the cache (no request holds them yet; every KV
+        cache group gets the same ids, and groups that share cache tensors overwrite each
+        other's writes: nothing reads them) and state slot 0, in a row table of their own."""
         total = context + num_new
         pages = -(-total // self.block_size) if self.attn_layers else 0
         table = InputBatch(num_reqs, self.max_model_len, self.max_blocks_per_seq,
@@ -260,7 +261,7 @@ class ModelRunner:
         if ran:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            logger.info("%s: %d warm-up steps in %.1f s", self.backend.name, ran,
+            logger.info("%s: %d warm-up steps in %.1f s", self.backend.get_name(), ran,
                         time.perf_counter() - t0)
 
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
@@ -356,10 +357,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput) -> PendingStep:
         """Queue one step's forward and sampling on the device and return at once (a guided
-        step samples once its bitmask is filled: at the next launch or at its collect);
-        `collect` waits for its samples. With async scheduling the engine launches step N+1
-        before it collects step N: N's samples, N+1's input ids, go from N's output into N+1's
-        inputs on the device, so the host never waits for N here."""
+        step's bitmask is filled on the host in between); `collect` waits for its samples.
+        With async scheduling the engine launches step N+1 before it collects step N: N's
+        samples, N+1's input ids, go from N's output into N+1's inputs on the device, so the
+        host never waits for N here."""
         prev = self._in_flight
         if prev is not None:
             prev = prev if prev.sampled is None else None  # None: in the token table already
@@ -367,7 +368,10 @@ class ModelRunner:
         meta = self._sampling_metadata(batch) if self.tp_rank == 0 else None
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
-        if self._guided:  # host work while the device runs the forward
+        # Each request's last new token, from the step's cu_seqlens already on the device.
+        last = self._common.query_start_loc[1:].long() - 1
+        logits = self.model.compute_logits(hidden[last])
+        if self._guided:  # host work while the device runs the forward and the projection
             ahead: set[str] = set()
             if prev is not None:  # uncollected: its samples are waited for here
                 self._record_samples(prev)
@@ -382,9 +386,6 @@ class ModelRunner:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
                                   self._ran_graph))
-        # Each request's last new token, from the step's cu_seqlens already on the device.
-        last = self._common.query_start_loc[1:].long() - 1
-        logits = self.model.compute_logits(hidden[last])
         pending = PendingStep(batch, rows, None, None, self.input_batch.generation[rows], None)
         self._sample(pending, logits, meta)
         if self._wants_logits:

@@ -268,7 +268,10 @@ def _exponential_(noise: Tensor, generator: torch.Generator | None = None) -> Te
     element (75 ms for 64 x 49,152 on two cores, a fifth of a bundled-model step), uniform_
     and log_ are vectorised (19 ms)."""
     if noise.device.type == "cpu":
-        return noise.uniform_(generator=generator).log_().neg_()
+        # uniform_ can return exactly 0 (float32: steps of 2^-24): clamped first, else -log
+        # gives inf, and a row whose one allowed token drew it would pick token 0 (p / inf).
+        return noise.uniform_(generator=generator).clamp_min_(
+            torch.finfo(noise.dtype).tiny).log_().neg_()
     return noise.exponential_(generator=generator)
 
 

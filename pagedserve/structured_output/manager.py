@@ -162,9 +162,8 @@ class StructuredOutputManager:
                           num_rows: int) -> torch.Tensor:
         """The [num_rows, ceil(V / 32)] int32 bitmask in the manager's one host buffer, rows
         `rows` filled from `grammars` (bit set: token allowed); the other rows are left as they
-        are and must not be applied. It may run in a worker thread (xgrammar's fill releases
-        the GIL) while nothing else uses the matchers; `bitmask_to_device` must copy the buffer
-        before the next fill."""
+        are and must not be applied. `bitmask_to_device` must copy the buffer before the next
+        fill."""
         t0 = time.perf_counter()
         if self._bitmask is None:
             self._bitmask = torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,

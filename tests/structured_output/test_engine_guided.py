@@ -1,7 +1,8 @@
-"""Guided decoding in the engine with the bundled SmolLM2 (float32, CPU): outputs of JSON
-schemas validate with jsonschema, regex and choice outputs match, every sampled token is one a
-fresh xgrammar matcher accepts, n > 1, preemption, unguided greedy outputs unchanged beside
-guided ones, logit_bias; and the bitmask application against a naive float32 reference."""
+"""Guided decoding in the engine with the bundled SmolLM2 (CPU; float32 where tokens are
+compared across batches): outputs of JSON schemas validate with jsonschema, regex and choice
+outputs match, every sampled token is one a fresh xgrammar matcher accepts, n > 1,
+preemption, unguided greedy outputs unchanged beside guided ones, logit_bias; and the bitmask
+application against a naive float32 reference."""
 
 from __future__ import annotations
 

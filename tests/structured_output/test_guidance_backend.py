@@ -1,4 +1,4 @@
-"""The `guidance` backend (llguidance) in the engine with the bundled SmolLM2 (float32, CPU):
+"""The `guidance` backend (llguidance) in the engine with the bundled SmolLM2 (CPU):
 JSON schemas validate, regex, choice and GBNF outputs match in full, every output is one a
 fresh llguidance matcher accepts to its end, n > 1 and preemption keep the form, and a bad
 grammar is a ValueError naming the problem."""

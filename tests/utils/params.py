@@ -15,6 +15,11 @@ def diagonal(shapes: list[tuple], values: list) -> list:
             for i, shape in enumerate(shapes) for j, value in enumerate(values)]
 
 
+def only_in_ci(values: list, fast: set) -> list:
+    """The values in `fast` run in CI; the others only with -m slow."""
+    return [pytest.param(v, marks=() if v in fast else (pytest.mark.slow,)) for v in values]
+
+
 def slow_unless(rows: list, fast: set[int]) -> list:
     """The rows whose index is in `fast` run in CI; the others only with -m slow."""
     return [pytest.param(*(row if isinstance(row, tuple) else (row,)),

@@ -39,7 +39,7 @@ from tests.attention.turboquant.harness import (
     run_turboquant_case,
 )
 from tests.utils.conformance import BATCHES
-from tests.utils.params import diagonal, slow_unless
+from tests.utils.params import diagonal, only_in_ci
 
 kernels = pytest.mark.skipif(
     not torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET"),
@@ -50,7 +50,7 @@ DECODES = [(15, 1), (40, 1), (0, 1), (33, 1), (70, 1)]
 
 
 @kernels
-@pytest.mark.parametrize("preset", slow_unless(PRESETS, fast={0, 2, 4}))
+@pytest.mark.parametrize("preset", only_in_ci(PRESETS, {"tq_k8v4", "tq_4bit", "tq_3bit"}))
 def test_padded_graph_decode_matches_reference(preset):
     """5 decodes padded to 8 (padding rows: random query/key/value, slot -1, context 0) with
     the graph metadata: the real rows equal the float32 reference and the eager step; the new
@@ -67,8 +67,8 @@ def test_padded_graph_decode_matches_reference(preset):
 
 
 @kernels
-@pytest.mark.parametrize("preset", slow_unless(["tq_3bit", "tq_4bit", "tq_k8v4", "naive_int4"],
-                                                fast={0, 3}))
+@pytest.mark.parametrize("preset", only_in_ci(["tq_3bit", "tq_4bit", "tq_k8v4", "naive_int4"],
+                                              {"tq_3bit", "tq_4bit", "tq_k8v4"}))
 def test_padded_graph_split_decode_matches_reference(preset):
     """With the SMs of a GPU the split heuristic splits the padded batch for the engine's
     longest sequence (4,096), not for these short contexts: most splits are empty, and the
@@ -151,9 +151,9 @@ def test_prefill_plan_splits_dense_context_and_decodes():
 
 
 @kernels
-@pytest.mark.parametrize("preset,batch", diagonal(
-    [("tq_3bit",), ("tq_4bit",), ("tq_k8v4",), ("naive_int3",)],
-    ["prefill", "chunked_prefill", "mixed"]))
+@pytest.mark.parametrize("preset,batch", diagonal(  # the merge needs contexts: not "prefill"
+    [("tq_3bit",), ("tq_4bit",), ("naive_int3",), ("tq_k8v4",)],  # for the TurboQuant presets
+    ["chunked_prefill", "mixed", "prefill"]))
 def test_prefill_split_matches_reference(preset, batch):
     """New tokens at full precision through the dense kernel, earlier pages through the
     TurboQuant kernel, merged by log-sum-exp: the float32 reference that dequantizes the

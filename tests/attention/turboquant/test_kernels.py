@@ -39,7 +39,6 @@ kernels = pytest.mark.skipif(not _kernels_runnable(), reason="needs CUDA or TRIT
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-
 @kernels
 @pytest.mark.parametrize("preset", PRESETS)
 def test_kernels_store_and_attend(preset):
