@@ -89,8 +89,8 @@ def test_selected_by_name_only(monkeypatch):
     assert set(BACKEND.features()) >= {"sliding-window", "soft-cap", "sinks"}
 
 
-@pytest.mark.parametrize("block_size", [16, pytest.param(1, marks=pytest.mark.slow)])
-def test_tiny_llama_greedy_matches_transformers(tmp_path, make_llm, block_size):
+def _tiny_llama(path) -> transformers.PreTrainedModel:
+    """A 2-layer random Llama (GQA 2) saved to `path`, for greedy tests against transformers."""
     config = transformers.LlamaConfig(
         vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -98,7 +98,13 @@ def test_tiny_llama_greedy_matches_transformers(tmp_path, make_llm, block_size):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     hf.eval()
-    hf.save_pretrained(tmp_path)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("block_size", [16, pytest.param(1, marks=pytest.mark.slow)])
+def test_tiny_llama_greedy_matches_transformers(tmp_path, make_llm, block_size):
+    hf = _tiny_llama(tmp_path)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 211, (n,), generator=g).tolist() for n in (3, 17, 40, 1, 25)]
     expected = [hf_greedy(hf, p, 12) for p in prompts]
@@ -312,14 +318,7 @@ def test_tiny_llama_greedy_through_the_physical_layout(tmp_path, make_llm, monke
     """The engine with the physical layout forced on the CPU (a small cache: eager flex scores
     every slot): chunked prefills sharing steps with decodes, transformers' greedy tokens."""
     monkeypatch.setattr(BACKEND.builder_cls, "physical_kv", True)
-    config = transformers.LlamaConfig(
-        vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.2, tie_word_embeddings=False, rope_theta=10000.0)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    hf.eval()
-    hf.save_pretrained(tmp_path)
+    hf = _tiny_llama(tmp_path)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 211, (n,), generator=g).tolist() for n in (3, 21, 1)]
     expected = [hf_greedy(hf, p, 6) for p in prompts]
@@ -370,14 +369,7 @@ def test_tiny_llama_greedy_on_cuda(tmp_path):
     against transformers' greedy tokens, float32, chunked prefill."""
     from pagedserve import LLM
 
-    config = transformers.LlamaConfig(
-        vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.2, tie_word_embeddings=False, rope_theta=10000.0)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    hf.eval()
-    hf.save_pretrained(tmp_path)
+    hf = _tiny_llama(tmp_path)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 211, (n,), generator=g).tolist() for n in (3, 17, 40, 1, 25)]
     expected = [hf_greedy(hf, p, 12) for p in prompts]
@@ -441,14 +433,7 @@ def test_warmup_steps_run_at_start_up_and_leave_no_trace(tmp_path, monkeypatch):
     from pagedserve.attention.backends.flex_attention import FlexAttentionBackend
     from pagedserve.engine.model_runner import ModelRunner
 
-    config = transformers.LlamaConfig(
-        vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.2, tie_word_embeddings=False, rope_theta=10000.0)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    hf.eval()
-    hf.save_pretrained(tmp_path)
+    hf = _tiny_llama(tmp_path)
     steps = [(2, 1, 40), (1, 30, 0), (3, 1, 500)]  # the last is past max_model_len
     monkeypatch.setattr(FlexAttentionBackend, "warmup_steps", classmethod(lambda cls, d: steps))
     ran = []
