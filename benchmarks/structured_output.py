@@ -5,8 +5,8 @@ Each request generates exactly --output-len tokens either way (unguided: ignore_
 schema of at least 64 objects of several typed fields, which cannot close sooner), so both runs
 take the same steps at the same batch size and the throughput ratio is the grammar's cost: the
 bitmask fill on the host (xgrammar's batch matcher), its copy and application on the device,
-the matchers' token acceptance, and on CUDA the loss of async scheduling (a guided request runs
-step by step, as penalties do). Runs alternate unguided / guided --repeats times.
+the matchers' token acceptance (guided requests keep async scheduling). Runs alternate
+unguided / guided --repeats times.
 
     python benchmarks/structured_output.py [--device cpu|cuda] [--batch 64] [--output-len 32]
         [--repeats 2] [--threads N] [--no-seed] [--model random:smollm2-135m --tokenizer DIR]

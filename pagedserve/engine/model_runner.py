@@ -356,14 +356,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput) -> PendingStep:
-        """Queue one step's forward and sampling on the device and return at once (a guided
-        step's bitmask is filled on the host in between); `collect` waits for its samples.
-        With async scheduling the engine launches step N+1 before it collects step N: N's
-        samples, N+1's input ids, go from N's output into N+1's inputs on the device, so the
-        host never waits for N here."""
+        """Queue one step's forward and sampling on the device and return at once; `collect`
+        waits for its samples. With async scheduling the engine launches step N+1 before it
+        collects step N: N's samples, N+1's input ids, go from N's output into N+1's inputs
+        on the device, so the host never waits for N here."""
         prev = self._in_flight
-        if prev is not None:
-            prev = prev if prev.sampled is None else None  # None: in the token table already
+        if prev is not None and prev.sampled is not None:
+            prev = None  # its samples are in the token table already
         rows = self.input_batch.update(batch)
         meta = self._sampling_metadata(batch) if self.tp_rank == 0 else None
         self._ran_graph = False
@@ -378,16 +377,25 @@ class ModelRunner:
                 ahead = guided.advance_by_step(prev.batch, prev.sampled)
             mask_rows, grammars = guided.rows_to_mask(batch, ahead)
             if mask_rows:
-                so = self.structured_output
-                meta.token_bitmask = so.bitmask_to_device(
-                    so.fill_bitmask_host(grammars, mask_rows, batch.num_reqs))
+                meta.token_bitmask = self.structured_output.fill_bitmask(grammars, mask_rows,
+                                                                         batch.num_reqs)
                 meta.bitmask_rows = mask_rows
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
                                   self._ran_graph))
-        pending = PendingStep(batch, rows, None, None, self.input_batch.generation[rows], None)
-        self._sample(pending, logits, meta)
+        if meta is not None:
+            out = self.sampler(logits, meta)
+        else:  # a rank > 0: rank 0's samples arrive below
+            out = SamplerOutput(torch.empty(batch.num_reqs, dtype=torch.int64,
+                                            device=self.device))
+        if self.tp_size > 1:
+            broadcast_(out.sampled_token_ids, src=0)
+        host_copy, logprobs = self._samples_to_host.start(out)
+        if self.step_events is not None:
+            self.step_events[-1][1].record()
+        pending = PendingStep(batch, rows, out, host_copy,
+                              self.input_batch.generation[rows], logprobs)
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
                      if r.request_id in self._wants_logits]
@@ -396,20 +404,6 @@ class ModelRunner:
                 batch, index, hidden, self.model.compute_logits, self.device)
         self._in_flight = pending
         return pending
-
-    def _sample(self, pending: PendingStep, logits: torch.Tensor, meta: Any) -> None:
-        """Queue a step's sampling and its samples' copy to the host."""
-        if meta is not None:
-            out = self.sampler(logits, meta)
-        else:  # a rank > 0: rank 0's samples arrive below
-            out = SamplerOutput(torch.empty(logits.shape[0], dtype=torch.int64,
-                                            device=self.device))
-        if self.tp_size > 1:
-            broadcast_(out.sampled_token_ids, src=0)
-        pending.out = out
-        pending.host_copy, pending.logprobs = self._samples_to_host.start(out)
-        if self.step_events is not None:
-            self.step_events[-1][1].record()
 
     @torch.inference_mode()
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:

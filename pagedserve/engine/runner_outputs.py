@@ -32,8 +32,8 @@ class PendingStep:
 
     batch: SchedulerOutput
     rows: np.ndarray
-    out: SamplerOutput | None  # set by the runner as it queues the step's sampling
-    host_copy: tuple[np.ndarray, torch.cuda.Event | None] | None  # (host view, copy done event)
+    out: SamplerOutput
+    host_copy: tuple[np.ndarray, torch.cuda.Event | None]  # (host view, copy done event)
     # Each row's owner at launch (InputBatch.generation): a row freed and handed to a new request
     # before this step's samples are recorded must not take them.
     generations: np.ndarray

@@ -158,24 +158,21 @@ class StructuredOutputManager:
         return RequestGrammar(self._backend.new_matcher(compiled, stop),
                               ends_on_stop_token=self.backend_name == "xgrammar")
 
-    def fill_bitmask_host(self, grammars: list[RequestGrammar], rows: list[int],
-                          num_rows: int) -> torch.Tensor:
-        """The [num_rows, ceil(V / 32)] int32 bitmask in the manager's one host buffer, rows
-        `rows` filled from `grammars` (bit set: token allowed); the other rows are left as they
-        are and must not be applied. `bitmask_to_device` must copy the buffer before the next
-        fill."""
+    def fill_bitmask(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int
+                     ) -> torch.Tensor:
+        """The [num_rows, ceil(V / 32)] int32 bitmask on the device, rows `rows` filled from
+        `grammars` (bit set: token allowed); the other rows are left as they are and must not be
+        applied."""
         t0 = time.perf_counter()
         if self._bitmask is None:
             self._bitmask = torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,
                                        dtype=torch.int32)
         bitmask = self._bitmask[:num_rows]
         self._backend.fill([g.matcher for g in grammars], bitmask, rows)
+        bitmask = to_device_async(bitmask, self.device)  # the host buffer is refilled next step
         self.fill_seconds += time.perf_counter() - t0
         self.num_fills += 1
         return bitmask
-
-    def bitmask_to_device(self, bitmask: torch.Tensor) -> torch.Tensor:
-        return to_device_async(bitmask, self.device)  # pinned: the host buffer is free again
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
