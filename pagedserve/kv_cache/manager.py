@@ -82,7 +82,9 @@ class KVCacheManager:
         self.groups: list[FullAttentionManager] = [
             make_manager(self.pool, block_size, g, w) for g, w in enumerate(windows)]
         self._sliding = [m for m in self.groups if m.sliding_window is not None]
-        self._no_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in self.groups)
+        self._first_group_blocks = self.groups[0].req_to_blocks
+        # What allocate_slots returns when the request's blocks have room (most decodes).
+        self.no_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in self.groups)
         self.req_to_hashes: dict[str, list[bytes]] = {}
         # Blocks of each request published so far (the same in every group).
         self.num_cached_blocks: dict[str, int] = {}
@@ -250,17 +252,16 @@ class KVCacheManager:
             published = self.num_cached_blocks.get(request_id, 0) if caching else 1 << 62
             for manager in self._sliding:
                 manager.free_out_of_window(request_id, request.num_computed_tokens, published)
-        # The step fills a block when a multiple of block_size lies in (computed, end]: when
-        # end % block_size < num_new_tokens. Most decode steps fill none and skip all caching
-        # work on that one test (done first: it is as cheap with caching on as off).
-        held = self.groups[0].req_to_blocks.get(request_id)
+        held = self._first_group_blocks.get(request_id)
         if held is not None and not new_computed_blocks:
             end = request.num_computed_tokens + num_new_tokens
             if end <= len(held) * self.block_size:
-                # Room in the blocks it holds (most decode steps): no pool work at all.
+                # Room in the blocks it holds (most decode steps): no pool work at all. The
+                # step fills a block when a multiple of block_size lies in (computed, end]:
+                # when end % block_size < num_new_tokens (most decodes fill none).
                 if end % self.block_size < num_new_tokens and caching:
                     self._cache_full_blocks(request, end)
-                return self._no_blocks
+                return self.no_blocks
         num_new_blocks = self._num_blocks_to_take(request, num_new_tokens, new_computed_blocks)
         if num_new_blocks is None:
             return None

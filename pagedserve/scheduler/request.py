@@ -74,6 +74,10 @@ class Request:
         self.num_prompt_tokens = len(prompt)
         self.all_token_ids = list(prompt)
         self.output_token_ids: list[int] = []
+        # len(all_token_ids) and len(output_token_ids), kept as plain attributes: the step
+        # path reads them several times per request (append_output_token keeps them).
+        self.num_tokens = len(prompt)
+        self.num_output_tokens = 0
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -122,27 +126,21 @@ class Request:
             self.end_token_ids = sampling_params.end_token_ids(eos_token_id)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.num_tokens += 1
+        self.num_output_tokens += 1
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Stop conditions known from token ids alone (stop strings are the detokenizer's)."""
         if self.num_output_tokens == 0:
             return None
-        if (self.num_output_tokens >= self.min_tokens
-                and self.output_token_ids[-1] in self.end_token_ids):
+        if (self.output_token_ids[-1] in self.end_token_ids
+                and self.num_output_tokens >= self.min_tokens):
             return RequestStatus.FINISHED_STOPPED
         # The grammar has ended (its stop token accepted, even one ignore_eos would pass), or
         # refused a token: nothing more it could accept.

@@ -86,92 +86,79 @@ class Scheduler:
         scheduled before this one's samples are back (the runner puts them into the next
         step's inputs before launching it)."""
         budget = self.config.max_num_batched_tokens
-        # (request, new tokens, new block ids per cache group, newly admitted)
-        scheduled: list[tuple[Request, int, tuple[list[int], ...], bool]] = []
+        step = _StepPlan()
         num_preempted = 0
-        self.kv.begin_step()
-        context_written_in_step = False
+        kv = self.kv
+        kv.begin_step()
+        no_blocks = kv.no_blocks
+        max_model_len = self.max_model_len
+        add_request, add_num_new = step.requests.append, step.num_new.append
+        add_computed, add_sample = step.computed.append, step.samples.append
+        add_block_ids, add_is_new = step.block_ids.append, step.is_new.append
 
         # Running requests first (decodes and unfinished prompt chunks), in admission order.
+        # The per-request work of a long batch of decodes lives here: kept flat on purpose.
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if self._at_limit(request):  # its in-flight sample is its last
-                i += 1
+        running = self.running
+        while i < len(running) and budget > 0:
+            request = running[i]
+            pending = request.num_output_placeholders
+            if pending and (request.num_output_tokens + pending >= request.max_tokens
+                            or request.num_tokens + pending >= max_model_len):
+                i += 1  # its in-flight sample is its last: another step would be wasted
                 continue
-            num_new = min(request.num_tokens + request.num_output_placeholders
-                          - request.num_computed_tokens, budget)
-            blocks = self.kv.allocate_slots(request, num_new)
+            num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
+            blocks = kv.allocate_slots(request, num_new)
             while blocks is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:
                     break
-                blocks = self.kv.allocate_slots(request, num_new)
+                blocks = kv.allocate_slots(request, num_new)
             if blocks is None:
                 break
-            scheduled.append((request, num_new,
-                              tuple([b.block_id for b in group] for group in blocks), False))
+            # _StepPlan.add, inlined for the hot loop.
+            computed = request.num_computed_tokens
+            sample = num_new == request.num_tokens + pending - computed
+            request.num_computed_tokens = computed + num_new
+            request.num_output_placeholders = pending + sample
+            add_request(request)
+            add_num_new(num_new)
+            add_computed(computed)
+            add_sample(sample)
+            add_block_ids(NO_NEW_BLOCKS if blocks is no_blocks
+                          else tuple([b.block_id for b in group] for group in blocks))
+            add_is_new(False)
             budget -= num_new
             i += 1
 
         # Then admit waiting requests, FCFS, unless this step had to preempt.
+        context_written_in_step = False
         while (not num_preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            blocks = self.kv.allocate_slots(request, num_new, hits)
+            blocks = kv.allocate_slots(request, num_new, hits)
             if blocks is None:
                 break
-            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-            if hits and self.kv.written_in_step(hits):
+            kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            if hits and kv.written_in_step(hits):
                 context_written_in_step = True
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            self.running.append(request)
-            scheduled.append((request, num_new, self.kv.group_block_ids(request.request_id),
-                              True))
+            running.append(request)
+            step.add(request, num_new, kv.group_block_ids(request.request_id), True)
             budget -= num_new
 
-        # Batch order: prefills (more than one new token) first, then decodes.
-        scheduled.sort(key=lambda item: item[1] == 1)
-        num_prefills = sum(1 for item in scheduled if item[1] > 1)
-        computed = np.array([item[0].num_computed_tokens for item in scheduled], dtype=np.int32)
-        samples = []
-        for request, num_new, _, _ in scheduled:
-            request.num_computed_tokens += num_new
-            sample = (request.num_computed_tokens
-                      >= request.num_tokens + request.num_output_placeholders)
-            samples.append(sample)
-            request.num_output_placeholders += sample
-        will_sample = np.array(samples, dtype=bool)
         # An empty step is not launched: its freed requests wait for the next step (the runner
         # gives back their rows when it sees them).
         freed: list[str] = []
-        if scheduled:
+        if step.requests:
             freed, self._freed_ids = self._freed_ids, []
-        return SchedulerOutput(
-            requests=[item[0] for item in scheduled],
-            num_scheduled_tokens=np.array([item[1] for item in scheduled], dtype=np.int32),
-            num_computed_tokens=computed,
-            new_block_ids=[item[2] for item in scheduled],
-            is_new=[item[3] for item in scheduled],
-            num_prefills=num_prefills,
-            will_sample=will_sample,
-            freed_request_ids=freed,
-            num_preempted=num_preempted,
-            context_written_in_step=context_written_in_step,
-        )
-
-    def _at_limit(self, request: Request) -> bool:
-        """The request's samples in flight already reach max_tokens or the model's length:
-        another step would be wasted."""
-        pending = request.num_output_placeholders
-        return pending > 0 and (request.num_output_tokens + pending >= request.max_tokens
-                                or request.num_tokens + pending >= self.max_model_len)
+        return step.output(freed, num_preempted, context_written_in_step)
 
     def _preempt(self, request: Request) -> None:
         """Recompute policy: drop the request's KV and put it back at the head of the queue; its
@@ -191,9 +178,12 @@ class Scheduler:
         in batch order; finished requests are already freed. Requests finished while the step
         ran (aborted, or stopped by an earlier step with async scheduling) are skipped."""
         results: list[tuple[Request, int | None]] = []
+        block_size = self.kv.block_size
+        cache_computed_blocks = self.kv.cache_computed_blocks
+        max_model_len = self.max_model_len
         for request, sampled, token in zip(output.requests, output.will_sample.tolist(),
                                            sampled_token_ids.tolist(), strict=True):
-            if request.is_finished:
+            if request.status.is_finished:
                 continue
             if not sampled:
                 results.append((request, None))
@@ -203,11 +193,12 @@ class Scheduler:
             request.num_output_placeholders -= 1
             request.append_output_token(token)
             if request.grammar is not None and not request.grammar.accept(
-                    token, len(request.output_token_ids) - 1):
+                    token, request.num_output_tokens - 1):
                 logger.error("request %s: its grammar refused sampled token %d; it ends here",
                              request.request_id, token)
-            self.kv.cache_computed_blocks(request)
-            status = request.check_stop(self.max_model_len)
+            if request.num_tokens % block_size == 0:  # the token may complete a block
+                cache_computed_blocks(request)
+            status = request.check_stop(max_model_len)
             if status is not None:
                 if request.status == RequestStatus.RUNNING:
                     self.running.remove(request)
@@ -216,3 +207,57 @@ class Scheduler:
                 self._finish(request, status)
             results.append((request, token))
         return results
+
+
+# The new block ids of a request that needs none this step (most decodes), in every group.
+NO_NEW_BLOCKS: tuple[list[int], ...] = ()
+
+
+class _StepPlan:
+    """The requests of the step being scheduled, with what the runner needs of each; each one
+    added counts its new tokens as computed and takes a placeholder when the step samples for
+    it."""
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.num_new: list[int] = []
+        self.computed: list[int] = []
+        self.samples: list[bool] = []
+        self.block_ids: list[tuple[list[int], ...]] = []
+        self.is_new: list[bool] = []
+
+    def add(self, request: Request, num_new: int, block_ids: tuple[list[int], ...],
+            is_new: bool) -> None:
+        computed = request.num_computed_tokens
+        total = request.num_tokens + request.num_output_placeholders
+        sample = computed + num_new >= total
+        request.num_computed_tokens = computed + num_new
+        request.num_output_placeholders += sample
+        self.requests.append(request)
+        self.num_new.append(num_new)
+        self.computed.append(computed)
+        self.samples.append(sample)
+        self.block_ids.append(block_ids)
+        self.is_new.append(is_new)
+
+    def output(self, freed: list[str], num_preempted: int,
+               context_written_in_step: bool) -> SchedulerOutput:
+        """The step in batch order: prefills (more than one new token) first, then decodes."""
+        num_new = np.array(self.num_new, dtype=np.int32)
+        is_decode = num_new == 1
+        num_prefills = len(num_new) - int(is_decode.sum())
+        requests, block_ids, is_new = self.requests, self.block_ids, self.is_new
+        computed = np.array(self.computed, dtype=np.int32)
+        will_sample = np.array(self.samples, dtype=bool)
+        if is_decode[:num_prefills].any():  # a decode before a prefill: reorder
+            order = np.argsort(is_decode, kind="stable")
+            num_new, computed, will_sample = num_new[order], computed[order], will_sample[order]
+            index = order.tolist()
+            requests = [requests[i] for i in index]
+            block_ids = [block_ids[i] for i in index]
+            is_new = [is_new[i] for i in index]
+        return SchedulerOutput(
+            requests=requests, num_scheduled_tokens=num_new, num_computed_tokens=computed,
+            new_block_ids=block_ids, is_new=is_new, num_prefills=num_prefills,
+            will_sample=will_sample, freed_request_ids=freed, num_preempted=num_preempted,
+            context_written_in_step=context_written_in_step)

@@ -130,7 +130,7 @@ def test_chunked_prefill_keeps_decodes_going():
 
 def test_abort_frees_blocks_and_unknown_ids_are_ignored():
     kv = KVCacheManager(10, 4, enable_prefix_caching=False)
-    sched = Scheduler(SchedulerConfig(), kv, 512)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=128), kv, 512)
     for i in range(3):
         sched.add_request(Request(f"r{i}", [1, 2, 3, 4, 5], Params(4)))
     sched.schedule()
@@ -143,6 +143,37 @@ def test_abort_frees_blocks_and_unknown_ids_are_ignored():
 
 def test_request_larger_than_pool_is_refused():
     kv = KVCacheManager(4, 4)
-    sched = Scheduler(SchedulerConfig(), kv, 512)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=128), kv, 512)
     with pytest.raises(ValueError, match="pool holds only 16"):
         sched.add_request(Request("big", [1] * 10, Params(10)))
+
+
+def test_max_num_seqs_default_follows_the_device() -> None:
+    """vLLM's GPU default (256), the CPU's 128; a value given is kept on either."""
+    from pagedserve.config import EngineConfig
+
+    assert EngineConfig(device="cpu").scheduler.max_num_seqs == 128
+    assert EngineConfig(device="cuda").scheduler.max_num_seqs == 256
+    assert EngineConfig.from_kwargs(device="cuda", max_num_seqs=64).scheduler.max_num_seqs == 64
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig.from_kwargs(max_num_seqs=0)
+
+
+def test_decode_steps_keep_batch_order_and_placeholders() -> None:
+    """A step mixing a new prompt and running decodes lists the prefill first; every decode
+    takes one placeholder and counts its token as computed, and the arrays follow the order."""
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv, 512)
+    for i in range(3):
+        sched.add_request(Request(str(i), list(range(10 * i, 10 * i + 5)), Params(8)))
+    first = sched.schedule()
+    sched.update_from_output(first, np.arange(3))
+    sched.add_request(Request("late", list(range(100, 106)), Params(8)))
+    step = sched.schedule()
+    assert [r.request_id for r in step.requests] == ["late", "0", "1", "2"]
+    assert step.num_prefills == 1
+    assert step.num_scheduled_tokens.tolist() == [6, 1, 1, 1]
+    assert step.num_computed_tokens.tolist() == [0, 5, 5, 5]
+    assert step.will_sample.tolist() == [True] * 4
+    assert [r.num_computed_tokens for r in step.requests] == [6, 6, 6, 6]
+    assert [r.num_output_placeholders for r in step.requests] == [1, 1, 1, 1]
