@@ -211,8 +211,10 @@ class CommonMetadataBuilder:
         padding request has one token at position 0 with slot -1 (no K/V write), seq_len 1 and
         the one page 0, so it reads valid memory and touches nothing real."""
         b, t = common.num_reqs, common.num_actual_tokens
-        pages = int(common.paged_kv_indptr_cpu[b])
         extra = size - b
+        if not extra and onto is None:  # a full graph: `common` is its step already
+            return common
+        pages = int(common.paged_kv_indptr_cpu[b])
         before = _lengths(b, t, pages)
         after = _lengths(size, t + extra, pages + extra)
         steps = self._arange[1:extra + 1]

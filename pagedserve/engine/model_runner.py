@@ -99,7 +99,10 @@ class ModelRunner:
         # the same pinned buffers only after they have been read (with a step in flight they
         # may not have been yet).
         self._inputs_copied = torch.cuda.Event() if pin else None
+        self.wait_seconds = 0.0  # host time spent waiting for the device's events
         self.generators: dict[str, torch.Generator] = {}
+        # The last step's requests and sampling metadata, while the next may reuse it.
+        self._last_sampling: tuple[list[Request], SamplingMetadata] | None = None
         # Live requests that need more than the sampled token (teacher forcing, prompt
         # logprobs, scoring by prefill): a step looks for them only while there are any.
         self._wants_logits: set[str] = set()
@@ -297,7 +300,9 @@ class ModelRunner:
         """Build the step's inputs and queue its forward. `prev`: the step still in flight,
         whose samples are some of this step's input ids (they are placed on the device)."""
         if self._inputs_copied is not None:
+            t0 = time.perf_counter()
             self._inputs_copied.synchronize()  # the last step's copies have read the buffers
+            self.wait_seconds += time.perf_counter() - t0
         self._common = common = self.common_builder.build(
             rows, batch.num_computed_tokens, batch.num_scheduled_tokens, batch.num_prefills,
             self.input_batch.block_table.table, batch.context_written_in_step)
@@ -367,9 +372,11 @@ class ModelRunner:
         meta = self._sampling_metadata(batch) if self.tp_rank == 0 else None
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
-        # Each request's last new token, from the step's cu_seqlens already on the device.
-        last = self._common.query_start_loc[1:].long() - 1
-        logits = self.model.compute_logits(hidden[last])
+        if self._common.max_query_len == 1:  # decodes only: every token is its request's last
+            logits = self.model.compute_logits(hidden[:batch.num_reqs])
+        else:  # each request's last new token, from the step's cu_seqlens on the device
+            last = self._common.query_start_loc[1:].long() - 1
+            logits = self.model.compute_logits(hidden[last])
         if self._guided:  # host work while the device runs the forward and the projection
             ahead: set[str] = set()
             if prev is not None:  # uncollected: its samples are waited for here
@@ -421,7 +428,9 @@ class ModelRunner:
             return
         host, event = pending.host_copy
         if event is not None:
+            t0 = time.perf_counter()
             event.synchronize()
+            self.wait_seconds += time.perf_counter() - t0
         sampled = host.copy()
         for i, token in pending.forced_tokens.values():
             sampled[i] = token
@@ -431,6 +440,13 @@ class ModelRunner:
 
     def _sampling_metadata(self, batch: SchedulerOutput) -> SamplingMetadata:
         requests = batch.requests
+        last = self._last_sampling
+        if last is not None and last[0] == requests:
+            # The same requests in the same order, none of whose sampling depends on its
+            # tokens so far (most decode steps): the last step's tensors hold this step's too.
+            meta = last[1]
+            meta.token_bitmask = meta.bitmask_rows = None
+            return meta
         generators = {i: self.generators[r.request_id] for i, r in enumerate(requests)
                       if r.request_id in self.generators} if self.generators else {}
         params = [r.sampling_params for r in requests]
@@ -438,8 +454,12 @@ class ModelRunner:
         needs_tokens = any(p.needs_host_history for p in distinct[0])
         prompts = [r.prompt_token_ids for r in requests] if needs_tokens else [[]] * len(params)
         outputs = [r.output_token_ids for r in requests] if needs_tokens else [[]] * len(params)
-        return SamplingMetadata.build(params, prompts, outputs, generators, self.eos_token_id,
+        meta = SamplingMetadata.build(params, prompts, outputs, generators, self.eos_token_id,
                                       self.vocab_size, self.device, distinct)
+        # min_tokens bans end tokens by output length: such a batch is built every step.
+        reusable = not needs_tokens and not any(p.min_tokens for p in distinct[0])
+        self._last_sampling = (list(requests), meta) if reusable else None
+        return meta
 
     def warmup(self) -> None:
         """Compile/JIT whatever the backend needs before the first request, then capture the

@@ -226,3 +226,30 @@ def test_a_finished_requests_last_sample_stays_out_of_its_rows_next_owner(tiny_p
         assert run(True, params)["S"] == run(False, params)["S"]
     else:
         assert run(True, free_run, 10)["S"] == run(False, free_run, 10)["S"]
+
+
+@pytest.mark.parametrize("min_tokens", [0, 3])
+def test_sampling_metadata_is_rebuilt_only_when_the_batch_changes(monkeypatch, min_tokens):
+    """A decode step of the same requests in the same order reuses the last step's sampling
+    tensors (built once per batch composition); a batch with min_tokens (its end-token ban
+    follows each row's output length) is built every step. Tokens are the same either way."""
+    from pagedserve import LLM
+    from pagedserve.engine import sampler
+
+    builds = []
+    real = sampler.SamplingMetadata.build.__func__
+
+    def counting(cls, *args, **kwargs):
+        builds.append(1)
+        return real(cls, *args, **kwargs)
+
+    llm = LLM(model="random:tiny", device="cpu", dtype="float32", kv_cache_memory="16MiB",
+              attention_backend="CPU")
+    prompts = [{"prompt_token_ids": list(range(5 + i, 12 + i))} for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    monkeypatch.setattr(sampler.SamplingMetadata, "build", classmethod(counting))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, min_tokens=min_tokens)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert len(builds) == (6 if min_tokens else 1)  # six steps: one prefill, five decodes
