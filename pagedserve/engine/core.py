@@ -80,6 +80,9 @@ class CoreStats(msgspec.Struct, array_like=True):
     all_free: bool  # no request holds a block or a state slot
     num_steps: int
     step_seconds: float  # host wall time inside step() over all steps
+    # Of step_seconds: waiting for the device (a step's samples, the inputs' copies); the
+    # rest is the host's own work.
+    wait_seconds: float = 0.0
 
 
 class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -424,7 +427,8 @@ class EngineCore:
         return CoreStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage,
                          self.scheduler.num_preemptions, kv.prefix_queries, kv.prefix_hits,
                          self.prompt_tokens, self.generation_tokens, kv.num_blocks,
-                         kv.num_free_blocks, kv.all_free(), self.num_steps, self.step_seconds)
+                         kv.num_free_blocks, kv.all_free(), self.num_steps, self.step_seconds,
+                         self.runner.wait_seconds)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (nothing done) while a request holds blocks."""

@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import CoreRequest, CoreStats, EngineCore, StepOutput
 
@@ -114,7 +115,19 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, con
         return
     conn.send(("ready", info))
     conn.close()
-    CoreLoop(core, input_addr, output_addr, parent_pid).run()
+    loop = CoreLoop(core, input_addr, output_addr, parent_pid)
+    profile_path = envs.PAGEDSERVE_CORE_PROFILE
+    if not profile_path:
+        loop.run()
+        return
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(loop.run)
+    finally:  # written whole, then renamed: a reader never sees half a file
+        profiler.dump_stats(profile_path + ".part")
+        os.replace(profile_path + ".part", profile_path)
 
 
 class CoreLoop:

@@ -40,6 +40,10 @@ def test_bench_throughput_prints_figures(capsys: pytest.CaptureFixture[str], mod
     assert "requests/s" in out and "total tokens/s" in out and "output tokens/s" in out
     assert "Total num output tokens: 15" in out  # ignore_eos by default: exactly 3 x 5
     assert "Elapsed:" in out
+    # The core's own line: 1 prefill step + 4 decodes (the step that samples the last token
+    # is the fifth), its host time per step and the wait for the device (none on the CPU).
+    line = next(x for x in out.splitlines() if x.startswith("Engine core:"))
+    assert line.startswith("Engine core: 5 steps, ") and "0.000 ms waiting" in line
 
 
 def test_random_yaml_model_matches_transformers(tmp_path) -> None:
