@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedserve.device import to_device_async
-
 if TYPE_CHECKING:
     from pagedserve.sampling_params import GuidedDecodingParams
 
@@ -98,7 +96,9 @@ class StructuredOutputManager:
         self.max_num_reqs = max_num_reqs
         self.backend_name = backend
         self._backend: Any = None  # XGrammarBackend or GuidanceBackend, made on first use
-        self._bitmask: torch.Tensor | None = None  # [max_num_reqs, ceil(V / 32)] int32, host
+        # Two [max_num_reqs, ceil(V / 32)] int32 host buffers, used in turn (pinned on CUDA: a
+        # step's copy reads one while the next step fills the other).
+        self._bitmasks: list[torch.Tensor] = []
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         # Bitmask work of the steps so far (benchmarks read these).
@@ -164,12 +164,17 @@ class StructuredOutputManager:
         `grammars` (bit set: token allowed); the other rows are left as they are and must not be
         applied."""
         t0 = time.perf_counter()
-        if self._bitmask is None:
-            self._bitmask = torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,
-                                       dtype=torch.int32)
-        bitmask = self._bitmask[:num_rows]
+        if not self._bitmasks:
+            pin = self.device.type == "cuda"
+            self._bitmasks = [torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,
+                                         dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        # A buffer is filled again two steps later, when its step's samples (queued behind
+        # its copy) have been waited for: the copy has read it by then.
+        self._bitmasks.reverse()
+        bitmask = self._bitmasks[0][:num_rows]
         self._backend.fill([g.matcher for g in grammars], bitmask, rows)
-        bitmask = to_device_async(bitmask, self.device)  # the host buffer is refilled next step
+        if self.device.type != "cpu":
+            bitmask = bitmask.to(self.device, non_blocking=bitmask.is_pinned())
         self.fill_seconds += time.perf_counter() - t0
         self.num_fills += 1
         return bitmask
