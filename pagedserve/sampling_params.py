@@ -229,3 +229,13 @@ def _check_int(name: str, value: Any) -> None:
     # bool is an int subclass; `n=True` is almost certainly a client bug.
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(name, value, "an int")
+
+
+# generation_config.json keys that are sampling settings (vLLM reads the same ones).
+GENERATION_CONFIG_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def default_sampling(generation_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The sampling settings a model's generation config recommends (request fields win)."""
+    config = generation_config or {}
+    return {k: config[k] for k in GENERATION_CONFIG_SAMPLING if config.get(k) is not None}

@@ -35,9 +35,6 @@ logger = logging.getLogger(__name__)
 # A scoring request samples nothing it keeps: greedy, so no generator or filter is built.
 SCORING_PARAMS = SamplingParams(temperature=0)
 
-# generation_config.json keys that are sampling settings (vLLM reads the same ones).
-GENERATION_CONFIG_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
 
 @dataclass
 class CoreInfo:
@@ -496,9 +493,3 @@ def _merge_rows(first: tuple[Any, ...] | None, num_first: int, more: tuple[Any, 
             a, ((0, 0), (0, width - a.shape[1])))
 
     return tuple(np.concatenate([pad(a), pad(b)]) for a, b in zip(first, more, strict=True))
-
-
-def default_sampling(generation_config: dict[str, Any] | None) -> dict[str, Any]:
-    """The sampling settings a model's generation config recommends (request fields win)."""
-    config = generation_config or {}
-    return {k: config[k] for k in GENERATION_CONFIG_SAMPLING if config.get(k) is not None}

@@ -17,18 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import (
-    GENERATION_CONFIG_SAMPLING,  # noqa: F401 (re-exported)
-    SCORING_PARAMS,
-    CoreRequest,
-    CoreStats,
-    StepOutput,
-    default_sampling,
-)
+from pagedserve.engine.core import SCORING_PARAMS, CoreRequest, CoreStats, StepOutput
 from pagedserve.engine.core_client import InprocClient, MPClient, make_client
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, default_sampling
 from pagedserve.scheduler import ScoringTask
 from pagedserve.structured_output import StructuredOutputManager, check_backend
 
