@@ -109,7 +109,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if config.engine_core_process is None:
         # The command line's default: on a GPU the host is the bottleneck, so the core steps
         # in a process of its own while this one serves HTTP and detokenizes.
-        config.engine_core_process = config.torch_device.type == "cuda"
+        config.engine_core_process = (config.torch_device.type == "cuda"
+                                      or config.data_parallel_size > 1)
     return config
 
 

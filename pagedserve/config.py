@@ -172,6 +172,10 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "ranks each layer is split over (GPUs on CUDA: ranks use cuda:N, N+1, ...; "
            "processes on the CPU)")
+    data_parallel_size: int = setting(
+        1, "engine cores behind one front, each a process with its own copy of the model "
+           "(on CUDA its own GPUs, after the previous core's tensor-parallel ranks); a request "
+           "goes to the least loaded core")
     distributed_executor_backend: str | None = setting(
         None, "how the ranks run: uni (in the engine's process, one rank only), mp (a process "
               "per rank beside the engine's) or ray (Ray actors); default: uni at one rank, "
@@ -181,6 +185,11 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and self.engine_core_process is False:
+            raise ValueError("data_parallel_size > 1 runs each engine core in a process of its "
+                             "own: drop --no-engine-core-process")
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend {self.distributed_executor_backend!r}"
                              " is not uni, mp or ray")
@@ -220,7 +229,7 @@ class EngineConfig:
 
     @property
     def use_engine_core_process(self) -> bool:
-        return bool(self.engine_core_process)
+        return bool(self.engine_core_process) or self.data_parallel_size > 1
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -1,6 +1,7 @@
 """How the front reaches the engine core: in its own process (InprocClient, the debugging mode
 and what most CPU tests use) or in a core process over ZeroMQ (MPClient). Both have the same
-methods; `make_client` picks one by `EngineConfig.use_engine_core_process`."""
+methods; LLMEngine picks one by `EngineConfig.use_engine_core_process` (engine/dp_client.py
+puts several core processes behind one front)."""
 
 from __future__ import annotations
 
@@ -91,7 +92,11 @@ class MPClient:
 
     idle_poll_s: float | None = 0.2  # an idle front still reads the core's late stats
 
-    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+    def __init__(self, config: EngineConfig, log_stats: bool = False,
+                 wait: bool = True) -> None:
+        """Start the core process and wait until it is ready; with `wait=False` return once
+        it is started (call `wait_ready()` before anything else: data parallelism starts its
+        cores side by side)."""
         import zmq
 
         from pagedserve.engine.core_process import (
@@ -127,8 +132,14 @@ class MPClient:
         with _main_module_hidden():
             self.proc.start()
         child_conn.close()
+        self._parent_conn = parent_conn
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait for the started core's CoreInfo (or its start-up error, raised here)."""
         try:
-            self.info: CoreInfo = self._wait_ready(parent_conn)
+            self.info: CoreInfo = self._wait_ready(self._parent_conn)
         except BaseException:
             self._finalizer()
             raise
@@ -201,6 +212,22 @@ class MPClient:
             return self._outputs.popleft()
         self.check_alive()
         return self._receive(timeout)
+
+    @property
+    def output_socket(self) -> Any:
+        """Where the core's step messages arrive (a front polling several cores waits on all)."""
+        return self._output
+
+    def send_queued(self) -> None:
+        """Send the adds, aborts and utility calls queued since the last send."""
+        self._flush()
+
+    def next_output(self) -> StepOutput | None:
+        """An output already here (kept while waiting for a utility call, or waiting in the
+        socket), or None at once."""
+        if self._outputs:
+            return self._outputs.popleft()
+        return self._receive(0)
 
     def _receive(self, timeout: float | None) -> StepOutput | None:
         if not self._output.poll(None if timeout is None else int(timeout * 1000)):
@@ -340,9 +367,3 @@ def _main_module_hidden() -> Iterator[None]:
     finally:
         for k, v in saved.items():
             setattr(main, k, v)
-
-
-def make_client(config: EngineConfig, log_stats: bool = False) -> InprocClient | MPClient:
-    if config.use_engine_core_process:
-        return MPClient(config, log_stats)
-    return InprocClient(config, log_stats)

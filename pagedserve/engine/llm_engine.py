@@ -18,7 +18,8 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import SCORING_PARAMS, CoreRequest, CoreStats, StepOutput
-from pagedserve.engine.core_client import InprocClient, MPClient, make_client
+from pagedserve.engine.core_client import InprocClient, MPClient
+from pagedserve.engine.dp_client import DPClient
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams, default_sampling
@@ -44,7 +45,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         self.config = config
         chat_template = check_settings(config)  # before the (slow) load
-        self.client: InprocClient | MPClient = make_client(config, log_stats)
+        self.client = make_client(config, log_stats)
         info = self.client.info
         self.tokenizer = info.tokenizer
         self.chat_template = chat_template or info.chat_template
@@ -366,3 +367,12 @@ def check_settings(config: EngineConfig) -> str | None:
         return m.chat_template
     raise ValueError(f"chat_template {m.chat_template!r} is neither a file nor a Jinja template")
 
+
+def make_client(config: EngineConfig, log_stats: bool = False
+                ) -> InprocClient | MPClient | DPClient:
+    """The core in this process, in a process of its own, or (data parallelism) several."""
+    if config.data_parallel_size > 1:
+        return DPClient(config, log_stats)
+    if config.use_engine_core_process:
+        return MPClient(config, log_stats)
+    return InprocClient(config, log_stats)
