@@ -76,14 +76,26 @@ class RequestStream:
         self.finished = False
         self.aborted = False
         self.last_token_time: float | None = None  # engine thread only
+        self._held: RequestOutput | BaseException | _Aborted | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        """The next output; when several wait (the consumer fell behind the engine, as a busy
+        server's streams do), one output that merges them: their deltas joined, the latest
+        cumulative fields. A slow stream then writes fewer, longer chunks."""
         if self.finished or self.aborted:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        item, self._held = self._held, None
+        if item is None:
+            item = await self.queue.get()
+        while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
+            later = self.queue.get_nowait()
+            if not isinstance(later, RequestOutput):
+                self._held = later  # an error or abort ends the stream after this output
+                break
+            item = merge_outputs(item, later)
         if isinstance(item, _Aborted):
             self.aborted = True
             raise StopAsyncIteration
@@ -107,6 +119,23 @@ class RequestStream:
         if not self.finished and not self.aborted:
             self.aborted = True
             self.owner.abort_nowait(self.request_id)
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """`later` with `earlier`'s deltas in front of its own, sequence by sequence (the
+    cumulative text, token ids and logprobs are `later`'s already)."""
+    completions = {c.index: c for c in later.outputs}
+    for old in earlier.outputs:
+        new = completions.get(old.index)
+        if new is None:
+            completions[old.index] = old
+            continue
+        new.delta_text = old.delta_text + new.delta_text
+        new.delta_token_ids = old.delta_token_ids + new.delta_token_ids
+        if old.delta_logprobs is not None or new.delta_logprobs is not None:
+            new.delta_logprobs = (old.delta_logprobs or []) + (new.delta_logprobs or [])
+    later.outputs = sorted(completions.values(), key=lambda c: c.index)
+    return later
 
 
 @dataclass
