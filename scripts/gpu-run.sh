@@ -14,7 +14,8 @@
 # (FLEX_ATTENTION's conformance and kernel timings beside TRITON and FLASHINFER), families (the
 # families' GPU greedy test), stateops (the state layers' kernels),
 # hybrid (the hybrid models on CUDA, Qwen3-Next decode), tqbound (TURBOQUANT where the bf16 cache
-# binds, 400 x 7,680/256), coreproc (the engine core process: throughput and GPU busy both ways),
+# binds, 400 x 7,680/256), coreproc (bench throughput of the bundled model's shape on this tree and .gpu-old/tree
+# alternating, the host phases and kernel time per step),
 # kvgroups (KV-cache groups' and the families' GPU tests), tqgraphs (TURBOQUANT's graphs: tests, 8B decode-heavy beside bf16), tp (tensor parallelism on 2+ GPUs: parity, 8B and 70B throughput, Ray), structured (guided decoding's cost), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
 # beside TRITON and FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
@@ -438,27 +439,32 @@ stage_tqbound() {  # where the bf16 cache binds: 400 x 7,680/256, --max-num-seqs
         echo "$kv: $(grep -h -A3 Throughput "$OUT/tqbound-$kv.log" | tr '\n' ' ')"
     done
 }
-stage_coreproc() {  # the bundled GGUF, 256 x 128/512, in one process and with the engine core in
-    # its own, GPU busy from nvidia-smi's samples over the timed run; then the core's GPU tests
+stage_coreproc() {  # issue #26: `bench throughput` 256 x 128/512 of the bundled model's shape on
+    # this tree and on an older one carried in .gpu-old/tree, alternating (the host's speed
+    # drifts within a call), each with its own defaults; then this tree's host phases and its
+    # kernel time per step (GPU busy = kernel time / wall time per step: nvidia-smi's samples
+    # are too coarse for runs of a few seconds). The model: `random:smollm2-135m` with the
+    # bundled tokenizer carried as .gpu-tok (save_pretrained), else the GGUF, else no tokenizer.
     setup_env
-    [ -f "$PAGEDSERVE_TEST_GGUF" ] || { echo "no GGUF at $PAGEDSERVE_TEST_GGUF"; return; }
-    local mode
-    for mode in no-engine-core-process engine-core-process no-engine-core-process \
-            engine-core-process; do
-        nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader,nounits \
-            -lms 100 >"$OUT/util-$mode.csv" &
-        local smi=$!
-        timeout 200 python3 -m pagedserve bench throughput --model "$PAGEDSERVE_TEST_GGUF" \
-            --attention-backend "${CORE_BACKEND:-TRITON}" --"$mode" --num-prompts 256 \
-            --input-len 128 --output-len 512 --output-json "$OUT/core-$mode.json" \
-            >"$OUT/coreproc-$mode.log" 2>&1
-        echo "exit $?" >>"$OUT/coreproc-$mode.log"
-        kill $smi; wait $smi 2>/dev/null
-        python3 benchmarks/gpu_busy.py "$OUT/util-$mode.csv" "$OUT/core-$mode.json" \
-            --label "$mode" | tee -a "$OUT/coreproc-$mode.log"
+    local model=(--model random:smollm2-135m)
+    if [ -d .gpu-tok ]; then model+=(--tokenizer "$PWD/.gpu-tok")
+    elif [ -f "$PAGEDSERVE_TEST_GGUF" ]; then model=(--model "$PAGEDSERVE_TEST_GGUF"); fi
+    local round tree tag
+    for round in 1 2; do
+        for tree in .gpu-old/tree .; do
+            tag=new; [ "$tree" = . ] || tag=old
+            [ -d "$tree" ] || continue
+            (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 200 \
+                python3 -m pagedserve bench throughput "${model[@]}" --attention-backend TRITON \
+                --num-prompts 256 --input-len 128 --output-len 512 \
+                >"$OUT/coreproc-$tag-$round.log" 2>&1; echo "exit $?" >>"$OUT/coreproc-$tag-$round.log")
+            echo "$tag $round: $(grep -h -E 'Throughput|Engine core' "$OUT/coreproc-$tag-$round.log" | tr '\n' ' ')"
+        done
     done
-    shard coreproc tests/engine/test_core_process.py
-    wait
+    PAGEDSERVE_ATTENTION_BACKEND=TRITON timeout 200 python3 benchmarks/host_step.py --device cuda \
+        "${model[@]}" --num-requests 256 --prompt-len 128 --output-len 512 --max-model-len 8192 \
+        --no-end-to-end --gpu-time >"$OUT/coreproc-hoststep.log" 2>&1
+    grep -v INFO "$OUT/coreproc-hoststep.log" | tail -16
 }
 stage_kvgroups() {  # KV-cache groups on CUDA (Gemma 2/3, gpt-oss), then the families
     setup_env
