@@ -92,8 +92,6 @@ class InputBatch:
                 rows[i] = self.add(request, block_ids)
                 continue
             rows[i] = row = self.row_of[request.request_id]
-            if not block_ids:  # no new block in any group (the scheduler's NO_NEW_BLOCKS)
-                continue
             if single is not None:
                 if block_ids[0]:
                     single.append(row, block_ids[0])

@@ -83,7 +83,9 @@ class KVCacheManager:
             make_manager(self.pool, block_size, g, w) for g, w in enumerate(windows)]
         self._sliding = [m for m in self.groups if m.sliding_window is not None]
         self._first_group_blocks = self.groups[0].req_to_blocks
-        # What allocate_slots returns when the request's blocks have room (most decodes).
+        # What allocate_slots returns when the request's blocks have room (most decodes): one
+        # shared tuple of empty lists, never appended to (the scheduler passes it on as the
+        # step's new block ids).
         self.no_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in self.groups)
         self.req_to_hashes: dict[str, list[bytes]] = {}
         # Blocks of each request published so far (the same in every group).

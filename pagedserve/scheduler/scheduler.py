@@ -120,14 +120,15 @@ class Scheduler:
                 break
             # _StepPlan.add, inlined for the hot loop.
             computed = request.num_computed_tokens
-            sample = num_new == request.num_tokens + pending - computed
+            sample = computed + num_new >= request.num_tokens + pending
             request.num_computed_tokens = computed + num_new
             request.num_output_placeholders = pending + sample
             add_request(request)
             add_num_new(num_new)
             add_computed(computed)
             add_sample(sample)
-            add_block_ids(NO_NEW_BLOCKS if blocks is no_blocks
+            # No new block (most decodes): the manager's shared empty lists, one per group.
+            add_block_ids(blocks if blocks is no_blocks
                           else tuple([b.block_id for b in group] for group in blocks))
             add_is_new(False)
             budget -= num_new
@@ -207,10 +208,6 @@ class Scheduler:
                 self._finish(request, status)
             results.append((request, token))
         return results
-
-
-# The new block ids of a request that needs none this step (most decodes), in every group.
-NO_NEW_BLOCKS: tuple[list[int], ...] = ()
 
 
 class _StepPlan:
