@@ -7,7 +7,6 @@ AsyncLLM drive it unchanged."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +15,6 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import CoreInfo, CoreRequest, CoreStats, StepOutput
 from pagedserve.engine.core_client import EngineDeadError, MPClient
-
-logger = logging.getLogger(__name__)
 
 
 def core_configs(config: EngineConfig) -> list[EngineConfig]:
@@ -156,8 +153,7 @@ class DPClient:
 
 def merge_stats(stats: list[CoreStats]) -> CoreStats:
     """The cores' counters as one engine's: sums, the mean cache usage, all free when all are."""
-    fields = [f for f in CoreStats.__struct_fields__]
-    merged = {f: sum(getattr(s, f) for s in stats) for f in fields}
+    merged = {f: sum(getattr(s, f) for s in stats) for f in CoreStats.__struct_fields__}
     merged["kv_cache_usage"] = sum(s.kv_cache_usage for s in stats) / len(stats)
     merged["all_free"] = all(s.all_free for s in stats)
     return CoreStats(**merged)

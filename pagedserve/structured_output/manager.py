@@ -173,8 +173,8 @@ class StructuredOutputManager:
         self._bitmasks.reverse()
         bitmask = self._bitmasks[0][:num_rows]
         self._backend.fill([g.matcher for g in grammars], bitmask, rows)
-        if self.device.type != "cpu":
-            bitmask = bitmask.to(self.device, non_blocking=bitmask.is_pinned())
+        if self.device.type == "cuda":  # pinned above: the copy need not wait
+            bitmask = bitmask.to(self.device, non_blocking=True)
         self.fill_seconds += time.perf_counter() - t0
         self.num_fills += 1
         return bitmask
