@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import multiprocessing
 import os
 import signal
 import time
@@ -22,6 +21,7 @@ from pagedserve.engine.core_client import EngineStartupError
 from pagedserve.engine.core_process import decoder, encoder
 from pagedserve.engine.llm_engine import LLMEngine
 from tests.utils.paged import tiny_chat_model
+from tests.utils.server import engine_core_pids
 
 PROMPTS = ["The capital of France is", "Hello, my name is", "def fibonacci(n):",
            "Water boils at", "The quick brown fox"]
@@ -72,17 +72,13 @@ def stops(engines) -> tuple[str, str]:
     return picked[0], picked[1]
 
 
-def _cores() -> set[int]:
-    return {p.pid for p in multiprocessing.active_children()
-            if p.name == "pagedserve-engine-core"}
-
 
 def _no_core_left(before: set[int], timeout: float = 15.0) -> bool:
     """No core process started since `before` (the module's shared core lives on) is alive,
     nor a zombie of one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _cores() - before:
+        if not engine_core_pids() - before:
             return True
         time.sleep(0.1)
     return False
@@ -184,7 +180,7 @@ def test_async_llm_disconnect_frees_the_cores_blocks(tiny_dir):
     """A stream dropped mid-generation (a client disconnect) aborts in the core: its stats
     utility then reports every block free."""
 
-    before = _cores()
+    before = engine_core_pids()
 
     async def run() -> None:
         llm = AsyncLLM(LLMEngine.from_kwargs(model=tiny_dir, dtype="float32",
@@ -214,7 +210,7 @@ def test_async_llm_disconnect_frees_the_cores_blocks(tiny_dir):
 
 
 def test_killed_core_fails_pending_requests(tiny_dir):
-    before = _cores()
+    before = engine_core_pids()
     llm = LLM(model=tiny_dir, dtype="float32", kv_cache_memory="16MiB",
               engine_core_process=True)
     engine = llm.engine
@@ -238,7 +234,7 @@ def test_killed_core_fails_pending_requests(tiny_dir):
 def test_startup_error_comes_back_as_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("base: no-such-base-model\n")
-    before = _cores()
+    before = engine_core_pids()
     start = time.monotonic()
     with pytest.raises((ValueError, EngineStartupError),
                        match="engine core failed to start") as info:
@@ -267,7 +263,7 @@ def test_serve_reports_a_core_startup_error_in_one_line(tmp_path):
 
 
 def test_deleted_llm_leaves_no_process(tiny_dir):
-    before = _cores()
+    before = engine_core_pids()
     llm = LLM(model=tiny_dir, dtype="float32", kv_cache_memory="16MiB",
               engine_core_process=True)
     proc = llm.engine.client.proc

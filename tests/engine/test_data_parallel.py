@@ -4,7 +4,6 @@ as one engine when a core dies, and leave no process behind."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
@@ -16,6 +15,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import EngineDeadError
 from pagedserve.engine.dp_client import DPClient, core_configs
 from tests.utils.paged import tiny_chat_model
+from tests.utils.server import engine_core_pids
 
 PROMPTS = ["The capital of France is", "Hello, my name is", "def fibonacci(n):",
            "Water boils at", "The quick brown fox", "Once upon a time"]
@@ -30,10 +30,6 @@ def engines(tmp_path_factory):
     yield here, dp
     dp.engine.shutdown()
 
-
-def _cores() -> set[int]:
-    return {p.pid for p in multiprocessing.active_children()
-            if p.name == "pagedserve-engine-core"}
 
 
 def test_outputs_match_one_core_and_both_cores_work(engines):
@@ -73,10 +69,10 @@ def test_abort_frees_blocks_on_the_owning_core(engines):
 
 
 def test_a_killed_core_fails_the_engine_and_no_process_is_left(tmp_path):
-    before = _cores()
+    before = engine_core_pids()
     llm = LLM(model=str(tiny_chat_model(tmp_path)), dtype="float32", kv_cache_memory="16MiB",
               data_parallel_size=2)
-    started = _cores() - before
+    started = engine_core_pids() - before
     assert len(started) == 2
     engine = llm.engine
     engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True))
@@ -87,9 +83,9 @@ def test_a_killed_core_fails_the_engine_and_no_process_is_left(tmp_path):
             engine.step()
     engine.shutdown()
     deadline = time.monotonic() + 15
-    while _cores() & started and time.monotonic() < deadline:
+    while engine_core_pids() & started and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _cores() & started
+    assert not engine_core_pids() & started
 
 
 def test_settings_are_checked():

@@ -1,8 +1,10 @@
 """Run `pagedserve serve` in a subprocess on a free loopback port (or the app in a thread of
-this process, for tests that must hold the engine), and read its /metrics."""
+this process, for tests that must hold the engine), read its /metrics, and list the engine core
+processes this process started."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -15,6 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+
+def engine_core_pids() -> set[int]:
+    """The engine core processes (children of this process) alive now."""
+    return {p.pid for p in multiprocessing.active_children()
+            if p.name == "pagedserve-engine-core"}
 
 
 def free_port() -> int:
