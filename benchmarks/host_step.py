@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -131,26 +132,29 @@ def make_llm(args, model: str, core_process: bool) -> LLM:
                engine_core_process=core_process)
 
 
-def gpu_ms_per_step(llm: LLM, prompts: list, params: SamplingParams, steps: int) -> float:
-    """The device's kernel time per step over the same generation (graph replays included):
-    with the wall time per step it says how busy the GPU was."""
+def profiled_generation(llm: LLM, prompts: list, params: SamplingParams, cpu: bool) -> Any:
+    """torch.profiler's per-name averages over one more run of the same generation (the
+    device's kernels; with `cpu`, the host's torch calls too)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])
+    with profile(activities=activities) as prof:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
-    total_us = sum(e.device_time_total for e in prof.key_averages())
-    return total_us / steps / 1e3
+    return prof.key_averages()
+
+
+def gpu_ms_per_step(llm: LLM, prompts: list, params: SamplingParams, steps: int) -> float:
+    """The device's kernel time per step (graph replays included): with the wall time per
+    step it says how busy the GPU was."""
+    events = profiled_generation(llm, prompts, params, cpu=False)
+    return sum(e.device_time_total for e in events) / steps / 1e3
 
 
 def torch_profile(llm: LLM, prompts: list, params: SamplingParams, rows: int) -> None:
     """Which torch calls cost the host its time (self CPU time, and per call with children)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-    table = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:rows]
+    events = profiled_generation(llm, prompts, params, cpu=True)
+    table = sorted(events, key=lambda e: -e.self_cpu_time_total)[:rows]
     print(f"  {'torch call':44s} {'calls':>6s} {'self CPU us':>12s} {'CPU us/call':>12s}")
     for e in table:
         print(f"  {e.key[:44]:44s} {e.count:6d} {e.self_cpu_time_total:12.0f} "
@@ -175,8 +179,8 @@ def main() -> None:
     parser.add_argument("--gpu-time", action="store_true",
                         help="CUDA: the kernels' time per step (torch.profiler, a second run)")
     parser.add_argument("--torch-profile", type=int, default=0, metavar="N",
-                        help="CUDA: the N torch ops of most host time and the N kernels of "
-                             "most device time (torch.profiler, a third run)")
+                        help="CUDA: the N torch calls of most host time (torch.profiler, "
+                             "a third run)")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(1)
