@@ -459,6 +459,7 @@ class EngineCore:
         """Stop the model's other ranks, if any (idempotent)."""
         if self._grammar_pool is not None:
             self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self.structured_output.shutdown()
         self.runner.shutdown()
 
     def check_health(self) -> None:

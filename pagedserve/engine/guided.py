@@ -4,14 +4,17 @@ matchers by a step's samples ahead of the scheduler.
 With async scheduling step N+1 is launched before step N is collected. A guided row's mask for
 N+1 needs its matcher to have accepted N's sample, so the runner queues N+1's forward first,
 then waits for N's samples (the device stays busy with N+1's forward), advances the matchers
-by them (`advance_by_step`), fills the bitmask and queues the sampling behind the forward. The
-scheduler's own accept of the same tokens is then a no-op (`RequestGrammar.accept` by
-position).
+by them (`advance_by_step`) and starts the mask's fill on the structured-output manager's fill
+thread (`start_mask`). N+1's sampling is queued by the next launch (or by N+1's collect): the
+host's work in between (collecting N, the scheduler's update and next schedule, the next
+step's inputs) overlaps the fill, which xgrammar runs without the GIL. The scheduler's own
+accept of the same tokens is then a no-op (`RequestGrammar.accept` by position).
 
-The fill runs on the engine's thread. A worker thread, overlapping the host's next step, was
-tried (2026-12-02): xgrammar's fill holds the GIL, so it waited on the engine's Python work. On
-one H200, alternating the two at batch 64, the fill took 0.21 ms a step here and 0.47-0.71 ms
-in the thread, and guided decoding ran at ~25,000 tok/s here against 20,200-24,000 there.
+History: the fill ran on the engine's thread between the forward and the sampler until
+2026-12-02 (0.21-0.41 ms a step on the H200 at batch 64, on the host's critical path). A worker
+thread tried earlier had waited for the GIL to start: the engine thread's Python between the
+fill's submission and its use never released it, so `start_fill` now waits until the fill is
+under way.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedserve.scheduler import SchedulerOutput
+from pagedserve.structured_output.manager import BitmaskFill, StructuredOutputManager
 
 
 def advance_by_step(batch: SchedulerOutput, sampled: np.ndarray) -> set[str]:
@@ -52,3 +56,16 @@ def rows_to_mask(batch: SchedulerOutput, advanced: set[str]) -> tuple[list[int],
         rows.append(i)
         grammars.append(grammar)
     return rows, grammars
+
+
+def start_mask(manager: StructuredOutputManager, batch: SchedulerOutput, advanced: set[str]
+               ) -> BitmaskFill | None:
+    """Start filling the bitmask of `batch`'s guided rows (None when it has none). A mask of
+    every row is applied without an index."""
+    rows, grammars = rows_to_mask(batch, advanced)
+    if not rows:
+        return None
+    fill = manager.start_fill(grammars, rows, batch.num_reqs)
+    if len(rows) == batch.num_reqs:
+        fill.rows = None
+    return fill

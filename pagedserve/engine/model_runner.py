@@ -366,10 +366,12 @@ class ModelRunner:
         collects step N: N's samples, N+1's input ids, go from N's output into N+1's inputs
         on the device, so the host never waits for N here."""
         prev = self._in_flight
-        if prev is not None and prev.sampled is not None:
-            prev = None  # its samples are in the token table already
         rows = self.input_batch.update(batch)
         meta = self._sampling_metadata(batch) if self.tp_rank == 0 else None
+        if prev is not None and prev.sampling is not None:
+            self._sample(prev)  # a guided step, whose mask has been filling since its launch
+        if prev is not None and prev.sampled is not None:
+            prev = None  # its samples are in the token table already
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
         if self._common.max_query_len == 1:  # decodes only: every token is its request's last
@@ -377,44 +379,59 @@ class ModelRunner:
         else:  # each request's last new token, from the step's cu_seqlens on the device
             last = self._common.query_start_loc[1:].long() - 1
             logits = self.model.compute_logits(hidden[last])
+        fill = None
         if self._guided:  # host work while the device runs the forward and the projection
             ahead: set[str] = set()
             if prev is not None:  # uncollected: its samples are waited for here
                 self._record_samples(prev)
                 ahead = guided.advance_by_step(prev.batch, prev.sampled)
-            mask_rows, grammars = guided.rows_to_mask(batch, ahead)
-            if mask_rows:
-                meta.token_bitmask = self.structured_output.fill_bitmask(grammars, mask_rows,
-                                                                         batch.num_reqs)
-                meta.bitmask_rows = mask_rows
+            fill = guided.start_mask(self.structured_output, batch, ahead)
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
                                   self._ran_graph))
-        if meta is not None:
-            out = self.sampler(logits, meta)
-        else:  # a rank > 0: rank 0's samples arrive below
-            out = SamplerOutput(torch.empty(batch.num_reqs, dtype=torch.int64,
-                                            device=self.device))
-        if self.tp_size > 1:
-            broadcast_(out.sampled_token_ids, src=0)
-        host_copy, logprobs = self._samples_to_host.start(out)
-        if self.step_events is not None:
-            self.step_events[-1][1].record()
-        pending = PendingStep(batch, rows, out, host_copy,
-                              self.input_batch.generation[rows], logprobs)
+        pending = PendingStep(batch, rows, self.input_batch.generation[rows],
+                              sampling=(logits, meta, fill))
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
                      if r.request_id in self._wants_logits]
             pending.forced, pending.forced_tokens = scoring.forced_logprobs(batch, index, logits)
             pending.prompt_logprobs, pending.score_logprobs = scoring.prompt_position_logprobs(
                 batch, index, hidden, self.model.compute_logits, self.device)
+        # A step with a mask to fill is sampled by the next launch (or collect): the host's
+        # work in between overlaps the fill. Ranks sample in step, for their broadcast.
+        if fill is None or self.tp_size > 1:
+            self._sample(pending)
         self._in_flight = pending
         return pending
+
+    def _sample(self, pending: PendingStep) -> None:
+        """Queue a launched step's sampling, under its grammars' mask if it has one, and the
+        samples' copy to the host."""
+        assert pending.sampling is not None
+        logits, meta, fill = pending.sampling
+        pending.sampling = None
+        if meta is not None:
+            if fill is not None:
+                meta.token_bitmask = self.structured_output.finish_fill(fill)
+                meta.bitmask_rows = fill.rows
+            out = self.sampler(logits, meta)
+            meta.token_bitmask = meta.bitmask_rows = None  # the metadata may serve a next step
+        else:  # a rank > 0: rank 0's samples arrive below
+            out = SamplerOutput(torch.empty(pending.batch.num_reqs, dtype=torch.int64,
+                                            device=self.device))
+        if self.tp_size > 1:
+            broadcast_(out.sampled_token_ids, src=0)
+        pending.out = out
+        pending.host_copy, pending.logprobs = self._samples_to_host.start(out)
+        if self.step_events is not None:
+            self.step_events[-1][1].record()
 
     @torch.inference_mode()
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """The samples (and logprobs) of a launched step, waiting for them if need be."""
+        if pending.sampling is not None:
+            self._sample(pending)
         self._record_samples(pending)
         if self._in_flight is pending:
             self._in_flight = None
@@ -426,6 +443,7 @@ class ModelRunner:
         write each sampling request's new token into its row of the token table."""
         if pending.sampled is not None:
             return
+        assert pending.host_copy is not None, "sampled before its samples are recorded"
         host, event = pending.host_copy
         if event is not None:
             t0 = time.perf_counter()
@@ -444,9 +462,7 @@ class ModelRunner:
         if last is not None and last[0] == requests:
             # The same requests in the same order, none of whose sampling depends on its
             # tokens so far (most decode steps): the last step's tensors hold this step's too.
-            meta = last[1]
-            meta.token_bitmask = meta.bitmask_rows = None
-            return meta
+            return last[1]
         generators = {i: self.generators[r.request_id] for i, r in enumerate(requests)
                       if r.request_id in self.generators} if self.generators else {}
         params = [r.sampling_params for r in requests]

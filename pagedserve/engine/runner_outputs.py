@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedserve.engine.sampler import LogprobsTensors, SamplerOutput
+from pagedserve.engine.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from pagedserve.scheduler import SchedulerOutput
+from pagedserve.structured_output.manager import BitmaskFill
 
 
 @dataclass
@@ -32,12 +33,15 @@ class PendingStep:
 
     batch: SchedulerOutput
     rows: np.ndarray
-    out: SamplerOutput
-    host_copy: tuple[np.ndarray, torch.cuda.Event | None]  # (host view, copy done event)
     # Each row's owner at launch (InputBatch.generation): a row freed and handed to a new request
     # before this step's samples are recorded must not take them.
     generations: np.ndarray
-    logprobs: LogprobsTensors | None  # on the host once host_copy's event has fired
+    # Until its sampling is queued: (logits, sampling metadata, the grammars' bitmask being
+    # filled or None). A guided step's sampling is queued by the runner's next launch.
+    sampling: tuple[torch.Tensor, SamplingMetadata | None, BitmaskFill | None] | None = None
+    out: SamplerOutput | None = None
+    host_copy: tuple[np.ndarray, torch.cuda.Event | None] | None = None  # (ids, copied event)
+    logprobs: LogprobsTensors | None = None  # on the host once host_copy's event has fired
     forced: dict[str, torch.Tensor] = field(default_factory=dict)
     forced_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)

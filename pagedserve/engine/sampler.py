@@ -48,7 +48,7 @@ class SamplingMetadata:
     # (rows, token ids, biases) of every row's logit_bias entries; None unless a row has one.
     logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
     # Guided decoding: [B, ceil(V / 32)] int32 allowed-token bits, applied to `bitmask_rows`
-    # only (the runner fills it once the step's forward is queued).
+    # only (None: every row); the runner sets both for the sampling of a step with a mask.
     token_bitmask: Tensor | None = None
     bitmask_rows: list[int] | None = None
 

@@ -1,12 +1,13 @@
 """The engine's side of guided decoding: grammars compiled against the model's vocabulary
 (cached by spec), a matcher per sequence, and each step's token bitmask.
 
-Flow of one step (docs/structured_outputs.md): the runner queues the forward, then fills the
-bitmask rows of the sequences that have a grammar and sample in this step (the backend's batch
-fill, in its own threads, while the device computes), copies it to the device, and the
-sampler applies it to the logits. Backends: `xgrammar` (xgrammar_backend.py, the default) and
-`guidance` (guidance.py, llguidance). The scheduler hands each sampled token to its sequence's
-matcher; a matcher that reaches its end finishes the sequence.
+Flow of one step (docs/structured_outputs.md): the runner queues the forward, then starts the
+fill of the bitmask rows of the sequences that have a grammar and sample in this step on the
+manager's fill thread (`start_fill`), and goes on with the host's work; when the step's sampling
+is due it takes the mask (`finish_fill`), copies it to the device, and the sampler applies it
+to the logits. Backends: `xgrammar` (xgrammar_backend.py, the default) and `guidance`
+(guidance.py, llguidance). The scheduler hands each sampled token to its sequence's matcher; a
+matcher that reaches its end finishes the sequence.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,6 +85,15 @@ class RequestGrammar:
             self.is_terminated = bool(self.matcher.is_terminated())
 
 
+@dataclass
+class BitmaskFill:
+    """A step's bitmask being filled on the fill thread: its rows (None: all) and the host
+    buffer to be."""
+
+    rows: list[int] | None
+    future: Future[torch.Tensor]
+
+
 class StructuredOutputManager:
     """Compiles grammars for one tokenizer and vocabulary (the model's logits width) and fills
     the token bitmask of a step. Thread-safe for `compile`: the server compiles in worker
@@ -101,8 +113,13 @@ class StructuredOutputManager:
         self._bitmasks: list[torch.Tensor] = []
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
-        # Bitmask work of the steps so far (benchmarks read these).
+        # One thread fills the masks: xgrammar and llguidance fill without the GIL, so the
+        # engine's thread goes on with the step's other host work meanwhile.
+        self._fill_thread: ThreadPoolExecutor | None = None
+        # Bitmask work of the steps so far (benchmarks read these): the fills themselves, and
+        # the engine thread's wait for them and the masks' copies.
         self.fill_seconds = 0.0
+        self.wait_seconds = 0.0
         self.num_fills = 0
 
     def _ensure_backend(self) -> Any:
@@ -163,26 +180,58 @@ class StructuredOutputManager:
         """The [num_rows, ceil(V / 32)] int32 bitmask on the device, rows `rows` filled from
         `grammars` (bit set: token allowed); the other rows are left as they are and must not be
         applied."""
-        t0 = time.perf_counter()
+        return self.finish_fill(self.start_fill(grammars, rows, num_rows))
+
+    def start_fill(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int
+                   ) -> BitmaskFill:
+        """Start filling `fill_bitmask`'s mask on the fill thread and return once it is under
+        way. The grammars' matchers must not change until `finish_fill`."""
         if not self._bitmasks:
             pin = self.device.type == "cuda"
             self._bitmasks = [torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,
                                          dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
         # A buffer is filled again two steps later, when its step's samples (queued behind
         # its copy) have been waited for: the copy has read it by then.
         self._bitmasks.reverse()
         bitmask = self._bitmasks[0][:num_rows]
-        self._backend.fill([g.matcher for g in grammars], bitmask, rows)
-        if self.device.type == "cuda":  # pinned above: the copy need not wait
-            bitmask = bitmask.to(self.device, non_blocking=True)
+        started = threading.Event()
+        assert self._fill_thread is not None
+        future = self._fill_thread.submit(self._fill, [g.matcher for g in grammars], bitmask,
+                                          rows, started)
+        # The fill thread needs the GIL to start (and to end). Wait here, without it, until
+        # the fill is under way: this thread's Python work from here to `finish_fill` may
+        # never let go of the GIL, and the fill would only start there.
+        started.wait()
+        return BitmaskFill(rows, future)
+
+    def _fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int],
+              started: threading.Event) -> torch.Tensor:
+        started.set()
+        t0 = time.perf_counter()
+        self._backend.fill(matchers, bitmask, rows)
         self.fill_seconds += time.perf_counter() - t0
         self.num_fills += 1
         return bitmask
 
+    def finish_fill(self, fill: BitmaskFill) -> torch.Tensor:
+        """The started fill's mask on the device (waiting for the fill if need be)."""
+        t0 = time.perf_counter()
+        bitmask = fill.future.result()
+        if self.device.type == "cuda":  # pinned: the copy need not wait
+            bitmask = bitmask.to(self.device, non_blocking=True)
+        self.wait_seconds += time.perf_counter() - t0
+        return bitmask
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    def shutdown(self) -> None:
+        if self._fill_thread is not None:
+            self._fill_thread.shutdown(wait=True)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None
+                        ) -> None:
     """-inf, in place, on the logits of the tokens a row's bitmask forbids, for `rows` only
-    (xgrammar's kernel: C++ on the CPU, Triton or CUDA on a GPU)."""
+    (None: every row; xgrammar's kernel: C++ on the CPU, Triton on a GPU)."""
     import xgrammar as xgr
 
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
