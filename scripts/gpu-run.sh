@@ -16,7 +16,7 @@
 # hybrid (the hybrid models on CUDA, Qwen3-Next decode), tqbound (TURBOQUANT where the bf16 cache
 # binds, 400 x 7,680/256), coreproc (bench throughput of the bundled model's shape on this tree and .gpu-old/tree
 # alternating, the host phases and kernel time per step),
-# kvgroups (KV-cache groups' and the families' GPU tests), tqgraphs (TURBOQUANT's graphs: tests, 8B decode-heavy beside bf16), tp (tensor parallelism on 2+ GPUs: parity, 8B and 70B throughput, Ray), structured (guided decoding's cost), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
+# kvgroups (KV-cache groups' and the families' GPU tests), tqgraphs (TURBOQUANT's graphs: tests, 8B decode-heavy beside bf16), tp (tensor parallelism on 2+ GPUs: parity, 8B and 70B throughput, Ray), structured (guided decoding's cost), structcmp (guided decoding's cost on this tree and .gpu-old/tree, alternating), flexbench (the bundled GGUF's bench throughput on FLEX_ATTENTION
 # beside TRITON and FLASHINFER), tqcuda (the CUDA TurboQuant decode kernel: tests, benchmark),
 # linear (the 8B projections' GEMMs by token count), tunableop (8B decode steps without and with
 # PYTORCH_TUNABLEOP_ENABLED), tune (Triton launch-shape sweep, K/V write paths), fa4 (FA4
@@ -191,8 +191,10 @@ stage_bench() {
 
 stage_quick() {  # the GPU tests of code changed since the last full run, in parallel
     setup_env
-    shard triton-d128 tests/attention/test_triton_ops.py -k "d128 or split_kv"
-    shard models $MODEL_TESTS
+    shard conformance tests/attention/test_conformance.py -m "not slow" -k "TRITON and d128"
+    shard graphs tests/engine/test_cuda_graphs.py
+    shard structured tests/structured_output
+    shard coreproc tests/engine/test_core_process.py tests/engine/test_data_parallel.py
     wait
 }
 
@@ -485,6 +487,31 @@ stage_structured() {  # guided decoding's cost on the bundled model (needs the G
         --model "$PAGEDSERVE_TEST_GGUF" ${STRUCT_ARGS:---output-len 128 --no-seed} \
         >"$OUT/structured-bench.log" 2>&1; echo "exit $?" >>"$OUT/structured-bench.log"
     tail -12 "$OUT/structured-bench.log"
+}
+
+stage_structcmp() {  # issue #29: guided decoding's cost on this tree and on .gpu-old/tree,
+    # alternating (the host's speed drifts within a call), in one process; then this tree with
+    # the engine core in its own process. The model: `random:smollm2-135m` with the bundled
+    # tokenizer carried as .gpu-tok (save_pretrained).
+    setup_env
+    local model=(--model random:smollm2-135m --tokenizer "$PWD/.gpu-tok")
+    local round tree tag
+    for round in 1 2; do
+        for tree in .gpu-old/tree .; do
+            tag=new; [ "$tree" = . ] || tag=old
+            [ -d "$tree" ] || continue
+            (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+                PAGEDSERVE_ATTENTION_BACKEND=TRITON timeout 200 python3 \
+                benchmarks/structured_output.py --device cuda "${model[@]}" --output-len 128 \
+                --no-seed --repeats 3 >"$OUT/structcmp-$tag-$round.log" 2>&1
+             echo "exit $?" >>"$OUT/structcmp-$tag-$round.log")
+            echo "$tag $round: $(grep -h -E 'guided /|fill' "$OUT/structcmp-$tag-$round.log" | tr '\n' ' ')"
+        done
+    done
+    PAGEDSERVE_ATTENTION_BACKEND=TRITON timeout 200 python3 benchmarks/structured_output.py \
+        --device cuda "${model[@]}" --output-len 128 --no-seed --repeats 3 --engine-core-process \
+        >"$OUT/structcmp-coreproc.log" 2>&1; echo "exit $?" >>"$OUT/structcmp-coreproc.log"
+    echo "new, core process: $(grep -h -E '^(un)?guided|guided /' "$OUT/structcmp-coreproc.log" | tr '\n' ' ')"
 }
 
 stage_families() {  # the model families' GPU greedy test (float32 TRITON against transformers)

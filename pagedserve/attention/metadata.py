@@ -92,6 +92,14 @@ HOST_MIRRORS = ("query_start_loc", "seq_lens", "context_lens", "paged_kv_indptr"
 # The buffers that follow a KV cache group's block table; the rest are one per step.
 TABLE_BUFFERS = ("block_table", "slot_mapping", "paged_kv_indptr", "paged_kv_indices",
                  "paged_kv_last_page_len")
+# On CUDA the buffers live in one pinned host block and one device block of the same layout,
+# in these regions, and a step's entries go over in one copy per region, gaps included (tens
+# of KiB), rather than one per buffer: each copy costs ~25 us of host time, and they were half
+# the metadata's host time on the H200. The table buffers of a region sit together at its end,
+# so another KV cache group's builder copies little besides them.
+REGIONS = (("query_start_loc", "seq_lens", "context_lens", "positions", "paged_kv_indptr",
+            "paged_kv_last_page_len", "slot_mapping"), ("block_table",), ("paged_kv_indices",))
+ALIGN = 256  # bytes, each buffer's start in the blocks
 
 
 def _lengths(num_reqs: int, num_tokens: int, num_pages: int) -> dict[str, int]:
@@ -106,21 +114,36 @@ class CommonMetadataBuilder:
         self.block_size = block_size
         self.device = device
         self.max_blocks_per_seq = max_blocks_per_seq
-        pin = device.type == "cuda"
         capacity = _lengths(max_num_reqs, max_num_tokens, max_num_reqs * max_blocks_per_seq)
-        self.host: dict[str, torch.Tensor] = {}
-        for name, buf in BUFFERS.items():
-            shape = (capacity[buf.length],)
-            if name == "block_table":
-                shape += (max_blocks_per_seq,)
-            self.host[name] = torch.zeros(shape, dtype=buf.dtype, pin_memory=pin)
+        # name -> (byte offset in the blocks, bytes per entry: a block table entry is a row)
+        self._layout: dict[str, tuple[int, int]] = {}
+        size = 0
+        for name in (name for region in REGIONS for name in region):
+            entry = BUFFERS[name].dtype.itemsize * (max_blocks_per_seq
+                                                     if name == "block_table" else 1)
+            size = -(-size // ALIGN) * ALIGN
+            self._layout[name] = (size, entry)
+            size += capacity[BUFFERS[name].length] * entry
+        self._host_block = torch.zeros(size, dtype=torch.uint8,
+                                       pin_memory=device.type == "cuda")
+        self.host = self._carve(self._host_block, capacity)
         self.np = {name: t.numpy() for name, t in self.host.items()}
         if device.type == "cpu":
-            self.dev = self.host
+            self._dev_block, self.dev = self._host_block, self.host
         else:
-            self.dev = {name: torch.zeros(t.shape, dtype=t.dtype, device=device)
-                        for name, t in self.host.items()}
+            self._dev_block = torch.zeros(size, dtype=torch.uint8, device=device)
+            self.dev = self._carve(self._dev_block, capacity)
         self._arange = np.arange(max(capacity.values()) + 1, dtype=np.int64)
+
+    def _carve(self, block: torch.Tensor, capacity: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Every buffer, at its largest, as a typed view of `block`."""
+        views = {}
+        for name, buf in BUFFERS.items():
+            offset, entry = self._layout[name]
+            rows = capacity[buf.length]
+            view = block[offset:offset + rows * entry].view(buf.dtype)
+            views[name] = view.view(rows, -1) if name == "block_table" else view
+        return views
 
     def build(self, rows: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray,
               num_prefills: int, block_table: np.ndarray,
@@ -241,15 +264,24 @@ class CommonMetadataBuilder:
     def _copy_to_device(self, start: dict[str, int] | None, end: dict[str, int],
                         names: tuple[str, ...] | None = None) -> None:
         """Copy entries [start, end) of the buffers `names` (all by default; lengths by kind;
-        None: from 0)."""
+        None: from 0), one copy per region."""
         if self.dev is self.host:
             return
-        for name in BUFFERS if names is None else names:
-            buf = BUFFERS[name]
-            lo = 0 if start is None else start[buf.length]
-            hi = end[buf.length]
-            if hi > lo:
-                self.dev[name][lo:hi].copy_(self.host[name][lo:hi], non_blocking=True)
+        for region in REGIONS:
+            lo_byte, hi_byte = None, 0
+            for name in region:
+                if names is not None and name not in names:
+                    continue
+                length = BUFFERS[name].length
+                lo = 0 if start is None else start[length]
+                hi = end[length]
+                if hi > lo:
+                    offset, entry = self._layout[name]
+                    lo_byte = offset + lo * entry if lo_byte is None else lo_byte
+                    hi_byte = offset + hi * entry
+            if lo_byte is not None:
+                self._dev_block[lo_byte:hi_byte].copy_(self._host_block[lo_byte:hi_byte],
+                                                       non_blocking=True)
 
     def _views(self, lengths: dict[str, int], names: tuple[str, ...] | None = None
                ) -> dict[str, torch.Tensor | np.ndarray]:

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from pagedserve.attention.metadata import CommonMetadataBuilder
+from pagedserve.attention.metadata import BUFFERS, CommonMetadataBuilder
 from pagedserve.engine.input_batch import BlockTable
 
 
@@ -83,3 +83,35 @@ def test_larger_then_smaller_batch_reuses_buffers():
                md.query_start_loc.data_ptr(), md.block_table.data_ptr())
         assert pointers is None or now == pointers  # views of the same persistent buffers
         pointers = now
+
+
+def _as_if_on_a_device(builder: CommonMetadataBuilder) -> None:
+    """Give a CPU builder a separate 'device' block, so its region copies run as on CUDA."""
+    capacity = {name: view.shape[0] for name, view in builder.host.items()}
+    kinds = {"reqs": capacity["seq_lens"], "reqs+1": capacity["query_start_loc"],
+             "tokens": capacity["positions"], "pages": capacity["paged_kv_indices"]}
+    builder._dev_block = torch.full_like(builder._host_block, 0x7F)  # garbage until copied
+    builder.dev = builder._carve(builder._dev_block, kinds)
+
+
+def test_region_copies_carry_every_used_entry():
+    """On CUDA the buffers go over in one copy per region: after a step (and after padding it
+    for a graph) every entry a step reads is on the device, for every buffer."""
+    table = BlockTable(8, 6)
+    for row, ids in enumerate([[0, 1, 3], [2, 5], [4, 6, 7, 8], [9]]):
+        table.add_row(row, ids)
+    builder = CommonMetadataBuilder(8, 64, 6, 16, torch.device("cpu"))
+    _as_if_on_a_device(builder)
+    for computed, scheduled, prefills, pad in [([0, 20], [30, 5], 1, None),
+                                               ([39, 24, 49], [1, 1, 1], 0, 6),
+                                               ([3], [1], 0, 4)]:
+        md = _build(builder, table, computed, scheduled, prefills)
+        if pad is not None:
+            md = builder.pad_decode(md, pad)
+        lengths = {"reqs": md.num_reqs, "reqs+1": md.num_reqs + 1,
+                   "tokens": md.num_actual_tokens,
+                   "pages": int(md.paged_kv_indptr_cpu[md.num_reqs])}
+        for name, buf in BUFFERS.items():
+            on_device = getattr(md, name)
+            assert on_device.data_ptr() == builder.dev[name].data_ptr(), name
+            assert torch.equal(on_device, builder.host[name][:lengths[buf.length]]), name
