@@ -72,7 +72,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         c = self.config
         b = common.num_reqs
         decode_only = common.max_query_len <= 1
-        tiles = select_tiles(self.device, c.head_size, c.dtype, decode_only)
+        tiles = select_tiles(self.device, c.head_size, c.dtype, decode_only, c.value_head_size)
         block_q, block_m = query_block_shape(self.num_queries_per_kv, tiles, decode_only)
         num_qblocks = self.query_blocks.fill(common, block_q)
 

@@ -69,6 +69,10 @@ PREFILL_TILES_LARGE_HEAD = TileConfig(block_m=64, block_n=64, num_warps=8, num_s
 DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=2, num_stages=4)
 DECODE_TILES_LARGE_HEAD = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
 FP32_TILES = TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
+# Values narrower than keys (d128/dv64) at 6:2 heads: triton 3.6's ptxas dies (SIGSEGV) on the
+# 4-stage prefill tile for sm_90a; 3 stages compile (scripts/kernel_resources.py's way of
+# compiling without a GPU finds it).
+PREFILL_TILES_DIFF_KV = TileConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
 # The interpreter runs programs one after another: few, large programs are fastest.
 INTERPRETER_TILES = TileConfig(block_m=64, block_n=64, num_warps=1, num_stages=1)
 
@@ -83,14 +87,16 @@ def interpreting(device: torch.device) -> bool:
 
 
 def select_tiles(device: torch.device, head_size: int, dtype: torch.dtype,
-                 decode_only: bool) -> TileConfig:
+                 decode_only: bool, head_size_v: int | None = None) -> TileConfig:
     if interpreting(device):
         return INTERPRETER_TILES
     if dtype == torch.float32:
         return FP32_TILES
     if decode_only:
         return DECODE_TILES_LARGE_HEAD if head_size > 128 else DECODE_TILES
-    return PREFILL_TILES_LARGE_HEAD if head_size > 128 else PREFILL_TILES
+    if head_size > 128:
+        return PREFILL_TILES_LARGE_HEAD
+    return PREFILL_TILES if head_size_v in (None, head_size) else PREFILL_TILES_DIFF_KV
 
 
 def query_block_shape(num_queries_per_kv: int, tiles: TileConfig,
