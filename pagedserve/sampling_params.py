@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +24,23 @@ def _bad(name: str, value: Any, rule: str) -> ValueError:
 
 # OpenAI's range for a logit bias.
 MAX_LOGIT_BIAS = 100.0
+
+# Set while the engine core decodes the front's requests: msgspec runs __post_init__ on every
+# dataclass it decodes, and parsing a JSON schema again (jsonschema's check and xgrammar's
+# conversion, ~1.7 ms for a schema of a few objects) held the core's GIL for ~110 ms per 64
+# guided requests, which the front had parsed already.
+_SPEC_PARSED_BY_SENDER: ContextVar[bool] = ContextVar("spec_parsed_by_sender", default=False)
+
+
+@contextmanager
+def specs_parsed_by_sender() -> Iterator[None]:
+    """GuidedDecodingParams made in this context only compute their key: their sender parsed
+    them."""
+    token = _SPEC_PARSED_BY_SENDER.set(True)
+    try:
+        yield
+    finally:
+        _SPEC_PARSED_BY_SENDER.reset(token)
 
 
 @dataclass
@@ -62,7 +82,8 @@ class GuidedDecodingParams:
             raise _bad("guided_decoding.json", value, "a JSON schema (an object or its text)")
         try:
             self._key = grammar_key(kind, getattr(self, kind), self.any_whitespace)
-            parse_grammar(self._key)
+            if not _SPEC_PARSED_BY_SENDER.get():
+                parse_grammar(self._key)
         except ValueError as exc:
             raise ValueError(f"guided_decoding.{kind}: {exc}") from None
 

@@ -35,6 +35,7 @@ import numpy as np
 from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import CoreRequest, CoreStats, EngineCore, StepOutput
+from pagedserve.sampling_params import specs_parsed_by_sender
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +247,8 @@ class CoreLoop:
         try:
             while not self.stop.is_set():
                 if sock.poll(200):
-                    self.inputs.put(dec.decode(sock.recv(copy=False).buffer))
+                    with specs_parsed_by_sender():  # the front parsed them
+                        self.inputs.put(dec.decode(sock.recv(copy=False).buffer))
         except Exception:  # a broken message is a bug of ours: end the core loudly
             logger.exception("engine core input thread failed")
             self.inputs.put(None)
