@@ -123,6 +123,11 @@ def main() -> None:
           f"{args.repeats} repeats, {'unseeded' if args.no_seed else 'seeded'}")
     print(f"unguided: {plain:.1f} tok/s (runs: {', '.join(f'{r:.1f}' for r in rates[False])})")
     print(f"guided:   {guided:.1f} tok/s (runs: {', '.join(f'{r:.1f}' for r in rates[True])})")
+    # Each repeat's guided run against the unguided run just before it: the host's speed
+    # drifts within a process (unguided runs of one process 25-41k tok/s on the H200).
+    pairs = [g / u for g, u in zip(rates[True], rates[False], strict=True)]
+    print(f"guided / unguided, run by run: {', '.join(f'{r:.3f}' for r in pairs)} "
+          f"(median {statistics.median(pairs):.3f})")
     print(f"guided / unguided: {guided / plain:.3f} by wall time, "
           f"{statistics.median(cpu_rates[True]) / statistics.median(cpu_rates[False]):.3f} "
           f"by CPU time")
