@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -33,7 +32,6 @@ BACKENDS = ("xgrammar", "guidance")
 # Compiled grammars kept (a compiled JSON schema over a 50k vocabulary is tens of KiB to a few
 # MiB); the least recently used goes first.
 CACHE_ENTRIES = 512
-FILL_SWITCH_INTERVAL = 50e-6  # seconds: the GIL's, once a fill thread runs (see start_fill)
 
 
 def check_backend(name: str) -> None:
@@ -193,13 +191,6 @@ class StructuredOutputManager:
             self._bitmasks = [torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,
                                          dtype=torch.int32, pin_memory=pin) for _ in range(2)]
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
-            # A fill ends by taking the GIL back, which Python grants a waiting thread only
-            # when the holder blocks or after the switch interval (5 ms by default): the
-            # engine thread would find the fill unfinished at the join and wait two thread
-            # wake-ups there. At 50 us the fill thread preempts it as soon as it is done. On
-            # the H200 (batch 64, guided / unguided): 0.65 -> 0.79 with the core in its own
-            # process, 0.59 -> 0.71 in one (docs/structured_outputs.md).
-            sys.setswitchinterval(min(sys.getswitchinterval(), FILL_SWITCH_INTERVAL))
         # A buffer is filled again two steps later, when its step's samples (queued behind
         # its copy) have been waited for: the copy has read it by then.
         self._bitmasks.reverse()
