@@ -69,6 +69,13 @@ class GraphInputs:
                            for b, t in zip(others, tables[1:], strict=True)]
 
 
+# Batch-size rounding of a dense model, padded against unpadded: the 8B shape's random bf16
+# weights reached 0.0519 relative on the H200 (2026-12-02; the check then failed at 0.05 and the
+# server ran without graphs, its TPOT at 4 req/s 28 ms against 6 ms); a padding that touches
+# the real rows is of order one.
+UNPADDED_RTOL = 0.25
+
+
 def graph_batch_sizes(max_num_seqs: int, max_num_tokens: int,
                       configured: list[int] | None = None) -> list[int]:
     """Sizes to capture, ascending: `configured`, or 1, 2, 4, then every multiple of 8, and the
@@ -199,23 +206,26 @@ class DecodeGraphs:
         return self.inputs.group_commons(common, rows, [table] * groups)
 
     @torch.inference_mode()
-    def check_against_eager(self, rtol: float = 0.05) -> float:
+    def check_against_eager(self, rtol: float = 0.05,
+                            unpadded_rtol: float = UNPADDED_RTOL) -> float:
         """Replay the largest graph on a small real batch (3 requests of different contexts,
         random input ids, the rest padding) and compare it with the same padded step run
         eagerly, kernel for kernel what the graph captured: returns the max abs diff relative to
         the largest eager value, and raises when that exceeds `rtol` (a graph reading stale
         buffers is far above it).
 
-        The real rows are also compared with an eager forward of the 3 requests alone. Kernels
-        that choose their launch shape by batch size (the MoE GEMMs) round differently there,
-        and a random-weight Mixture of Experts turns one flipped expert choice into a different
-        output: for a model that routes experts that difference is reported, not raised,
-        unless it is not finite; for any other model it must stay within `rtol` too (a wrong
-        padding of the metadata shows there)."""
+        The real rows are also compared with an eager forward of the 3 requests alone, within
+        `unpadded_rtol` (a wrong padding of the metadata shows there, as a difference of order
+        one). Kernels that choose their algorithm by batch size (cuBLAS's GEMMs, the MoE GEMMs)
+        round differently there: a random-weight Mixture of Experts turns one flipped expert
+        choice into a different output, so for a model that routes experts that difference is
+        reported, not raised, unless it is not finite."""
         inputs = self.inputs
         b = min(3, max(self.sizes))
         commons = self.dummy_decode(b, [5, 37, 18][:b])
-        ids = torch.randint(0, inputs.vocab_size, (b,), dtype=torch.int64)
+        # Fixed ids: the check's outcome does not change from one start to the next.
+        ids = torch.randint(0, inputs.vocab_size, (b,), dtype=torch.int64,
+                            generator=torch.Generator().manual_seed(0))
         inputs.input_ids.device[:b].copy_(ids)
         eager_md = inputs.group_metadata(commons, lambda builder, common: builder.build(common))
         eager = inputs.run_model(eager_md, b).float()
@@ -235,10 +245,11 @@ class DecodeGraphs:
             raise RuntimeError(f"graph replay differs from the eager forward by {diff:.3g} "
                                "(relative to the largest value)")
         unpadded = _relative_diff(padded_eager, eager)
-        if not math.isfinite(unpadded) or (unpadded > rtol and not inputs.routes_experts):
+        if not math.isfinite(unpadded) or (unpadded > unpadded_rtol
+                                           and not inputs.routes_experts):
             raise RuntimeError(f"the padded decode step's real rows differ from the unpadded "
                                f"forward by {unpadded:.3g} (relative to the largest value)")
-        if unpadded > rtol:
+        if unpadded > unpadded_rtol:
             logger.info("decode graphs: padded rows differ from the unpadded forward by %.3g "
                         "(batch-size-dependent rounding, amplified by expert routing)",
                         unpadded)
