@@ -54,7 +54,7 @@ PHASES = [  # (owner attribute path, method, label, where it runs)
     ("core.scheduler", "schedule", "scheduling", "core"),
     ("core.scheduler", "update_from_output", "update_from_output", "core"),
     ("core", "_record", "compact step outputs", "core"),
-    ("core.runner", "_sampling_metadata", "sampling parameters", "core"),
+    ("core.runner.sampling", "metadata", "sampling parameters", "core"),
     ("core.runner.input_batch", "update", "row bookkeeping", "core"),
     ("core.runner.common_builder", "build", "common attention metadata", "core"),
     ("core.runner", "_record_samples", "samples to the token table", "core"),

@@ -25,16 +25,12 @@ from pagedserve.attention.state import StateLayer, StateMetadataBuilder
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import broadcast_, tp_rank, tp_world_size
 from pagedserve.engine import guided, kv_cache_setup, scoring
+from pagedserve.engine.batch_sampling import BatchSampling
 from pagedserve.engine.cuda_graphs import DecodeGraphs, GraphInputs, setup_decode_graphs
 from pagedserve.engine.input_batch import InputBatch, InputIds
 from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
 from pagedserve.engine.sample_copy import SamplesToHost
-from pagedserve.engine.sampler import (
-    Sampler,
-    SamplerOutput,
-    SamplingMetadata,
-    distinct_params,
-)
+from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
 from pagedserve.kv_cache.specs import StateSpec, bytes_per_slot
 from pagedserve.sampling_params import SamplingParams
@@ -100,9 +96,7 @@ class ModelRunner:
         # may not have been yet).
         self._inputs_copied = torch.cuda.Event() if pin else None
         self.wait_seconds = 0.0  # host time spent waiting for the device's events
-        self.generators: dict[str, torch.Generator] = {}
-        # The last step's requests and sampling metadata, while the next may reuse it.
-        self._last_sampling: tuple[list[Request], SamplingMetadata] | None = None
+        self.sampling = BatchSampling(eos_token_id, vocab_size, self.device)
         # Live requests that need more than the sampled token (teacher forcing, prompt
         # logprobs, scoring by prefill): a step looks for them only while there are any.
         self._wants_logits: set[str] = set()
@@ -280,16 +274,14 @@ class ModelRunner:
     # ---- requests -----------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        seed = request.sampling_params.seed
-        if seed is not None:
-            self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
+        self.sampling.add_request(request)
         if request.needs_logits:
             self._wants_logits.add(request.request_id)
         if request.grammar is not None:
             self._guided.add(request.request_id)
 
     def finish_request(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+        self.sampling.finish_request(request_id)
         self._wants_logits.discard(request_id)
         self._guided.discard(request_id)
 
@@ -367,11 +359,11 @@ class ModelRunner:
         on the device, so the host never waits for N here."""
         prev = self._in_flight
         rows = self.input_batch.update(batch)
-        meta = self._sampling_metadata(batch) if self.tp_rank == 0 else None
-        if prev is not None and prev.sampling is not None:
-            self._sample(prev)  # a guided step, whose mask has been filling since its launch
-        if prev is not None and prev.sampled is not None:
-            prev = None  # its samples are in the token table already
+        meta = self.sampling.metadata(batch.requests) if self.tp_rank == 0 else None
+        if prev is not None:
+            self.queue_sampling(prev)  # a guided step's, whose mask has been filling
+            if prev.sampled is not None:
+                prev = None  # its samples are in the token table already
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
         if self._common.max_query_len == 1:  # decodes only: every token is its request's last
@@ -401,14 +393,15 @@ class ModelRunner:
         # A step with a mask to fill is sampled by the next launch (or collect): the host's
         # work in between overlaps the fill. Ranks sample in step, for their broadcast.
         if fill is None or self.tp_size > 1:
-            self._sample(pending)
+            self.queue_sampling(pending)
         self._in_flight = pending
         return pending
 
-    def _sample(self, pending: PendingStep) -> None:
+    def queue_sampling(self, pending: PendingStep) -> None:
         """Queue a launched step's sampling, under its grammars' mask if it has one, and the
-        samples' copy to the host."""
-        assert pending.sampling is not None
+        samples' copy to the host, unless done already (a guided step's waits for its mask)."""
+        if pending.sampling is None:
+            return
         logits, meta, fill = pending.sampling
         pending.sampling = None
         if meta is not None:
@@ -430,8 +423,7 @@ class ModelRunner:
     @torch.inference_mode()
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """The samples (and logprobs) of a launched step, waiting for them if need be."""
-        if pending.sampling is not None:
-            self._sample(pending)
+        self.queue_sampling(pending)
         self._record_samples(pending)
         if self._in_flight is pending:
             self._in_flight = None
@@ -455,27 +447,6 @@ class ModelRunner:
         self.input_batch.record_samples(pending.batch, pending.rows, pending.generations,
                                         sampled)
         pending.sampled = sampled
-
-    def _sampling_metadata(self, batch: SchedulerOutput) -> SamplingMetadata:
-        requests = batch.requests
-        last = self._last_sampling
-        if last is not None and last[0] == requests:
-            # The same requests in the same order, none of whose sampling depends on its
-            # tokens so far (most decode steps): the last step's tensors hold this step's too.
-            return last[1]
-        generators = {i: self.generators[r.request_id] for i, r in enumerate(requests)
-                      if r.request_id in self.generators} if self.generators else {}
-        params = [r.sampling_params for r in requests]
-        distinct = distinct_params(params)
-        needs_tokens = any(p.needs_host_history for p in distinct[0])
-        prompts = [r.prompt_token_ids for r in requests] if needs_tokens else [[]] * len(params)
-        outputs = [r.output_token_ids for r in requests] if needs_tokens else [[]] * len(params)
-        meta = SamplingMetadata.build(params, prompts, outputs, generators, self.eos_token_id,
-                                      self.vocab_size, self.device, distinct)
-        # min_tokens bans end tokens by output length: such a batch is built every step.
-        reusable = not needs_tokens and not any(p.min_tokens for p in distinct[0])
-        self._last_sampling = (list(requests), meta) if reusable else None
-        return meta
 
     def warmup(self) -> None:
         """Compile/JIT whatever the backend needs before the first request, then capture the

@@ -172,6 +172,7 @@ class RemoteRanksExecutor(Executor):
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         with self._guard():
             self._send(("collect", None))
+            self.runner.queue_sampling(pending)  # a guided step's, if its launch left it
             self._wait_for_device(pending)
             return self.runner.collect(pending)
 
