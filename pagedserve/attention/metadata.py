@@ -93,12 +93,14 @@ HOST_MIRRORS = ("query_start_loc", "seq_lens", "context_lens", "paged_kv_indptr"
 TABLE_BUFFERS = ("block_table", "slot_mapping", "paged_kv_indptr", "paged_kv_indices",
                  "paged_kv_last_page_len")
 # On CUDA the buffers live in one pinned host block and one device block of the same layout,
-# in these regions, and a step's entries go over in one copy per region, gaps included (tens
-# of KiB), rather than one per buffer: each copy costs ~25 us of host time, and they were half
-# the metadata's host time on the H200. The table buffers of a region sit together at its end,
-# so another KV cache group's builder copies little besides them.
+# in these regions, and a step's entries go over in one copy per region, gaps included (the
+# first region's span holds the positions' full capacity: 64 KiB at 8,192 batched tokens),
+# rather than one per buffer: each copy costs ~25 us of host time, and they were half the
+# metadata's host time on the H200. The table buffers of a region sit together at its end, so
+# another KV cache group's builder copies little besides them.
 REGIONS = (("query_start_loc", "seq_lens", "context_lens", "positions", "paged_kv_indptr",
             "paged_kv_last_page_len", "slot_mapping"), ("block_table",), ("paged_kv_indices",))
+assert sorted(n for region in REGIONS for n in region) == sorted(BUFFERS)
 ALIGN = 256  # bytes, each buffer's start in the blocks
 
 

@@ -7,7 +7,9 @@ then waits for N's samples (the device stays busy with N+1's forward), advances 
 by them (`advance_by_step`) and starts the mask's fill on the structured-output manager's fill
 thread (`start_mask`). N+1's sampling is queued by the next launch (or by N+1's collect): the
 host's work in between (collecting N, the scheduler's update and next schedule, the next
-step's inputs) overlaps the fill, which xgrammar runs without the GIL. The scheduler's own
+step's inputs) overlaps the fill, which xgrammar runs without the GIL (tvm-ffi, its binding,
+releases it by default: a Python thread kept spinning at full speed through a stream of fills,
+on the CPU machine). The scheduler's own
 accept of the same tokens is then a no-op (`RequestGrammar.accept` by position).
 
 History: the fill ran on the engine's thread between the forward and the sampler until

@@ -248,7 +248,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         ran = 0
         for num_reqs, num_new, context in self.backend.warmup_steps(self.device):
-            pages = num_reqs * -(-(context + num_new) // self.block_size)
+            pages = num_reqs * -(-(context + num_new) // self.block_size) \
+                if self.attn_layers else 0
             if (num_reqs > self.max_num_reqs or num_reqs * num_new > self.max_num_tokens
                     or context + num_new > self.max_model_len or pages > self.num_blocks
                     or (self.state_layers and self.num_state_slots < 1)):
@@ -356,7 +357,9 @@ class ModelRunner:
         """Queue one step's forward and sampling on the device and return at once; `collect`
         waits for its samples. With async scheduling the engine launches step N+1 before it
         collects step N: N's samples, N+1's input ids, go from N's output into N+1's inputs
-        on the device, so the host never waits for N here."""
+        on the device, so the host never waits for N here (unless N+1 has grammars: their
+        masks need N's samples, engine/guided.py). A step with grammars leaves its sampling
+        to the next launch or its collect (`queue_sampling`)."""
         prev = self._in_flight
         rows = self.input_batch.update(batch)
         meta = self.sampling.metadata(batch.requests) if self.tp_rank == 0 else None
@@ -408,8 +411,10 @@ class ModelRunner:
             if fill is not None:
                 meta.token_bitmask = self.structured_output.finish_fill(fill)
                 meta.bitmask_rows = fill.rows
-            out = self.sampler(logits, meta)
-            meta.token_bitmask = meta.bitmask_rows = None  # the metadata may serve a next step
+            try:
+                out = self.sampler(logits, meta)
+            finally:
+                meta.token_bitmask = meta.bitmask_rows = None  # it may serve a next step
         else:  # a rank > 0: rank 0's samples arrive below
             out = SamplerOutput(torch.empty(pending.batch.num_reqs, dtype=torch.int64,
                                             device=self.device))
@@ -435,7 +440,7 @@ class ModelRunner:
         write each sampling request's new token into its row of the token table."""
         if pending.sampled is not None:
             return
-        assert pending.host_copy is not None, "sampled before its samples are recorded"
+        assert pending.host_copy is not None, "its sampling was never queued"
         host, event = pending.host_copy
         if event is not None:
             t0 = time.perf_counter()

@@ -87,8 +87,8 @@ class RequestGrammar:
 
 @dataclass
 class BitmaskFill:
-    """A step's bitmask being filled on the fill thread: its rows (None: all) and the host
-    buffer to be."""
+    """A step's bitmask being filled on the fill thread: the rows it covers (None: every
+    row) and the future of the filled host buffer."""
 
     rows: list[int] | None
     future: Future[torch.Tensor]
@@ -191,8 +191,9 @@ class StructuredOutputManager:
             self._bitmasks = [torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,
                                          dtype=torch.int32, pin_memory=pin) for _ in range(2)]
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
-        # A buffer is filled again two steps later, when its step's samples (queued behind
-        # its copy) have been waited for: the copy has read it by then.
+        # A buffer is filled again two fills later. By then its step's samples, queued
+        # behind its copy, have been waited for (the runner waits for the last step's samples
+        # before it starts a fill, engine/guided.py): the copy has read it.
         self._bitmasks.reverse()
         bitmask = self._bitmasks[0][:num_rows]
         started = threading.Event()
