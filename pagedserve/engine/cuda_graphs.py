@@ -215,10 +215,10 @@ class DecodeGraphs:
         buffers is far above it).
 
         The real rows are also compared with an eager forward of the 3 requests alone, within
-        `unpadded_rtol` (a wrong padding of the metadata shows there, as a difference of order
-        one). Kernels that choose their algorithm by batch size (cuBLAS's GEMMs, the MoE GEMMs)
-        round differently there: a random-weight Mixture of Experts turns one flipped expert
-        choice into a different output, so for a model that routes experts that difference is
+        `unpadded_rtol` (a wrong padding of the metadata would show there, far above it).
+        Kernels that choose their algorithm by batch size (cuBLAS's GEMMs, the MoE GEMMs) round
+        differently there: a random-weight Mixture of Experts turns one flipped expert choice
+        into a different output, so for a model that routes experts that difference is
         reported, not raised, unless it is not finite."""
         inputs = self.inputs
         b = min(3, max(self.sizes))

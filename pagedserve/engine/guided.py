@@ -8,9 +8,9 @@ by them (`advance_by_step`) and starts the mask's fill on the structured-output 
 thread (`start_mask`). N+1's sampling is queued by the next launch (or by N+1's collect): the
 host's work in between (collecting N, the scheduler's update and next schedule, the next
 step's inputs) overlaps the fill, which xgrammar runs without the GIL (tvm-ffi, its binding,
-releases it by default: a Python thread kept spinning at full speed through a stream of fills,
-on the CPU machine). The scheduler's own
-accept of the same tokens is then a no-op (`RequestGrammar.accept` by position).
+releases it by default: on the CPU machine a Python thread kept spinning at full speed through
+a stream of fills). The scheduler's own accept of the same tokens is then a no-op
+(`RequestGrammar.accept` by position).
 
 History: the fill ran on the engine's thread between the forward and the sampler until
 2026-12-02 (0.21-0.41 ms a step on the H200 at batch 64, on the host's critical path). A worker

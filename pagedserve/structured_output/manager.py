@@ -113,8 +113,8 @@ class StructuredOutputManager:
         self._bitmasks: list[torch.Tensor] = []
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
-        # One thread fills the masks: xgrammar and llguidance fill without the GIL, so the
-        # engine's thread goes on with the step's other host work meanwhile.
+        # One thread fills the masks: xgrammar fills without the GIL (engine/guided.py), so
+        # the engine's thread goes on with the step's other host work meanwhile.
         self._fill_thread: ThreadPoolExecutor | None = None
         # Bitmask work of the steps so far (benchmarks read these): the fills themselves, and
         # the engine thread's wait for them and the masks' copies.
