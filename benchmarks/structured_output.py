@@ -134,8 +134,7 @@ def main() -> None:
     if args.engine_core_process:
         print("bitmask fill per step: in the engine core's process, not timed here")
     else:
-        print(f"bitmask fill per step: {1e3 * fill_s / max(fills, 1):.3f} ms on the fill "
-              "thread; "
+        print(f"bitmask fill per step: {1e3 * fill_s / max(fills, 1):.3f} ms on the fill thread; "
               f"the engine thread's wait for it and its copy: "
               f"{1e3 * wait_s / max(fills, 1):.3f} ms ({int(fills)} steps)")
     vocab = llm.engine.vocab_size
