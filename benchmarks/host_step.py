@@ -13,6 +13,10 @@ core's per-step host time before the split (one process: core + front, serial) a
 runs in the other process). Then, unless --no-end-to-end, the wall time per step of the same
 generation in both modes (random ids, no text substitution in the core process).
 
+`--guided` gives every request the JSON schema of `benchmarks/structured_output.py` (the
+sampled ids are then the grammar's, not English text) and times guided decoding's host phases
+too: the matchers' acceptance, the fill's start and the engine thread's wait for it.
+
 `--device cuda --model PATH` times the engine as it serves on a GPU (the model's own dtype,
 CUDA graphs, async scheduling, real sampled ids): there the forward and the sampler are only
 launched, and "samples to the token table" includes waiting for the device. `--profile N`
@@ -26,6 +30,7 @@ import argparse
 import collections
 import cProfile
 import functools
+import importlib
 import pstats
 import sys
 import tempfile
@@ -61,6 +66,15 @@ PHASES = [  # (owner attribute path, method, label, where it runs)
     ("output_processor", "process", "output processing (detokenize)", "front"),
     ("core.runner", "_forward", "forward (launch)", "core"),
     ("core.runner", "sampler", "logits to samples (launch)", "core"),
+]
+# Guided decoding's (module, function, label): called by the model runner through the module.
+GUIDED_PHASES = [
+    ("pagedserve.engine.guided", "advance_by_step", "guided: matchers accept samples"),
+    ("pagedserve.engine.guided", "start_mask", "guided: rows, fill started"),
+]
+# And the manager's: (owner attribute path, method, label, where it runs), as PHASES.
+GUIDED_MANAGER_PHASES = [
+    ("core.structured_output", "finish_fill", "guided: wait for the fill, copy", "core"),
 ]
 ENCODE = "encode the step message"
 
@@ -178,6 +192,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--gpu-time", action="store_true",
                         help="CUDA: the kernels' time per step (torch.profiler, a second run)")
+    parser.add_argument("--guided", action="store_true",
+                        help="every request under structured_output.py's JSON schema")
     parser.add_argument("--torch-profile", type=int, default=0, metavar="N",
                         help="CUDA: the N torch calls of most host time (torch.profiler, "
                              "a third run)")
@@ -191,21 +207,34 @@ def main() -> None:
         args.no_tokenizer = True  # the model's own
     llm = make_llm(args, model, core_process=False)
     engine = llm.engine
-    if not args.model:
+    if not args.model and not args.guided:
         text_ids = (engine.tokenizer.encode(TEXT) if engine.tokenizer
                     else list(range(100, 2000)))
         engine.runner.sampler = text_sampler(engine.runner.sampler, text_ids)
 
     totals: collections.Counter = collections.Counter()
-    for path, method, label, _ in PHASES:
+    phases = PHASES + (GUIDED_MANAGER_PHASES if args.guided else [])
+    for path, method, label, _ in phases:
         obj = owner(engine, path)
         setattr(obj, method, timed(totals, label, getattr(obj, method)))
+    for module, function, label in GUIDED_PHASES if args.guided else []:
+        obj = importlib.import_module(module)
+        setattr(obj, function, timed(totals, label, getattr(obj, function)))
     engine.core.step = encoded_step(totals, engine.core)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 49000, args.prompt_len).tolist()}
                for _ in range(args.num_requests)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    guided = None
+    if args.guided:
+        from structured_output import SCHEMA  # this directory's guided-decoding benchmark
+
+        from pagedserve.sampling_params import GuidedDecodingParams
+
+        guided = GuidedDecodingParams(json=SCHEMA)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                            guided_decoding=guided)
+    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4,
+                                             guided_decoding=guided), use_tqdm=False)
     totals.clear()
     profile = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
@@ -218,7 +247,8 @@ def main() -> None:
     steps = args.output_len  # one prefill step (it samples the first tokens), then decodes
     print(f"host work per step, {args.num_requests} requests running, {steps} steps "
           f"({'with' if engine.tokenizer else 'without'} detokenization):")
-    where = {label: w for *_, label, w in PHASES} | {ENCODE: "core process"}
+    where = ({label: w for *_, label, w in phases} | {ENCODE: "core process"}
+             | {label: "core" for *_, label in GUIDED_PHASES})
     for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {label:32s} {where[label]:12s} {seconds / steps * 1e3:7.3f} ms")
     core = sum(v for k, v in totals.items() if where[k] == "core")

@@ -512,6 +512,15 @@ stage_structcmp() {  # issue #29: guided decoding's cost on this tree and on .gp
         --device cuda "${model[@]}" --output-len 128 --no-seed --repeats 3 --engine-core-process \
         >"$OUT/structcmp-coreproc.log" 2>&1; echo "exit $?" >>"$OUT/structcmp-coreproc.log"
     echo "new, core process: $(grep -h -E '^(un)?guided|guided /' "$OUT/structcmp-coreproc.log" | tr '\n' ' ')"
+    # The host phases of a guided step beside an unguided one (batch 64, as above).
+    local g
+    for g in "" --guided; do
+        PAGEDSERVE_ATTENTION_BACKEND=TRITON timeout 150 python3 benchmarks/host_step.py \
+            --device cuda "${model[@]}" --num-requests 64 --prompt-len 32 --output-len 128 \
+            --no-end-to-end $g >"$OUT/structcmp-hoststep$g.log" 2>&1
+        echo "exit $?" >>"$OUT/structcmp-hoststep$g.log"
+        grep -v INFO "$OUT/structcmp-hoststep$g.log" | tail -20
+    done
 }
 
 stage_families() {  # the model families' GPU greedy test (float32 TRITON against transformers)
