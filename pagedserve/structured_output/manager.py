@@ -116,6 +116,7 @@ class StructuredOutputManager:
         # One thread fills the masks: xgrammar fills without the GIL (engine/guided.py), so
         # the engine's thread goes on with the step's other host work meanwhile.
         self._fill_thread: ThreadPoolExecutor | None = None
+        self._fill_started = threading.Event()
         # Bitmask work of the steps so far (benchmarks read these): the fills themselves, and
         # the engine thread's wait for them and the masks' copies.
         self.fill_seconds = 0.0
@@ -175,17 +176,12 @@ class StructuredOutputManager:
         return RequestGrammar(self._backend.new_matcher(compiled, stop),
                               ends_on_stop_token=self.backend_name == "xgrammar")
 
-    def fill_bitmask(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int
-                     ) -> torch.Tensor:
-        """The [num_rows, ceil(V / 32)] int32 bitmask on the device, rows `rows` filled from
-        `grammars` (bit set: token allowed); the other rows are left as they are and must not be
-        applied."""
-        return self.finish_fill(self.start_fill(grammars, rows, num_rows))
-
     def start_fill(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int
                    ) -> BitmaskFill:
-        """Start filling `fill_bitmask`'s mask on the fill thread and return once it is under
-        way. The grammars' matchers must not change until `finish_fill`."""
+        """Start filling the [num_rows, ceil(V / 32)] int32 bitmask of `rows` from `grammars`
+        (bit set: token allowed; the other rows are left as they are and must not be applied)
+        on the fill thread, and return once the fill is under way. The grammars' matchers must
+        not change until `finish_fill`."""
         if not self._bitmasks:
             pin = self.device.type == "cuda"
             self._bitmasks = [torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,
@@ -196,19 +192,18 @@ class StructuredOutputManager:
         # before it starts a fill, engine/guided.py): the copy has read it.
         self._bitmasks.reverse()
         bitmask = self._bitmasks[0][:num_rows]
-        started = threading.Event()
+        self._fill_started.clear()  # set by this fill's start (the thread runs one at a time)
         assert self._fill_thread is not None
         future = self._fill_thread.submit(self._fill, [g.matcher for g in grammars], bitmask,
-                                          rows, started)
+                                          rows)
         # The fill thread needs the GIL to start (and to end). Wait here, without it, until
         # the fill is under way: this thread's Python work from here to `finish_fill` may
         # never let go of the GIL, and the fill would only start there.
-        started.wait()
+        self._fill_started.wait()
         return BitmaskFill(rows, future)
 
-    def _fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int],
-              started: threading.Event) -> torch.Tensor:
-        started.set()
+    def _fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        self._fill_started.set()
         t0 = time.perf_counter()
         self._backend.fill(matchers, bitmask, rows)
         self.fill_seconds += time.perf_counter() - t0

@@ -72,7 +72,6 @@ def stops(engines) -> tuple[str, str]:
     return picked[0], picked[1]
 
 
-
 def _no_core_left(before: set[int], timeout: float = 15.0) -> bool:
     """No core process started since `before` (the module's shared core lives on) is alive,
     nor a zombie of one."""

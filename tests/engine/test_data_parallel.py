@@ -31,7 +31,6 @@ def engines(tmp_path_factory):
     dp.engine.shutdown()
 
 
-
 def test_outputs_match_one_core_and_both_cores_work(engines):
     here, dp = engines
     assert isinstance(dp.engine.client, DPClient) and len(dp.engine.client.clients) == 2

@@ -214,8 +214,8 @@ def test_rollback_matches_a_fresh_matcher(llm: LLM) -> None:
     grammar.rollback_to(3)
     fresh = manager.new_grammar(guided, frozenset({2}))
     assert all(fresh.accept(t) for t in tokens[:3])
-    a = manager.fill_bitmask([grammar], [0], 1).clone()
-    b = manager.fill_bitmask([fresh], [0], 1).clone()
+    a = manager.finish_fill(manager.start_fill([grammar], [0], 1)).clone()
+    b = manager.finish_fill(manager.start_fill([fresh], [0], 1)).clone()
     assert torch.equal(a, b) and grammar.num_accepted == 3
 
 
