@@ -53,6 +53,9 @@ class GraphInputs:
     # and the group each backend builder reads; None: one group.
     group_builders: list[CommonMetadataBuilder] | None = None
     builder_group: dict[Any, int] | None = None
+    # The model's head (hidden -> float32 logits): each size also gets a graph of the head and
+    # the argmax for steps sampled greedily; None: none (tensor parallelism gathers there).
+    compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def group_metadata(self, commons: list[CommonAttentionMetadata],
                        build: Callable[[Any, CommonAttentionMetadata], Any]) -> dict[Any, Any]:
@@ -103,6 +106,11 @@ class DecodeGraphs:
         self.capture_graphs = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # The head and argmax over a size's hidden output, and its token ids (GraphInputs'
+        # compute_logits): a greedy step's sampling in one replay instead of four launches.
+        self.heads: dict[int, torch.cuda.CUDAGraph] = {}
+        self.head_outputs: dict[int, torch.Tensor] = {}
+        self._last: tuple[int, torch.Tensor] | None = None  # the last replay's (size, hidden)
         self.replays: Counter[int] = Counter()
         self._arange = np.arange(max(self.sizes, default=0) + 1, dtype=np.int64)
         self._pool: Any = None
@@ -139,7 +147,32 @@ class DecodeGraphs:
         else:
             hidden = self._forward(metadata, size)
         self.replays[size] += 1
+        self._last = (size, hidden)
         return hidden[:num_reqs]
+
+    def _check_head(self, num_reqs: int) -> None:
+        """The step just replayed: its head graph's tokens against the eager head over the
+        same hidden states."""
+        ids = self.greedy_tokens(num_reqs)
+        if ids is None or self._last is None or self.inputs.compute_logits is None:
+            return
+        logits = self.inputs.compute_logits(self._last[1])[:num_reqs]
+        _check_head_tokens(ids, logits.float())
+
+    def greedy_tokens(self, num_reqs: int) -> torch.Tensor | None:
+        """The argmax token of each of the first `num_reqs` rows of the step just replayed,
+        through its size's head graph (the eager head when capture is off); None without a
+        head. Rows are independent, so the padding rows change nothing."""
+        if self.inputs.compute_logits is None or self._last is None:
+            return None
+        size, hidden = self._last
+        if not self.capture_graphs:
+            return _argmax_head(self.inputs.compute_logits, hidden)[:num_reqs]
+        graph = self.heads.get(size)
+        if graph is None:
+            return None
+        graph.replay()
+        return self.head_outputs[size][:num_reqs]
 
     def _forward(self, metadata: dict[Any, Any], size: int) -> torch.Tensor:
         return self.inputs.run_model(metadata, size)
@@ -182,6 +215,40 @@ class DecodeGraphs:
             output = self._forward(metadata, size)
         self.graphs[size] = graph
         self.outputs[size] = output
+
+    @torch.inference_mode()
+    def capture_heads(self) -> None:
+        """Capture the head's graph of every size (after the forwards'), then check one against
+        the eager head. On failure the heads are dropped: greedy steps then sample eagerly,
+        the forwards' graphs stay."""
+        if self.inputs.compute_logits is None:
+            return
+        try:
+            for size in sorted(self.sizes, reverse=True):
+                self._capture_head(size)
+            b = min(3, max(self.sizes))
+            self.run(self.dummy_decode(b, [5, 37, 18][:b]))
+            self._check_head(b)
+            logger.info("captured the head's graphs: greedy decode steps sample in them")
+        except Exception as exc:
+            logger.warning("CUDA graphs of the head failed, greedy steps sample eagerly: %s: %s",
+                           type(exc).__name__, exc)
+            self.heads.clear()
+            self.head_outputs.clear()
+
+    def _capture_head(self, size: int) -> None:
+        """The head and argmax over the size's hidden output; the logits are the pool's
+        scratch (the smaller sizes reuse it), only the ids stay."""
+        head = self.inputs.compute_logits
+        assert head is not None
+        for _ in range(2):  # cuBLAS picks its algorithm outside the capture
+            _argmax_head(head, self.outputs[size])
+        torch.cuda.synchronize(self.inputs.common_builder.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            ids = _argmax_head(head, self.outputs[size])
+        self.heads[size] = graph
+        self.head_outputs[size] = ids
 
     def dummy_decode(self, num_reqs: int, context_lens: list[int] | None = None
                      ) -> list[CommonAttentionMetadata]:
@@ -256,6 +323,24 @@ class DecodeGraphs:
         return diff
 
 
+def _check_head_tokens(ids: torch.Tensor, logits: torch.Tensor) -> None:
+    """Raise unless each of `ids` is its row's largest of `logits` (the eager head over the
+    same hidden states), up to rounding: a head graph reading stale memory picks tokens far
+    from the maximum."""
+    chosen = logits.gather(1, ids.long().unsqueeze(1)).squeeze(1)
+    best = logits.max(dim=-1).values
+    gap = float(((best - chosen) / best.abs().clamp_min(1.0)).max())
+    if not gap <= 1e-3:
+        raise RuntimeError(f"the head graph's greedy tokens are {gap:.3g} below the eager "
+                           "maximum (relative)")
+
+
+def _argmax_head(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                 hidden: torch.Tensor) -> torch.Tensor:
+    """What the sampler does with an all-greedy step's logits (its float32 argmax)."""
+    return compute_logits(hidden).argmax(dim=-1)
+
+
 def _relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
 
@@ -282,6 +367,7 @@ def setup_decode_graphs(inputs: GraphInputs, backend: type[AttentionBackend],
         graphs.capture_all()
         diff = graphs.check_against_eager()
         logger.info("CUDA graph replay matches the eager forward (max diff %.2g relative)", diff)
+        graphs.capture_heads()
     except Exception as exc:
         logger.warning("CUDA graph capture failed, running eagerly instead: %s: %s",
                        type(exc).__name__, exc)

@@ -307,11 +307,13 @@ class ModelRunner:
         self.input_batch.gather_token_ids(rows, batch.num_scheduled_tokens,
                                           self.common_builder.np["positions"][:t],
                                           self.input_ids.host_view(t))
-        input_ids = self.input_ids.upload(0, t)
         num_patched = 0
         if prev is not None:
             num_patched = self.input_ids.queue_patch(prev.batch, prev.rows, batch, rows,
                                                      common.query_start_loc_cpu)
+        # A decode step whose every id is a sample still on the device needs no host ids.
+        input_ids = (self.input_ids.upload(0, t) if num_patched < t
+                     else self.input_ids.device[:t])
         graph_size = self.decode_graphs.prepare(commons) if self.decode_graphs else None
         attn_metadata = state_metadata = None
         if graph_size is None:
@@ -369,7 +371,12 @@ class ModelRunner:
                 prev = None  # its samples are in the token table already
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
-        if self._common.max_query_len == 1:  # decodes only: every token is its request's last
+        greedy = (self.decode_graphs.greedy_tokens(batch.num_reqs)  # the head's graph
+                  if self._ran_graph and meta is not None and meta.argmax_only
+                  and not self._guided and not self._wants_logits else None)
+        if greedy is not None:  # sampled in the graph: no logits leave it
+            logits = None
+        elif self._common.max_query_len == 1:  # decodes only: every token is its request's last
             logits = self.model.compute_logits(hidden[:batch.num_reqs])
         else:  # each request's last new token, from the step's cu_seqlens on the device
             last = self._common.query_start_loc[1:].long() - 1
@@ -386,7 +393,7 @@ class ModelRunner:
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
                                   self._ran_graph))
         pending = PendingStep(batch, rows, self.input_batch.generation[rows],
-                              sampling=(logits, meta, fill))
+                              sampling=None if greedy is not None else (logits, meta, fill))
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
                      if r.request_id in self._wants_logits]
@@ -395,7 +402,9 @@ class ModelRunner:
                 batch, index, hidden, self.model.compute_logits, self.device)
         # A step with a mask to fill is sampled by the next launch (or collect): the host's
         # work in between overlaps the fill. Ranks sample in step, for their broadcast.
-        if fill is None or self.tp_size > 1:
+        if greedy is not None:
+            self._send_samples(pending, SamplerOutput(greedy))
+        elif fill is None or self.tp_size > 1:
             self.queue_sampling(pending)
         self._in_flight = pending
         return pending
@@ -418,6 +427,10 @@ class ModelRunner:
         else:  # a rank > 0: rank 0's samples arrive below
             out = SamplerOutput(torch.empty(pending.batch.num_reqs, dtype=torch.int64,
                                             device=self.device))
+        self._send_samples(pending, out)
+
+    def _send_samples(self, pending: PendingStep, out: SamplerOutput) -> None:
+        """Rank 0's samples to every rank, and on their way to the host."""
         if self.tp_size > 1:
             broadcast_(out.sampled_token_ids, src=0)
         pending.out = out
@@ -470,11 +483,11 @@ class ModelRunner:
     def graph_inputs(self) -> GraphInputs:
         from pagedserve.models.moe import FusedMoE
 
-        routes = any(isinstance(m, FusedMoE) for m in self.model.modules())
-        return GraphInputs(self.run_model, self.common_builder, self.input_ids, self.builders,
-                           self.num_blocks, self.vocab_size, routes_experts=routes,
-                           group_builders=self.group_builders,
-                           builder_group=self.builder_group)
+        return GraphInputs(
+            self.run_model, self.common_builder, self.input_ids, self.builders, self.num_blocks,
+            self.vocab_size, any(isinstance(m, FusedMoE) for m in self.model.modules()),
+            self.group_builders, self.builder_group,
+            self.model.compute_logits if self.tp_size == 1 else None)
 
 
 def _indexed_layers(model: torch.nn.Module, kind: type) -> list[Any]:

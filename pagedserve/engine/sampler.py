@@ -56,6 +56,14 @@ class SamplingMetadata:
     def no_top_k_top_p_min_p(self) -> bool:
         return self.no_top_k and self.no_top_p and self.no_min_p
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row's token is the argmax of its raw logits, and nothing else is asked of
+        them (no penalty, bias, ban, mask or logprobs): what a decode graph's head computes."""
+        return (self.all_greedy and self.no_penalties and self.logit_bias is None
+                and self.banned_token_mask is None and self.token_bitmask is None
+                and self.max_num_logprobs is None)
+
     @classmethod
     def build(
         cls,

@@ -132,11 +132,27 @@ def test_padded_decode_matches_unpadded(backend: str) -> None:
                           capture=False)
     runner.decode_graphs = graphs
     runner.step_log = []
+    heads = []  # the head's argmax over the padded hidden states samples the graphed steps
+    greedy_tokens = graphs.greedy_tokens
+    graphs.greedy_tokens = lambda n: heads.append(n) or greedy_tokens(n)
     padded = _greedy(llm, prompts, new)
     assert padded == eager
+    assert heads and all(n <= 3 for n in heads)
     assert graphs.replays[4] > 0  # 3 decodes ran padded to 4
     assert any(ran for *_, ran in runner.step_log)
     assert not any(ran for _, _, prefills, ran in runner.step_log if prefills)
+
+
+def test_head_check_refuses_tokens_below_the_maximum() -> None:
+    """The start-up check of the head graphs (runs on the CPU): the argmax passes, ties and
+    rounding pass, a token far below its row's maximum does not."""
+    from pagedserve.engine.cuda_graphs import _check_head_tokens
+
+    logits = torch.tensor([[0.5, 3.0, 2.9], [1.0, 1.0, -2.0]])
+    _check_head_tokens(torch.tensor([1, 0]), logits)
+    _check_head_tokens(torch.tensor([1, 1]), logits)  # a tie
+    with pytest.raises(RuntimeError, match="below the eager maximum"):
+        _check_head_tokens(torch.tensor([0, 0]), logits)
 
 
 def test_schedule_floor_counts_steps_and_floors() -> None:
