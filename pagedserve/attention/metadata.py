@@ -136,6 +136,7 @@ class CommonMetadataBuilder:
             self._dev_block = torch.zeros(size, dtype=torch.uint8, device=device)
             self.dev = self._carve(self._dev_block, capacity)
         self._arange = np.arange(max(capacity.values()) + 1, dtype=np.int64)
+        self._dev_views: dict[tuple[str, int], torch.Tensor] = {}
 
     def _carve(self, block: torch.Tensor, capacity: dict[str, int]) -> dict[str, torch.Tensor]:
         """Every buffer, at its largest, as a typed view of `block`."""
@@ -288,8 +289,18 @@ class CommonMetadataBuilder:
     def _views(self, lengths: dict[str, int], names: tuple[str, ...] | None = None
                ) -> dict[str, torch.Tensor | np.ndarray]:
         names = tuple(BUFFERS) if names is None else names
-        views: dict[str, torch.Tensor | np.ndarray] = {
-            name: self.dev[name][:lengths[BUFFERS[name].length]] for name in names}
+        # A device slice costs microseconds of host time, a dict lookup far less: slices are
+        # kept by (buffer, length) and handed out again (the buffers never move).
+        cache = self._dev_views
+        if len(cache) > 4096:
+            cache.clear()
+        views: dict[str, torch.Tensor | np.ndarray] = {}
+        for name in names:
+            key = (name, lengths[BUFFERS[name].length])
+            view = cache.get(key)
+            if view is None:
+                view = cache[key] = self.dev[name][:key[1]]
+            views[name] = view
         for name in HOST_MIRRORS:
             if name in names:
                 views[f"{name}_cpu"] = self.np[name][:lengths[BUFFERS[name].length]]

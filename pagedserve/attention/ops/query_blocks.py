@@ -37,6 +37,7 @@ class QueryBlockMap:
         self._dev = (torch.zeros((2, n), dtype=torch.int32, device=device) if on_gpu
                      else self._host)
         self.req, self.start = self._dev[0], self._dev[1]
+        self._host_np = self._host.numpy()
 
     def fill(self, common: CommonAttentionMetadata, block_q: int, first_req: int = 0,
              end_req: int | None = None) -> int:
@@ -55,8 +56,8 @@ class QueryBlockMap:
         if first_req:
             req += np.int32(first_req)
         n = len(req)
-        self._host[0, :n] = torch.from_numpy(req)
-        self._host[1, :n] = torch.from_numpy(start)
+        self._host_np[0, :n] = req
+        self._host_np[1, :n] = start
         if self._dev is not self._host:
             # Row by row: a strided [2, n] slice would be staged through pageable memory.
             self._dev[0, :n].copy_(self._host[0, :n], non_blocking=True)
