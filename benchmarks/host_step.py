@@ -55,16 +55,21 @@ head_dim: 32
 """
 TEXT = "The quick brown fox jumps over the lazy dog, and then a few more words follow. " * 20
 
-PHASES = [  # (owner attribute path, method, label, where it runs)
+# (owner attribute path, method, label, where it runs: "in forward" is part of the forward's
+# launch and not counted again in the sums; an owner that is None here, as the decode graphs
+# on the CPU, is skipped)
+PHASES = [
     ("core.scheduler", "schedule", "scheduling", "core"),
     ("core.scheduler", "update_from_output", "update_from_output", "core"),
     ("core", "_record", "compact step outputs", "core"),
     ("core.runner.sampling", "metadata", "sampling parameters", "core"),
     ("core.runner.input_batch", "update", "row bookkeeping", "core"),
-    ("core.runner.common_builder", "build", "common attention metadata", "core"),
+    ("core.runner.common_builder", "build", "common attention metadata", "in forward"),
     ("core.runner", "_record_samples", "samples to the token table", "core"),
     ("output_processor", "process", "output processing (detokenize)", "front"),
     ("core.runner", "_forward", "forward (launch)", "core"),
+    ("core.runner.decode_graphs", "replay", "forward graph (its launch)", "in forward"),
+    ("core.runner.decode_graphs", "greedy_tokens", "head graph (its launch)", "core"),
     ("core.runner", "sampler", "logits to samples (launch)", "core"),
 ]
 # Guided decoding's (module, function, label): called by the model runner through the module.
@@ -77,6 +82,7 @@ GUIDED_MANAGER_PHASES = [
     ("core.structured_output", "finish_fill", "guided: wait for the fill, copy", "core"),
 ]
 ENCODE = "encode the step message"
+WHOLE_STEP = "the core's step, all of it"  # the phases above and what lies between them
 
 
 def owner(engine, path: str):
@@ -107,10 +113,12 @@ def encoded_step(totals: collections.Counter, core):
 
     @functools.wraps(step)
     def wrapper(*args, **kwargs):
-        out = step(*args, **kwargs)
         start = time.perf_counter()
+        out = step(*args, **kwargs)
+        middle = time.perf_counter()
         enc.encode(StepMessage(out, core.stats()))
-        totals[ENCODE] += time.perf_counter() - start
+        totals[ENCODE] += time.perf_counter() - middle
+        totals[WHOLE_STEP] += middle - start
         return out
     return wrapper
 
@@ -216,7 +224,8 @@ def main() -> None:
     phases = PHASES + (GUIDED_MANAGER_PHASES if args.guided else [])
     for path, method, label, _ in phases:
         obj = owner(engine, path)
-        setattr(obj, method, timed(totals, label, getattr(obj, method)))
+        if obj is not None:
+            setattr(obj, method, timed(totals, label, getattr(obj, method)))
     for module, function, label in GUIDED_PHASES if args.guided else []:
         obj = importlib.import_module(module)
         setattr(obj, function, timed(totals, label, getattr(obj, function)))
@@ -248,7 +257,7 @@ def main() -> None:
     print(f"host work per step, {args.num_requests} requests running, {steps} steps "
           f"({'with' if engine.tokenizer else 'without'} detokenization):")
     where = ({label: w for *_, label, w in phases} | {ENCODE: "core process"}
-             | {label: "core" for *_, label in GUIDED_PHASES})
+             | {label: "core" for *_, label in GUIDED_PHASES} | {WHOLE_STEP: "whole"})
     for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {label:32s} {where[label]:12s} {seconds / steps * 1e3:7.3f} ms")
     core = sum(v for k, v in totals.items() if where[k] == "core")

@@ -105,7 +105,8 @@ class InputBatch:
         """The step's input ids into `out` [T]: each new token's id from its row at its
         position."""
         token_rows = np.repeat(rows, num_scheduled)
-        np.take(self.token_ids.reshape(-1), token_rows * self.max_model_len + positions, out=out)
+        np.take(self.token_ids.reshape(-1), token_rows * self.max_model_len + positions, out=out,
+                mode="clip")  # valid indices; the default mode buffers `out`
 
     def record_samples(self, batch: SchedulerOutput, rows: np.ndarray,
                        generations: np.ndarray, sampled: np.ndarray) -> None:
