@@ -30,6 +30,7 @@ import torch
 from pagedserve.attention import AttentionBackend, AttentionMetadataBuilder
 from pagedserve.attention.metadata import CommonAttentionMetadata, CommonMetadataBuilder
 from pagedserve.config import EngineConfig
+from pagedserve.engine.head_graphs import HeadGraphs
 from pagedserve.engine.input_batch import InputIds
 
 logger = logging.getLogger(__name__)
@@ -106,10 +107,10 @@ class DecodeGraphs:
         self.capture_graphs = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        # The head and argmax over a size's hidden output, and its token ids (GraphInputs'
-        # compute_logits): a greedy step's sampling in one replay instead of four launches.
-        self.heads: dict[int, torch.cuda.CUDAGraph] = {}
-        self.head_outputs: dict[int, torch.Tensor] = {}
+        # The head's graphs (GraphInputs' compute_logits; capture_heads), eager without capture.
+        self.head: HeadGraphs | None = None
+        if inputs.compute_logits is not None and not capture:
+            self.head = HeadGraphs(inputs.compute_logits, self.outputs, None, capture=False)
         self._last: tuple[int, torch.Tensor] | None = None  # the last replay's (size, hidden)
         self.replays: Counter[int] = Counter()
         self._arange = np.arange(max(self.sizes, default=0) + 1, dtype=np.int64)
@@ -150,29 +151,19 @@ class DecodeGraphs:
         self._last = (size, hidden)
         return hidden[:num_reqs]
 
-    def _check_head(self, num_reqs: int) -> None:
-        """The step just replayed: its head graph's tokens against the eager head over the
-        same hidden states."""
-        ids = self.greedy_tokens(num_reqs)
-        if ids is None or self._last is None or self.inputs.compute_logits is None:
-            return
-        logits = self.inputs.compute_logits(self._last[1])[:num_reqs]
-        _check_head_tokens(ids, logits.float())
-
     def greedy_tokens(self, num_reqs: int) -> torch.Tensor | None:
         """The argmax token of each of the first `num_reqs` rows of the step just replayed,
-        through its size's head graph (the eager head when capture is off); None without a
-        head. Rows are independent, so the padding rows change nothing."""
-        if self.inputs.compute_logits is None or self._last is None:
+        from the head's graph; None without one."""
+        if self.head is None or self._last is None:
             return None
-        size, hidden = self._last
-        if not self.capture_graphs:
-            return _argmax_head(self.inputs.compute_logits, hidden)[:num_reqs]
-        graph = self.heads.get(size)
-        if graph is None:
+        return self.head.greedy_tokens(*self._last, num_reqs)
+
+    def head_logits(self, num_reqs: int) -> torch.Tensor | None:
+        """Float32 logits of the first `num_reqs` rows of the step just replayed, from the
+        head's graph (valid until the next decode step's); None without one."""
+        if self.head is None or self._last is None:
             return None
-        graph.replay()
-        return self.head_outputs[size][:num_reqs]
+        return self.head.head_logits(*self._last, num_reqs)
 
     def _forward(self, metadata: dict[Any, Any], size: int) -> torch.Tensor:
         return self.inputs.run_model(metadata, size)
@@ -218,37 +209,24 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_heads(self) -> None:
-        """Capture the head's graph of every size (after the forwards'), then check one against
-        the eager head. On failure the heads are dropped: greedy steps then sample eagerly,
-        the forwards' graphs stay."""
+        """Capture the head's graphs of every size (after the forwards'), then check one size
+        against the eager head. On failure they are dropped: the head then runs eagerly, the
+        forwards' graphs stay."""
         if self.inputs.compute_logits is None:
             return
+        heads = HeadGraphs(self.inputs.compute_logits, self.outputs, self._pool)
         try:
-            for size in sorted(self.sizes, reverse=True):
-                self._capture_head(size)
+            heads.capture(self.inputs.common_builder.device)
             b = min(3, max(self.sizes))
             self.run(self.dummy_decode(b, [5, 37, 18][:b]))
-            self._check_head(b)
-            logger.info("captured the head's graphs: greedy decode steps sample in them")
+            assert self._last is not None
+            heads.check(*self._last, b)
         except Exception as exc:
-            logger.warning("CUDA graphs of the head failed, greedy steps sample eagerly: %s: %s",
+            logger.warning("CUDA graphs of the head failed, it runs eagerly: %s: %s",
                            type(exc).__name__, exc)
-            self.heads.clear()
-            self.head_outputs.clear()
-
-    def _capture_head(self, size: int) -> None:
-        """The head and argmax over the size's hidden output; the logits are the pool's
-        scratch (the smaller sizes reuse it), only the ids stay."""
-        head = self.inputs.compute_logits
-        assert head is not None
-        for _ in range(2):  # cuBLAS picks its algorithm outside the capture
-            _argmax_head(head, self.outputs[size])
-        torch.cuda.synchronize(self.inputs.common_builder.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            ids = _argmax_head(head, self.outputs[size])
-        self.heads[size] = graph
-        self.head_outputs[size] = ids
+            return
+        self.head = heads
+        logger.info("captured the head's graphs: decode steps sample from them")
 
     def dummy_decode(self, num_reqs: int, context_lens: list[int] | None = None
                      ) -> list[CommonAttentionMetadata]:
@@ -321,24 +299,6 @@ class DecodeGraphs:
                         "(batch-size-dependent rounding, amplified by expert routing)",
                         unpadded)
         return diff
-
-
-def _check_head_tokens(ids: torch.Tensor, logits: torch.Tensor) -> None:
-    """Raise unless each of `ids` is its row's largest of `logits` (the eager head over the
-    same hidden states), up to rounding: a head graph reading stale memory picks tokens far
-    from the maximum."""
-    chosen = logits.gather(1, ids.long().unsqueeze(1)).squeeze(1)
-    best = logits.max(dim=-1).values
-    gap = float(((best - chosen) / best.abs().clamp_min(1.0)).max())
-    if not gap <= 1e-3:
-        raise RuntimeError(f"the head graph's greedy tokens are {gap:.3g} below the eager "
-                           "maximum (relative)")
-
-
-def _argmax_head(compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                 hidden: torch.Tensor) -> torch.Tensor:
-    """What the sampler does with an all-greedy step's logits (its float32 argmax)."""
-    return compute_logits(hidden).argmax(dim=-1)
 
 
 def _relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -141,6 +141,9 @@ class InputIds:
         self._patch = (self._patch_host if not pin else
                        torch.zeros_like(self._patch_host, device=device))
         self._row_in_prev = np.full(max_num_reqs, -1, dtype=np.int64)
+        self._arange = np.arange(max_num_reqs, dtype=np.int64)
+        # The queued patch: the first n ids take it (destinations 0..n-1), and in order.
+        self._into_first = self._in_order = False
 
     def host_view(self, n: int) -> np.ndarray:
         return self.host[:n].numpy()
@@ -174,11 +177,21 @@ class InputIds:
             host = self._patch_host.numpy()
             host[:n] = query_start_loc[:-1][take]
             host[n:2 * n] = j[take]
-            if self._patch is not self._patch_host:
+            # Most decode steps take the samples in order into the first ids (the same batch as
+            # the last step's): one device copy then, and no indices to send.
+            self._into_first = np.array_equal(host[:n], self._arange[:n])
+            self._in_order = self._into_first and np.array_equal(host[n:2 * n], self._arange[:n])
+            if not self._in_order and self._patch is not self._patch_host:
                 self._patch[:2 * n].copy_(self._patch_host[:2 * n], non_blocking=True)
         return n
 
     def apply_patch(self, n: int, prev_sampled: torch.Tensor) -> None:
-        """On the device, after the step's input copies: put the `n` queued samples in place."""
+        """On the device, after the step's input copies: put the `n` queued samples in place
+        (one launch where the first n ids take them, in order or not)."""
         dst, src = self._patch[:n], self._patch[n:2 * n]
-        self.device.index_copy_(0, dst, prev_sampled.index_select(0, src))
+        if self._in_order:
+            self.device[:n].copy_(prev_sampled[:n])
+        elif self._into_first:
+            torch.index_select(prev_sampled, 0, src, out=self.device[:n])
+        else:
+            self.device.index_copy_(0, dst, prev_sampled.index_select(0, src))

@@ -371,15 +371,15 @@ class ModelRunner:
                 prev = None  # its samples are in the token table already
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
-        greedy = (self.decode_graphs.greedy_tokens(batch.num_reqs)  # the head's graph
-                  if self._ran_graph and meta is not None and meta.argmax_only
-                  and not self._guided and not self._wants_logits else None)
-        if greedy is not None:  # sampled in the graph: no logits leave it
-            logits = None
-        elif self._common.max_query_len == 1:  # decodes only: every token is its request's last
-            logits = self.model.compute_logits(hidden[:batch.num_reqs])
-        else:  # each request's last new token, from the step's cu_seqlens on the device
-            last = self._common.query_start_loc[1:].long() - 1
+        greedy = logits = None
+        if self._ran_graph and meta is not None and not self._wants_logits:  # the head's graphs
+            if meta.argmax_only and not self._guided:  # sampled there: no logits leave them
+                greedy = self.decode_graphs.greedy_tokens(batch.num_reqs)
+            else:
+                logits = self.decode_graphs.head_logits(batch.num_reqs)
+        if greedy is None and logits is None:  # each request's last new token's hidden state
+            last = (slice(batch.num_reqs) if self._common.max_query_len == 1  # decodes only
+                    else self._common.query_start_loc[1:].long() - 1)  # from the cu_seqlens
             logits = self.model.compute_logits(hidden[last])
         fill = None
         if self._guided:  # host work while the device runs the forward and the projection

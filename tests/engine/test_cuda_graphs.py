@@ -30,7 +30,8 @@ def _greedy(backend: str, enforce_eager: bool) -> tuple[list[list[int]], dict[in
     graphs = llm.engine.runner.decode_graphs
     # Every size with its head's graph too (greedy steps sample there).
     captured = (graphs is not None and bool(graphs.graphs)
-                and graphs.heads.keys() == graphs.graphs.keys())
+                and graphs.head is not None
+                and graphs.head.greedy.keys() == graphs.head.logits.keys() == graphs.graphs.keys())
     replays = dict(graphs.replays) if graphs is not None else {}
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [o.outputs[0].logprobs for o in outs]

@@ -112,8 +112,10 @@ def test_serve_summary_and_arrivals() -> None:
     assert np.mean(gaps) == pytest.approx(0.1, rel=0.1)
 
 
-def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int,
+            temperature: float = 0.0) -> list[list[int]]:
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                            seed=7)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -126,6 +128,7 @@ def test_padded_decode_matches_unpadded(backend: str) -> None:
     llm = LLM(model="random:tiny", attention_backend=backend, max_num_seqs=8,
               num_gpu_blocks_override=5, enable_prefix_caching=False, **CPU_ARGS)
     eager = _greedy(llm, prompts, new)
+    eager_sampled = _greedy(llm, prompts, new, temperature=0.8)
     runner = llm.engine.runner
     assert runner.decode_graphs is None  # never on the CPU
     graphs = DecodeGraphs(runner.graph_inputs(), graph_batch_sizes(8, runner.max_num_tokens),
@@ -135,9 +138,14 @@ def test_padded_decode_matches_unpadded(backend: str) -> None:
     heads = []  # the head's argmax over the padded hidden states samples the graphed steps
     greedy_tokens = graphs.greedy_tokens
     graphs.greedy_tokens = lambda n: heads.append(n) or greedy_tokens(n)
+    logits = []  # and the head's logits of the padded hidden states the sampled ones
+    head_logits = graphs.head_logits
+    graphs.head_logits = lambda n: logits.append(n) or head_logits(n)
     padded = _greedy(llm, prompts, new)
     assert padded == eager
-    assert heads and all(n <= 3 for n in heads)
+    assert heads and all(n <= 3 for n in heads) and not logits
+    assert _greedy(llm, prompts, new, temperature=0.8) == eager_sampled
+    assert logits and all(n <= 3 for n in logits)
     assert graphs.replays[4] > 0  # 3 decodes ran padded to 4
     assert any(ran for *_, ran in runner.step_log)
     assert not any(ran for _, _, prefills, ran in runner.step_log if prefills)
@@ -146,13 +154,13 @@ def test_padded_decode_matches_unpadded(backend: str) -> None:
 def test_head_check_refuses_tokens_below_the_maximum() -> None:
     """The start-up check of the head graphs (runs on the CPU): the argmax passes, ties and
     rounding pass, a token far below its row's maximum does not."""
-    from pagedserve.engine.cuda_graphs import _check_head_tokens
+    from pagedserve.engine.head_graphs import check_greedy_tokens
 
     logits = torch.tensor([[0.5, 3.0, 2.9], [1.0, 1.0, -2.0]])
-    _check_head_tokens(torch.tensor([1, 0]), logits)
-    _check_head_tokens(torch.tensor([1, 1]), logits)  # a tie
+    check_greedy_tokens(torch.tensor([1, 0]), logits)
+    check_greedy_tokens(torch.tensor([1, 1]), logits)  # a tie
     with pytest.raises(RuntimeError, match="below the eager maximum"):
-        _check_head_tokens(torch.tensor([0, 0]), logits)
+        check_greedy_tokens(torch.tensor([0, 0]), logits)
 
 
 def test_schedule_floor_counts_steps_and_floors() -> None:
