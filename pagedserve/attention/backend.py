@@ -227,6 +227,9 @@ class AttentionBackend(ABC):
     # The cache stores K/V lossily (quantized codes): the exact-tolerance conformance suite does
     # not apply; the backend has tests with tolerances of its own.
     lossy_kv_cache: ClassVar[bool] = False
+    # Reads the CSR page table's indices (`paged_kv_indices`); without it the engine does not
+    # build them (a boolean gather and a copy a step).
+    reads_paged_kv_indices: ClassVar[bool] = False
     description: ClassVar[str] = ""
 
     @classmethod

@@ -114,8 +114,11 @@ class CommonMetadataBuilder:
     """Turns a step's (rows, cached lengths, new lengths) into CommonAttentionMetadata."""
 
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, csr: bool = True) -> None:
         self.block_size = block_size
+        # Build the CSR page table's indices (AttentionBackend.reads_paged_kv_indices); without
+        # them `paged_kv_indices` is empty.
+        self.csr = csr
         self.device = device
         self.max_blocks_per_seq = max_blocks_per_seq
         capacity = _lengths(max_num_reqs, max_num_tokens, max_num_reqs * max_blocks_per_seq)
@@ -194,7 +197,7 @@ class CommonMetadataBuilder:
     def _fill_table(self, rows: np.ndarray, block_table: np.ndarray, token_req: np.ndarray,
                     positions: np.ndarray, seq_lens: np.ndarray) -> int:
         """The block table's rows, the slot mapping and the CSR page table into the host
-        buffers; returns the number of pages."""
+        buffers; returns the number of pages (0 without the CSR indices)."""
         bs = self.block_size
         b = len(rows)
         h = self.np
@@ -213,11 +216,13 @@ class CommonMetadataBuilder:
         indptr = h["paged_kv_indptr"][: b + 1]
         indptr[0] = 0
         np.cumsum(num_pages, out=indptr[1:])
+        last = h["paged_kv_last_page_len"][:b]
+        np.subtract(seq_lens, (num_pages - 1) * bs, out=last)
+        if not self.csr:
+            return 0
         total_pages = int(indptr[b])
         mask = self._arange[:width] < num_pages[:, None]
         h["paged_kv_indices"][:total_pages] = table[mask]
-        last = h["paged_kv_last_page_len"][:b]
-        np.subtract(seq_lens, (num_pages - 1) * bs, out=last)
         return total_pages
 
     def build_group(self, common: CommonAttentionMetadata, rows: np.ndarray,
@@ -245,7 +250,7 @@ class CommonMetadataBuilder:
         extra = size - b
         if not extra and onto is None:  # a full graph: `common` is its step already
             return common
-        pages = int(common.paged_kv_indptr_cpu[b])
+        pages = len(common.paged_kv_indices_cpu)  # 0 without the CSR indices
         before = _lengths(b, t, pages)
         after = _lengths(size, t + extra, pages + extra)
         steps = self._arange[1:extra + 1]

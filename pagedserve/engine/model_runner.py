@@ -81,9 +81,10 @@ class ModelRunner:
         self.input_ids = InputIds(self.max_num_tokens, self.max_num_reqs, self.device)
         # One builder per KV cache group: the first builds the step's common metadata, the
         # others only their group's block table, slot mapping and page table.
+        csr = bool(self.attn_layers) and self.backend.reads_paged_kv_indices
         self.group_builders = [
             CommonMetadataBuilder(self.max_num_reqs, self.max_num_tokens,
-                                  self.max_blocks_per_seq, self.block_size, self.device)
+                                  self.max_blocks_per_seq, self.block_size, self.device, csr)
             for _ in range(self.num_kv_groups)]
         self.common_builder = self.group_builders[0]
         pin = self.device.type == "cuda"
@@ -360,8 +361,7 @@ class ModelRunner:
         waits for its samples. With async scheduling the engine launches step N+1 before it
         collects step N: N's samples, N+1's input ids, go from N's output into N+1's inputs
         on the device, so the host never waits for N here (unless N+1 has grammars: their
-        masks need N's samples, engine/guided.py). A step with grammars leaves its sampling
-        to the next launch or its collect (`queue_sampling`)."""
+        masks need N's samples, engine/guided.py; its sampling waits for `queue_sampling`)."""
         prev = self._in_flight
         rows = self.input_batch.update(batch)
         meta = self.sampling.metadata(batch.requests) if self.tp_rank == 0 else None

@@ -116,3 +116,21 @@ def test_region_copies_carry_every_used_entry():
             on_device = getattr(md, name)
             assert on_device.data_ptr() == builder.dev[name].data_ptr(), name
             assert torch.equal(on_device, builder.host[name][:lengths[buf.length]]), name
+
+
+def test_without_csr_indices_the_rest_is_the_same():
+    """A builder for backends that do not read the CSR page indices (TRITON) leaves them empty
+    and builds everything else as with them."""
+    table = BlockTable(max_num_reqs=4, max_blocks_per_seq=6)
+    for row, ids in enumerate([[0, 1, 3], [2, 5], [4, 6, 7, 8]]):
+        table.add_row(row, ids)
+    full, lean = (CommonMetadataBuilder(4, 64, 6, 16, torch.device("cpu"), csr=csr)
+                  for csr in (True, False))
+    args = ([10, 24, 49], [14, 1, 1], 1)  # a prefill chunk, then two decodes
+    a, b = _build(full, table, *args), _build(lean, table, *args)
+    assert a.paged_kv_indices.tolist() == [0, 1, 2, 5, 4, 6, 7, 8]
+    assert len(b.paged_kv_indices) == 0
+    for name in BUFFERS:
+        if name not in ("paged_kv_indices", "block_table"):
+            assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    assert a.block_table[:, :4].tolist() == b.block_table[:, :4].tolist()

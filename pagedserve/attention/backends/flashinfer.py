@@ -442,6 +442,7 @@ class FlashInferImpl(AttentionImpl):
 
 class FlashInferBackend(AttentionBackend):
     name = "FLASHINFER"
+    reads_paged_kv_indices = True
     supported_head_sizes = (64, 128, 256)
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "fp8")

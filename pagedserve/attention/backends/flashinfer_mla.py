@@ -245,6 +245,7 @@ class FlashInferMLABackend(CPUMLABackend):
     """CPU_MLA's cache layout and layer checks; FlashInfer's MLA kernels."""
 
     name = "FLASHINFER_MLA"
+    reads_paged_kv_indices = True
     supported_dtypes = (torch.float16, torch.bfloat16)  # FlashInfer's FA MLA kernels
     supports_cuda_graphs = True
     description = "FlashInfer's MLA paged wrapper (fa3/fa2), weight-absorbed, latent cache"

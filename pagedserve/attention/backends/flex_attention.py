@@ -482,6 +482,7 @@ class FlexAttentionImpl(AttentionImpl):
 
 class FlexAttentionBackend(AttentionBackend):
     name = "FLEX_ATTENTION"
+    reads_paged_kv_indices = True
     supports_sliding_window = True
     supports_soft_cap = True
     supports_sinks = True

@@ -235,6 +235,7 @@ class TritonMLABackend(CPUMLABackend):
     """CPU_MLA's cache layout and layer checks; Triton kernels instead of torch."""
 
     name = "TRITON_MLA"
+    reads_paged_kv_indices = True
     supports_cuda_graphs = True
     description = ("Triton multi-head latent attention: absorbed decode over the latent cache, "
                    "prefill expanded to per-head K/V (unified kernel, DiffKV)")
