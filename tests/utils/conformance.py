@@ -117,8 +117,9 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
     table = BlockTable(len(batch), max_blocks)
     for row, ids in enumerate(block_ids):
         table.add_row(row, ids)
+    # The CSR page indices only for a backend that says it reads them, as in the engine.
     common_builder = CommonMetadataBuilder(len(batch), sum(q for _, q in batch), max_blocks,
-                                           bs, device)
+                                           bs, device, csr=backend.reads_paged_kv_indices)
     common = common_builder.build(
         rows=np.arange(len(batch)),
         num_computed=np.array([c for c, _ in batch], dtype=np.int32),

@@ -45,7 +45,8 @@ class PagedHarness:
             self.block_table.add_row(row, perm[start:start + n])
             start += n
         self.common_builder = CommonMetadataBuilder(max_reqs, max_tokens, max_blocks, block_size,
-                                                    self.device)
+                                                    self.device,
+                                                    csr=backend.reads_paged_kv_indices)
 
         self.builders = {}
         self.kv_caches = []
