@@ -60,6 +60,8 @@ class InputBatch:
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)  # bumped when a row changes hands
         # Each row's state slot (models with state layers; -1 otherwise), set on admission.
         self.state_slot = np.full(max_num_reqs, -1, dtype=np.int64)
+        self._last_requests: list[Request] = []  # the last step's, and their rows
+        self._last_rows = np.empty(0, dtype=np.int64)
 
     def add(self, request: Request, block_ids: tuple[list[int], ...]) -> int:
         """A row for a request; `block_ids`: its blocks in each group."""
@@ -82,6 +84,18 @@ class InputBatch:
         request's row, in batch order."""
         for request_id in batch.freed_request_ids:
             self.remove(request_id)
+        # The same requests in the same order as the last step (most decode steps): the same
+        # rows, and only the requests given new blocks to look at.
+        if batch.requests == self._last_requests and not any(batch.is_new):
+            for i in [i for i, ids in enumerate(batch.new_block_ids) if any(ids)]:
+                for table, ids in zip(self.block_tables, batch.new_block_ids[i], strict=True):
+                    table.append(int(self._last_rows[i]), ids)
+            return self._last_rows
+        rows = self._rows(batch)
+        self._last_requests, self._last_rows = batch.requests, rows
+        return rows
+
+    def _rows(self, batch: SchedulerOutput) -> np.ndarray:
         rows = np.empty(batch.num_reqs, dtype=np.int64)
         # One cache group (the common case) without the loop over groups; most decode steps
         # append no block at all.

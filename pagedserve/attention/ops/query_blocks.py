@@ -59,7 +59,8 @@ class QueryBlockMap:
         self._host_np[0, :n] = req
         self._host_np[1, :n] = start
         if self._dev is not self._host:
-            # Row by row: a strided [2, n] slice would be staged through pageable memory.
-            self._dev[0, :n].copy_(self._host[0, :n], non_blocking=True)
-            self._dev[1, :n].copy_(self._host[1, :n], non_blocking=True)
+            # One contiguous copy: all of the first row (4 bytes a token of capacity), then the
+            # second row's n (a strided [2, n] slice would be staged through pageable memory).
+            end = self._host.shape[1] + n
+            self._dev.view(-1)[:end].copy_(self._host.view(-1)[:end], non_blocking=True)
         return n
