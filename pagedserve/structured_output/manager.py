@@ -54,6 +54,11 @@ class RequestGrammar:
         # xgrammar's matcher ends by accepting a stop token (EOS or a stop id: not text);
         # llguidance's ends once nothing but EOS could follow, on an ordinary token.
         self.ends_on_stop_token = ends_on_stop_token
+        # Only these tokens can end an xgrammar matcher: after any other one it is not asked
+        # (a call into the library a row per step); None: asked after every token.
+        self._ending_tokens: frozenset[int] | None = (
+            frozenset(matcher.stop_token_ids) if ends_on_stop_token
+            and hasattr(matcher, "stop_token_ids") else None)
         self.num_accepted = 0
         self.failed = False  # a token the grammar refused (never expected: the mask forbids it)
         # The grammar is complete and has accepted its stop token (the sequence ends). Kept
@@ -73,7 +78,8 @@ class RequestGrammar:
             self.failed = True
             return False
         self.num_accepted += 1
-        self.is_terminated = bool(self.matcher.is_terminated())
+        if self._ending_tokens is None or token_id in self._ending_tokens:
+            self.is_terminated = bool(self.matcher.is_terminated())
         return True
 
     def rollback_to(self, num_tokens: int) -> None:

@@ -292,3 +292,37 @@ def test_core_decodes_guided_requests_without_parsing_them_again(monkeypatch):
     assert parsed == [] and got.key == spec.key and got.kind == "json"
     decoder(CoreInput).decode(data)
     assert parsed == [spec.key]
+
+
+def test_an_xgrammar_matcher_is_asked_if_it_ended_only_after_a_stop_token() -> None:
+    """RequestGrammar skips the library's is_terminated after tokens that cannot end an
+    xgrammar matcher, and still sees the end on its stop token."""
+    from pagedserve.structured_output.manager import RequestGrammar
+
+    class Matcher:  # an xgrammar-like matcher that ends on its stop token 2
+        stop_token_ids = [2]
+
+        def __init__(self) -> None:
+            self.asked = 0
+            self.ended = False
+
+        def accept_token(self, token: int) -> bool:
+            self.ended = token == 2
+            return True
+
+        def is_terminated(self) -> bool:
+            self.asked += 1
+            return self.ended
+
+    matcher = Matcher()
+    grammar = RequestGrammar(matcher)
+    asked = matcher.asked  # once, at the start
+    for token in (5, 7, 9):
+        assert grammar.accept(token) and not grammar.is_terminated
+    assert matcher.asked == asked
+    assert grammar.accept(2) and grammar.is_terminated
+    # llguidance's matchers may end on any token: asked every time.
+    other = Matcher()
+    grammar = RequestGrammar(other, ends_on_stop_token=False)
+    grammar.accept(5)
+    assert other.asked == 2
