@@ -333,6 +333,8 @@ class EngineCore:
         return out
 
     def _note_scheduled(self, batch: SchedulerOutput, out: StepOutput) -> None:
+        if not batch.num_prefills and not any(batch.is_new):  # decodes only (most steps)
+            return
         now = time.monotonic()
         for i in np.flatnonzero(batch.is_new).tolist():
             # The front keeps the first (a preempted request is admitted again).
