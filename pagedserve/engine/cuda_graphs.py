@@ -54,8 +54,8 @@ class GraphInputs:
     # and the group each backend builder reads; None: one group.
     group_builders: list[CommonMetadataBuilder] | None = None
     builder_group: dict[Any, int] | None = None
-    # The model's head (hidden -> float32 logits): each size also gets a graph of the head and
-    # the argmax for steps sampled greedily; None: none (tensor parallelism gathers there).
+    # The model's head (hidden -> float32 logits): each size also gets the head's graphs
+    # (engine/head_graphs.py); None: none (tensor parallelism gathers the logits there).
     compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def group_metadata(self, commons: list[CommonAttentionMetadata],
