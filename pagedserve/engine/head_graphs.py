@@ -9,9 +9,13 @@ its own, one per captured size and kind:
   us of host time a step on the H200's host, where a small model's step is host-bound.
 
 Each graph reads its size's forward output; the head's intermediates are the graph pool's
-scratch, reused by every size. Rows are independent, so padding rows change nothing; the
-buffer is rewritten by the next decode step's head, after (in stream order) whatever the
-previous step's sampling queued on it.
+scratch, reused by every size. Rows are independent, so padding rows change nothing but the
+GEMM's rounding (cuBLAS picks its kernel by the row count). The logits buffer and each size's
+ids are rewritten by the next decode step's head: everything that reads them (the sampler,
+a deferred guided sampling, the samples' copy to the host, the next step's input patch) is
+queued before that, in stream order. The buffer and the pool's scratch (~10 bytes x rows x
+vocabulary at the largest size: ~330 MB for 256 rows of a 128k vocabulary) come out of the
+memory the KV cache leaves (gpu_memory_utilization's remainder), as the forwards' graphs do.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ class HeadGraphs:
         self.outputs = outputs
         self.pool = pool
         self.capture_graphs = capture
-        self.greedy: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> graph, ids
+        # size -> (graph, its ids) and size -> graph (its logits: the shared buffer)
+        self.greedy: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.logits: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits_buffer: torch.Tensor | None = None
 

@@ -88,8 +88,7 @@ class InputBatch:
         # rows, and only the requests given new blocks to look at.
         if batch.requests == self._last_requests and not any(batch.is_new):
             for i in [i for i, ids in enumerate(batch.new_block_ids) if any(ids)]:
-                for table, ids in zip(self.block_tables, batch.new_block_ids[i], strict=True):
-                    table.append(int(self._last_rows[i]), ids)
+                self._append_blocks(int(self._last_rows[i]), batch.new_block_ids[i])
             return self._last_rows
         rows = self._rows(batch)
         self._last_requests, self._last_rows = batch.requests, rows
@@ -110,17 +109,19 @@ class InputBatch:
                 if block_ids[0]:
                     single.append(row, block_ids[0])
             else:
-                for table, ids in zip(self.block_tables, block_ids, strict=True):
-                    table.append(row, ids)
+                self._append_blocks(row, block_ids)
         return rows
+
+    def _append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        for table, ids in zip(self.block_tables, block_ids, strict=True):
+            table.append(row, ids)
 
     def gather_token_ids(self, rows: np.ndarray, num_scheduled: np.ndarray,
                          positions: np.ndarray, out: np.ndarray) -> None:
         """The step's input ids into `out` [T]: each new token's id from its row at its
         position."""
         token_rows = np.repeat(rows, num_scheduled)
-        np.take(self.token_ids.reshape(-1), token_rows * self.max_model_len + positions, out=out,
-                mode="clip")  # valid indices; the default mode buffers `out`
+        np.take(self.token_ids.reshape(-1), token_rows * self.max_model_len + positions, out=out)
 
     def record_samples(self, batch: SchedulerOutput, rows: np.ndarray,
                        generations: np.ndarray, sampled: np.ndarray) -> None:
@@ -187,6 +188,7 @@ class InputIds:
         take = ((j >= 0) & ~np.asarray(batch.is_new, dtype=bool) & prev_batch.will_sample[jj]
                 & (prev_seq[jj] == batch.num_computed_tokens))
         n = int(take.sum())
+        self._into_first = self._in_order = False
         if n:
             host = self._patch_host.numpy()
             host[:n] = query_start_loc[:-1][take]

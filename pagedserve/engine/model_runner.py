@@ -93,8 +93,7 @@ class ModelRunner:
         self._in_flight: PendingStep | None = None
         self._samples_to_host = SamplesToHost(self.max_num_reqs, self.device)
         # Recorded once a step's host->device input copies are queued: the next step rewrites
-        # the same pinned buffers only after they have been read (with a step in flight they
-        # may not have been yet).
+        # the same pinned buffers only after they have been read (a step may be in flight).
         self._inputs_copied = torch.cuda.Event() if pin else None
         self.wait_seconds = 0.0  # host time spent waiting for the device's events
         self.sampling = BatchSampling(eos_token_id, vocab_size, self.device)
@@ -483,11 +482,12 @@ class ModelRunner:
     def graph_inputs(self) -> GraphInputs:
         from pagedserve.models.moe import FusedMoE
 
-        return GraphInputs(
-            self.run_model, self.common_builder, self.input_ids, self.builders, self.num_blocks,
-            self.vocab_size, any(isinstance(m, FusedMoE) for m in self.model.modules()),
-            self.group_builders, self.builder_group,
-            self.model.compute_logits if self.tp_size == 1 else None)
+        routes = any(isinstance(m, FusedMoE) for m in self.model.modules())
+        head = self.model.compute_logits if self.tp_size == 1 else None
+        return GraphInputs(self.run_model, self.common_builder, self.input_ids, self.builders,
+                           self.num_blocks, self.vocab_size, routes_experts=routes,
+                           group_builders=self.group_builders,
+                           builder_group=self.builder_group, compute_logits=head)
 
 
 def _indexed_layers(model: torch.nn.Module, kind: type) -> list[Any]:

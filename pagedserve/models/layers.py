@@ -207,7 +207,8 @@ class RotaryEmbedding(nn.Module):
         if kernels is not None and not partial:
             kernels.rotary_embedding_(positions, query, key, self.cos_sin_cache)
             return query, key
-        # Every layer of a step rotates by the same positions: gather cos/sin once per step.
+        # Every layer of a step rotates by the same positions: gather cos/sin once per step,
+        # keyed by the tensor (the common metadata hands out a new positions view each step).
         if positions is not self._positions:
             self._positions = positions
             self._cos_sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)

@@ -134,3 +134,15 @@ def test_without_csr_indices_the_rest_is_the_same():
         if name not in ("paged_kv_indices", "block_table"):
             assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
     assert a.block_table[:, :4].tolist() == b.block_table[:, :4].tolist()
+
+
+def test_positions_are_a_new_tensor_every_step():
+    """The rotary layers gather cos/sin once per step, keyed by the positions tensor they are
+    handed (models/layers.py): two steps of the same length must not share that object."""
+    table = BlockTable(max_num_reqs=2, max_blocks_per_seq=4)
+    table.add_row(0, [3, 1])
+    builder = CommonMetadataBuilder(2, 16, 4, 16, torch.device("cpu"))
+    first = _build(builder, table, [5], [1])
+    second = _build(builder, table, [6], [1])
+    assert first.positions is not second.positions
+    assert first.slot_mapping is second.slot_mapping  # the other views are kept

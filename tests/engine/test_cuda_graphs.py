@@ -142,4 +142,3 @@ def test_mla_cuda_graph_decode_matches_eager(tmp_path, backend: str, dtype: str)
     assert replays.get(4, 0) > 0, f"3 decodes should replay the size-4 graph: {replays}"
     _assert_same_greedy(graphed, eager, logprobs,
                         FLOAT32_TIE if dtype == "float32" else BF16_TIE)
-

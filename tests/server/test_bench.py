@@ -112,8 +112,8 @@ def test_serve_summary_and_arrivals() -> None:
     assert np.mean(gaps) == pytest.approx(0.1, rel=0.1)
 
 
-def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int,
-            temperature: float = 0.0) -> list[list[int]]:
+def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int,
+              temperature: float = 0.0) -> list[list[int]]:
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
                             seed=7)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -127,8 +127,8 @@ def test_padded_decode_matches_unpadded(backend: str) -> None:
     # Few blocks, so page 0 (what padding rows read) belongs to a live request.
     llm = LLM(model="random:tiny", attention_backend=backend, max_num_seqs=8,
               num_gpu_blocks_override=5, enable_prefix_caching=False, **CPU_ARGS)
-    eager = _greedy(llm, prompts, new)
-    eager_sampled = _greedy(llm, prompts, new, temperature=0.8)
+    eager = _generate(llm, prompts, new)
+    eager_sampled = _generate(llm, prompts, new, temperature=0.8)
     runner = llm.engine.runner
     assert runner.decode_graphs is None  # never on the CPU
     graphs = DecodeGraphs(runner.graph_inputs(), graph_batch_sizes(8, runner.max_num_tokens),
@@ -141,10 +141,10 @@ def test_padded_decode_matches_unpadded(backend: str) -> None:
     logits = []  # and the head's logits of the padded hidden states the sampled ones
     head_logits = graphs.head_logits
     graphs.head_logits = lambda n: logits.append(n) or head_logits(n)
-    padded = _greedy(llm, prompts, new)
+    padded = _generate(llm, prompts, new)
     assert padded == eager
     assert heads and all(n <= 3 for n in heads) and not logits
-    assert _greedy(llm, prompts, new, temperature=0.8) == eager_sampled
+    assert _generate(llm, prompts, new, temperature=0.8) == eager_sampled
     assert logits and all(n <= 3 for n in logits)
     assert graphs.replays[4] > 0  # 3 decodes ran padded to 4
     assert any(ran for *_, ran in runner.step_log)
