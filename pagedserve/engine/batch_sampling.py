@@ -16,7 +16,7 @@ class BatchSampling:
         self.vocab_size = vocab_size
         self.device = device
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own
-        self._last: tuple[list[Request], SamplingMetadata] | None = None
+        self._last: SamplingMetadata | None = None  # the last step's, when reusable
 
     def add_request(self, request: Request) -> None:
         seed = request.sampling_params.seed
@@ -26,12 +26,13 @@ class BatchSampling:
     def finish_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def metadata(self, requests: list[Request]) -> SamplingMetadata:
-        last = self._last
-        if last is not None and last[0] == requests:
-            # The same requests in the same order, none of whose sampling depends on its
-            # tokens so far: the last step's tensors hold this step's too.
-            return last[1]
+    def metadata(self, requests: list[Request], same_as_last_step: bool) -> SamplingMetadata:
+        """`same_as_last_step`: the step has the last step's requests in the same order
+        (InputBatch.update says)."""
+        if same_as_last_step and self._last is not None:
+            # None of their sampling depends on their tokens so far: the last step's tensors
+            # hold this step's too.
+            return self._last
         generators = {i: self.generators[r.request_id] for i, r in enumerate(requests)
                       if r.request_id in self.generators} if self.generators else {}
         params = [r.sampling_params for r in requests]
@@ -43,5 +44,5 @@ class BatchSampling:
                                       self.vocab_size, self.device, distinct)
         # min_tokens bans end tokens by output length: such a batch is built every step.
         reusable = not needs_tokens and not any(p.min_tokens for p in distinct[0])
-        self._last = (list(requests), meta) if reusable else None
+        self._last = meta if reusable else None
         return meta

@@ -62,6 +62,7 @@ class InputBatch:
         self.state_slot = np.full(max_num_reqs, -1, dtype=np.int64)
         self._last_requests: list[Request] = []  # the last step's, and their rows
         self._last_rows = np.empty(0, dtype=np.int64)
+        self.same_as_last_step = False  # set by `update`
 
     def add(self, request: Request, block_ids: tuple[list[int], ...]) -> int:
         """A row for a request; `block_ids`: its blocks in each group."""
@@ -85,8 +86,11 @@ class InputBatch:
         for request_id in batch.freed_request_ids:
             self.remove(request_id)
         # The same requests in the same order as the last step (most decode steps): the same
-        # rows, and only the requests given new blocks to look at.
-        if batch.requests == self._last_requests and not any(batch.is_new):
+        # rows, and only the requests given new blocks to look at. (The step's sampling
+        # metadata is reused on the same condition.)
+        self.same_as_last_step = (batch.requests == self._last_requests
+                                  and not any(batch.is_new))
+        if self.same_as_last_step:
             for i in [i for i, ids in enumerate(batch.new_block_ids) if any(ids)]:
                 self._append_blocks(int(self._last_rows[i]), batch.new_block_ids[i])
             return self._last_rows

@@ -357,13 +357,13 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput) -> PendingStep:
         """Queue one step's forward and sampling on the device and return at once; `collect`
-        waits for its samples. With async scheduling the engine launches step N+1 before it
-        collects step N: N's samples, N+1's input ids, go from N's output into N+1's inputs
-        on the device, so the host never waits for N here (unless N+1 has grammars: their
-        masks need N's samples, engine/guided.py; its sampling waits for `queue_sampling`)."""
+        waits for its samples. With async scheduling step N+1 is launched before N is
+        collected: N's samples go into N+1's input ids on the device, so the host never waits
+        for N here (unless N+1 has grammars: their masks need N's samples, engine/guided.py)."""
         prev = self._in_flight
         rows = self.input_batch.update(batch)
-        meta = self.sampling.metadata(batch.requests) if self.tp_rank == 0 else None
+        meta = (self.sampling.metadata(batch.requests, self.input_batch.same_as_last_step)
+                if self.tp_rank == 0 else None)
         if prev is not None:
             self.queue_sampling(prev)  # a guided step's, whose mask has been filling
             if prev.sampled is not None:
