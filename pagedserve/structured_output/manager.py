@@ -122,6 +122,7 @@ class StructuredOutputManager:
         # One thread fills the masks: xgrammar fills without the GIL (engine/guided.py), so
         # the engine's thread goes on with the step's other host work meanwhile.
         self._fill_thread: ThreadPoolExecutor | None = None
+        self._device_bitmask: torch.Tensor | None = None
         self._fill_started = threading.Event()
         # Bitmask work of the steps so far (benchmarks read these): the fills themselves, and
         # the engine thread's wait for them and the masks' copies.
@@ -189,9 +190,13 @@ class StructuredOutputManager:
         on the fill thread, and return once the fill is under way. The grammars' matchers must
         not change until `finish_fill`."""
         if not self._bitmasks:
-            pin = self.device.type == "cuda"
-            self._bitmasks = [torch.full((self.max_num_reqs, -(-self.vocab_size // 32)), -1,
-                                         dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+            shape, pin = (self.max_num_reqs, -(-self.vocab_size // 32)), self.device.type == "cuda"
+            self._bitmasks = [torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
+                              for _ in range(2)]
+            # One device buffer: a step's copy into it follows, in stream order, the last
+            # step's sampling that read it.
+            self._device_bitmask = (torch.empty(shape, dtype=torch.int32, device=self.device)
+                                    if pin else None)
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
         # A buffer is filled again two fills later. By then its step's samples, queued
         # behind its copy, have been waited for (the runner waits for the last step's samples
@@ -220,8 +225,8 @@ class StructuredOutputManager:
         """The started fill's mask on the device (waiting for the fill if need be)."""
         t0 = time.perf_counter()
         bitmask = fill.future.result()
-        if self.device.type == "cuda":  # pinned: the copy need not wait
-            bitmask = bitmask.to(self.device, non_blocking=True)
+        if self._device_bitmask is not None:  # pinned: the copy need not wait
+            bitmask = self._device_bitmask[:len(bitmask)].copy_(bitmask, non_blocking=True)
         self.wait_seconds += time.perf_counter() - t0
         return bitmask
 
