@@ -59,6 +59,16 @@ class Request:
     once: which token ids end it, whether its sampling needs its earlier tokens on the host,
     whether a step must keep logits beyond the sampled token's."""
 
+    # Slots: the step path reads a few of these per request per step, and a request's state
+    # then lies in its own object (one less pointer to follow, fewer cache lines).
+    __slots__ = ("request_id", "scoring", "prompt_token_ids", "num_prompt_tokens",
+                 "all_token_ids", "output_token_ids", "num_tokens", "num_output_tokens",
+                 "sampling_params", "eos_token_id", "arrival_time", "cache_salt", "status",
+                 "num_computed_tokens", "num_output_placeholders", "num_preemptions",
+                 "state_slot", "forced_output_ids", "score_from", "skip_prefix_cache",
+                 "needs_logits", "needs_host_history", "grammar", "max_tokens", "min_tokens",
+                 "end_token_ids")
+
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
                  arrival_time: float | None = None, cache_salt: str | None = None,
