@@ -151,7 +151,8 @@ def make_llm(args, model: str, core_process: bool) -> LLM:
                tokenizer=tokenizer, max_num_seqs=args.num_requests,
                max_num_batched_tokens=1 << 16, enforce_eager=on_cpu,
                max_model_len=args.max_model_len or args.prompt_len + args.output_len + 16,
-               engine_core_process=core_process)
+               engine_core_process=core_process,
+               async_scheduling=True if args.async_scheduling else None)
 
 
 def profiled_generation(llm: LLM, prompts: list, params: SamplingParams, cpu: bool) -> Any:
@@ -198,6 +199,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default=None, help="default: a one-layer random model")
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="async scheduling on the CPU too (CUDA's default)")
     parser.add_argument("--gpu-time", action="store_true",
                         help="CUDA: the kernels' time per step (torch.profiler, a second run)")
     parser.add_argument("--guided", action="store_true",

@@ -90,12 +90,15 @@ def main() -> None:
     parser.add_argument("--engine-core-process", action="store_true",
                         help="the engine core in its own process, as the CLI runs it on CUDA "
                              "(the per-step fill times are then not reported)")
+    parser.add_argument("--async-scheduling", action="store_true", default=None,
+                        help="async scheduling on the CPU too (CUDA's default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, tokenizer=args.tokenizer, device=args.device,
               max_num_seqs=args.batch, kv_cache_memory="512MiB",
-              engine_core_process=args.engine_core_process or None)
+              engine_core_process=args.engine_core_process or None,
+              async_scheduling=args.async_scheduling)
     manager = llm.engine.structured_output
     # Compile the grammar and warm both paths up at the full batch size (the first run of a
     # shape is slower, and would otherwise count against whichever goes first).

@@ -382,11 +382,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last])
         fill = None
         if self._guided:  # host work while the device runs the forward and the projection
-            ahead: set[str] = set()
+            advance = guided.Advance()
             if prev is not None:  # uncollected: its samples are waited for here
                 self._record_samples(prev)
-                ahead = guided.advance_by_step(prev.batch, prev.sampled)
-            fill = guided.start_mask(self.structured_output, batch, ahead)
+                advance = guided.advance_by_step(prev.batch, prev.sampled,
+                                                 self.structured_output.batch_accepts)
+            fill = guided.start_mask(self.structured_output, batch, advance)
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
