@@ -272,11 +272,13 @@ def step_events(runner):
     host has built the step's metadata, to the samples' copy). Steps run on one stream, so
     their spans do not overlap: their sum over the wall time is the fraction of it the GPU
     is busy, and a gap is the GPU waiting for the host."""
-    runner.step_events = events = []
+    from pagedserve.engine.device_timer import DeviceTimer
+
+    saved, runner.device_timer = runner.device_timer, DeviceTimer(keep_spans=True)
     try:
-        yield events
+        yield runner.device_timer.spans
     finally:
-        runner.step_events = None
+        runner.device_timer = saved
         torch.cuda.synchronize()
 
 

