@@ -134,11 +134,6 @@ class FillThread:
     waits up to the default 5 ms otherwise)."""
 
     SWITCH_INTERVAL_S = 1e-4
-    # Jobs running in this process (engines of one process each have a thread): the first
-    # to start lowers the interval, the last to end puts the saved one back.
-    _jobs_lock = threading.Lock()
-    _num_jobs = 0
-    _saved_interval = 0.0
 
     def __init__(self) -> None:
         self._go, self._done = threading.Lock(), threading.Lock()
@@ -147,6 +142,7 @@ class FillThread:
         self._job: Any = None
         self._error: BaseException | None = None
         self._running = False
+        self._saved_interval = sys.getswitchinterval()
         self._thread = threading.Thread(target=self._loop, name="bitmask-fill", daemon=True)
         self._thread.start()
 
@@ -154,11 +150,8 @@ class FillThread:
         if self._running:  # an earlier job nobody waited for (a step abandoned)
             self.wait()
         self._job, self._running = job, True
-        with FillThread._jobs_lock:
-            if FillThread._num_jobs == 0:
-                FillThread._saved_interval = sys.getswitchinterval()
-                sys.setswitchinterval(min(FillThread._saved_interval, self.SWITCH_INTERVAL_S))
-            FillThread._num_jobs += 1
+        self._saved_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._saved_interval, self.SWITCH_INTERVAL_S))
         self._go.release()
 
     def wait(self) -> None:
@@ -167,10 +160,7 @@ class FillThread:
             return
         self._done.acquire()
         self._running = False
-        with FillThread._jobs_lock:
-            FillThread._num_jobs -= 1
-            if FillThread._num_jobs == 0:
-                sys.setswitchinterval(FillThread._saved_interval)
+        sys.setswitchinterval(self._saved_interval)
         error, self._error = self._error, None
         if error is not None:
             raise error
