@@ -121,7 +121,8 @@ class ModelRunner:
         # Set to a list to record every step's (num_computed, num_scheduled, num_prefills,
         # ran as a graph) for benchmarks' floors.
         self.step_log: list[tuple[np.ndarray, np.ndarray, int, bool]] | None = None
-        # The device's busy time (engine/device_timer.py): PAGEDSERVE_DEVICE_TIMING on CUDA.
+        # The device's busy time (engine/device_timer.py), when measured: on CUDA with
+        # PAGEDSERVE_DEVICE_TIMING set, or a benchmark's own timer.
         self.device_timer = DeviceTimer() if pin and envs.PAGEDSERVE_DEVICE_TIMING else None
 
     # ---- binding layers to a backend ----------------------------------------------------
@@ -290,9 +291,8 @@ class ModelRunner:
 
     def _forward(self, batch: SchedulerOutput, rows: np.ndarray,
                  prev: PendingStep | None = None) -> torch.Tensor:
-        """Build the step's inputs and queue its forward. `prev`: the step in flight, whose
-        samples are some of this step's input ids (placed on the device); a guided step's
-        sampling is queued here, late, so its mask's fill overlaps this host work."""
+        """Build the step's inputs and queue its forward. `prev`: the step still in flight,
+        whose samples are some of this step's input ids (they are placed on the device)."""
         if self._inputs_copied is not None:
             t0 = time.perf_counter()
             self._inputs_copied.synchronize()  # the last step's copies have read the buffers
@@ -328,8 +328,6 @@ class ModelRunner:
             if self._slots_dev is not self._slots_host:
                 common.state_slots.copy_(self._slots_host[:n], non_blocking=True)
             state_metadata = self.state_builder.build(common)
-        if prev is not None:  # a guided step's sampling (its mask filled meanwhile)
-            self.queue_sampling(prev)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         if self.device_timer is not None:
@@ -365,8 +363,10 @@ class ModelRunner:
         rows = self.input_batch.update(batch)
         meta = (self.sampling.metadata(batch.requests, self.input_batch.same_as_last_step)
                 if self.tp_rank == 0 else None)
-        if prev is not None and prev.sampled is not None:
-            prev = None  # its samples are in the token table already
+        if prev is not None:
+            self.queue_sampling(prev)  # a guided step's, whose mask has been filling
+            if prev.sampled is not None:
+                prev = None  # its samples are in the token table already
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
         greedy = logits = None
