@@ -381,12 +381,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last])
         fill = None
         if self._guided:  # host work while the device runs the forward and the projection
-            advance = guided.Advance()
+            ahead: set[str] = set()
             if prev is not None:  # uncollected: its samples are waited for here
                 self._record_samples(prev)
-                advance = guided.advance_by_step(prev.batch, prev.sampled,
-                                                 self.structured_output.batch_accepts)
-            fill = guided.start_mask(self.structured_output, batch, advance)
+                ahead = guided.advance_by_step(prev.batch, prev.sampled)
+            fill = guided.start_mask(self.structured_output, batch, ahead)
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,

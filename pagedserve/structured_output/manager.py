@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import sys
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -82,25 +82,6 @@ class RequestGrammar:
             self.is_terminated = bool(self.matcher.is_terminated())
         return True
 
-    def defer_accept(self, token_id: int, position: int) -> bool:
-        """Count the output token at `position` as accepted now and leave the matcher's
-        accept to the fill thread (True), unless it is accepted already or the accept must
-        run here (False, after running it): a token that may end the grammar (is_terminated
-        is read before the fill thread runs), or a matcher that has failed or ended."""
-        if position < self.num_accepted:
-            return False
-        if (self._ending_tokens is None or token_id in self._ending_tokens or self.failed
-                or self.is_terminated):
-            self.accept(token_id, position)
-            return False
-        self.num_accepted += 1
-        return True
-
-    def accept_deferred(self, token_id: int) -> None:
-        """Run a deferred accept here (it is counted already)."""
-        if not self.matcher.accept_token(token_id):
-            self.failed = True
-
     def rollback_to(self, num_tokens: int) -> None:
         """Forget the accepted tokens beyond the first `num_tokens` (the sequence lost them)."""
         extra = self.num_accepted - num_tokens
@@ -113,75 +94,10 @@ class RequestGrammar:
 @dataclass
 class BitmaskFill:
     """A step's bitmask being filled on the fill thread: the rows it covers (None: every
-    row), the host buffer being filled, and the grammars whose accepts the thread runs
-    first (the last step's samples)."""
+    row) and the future of the filled host buffer."""
 
     rows: list[int] | None
-    bitmask: torch.Tensor
-    accepted: list[RequestGrammar]
-    tokens: list[int]
-    accept_results: list[bool] | None = None  # set by the fill thread
-
-
-class FillThread:
-    """One daemon thread that runs a step's grammar work: the matchers' accepts of the last
-    step's samples, then the mask's fill. xgrammar runs both without the GIL.
-
-    Handing work over costs a thread wake-up each way; raw locks keep the Python around it
-    small. The engine's thread does not wait for the work to start: while a job runs, the
-    interpreter's switch interval is lowered so the job's Python between its library calls
-    (which needs the GIL) waits at most that long for the engine's thread to let go (it
-    waits up to the default 5 ms otherwise)."""
-
-    SWITCH_INTERVAL_S = 1e-4
-
-    def __init__(self) -> None:
-        self._go, self._done = threading.Lock(), threading.Lock()
-        self._go.acquire()
-        self._done.acquire()
-        self._job: Any = None
-        self._error: BaseException | None = None
-        self._running = False
-        self._saved_interval = sys.getswitchinterval()
-        self._thread = threading.Thread(target=self._loop, name="bitmask-fill", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Any) -> None:
-        if self._running:  # an earlier job nobody waited for (a step abandoned)
-            self.wait()
-        self._job, self._running = job, True
-        self._saved_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._saved_interval, self.SWITCH_INTERVAL_S))
-        self._go.release()
-
-    def wait(self) -> None:
-        """Until the submitted job has run; its exception, if it raised one."""
-        if not self._running:
-            return
-        self._done.acquire()
-        self._running = False
-        sys.setswitchinterval(self._saved_interval)
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def shutdown(self) -> None:
-        self.wait()
-        self._job = None
-        self._go.release()
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while True:
-            self._go.acquire()
-            job = self._job
-            if job is None:
-                return
-            try:
-                job()
-            except BaseException as exc:  # handed to the engine's thread by wait()
-                self._error = exc
-            self._done.release()
+    future: Future[torch.Tensor]
 
 
 class StructuredOutputManager:
@@ -203,11 +119,11 @@ class StructuredOutputManager:
         self._bitmasks: list[torch.Tensor] = []
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
-        # One thread accepts the samples and fills the masks: xgrammar does both without the
-        # GIL (engine/guided.py), so the engine's thread goes on with the step's other host
-        # work meanwhile.
-        self._fill_thread: FillThread | None = None
+        # One thread fills the masks: xgrammar fills without the GIL (engine/guided.py), so
+        # the engine's thread goes on with the step's other host work meanwhile.
+        self._fill_thread: ThreadPoolExecutor | None = None
         self._device_bitmask: torch.Tensor | None = None
+        self._fill_started = threading.Event()
         # Bitmask work of the steps so far (benchmarks read these): the fills themselves, and
         # the engine thread's wait for them and the masks' copies.
         self.fill_seconds = 0.0
@@ -267,19 +183,11 @@ class StructuredOutputManager:
         return RequestGrammar(self._backend.new_matcher(compiled, stop),
                               ends_on_stop_token=self.backend_name == "xgrammar")
 
-    @property
-    def batch_accepts(self) -> bool:
-        """Whether the backend accepts a batch of tokens without the GIL (the fill thread then
-        runs the accepts too)."""
-        return self._backend is not None and hasattr(self._backend, "accept_batch")
-
-    def start_fill(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int,
-                   accepted: list[RequestGrammar] | None = None,
-                   tokens: list[int] | None = None) -> BitmaskFill:
+    def start_fill(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int
+                   ) -> BitmaskFill:
         """Start filling the [num_rows, ceil(V / 32)] int32 bitmask of `rows` from `grammars`
         (bit set: token allowed; the other rows are left as they are and must not be applied)
-        on the fill thread, after the matchers of `accepted` accept `tokens` there (their
-        RequestGrammar counts them already, `RequestGrammar.defer_accept`). The matchers must
+        on the fill thread, and return once the fill is under way. The grammars' matchers must
         not change until `finish_fill`."""
         if not self._bitmasks:
             shape, pin = (self.max_num_reqs, -(-self.vocab_size // 32)), self.device.type == "cuda"
@@ -289,40 +197,34 @@ class StructuredOutputManager:
             # step's sampling that read it.
             self._device_bitmask = (torch.empty(shape, dtype=torch.int32, device=self.device)
                                     if pin else None)
-            self._fill_thread = FillThread()
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
         # A buffer is filled again two fills later. By then its step's samples, queued
         # behind its copy, have been waited for (the runner waits for the last step's samples
         # before it starts a fill, engine/guided.py): the copy has read it.
         self._bitmasks.reverse()
-        fill = BitmaskFill(rows, self._bitmasks[0][:num_rows], accepted or [], tokens or [])
-        matchers = [g.matcher for g in grammars]
+        bitmask = self._bitmasks[0][:num_rows]
+        self._fill_started.clear()  # set by this fill's start (the thread runs one at a time)
         assert self._fill_thread is not None
-        self._fill_thread.submit(lambda: self._run(fill, matchers, rows))
-        return fill
+        future = self._fill_thread.submit(self._fill, [g.matcher for g in grammars], bitmask,
+                                          rows)
+        # The fill thread needs the GIL to start (and to end). Wait here, without it, until
+        # the fill is under way: this thread's Python work from here to `finish_fill` may
+        # never let go of the GIL, and the fill would only start there.
+        self._fill_started.wait()
+        return BitmaskFill(rows, future)
 
-    def _run(self, fill: BitmaskFill, matchers: list[Any], rows: list[int]) -> None:
+    def _fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        self._fill_started.set()
         t0 = time.perf_counter()
-        if fill.accepted:
-            fill.accept_results = self._backend.accept_batch(
-                [g.matcher for g in fill.accepted], fill.tokens)
-        self._backend.fill(matchers, fill.bitmask, rows)
+        self._backend.fill(matchers, bitmask, rows)
         self.fill_seconds += time.perf_counter() - t0
         self.num_fills += 1
+        return bitmask
 
     def finish_fill(self, fill: BitmaskFill) -> torch.Tensor:
-        """The started fill's mask on the device (waiting for the fill if need be). A sample
-        its grammar refused (never expected: the mask forbids it) fails that grammar, which
-        ends its sequence."""
+        """The started fill's mask on the device (waiting for the fill if need be)."""
         t0 = time.perf_counter()
-        assert self._fill_thread is not None
-        self._fill_thread.wait()
-        for grammar, ok in zip(fill.accepted, fill.accept_results or (), strict=True):
-            if not ok:
-                grammar.failed = True
-                logger.error("a grammar refused its sequence's sampled token; the sequence "
-                             "ends here")
-        fill.accepted = []
-        bitmask = fill.bitmask
+        bitmask = fill.future.result()
         if self._device_bitmask is not None:  # pinned: the copy need not wait
             bitmask = self._device_bitmask[:len(bitmask)].copy_(bitmask, non_blocking=True)
         self.wait_seconds += time.perf_counter() - t0
@@ -330,7 +232,7 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         if self._fill_thread is not None:
-            self._fill_thread.shutdown()
+            self._fill_thread.shutdown(wait=True)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None

@@ -31,20 +31,13 @@ class XGrammarBackend:
     def new_matcher(self, compiled: Any, stop_token_ids: list[int] | None) -> Any:
         return self._xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
 
-    def accept_batch(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
-        """Each matcher accepts its token, in one call (without the GIL)."""
-        return self._batch_matchers_for(1).batch_accept_token(matchers, tokens)
-
     def fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
-        batch_matcher = self._batch_matchers_for(fill_threads(len(rows), self.max_threads))
-        batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
-
-    def _batch_matchers_for(self, threads: int) -> Any:
+        threads = fill_threads(len(rows), self.max_threads)
         batch_matcher = self._batch_matchers.get(threads)
         if batch_matcher is None:
             batch_matcher = self._xgr.BatchGrammarMatcher(max_threads=threads)
             self._batch_matchers[threads] = batch_matcher
-        return batch_matcher
+        batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
 
 
 # A fill thread per this many rows. xgrammar's batch fill starts its threads on every call,

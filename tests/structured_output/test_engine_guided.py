@@ -219,36 +219,6 @@ def test_rollback_matches_a_fresh_matcher(llm: LLM) -> None:
     assert torch.equal(a, b) and grammar.num_accepted == 3
 
 
-def test_deferred_accepts_run_on_the_fill_thread_before_its_fill(llm: LLM) -> None:
-    """The runner's accepts of a step's samples go to the fill thread (the grammar counts them
-    at once): the mask filled after them equals the mask of a matcher that accepted the same
-    tokens on the caller's thread; a token that may end the grammar is accepted at once, and
-    a refused token fails the grammar once the fill is finished."""
-    manager = llm.engine.structured_output
-    guided = GuidedDecodingParams(json=SCHEMAS["flat_required"])
-    tokens = llm.get_tokenizer().encode('{"name": "Ann", "age": 7', add_special_tokens=False)
-    deferred = manager.new_grammar(guided, frozenset({2}))
-    reference = manager.new_grammar(guided, frozenset({2}))
-    assert manager.batch_accepts
-    for position, token in enumerate(tokens):
-        assert reference.accept(token)
-        assert deferred.defer_accept(token, position)
-        assert deferred.num_accepted == position + 1
-        assert not deferred.defer_accept(token, position)  # counted: the scheduler's no-op
-        fill = manager.start_fill([deferred], [0], 1, [deferred], [token])
-        got = manager.finish_fill(fill).clone()
-        want = manager.finish_fill(manager.start_fill([reference], [0], 1)).clone()
-        assert torch.equal(got, want) and not deferred.failed
-    # EOS may end it: accepted on the caller's thread, never deferred.
-    assert not deferred.defer_accept(2, len(tokens)) and deferred.num_accepted == len(tokens)
-    # A token the grammar refuses: known once the thread has run.
-    bad = manager.new_grammar(guided, frozenset({2}))
-    letter = llm.get_tokenizer().encode("x", add_special_tokens=False)[0]
-    assert bad.defer_accept(letter, 0)
-    manager.finish_fill(manager.start_fill([bad], [0], 1, [bad], [letter]))
-    assert bad.failed
-
-
 def _mixed_batch(device: str, async_scheduling: bool) -> list[list[int]]:
     # On CUDA the cache is sized by gpu_memory_utilization (kv_cache_memory is the CPU's), and
     # the two runs of the comparison share the process.
