@@ -344,6 +344,13 @@ class AttentionBackend(ABC):
         return list(CUDA_WARMUP_STEPS) if device.type == "cuda" else []
 
     @classmethod
+    def is_fallback(cls) -> bool:
+        """Whether what runs here is a slow reference path (a backend whose kernels are
+        missing): the automatic choice then takes it only when no backend after it in the
+        device's order can run the model. Default: no."""
+        return False
+
+    @classmethod
     def can_capture_cuda_graphs(cls, block_size: int) -> bool:
         """Whether decode steps at this block size may be captured in CUDA graphs (a backend
         whose implementation is chosen at run time decides per implementation)."""

@@ -124,6 +124,7 @@ def select_backend(name: str | None, device: torch.device, layers: list[Attentio
 
     status = backend_status()
     tried = []
+    fallback = None  # the first able backend that runs only a slow reference path here
     mla = any(is_mla(layer) for layer in layers)
     kind = _device_kind(device)
     for key in AUTO_ORDER_MLA.get(kind, ("CPU_MLA",)) if mla else AUTO_ORDER.get(kind, ()):
@@ -135,9 +136,14 @@ def select_backend(name: str | None, device: torch.device, layers: list[Attentio
             continue
         cls = get_backend_cls(key)
         reasons = _layer_problems(cls, layers, block_size, device)
-        if not reasons:
+        if not reasons and not cls.is_fallback():
             return cls
+        if not reasons:
+            fallback = fallback or cls
+            continue
         tried.append(f"{key}: {'; '.join(reasons)}")
+    if fallback is not None:
+        return fallback
     raise BackendSelectionError(
         f"no attention backend can run this model on {device}:\n  " + "\n  ".join(tried))
 

@@ -41,3 +41,33 @@ def test_a_named_backend_that_cannot_run_some_layers_says_which():
     with pytest.raises(BackendSelectionError) as err:
         select_backend("TRITON", CPU, [plain, odd, plain, odd], 16)
     assert "layers 1, 3: head size 72 not in" in str(err.value)
+
+
+def test_a_slow_fallback_is_chosen_automatically_only_when_nothing_after_it_can_run(
+        monkeypatch):
+    """FLASH_ATTN without FlashAttention's kernels runs its torch path (pages gathered every
+    step, no CUDA graphs): on CUDA the automatic choice goes on to TRITON, and takes the
+    fallback only where TRITON cannot run the layers; named, it is taken as asked."""
+    from pagedserve.attention import registry
+    from pagedserve.attention.backends import flash_attn
+
+    cuda = torch.device("cuda")
+    layers = [AttentionLayerConfig(4, 2, 64, torch.bfloat16)]
+    status = {name: (name in ("FLASH_ATTN", "TRITON"), "test") for name in registry._REGISTRY}
+    monkeypatch.setattr(registry, "backend_status", lambda: status)
+    monkeypatch.setattr(flash_attn, "choose_implementation",
+                        lambda: flash_attn.ImplChoice("torch", "torch: test"))
+    monkeypatch.setattr(registry, "_layer_problems", lambda cls, *a: [])
+    flash = registry.get_backend_cls("FLASH_ATTN")
+    assert flash.is_fallback()
+    assert select_backend(None, cuda, layers, 16).get_name() == "TRITON"
+    assert select_backend("FLASH_ATTN", cuda, layers, 16) is flash
+    monkeypatch.setattr(registry, "_layer_problems",
+                        lambda cls, *a: ["cannot"] if cls.get_name() == "TRITON" else [])
+    assert select_backend(None, cuda, layers, 16) is flash
+    # With FlashAttention's own kernels it comes before TRITON, as before.
+    monkeypatch.setattr(flash_attn, "choose_implementation",
+                        lambda: flash_attn.ImplChoice("fa3", "fa3: test"))
+    monkeypatch.setattr(registry, "_layer_problems", lambda cls, *a: [])
+    assert not flash.is_fallback()
+    assert select_backend(None, cuda, layers, 16) is flash

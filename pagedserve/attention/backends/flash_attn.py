@@ -523,6 +523,13 @@ class FlashAttentionBackend(AttentionBackend):
         return choice.name is not None, choice.reason
 
     @classmethod
+    def is_fallback(cls) -> bool:
+        """The torch path (FlashAttention's kernels missing) gathers every page into
+        contiguous K/V each step and cannot be captured in CUDA graphs: 25% of the copy rate
+        at decode on the H200 against TRITON's 98% (docs/gpu-results.md)."""
+        return choose_implementation().name == "torch"
+
+    @classmethod
     def can_capture_cuda_graphs(cls, block_size: int) -> bool:
         """The paged kernels (fa3, fa4, fa2 at its block sizes) launch one call on persistent
         buffers and capture; the gather paths plan their groups on the host per step, so a
