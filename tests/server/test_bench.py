@@ -44,6 +44,24 @@ def test_bench_throughput_prints_figures(capsys: pytest.CaptureFixture[str], mod
     # is the fifth), its host time per step and the wait for the device (none on the CPU).
     line = next(x for x in out.splitlines() if x.startswith("Engine core:"))
     assert line.startswith("Engine core: 5 steps, ") and "0.000 ms waiting" in line
+    assert "GPU busy" not in out  # CUDA events only, with PAGEDSERVE_DEVICE_TIMING
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_throughput_reports_the_gpus_busy_share(capsys, monkeypatch) -> None:
+    """PAGEDSERVE_DEVICE_TIMING: CUDA events around each step's device work, summed as they
+    complete; their share of the run is printed, and it cannot exceed the run."""
+    from pagedserve.bench import run_throughput
+
+    monkeypatch.setenv("PAGEDSERVE_DEVICE_TIMING", "1")
+    llm = LLM(model="random:tiny", device="cuda", attention_backend="TRITON",
+              gpu_memory_utilization=0.2, engine_core_process=False)
+    assert llm.engine.runner.device_timer is not None
+    result = run_throughput(llm, random_prompts(8, 16, 512), 32)
+    assert 0 < result["gpu_busy"] <= 1.0
+    assert 0 < result["gpu_ms_per_step"] <= 1e3 * result["elapsed_s"] / result["core_steps"]
+    llm.engine.shutdown()
 
 
 def test_random_yaml_model_matches_transformers(tmp_path) -> None:
