@@ -192,22 +192,13 @@ class Scheduler:
             # A request preempted after this step was scheduled still gets its token: the
             # step saw its whole context.
             request.num_output_placeholders -= 1
-            # Request.append_output_token, inlined for the hot loop.
-            request.output_token_ids.append(token)
-            request.all_token_ids.append(token)
-            num_tokens = request.num_tokens = request.num_tokens + 1
-            num_output = request.num_output_tokens = request.num_output_tokens + 1
-            grammar = request.grammar
-            if grammar is not None and not grammar.accept(token, num_output - 1):
+            request.append_output_token(token)
+            if request.grammar is not None and not request.grammar.accept(
+                    token, request.num_output_tokens - 1):
                 logger.error("request %s: its grammar refused sampled token %d; it ends here",
                              request.request_id, token)
-            if num_tokens % block_size == 0:  # the token may complete a block
+            if request.num_tokens % block_size == 0:  # the token may complete a block
                 cache_computed_blocks(request)
-            # Most tokens end nothing: Request.check_stop is asked only when one might.
-            if (token not in request.end_token_ids and grammar is None
-                    and num_output < request.max_tokens and num_tokens < max_model_len):
-                results.append((request, token))
-                continue
             status = request.check_stop(max_model_len)
             if status is not None:
                 if request.status == RequestStatus.RUNNING:
