@@ -80,9 +80,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     # Of step_seconds: waiting for the device (a step's samples, the inputs' copies); the
     # rest is the host's own work.
     wait_seconds: float = 0.0
-    # The device's busy seconds over all steps (CUDA events around each step's device work;
-    # 0 unless PAGEDSERVE_DEVICE_TIMING is set).
-    device_seconds: float = 0.0
+    device_seconds: float = 0.0  # the GPU's busy time (0 unless PAGEDSERVE_DEVICE_TIMING)
 
 
 class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -425,17 +423,13 @@ class EngineCore:
     # ---- stats and utilities ------------------------------------------------------------
 
     def stats(self) -> CoreStats:
-        kv = self.kv_cache
+        kv, timer = self.kv_cache, getattr(self.runner, "device_timer", None)
         return CoreStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage,
                          self.scheduler.num_preemptions, kv.prefix_queries, kv.prefix_hits,
                          self.prompt_tokens, self.generation_tokens, kv.num_blocks,
                          kv.num_free_blocks, kv.all_free(), self.num_steps, self.step_seconds,
-                         self.runner.wait_seconds, self._device_seconds())
-
-    def _device_seconds(self) -> float:
-        # A runner in this process only (a tensor-parallel executor's workers keep their own).
-        timer = getattr(self.runner, "device_timer", None)
-        return timer.total_seconds() if timer is not None else 0.0
+                         self.runner.wait_seconds,
+                         timer.total_seconds() if timer is not None else 0.0)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (nothing done) while a request holds blocks."""
