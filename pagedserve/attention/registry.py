@@ -136,12 +136,12 @@ def select_backend(name: str | None, device: torch.device, layers: list[Attentio
             continue
         cls = get_backend_cls(key)
         reasons = _layer_problems(cls, layers, block_size, device)
-        if not reasons and not cls.is_fallback():
+        if reasons:
+            tried.append(f"{key}: {'; '.join(reasons)}")
+        elif not cls.is_fallback():
             return cls
-        if not reasons:
+        else:
             fallback = fallback or cls
-            continue
-        tried.append(f"{key}: {'; '.join(reasons)}")
     if fallback is not None:
         return fallback
     raise BackendSelectionError(

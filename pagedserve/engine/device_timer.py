@@ -5,6 +5,10 @@ samples' copy to the host. Steps run on one stream, so spans never overlap: thei
 the wall time is the share of it the GPU was busy, and what is left is the GPU waiting for
 the host. The events are read as they complete (`Event.query`, which does not wait), so a
 long run keeps only the few spans still in flight.
+
+A guided step's sampling is queued by the next launch, once its grammar mask is filled
+(engine/guided.py): its span includes the device's wait for that launch, so with guided
+requests the share overstates how busy the device was.
 """
 
 from __future__ import annotations
