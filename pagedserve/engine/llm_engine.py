@@ -25,6 +25,7 @@ from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams, default_sampling
 from pagedserve.scheduler import ScoringTask
 from pagedserve.structured_output import StructuredOutputManager, check_backend
+from pagedserve.structured_output.manager import resolve_workers
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +349,7 @@ def check_settings(config: EngineConfig) -> str | None:
     config.check_device()
     requested_backend(config.attention_backend)
     check_backend(config.guided_decoding_backend)
+    resolve_workers(config.guided_decoding_workers, config.torch_device)
     m = config.model
     if not (m.model or "").startswith("random:"):
         model_path(m.model)

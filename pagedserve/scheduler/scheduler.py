@@ -68,6 +68,7 @@ class Scheduler:
         self.kv.free(request)
         self.kv.forget(request)
         del self.requests[request.request_id]
+        request.grammar = None  # frees its matcher now (a slot in a grammar worker)
         self._freed_ids.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +26,7 @@ import torch
 
 if TYPE_CHECKING:
     from pagedserve.sampling_params import GuidedDecodingParams
+    from pagedserve.structured_output.workers import GrammarWorkers, WorkerFill
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +95,22 @@ class RequestGrammar:
 
 @dataclass
 class BitmaskFill:
-    """A step's bitmask being filled on the fill thread: the rows it covers (None: every
-    row) and the future of the filled host buffer."""
+    """A step's bitmask being filled: the rows it covers (None: every row) and the future of
+    the filled host buffer (the fill thread) or the grammar workers' job."""
 
     rows: list[int] | None
-    future: Future[torch.Tensor]
+    future: Future[torch.Tensor] | None = None
+    job: WorkerFill | None = None
+
+
+def resolve_workers(workers: int | None, device: torch.device) -> int:
+    """Grammar worker processes: as set, or by default 4 on CUDA hosts with at least 16 CPUs
+    (each spins on a core of its own while guided requests run) and none elsewhere."""
+    if workers is not None:
+        if workers < 0:
+            raise ValueError(f"guided_decoding_workers must be >= 0, got {workers}")
+        return workers
+    return 4 if device.type == "cuda" and (os.cpu_count() or 1) >= 16 else 0
 
 
 class StructuredOutputManager:
@@ -106,7 +119,7 @@ class StructuredOutputManager:
     threads before a request is added, so the engine thread finds the grammar in the cache."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device,
-                 max_num_reqs: int, backend: str = "xgrammar") -> None:
+                 max_num_reqs: int, backend: str = "xgrammar", workers: int | None = 0) -> None:
         check_backend(backend)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -124,6 +137,19 @@ class StructuredOutputManager:
         self._fill_thread: ThreadPoolExecutor | None = None
         self._device_bitmask: torch.Tensor | None = None
         self._fill_started = threading.Event()
+        # xgrammar's matchers in processes of their own (workers.py), started here so that
+        # their start-up (seconds: torch and xgrammar) overlaps the model's loading; none:
+        # the fill thread above.
+        self.num_workers = resolve_workers(workers, device) if backend == "xgrammar" else 0
+        self._workers: GrammarWorkers | None = None
+        if self.num_workers and tokenizer is not None:
+            from pagedserve.structured_output.workers import GrammarWorkers
+
+            info = self._ensure_backend().info
+            self._workers = GrammarWorkers(
+                self.num_workers, info.serialize_json(), info.stop_token_ids, vocab_size,
+                max_num_reqs, pin=device.type == "cuda")
+            logger.info("guided decoding: %d grammar worker processes", self.num_workers)
         # Bitmask work of the steps so far (benchmarks read these): the fills themselves, and
         # the engine thread's wait for them and the masks' copies.
         self.fill_seconds = 0.0
@@ -163,6 +189,8 @@ class StructuredOutputManager:
         t0 = time.perf_counter()
         compiled = backend.compile(key)
         logger.debug("compiled a %s grammar in %.3f s", key[0], time.perf_counter() - t0)
+        if self._workers is not None:  # their own compilers, ahead of the grammar's matchers
+            self._workers.compile(key)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_ENTRIES:
@@ -180,6 +208,8 @@ class StructuredOutputManager:
         ignores EOS still ends with its grammar, on the tokenizer's EOS."""
         compiled = self.compile(guided)
         stop = sorted(end_token_ids) or None
+        if self._workers is not None:
+            return self._workers.new_matcher(guided.key, stop)
         return RequestGrammar(self._backend.new_matcher(compiled, stop),
                               ends_on_stop_token=self.backend_name == "xgrammar")
 
@@ -189,6 +219,8 @@ class StructuredOutputManager:
         (bit set: token allowed; the other rows are left as they are and must not be applied)
         on the fill thread, and return once the fill is under way. The grammars' matchers must
         not change until `finish_fill`."""
+        if self._workers is not None:
+            return BitmaskFill(rows, job=self._workers.start_fill(grammars, rows, num_rows))
         if not self._bitmasks:
             shape, pin = (self.max_num_reqs, -(-self.vocab_size // 32)), self.device.type == "cuda"
             self._bitmasks = [torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
@@ -224,7 +256,17 @@ class StructuredOutputManager:
     def finish_fill(self, fill: BitmaskFill) -> torch.Tensor:
         """The started fill's mask on the device (waiting for the fill if need be)."""
         t0 = time.perf_counter()
-        bitmask = fill.future.result()
+        if fill.job is not None:
+            assert self._workers is not None
+            bitmask = self._workers.finish_fill(fill.job)
+            self.fill_seconds = self._workers.fill_seconds
+            self.num_fills += 1
+        else:
+            assert fill.future is not None
+            bitmask = fill.future.result()
+        if self._device_bitmask is None and self.device.type == "cuda":
+            self._device_bitmask = torch.empty((self.max_num_reqs, -(-self.vocab_size // 32)),
+                                               dtype=torch.int32, device=self.device)
         if self._device_bitmask is not None:  # pinned: the copy need not wait
             bitmask = self._device_bitmask[:len(bitmask)].copy_(bitmask, non_blocking=True)
         self.wait_seconds += time.perf_counter() - t0
@@ -233,6 +275,8 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._fill_thread is not None:
             self._fill_thread.shutdown(wait=True)
+        if self._workers is not None:
+            self._workers.shutdown()
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None

@@ -18,9 +18,9 @@ class XGrammarBackend:
         import xgrammar as xgr
 
         self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         # The manager keeps its own LRU cache; xgrammar's would hold a second copy.
-        self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
         # xgrammar's default ("auto"): half the machine's hardware threads.
         self.max_threads = max(1, (os.cpu_count() or 2) // 2)
         self._batch_matchers: dict[int, Any] = {}

@@ -70,6 +70,8 @@ def _mistakes(model_dir: str, tmp_path) -> list[tuple[list[str], dict[str, str],
         (["generate", "--model", model_dir, *CPU, "--temperature", "-1", "--prompt", "hi"], {},
          ("temperature", "-1")),
         (["generate", "--config", "nope", "--prompt", "hi"], {}, ("'nope'", "cpu")),
+        (["generate", "--model", model_dir, *CPU, "--guided-decoding-workers", "-1",
+          "--prompt", "hi"], {}, ("guided_decoding_workers", "-1")),
         (["bench", "serve", "--url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1"],
          {}, ("is a server running there?",)),
     ]

@@ -1,0 +1,467 @@
+"""Grammar matchers in processes of their own (`--guided-decoding-workers N`, xgrammar only).
+
+Why: on a fast GPU a small model's decode step is ~1.3 ms of host work at batch 64, and a
+guided step adds the matchers' work (accepting the last samples, ~3 us a row; filling the next
+masks, ~12 us a row for a JSON schema). On the engine's threads that work costs more than it
+is: a hand-off between threads is a futex wake plus the GIL (~0.1 ms on the H200's host), and
+Python between the library's calls competes with the engine for the GIL (docs/
+structured_outputs.md, "Cost"). Here each worker process owns the matchers of some sequences
+and has a GIL of its own. A step is a handful of stores into shared memory; the workers spin on
+a counter (no wake-up), accept their rows' samples, fill their rows of a shared bitmask (pinned
+on CUDA, so the device copies it straight), and bump a counter back. The engine's thread writes
+the task and goes on with the step; it spins only if the masks are not ready when the step's
+sampling is due.
+
+The engine side keeps, per sequence, a `RemoteGrammar`: the tokens accepted since the last
+fill (sent with the next one), and whether the grammar has ended (an xgrammar matcher ends by
+accepting one of its stop tokens, which its mask allows only where the grammar may end). A
+matcher's creation, a rollback, extra pending tokens and a release are control messages on the
+worker's pipe; each task names how many control messages precede it, so a worker has always
+applied them first. A token the grammar refuses (the mask makes it impossible) comes back as a
+flag on that row, and the sequence ends at its next stop check.
+
+Idle workers spin for a while after their last task, then poll their pipe (a step after a long
+pause sends a wake-up first); a worker whose parent has gone exits.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# A worker spins this long after its last task or message before it polls its pipe instead
+# (a step arrives every 1-20 ms while requests run).
+SPIN_SECONDS = 0.05
+# Polling timeout of an idle worker; the engine sends a wake-up to one idle for longer.
+IDLE_POLL_SECONDS = 0.002
+WAKE_AFTER_SECONDS = 0.02
+# The engine's wait for a worker: spins, then yields, and checks that the worker lives.
+LIVENESS_SECONDS = 0.5
+
+# Control words per worker (int64; go and done on cache lines of their own).
+_CTRL_WORDS = 24
+_GO, _DONE, _FILL_NS = 0, 8, 16
+# A task: n, control messages before it, bitmask buffer; then four int32 columns.
+_TASK_HEADER = 4
+
+
+class _Shared:
+    """The shared block: per worker its control words and task; two bitmask buffers."""
+
+    def __init__(self, buf: memoryview, num_workers: int, max_rows: int, words: int) -> None:
+        ctrl_bytes = num_workers * _CTRL_WORDS * 8
+        task_ints = _TASK_HEADER + 4 * max_rows
+        task_bytes = num_workers * task_ints * 4
+        mask_offset = -(-(ctrl_bytes + task_bytes) // 4096) * 4096
+        self.ctrl = buf[:ctrl_bytes].cast("q")  # scalar reads: faster than numpy's
+        self.task = np.frombuffer(buf, np.int32, num_workers * task_ints, ctrl_bytes
+                                  ).reshape(num_workers, task_ints)
+        self.mask_offset = mask_offset
+        self.bitmasks = np.frombuffer(buf, np.int32, 2 * max_rows * words, mask_offset
+                                      ).reshape(2, max_rows, words)
+        self.max_rows = max_rows
+
+    @staticmethod
+    def nbytes(num_workers: int, max_rows: int, words: int) -> int:
+        head = num_workers * (_CTRL_WORDS * 8 + (_TASK_HEADER + 4 * max_rows) * 4)
+        return -(-head // 4096) * 4096 + 2 * max_rows * words * 4
+
+    def columns(self, w: int, n: int) -> tuple[np.ndarray, ...]:
+        """Worker w's task columns: slot, token (-1: none), bitmask row, refused (out)."""
+        m, t = self.max_rows, self.task[w]
+        h = _TASK_HEADER
+        return t[h:h + n], t[h + m:h + m + n], t[h + 2 * m:h + 2 * m + n], \
+            t[h + 3 * m:h + 3 * m + n]
+
+    def release(self) -> None:
+        self.ctrl.release()
+        self.task = self.bitmasks = None  # type: ignore[assignment]
+
+
+class RemoteGrammar:
+    """The engine's side of one sequence's matcher in a worker (RequestGrammar's interface)."""
+
+    __slots__ = ("worker", "slot", "stop_ids", "num_accepted", "failed", "is_terminated",
+                 "pending", "_pool", "__weakref__")
+    ends_on_stop_token = True
+
+    def __init__(self, pool: GrammarWorkers, worker: int, slot: int, stop_ids: frozenset[int]
+                 ) -> None:
+        self.worker, self.slot, self.stop_ids = worker, slot, stop_ids
+        self.num_accepted = 0
+        self.failed = False
+        self.is_terminated = False
+        self.pending: list[int] = []  # accepted here, not yet sent to the worker
+        self._pool = pool
+
+    def accept(self, token_id: int, position: int | None = None) -> bool:
+        if position is not None and position < self.num_accepted:
+            return not self.failed
+        if self.failed or self.is_terminated:
+            self.failed = True
+            return False
+        self.pending.append(token_id)
+        self.num_accepted += 1
+        self.is_terminated = token_id in self.stop_ids
+        return True
+
+    def rollback_to(self, num_tokens: int) -> None:
+        extra = self.num_accepted - num_tokens
+        if extra <= 0:
+            return
+        unsent = min(extra, len(self.pending))
+        del self.pending[len(self.pending) - unsent:]
+        if extra > unsent:
+            self._pool.send(self.worker, ("rollback", self.slot, extra - unsent))
+        self.num_accepted = num_tokens
+        self.is_terminated = False  # a stop token can only have been the last one
+
+
+class WorkerFill:
+    """A started fill: the workers it went to and, per worker, its grammars in task order."""
+
+    __slots__ = ("buffer", "num_rows", "tasks")
+
+    def __init__(self, buffer: int, num_rows: int, tasks: dict[int, list[RemoteGrammar]]
+                 ) -> None:
+        self.buffer, self.num_rows, self.tasks = buffer, num_rows, tasks
+
+
+class GrammarWorkers:
+    """`num_workers` processes holding matchers; `start_fill` / `finish_fill` per step."""
+
+    def __init__(self, num_workers: int, tokenizer_info_json: str, default_stop_ids: list[int],
+                 vocab_size: int, max_rows: int, pin: bool) -> None:
+        if not hasattr(os, "memfd_create"):
+            raise ValueError("guided_decoding_workers needs Linux (memfd_create); use 0")
+        self.num_workers = num_workers
+        self.words = -(-vocab_size // 32)
+        self.default_stop_ids = frozenset(default_stop_ids)
+        # One memfd mapping, shared by passing its descriptor: nothing to name or unlink, and
+        # it goes with the last process that maps it. The tokenizer's description for the
+        # workers' compilers (~2 MB of JSON) follows the bitmasks.
+        info = tokenizer_info_json.encode()
+        size = _Shared.nbytes(num_workers, max_rows, self.words)
+        self._fd = os.memfd_create("pagedserve-grammar")
+        os.ftruncate(self._fd, size + len(info))
+        self._map = mmap.mmap(self._fd, size + len(info))
+        self._map[size:] = info
+        self._shared = _Shared(memoryview(self._map), num_workers, max_rows, self.words)
+        self._shared.bitmasks.fill(-1)
+        self.bitmasks = torch.from_numpy(self._shared.bitmasks)  # [2, max_rows, words]
+        self._registered = pin and _register_pinned(self.bitmasks)
+        self._conns: list[Connection] = []
+        self._procs: list[subprocess.Popen] = []
+        for w in range(num_workers):
+            ours, theirs = socket.socketpair()
+            # A fresh interpreter running this module, not multiprocessing's spawn: that
+            # would import the user's main script again (a script without a main guard would
+            # start its work over in every worker).
+            args = [str(x) for x in (w, self._fd, theirs.fileno(), num_workers, max_rows,
+                                     self.words, size, len(info), os.getpid())]
+            self._procs.append(subprocess.Popen(
+                [sys.executable, "-m", __name__, *args], env=_child_env(),
+                pass_fds=(self._fd, theirs.fileno())))
+            theirs.close()
+            self._conns.append(Connection(ours.detach()))
+        self._sent = [0] * num_workers  # control messages sent to each worker
+        self._go = [0] * num_workers
+        self._last_go = [0.0] * num_workers
+        self._live = [0] * num_workers
+        self._free: list[list[int]] = [[] for _ in range(num_workers)]
+        self._next_slot = [0] * num_workers
+        self._released: collections.deque[tuple[int, int]] = collections.deque()
+        self._buffer = 0
+        self._closed = False
+        # Requests may be added from another thread than the step's: messages and slots.
+        self._lock = threading.Lock()
+        self.fill_seconds = 0.0  # the slowest worker's fill, summed over steps
+
+    # -- sequences --------------------------------------------------------------------------
+
+    def new_matcher(self, key: tuple[str, str], stop_ids: list[int] | None) -> RemoteGrammar:
+        """A matcher of the compiled `key` on the least loaded worker."""
+        self._reuse_released()
+        with self._lock:
+            w = min(range(self.num_workers), key=self._live.__getitem__)
+            if self._free[w]:
+                slot = self._free[w].pop()
+            else:
+                slot = self._next_slot[w]
+                self._next_slot[w] += 1
+            self._live[w] += 1
+        self.send(w, ("new", slot, key, stop_ids))
+        grammar = RemoteGrammar(self, w, slot,
+                                frozenset(stop_ids) if stop_ids else self.default_stop_ids)
+        # Called from wherever the grammar is collected: only a deque append there.
+        weakref.finalize(grammar, self._released.append, (w, slot))
+        return grammar
+
+    def compile(self, key: tuple[str, str]) -> None:
+        """Have every worker compile `key` between steps (into its cache) before a matcher of
+        it is made there: a worker's compile is otherwise paid inside a step."""
+        for w in range(self.num_workers):
+            self.send(w, ("compile", key))
+
+    def _reuse_released(self) -> None:
+        while self._released:
+            w, slot = self._released.popleft()
+            self.send(w, ("drop", slot))
+            with self._lock:
+                self._live[w] -= 1
+                self._free[w].append(slot)
+
+    def send(self, w: int, message: tuple) -> None:
+        with self._lock:
+            try:
+                self._conns[w].send(message)
+            except OSError:
+                raise self._died(w) from None
+            self._sent[w] += 1
+
+    def _died(self, w: int) -> RuntimeError:
+        return RuntimeError(f"grammar worker {w} died (exit code {self._procs[w].poll()})")
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def start_fill(self, grammars: list[RemoteGrammar], rows: list[int], num_rows: int
+                   ) -> WorkerFill:
+        """Hand each grammar's pending tokens and bitmask row to its worker and start them."""
+        self._reuse_released()
+        self._buffer ^= 1  # see StructuredOutputManager.start_fill on reusing a buffer
+        tasks: dict[int, list[RemoteGrammar]] = {}
+        columns: dict[int, tuple[list[int], list[int], list[int]]] = {}
+        for grammar, row in zip(grammars, rows, strict=True):
+            w, pending = grammar.worker, grammar.pending
+            token = -1
+            if pending:
+                if len(pending) > 1:
+                    self.send(w, ("accept", grammar.slot, pending[:-1]))
+                token = pending[-1]
+                pending.clear()
+            if w not in tasks:
+                tasks[w], columns[w] = [], ([], [], [])
+            tasks[w].append(grammar)
+            slots, tokens, mask_rows = columns[w]
+            slots.append(grammar.slot)
+            tokens.append(token)
+            mask_rows.append(row)
+        now = time.perf_counter()
+        ctrl = self._shared.ctrl
+        for w, (slots, tokens, mask_rows) in columns.items():
+            if now - self._last_go[w] > WAKE_AFTER_SECONDS:
+                self.send(w, ("wake",))  # it may be polling its pipe
+            n = len(slots)
+            slot_col, token_col, row_col, _ = self._shared.columns(w, n)
+            slot_col[:], token_col[:], row_col[:] = slots, tokens, mask_rows
+            self._shared.task[w, :3] = n, self._sent[w], self._buffer
+            self._go[w] += 1
+            self._last_go[w] = now
+            ctrl[w * _CTRL_WORDS + _GO] = self._go[w]  # last: the worker reads the task after it
+        return WorkerFill(self._buffer, num_rows, tasks)
+
+    def finish_fill(self, fill: WorkerFill) -> torch.Tensor:
+        """The filled host bitmask [num_rows, words] once every worker of the fill is done."""
+        ctrl, slowest = self._shared.ctrl, 0
+        for w, grammars in fill.tasks.items():
+            self._wait(w)
+            slowest = max(slowest, ctrl[w * _CTRL_WORDS + _FILL_NS])
+            refused = self._shared.columns(w, len(grammars))[3]
+            if refused.any():
+                for i in np.flatnonzero(refused).tolist():
+                    grammars[i].failed = True
+                    logger.error("a grammar refused its sequence's token (worker %d, slot %d)",
+                                 w, grammars[i].slot)
+        self.fill_seconds += slowest / 1e9
+        return self.bitmasks[fill.buffer, :fill.num_rows]
+
+    def _wait(self, w: int) -> None:
+        ctrl, index, go = self._shared.ctrl, w * _CTRL_WORDS + _DONE, self._go[w]
+        if ctrl[index] == go:
+            return
+        t0 = time.perf_counter()
+        spins = 0
+        while ctrl[index] != go:
+            spins += 1
+            if spins % 256 == 0:
+                time.sleep(0)  # let the process's other threads run
+                if time.perf_counter() - t0 > LIVENESS_SECONDS:
+                    if self._procs[w].poll() is not None:
+                        raise self._died(w)
+                    t0 = time.perf_counter()
+
+    # -- life -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+        for proc, conn in zip(self._procs, self._conns, strict=True):
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            conn.close()
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.bitmasks.data_ptr())
+        # The mapping stays while a mask taken from it lives; it goes with the last reference.
+        self.bitmasks = None  # type: ignore[assignment]
+        self._shared.release()
+        os.close(self._fd)
+
+
+def _child_env() -> dict[str, str]:
+    """The environment with this package importable, however the engine found it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def _register_pinned(bitmasks: torch.Tensor) -> bool:
+    """Page-lock the shared bitmasks so the device's copy reads them directly."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(
+            bitmasks.data_ptr(), bitmasks.numel() * bitmasks.element_size(), 0)
+    except Exception as exc:  # an old torch without the binding
+        logger.warning("could not pin the grammar workers' bitmasks: %s", exc)
+        return False
+    if int(err) != 0:
+        logger.warning("could not pin the grammar workers' bitmasks (CUDA error %d)", int(err))
+        return False
+    return True
+
+
+# -- the worker process ---------------------------------------------------------------------
+
+
+def worker_main(index: int, fd: int, conn_fd: int, num_workers: int, max_rows: int, words: int,
+                info_offset: int, info_length: int, parent_pid: int) -> None:
+    """A worker's loop: control messages as they come, a task whenever `go` moves."""
+    import xgrammar as xgr
+
+    from pagedserve.structured_output.grammar import parse_grammar
+    from pagedserve.structured_output.manager import CACHE_ENTRIES
+
+    mapping = mmap.mmap(fd, info_offset + info_length)
+    os.close(fd)
+    conn = Connection(conn_fd)
+    shared = _Shared(memoryview(mapping), num_workers, max_rows, words)
+    bitmasks = [torch.from_numpy(shared.bitmasks[b]) for b in range(2)]
+    ctrl = shared.ctrl
+    go_index, done_index = index * _CTRL_WORDS + _GO, index * _CTRL_WORDS + _DONE
+    info = xgr.TokenizerInfo.deserialize_json(
+        mapping[info_offset:info_offset + info_length].decode())
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    cache: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
+
+    def compile_key(key: tuple[str, str]) -> Any:
+        compiled = cache.get(key)
+        if compiled is None:
+            compiled = cache[key] = compiler.compile_grammar(parse_grammar(key))
+            if len(cache) > CACHE_ENTRIES:
+                cache.popitem(last=False)
+        cache.move_to_end(key)
+        return compiled
+    batch = xgr.BatchGrammarMatcher(max_threads=1)
+    matchers: dict[int, Any] = {}
+    refused: set[int] = set()
+    handled = seen = 0
+
+    def handle(message: tuple) -> bool:
+        kind = message[0]
+        if kind == "compile":
+            try:
+                compile_key(message[1])
+            except Exception:  # the engine has compiled it; reported there if it failed
+                pass
+        elif kind == "new":
+            _, slot, key, stop_ids = message
+            refused.discard(slot)
+            try:
+                matchers[slot] = xgr.GrammarMatcher(compile_key(key),
+                                                    override_stop_tokens=stop_ids)
+            except Exception:  # compiled by the engine already: not expected
+                logger.exception("grammar worker %d could not compile %s", index, key[0])
+                matchers.pop(slot, None)
+        elif kind == "drop":
+            matchers.pop(message[1], None)
+            refused.discard(message[1])
+        elif kind == "accept":
+            matcher = matchers.get(message[1])
+            if matcher is not None and not all(matcher.accept_token(t) for t in message[2]):
+                refused.add(message[1])
+        elif kind == "rollback":
+            matcher = matchers.get(message[1])
+            if matcher is not None:
+                matcher.rollback(message[2])
+        return kind != "stop"
+
+    last = time.perf_counter()
+    while True:
+        # Wait for a task, handling messages meanwhile: spinning while tasks come often,
+        # blocked in a short poll of the pipe once they have stopped.
+        spins, idle = 0, False
+        while ctrl[go_index] == seen:
+            spins += 1
+            if idle or spins % 32 == 0:
+                if conn.poll(IDLE_POLL_SECONDS if idle else 0):
+                    handled += 1
+                    if not handle(conn.recv()):
+                        return
+                    last, idle = time.perf_counter(), False
+                elif idle and os.getppid() != parent_pid:
+                    return
+                elif spins % 1024 == 0:
+                    idle = time.perf_counter() - last > SPIN_SECONDS
+        seen = ctrl[go_index]
+        t0 = time.perf_counter_ns()
+        n, before, buffer = (int(x) for x in shared.task[index, :3])
+        while handled < before:  # sent ahead of the task
+            handled += 1
+            if not handle(conn.recv()):
+                return
+        slots, tokens, rows, out = shared.columns(index, n)
+        out[:] = 0
+        live, live_rows = [], []
+        for i, (slot, token, row) in enumerate(zip(slots.tolist(), tokens.tolist(),
+                                                   rows.tolist(), strict=True)):
+            matcher = matchers.get(slot)
+            if token >= 0 and matcher is not None and not matcher.accept_token(token):
+                refused.add(slot)
+            if matcher is None or slot in refused:  # the sequence ends; its row is not used
+                out[i] = 1
+                bitmasks[buffer][row] = -1
+                continue
+            live.append(matcher)
+            live_rows.append(row)
+        if live:
+            batch.batch_fill_next_token_bitmask(live, bitmasks[buffer], indices=live_rows)
+        ctrl[index * _CTRL_WORDS + _FILL_NS] = time.perf_counter_ns() - t0
+        ctrl[done_index] = seen
+        last = time.perf_counter()
+
+
+if __name__ == "__main__":
+    worker_main(*(int(arg) for arg in sys.argv[1:]))

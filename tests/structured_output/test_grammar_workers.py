@@ -1,0 +1,143 @@
+"""Grammar matchers in worker processes (`guided_decoding_workers`): the same tokens as the
+engine's own matchers (async and step by step, n > 1, beside unguided requests, through
+preemption), a rollback that spans sent and unsent tokens, released matchers freed in the
+workers, a dead worker reported instead of waited for, and the setting's checks. One worker:
+the CI machine has two cores, and a worker spins on one while guided requests run."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import time
+
+import jsonschema
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import check_settings
+from pagedserve.sampling_params import GuidedDecodingParams
+from pagedserve.structured_output.manager import StructuredOutputManager, resolve_workers
+from pagedserve.structured_output.workers import RemoteGrammar
+from tests.structured_output.schemas import FAST, SCHEMAS
+
+PROMPT = "Answer with JSON only.\n"
+REGEX = r"[A-Z][a-z]{2,5} [0-9]{1,3}"
+
+
+def _params(max_tokens: int) -> tuple[list[str], list[SamplingParams]]:
+    guided = [GuidedDecodingParams(json=SCHEMAS[name]) for name in FAST[:3]]
+    prompts = ["The capital of France is", PROMPT, PROMPT, PROMPT, PROMPT, "Pick one:"]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),  # outlives
+              *[SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, guided_decoding=g)
+                for i, g in enumerate(guided)],
+              SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=40,
+                             guided_decoding=GuidedDecodingParams(regex=REGEX)),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=8,
+                             guided_decoding=GuidedDecodingParams(choice=["red", "green"]))]
+    return prompts, params
+
+
+def _run(workers: int, async_scheduling: bool, max_tokens: int = 120, **engine: object
+         ) -> tuple[list[list[list[int]]], int]:
+    llm = LLM(model=None, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=16,
+              guided_decoding_workers=workers, async_scheduling=async_scheduling, **engine)
+    prompts, params = _params(max_tokens)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if workers:
+            pool = llm.engine.structured_output._workers
+            assert pool is not None and llm.engine.structured_output.num_fills > 0
+            gc.collect()
+            pool._reuse_released()
+            assert sum(pool._live) == 0  # every finished sequence's matcher was dropped
+    finally:
+        llm.engine.shutdown()
+    for name, out in zip(FAST[:3], outs[1:4], strict=True):
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
+    assert all(c.text in ("red", "green") for c in outs[5].outputs)
+    tokens = [[c.token_ids for c in o.outputs] for o in outs]
+    return tokens, llm.engine.scheduler.num_preemptions
+
+
+def test_workers_sample_the_same_tokens_as_the_engines_matchers() -> None:
+    # float32: tokens do not depend on the batch; async scheduling advances the matchers by
+    # the in-flight step's samples, which the workers receive with the next fill.
+    reference = _run(0, async_scheduling=False)[0]
+    assert _run(1, async_scheduling=True)[0] == reference
+
+
+def test_workers_through_preemption() -> None:
+    # 28 blocks of 4 tokens for 7 sequences growing by up to 100: the scheduler preempts
+    # (recompute) and the matchers roll back, in the engine or in the worker alike.
+    engine = {"block_size": 4, "num_gpu_blocks_override": 28, "max_tokens": 100}
+    reference, preemptions = _run(0, async_scheduling=True, **engine)
+    assert preemptions > 0
+    assert _run(1, async_scheduling=True, **engine) == (reference, preemptions)
+
+
+@pytest.fixture(scope="module")
+def managers() -> tuple[StructuredOutputManager, StructuredOutputManager]:
+    llm = LLM(model=None, kv_cache_memory="16MiB", max_num_seqs=4)
+    args = (llm.get_tokenizer(), llm.engine.runner.vocab_size, torch.device("cpu"), 4)
+    local, remote = StructuredOutputManager(*args), StructuredOutputManager(*args, workers=1)
+    llm.engine.shutdown()
+    yield local, remote
+    remote.shutdown()
+
+
+def _mask(manager: StructuredOutputManager, grammar: object) -> torch.Tensor:
+    return manager.finish_fill(manager.start_fill([grammar], [0], 1)).clone()
+
+
+def test_rollback_over_sent_and_pending_tokens(managers) -> None:
+    local, remote = managers
+    guided = GuidedDecodingParams(json=SCHEMAS["flat_required"])
+    tokens = local.tokenizer.encode('{"name": "Ann", "age": 7}', add_special_tokens=False)
+    grammar = remote.new_grammar(guided, frozenset({2}))
+    assert isinstance(grammar, RemoteGrammar)
+    assert all(grammar.accept(t) for t in tokens[:6])
+    _mask(remote, grammar)  # the worker has accepted six tokens
+    assert all(grammar.accept(t, 6 + i) for i, t in enumerate(tokens[6:9]))
+    grammar.rollback_to(4)  # drops three pending tokens here, two sent ones there
+    reference = local.new_grammar(guided, frozenset({2}))
+    for n in (4, 9, len(tokens)):
+        assert all(reference.accept(t) for t in tokens[reference.num_accepted:n])
+        assert all(grammar.accept(t) for t in tokens[grammar.num_accepted:n])
+        assert torch.equal(_mask(remote, grammar), _mask(local, reference)), n
+    assert grammar.num_accepted == len(tokens) and not grammar.failed
+
+
+def test_a_refused_token_fails_the_grammar(managers) -> None:
+    _, remote = managers
+    grammar = remote.new_grammar(GuidedDecodingParams(choice=["yes", "no"]), frozenset({2}))
+    bad = remote.tokenizer.encode("{", add_special_tokens=False)[0]
+    assert grammar.accept(bad)  # known only once the worker has tried it
+    mask = _mask(remote, grammar)
+    assert grammar.failed and bool((mask == -1).all())  # its row allows anything: it ends
+
+
+def test_a_dead_worker_is_an_error_not_a_hang(managers) -> None:
+    manager = StructuredOutputManager(managers[0].tokenizer, managers[0].vocab_size,
+                                      torch.device("cpu"), 4, workers=1)
+    try:
+        grammar = manager.new_grammar(GuidedDecodingParams(regex="[a-z]+"), frozenset({2}))
+        _mask(manager, grammar)
+        os.kill(manager._workers._procs[0].pid, signal.SIGKILL)
+        manager._workers._procs[0].wait()
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match="grammar worker 0 died"):
+            _mask(manager, grammar)
+        assert time.perf_counter() - t0 < 5
+    finally:
+        manager.shutdown()
+
+
+def test_workers_setting() -> None:
+    assert resolve_workers(2, torch.device("cpu")) == 2
+    assert resolve_workers(None, torch.device("cpu")) == 0
+    with pytest.raises(ValueError, match="guided_decoding_workers must be >= 0, got -1"):
+        check_settings(EngineConfig.from_kwargs(device="cpu", guided_decoding_workers=-1))
