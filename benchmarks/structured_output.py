@@ -10,6 +10,7 @@ unguided / guided --repeats times.
 
     python benchmarks/structured_output.py [--device cpu|cuda] [--batch 64] [--output-len 32]
         [--repeats 2] [--threads N] [--no-seed] [--model random:smollm2-135m --tokenizer DIR]
+        [--guided-decoding-workers N]
 
 --no-seed samples without per-request seeds (a seeded request draws from its own generator,
 row by row, a cost both runs share that dilutes the grammar's).
@@ -92,13 +93,16 @@ def main() -> None:
                              "(the per-step fill times are then not reported)")
     parser.add_argument("--async-scheduling", action="store_true", default=None,
                         help="async scheduling on the CPU too (CUDA's default)")
+    parser.add_argument("--guided-decoding-workers", type=int, default=None,
+                        help="grammar worker processes (default: the engine's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, tokenizer=args.tokenizer, device=args.device,
               max_num_seqs=args.batch, kv_cache_memory="512MiB",
               engine_core_process=args.engine_core_process or None,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling,
+              guided_decoding_workers=args.guided_decoding_workers)
     manager = llm.engine.structured_output
     # Compile the grammar and warm both paths up at the full batch size (the first run of a
     # shape is slower, and would otherwise count against whichever goes first).
@@ -122,8 +126,10 @@ def main() -> None:
                 fills += manager.num_fills - before[2]
     plain, guided = statistics.median(rates[False]), statistics.median(rates[True])
     device = llm.engine.config.torch_device
+    workers = 0 if args.engine_core_process else manager.num_workers
     print(f"device {device}, batch {args.batch}, {args.output_len} output tokens, "
-          f"{args.repeats} repeats, {'unseeded' if args.no_seed else 'seeded'}")
+          f"{args.repeats} repeats, {'unseeded' if args.no_seed else 'seeded'}, "
+          f"{workers} grammar workers")
     print(f"unguided: {plain:.1f} tok/s (runs: {', '.join(f'{r:.1f}' for r in rates[False])})")
     print(f"guided:   {guided:.1f} tok/s (runs: {', '.join(f'{r:.1f}' for r in rates[True])})")
     # Each repeat's guided run against the unguided run just before it: the host's speed
@@ -133,11 +139,12 @@ def main() -> None:
           f"(median {statistics.median(pairs):.3f})")
     print(f"guided / unguided: {guided / plain:.3f} by wall time, "
           f"{statistics.median(cpu_rates[True]) / statistics.median(cpu_rates[False]):.3f} "
-          f"by CPU time")
+          f"by this process's CPU time" + (" (the workers' not counted)" if workers else ""))
     if args.engine_core_process:
         print("bitmask fill per step: in the engine core's process, not timed here")
     else:
-        print(f"bitmask fill per step: {1e3 * fill_s / max(fills, 1):.3f} ms on the fill thread; "
+        where = "in the slowest worker" if workers else "on the fill thread"
+        print(f"bitmask fill per step: {1e3 * fill_s / max(fills, 1):.3f} ms {where}; "
               f"the engine thread's wait for it and its copy: "
               f"{1e3 * wait_s / max(fills, 1):.3f} ms ({int(fills)} steps)")
     vocab = llm.engine.vocab_size

@@ -464,4 +464,7 @@ def worker_main(index: int, fd: int, conn_fd: int, num_workers: int, max_rows: i
 
 
 if __name__ == "__main__":
-    worker_main(*(int(arg) for arg in sys.argv[1:]))
+    try:
+        worker_main(*(int(arg) for arg in sys.argv[1:]))
+    except (EOFError, ConnectionError, KeyboardInterrupt):
+        pass  # the engine's process has gone (or is being interrupted with it)

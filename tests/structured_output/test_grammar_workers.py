@@ -23,6 +23,7 @@ from pagedserve.sampling_params import GuidedDecodingParams
 from pagedserve.structured_output.manager import StructuredOutputManager, resolve_workers
 from pagedserve.structured_output.workers import RemoteGrammar
 from tests.structured_output.schemas import FAST, SCHEMAS
+from tests.utils.paged import bundled_gguf
 
 PROMPT = "Answer with JSON only.\n"
 REGEX = r"[A-Z][a-z]{2,5} [0-9]{1,3}"
@@ -41,13 +42,16 @@ def _params(max_tokens: int) -> tuple[list[str], list[SamplingParams]]:
     return prompts, params
 
 
-def _run(workers: int, async_scheduling: bool, max_tokens: int = 120, **engine: object
-         ) -> tuple[list[list[list[int]]], int]:
-    llm = LLM(model=None, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=16,
+def _run(workers: int, async_scheduling: bool, max_tokens: int = 120, device: str = "cpu",
+         **engine: object) -> tuple[list[list[list[int]]], int]:
+    # On CUDA the cache is sized by gpu_memory_utilization (kv_cache_memory is the CPU's).
+    llm = LLM(model=str(bundled_gguf()), dtype="float32", device=device,
+              kv_cache_memory="64MiB", gpu_memory_utilization=0.2, max_num_seqs=16,
               guided_decoding_workers=workers, async_scheduling=async_scheduling, **engine)
     prompts, params = _params(max_tokens)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
+        preemptions = llm.engine.scheduler.num_preemptions
         if workers:
             pool = llm.engine.structured_output._workers
             assert pool is not None and llm.engine.structured_output.num_fills > 0
@@ -56,18 +60,24 @@ def _run(workers: int, async_scheduling: bool, max_tokens: int = 120, **engine: 
             assert sum(pool._live) == 0  # every finished sequence's matcher was dropped
     finally:
         llm.engine.shutdown()
+        if device == "cuda":
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
     for name, out in zip(FAST[:3], outs[1:4], strict=True):
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
     assert all(c.text in ("red", "green") for c in outs[5].outputs)
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
-    return tokens, llm.engine.scheduler.num_preemptions
+    return tokens, preemptions
 
 
-def test_workers_sample_the_same_tokens_as_the_engines_matchers() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_workers_sample_the_same_tokens_as_the_engines_matchers(device: str) -> None:
     # float32: tokens do not depend on the batch; async scheduling advances the matchers by
-    # the in-flight step's samples, which the workers receive with the next fill.
-    reference = _run(0, async_scheduling=False)[0]
-    assert _run(1, async_scheduling=True)[0] == reference
+    # the in-flight step's samples, which the workers receive with the next fill. On CUDA the
+    # shared bitmasks are page-locked and copied to the device without a staging buffer.
+    reference = _run(0, async_scheduling=False, device=device)[0]
+    assert _run(1 if device == "cpu" else 2, async_scheduling=True, device=device)[0] == reference
 
 
 def test_workers_through_preemption() -> None:
