@@ -217,8 +217,8 @@ class StructuredOutputManager:
                    ) -> BitmaskFill:
         """Start filling the [num_rows, ceil(V / 32)] int32 bitmask of `rows` from `grammars`
         (bit set: token allowed; the other rows are left as they are and must not be applied)
-        on the fill thread or in the grammar workers, and return once the fill is under way. The grammars' matchers must
-        not change until `finish_fill`."""
+        on the fill thread or in the grammar workers, and return once the fill is under way.
+        The grammars' matchers must not change until `finish_fill`."""
         if self._workers is not None:
             return BitmaskFill(rows, job=self._workers.start_fill(grammars, rows, num_rows))
         if not self._bitmasks:

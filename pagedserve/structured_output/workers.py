@@ -53,44 +53,51 @@ WAKE_AFTER_SECONDS = 0.02
 # The engine's wait for a worker: spins, then yields, and checks that the worker lives.
 LIVENESS_SECONDS = 0.5
 
-# Control words per worker (int64; go and done on cache lines of their own).
-_CTRL_WORDS = 24
-_GO, _DONE, _FILL_NS = 0, 8, 16
-# A task: n, control messages before it, bitmask buffer; then four int32 columns.
-_TASK_HEADER = 4
+# Control words (int64), each on a cache line of its own: the step counter `go`, then per
+# worker the last step it finished and that step's fill time.
+_LINE = 8
+_GO = 0
+
+
+def _done(w: int) -> int:
+    return (1 + 2 * w) * _LINE
+
+
+def _fill_ns(w: int) -> int:
+    return (2 + 2 * w) * _LINE
 
 
 class _Shared:
-    """The shared block: per worker its control words and task; two bitmask buffers."""
+    """The shared block: control words; a step's task (every worker reads the rows it owns);
+    two bitmask buffers."""
 
     def __init__(self, buf: memoryview, num_workers: int, max_rows: int, words: int) -> None:
-        ctrl_bytes = num_workers * _CTRL_WORDS * 8
-        task_ints = _TASK_HEADER + 4 * max_rows
-        task_bytes = num_workers * task_ints * 4
-        mask_offset = -(-(ctrl_bytes + task_bytes) // 4096) * 4096
+        ctrl_bytes, task_ints = self._sizes(num_workers, max_rows)
         self.ctrl = buf[:ctrl_bytes].cast("q")  # scalar reads: faster than numpy's
-        self.task = np.frombuffer(buf, np.int32, num_workers * task_ints, ctrl_bytes
-                                  ).reshape(num_workers, task_ints)
-        self.mask_offset = mask_offset
+        task = np.frombuffer(buf, np.int32, task_ints, ctrl_bytes)
+        # Header: rows in the task, bitmask buffer; control messages sent to each worker
+        # before the task. Columns: slot, token (-1: none), bitmask row, worker; refused.
+        self.header = task[:2]
+        self.sent_before = task[2:2 + num_workers]
+        self.table = task[2 + num_workers:2 + num_workers + 4 * max_rows].reshape(4, max_rows)
+        self.refused = task[2 + num_workers + 4 * max_rows:]
+        mask_offset = -(-(ctrl_bytes + task_ints * 4) // 4096) * 4096
         self.bitmasks = np.frombuffer(buf, np.int32, 2 * max_rows * words, mask_offset
                                       ).reshape(2, max_rows, words)
-        self.max_rows = max_rows
 
     @staticmethod
-    def nbytes(num_workers: int, max_rows: int, words: int) -> int:
-        head = num_workers * (_CTRL_WORDS * 8 + (_TASK_HEADER + 4 * max_rows) * 4)
-        return -(-head // 4096) * 4096 + 2 * max_rows * words * 4
+    def _sizes(num_workers: int, max_rows: int) -> tuple[int, int]:
+        return (1 + 2 * num_workers) * _LINE * 8, 2 + num_workers + 5 * max_rows
 
-    def columns(self, w: int, n: int) -> tuple[np.ndarray, ...]:
-        """Worker w's task columns: slot, token (-1: none), bitmask row, refused (out)."""
-        m, t = self.max_rows, self.task[w]
-        h = _TASK_HEADER
-        return t[h:h + n], t[h + m:h + m + n], t[h + 2 * m:h + 2 * m + n], \
-            t[h + 3 * m:h + 3 * m + n]
+    @classmethod
+    def nbytes(cls, num_workers: int, max_rows: int, words: int) -> int:
+        ctrl_bytes, task_ints = cls._sizes(num_workers, max_rows)
+        return -(-(ctrl_bytes + task_ints * 4) // 4096) * 4096 + 2 * max_rows * words * 4
 
     def release(self) -> None:
         self.ctrl.release()
-        self.task = self.bitmasks = None  # type: ignore[assignment]
+        self.header = self.sent_before = self.table = self.refused = None  # type: ignore
+        self.bitmasks = None  # type: ignore[assignment]
 
 
 class RemoteGrammar:
@@ -133,13 +140,12 @@ class RemoteGrammar:
 
 
 class WorkerFill:
-    """A started fill: the workers it went to and, per worker, its grammars in task order."""
+    """A started fill: its bitmask buffer and rows, and its grammars in task order."""
 
-    __slots__ = ("buffer", "num_rows", "tasks")
+    __slots__ = ("buffer", "num_rows", "grammars")
 
-    def __init__(self, buffer: int, num_rows: int, tasks: dict[int, list[RemoteGrammar]]
-                 ) -> None:
-        self.buffer, self.num_rows, self.tasks = buffer, num_rows, tasks
+    def __init__(self, buffer: int, num_rows: int, grammars: list[RemoteGrammar]) -> None:
+        self.buffer, self.num_rows, self.grammars = buffer, num_rows, grammars
 
 
 class GrammarWorkers:
@@ -180,8 +186,8 @@ class GrammarWorkers:
             theirs.close()
             self._conns.append(Connection(ours.detach()))
         self._sent = [0] * num_workers  # control messages sent to each worker
-        self._go = [0] * num_workers
-        self._last_go = [0.0] * num_workers
+        self._go = 0
+        self._last_go = 0.0
         self._live = [0] * num_workers
         self._free: list[list[int]] = [[] for _ in range(num_workers)]
         self._next_slot = [0] * num_workers
@@ -243,55 +249,51 @@ class GrammarWorkers:
                    ) -> WorkerFill:
         """Hand each grammar's pending tokens and bitmask row to its worker and start them."""
         self._reuse_released()
+        for w in range(self.num_workers):  # done with the last task (a fill left unfinished)
+            self._wait(w)
         self._buffer ^= 1  # see StructuredOutputManager.start_fill on reusing a buffer
-        tasks: dict[int, list[RemoteGrammar]] = {}
-        columns: dict[int, tuple[list[int], list[int], list[int]]] = {}
-        for grammar, row in zip(grammars, rows, strict=True):
-            w, pending = grammar.worker, grammar.pending
-            token = -1
+        slots, tokens, workers = [], [], []
+        for grammar in grammars:
+            pending = grammar.pending
             if pending:
-                if len(pending) > 1:
-                    self.send(w, ("accept", grammar.slot, pending[:-1]))
-                token = pending[-1]
+                if len(pending) > 1:  # rare: tokens accepted without a fill between
+                    self.send(grammar.worker, ("accept", grammar.slot, pending[:-1]))
+                tokens.append(pending[-1])
                 pending.clear()
-            if w not in tasks:
-                tasks[w], columns[w] = [], ([], [], [])
-            tasks[w].append(grammar)
-            slots, tokens, mask_rows = columns[w]
+            else:
+                tokens.append(-1)
             slots.append(grammar.slot)
-            tokens.append(token)
-            mask_rows.append(row)
+            workers.append(grammar.worker)
         now = time.perf_counter()
-        ctrl = self._shared.ctrl
-        for w, (slots, tokens, mask_rows) in columns.items():
-            if now - self._last_go[w] > WAKE_AFTER_SECONDS:
-                self.send(w, ("wake",))  # it may be polling its pipe
-            n = len(slots)
-            slot_col, token_col, row_col, _ = self._shared.columns(w, n)
-            slot_col[:], token_col[:], row_col[:] = slots, tokens, mask_rows
-            self._shared.task[w, :3] = n, self._sent[w], self._buffer
-            self._go[w] += 1
-            self._last_go[w] = now
-            ctrl[w * _CTRL_WORDS + _GO] = self._go[w]  # last: the worker reads the task after it
-        return WorkerFill(self._buffer, num_rows, tasks)
+        if now - self._last_go > WAKE_AFTER_SECONDS:
+            for w in range(self.num_workers):
+                self.send(w, ("wake",))  # they may be polling their pipes
+        shared, n = self._shared, len(grammars)
+        shared.table[:, :n] = (slots, tokens, rows, workers)
+        shared.header[:] = n, self._buffer
+        shared.sent_before[:] = self._sent
+        self._go += 1
+        self._last_go = now
+        shared.ctrl[_GO] = self._go  # last: a worker reads the task after it
+        return WorkerFill(self._buffer, num_rows, grammars)
 
     def finish_fill(self, fill: WorkerFill) -> torch.Tensor:
-        """The filled host bitmask [num_rows, words] once every worker of the fill is done."""
-        ctrl, slowest = self._shared.ctrl, 0
-        for w, grammars in fill.tasks.items():
+        """The filled host bitmask [num_rows, words] once every worker is done."""
+        ctrl = self._shared.ctrl
+        for w in range(self.num_workers):
             self._wait(w)
-            slowest = max(slowest, ctrl[w * _CTRL_WORDS + _FILL_NS])
-            refused = self._shared.columns(w, len(grammars))[3]
-            if refused.any():
-                for i in np.flatnonzero(refused).tolist():
-                    grammars[i].failed = True
-                    logger.error("a grammar refused its sequence's token (worker %d, slot %d)",
-                                 w, grammars[i].slot)
-        self.fill_seconds += slowest / 1e9
+        self.fill_seconds += max(ctrl[_fill_ns(w)] for w in range(self.num_workers)) / 1e9
+        refused = self._shared.refused[:len(fill.grammars)]
+        if refused.any():
+            for i in np.flatnonzero(refused).tolist():
+                grammar = fill.grammars[i]
+                grammar.failed = True
+                logger.error("a grammar refused its sequence's token (worker %d, slot %d)",
+                             grammar.worker, grammar.slot)
         return self.bitmasks[fill.buffer, :fill.num_rows]
 
     def _wait(self, w: int) -> None:
-        ctrl, index, go = self._shared.ctrl, w * _CTRL_WORDS + _DONE, self._go[w]
+        ctrl, index, go = self._shared.ctrl, _done(w), self._go
         if ctrl[index] == go:
             return
         t0 = time.perf_counter()
@@ -370,7 +372,6 @@ def worker_main(index: int, fd: int, conn_fd: int, num_workers: int, max_rows: i
     shared = _Shared(memoryview(mapping), num_workers, max_rows, words)
     bitmasks = [torch.from_numpy(shared.bitmasks[b]) for b in range(2)]
     ctrl = shared.ctrl
-    go_index, done_index = index * _CTRL_WORDS + _GO, index * _CTRL_WORDS + _DONE
     info = xgr.TokenizerInfo.deserialize_json(
         mapping[info_offset:info_offset + info_length].decode())
     compiler = xgr.GrammarCompiler(info, cache_enabled=False)
@@ -423,7 +424,7 @@ def worker_main(index: int, fd: int, conn_fd: int, num_workers: int, max_rows: i
         # Wait for a task, handling messages meanwhile: spinning while tasks come often,
         # blocked in a short poll of the pipe once they have stopped.
         spins, idle = 0, False
-        while ctrl[go_index] == seen:
+        while ctrl[_GO] == seen:
             spins += 1
             if idle or spins % 32 == 0:
                 if conn.poll(IDLE_POLL_SECONDS if idle else 0):
@@ -435,33 +436,34 @@ def worker_main(index: int, fd: int, conn_fd: int, num_workers: int, max_rows: i
                     return
                 elif spins % 1024 == 0:
                     idle = time.perf_counter() - last > SPIN_SECONDS
-        seen = ctrl[go_index]
+        seen = ctrl[_GO]
         t0 = time.perf_counter_ns()
-        n, before, buffer = (int(x) for x in shared.task[index, :3])
-        while handled < before:  # sent ahead of the task
+        n, buffer = (int(x) for x in shared.header)
+        while handled < shared.sent_before[index]:  # sent ahead of the task
             handled += 1
             if not handle(conn.recv()):
                 return
-        slots, tokens, rows, out = shared.columns(index, n)
-        out[:] = 0
+        table = shared.table[:, :n]
+        mine = np.flatnonzero(table[3] == index)
         live, live_rows = [], []
-        for i, (slot, token, row) in enumerate(zip(slots.tolist(), tokens.tolist(),
-                                                   rows.tolist(), strict=True)):
+        for i, slot, token, row in zip(mine.tolist(), table[0, mine].tolist(),
+                                        table[1, mine].tolist(), table[2, mine].tolist(),
+                                        strict=True):
             matcher = matchers.get(slot)
             if token >= 0 and matcher is not None and not matcher.accept_token(token):
                 refused.add(slot)
             if matcher is None or slot in refused:  # the sequence ends; its row is not used
-                out[i] = 1
+                shared.refused[i] = 1
                 bitmasks[buffer][row] = -1
                 continue
+            shared.refused[i] = 0
             live.append(matcher)
             live_rows.append(row)
         if live:
             batch.batch_fill_next_token_bitmask(live, bitmasks[buffer], indices=live_rows)
-        ctrl[index * _CTRL_WORDS + _FILL_NS] = time.perf_counter_ns() - t0
-        ctrl[done_index] = seen
+        ctrl[_fill_ns(index)] = time.perf_counter_ns() - t0
+        ctrl[_done(index)] = seen
         last = time.perf_counter()
-
 
 if __name__ == "__main__":
     try:

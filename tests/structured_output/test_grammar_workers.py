@@ -92,8 +92,8 @@ def test_workers_through_preemption() -> None:
 @pytest.fixture(scope="module")
 def managers() -> tuple[StructuredOutputManager, StructuredOutputManager]:
     llm = LLM(model=None, kv_cache_memory="16MiB", max_num_seqs=4)
-    args = (llm.get_tokenizer(), llm.engine.runner.vocab_size, torch.device("cpu"), 4)
-    local, remote = StructuredOutputManager(*args), StructuredOutputManager(*args, workers=1)
+    args = (llm.get_tokenizer(), llm.engine.runner.vocab_size, torch.device("cpu"), 8)
+    local, remote = StructuredOutputManager(*args), StructuredOutputManager(*args, workers=2)
     llm.engine.shutdown()
     yield local, remote
     remote.shutdown()
@@ -119,6 +119,23 @@ def test_rollback_over_sent_and_pending_tokens(managers) -> None:
         assert all(grammar.accept(t) for t in tokens[grammar.num_accepted:n])
         assert torch.equal(_mask(remote, grammar), _mask(local, reference)), n
     assert grammar.num_accepted == len(tokens) and not grammar.failed
+
+
+def test_rows_spread_over_two_workers_fill_as_local_matchers(managers) -> None:
+    local, remote = managers
+    specs = [GuidedDecodingParams(json=SCHEMAS["flat_required"]), GuidedDecodingParams(
+        regex=REGEX), GuidedDecodingParams(choice=["red", "green"])] * 2
+    text = ['{"name": "Ann", "age"', "Abc 1", "gr", '{"na', "Xyz", ""]
+    rows = [0, 2, 3, 5, 6, 7]
+    masks = []
+    for manager in (local, remote):
+        grammars = [manager.new_grammar(spec, frozenset({2})) for spec in specs]
+        for grammar, t in zip(grammars, text, strict=True):
+            assert all(grammar.accept(tok) for tok in local.tokenizer.encode(
+                t, add_special_tokens=False))
+        masks.append(manager.finish_fill(manager.start_fill(grammars, rows, 8))[rows].clone())
+    assert {g.worker for g in grammars} == {0, 1}
+    assert torch.equal(*masks)
 
 
 def test_a_refused_token_fails_the_grammar(managers) -> None:
