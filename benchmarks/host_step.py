@@ -15,7 +15,8 @@ generation in both modes (random ids, no text substitution in the core process).
 
 `--guided` gives every request the JSON schema of `benchmarks/structured_output.py` (the
 sampled ids are then the grammar's, not English text) and times guided decoding's host phases
-too: the matchers' acceptance, the fill's start and the engine thread's wait for it.
+too: the matchers' acceptance, the fill's start and the engine thread's wait for it
+(`--guided-decoding-workers N`: the matchers in N worker processes).
 
 `--device cuda --model PATH` times the engine as it serves on a GPU (the model's own dtype,
 CUDA graphs, async scheduling, real sampled ids): there the forward and the sampler are only
@@ -152,7 +153,8 @@ def make_llm(args, model: str, core_process: bool) -> LLM:
                max_num_batched_tokens=1 << 16, enforce_eager=on_cpu,
                max_model_len=args.max_model_len or args.prompt_len + args.output_len + 16,
                engine_core_process=core_process,
-               async_scheduling=True if args.async_scheduling else None)
+               async_scheduling=True if args.async_scheduling else None,
+               guided_decoding_workers=args.guided_decoding_workers)
 
 
 def profiled_generation(llm: LLM, prompts: list, params: SamplingParams, cpu: bool) -> Any:
@@ -203,6 +205,8 @@ def main() -> None:
                         help="async scheduling on the CPU too (CUDA's default)")
     parser.add_argument("--gpu-time", action="store_true",
                         help="CUDA: the kernels' time per step (torch.profiler, a second run)")
+    parser.add_argument("--guided-decoding-workers", type=int, default=None,
+                        help="grammar worker processes (default: the engine's)")
     parser.add_argument("--guided", action="store_true",
                         help="every request under structured_output.py's JSON schema")
     parser.add_argument("--torch-profile", type=int, default=0, metavar="N",
