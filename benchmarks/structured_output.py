@@ -26,6 +26,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import GuidedDecodingParams
+from pagedserve.structured_output.manager import resolve_workers
 
 ITEM = {"type": "object",
         "properties": {"name": {"type": "string", "maxLength": 16},
@@ -126,7 +127,9 @@ def main() -> None:
                 fills += manager.num_fills - before[2]
     plain, guided = statistics.median(rates[False]), statistics.median(rates[True])
     device = llm.engine.config.torch_device
-    workers = 0 if args.engine_core_process else manager.num_workers
+    # The manager here is the front's when the core runs in its own process: the core's
+    # workers follow the same rule.
+    workers = resolve_workers(args.guided_decoding_workers, device)
     print(f"device {device}, batch {args.batch}, {args.output_len} output tokens, "
           f"{args.repeats} repeats, {'unseeded' if args.no_seed else 'seeded'}, "
           f"{workers} grammar workers")
