@@ -10,6 +10,9 @@ import json
 import re
 from typing import Any
 
+# Compiled grammars a cache keeps (a compiled JSON schema over a 50k vocabulary is tens of KiB
+# to a few MiB); the least recently used goes first.
+CACHE_ENTRIES = 512
 # The kinds of GuidedDecodingParams, in the order its fields are declared.
 GRAMMAR_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import platform
 import threading
 import time
 from collections import OrderedDict
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedserve.structured_output.grammar import CACHE_ENTRIES
+
 if TYPE_CHECKING:
     from pagedserve.sampling_params import GuidedDecodingParams
     from pagedserve.structured_output.workers import GrammarWorkers, WorkerFill
@@ -31,9 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("xgrammar", "guidance")
-# Compiled grammars kept (a compiled JSON schema over a 50k vocabulary is tens of KiB to a few
-# MiB); the least recently used goes first.
-CACHE_ENTRIES = 512
 
 
 def check_backend(name: str) -> None:
@@ -104,14 +104,16 @@ class BitmaskFill:
 
 
 def resolve_workers(workers: int | None, device: torch.device) -> int:
-    """Grammar worker processes: as set, or by default 2 on CUDA hosts with at least 8 CPUs
-    (each spins on a core of its own while guided requests run; on the H200's 16-CPU host 2
-    beat 1, 3, 4 and 8 at batch 64: docs/structured_outputs.md) and none elsewhere."""
+    """Grammar worker processes: as set, or by default 2 on x86-64 CUDA hosts with at least 8
+    CPUs (each spins on a core of its own while guided requests run; on the H200's 16-CPU
+    host 2 beat 1, 3, 4 and 8 at batch 64: docs/structured_outputs.md) and none elsewhere
+    (the shared task's ordering rests on x86-64's: workers.py)."""
     if workers is not None:
         if workers < 0:
             raise ValueError(f"guided_decoding_workers must be >= 0, got {workers}")
         return workers
-    return 2 if device.type == "cuda" and (os.cpu_count() or 1) >= 8 else 0
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return 2 if device.type == "cuda" and x86 and (os.cpu_count() or 1) >= 8 else 0
 
 
 class StructuredOutputManager:

@@ -1,4 +1,5 @@
-"""Grammar matchers in processes of their own (`--guided-decoding-workers N`, xgrammar only).
+"""Grammar matchers in processes of their own (`--guided-decoding-workers N`, xgrammar only):
+the engine's side and the shared block's layout (worker_process.py is the workers' loop).
 
 Why: on a fast GPU a small model's decode step is ~1.3 ms of host work at batch 64, and a
 guided step adds the matchers' work (accepting the last samples, ~3 us a row; filling the next
@@ -7,8 +8,9 @@ is: a hand-off between threads is a futex wake plus the GIL (~0.1 ms on the H200
 Python between the library's calls competes with the engine for the GIL (docs/
 structured_outputs.md, "Cost"). Here each worker process owns the matchers of some sequences
 and has a GIL of its own. A step is a handful of stores into shared memory; the workers spin on
-a counter (no wake-up), accept their rows' samples, fill their rows of a shared bitmask (pinned
-on CUDA, so the device copies it straight), and bump a counter back. The engine's thread writes
+a counter (no wake-up: blocking on a pipe measured 0.06-0.1 worse in the ratio), accept their
+rows' samples, fill their rows of a shared bitmask (pinned on CUDA, so the device copies it
+straight), and bump a counter back. The engine's thread writes
 the task and goes on with the step; it spins only if the masks are not ready when the step's
 sampling is due.
 
@@ -17,8 +19,15 @@ fill (sent with the next one), and whether the grammar has ended (an xgrammar ma
 accepting one of its stop tokens, which its mask allows only where the grammar may end). A
 matcher's creation, a rollback, extra pending tokens and a release are control messages on the
 worker's pipe; each task names how many control messages precede it, so a worker has always
-applied them first. A token the grammar refuses (the mask makes it impossible) comes back as a
-flag on that row, and the sequence ends at its next stop check.
+applied them first (messages sent after a task may be applied before it too: none of them
+concerns a sequence in it). A token the grammar refuses (the mask makes it impossible) is known
+only at the next fill: it comes back as a flag on that row, whose mask then allows every token,
+and the sequence ends at the stop check after that one more, unconstrained, sample (the
+engine's own matchers end it at the refused token).
+
+Ordering: the engine writes the task, then the step counter; a worker writes its mask rows,
+then its done word. Plain stores, kept in order by x86-64's memory model (TSO); other machines
+get no workers by default (`manager.resolve_workers`).
 
 Idle workers spin for a while after their last task, then poll their pipe (a step after a long
 pause sends a wake-up first); a worker whose parent has gone exits.
@@ -37,7 +46,6 @@ import threading
 import time
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any
 
 import numpy as np
 import torch
@@ -53,21 +61,25 @@ WAKE_AFTER_SECONDS = 0.02
 # The engine's wait for a worker: spins, then yields, and checks that the worker lives.
 LIVENESS_SECONDS = 0.5
 
+# The worker processes' entry point.
+WORKER_MODULE = "pagedserve.structured_output.worker_process"
 # Control words (int64), each on a cache line of its own: the step counter `go`, then per
 # worker the last step it finished and that step's fill time.
 _LINE = 8
-_GO = 0
+GO_WORD = 0
+# Control messages sent to a worker are counted modulo this in the task's int32 words.
+COUNT_MOD = 1 << 31
 
 
-def _done(w: int) -> int:
+def done_word(w: int) -> int:
     return (1 + 2 * w) * _LINE
 
 
-def _fill_ns(w: int) -> int:
+def fill_ns_word(w: int) -> int:
     return (2 + 2 * w) * _LINE
 
 
-class _Shared:
+class SharedBlock:
     """The shared block: control words; a step's task (every worker reads the rows it owns);
     two bitmask buffers."""
 
@@ -84,6 +96,7 @@ class _Shared:
         mask_offset = -(-(ctrl_bytes + task_ints * 4) // 4096) * 4096
         self.bitmasks = np.frombuffer(buf, np.int32, 2 * max_rows * words, mask_offset
                                       ).reshape(2, max_rows, words)
+        self.max_rows = max_rows
 
     @staticmethod
     def _sizes(num_workers: int, max_rows: int) -> tuple[int, int]:
@@ -162,29 +175,17 @@ class GrammarWorkers:
         # it goes with the last process that maps it. The tokenizer's description for the
         # workers' compilers (~2 MB of JSON) follows the bitmasks.
         info = tokenizer_info_json.encode()
-        size = _Shared.nbytes(num_workers, max_rows, self.words)
+        size = SharedBlock.nbytes(num_workers, max_rows, self.words)
         self._fd = os.memfd_create("pagedserve-grammar")
         os.ftruncate(self._fd, size + len(info))
         self._map = mmap.mmap(self._fd, size + len(info))
         self._map[size:] = info
-        self._shared = _Shared(memoryview(self._map), num_workers, max_rows, self.words)
+        self._shared = SharedBlock(memoryview(self._map), num_workers, max_rows, self.words)
         self._shared.bitmasks.fill(-1)
         self.bitmasks = torch.from_numpy(self._shared.bitmasks)  # [2, max_rows, words]
         self._registered = pin and _register_pinned(self.bitmasks)
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
-        for w in range(num_workers):
-            ours, theirs = socket.socketpair()
-            # A fresh interpreter running this module, not multiprocessing's spawn: that
-            # would import the user's main script again (a script without a main guard would
-            # start its work over in every worker).
-            args = [str(x) for x in (w, self._fd, theirs.fileno(), num_workers, max_rows,
-                                     self.words, size, len(info), os.getpid())]
-            self._procs.append(subprocess.Popen(
-                [sys.executable, "-m", __name__, *args], env=_child_env(),
-                pass_fds=(self._fd, theirs.fileno())))
-            theirs.close()
-            self._conns.append(Connection(ours.detach()))
         self._sent = [0] * num_workers  # control messages sent to each worker
         self._go = 0
         self._last_go = 0.0
@@ -194,15 +195,43 @@ class GrammarWorkers:
         self._released: collections.deque[tuple[int, int]] = collections.deque()
         self._buffer = 0
         self._closed = False
-        # Requests may be added from another thread than the step's: messages and slots.
+        # Requests may be added, and grammars compiled, from other threads than the step's:
+        # messages and slots.
         self._lock = threading.Lock()
         self.fill_seconds = 0.0  # the slowest worker's fill, summed over steps
+        try:
+            for w in range(num_workers):
+                self._start_worker(w, size, len(info))
+        except BaseException:
+            self.shutdown()  # the workers started so far, the pin, the block
+            raise
+
+    def _start_worker(self, w: int, info_offset: int, info_length: int) -> None:
+        ours, theirs = socket.socketpair()
+        # A fresh interpreter running this module, not multiprocessing's spawn: that would
+        # import the user's main script again (a script without a main guard would start its
+        # work over in every worker).
+        args = [str(x) for x in (w, self._fd, theirs.fileno(), self.num_workers,
+                                 self._shared.max_rows, self.words, info_offset, info_length,
+                                 os.getpid())]
+        try:
+            self._procs.append(subprocess.Popen(
+                [sys.executable, "-m", WORKER_MODULE, *args], env=_child_env(),
+                pass_fds=(self._fd, theirs.fileno())))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._conns.append(Connection(ours.detach()))
 
     # -- sequences --------------------------------------------------------------------------
 
     def new_matcher(self, key: tuple[str, str], stop_ids: list[int] | None) -> RemoteGrammar:
-        """A matcher of the compiled `key` on the least loaded worker."""
-        self._reuse_released()
+        """A matcher of the compiled `key` on the least loaded worker. Released slots are
+        reused only from `start_fill`, once every worker is done with the last task: a slot
+        dropped and made anew while a worker may still read a task naming it would take the
+        old sequence's token."""
         with self._lock:
             w = min(range(self.num_workers), key=self._live.__getitem__)
             if self._free[w]:
@@ -219,8 +248,9 @@ class GrammarWorkers:
         return grammar
 
     def compile(self, key: tuple[str, str]) -> None:
-        """Have every worker compile `key` between steps (into its cache) before a matcher of
-        it is made there: a worker's compile is otherwise paid inside a step."""
+        """Have every worker start compiling `key` (on its compile thread, beside the steps)
+        before a matcher of it is made there: that matcher's message waits for the compile,
+        inside a step."""
         for w in range(self.num_workers):
             self.send(w, ("compile", key))
 
@@ -248,9 +278,9 @@ class GrammarWorkers:
     def start_fill(self, grammars: list[RemoteGrammar], rows: list[int], num_rows: int
                    ) -> WorkerFill:
         """Hand each grammar's pending tokens and bitmask row to its worker and start them."""
-        self._reuse_released()
         for w in range(self.num_workers):  # done with the last task (a fill left unfinished)
             self._wait(w)
+        self._reuse_released()
         self._buffer ^= 1  # see StructuredOutputManager.start_fill on reusing a buffer
         slots, tokens, workers = [], [], []
         for grammar in grammars:
@@ -271,10 +301,10 @@ class GrammarWorkers:
         shared, n = self._shared, len(grammars)
         shared.table[:, :n] = (slots, tokens, rows, workers)
         shared.header[:] = n, self._buffer
-        shared.sent_before[:] = self._sent
+        shared.sent_before[:] = [sent % COUNT_MOD for sent in self._sent]
         self._go += 1
         self._last_go = now
-        shared.ctrl[_GO] = self._go  # last: a worker reads the task after it
+        shared.ctrl[GO_WORD] = self._go  # last: a worker reads the task after it
         return WorkerFill(self._buffer, num_rows, grammars)
 
     def finish_fill(self, fill: WorkerFill) -> torch.Tensor:
@@ -282,7 +312,7 @@ class GrammarWorkers:
         ctrl = self._shared.ctrl
         for w in range(self.num_workers):
             self._wait(w)
-        self.fill_seconds += max(ctrl[_fill_ns(w)] for w in range(self.num_workers)) / 1e9
+        self.fill_seconds += max(ctrl[fill_ns_word(w)] for w in range(self.num_workers)) / 1e9
         refused = self._shared.refused[:len(fill.grammars)]
         if refused.any():
             for i in np.flatnonzero(refused).tolist():
@@ -293,7 +323,7 @@ class GrammarWorkers:
         return self.bitmasks[fill.buffer, :fill.num_rows]
 
     def _wait(self, w: int) -> None:
-        ctrl, index, go = self._shared.ctrl, _done(w), self._go
+        ctrl, index, go = self._shared.ctrl, done_word(w), self._go
         if ctrl[index] == go:
             return
         t0 = time.perf_counter()
@@ -313,11 +343,12 @@ class GrammarWorkers:
         if self._closed:
             return
         self._closed = True
-        for conn in self._conns:
-            try:
-                conn.send(("stop",))
-            except OSError:
-                pass
+        with self._lock:  # a compile may be sending from another thread
+            for conn in self._conns:
+                try:
+                    conn.send(("stop",))
+                except OSError:
+                    pass
         for proc, conn in zip(self._procs, self._conns, strict=True):
             try:
                 proc.wait(timeout=2)
@@ -353,120 +384,3 @@ def _register_pinned(bitmasks: torch.Tensor) -> bool:
         logger.warning("could not pin the grammar workers' bitmasks (CUDA error %d)", int(err))
         return False
     return True
-
-
-# -- the worker process ---------------------------------------------------------------------
-
-
-def worker_main(index: int, fd: int, conn_fd: int, num_workers: int, max_rows: int, words: int,
-                info_offset: int, info_length: int, parent_pid: int) -> None:
-    """A worker's loop: control messages as they come, a task whenever `go` moves."""
-    import xgrammar as xgr
-
-    from pagedserve.structured_output.grammar import parse_grammar
-    from pagedserve.structured_output.manager import CACHE_ENTRIES
-
-    mapping = mmap.mmap(fd, info_offset + info_length)
-    os.close(fd)
-    conn = Connection(conn_fd)
-    shared = _Shared(memoryview(mapping), num_workers, max_rows, words)
-    bitmasks = [torch.from_numpy(shared.bitmasks[b]) for b in range(2)]
-    ctrl = shared.ctrl
-    info = xgr.TokenizerInfo.deserialize_json(
-        mapping[info_offset:info_offset + info_length].decode())
-    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-    cache: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
-
-    def compile_key(key: tuple[str, str]) -> Any:
-        compiled = cache.get(key)
-        if compiled is None:
-            compiled = cache[key] = compiler.compile_grammar(parse_grammar(key))
-            if len(cache) > CACHE_ENTRIES:
-                cache.popitem(last=False)
-        cache.move_to_end(key)
-        return compiled
-    batch = xgr.BatchGrammarMatcher(max_threads=1)
-    matchers: dict[int, Any] = {}
-    refused: set[int] = set()
-    handled = seen = 0
-
-    def handle(message: tuple) -> bool:
-        kind = message[0]
-        if kind == "compile":
-            try:
-                compile_key(message[1])
-            except Exception:  # the engine has compiled it; reported there if it failed
-                pass
-        elif kind == "new":
-            _, slot, key, stop_ids = message
-            refused.discard(slot)
-            try:
-                matchers[slot] = xgr.GrammarMatcher(compile_key(key),
-                                                    override_stop_tokens=stop_ids)
-            except Exception:  # compiled by the engine already: not expected
-                logger.exception("grammar worker %d could not compile %s", index, key[0])
-                matchers.pop(slot, None)
-        elif kind == "drop":
-            matchers.pop(message[1], None)
-            refused.discard(message[1])
-        elif kind == "accept":
-            matcher = matchers.get(message[1])
-            if matcher is not None and not all(matcher.accept_token(t) for t in message[2]):
-                refused.add(message[1])
-        elif kind == "rollback":
-            matcher = matchers.get(message[1])
-            if matcher is not None:
-                matcher.rollback(message[2])
-        return kind != "stop"
-
-    last = time.perf_counter()
-    while True:
-        # Wait for a task, handling messages meanwhile: spinning while tasks come often,
-        # blocked in a short poll of the pipe once they have stopped.
-        spins, idle = 0, False
-        while ctrl[_GO] == seen:
-            spins += 1
-            if idle or spins % 32 == 0:
-                if conn.poll(IDLE_POLL_SECONDS if idle else 0):
-                    handled += 1
-                    if not handle(conn.recv()):
-                        return
-                    last, idle = time.perf_counter(), False
-                elif idle and os.getppid() != parent_pid:
-                    return
-                elif spins % 1024 == 0:
-                    idle = time.perf_counter() - last > SPIN_SECONDS
-        seen = ctrl[_GO]
-        t0 = time.perf_counter_ns()
-        n, buffer = (int(x) for x in shared.header)
-        while handled < shared.sent_before[index]:  # sent ahead of the task
-            handled += 1
-            if not handle(conn.recv()):
-                return
-        table = shared.table[:, :n]
-        mine = np.flatnonzero(table[3] == index)
-        live, live_rows = [], []
-        for i, slot, token, row in zip(mine.tolist(), table[0, mine].tolist(),
-                                        table[1, mine].tolist(), table[2, mine].tolist(),
-                                        strict=True):
-            matcher = matchers.get(slot)
-            if token >= 0 and matcher is not None and not matcher.accept_token(token):
-                refused.add(slot)
-            if matcher is None or slot in refused:  # the sequence ends; its row is not used
-                shared.refused[i] = 1
-                bitmasks[buffer][row] = -1
-                continue
-            shared.refused[i] = 0
-            live.append(matcher)
-            live_rows.append(row)
-        if live:
-            batch.batch_fill_next_token_bitmask(live, bitmasks[buffer], indices=live_rows)
-        ctrl[_fill_ns(index)] = time.perf_counter_ns() - t0
-        ctrl[_done(index)] = seen
-        last = time.perf_counter()
-
-if __name__ == "__main__":
-    try:
-        worker_main(*(int(arg) for arg in sys.argv[1:]))
-    except (EOFError, ConnectionError, KeyboardInterrupt):
-        pass  # the engine's process has gone (or is being interrupted with it)
