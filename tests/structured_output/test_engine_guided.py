@@ -19,7 +19,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import GuidedDecodingParams
 from pagedserve.structured_output import apply_token_bitmask
 from tests.structured_output.schemas import FAST, SCHEMAS
-from tests.utils.paged import bundled_gguf
+from tests.utils.paged import model_with_tokenizer
 
 PROMPT = "Answer with JSON only.\n"
 MAX_TOKENS = 160
@@ -222,7 +222,7 @@ def test_rollback_matches_a_fresh_matcher(llm: LLM) -> None:
 def _mixed_batch(device: str, async_scheduling: bool) -> list[list[int]]:
     # On CUDA the cache is sized by gpu_memory_utilization (kv_cache_memory is the CPU's), and
     # the two runs of the comparison share the process.
-    llm = LLM(model=str(bundled_gguf()), dtype="float32", device=device,
+    llm = LLM(**model_with_tokenizer(), dtype="float32", device=device,
               kv_cache_memory="64MiB", gpu_memory_utilization=0.2,
               async_scheduling=async_scheduling)
     regex = r"[A-Z][a-z]{2,5} [0-9]{1,3}"

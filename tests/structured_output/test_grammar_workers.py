@@ -24,7 +24,7 @@ from pagedserve.sampling_params import GuidedDecodingParams
 from pagedserve.structured_output.manager import StructuredOutputManager, resolve_workers
 from pagedserve.structured_output.workers import RemoteGrammar
 from tests.structured_output.schemas import FAST, SCHEMAS
-from tests.utils.paged import bundled_gguf
+from tests.utils.paged import model_with_tokenizer
 
 PROMPT = "Answer with JSON only.\n"
 REGEX = r"[A-Z][a-z]{2,5} [0-9]{1,3}"
@@ -46,7 +46,7 @@ def _params(max_tokens: int) -> tuple[list[str], list[SamplingParams]]:
 def _run(workers: int, async_scheduling: bool, max_tokens: int = 120, device: str = "cpu",
          **engine: object) -> tuple[list[list[list[int]]], int]:
     # On CUDA the cache is sized by gpu_memory_utilization (kv_cache_memory is the CPU's).
-    llm = LLM(model=str(bundled_gguf()), dtype="float32", device=device,
+    llm = LLM(**model_with_tokenizer(), dtype="float32", device=device,
               kv_cache_memory="64MiB", gpu_memory_utilization=0.2, max_num_seqs=16,
               guided_decoding_workers=workers, async_scheduling=async_scheduling, **engine)
     prompts, params = _params(max_tokens)

@@ -167,6 +167,22 @@ def bundled_gguf() -> Path:
         pytest.skip(f"no SmolLM2 GGUF: {exc}")
 
 
+def model_with_tokenizer() -> dict[str, str]:
+    """`LLM` arguments of a model with the bundled tokenizer, for tests that need text but not
+    trained weights: the SmolLM2 GGUF, or where it is absent (the GPU machine: it is more than
+    a device call carries) the same shape with random weights and the tokenizer directory in
+    $PAGEDSERVE_TEST_TOKENIZER; the test is skipped without either."""
+    tokenizer = envs.PAGEDSERVE_TEST_TOKENIZER
+    if tokenizer and not envs.PAGEDSERVE_TEST_GGUF:
+        try:
+            from pagedserve.models.loader import default_model_path
+
+            return {"model": str(default_model_path())}
+        except Exception:  # the package is not installed
+            return {"model": "random:smollm2-135m", "tokenizer": tokenizer}
+    return {"model": str(bundled_gguf())}
+
+
 def tiny_chat_model(path: Path, init_std: float | None = None) -> Path:
     """A tiny random Llama (2 layers, hidden 128, head size 64: every backend takes it) with the
     bundled SmolLM2's tokenizer and chat template saved beside it: a model directory that takes
