@@ -171,8 +171,8 @@ class EngineConfig:
         choices=["xgrammar", "guidance"])
     guided_decoding_workers: int | None = setting(
         None, "processes that hold xgrammar's matchers and fill the token bitmask, each "
-              "spinning on a core while guided requests run (default: 2 on CUDA hosts with at "
-              "least 8 CPUs, else 0: a fill thread in the engine's process)")
+              "spinning on a core while guided requests run (default: 2 on x86-64 CUDA hosts "
+              "with at least 8 CPUs, else 0: a fill thread in the engine's process)")
     tensor_parallel_size: int = setting(
         1, "ranks each layer is split over (GPUs on CUDA: ranks use cuda:N, N+1, ...; "
            "processes on the CPU)")

