@@ -75,8 +75,7 @@ PHASES = [
 ]
 # Guided decoding's (module, function, label): called by the model runner through the module.
 GUIDED_PHASES = [
-    ("pagedserve.engine.guided", "advance_by_step", "guided: matchers accept samples"),
-    ("pagedserve.engine.guided", "start_mask", "guided: rows, fill started"),
+    ("pagedserve.engine.guided", "start_mask", "guided: accept samples, rows, fill started"),
 ]
 # And the manager's: (owner attribute path, method, label, where it runs), as PHASES.
 GUIDED_MANAGER_PHASES = [

@@ -360,13 +360,16 @@ class ModelRunner:
         collected: N's samples go into N+1's input ids on the device, so the host never waits
         for N here (unless N+1 has grammars: their masks need N's samples, engine/guided.py)."""
         prev = self._in_flight
+        if prev is not None:
+            # A guided step's, whose mask has been filling: queued first, so the device
+            # copies the mask and samples while the host builds this step's inputs (the
+            # host waits for those samples below).
+            self.queue_sampling(prev)
+            if prev.sampled is not None:
+                prev = None  # its samples are in the token table already
         rows = self.input_batch.update(batch)
         meta = (self.sampling.metadata(batch.requests, self.input_batch.same_as_last_step)
                 if self.tp_rank == 0 else None)
-        if prev is not None:
-            self.queue_sampling(prev)  # a guided step's, whose mask has been filling
-            if prev.sampled is not None:
-                prev = None  # its samples are in the token table already
         self._ran_graph = False
         hidden = self._forward(batch, rows, prev)
         greedy = logits = None
@@ -381,11 +384,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last])
         fill = None
         if self._guided:  # host work while the device runs the forward and the projection
-            ahead: set[str] = set()
             if prev is not None:  # uncollected: its samples are waited for here
                 self._record_samples(prev)
-                ahead = guided.advance_by_step(prev.batch, prev.sampled)
-            fill = guided.start_mask(self.structured_output, batch, ahead)
+            fill = guided.start_mask(self.structured_output, batch,
+                                     prev.batch if prev else None, prev.sampled if prev else None)
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
