@@ -12,6 +12,7 @@ matcher that reaches its end finishes the sequence.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -19,6 +20,7 @@ import platform
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -253,7 +255,10 @@ class StructuredOutputManager:
         return bitmask
 
     def finish_fill(self, fill: BitmaskFill) -> torch.Tensor:
-        """The started fill's mask on the device (waiting for the fill if need be)."""
+        """The started fill's mask for the sampler (waiting for the fill if need be): on CUDA
+        a mask of every row stays in its page-locked host buffer, which the sampler's kernel
+        reads directly (`masked_logits`: no copy to launch); a mask of some rows is copied to
+        the device for xgrammar's kernel."""
         t0 = time.perf_counter()
         if fill.job is not None:
             assert self._workers is not None
@@ -263,7 +268,7 @@ class StructuredOutputManager:
         else:
             assert fill.future is not None
             bitmask = fill.future.result()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and (fill.rows is not None or not self._host_mask_readable):
             if self._device_bitmask is None:
                 # One device buffer: a step's copy into it follows, in stream order, the last
                 # step's sampling that read it.
@@ -275,6 +280,12 @@ class StructuredOutputManager:
             bitmask = self._device_bitmask[:len(bitmask)].copy_(bitmask, non_blocking=True)
         self.wait_seconds += time.perf_counter() - t0
         return bitmask
+
+    @property
+    def _host_mask_readable(self) -> bool:
+        """Whether the device can read the host bitmasks in place: the fill thread's are
+        pinned; the workers' shared block is when its page-locking succeeded."""
+        return self._workers is None or self._workers.registered
 
     def shutdown(self) -> None:
         if self._fill_thread is not None:
@@ -291,3 +302,22 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
 
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
                                     indices=rows)
+
+
+def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None
+                  ) -> torch.Tensor:
+    """A copy of `logits` with the bitmask applied to `rows` (None: every row): on a GPU, for
+    every row, one kernel of ours (masked_logits.py); else a clone and xgrammar's kernel."""
+    if rows is None and logits.is_cuda:
+        return _masked_logits_kernel()(logits, bitmask)
+    logits = logits.clone()
+    apply_token_bitmask(logits, bitmask, rows)
+    return logits
+
+
+@functools.cache
+def _masked_logits_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    # Imported on first use: triton's import takes seconds, and the CPU's path needs none.
+    from pagedserve.structured_output.masked_logits import masked_logits_triton
+
+    return masked_logits_triton

@@ -183,7 +183,7 @@ class GrammarWorkers:
         self._shared = SharedBlock(memoryview(self._map), num_workers, max_rows, self.words)
         self._shared.bitmasks.fill(-1)
         self.bitmasks = torch.from_numpy(self._shared.bitmasks)  # [2, max_rows, words]
-        self._registered = pin and _register_pinned(self.bitmasks)
+        self.registered = pin and _register_pinned(self.bitmasks)
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
         self._sent = [0] * num_workers  # control messages sent to each worker
@@ -356,7 +356,7 @@ class GrammarWorkers:
                 proc.kill()
                 proc.wait()
             conn.close()
-        if self._registered:
+        if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.bitmasks.data_ptr())
         # The mapping stays while a mask taken from it lives; it goes with the last reference.
         self.bitmasks = None  # type: ignore[assignment]

@@ -1,0 +1,99 @@
+"""The masked copy of the logits (one Triton kernel on a GPU) against xgrammar's own kernel and a
+plain float32 reference; on the CPU in the Triton interpreter."""
+
+import os
+
+import pytest
+import torch
+
+from pagedserve.structured_output.manager import apply_token_bitmask, masked_logits
+
+xgr = pytest.importorskip("xgrammar")
+triton = pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+runs_kernel = pytest.mark.skipif(not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the kernel needs CUDA or TRITON_INTERPRET=1")
+
+
+def reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Token t of a row is kept where bit t % 32 of its word t // 32 is set."""
+    vocab = logits.shape[1]
+    tokens = torch.arange(vocab)
+    bits = (bitmask.cpu().long()[:, tokens // 32] >> (tokens % 32)) & 1
+    return logits.cpu().masked_fill(bits == 0, float("-inf"))
+
+
+def case(rows: int, vocab: int, words: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=gen)
+    bitmask[0] = -1  # every token allowed
+    bitmask[-1] = 0  # none
+    return logits, bitmask
+
+
+@runs_kernel
+@pytest.mark.parametrize("vocab", [32, 100, 4096, 5000])
+def test_kernel_matches_reference_and_xgrammar(vocab):
+    from pagedserve.structured_output.masked_logits import masked_logits_triton
+
+    logits, bitmask = case(5, vocab, -(-vocab // 32) + 1)  # a wider mask, as a padded one
+    out = masked_logits_triton(logits.to(DEVICE), bitmask.to(DEVICE))
+    expected = reference(logits, bitmask)
+    assert torch.equal(out.cpu(), expected)
+    theirs = logits.clone()
+    apply_token_bitmask(theirs, bitmask, None)  # xgrammar's (CPU) kernel
+    assert torch.equal(out.cpu(), theirs)
+
+
+@runs_kernel
+def test_kernel_reads_row_strided_views():
+    """The sampler's logits are the first rows of a persistent buffer; the device mask too."""
+    from pagedserve.structured_output.masked_logits import masked_logits_triton
+
+    logits, bitmask = case(8, 300, 10, seed=1)
+    big = torch.full((8, 320), 7.0)
+    big[:, :300] = logits
+    out = masked_logits_triton(big.to(DEVICE)[:6, :300], bitmask.to(DEVICE)[:6])
+    assert out.shape == (6, 300) and out.is_contiguous()
+    assert torch.equal(out.cpu(), reference(logits[:6], bitmask[:6]))
+
+
+def test_masked_logits_leaves_its_input_alone():
+    logits, bitmask = case(4, 200, 7, seed=2)
+    before = logits.clone()
+    for rows in (None, [1, 3]):
+        out = masked_logits(logits.to(DEVICE), bitmask.to(DEVICE), rows)
+        expected = before.clone()
+        index = list(range(4)) if rows is None else rows
+        expected[index] = reference(before, bitmask)[index]
+        assert torch.equal(out.cpu(), expected)
+        assert torch.equal(logits, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kernel_at_the_bundled_models_shape():
+    """Batch 64 over SmolLM2's 49,152 tokens, against xgrammar's Triton kernel on the device."""
+    from pagedserve.structured_output.masked_logits import masked_logits_triton
+
+    logits, bitmask = case(64, 49152, 1536, seed=3)
+    logits, bitmask = logits.cuda(), bitmask.cuda()
+    theirs = logits.clone()
+    apply_token_bitmask(theirs, bitmask, None)
+    assert torch.equal(masked_logits_triton(logits, bitmask), theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kernel_reads_a_pinned_host_mask():
+    """The sampler hands the kernel the fill's page-locked host buffer itself (no copy)."""
+    from pagedserve.structured_output.masked_logits import masked_logits_triton
+
+    logits, bitmask = case(64, 49152, 1536, seed=4)
+    pinned = bitmask.pin_memory()
+    out = masked_logits_triton(logits.cuda()[:40], pinned[:40])
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), reference(logits[:40], bitmask[:40]))
