@@ -4,8 +4,8 @@
 Flow of one step (docs/structured_outputs.md): the runner queues the forward, then starts the
 fill of the bitmask rows of the sequences that have a grammar and sample in this step on the
 manager's fill thread (`start_fill`), and goes on with the host's work; when the step's sampling
-is due it takes the mask (`finish_fill`), copies it to the device, and the sampler applies it
-to the logits. Backends: `xgrammar` (xgrammar_backend.py, the default) and `guidance`
+is due it takes the mask (`finish_fill`) and the sampler applies it to the logits
+(`masked_logits`). Backends: `xgrammar` (xgrammar_backend.py, the default) and `guidance`
 (guidance.py, llguidance). The scheduler hands each sampled token to its sequence's matcher; a
 matcher that reaches its end finishes the sequence.
 """
