@@ -361,9 +361,8 @@ class ModelRunner:
         for N here (unless N+1 has grammars: their masks need N's samples, engine/guided.py)."""
         prev = self._in_flight
         if prev is not None:
-            # A guided step's, whose mask has been filling: queued first, so the device
-            # copies the mask and samples while the host builds this step's inputs (the
-            # host waits for those samples below).
+            # A guided step's (its mask was filling): first, so the device samples while the
+            # host builds this step's inputs.
             self.queue_sampling(prev)
             if prev.sampled is not None:
                 prev = None  # its samples are in the token table already
