@@ -16,7 +16,7 @@ from torch import Tensor
 
 from pagedserve.device import to_device_async
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.structured_output.manager import apply_token_bitmask, masked_logits
+from pagedserve.structured_output.manager import masked_logits
 
 _NEG_INF = float("-inf")
 
@@ -223,9 +223,8 @@ def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
         logits = logits.clone()  # in place below: not on the caller's tensor
         rows, token_ids, biases = meta.logit_bias
         logits.index_put_((rows, token_ids), biases, accumulate=True)
-        if meta.token_bitmask is not None:
-            apply_token_bitmask(logits, meta.token_bitmask, meta.bitmask_rows)
-    elif meta.token_bitmask is not None:
+    if meta.token_bitmask is not None:
+        # A copy: on CUDA the mask of every row may be host memory only our kernel reads.
         logits = masked_logits(logits, meta.token_bitmask, meta.bitmask_rows)
     if meta.banned_token_mask is not None:
         logits = logits.masked_fill(meta.banned_token_mask, _NEG_INF)

@@ -232,8 +232,8 @@ class StructuredOutputManager:
                               for _ in range(2)]
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
         # A buffer is filled again two fills later. By then its step's samples, queued
-        # behind its copy, have been waited for (the runner waits for the last step's samples
-        # before it starts a fill, engine/guided.py): the copy has read it.
+        # behind its copy or the kernel reading it, have been waited for (the runner waits for
+        # the last step's samples before it starts a fill, engine/guided.py): it has been read.
         self._bitmasks.reverse()
         bitmask = self._bitmasks[0][:num_rows]
         self._fill_started.clear()  # set by this fill's start (the thread runs one at a time)

@@ -41,6 +41,9 @@ def masked_logits_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     """The kernel's masked copy of every row (CUDA tensors, or CPU ones under
     TRITON_INTERPRET=1)."""
     rows, vocab = logits.shape
+    # The kernel trusts these: a short mask would be read past its end (host memory, maybe).
+    assert bitmask.dtype == torch.int32 and logits.stride(1) == 1 and bitmask.stride(1) == 1
+    assert bitmask.shape[0] >= rows and bitmask.shape[1] * 32 >= vocab
     out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
     _masked_logits_kernel[(rows, triton.cdiv(vocab, BLOCK))](
         logits, bitmask, out, vocab, logits.stride(0), bitmask.stride(0), BLOCK=BLOCK)

@@ -9,10 +9,10 @@ Python between the library's calls competes with the engine for the GIL (docs/
 structured_outputs.md, "Cost"). Here each worker process owns the matchers of some sequences
 and has a GIL of its own. A step is a handful of stores into shared memory; the workers spin on
 a counter (no wake-up: blocking on a pipe measured 0.06-0.1 worse in the ratio), accept their
-rows' samples, fill their rows of a shared bitmask (pinned on CUDA, so the device copies it
-straight), and bump a counter back. The engine's thread writes
-the task and goes on with the step; it spins only if the masks are not ready when the step's
-sampling is due.
+rows' samples, fill their rows of a shared bitmask (page-locked on CUDA, so the sampler's
+kernel reads it in place), and bump a counter back. The engine's thread writes the task and
+goes on with the step; it spins only if the masks are not ready when the step's sampling is
+due.
 
 The engine side keeps, per sequence, a `RemoteGrammar`: the tokens accepted since the last
 fill (sent with the next one), and whether the grammar has ended (an xgrammar matcher ends by
@@ -357,6 +357,10 @@ class GrammarWorkers:
                 proc.wait()
             conn.close()
         if self.registered:
+            try:
+                torch.cuda.synchronize()  # a queued sampling kernel may still read the masks
+            except RuntimeError as exc:  # a broken context runs nothing more
+                logger.warning("grammar workers' shutdown: %s", exc)
             torch.cuda.cudart().cudaHostUnregister(self.bitmasks.data_ptr())
         # The mapping stays while a mask taken from it lives; it goes with the last reference.
         self.bitmasks = None  # type: ignore[assignment]
@@ -373,7 +377,8 @@ def _child_env() -> dict[str, str]:
 
 
 def _register_pinned(bitmasks: torch.Tensor) -> bool:
-    """Page-lock the shared bitmasks so the device's copy reads them directly."""
+    """Page-lock the shared bitmasks so the device reads them directly (the sampler's kernel,
+    or a copy)."""
     try:
         err = torch.cuda.cudart().cudaHostRegister(
             bitmasks.data_ptr(), bitmasks.numel() * bitmasks.element_size(), 0)

@@ -97,3 +97,25 @@ def test_kernel_reads_a_pinned_host_mask():
     out = masked_logits_triton(logits.cuda()[:40], pinned[:40])
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), reference(logits[:40], bitmask[:40]))
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not CUDA, reason="needs CUDA")])])
+def test_logit_bias_then_the_mask_of_every_row(device):
+    """The sampler's order: the bias, then the grammar's mask; on CUDA with the mask in pinned
+    host memory, as the fill hands it over (the kernel reads it there)."""
+    from pagedserve.engine.sampler import SamplingMetadata, apply_penalties
+    from pagedserve.sampling_params import SamplingParams
+
+    logits, bitmask = case(3, 96, 3, seed=5)
+    bias = {5: 50.0, 7: -3.0}
+    params = [SamplingParams(temperature=0.8, logit_bias=bias)] + [SamplingParams()] * 2
+    meta = SamplingMetadata.build(params, [[]] * 3, [[]] * 3, {}, eos_token_id=1,
+                                  vocab_size=96, device=device)
+    meta.token_bitmask = bitmask.pin_memory() if device == "cuda" else bitmask
+    out = apply_penalties(logits.to(device), meta)
+    biased = logits.clone()
+    biased[0, 5] += 50.0
+    biased[0, 7] -= 3.0
+    assert torch.equal(out.cpu(), reference(biased, bitmask))
