@@ -4,9 +4,9 @@ schema against the same batch unguided, and the per-step bitmask time.
 Each request generates exactly --output-len tokens either way (unguided: ignore_eos; guided: a
 schema of at least 64 objects of several typed fields, which cannot close sooner), so both runs
 take the same steps at the same batch size and the throughput ratio is the grammar's cost: the
-bitmask fill on the host (xgrammar's batch matcher), its copy and application on the device,
-the matchers' token acceptance (guided requests keep async scheduling). Runs alternate
-unguided / guided --repeats times.
+bitmask fill on the host (xgrammar's batch matcher), its application (on CUDA one kernel that
+reads the host mask), the matchers' token acceptance (guided requests keep async scheduling).
+Runs alternate unguided / guided --repeats times.
 
     python benchmarks/structured_output.py [--device cpu|cuda] [--batch 64] [--output-len 32]
         [--repeats 2] [--threads N] [--no-seed] [--model random:smollm2-135m --tokenizer DIR]
@@ -59,19 +59,20 @@ def run(llm: LLM, batch: int, output_len: int, guided: bool,
 
 
 def apply_time(device: torch.device, batch: int, vocab: int, iters: int = 50) -> float:
-    """Median seconds of one bitmask application on [batch, vocab] float32 logits."""
-    from pagedserve.structured_output import apply_token_bitmask
+    """Median seconds of the sampler's masked copy of [batch, vocab] float32 logits, every row
+    guided (on CUDA the mask in pinned host memory, as the engine hands it over)."""
+    from pagedserve.structured_output.manager import masked_logits
 
     logits = torch.randn(batch, vocab, device=device)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (batch, -(-vocab // 32)), dtype=torch.int32,
-                            device=device)
-    rows = list(range(batch))
+    bitmask = torch.randint(-2**31, 2**31 - 1, (batch, -(-vocab // 32)), dtype=torch.int32)
+    if device.type == "cuda":
+        bitmask = bitmask.pin_memory()
     times = []
     for _ in range(iters):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        apply_token_bitmask(logits, bitmask, rows)
+        masked_logits(logits, bitmask, None)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
