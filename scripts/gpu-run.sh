@@ -478,6 +478,9 @@ stage_structured() {  # guided decoding's cost on the bundled model (needs the G
     setup_env
     local skip=()  # .gpu-deps-lite has no openai: the server tests need it
     python3 -c "import openai" 2>/dev/null || skip=(--ignore tests/structured_output/test_server_structured.py)
+    # Without the GGUF the guided CUDA tests run a random model of its shape with the bundled
+    # tokenizer, carried as .gpu-tok.
+    [ -d .gpu-tok ] && export PAGEDSERVE_TEST_TOKENIZER=$PWD/.gpu-tok
     shard structured tests/structured_output "${skip[@]}"
     wait  # the benchmark alone on the GPU
     # TRITON, unless BACKEND says otherwise: with .gpu installed the default would be
@@ -495,6 +498,11 @@ stage_structcmp() {  # issue #29: guided decoding's cost on this tree and on .gp
     # tokenizer carried as .gpu-tok (save_pretrained).
     setup_env
     local model=(--model random:smollm2-135m --tokenizer "$PWD/.gpu-tok")
+    export PAGEDSERVE_TEST_TOKENIZER=$PWD/.gpu-tok  # the guided CUDA tests without the GGUF
+    shard structured tests/structured_output \
+        --ignore tests/structured_output/test_server_structured.py
+    wait  # the benchmarks alone on the GPU
+    echo "GPU tests: $(tail -2 "$OUT/structured.log" | tr '\n' ' ')"
     local round tree tag
     for round in 1 2; do
         for tree in .gpu-old/tree .; do
@@ -503,13 +511,13 @@ stage_structcmp() {  # issue #29: guided decoding's cost on this tree and on .gp
             (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
                 PAGEDSERVE_ATTENTION_BACKEND=TRITON timeout 200 python3 \
                 benchmarks/structured_output.py --device cuda "${model[@]}" --output-len 128 \
-                --no-seed --repeats 3 >"$OUT/structcmp-$tag-$round.log" 2>&1
+                --no-seed --repeats 5 >"$OUT/structcmp-$tag-$round.log" 2>&1
              echo "exit $?" >>"$OUT/structcmp-$tag-$round.log")
             echo "$tag $round: $(grep -h -E 'guided /|fill' "$OUT/structcmp-$tag-$round.log" | tr '\n' ' ')"
         done
     done
     PAGEDSERVE_ATTENTION_BACKEND=TRITON timeout 200 python3 benchmarks/structured_output.py \
-        --device cuda "${model[@]}" --output-len 128 --no-seed --repeats 3 --engine-core-process \
+        --device cuda "${model[@]}" --output-len 128 --no-seed --repeats 5 --engine-core-process \
         >"$OUT/structcmp-coreproc.log" 2>&1; echo "exit $?" >>"$OUT/structcmp-coreproc.log"
     echo "new, core process: $(grep -h -E '^(un)?guided|guided /' "$OUT/structcmp-coreproc.log" | tr '\n' ' ')"
     # The host phases of a guided step beside an unguided one (batch 64, as above).
