@@ -76,7 +76,8 @@ def _run(workers: int, async_scheduling: bool, max_tokens: int = 120, device: st
 def test_workers_sample_the_same_tokens_as_the_engines_matchers(device: str) -> None:
     # float32: tokens do not depend on the batch; async scheduling advances the matchers by
     # the in-flight step's samples, which the workers receive with the next fill. On CUDA the
-    # shared bitmasks are page-locked and copied to the device without a staging buffer.
+    # shared bitmasks are page-locked: the sampler's kernel reads a full batch's in place, a
+    # mixed batch's (the greedy request beside guided ones) are copied.
     reference = _run(0, async_scheduling=False, device=device)[0]
     assert _run(1 if device == "cpu" else 2, async_scheduling=True, device=device)[0] == reference
 
