@@ -13,12 +13,10 @@ small enough to preempt (`--blocks`).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import re
 
 import jsonschema
-import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import GuidedDecodingParams
@@ -54,16 +52,9 @@ def run(args: argparse.Namespace, workers: int, async_scheduling: bool, blocks: 
               engine_core_process=False, async_scheduling=async_scheduling,
               guided_decoding_workers=workers, num_gpu_blocks_override=blocks)
     params = requests()
-    try:
+    with llm:  # closed, its memory given back, before the next engine starts
         outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
-        preemptions = llm.engine.scheduler.num_preemptions
-    finally:
-        llm.engine.shutdown()
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return outs, preemptions
+        return outs, llm.engine.scheduler.num_preemptions
 
 
 def check(outs: list) -> tuple[int, bool]:

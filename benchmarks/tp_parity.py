@@ -13,7 +13,6 @@ first is shut down and its memory freed before the second starts.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 
 import torch
@@ -49,19 +48,11 @@ def run(args: argparse.Namespace, tp: int, prompts: list[list[int]],
         engine_args["device"] = args.device
     if args.kv_cache_memory:
         engine_args["kv_cache_memory"] = args.kv_cache_memory
-    llm = LLM(model=args.model, **engine_args)
-    try:
+    with LLM(model=args.model, **engine_args) as llm:  # closed before the next one starts
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         greedy = [list(o.outputs[0].token_ids) for o in outs]
-        scored = llm.score(prompts, continuations or greedy)
-    finally:
-        llm.engine.shutdown()
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return greedy, scored
+        return greedy, llm.score(prompts, continuations or greedy)
 
 
 def main() -> None:

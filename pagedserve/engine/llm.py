@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
@@ -37,6 +39,25 @@ class LLM:
             engine_config = EngineConfig.from_kwargs(model=model, **engine_args)
         self.engine = LLMEngine(engine_config, log_stats=log_stats)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Shut the engine down and give its memory back (the model, the KV cache, and on CUDA
+        the allocator's cached blocks), so that another engine can start in this process. The
+        LLM is unusable afterwards; `with LLM(...) as llm:` closes it on leaving."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is None:
+            return
+        engine.shutdown()
+        del engine
+        gc.collect()  # the engine's parts refer to each other
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

@@ -274,6 +274,22 @@ def test_deleted_llm_leaves_no_process(tiny_dir):
     assert _no_core_left(before)
 
 
+def test_closed_llm_leaves_no_process(tiny_dir):
+    """`with LLM(...)` closes the engine on leaving: its core process ends, and the LLM is
+    unusable (a second close does nothing)."""
+    before = engine_core_pids()
+    with LLM(model=tiny_dir, dtype="float32", kv_cache_memory="16MiB",
+             engine_core_process=True) as llm:
+        proc = llm.engine.client.proc
+        assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    proc.join(15)
+    assert not proc.is_alive()
+    assert _no_core_left(before)
+    with pytest.raises(AttributeError):
+        llm.generate("Hi", use_tqdm=False)
+    llm.close()
+
+
 def test_arrays_cross_the_socket_as_bytes():
     import numpy as np
 

@@ -6,7 +6,6 @@ application against a naive float32 reference."""
 
 from __future__ import annotations
 
-import gc
 import json
 import re
 
@@ -233,14 +232,8 @@ def _mixed_batch(device: str, async_scheduling: bool) -> list[list[int]]:
                              guided_decoding=GuidedDecodingParams(json=SCHEMAS["flat_required"])),
               SamplingParams(temperature=0.8, seed=1, max_tokens=MAX_TOKENS,
                              guided_decoding=GuidedDecodingParams(regex=regex))]
-    try:
+    with llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
-        del llm
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
     jsonschema.validate(json.loads(outs[2].outputs[0].text), SCHEMAS["flat_required"])
     assert re.fullmatch(regex, outs[3].outputs[0].text)
     return [o.outputs[0].token_ids for o in outs]

@@ -50,7 +50,7 @@ def _run(workers: int, async_scheduling: bool, max_tokens: int = 120, device: st
               kv_cache_memory="64MiB", gpu_memory_utilization=0.2, max_num_seqs=16,
               guided_decoding_workers=workers, async_scheduling=async_scheduling, **engine)
     prompts, params = _params(max_tokens)
-    try:
+    with llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         preemptions = llm.engine.scheduler.num_preemptions
         if workers:
@@ -59,12 +59,6 @@ def _run(workers: int, async_scheduling: bool, max_tokens: int = 120, device: st
             gc.collect()
             pool._reuse_released()
             assert sum(pool._live) == 0  # every finished sequence's matcher was dropped
-    finally:
-        llm.engine.shutdown()
-        if device == "cuda":
-            del llm
-            gc.collect()
-            torch.cuda.empty_cache()
     for name, out in zip(FAST[:3], outs[1:4], strict=True):
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
     assert all(c.text in ("red", "green") for c in outs[5].outputs)
