@@ -304,19 +304,20 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
                                     indices=rows)
 
 
-def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None
-                  ) -> torch.Tensor:
-    """A copy of `logits` with the bitmask applied to `rows` (None: every row): on a GPU, for
-    every row, one kernel of ours (masked_logits.py); else a clone and xgrammar's kernel."""
+def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None,
+                  temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """A float32 copy of `logits` with the bitmask applied to `rows` (None: every row), and
+    every row divided by its `temperature` if given: on a GPU, for every row, one kernel of
+    ours (masked_logits.py); else a clone and xgrammar's kernel."""
     if rows is None and logits.is_cuda:
-        return _masked_logits_kernel()(logits, bitmask)
+        return _masked_logits_kernel()(logits, bitmask, temperature)
     logits = logits.clone()
     apply_token_bitmask(logits, bitmask, rows)
-    return logits
+    return logits if temperature is None else logits / temperature.unsqueeze(1)
 
 
 @functools.cache
-def _masked_logits_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _masked_logits_kernel() -> Callable[..., torch.Tensor]:
     # Imported on first use: triton's import takes seconds, and the CPU's path needs none.
     from pagedserve.structured_output.masked_logits import masked_logits_triton
 

@@ -49,6 +49,27 @@ def test_kernel_matches_reference_and_xgrammar(vocab):
 
 
 @runs_kernel
+def test_kernel_divides_by_each_rows_temperature():
+    """The sampler's fused path: mask and temperature in one kernel, bit for bit torch's
+    division (the samples must not move)."""
+    from pagedserve.structured_output.masked_logits import masked_logits_triton
+
+    logits, bitmask = case(6, 5000, 157, seed=6)
+    temperature = torch.tensor([0.7, 1.0, 0.3, 1.3, 0.0999, 2.0])
+    out = masked_logits_triton(logits.to(DEVICE), bitmask.to(DEVICE), temperature.to(DEVICE))
+    expected = reference(logits, bitmask) / temperature.unsqueeze(1)
+    assert torch.equal(out.cpu(), expected)
+    assert torch.equal(masked_logits(logits, bitmask, [0, 2], temperature),
+                       _masked_rows(logits, bitmask, [0, 2]) / temperature.unsqueeze(1))
+
+
+def _masked_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    out = logits.clone()
+    out[rows] = reference(logits, bitmask)[rows]
+    return out
+
+
+@runs_kernel
 def test_kernel_reads_row_strided_views():
     """The sampler's logits are the first rows of a persistent buffer; the device mask too."""
     from pagedserve.structured_output.masked_logits import masked_logits_triton
@@ -97,6 +118,34 @@ def test_kernel_reads_a_pinned_host_mask():
     out = masked_logits_triton(logits.cuda()[:40], pinned[:40])
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), reference(logits[:40], bitmask[:40]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("greedy_rows", [0, 3])
+def test_sampler_fused_mask_and_temperature_samples_as_the_unfused(greedy_rows):
+    """The same noise gives the same tokens with the mask's kernel dividing by the temperature
+    (every row masked) and with the mask applied by rows, then divided (the unfused path)."""
+    from pagedserve.engine.sampler import Sampler, SamplingMetadata, mask_takes_temperature
+    from pagedserve.sampling_params import SamplingParams
+
+    rows, vocab = 16, 49152
+    logits, bitmask = case(rows, vocab, vocab // 32, seed=7)
+    bitmask[-1] = -1  # the helper's row of no token is no sampling case
+    params = ([SamplingParams(temperature=0.0)] * greedy_rows
+              + [SamplingParams(temperature=0.5 + 0.1 * i) for i in range(rows - greedy_rows)])
+    samples = []
+    for fused in (True, False):
+        meta = SamplingMetadata.build(params, [[]] * rows, [[]] * rows, {}, eos_token_id=1,
+                                      vocab_size=vocab, device="cuda")
+        meta.token_bitmask = bitmask.pin_memory() if fused else bitmask.cuda()
+        meta.bitmask_rows = None if fused else list(range(rows))
+        assert mask_takes_temperature(logits.cuda(), meta) == fused
+        torch.cuda.manual_seed(11)
+        samples.append(Sampler()(logits.cuda(), meta).sampled_token_ids.cpu())
+    assert torch.equal(samples[0], samples[1])
+    allowed = reference(logits, bitmask).gather(1, samples[0].unsqueeze(1)) > float("-inf")
+    assert allowed.all()
 
 
 @pytest.mark.parametrize("device", [
