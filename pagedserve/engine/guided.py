@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedserve.engine.runner_outputs import PendingStep
 from pagedserve.scheduler import SchedulerOutput
 from pagedserve.structured_output.manager import BitmaskFill, StructuredOutputManager
 
@@ -63,17 +64,23 @@ def rows_to_mask(batch: SchedulerOutput, advanced: set[str]) -> tuple[list[int],
 
 
 def start_mask(manager: StructuredOutputManager, batch: SchedulerOutput,
-               prev: SchedulerOutput | None = None, sampled: np.ndarray | None = None
-               ) -> BitmaskFill | None:
-    """Advance the matchers by `prev`'s samples (the step before `batch`, uncollected; None:
-    none) and start filling the bitmask of `batch`'s guided rows (None when it has none). A
-    mask of every row is applied without an index."""
+               prev: PendingStep | None = None) -> BitmaskFill | None:
+    """Advance the matchers by the samples of `prev` (the step before `batch`, uncollected,
+    its samples on the host; None: none) and start filling the bitmask of `batch`'s guided
+    rows (None when it has none). A mask of every row is applied without an index."""
     if prev is None:
         rows, grammars = rows_to_mask(batch, set())
-    elif prev.requests == batch.requests and not any(batch.is_new):  # most decode steps
-        rows, grammars = _advance_and_rows(batch, prev.will_sample, sampled)
+    elif prev.batch.requests == batch.requests and not any(batch.is_new):  # most decode steps
+        assert prev.sampled is not None
+        if (prev.fill is not None and prev.fill.rows is None and prev.batch.will_sample.all()
+                and batch.will_sample.all()):  # every row guided and sampling, both steps
+            fill = manager.repeat_fill(prev.fill, prev.sampled)
+            if fill is not None:
+                return fill
+        rows, grammars = _advance_and_rows(batch, prev.batch.will_sample, prev.sampled)
     else:
-        rows, grammars = rows_to_mask(batch, advance_by_step(prev, sampled))
+        assert prev.sampled is not None
+        rows, grammars = rows_to_mask(batch, advance_by_step(prev.batch, prev.sampled))
     if not rows:
         return None
     fill = manager.start_fill(grammars, rows, batch.num_reqs)

@@ -385,14 +385,14 @@ class ModelRunner:
         if self._guided:  # host work while the device runs the forward and the projection
             if prev is not None:  # uncollected: its samples are waited for here
                 self._record_samples(prev)
-            fill = guided.start_mask(self.structured_output, batch,
-                                     prev.batch if prev else None, prev.sampled if prev else None)
+            fill = guided.start_mask(self.structured_output, batch, prev)
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
                                   self._ran_graph))
         pending = PendingStep(batch, rows, self.input_batch.generation[rows],
-                              sampling=None if greedy is not None else (logits, meta, fill))
+                              sampling=None if greedy is not None else (logits, meta, fill),
+                              fill=fill)
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
                      if r.request_id in self._wants_logits]

@@ -39,6 +39,8 @@ class PendingStep:
     # Until its sampling is queued: (logits, sampling metadata, the grammars' bitmask being
     # filled or None). A guided step's sampling is queued by the runner's next launch.
     sampling: tuple[torch.Tensor, SamplingMetadata | None, BitmaskFill | None] | None = None
+    # Its grammars' fill, kept past its sampling: the next step may repeat it (guided.py).
+    fill: BitmaskFill | None = None
     # On the device; a greedy step's ids are its graph size's persistent buffer, rewritten by
     # the next decode step's head (engine/head_graphs.py): read them only in work queued before.
     out: SamplerOutput | None = None

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pagedserve.structured_output.grammar import CACHE_ENTRIES
@@ -160,6 +161,7 @@ class StructuredOutputManager:
         self.fill_seconds = 0.0
         self.wait_seconds = 0.0
         self.num_fills = 0
+        self.num_repeats = 0  # of the fills, those a repeat_fill started
 
     def _ensure_backend(self) -> Any:
         with self._lock:
@@ -245,6 +247,19 @@ class StructuredOutputManager:
         # never let go of the GIL, and the fill would only start there.
         self._fill_started.wait()
         return BitmaskFill(rows, future)
+
+    def repeat_fill(self, last: BitmaskFill, sampled: np.ndarray) -> BitmaskFill | None:
+        """Start the fill of `last`'s rows (every row of a batch) again, each grammar advanced
+        by its row's sample: a decode step of the same requests, all guided. None where the
+        general path (`start_fill` after each grammar's accept) is needed: the fill thread's
+        matchers accept row by row anyway; see GrammarWorkers.repeat_fill for the workers."""
+        if self._workers is None or last.job is None:
+            return None
+        job = self._workers.repeat_fill(last.job, sampled)
+        if job is None:
+            return None
+        self.num_repeats += 1
+        return BitmaskFill(None, job=job)
 
     def _fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
         self._fill_started.set()

@@ -14,6 +14,7 @@ import signal
 import time
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -55,7 +56,11 @@ def _run(workers: int, async_scheduling: bool, max_tokens: int = 120, device: st
         preemptions = llm.engine.scheduler.num_preemptions
         if workers:
             pool = llm.engine.structured_output._workers
-            assert pool is not None and llm.engine.structured_output.num_fills > 0
+            manager = llm.engine.structured_output
+            assert pool is not None and manager.num_fills > 0
+            # Decode steps of the same requests, all guided, repeat the last task (once the
+            # unguided request has ended), when async.
+            assert (manager.num_repeats > 0) == async_scheduling
             gc.collect()
             pool._reuse_released()
             assert sum(pool._live) == 0  # every finished sequence's matcher was dropped
@@ -132,6 +137,42 @@ def test_rows_spread_over_two_workers_fill_as_local_matchers(managers) -> None:
         masks.append(manager.finish_fill(manager.start_fill(grammars, rows, 8))[rows].clone())
     assert {g.worker for g in grammars} == {0, 1}
     assert torch.equal(*masks)
+
+
+def test_a_repeated_task_fills_as_a_new_one(managers) -> None:
+    """Decode steps of the same sequences: `repeat_fill` (the last task's rows again, each
+    grammar advanced by its token, no per-row accept) against accept + `start_fill`, step by
+    step; a token that may end a grammar, or a token accepted outside the task, or a task
+    between, is the general path's."""
+    _, remote = managers
+    specs = [GuidedDecodingParams(json=SCHEMAS["flat_required"]),
+             GuidedDecodingParams(regex=REGEX), GuidedDecodingParams(json=SCHEMAS["flat_required"])]
+    texts = ['{"name": "Ann", "age": 7}', "Abcde 123", '{"name": "Bo", "age": 12}']
+    steps = [remote.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    num_steps = min(map(len, steps))
+    tokens = np.array([[row[k] for row in steps] for k in range(num_steps)])
+    runs = []
+    for repeat in (False, True):
+        grammars = [remote.new_grammar(spec, frozenset({2})) for spec in specs]
+        fill, masks = None, []
+        for k in range(num_steps):
+            if repeat and fill is not None:
+                fill = remote.repeat_fill(fill, tokens[k])
+                assert fill is not None, k
+            else:
+                for grammar, token in zip(grammars, tokens[k], strict=True):
+                    assert grammar.accept(int(token))
+                fill = remote.start_fill(grammars, [0, 1, 2], 3)
+                fill.rows = None
+            masks.append(remote.finish_fill(fill).clone())
+        assert [g.num_accepted for g in grammars] == [num_steps] * 3
+        runs.append(masks)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert remote.repeat_fill(fill, np.array([5, 2, 5])) is None  # 2 may end a grammar
+    grammars[0].accept(int(tokens[0, 0]))  # outside the task
+    assert remote.repeat_fill(fill, tokens[0]) is None
+    remote.finish_fill(remote.start_fill(grammars, [0, 1, 2], 3))
+    assert remote.repeat_fill(fill, tokens[0]) is None  # not the last task
 
 
 def test_a_refused_token_fails_the_grammar(managers) -> None:
