@@ -20,7 +20,9 @@ accepting one of its stop tokens, which its mask allows only where the grammar m
 matcher's creation, a rollback, extra pending tokens and a release are control messages on the
 worker's pipe; each task names how many control messages precede it, so a worker has always
 applied them first (messages sent after a task may be applied before it too: none of them
-concerns a sequence in it). A token the grammar refuses (the mask makes it impossible) is known
+concerns a sequence in it). A decode step of the same requests, all guided, repeats the last
+task with the new samples in its token column (`repeat_fill`: no per-row accept here). A token
+the grammar refuses (the mask makes it impossible) is known
 only at the next fill: it comes back as a flag on that row, whose mask then allows every token,
 and the sequence ends at the stop check after that one more, unconstrained, sample (the
 engine's own matchers end it at the refused token).
