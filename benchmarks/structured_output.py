@@ -10,8 +10,10 @@ Runs alternate unguided / guided --repeats times.
 
     python benchmarks/structured_output.py [--device cpu|cuda] [--batch 64] [--output-len 32]
         [--repeats 2] [--threads N] [--no-seed] [--model random:smollm2-135m --tokenizer DIR]
-        [--guided-decoding-workers N]
+        [--guided-decoding-workers N] [--guided-fraction F]
 
+--guided-fraction F: a guided run's first F of the requests follow the schema, the others
+not (a mixed batch: on CUDA the rows without a grammar then allow every token in the mask).
 --no-seed samples without per-request seeds (a seeded request draws from its own generator,
 row by row, a cost both runs share that dilutes the grammar's).
 """
@@ -40,12 +42,15 @@ PROMPT = "List the ingredients of a cake as JSON:"
 
 
 def run(llm: LLM, batch: int, output_len: int, guided: bool,
-        seeded: bool = True) -> tuple[float, float, int]:
-    """(wall seconds, this process's CPU seconds, tokens generated)."""
-    g = GuidedDecodingParams(json=SCHEMA) if guided else None
+        seeded: bool = True, fraction: float = 1.0) -> tuple[float, float, int]:
+    """(wall seconds, this process's CPU seconds, tokens generated). `fraction`: of a guided
+    run's requests, the share that follows the schema (the first ones)."""
+    num_guided = round(batch * fraction) if guided else 0
+    g = GuidedDecodingParams(json=SCHEMA)
     cuda = llm.engine.config.torch_device.type == "cuda"
     params = [SamplingParams(temperature=0.8, seed=i if seeded else None, max_tokens=output_len,
-                             ignore_eos=True, guided_decoding=g) for i in range(batch)]
+                             ignore_eos=True, guided_decoding=g if i < num_guided else None)
+              for i in range(batch)]
     if cuda:
         torch.cuda.synchronize()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -90,6 +95,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-seed", action="store_true")
+    parser.add_argument("--guided-fraction", type=float, default=1.0,
+                        help="share of a guided run's requests that follow the schema (a "
+                             "mixed batch: the others unguided)")
     parser.add_argument("--engine-core-process", action="store_true",
                         help="the engine core in its own process, as the CLI runs it on CUDA "
                              "(the per-step fill times are then not reported)")
@@ -119,7 +127,7 @@ def main() -> None:
         for guided in (False, True):
             before = (manager.fill_seconds, manager.wait_seconds, manager.num_fills)
             elapsed, cpu, tokens = run(llm, args.batch, args.output_len, guided,
-                                       seeded=not args.no_seed)
+                                       seeded=not args.no_seed, fraction=args.guided_fraction)
             rates[guided].append(tokens / elapsed)
             cpu_rates[guided].append(tokens / cpu)
             if guided:
@@ -133,7 +141,7 @@ def main() -> None:
     workers = resolve_workers(args.guided_decoding_workers, device)
     print(f"device {device}, batch {args.batch}, {args.output_len} output tokens, "
           f"{args.repeats} repeats, {'unseeded' if args.no_seed else 'seeded'}, "
-          f"{workers} grammar workers")
+          f"{workers} grammar workers, guided runs {args.guided_fraction:.0%} guided")
     print(f"unguided: {plain:.1f} tok/s (runs: {', '.join(f'{r:.1f}' for r in rates[False])})")
     print(f"guided:   {guided:.1f} tok/s (runs: {', '.join(f'{r:.1f}' for r in rates[True])})")
     # Each repeat's guided run against the unguided run just before it: the host's speed

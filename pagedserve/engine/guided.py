@@ -67,13 +67,14 @@ def start_mask(manager: StructuredOutputManager, batch: SchedulerOutput,
                prev: PendingStep | None = None) -> BitmaskFill | None:
     """Advance the matchers by the samples of `prev` (the step before `batch`, uncollected,
     its samples on the host; None: none) and start filling the bitmask of `batch`'s guided
-    rows (None when it has none). A mask of every row is applied without an index."""
+    rows (None when it has none)."""
     if prev is None:
         rows, grammars = rows_to_mask(batch, set())
     elif prev.batch.requests == batch.requests and not any(batch.is_new):  # most decode steps
         assert prev.sampled is not None
+        # Every row sampling in both steps (the workers check that every row had a grammar).
         if (prev.fill is not None and prev.fill.rows is None and prev.batch.will_sample.all()
-                and batch.will_sample.all()):  # every row guided and sampling, both steps
+                and batch.will_sample.all()):
             fill = manager.repeat_fill(prev.fill, prev.sampled)
             if fill is not None:
                 return fill
@@ -83,10 +84,7 @@ def start_mask(manager: StructuredOutputManager, batch: SchedulerOutput,
         rows, grammars = rows_to_mask(batch, advance_by_step(prev.batch, prev.sampled))
     if not rows:
         return None
-    fill = manager.start_fill(grammars, rows, batch.num_reqs)
-    if len(rows) == batch.num_reqs:
-        fill.rows = None
-    return fill
+    return manager.start_fill(grammars, rows, batch.num_reqs)
 
 
 def _advance_and_rows(batch: SchedulerOutput, sampled_before: np.ndarray, sampled: np.ndarray

@@ -136,6 +136,8 @@ class StructuredOutputManager:
         # Two [max_num_reqs, ceil(V / 32)] int32 host buffers, used in turn (pinned on CUDA: a
         # step's copy reads one while the next step fills the other).
         self._bitmasks: list[torch.Tensor] = []
+        # Per host buffer, the rows known to allow every token (allow_other_rows).
+        self._all_allowed = [np.zeros(max_num_reqs, dtype=bool) for _ in range(2)]
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         # One thread fills the masks: xgrammar fills without the GIL (engine/guided.py), so
@@ -223,11 +225,26 @@ class StructuredOutputManager:
     def start_fill(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int
                    ) -> BitmaskFill:
         """Start filling the [num_rows, ceil(V / 32)] int32 bitmask of `rows` from `grammars`
-        (bit set: token allowed; the other rows are left as they are and must not be applied)
-        on the fill thread or in the grammar workers, and return once the fill is under way.
-        The grammars' matchers must not change until `finish_fill`."""
+        (bit set: token allowed) on the fill thread or in the grammar workers, and return once
+        the fill is under way. The grammars' matchers must not change until `finish_fill`.
+        The fill's `rows` is None when its mask applies to every row: every row has a grammar,
+        or (CUDA, the mask read in place) the other rows allow every token; else the other
+        rows are left as they are and must not be applied."""
         if self._workers is not None:
-            return BitmaskFill(rows, job=self._workers.start_fill(grammars, rows, num_rows))
+            fill = BitmaskFill(rows, job=self._workers.start_fill(grammars, rows, num_rows))
+            buffer = fill.job.buffer
+        else:
+            fill, buffer = self._start_thread_fill(grammars, rows, num_rows), 0
+        if self._masks_every_row:
+            allow_other_rows(self._host_masks[buffer], self._all_allowed[buffer], rows,
+                             num_rows)
+            fill.rows = None
+        elif len(rows) == num_rows:
+            fill.rows = None
+        return fill
+
+    def _start_thread_fill(self, grammars: list[RequestGrammar], rows: list[int],
+                           num_rows: int) -> BitmaskFill:
         if not self._bitmasks:
             shape, pin = (self.max_num_reqs, -(-self.vocab_size // 32)), self.device.type == "cuda"
             self._bitmasks = [torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
@@ -237,6 +254,7 @@ class StructuredOutputManager:
         # behind its copy or the kernel reading it, have been waited for (the runner waits for
         # the last step's samples before it starts a fill, engine/guided.py): it has been read.
         self._bitmasks.reverse()
+        self._all_allowed.reverse()  # each buffer's rows known to allow every token
         bitmask = self._bitmasks[0][:num_rows]
         self._fill_started.clear()  # set by this fill's start (the thread runs one at a time)
         assert self._fill_thread is not None
@@ -248,6 +266,22 @@ class StructuredOutputManager:
         self._fill_started.wait()
         return BitmaskFill(rows, future)
 
+    @property
+    def _masks_every_row(self) -> bool:
+        """Whether a mixed step's mask covers every row (the rows without a grammar allowing
+        every token): on CUDA, where the sampler's kernel reads a mask of every row in place
+        (one launch), and a mask of some rows is copied and applied by xgrammar's kernel by
+        row index (two launches and its wrapper)."""
+        return self.device.type == "cuda" and self._host_mask_readable
+
+    @property
+    def _host_masks(self) -> list[np.ndarray]:
+        """The two host bitmask buffers as arrays: the workers' by buffer number, the fill
+        thread's the one being filled first."""
+        if self._workers is not None:
+            return self._workers.host_masks
+        return [mask.numpy() for mask in self._bitmasks]
+
     def repeat_fill(self, last: BitmaskFill, sampled: np.ndarray) -> BitmaskFill | None:
         """Start the fill of `last`'s rows (every row of a batch) again, each grammar advanced
         by its row's sample: a decode step of the same requests, all guided. None where the
@@ -258,6 +292,7 @@ class StructuredOutputManager:
         job = self._workers.repeat_fill(last.job, sampled)
         if job is None:
             return None
+        self._all_allowed[job.buffer][:job.num_rows] = False  # every row's is a grammar's now
         self.num_repeats += 1
         return BitmaskFill(None, job=job)
 
@@ -307,6 +342,20 @@ class StructuredOutputManager:
             self._fill_thread.shutdown(wait=True)
         if self._workers is not None:
             self._workers.shutdown()
+
+
+def allow_other_rows(mask: np.ndarray, all_allowed: np.ndarray, rows: list[int],
+                     num_rows: int) -> None:
+    """Let every row of `mask[:num_rows]` but `rows` (which a fill is writing) allow every
+    token, so the mask applies to every row of the step. `all_allowed` marks the rows of this
+    buffer that allow every token already (from an earlier step: the buffers are reused): only
+    the others are written, and the marks are brought up to date (`rows` are the grammars')."""
+    other = np.ones(num_rows, dtype=bool)
+    other[rows] = False
+    stale = other & ~all_allowed[:num_rows]
+    if stale.any():
+        mask[:num_rows][stale] = -1
+    all_allowed[:num_rows] = other
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None

@@ -190,6 +190,7 @@ class GrammarWorkers:
         self._shared = SharedBlock(memoryview(self._map), num_workers, max_rows, self.words)
         self._shared.bitmasks.fill(-1)
         self.bitmasks = torch.from_numpy(self._shared.bitmasks)  # [2, max_rows, words]
+        self.host_masks = list(self._shared.bitmasks)  # the same, per buffer
         self._views: dict[tuple[int, int], torch.Tensor] = {}
         self.registered = pin and _register_pinned(self.bitmasks)
         self._conns: list[Connection] = []
@@ -407,6 +408,7 @@ class GrammarWorkers:
         # The mapping stays while a mask taken from it lives; it goes with the last reference.
         self.bitmasks = None  # type: ignore[assignment]
         self._views.clear()
+        self.host_masks.clear()
         self._shared.release()
         os.close(self._fd)
 

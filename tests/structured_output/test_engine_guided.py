@@ -10,6 +10,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
@@ -17,6 +18,7 @@ import xgrammar as xgr
 from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import GuidedDecodingParams
 from pagedserve.structured_output import apply_token_bitmask
+from pagedserve.structured_output.manager import StructuredOutputManager, allow_other_rows
 from tests.structured_output.schemas import FAST, SCHEMAS
 from tests.utils.paged import model_with_tokenizer
 
@@ -110,20 +112,49 @@ def test_n_sequences_each_follow_the_grammar(llm: LLM) -> None:
         jsonschema.validate(json.loads(c.text), schema)
 
 
-def test_unguided_greedy_unchanged_beside_guided() -> None:
+@pytest.mark.parametrize("device, every_row, workers", [
+    ("cpu", False, 0), ("cpu", True, 0), pytest.param("cpu", True, 1, marks=pytest.mark.slow),
+    pytest.param("cuda", None, None, marks=pytest.mark.gpu)])
+def test_unguided_greedy_unchanged_beside_guided(device, every_row, workers, monkeypatch) -> None:
+    """Greedy tokens of requests without a grammar are those they get alone. The guided
+    requests come first and two of them end early, so the batch's rows move: a row that held a
+    grammar's mask holds an unguided request's next. `every_row`: the mask covers every row
+    (the other rows allowing every token: CUDA's way, forced here on the CPU) or only the
+    grammars' rows (the CPU's); None: the device's own way."""
+    if every_row is not None:
+        monkeypatch.setattr(StructuredOutputManager, "_masks_every_row",
+                            property(lambda self: every_row))
     # float32: greedy tokens do not depend on how requests are batched.
-    llm = LLM(model=None, dtype="float32", kv_cache_memory="16MiB")
+    llm = LLM(**model_with_tokenizer(), dtype="float32", device=device, kv_cache_memory="16MiB",
+              gpu_memory_utilization=0.2, guided_decoding_workers=workers)
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    guided = [SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS,
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    guided = [SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens,
                              guided_decoding=GuidedDecodingParams(json=SCHEMAS[name]))
-              for i, name in enumerate(FAST[:2])]
-    mixed = llm.generate([*prompts, *[PROMPT] * len(guided)], [greedy] * 3 + guided,
-                         use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
-    for name, out in zip(FAST[:2], mixed[3:], strict=True):
-        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
+              for i, (name, max_tokens) in enumerate(zip(FAST[:3], (4, 5, 20), strict=True))]
+    with llm:
+        alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        mixed = llm.generate([PROMPT] * len(guided) + prompts, guided + [greedy] * 3,
+                             use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[3:]] == alone
+    assert [len(o.outputs[0].token_ids) for o in mixed] == [4, 5, 20, 16, 16, 16]
+
+
+def test_allow_other_rows_keeps_its_marks() -> None:
+    """Random steps over two reused buffers: after each, the rows without a grammar allow every
+    token and the grammars' rows are what their fill wrote, whatever the buffer held."""
+    rng = np.random.default_rng(0)
+    masks = [rng.integers(-2**31, 2**31 - 1, (8, 3), dtype=np.int32) for _ in range(2)]
+    marks = [np.zeros(8, dtype=bool) for _ in range(2)]
+    for step in range(200):
+        buffer, num_rows = step % 2, int(rng.integers(1, 9))
+        rows = sorted(rng.choice(num_rows, int(rng.integers(0, num_rows + 1)), replace=False))
+        allow_other_rows(masks[buffer], marks[buffer], list(rows), num_rows)
+        filled = rng.integers(-2**31, 2**31 - 1, (len(rows), 3), dtype=np.int32)
+        masks[buffer][rows] = filled  # the fill
+        other = np.setdiff1d(np.arange(num_rows), rows)
+        assert (masks[buffer][other] == -1).all()
+        assert (masks[buffer][rows] == filled).all()
 
 
 def test_guided_through_preemption() -> None:

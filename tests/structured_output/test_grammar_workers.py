@@ -175,6 +175,31 @@ def test_a_repeated_task_fills_as_a_new_one(managers) -> None:
     assert remote.repeat_fill(fill, tokens[0]) is None  # not the last task
 
 
+def test_a_row_without_a_grammar_allows_every_token_after_a_repeat(managers, monkeypatch):
+    """CUDA's way (forced here): a mixed step's mask covers every row, the rows without a
+    grammar allowing every token. A buffer's rows written by a repeated task are a grammar's
+    again: a later mixed step on that buffer must not take them for all-allowed rows."""
+    _, remote = managers
+    monkeypatch.setattr(StructuredOutputManager, "_masks_every_row", property(lambda self: True))
+    spec = GuidedDecodingParams(json=SCHEMAS["flat_required"])
+    g0, g1 = (remote.new_grammar(spec, frozenset({2})) for _ in range(2))
+    token = remote.tokenizer.encode("{", add_special_tokens=False)[0]
+
+    def step(fill):
+        mask = remote.finish_fill(fill)
+        assert fill.rows is None  # every row's mask applies
+        return mask.clone()
+
+    assert (step(remote.start_fill([g0], [0], 2))[1] == -1).all()  # buffer a: row 1 mixed
+    both = remote.start_fill([g0, g1], [0, 1], 2)  # buffer b: every row guided
+    step(both)
+    repeated = remote.repeat_fill(both, np.array([token, token]))  # buffer a
+    assert repeated is not None
+    assert not (step(repeated)[1] == -1).all()  # g1's mask after "{"
+    step(remote.start_fill([g0, g1], [0, 1], 2))  # buffer b
+    assert (step(remote.start_fill([g0], [0], 2))[1] == -1).all()  # buffer a: mixed again
+
+
 def test_a_refused_token_fails_the_grammar(managers) -> None:
     _, remote = managers
     grammar = remote.new_grammar(GuidedDecodingParams(choice=["yes", "no"]), frozenset({2}))
