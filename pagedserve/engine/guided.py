@@ -72,8 +72,9 @@ def start_mask(manager: StructuredOutputManager, batch: SchedulerOutput,
         rows, grammars = rows_to_mask(batch, set())
     elif prev.batch.requests == batch.requests and not any(batch.is_new):  # most decode steps
         assert prev.sampled is not None
-        # Every row sampling in both steps (the workers check that every row had a grammar).
-        if (prev.fill is not None and prev.fill.rows is None and prev.batch.will_sample.all()
+        # Every row sampling in both steps: the same rows have a grammar (the workers check
+        # that none may have ended).
+        if (prev.fill is not None and prev.batch.will_sample.all()
                 and batch.will_sample.all()):
             fill = manager.repeat_fill(prev.fill, prev.sampled)
             if fill is not None:

@@ -232,14 +232,17 @@ class StructuredOutputManager:
         rows are left as they are and must not be applied."""
         if self._workers is not None:
             fill = BitmaskFill(rows, job=self._workers.start_fill(grammars, rows, num_rows))
-            buffer = fill.job.buffer
-        else:
-            fill, buffer = self._start_thread_fill(grammars, rows, num_rows), 0
+            return self._cover(fill, fill.job.buffer, num_rows)
+        return self._cover(self._start_thread_fill(grammars, rows, num_rows), 0, num_rows)
+
+    def _cover(self, fill: BitmaskFill, buffer: int, num_rows: int) -> BitmaskFill:
+        """The fill with `rows` None where its mask applies to every row (start_fill)."""
+        assert fill.rows is not None
         if self._masks_every_row:
-            allow_other_rows(self._host_masks[buffer], self._all_allowed[buffer], rows,
+            allow_other_rows(self._host_masks[buffer], self._all_allowed[buffer], fill.rows,
                              num_rows)
             fill.rows = None
-        elif len(rows) == num_rows:
+        elif len(fill.rows) == num_rows:
             fill.rows = None
         return fill
 
@@ -283,18 +286,18 @@ class StructuredOutputManager:
         return [mask.numpy() for mask in self._bitmasks]
 
     def repeat_fill(self, last: BitmaskFill, sampled: np.ndarray) -> BitmaskFill | None:
-        """Start the fill of `last`'s rows (every row of a batch) again, each grammar advanced
-        by its row's sample: a decode step of the same requests, all guided. None where the
-        general path (`start_fill` after each grammar's accept) is needed: the fill thread's
-        matchers accept row by row anyway; see GrammarWorkers.repeat_fill for the workers."""
+        """Start the fill of `last`'s grammar rows again, each grammar advanced by its row's
+        sample (`sampled`: one per row): a decode step of the same requests, every row
+        sampling. None where the general path (`start_fill` after each grammar's accept) is
+        needed: the fill thread's matchers accept row by row anyway; see
+        GrammarWorkers.repeat_fill for the workers."""
         if self._workers is None or last.job is None:
             return None
         job = self._workers.repeat_fill(last.job, sampled)
         if job is None:
             return None
-        self._all_allowed[job.buffer][:job.num_rows] = False  # every row's is a grammar's now
         self.num_repeats += 1
-        return BitmaskFill(None, job=job)
+        return self._cover(BitmaskFill(job.rows, job=job), job.buffer, job.num_rows)
 
     def _fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
         self._fill_started.set()

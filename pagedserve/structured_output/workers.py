@@ -20,8 +20,8 @@ accepting one of its stop tokens, which its mask allows only where the grammar m
 matcher's creation, a rollback, extra pending tokens and a release are control messages on the
 worker's pipe; each task names how many control messages precede it, so a worker has always
 applied them first (messages sent after a task may be applied before it too: none of them
-concerns a sequence in it). A decode step of the same requests, all guided, repeats the last
-task with the new samples in its token column (`repeat_fill`: no per-row accept here). A token
+concerns a sequence in it). A decode step of the same requests repeats the last task with the
+new samples in its token column (`repeat_fill`: no per-row accept here). A token
 the grammar refuses (the mask makes it impossible) is known
 only at the next fill: it comes back as a flag on that row, whose mask then allows every token,
 and the sequence ends at the stop check after that one more, unconstrained, sample (the
@@ -157,15 +157,17 @@ class RemoteGrammar:
 
 
 class WorkerFill:
-    """A started fill: its task's number, bitmask buffer and rows, its grammars in task order,
-    and the stop tokens of any of them."""
+    """A started fill: its task's number, bitmask buffer, the batch's size and the rows with a
+    grammar (a list, and as an index), its grammars in task order, and the stop tokens of any
+    of them."""
 
-    __slots__ = ("go", "buffer", "num_rows", "grammars", "stop_ids")
+    __slots__ = ("go", "buffer", "num_rows", "rows", "row_index", "grammars", "stop_ids")
 
-    def __init__(self, go: int, buffer: int, num_rows: int, grammars: list[RemoteGrammar],
-                 stop_ids: np.ndarray) -> None:
+    def __init__(self, go: int, buffer: int, num_rows: int, rows: list[int],
+                 row_index: np.ndarray, grammars: list[RemoteGrammar], stop_ids: np.ndarray
+                 ) -> None:
         self.go, self.buffer, self.num_rows, self.grammars = go, buffer, num_rows, grammars
-        self.stop_ids = stop_ids
+        self.rows, self.row_index, self.stop_ids = rows, row_index, stop_ids
 
 
 class GrammarWorkers:
@@ -307,23 +309,28 @@ class GrammarWorkers:
         stop_ids = np.array(sorted(frozenset().union(*{g.stop_ids for g in grammars})),
                             dtype=np.int64)
         self._go_task(len(grammars))
-        return WorkerFill(self._go, self._buffer, num_rows, grammars, stop_ids)
+        return WorkerFill(self._go, self._buffer, num_rows, rows, np.asarray(rows, np.int64),
+                          grammars, stop_ids)
 
-    def repeat_fill(self, last: WorkerFill, tokens: np.ndarray) -> WorkerFill | None:
-        """`last` (the last task) again, each grammar advanced by its token (`tokens`, in task
-        order): the engine's side of a decode step whose batch keeps its requests, as array
-        writes (no row by row accept, ~3 us a row on the step's critical path). None, and
-        nothing done, where the general path is needed: another task came since, a grammar
-        changed outside the tasks, or a token may end a grammar (it then gets no mask)."""
-        if (last.go != self._go or self.changed or len(tokens) != len(last.grammars)
-                or (tokens[:, None] == last.stop_ids).any()):
+    def repeat_fill(self, last: WorkerFill, sampled: np.ndarray) -> WorkerFill | None:
+        """`last` (the last task) again, each grammar advanced by its row's sample (`sampled`:
+        one per row of the batch): the engine's side of a decode step whose batch keeps its
+        requests, as array writes (no row by row accept, ~3 us a row on the step's critical
+        path). None, and nothing done, where the general path is needed: another task came
+        since, a grammar changed outside the tasks, or a token may end a grammar (it then gets
+        no mask)."""
+        if last.go != self._go or self.changed or len(sampled) != last.num_rows:
+            return None
+        tokens = sampled if len(last.rows) == last.num_rows else sampled[last.row_index]
+        if (tokens[:, None] == last.stop_ids).any():
             return None
         self._ready_for_task()
         for grammar in last.grammars:  # what RemoteGrammar.accept would record
             grammar.num_accepted += 1
         self._shared.table[1, :len(tokens)] = tokens  # slots, rows, workers: as they were
         self._go_task(len(tokens))
-        return WorkerFill(self._go, self._buffer, last.num_rows, last.grammars, last.stop_ids)
+        return WorkerFill(self._go, self._buffer, last.num_rows, last.rows, last.row_index,
+                          last.grammars, last.stop_ids)
 
     def _ready_for_task(self) -> None:
         for w in range(self.num_workers):  # done with the last task (a fill left unfinished)

@@ -141,8 +141,9 @@ def test_rows_spread_over_two_workers_fill_as_local_matchers(managers) -> None:
 
 def test_a_repeated_task_fills_as_a_new_one(managers) -> None:
     """Decode steps of the same sequences: `repeat_fill` (the last task's rows again, each
-    grammar advanced by its token, no per-row accept) against accept + `start_fill`, step by
-    step; a token that may end a grammar, or a token accepted outside the task, or a task
+    grammar advanced by its row's sample, no per-row accept) against accept + `start_fill`,
+    step by step, in a batch whose row 1 has no grammar (its sample, a stop token, is not a
+    grammar's); a sample that may end a grammar, a token accepted outside the task, or a task
     between, is the general path's."""
     _, remote = managers
     specs = [GuidedDecodingParams(json=SCHEMAS["flat_required"]),
@@ -150,35 +151,38 @@ def test_a_repeated_task_fills_as_a_new_one(managers) -> None:
     texts = ['{"name": "Ann", "age": 7}', "Abcde 123", '{"name": "Bo", "age": 12}']
     steps = [remote.tokenizer.encode(t, add_special_tokens=False) for t in texts]
     num_steps = min(map(len, steps))
-    tokens = np.array([[row[k] for row in steps] for k in range(num_steps)])
+    rows = [0, 2, 3]
+    sampled = np.full((num_steps, 4), 2)  # row 1: no grammar
+    sampled[:, rows] = [[row[k] for row in steps] for k in range(num_steps)]
     runs = []
     for repeat in (False, True):
         grammars = [remote.new_grammar(spec, frozenset({2})) for spec in specs]
         fill, masks = None, []
         for k in range(num_steps):
             if repeat and fill is not None:
-                fill = remote.repeat_fill(fill, tokens[k])
+                fill = remote.repeat_fill(fill, sampled[k])
                 assert fill is not None, k
             else:
-                for grammar, token in zip(grammars, tokens[k], strict=True):
+                for grammar, token in zip(grammars, sampled[k, rows], strict=True):
                     assert grammar.accept(int(token))
-                fill = remote.start_fill(grammars, [0, 1, 2], 3)
-                fill.rows = None
-            masks.append(remote.finish_fill(fill).clone())
+                fill = remote.start_fill(grammars, rows, 4)
+            assert fill.rows == rows  # the CPU's way: the grammars' rows only
+            masks.append(remote.finish_fill(fill)[rows].clone())
         assert [g.num_accepted for g in grammars] == [num_steps] * 3
         runs.append(masks)
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-    assert remote.repeat_fill(fill, np.array([5, 2, 5])) is None  # 2 may end a grammar
-    grammars[0].accept(int(tokens[0, 0]))  # outside the task
-    assert remote.repeat_fill(fill, tokens[0]) is None
-    remote.finish_fill(remote.start_fill(grammars, [0, 1, 2], 3))
-    assert remote.repeat_fill(fill, tokens[0]) is None  # not the last task
+    assert remote.repeat_fill(fill, np.array([5, 5, 2, 5])) is None  # 2 may end a grammar
+    grammars[0].accept(int(sampled[0, 0]))  # outside the task
+    assert remote.repeat_fill(fill, sampled[0]) is None
+    remote.finish_fill(remote.start_fill(grammars, rows, 4))
+    assert remote.repeat_fill(fill, sampled[0]) is None  # not the last task
 
 
 def test_a_row_without_a_grammar_allows_every_token_after_a_repeat(managers, monkeypatch):
     """CUDA's way (forced here): a mixed step's mask covers every row, the rows without a
     grammar allowing every token. A buffer's rows written by a repeated task are a grammar's
-    again: a later mixed step on that buffer must not take them for all-allowed rows."""
+    again: a later mixed step on that buffer must not take them for all-allowed rows; a
+    repeated mixed step's other rows allow every token."""
     _, remote = managers
     monkeypatch.setattr(StructuredOutputManager, "_masks_every_row", property(lambda self: True))
     spec = GuidedDecodingParams(json=SCHEMAS["flat_required"])
@@ -193,11 +197,20 @@ def test_a_row_without_a_grammar_allows_every_token_after_a_repeat(managers, mon
     assert (step(remote.start_fill([g0], [0], 2))[1] == -1).all()  # buffer a: row 1 mixed
     both = remote.start_fill([g0, g1], [0, 1], 2)  # buffer b: every row guided
     step(both)
-    repeated = remote.repeat_fill(both, np.array([token, token]))  # buffer a
+    repeated = remote.repeat_fill(both, np.array([token, token]))  # buffer a, every row
     assert repeated is not None
     assert not (step(repeated)[1] == -1).all()  # g1's mask after "{"
     step(remote.start_fill([g0, g1], [0, 1], 2))  # buffer b
     assert (step(remote.start_fill([g0], [0], 2))[1] == -1).all()  # buffer a: mixed again
+    # A mixed step repeated, onto buffer b, whose row 1 held g1's mask.
+    letters = remote.new_grammar(GuidedDecodingParams(regex="[a-z]+"), frozenset({2}))
+    a = remote.tokenizer.encode("a", add_special_tokens=False)[0]
+    assert letters.accept(a)
+    mixed = remote.start_fill([letters], [0], 2)
+    step(mixed)
+    repeated = remote.repeat_fill(mixed, np.array([a, 5]))
+    assert repeated is not None and (step(repeated)[1] == -1).all()
+    assert letters.num_accepted == 2
 
 
 def test_a_refused_token_fails_the_grammar(managers) -> None:
