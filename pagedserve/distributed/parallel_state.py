@@ -46,6 +46,12 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
         raise RuntimeError("this process is in a tensor-parallel group already: shut the "
                            "engine that uses it down first (LLMEngine.shutdown())")
     if world_size > 1:
+        # Imported first: imported while a group exists (transformers' config classes import
+        # it through their FSDP helpers), torch's sharding module keeps references to the
+        # group past destroy_process_group, and gloo's threads then outlive it and abort the
+        # process at exit ("terminate called without an active exception").
+        import torch.distributed.fsdp  # noqa: F401
+
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
     _rank, _world_size = rank, world_size

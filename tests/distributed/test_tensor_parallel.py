@@ -52,6 +52,10 @@ def save_model(config: transformers.PretrainedConfig, path) -> str:
     return str(path)
 
 
+def _thread_names() -> list[str]:
+    return [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+
+
 def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
@@ -122,10 +126,16 @@ def test_random_weights_split_as_one_rank_draws_them(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     one = LLM(**args).generate(prompts, params, use_tqdm=False)
     llm = LLM(tensor_parallel_size=2, **args)
+    workers = llm.engine.client.core.runner.processes
     try:
         two = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
+    # The group goes with the shutdown, gloo's threads with it: a group kept alive past
+    # destroy_process_group (its random config imported torch's sharding module meanwhile)
+    # left them running, and they aborted the processes at exit.
+    assert [p.exitcode for p in workers] == [0]
+    assert not [name for name in _thread_names() if "gloo" in name]
     for a, b in zip(one, two, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
