@@ -113,20 +113,22 @@ def test_n_sequences_each_follow_the_grammar(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("device, every_row, workers", [
-    ("cpu", False, 0), ("cpu", True, 0), pytest.param("cpu", True, 1, marks=pytest.mark.slow),
+    ("cpu", False, 0), pytest.param("cpu", True, 0, marks=pytest.mark.slow), ("cpu", True, 1),
     pytest.param("cuda", None, None, marks=pytest.mark.gpu)])
 def test_unguided_greedy_unchanged_beside_guided(device, every_row, workers, monkeypatch) -> None:
     """Greedy tokens of requests without a grammar are those they get alone. The guided
     requests come first and two of them end early, so the batch's rows move: a row that held a
     grammar's mask holds an unguided request's next. `every_row`: the mask covers every row
     (the other rows allowing every token: CUDA's way, forced here on the CPU) or only the
-    grammars' rows (the CPU's); None: the device's own way."""
+    grammars' rows (the CPU's); None: the device's own way. With grammar workers the steps are
+    async (as on CUDA), so decode steps of the same requests repeat the workers' task."""
     if every_row is not None:
         monkeypatch.setattr(StructuredOutputManager, "_masks_every_row",
                             property(lambda self: every_row))
     # float32: greedy tokens do not depend on how requests are batched.
     llm = LLM(**model_with_tokenizer(), dtype="float32", device=device, kv_cache_memory="16MiB",
-              gpu_memory_utilization=0.2, guided_decoding_workers=workers)
+              gpu_memory_utilization=0.2, guided_decoding_workers=workers,
+              async_scheduling=True if workers else None)
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     guided = [SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens,
@@ -136,6 +138,8 @@ def test_unguided_greedy_unchanged_beside_guided(device, every_row, workers, mon
         alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         mixed = llm.generate([PROMPT] * len(guided) + prompts, guided + [greedy] * 3,
                              use_tqdm=False)
+        if workers:
+            assert llm.engine.structured_output.num_repeats > 0
     assert [o.outputs[0].token_ids for o in mixed[3:]] == alone
     assert [len(o.outputs[0].token_ids) for o in mixed] == [4, 5, 20, 16, 16, 16]
 
