@@ -391,7 +391,7 @@ class ModelRunner:
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
                                   self._ran_graph))
         pending = PendingStep(batch, rows, self.input_batch.generation[rows],
-                              sampling=None if greedy is not None else (logits, meta, fill),
+                              sampling=None if greedy is not None else (logits, meta),
                               fill=fill)
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
@@ -413,10 +413,10 @@ class ModelRunner:
         samples' copy to the host, unless done already (a guided step's waits for its mask)."""
         if pending.sampling is None:
             return
-        logits, meta, fill = pending.sampling
+        logits, meta = pending.sampling
         pending.sampling = None
         if meta is not None:
-            if fill is not None:
+            if (fill := pending.fill) is not None:
                 meta.token_bitmask = self.structured_output.finish_fill(fill)
                 meta.bitmask_rows = fill.rows
             try:

@@ -36,10 +36,11 @@ class PendingStep:
     # Each row's owner at launch (InputBatch.generation): a row freed and handed to a new request
     # before this step's samples are recorded must not take them.
     generations: np.ndarray
-    # Until its sampling is queued: (logits, sampling metadata, the grammars' bitmask being
-    # filled or None). A guided step's sampling is queued by the runner's next launch.
-    sampling: tuple[torch.Tensor, SamplingMetadata | None, BitmaskFill | None] | None = None
-    # Its grammars' fill, kept past its sampling: the next step may repeat it (guided.py).
+    # Until its sampling is queued: (logits, sampling metadata). A guided step's sampling is
+    # queued by the runner's next launch.
+    sampling: tuple[torch.Tensor, SamplingMetadata | None] | None = None
+    # Its grammars' bitmask being filled (None: no grammar row), which its sampling applies
+    # and the next step may repeat (guided.py).
     fill: BitmaskFill | None = None
     # On the device; a greedy step's ids are its graph size's persistent buffer, rewritten by
     # the next decode step's head (engine/head_graphs.py): read them only in work queued before.

@@ -133,9 +133,12 @@ class StructuredOutputManager:
         self.max_num_reqs = max_num_reqs
         self.backend_name = backend
         self._backend: Any = None  # XGrammarBackend or GuidanceBackend, made on first use
-        # Two [max_num_reqs, ceil(V / 32)] int32 host buffers, used in turn (pinned on CUDA: a
-        # step's copy reads one while the next step fills the other).
+        # The fill thread's two [max_num_reqs, ceil(V / 32)] int32 host buffers, used in turn
+        # (pinned on CUDA: a step's sampling reads one while the next step fills the other),
+        # as tensors and as arrays, and the one filled last.
         self._bitmasks: list[torch.Tensor] = []
+        self._bitmask_arrays: list[np.ndarray] = []
+        self._buffer = 0
         # Per host buffer, the rows known to allow every token (allow_other_rows).
         self._all_allowed = [np.zeros(max_num_reqs, dtype=bool) for _ in range(2)]
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -233,7 +236,8 @@ class StructuredOutputManager:
         if self._workers is not None:
             fill = BitmaskFill(rows, job=self._workers.start_fill(grammars, rows, num_rows))
             return self._cover(fill, fill.job.buffer, num_rows)
-        return self._cover(self._start_thread_fill(grammars, rows, num_rows), 0, num_rows)
+        fill = self._start_thread_fill(grammars, rows, num_rows)
+        return self._cover(fill, self._buffer, num_rows)  # the buffer it fills
 
     def _cover(self, fill: BitmaskFill, buffer: int, num_rows: int) -> BitmaskFill:
         """The fill with `rows` None where its mask applies to every row (start_fill)."""
@@ -252,13 +256,13 @@ class StructuredOutputManager:
             shape, pin = (self.max_num_reqs, -(-self.vocab_size // 32)), self.device.type == "cuda"
             self._bitmasks = [torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
                               for _ in range(2)]
+            self._bitmask_arrays = [mask.numpy() for mask in self._bitmasks]
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
         # A buffer is filled again two fills later. By then its step's samples, queued
         # behind its copy or the kernel reading it, have been waited for (the runner waits for
         # the last step's samples before it starts a fill, engine/guided.py): it has been read.
-        self._bitmasks.reverse()
-        self._all_allowed.reverse()  # each buffer's rows known to allow every token
-        bitmask = self._bitmasks[0][:num_rows]
+        self._buffer ^= 1
+        bitmask = self._bitmasks[self._buffer][:num_rows]
         self._fill_started.clear()  # set by this fill's start (the thread runs one at a time)
         assert self._fill_thread is not None
         future = self._fill_thread.submit(self._fill, [g.matcher for g in grammars], bitmask,
@@ -279,11 +283,8 @@ class StructuredOutputManager:
 
     @property
     def _host_masks(self) -> list[np.ndarray]:
-        """The two host bitmask buffers as arrays: the workers' by buffer number, the fill
-        thread's the one being filled first."""
-        if self._workers is not None:
-            return self._workers.host_masks
-        return [mask.numpy() for mask in self._bitmasks]
+        """The two host bitmask buffers as arrays, by buffer number."""
+        return self._bitmask_arrays if self._workers is None else self._workers.host_masks
 
     def repeat_fill(self, last: BitmaskFill, sampled: np.ndarray) -> BitmaskFill | None:
         """Start the fill of `last`'s grammar rows again, each grammar advanced by its row's
@@ -309,9 +310,9 @@ class StructuredOutputManager:
 
     def finish_fill(self, fill: BitmaskFill) -> torch.Tensor:
         """The started fill's mask for the sampler (waiting for the fill if need be): on CUDA
-        a mask of every row stays in its page-locked host buffer, which the sampler's kernel
-        reads directly (`masked_logits`: no copy to launch); a mask of some rows is copied to
-        the device for xgrammar's kernel."""
+        it stays in its page-locked host buffer, which the sampler's kernel reads directly
+        (`masked_logits`: no copy to launch), unless the workers' buffers could not be
+        page-locked: then it is copied to the device first."""
         t0 = time.perf_counter()
         if fill.job is not None:
             assert self._workers is not None
@@ -321,7 +322,7 @@ class StructuredOutputManager:
         else:
             assert fill.future is not None
             bitmask = fill.future.result()
-        if self.device.type == "cuda" and (fill.rows is not None or not self._host_mask_readable):
+        if self.device.type == "cuda" and not self._host_mask_readable:
             if self._device_bitmask is None:
                 # One device buffer: a step's copy into it follows, in stream order, the last
                 # step's sampling that read it.
