@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.core import SCORING_PARAMS, CoreRequest, CoreStats, StepOutput
 from pagedserve.engine.core_client import InprocClient, MPClient
 from pagedserve.engine.dp_client import DPClient
@@ -130,6 +130,7 @@ class LLMEngine:
             if value is not None and value > limit:
                 raise ValueError(f"{name} must be <= {limit} (the server's --max-logprobs), "
                                  f"got {value}")
+        check_stop_limits(params, self.config.model)
         vocab = self.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
@@ -338,6 +339,24 @@ class LLMEngine:
         """Stop the core process, if there is one (also done when the engine is collected and
         at exit)."""
         self.client.shutdown()
+
+
+def check_stop_limits(params: SamplingParams, model: ModelConfig) -> None:
+    """A request's stop strings and stop ids within the engine's limits: the front searches
+    every stop string at every token, and the core looks the stop ids up at every step."""
+    stop = params.stop or []
+    if len(stop) > model.max_stop_strings:
+        raise ValueError(f"stop must hold at most {model.max_stop_strings} strings (the "
+                         f"engine's --max-stop-strings), got {len(stop)}")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > model.max_stop_string_length:
+        raise ValueError(f"stop strings must be at most {model.max_stop_string_length} "
+                         f"characters long (the engine's --max-stop-string-length), got one "
+                         f"of {longest}")
+    num_ids = len(params.stop_token_ids or ())
+    if num_ids > model.max_stop_token_ids:
+        raise ValueError(f"stop_token_ids must hold at most {model.max_stop_token_ids} ids (the "
+                         f"engine's --max-stop-token-ids), got {num_ids}")
 
 
 def check_settings(config: EngineConfig) -> str | None:
