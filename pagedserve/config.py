@@ -179,7 +179,8 @@ class EngineConfig:
               "from the server, tokenization and detokenization (default: on for CUDA, off on "
               "the CPU)")
     guided_decoding_backend: str = setting(
-        "xgrammar", "grammar library of guided decoding (structured outputs)",
+        "xgrammar", "grammar library of guided decoding (structured outputs); only guided "
+                    "requests need its package, the engine starts without it",
         choices=["xgrammar", "guidance"])
     guided_decoding_workers: int | None = setting(
         None, "processes that hold xgrammar's matchers and fill the token bitmask, each "

@@ -24,7 +24,11 @@ from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams, default_sampling
 from pagedserve.scheduler import ScoringTask
-from pagedserve.structured_output import StructuredOutputManager, check_backend
+from pagedserve.structured_output import (
+    StructuredOutputManager,
+    check_backend,
+    guided_decoding_unavailable,
+)
 from pagedserve.structured_output.manager import resolve_workers
 
 logger = logging.getLogger(__name__)
@@ -140,9 +144,13 @@ class LLMEngine:
         if bad:
             raise ValueError(f"logit_bias must be keyed by token ids below the vocabulary size "
                              f"{vocab}, got {bad[0]}")
-        if params.guided_decoding is not None and self.tokenizer is None:
-            raise ValueError("guided_decoding needs the model's tokenizer, and this model has "
-                             "none")
+        if params.guided_decoding is not None:
+            if self.tokenizer is None:
+                raise ValueError("guided_decoding needs the model's tokenizer, and this model "
+                                 "has none")
+            missing = guided_decoding_unavailable(self.config.guided_decoding_backend)
+            if missing is not None:
+                raise ValueError(missing)
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.vocab_size
@@ -369,6 +377,9 @@ def check_settings(config: EngineConfig) -> str | None:
     requested_backend(config.attention_backend)
     check_backend(config.guided_decoding_backend)
     resolve_workers(config.guided_decoding_workers, config.torch_device)
+    missing = guided_decoding_unavailable(config.guided_decoding_backend)
+    if missing is not None:
+        logger.warning("guided requests will be refused: %s", missing)
     m = config.model
     if not (m.model or "").startswith("random:"):
         model_path(m.model)
