@@ -2,8 +2,8 @@
 # One device call on the H200 machine, from the repository root:
 #   bash scripts/gpu-run.sh STAGE...
 # Stages: install (whatever git-ignored bundles were carried along: FlashInfer .gpu, small deps
-# .gpu-deps, FlashAttention-4 .gpu-fa4a/.gpu-fa4b, SmolLM2 GGUF parts .gpu-smol-*, made on a
-# machine with a package index by the team's GPU preparation scripts and scripts/split-gguf.sh),
+# .gpu-deps, FlashAttention-4 .gpu-fa4a/.gpu-fa4b, SmolLM2 GGUF parts .gpu-smol-*, built on a
+# machine with a package index; the GGUF parts by scripts/split-gguf.sh),
 # tests (GPU tests in parallel shards), quick (the GPU tests of
 # recently changed code), e2e (engine vs transformers on the SmolLM2 GGUF), bench (attention
 # kernels), features (Mamba and prefix caching GPU tests), engine (benchmarks/gpu_engine.py),

@@ -1,6 +1,7 @@
 """The package's shape: no import cycles between its modules (lazy imports inside functions
 and TYPE_CHECKING blocks count too), no module over 500 lines outside the kernels without a
-reason at its top, and no environment variable read outside `pagedserve/envs.py`."""
+reason at its top, no environment variable read outside `pagedserve/envs.py`, and no file that
+points at a document outside the repository."""
 
 from __future__ import annotations
 
@@ -122,3 +123,32 @@ def test_environment_read_only_in_envs() -> None:
     assert named <= set(envs.VARIABLES), named - set(envs.VARIABLES)
     for name in envs.VARIABLES:
         getattr(envs, name)  # every reader runs with the environment as it is
+
+
+# Documents that live outside the repository: a reader of a clone cannot follow a reference to
+# them. Built from parts, so that this file does not name them itself.
+OUTSIDE_DOCS = [name + ".md" for name in ("DESIGN", "DEVELOPERS", "FACTS", "STYLE")]
+OUTSIDE_DIRS = [".." + "/shared"]
+# What the repository holds besides the package: every text file under these is read.
+REPO_DIRS = ("pagedserve", "tests", "benchmarks", "docs", "scripts", "examples", ".ci")
+REPO_FILES = ("README.md", "Makefile", "pyproject.toml")
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".yaml", ".toml", ".txt", ".cu", ".json", ".jsonl", ""}
+
+
+def _repo_text_files() -> list[Path]:
+    repo = ROOT.parent
+    files = [repo / name for name in REPO_FILES if (repo / name).is_file()]
+    for folder in REPO_DIRS:
+        files += [path for path in (repo / folder).rglob("*") if path.is_file()
+                  and path.suffix in TEXT_SUFFIXES and "__pycache__" not in path.parts]
+    return files
+
+
+def test_no_reference_to_documents_outside_the_repository() -> None:
+    names = OUTSIDE_DOCS + OUTSIDE_DIRS
+    offenders = []
+    for path in _repo_text_files():
+        text = path.read_text(errors="replace")
+        offenders += [f"{path.relative_to(ROOT.parent)}: {name}" for name in names
+                      if name in text]
+    assert offenders == [], "cite a file in the repository (docs/architecture.md) instead"

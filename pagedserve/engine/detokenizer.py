@@ -149,17 +149,25 @@ class IncrementalDetokenizer:
 
     def _check_stop(self, old_len: int) -> None:
         # Any match must end in the new text (an older one would have stopped us already),
-        # so it starts at most max_stop_len - 1 chars before it.
+        # so it starts at most max_stop_len - 1 chars before it: only that tail is searched,
+        # and a token's search costs the same however long the text has grown.
         start = max(0, old_len - self._max_stop_len + 1)
-        best: tuple[int, str] | None = None
-        for stop in self._stop:
-            idx = self._text.find(stop, start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
+        found = earliest_stop(self._text[start:], self._stop)
+        if found is None:
             return
-        idx, stop = best
+        idx, stop = found
+        idx += start
         self._stop_reason = stop
         end = idx + len(stop) if self.params.include_stop_str_in_output else idx
         self._text = self._text[:end]
         self._sent = min(self._sent, end)
+
+
+def earliest_stop(window: str, stops: list[str]) -> tuple[int, str] | None:
+    """The stop string that starts first in `window`, and where it starts (None: none)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        idx = window.find(stop)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.core import SCORING_PARAMS, CoreRequest, CoreStats, StepOutput
 from pagedserve.engine.core_client import InprocClient, MPClient
 from pagedserve.engine.dp_client import DPClient
@@ -24,7 +24,11 @@ from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams, default_sampling
 from pagedserve.scheduler import ScoringTask
-from pagedserve.structured_output import StructuredOutputManager, check_backend
+from pagedserve.structured_output import (
+    StructuredOutputManager,
+    check_backend,
+    guided_decoding_unavailable,
+)
 from pagedserve.structured_output.manager import resolve_workers
 
 logger = logging.getLogger(__name__)
@@ -130,6 +134,7 @@ class LLMEngine:
             if value is not None and value > limit:
                 raise ValueError(f"{name} must be <= {limit} (the server's --max-logprobs), "
                                  f"got {value}")
+        check_stop_limits(params, self.config.model)
         vocab = self.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
@@ -139,9 +144,13 @@ class LLMEngine:
         if bad:
             raise ValueError(f"logit_bias must be keyed by token ids below the vocabulary size "
                              f"{vocab}, got {bad[0]}")
-        if params.guided_decoding is not None and self.tokenizer is None:
-            raise ValueError("guided_decoding needs the model's tokenizer, and this model has "
-                             "none")
+        if params.guided_decoding is not None:
+            if self.tokenizer is None:
+                raise ValueError("guided_decoding needs the model's tokenizer, and this model "
+                                 "has none")
+            missing = guided_decoding_unavailable(self.config.guided_decoding_backend)
+            if missing is not None:
+                raise ValueError(missing)
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.vocab_size
@@ -340,6 +349,24 @@ class LLMEngine:
         self.client.shutdown()
 
 
+def check_stop_limits(params: SamplingParams, model: ModelConfig) -> None:
+    """A request's stop strings and stop ids within the engine's limits: the front searches
+    every stop string at every token, and the core looks the stop ids up at every step."""
+    stop = params.stop or []
+    if len(stop) > model.max_stop_strings:
+        raise ValueError(f"stop must hold at most {model.max_stop_strings} strings (the "
+                         f"engine's --max-stop-strings), got {len(stop)}")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > model.max_stop_string_length:
+        raise ValueError(f"stop strings must be at most {model.max_stop_string_length} "
+                         f"characters long (the engine's --max-stop-string-length), got one "
+                         f"of {longest}")
+    num_ids = len(params.stop_token_ids or ())
+    if num_ids > model.max_stop_token_ids:
+        raise ValueError(f"stop_token_ids must hold at most {model.max_stop_token_ids} ids (the "
+                         f"engine's --max-stop-token-ids), got {num_ids}")
+
+
 def check_settings(config: EngineConfig) -> str | None:
     """The settings that can be wrong, checked before anything loads; returns the chat
     template `--chat-template` names (its text), if any."""
@@ -350,6 +377,9 @@ def check_settings(config: EngineConfig) -> str | None:
     requested_backend(config.attention_backend)
     check_backend(config.guided_decoding_backend)
     resolve_workers(config.guided_decoding_workers, config.torch_device)
+    missing = guided_decoding_unavailable(config.guided_decoding_backend)
+    if missing is not None:
+        logger.warning("guided requests will be refused: %s", missing)
     m = config.model
     if not (m.model or "").startswith("random:"):
         model_path(m.model)

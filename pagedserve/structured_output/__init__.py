@@ -3,7 +3,8 @@ regex, a choice list or an EBNF grammar with xgrammar (or llguidance: the `guida
 each step a token bitmask for the rows that have one, applied to the logits before sampling.
 See docs/structured_outputs.md.
 
-Both libraries are imported lazily: an engine that never sees a guided request loads neither.
+Both libraries are imported lazily: an engine that never sees a guided request loads neither,
+and one on a machine without them starts and refuses guided requests only.
 """
 
 from pagedserve.structured_output.grammar import GRAMMAR_KINDS, grammar_key, parse_grammar
@@ -13,6 +14,7 @@ from pagedserve.structured_output.manager import (
     StructuredOutputManager,
     apply_token_bitmask,
     check_backend,
+    guided_decoding_unavailable,
 )
 
 __all__ = [
@@ -23,5 +25,6 @@ __all__ = [
     "apply_token_bitmask",
     "check_backend",
     "grammar_key",
+    "guided_decoding_unavailable",
     "parse_grammar",
 ]

@@ -20,6 +20,23 @@ GRAMMAR_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
 
+def missing_package(package: str) -> str:
+    """Why a guided request is refused where `package` cannot be imported. Only guided
+    requests need it: the engine runs the others without it."""
+    return (f"guided decoding needs the {package} package, which cannot be imported here (pip "
+            f"install {package}); requests without a grammar run without it")
+
+
+def import_xgrammar() -> Any:
+    """xgrammar, imported on first use (it takes seconds); a ValueError naming the package
+    where it is missing, so a guided request is refused, not failed."""
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError(missing_package("xgrammar")) from None
+    return xgrammar
+
+
 def grammar_key(kind: str, value: Any, any_whitespace: bool = False) -> tuple[str, str]:
     """The cache key of a spec: its kind and a canonical text. A schema's keys keep their
     order: properties are generated in the order the schema lists them. `any_whitespace`:
@@ -46,8 +63,7 @@ def choice_ebnf(choices: list[str]) -> str:
 
 def parse_grammar(key: tuple[str, str]) -> Any:
     """The xgrammar Grammar of a key from `grammar_key`; ValueError naming what is wrong."""
-    import xgrammar as xgr
-
+    xgr = import_xgrammar()
     kind, text = key
     try:
         if kind in ("json", "json+ws"):

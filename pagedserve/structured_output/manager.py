@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pagedserve.structured_output.grammar import CACHE_ENTRIES
+from pagedserve.structured_output.grammar import CACHE_ENTRIES, missing_package
 
 if TYPE_CHECKING:
     from pagedserve.sampling_params import GuidedDecodingParams
@@ -37,18 +37,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("xgrammar", "guidance")
+# The packages guided requests need, per backend: xgrammar parses every spec (SamplingParams
+# checks it when made) and applies masks on the CPU; `guidance` compiles and fills with
+# llguidance.
+BACKEND_PACKAGES = {"xgrammar": ("xgrammar",), "guidance": ("xgrammar", "llguidance")}
 
 
 def check_backend(name: str) -> None:
-    """The backend can run here; a ValueError naming what is missing otherwise."""
-    # find_spec, not import: the check runs at start-up and xgrammar takes seconds to import.
-    packages = {"xgrammar": "xgrammar", "guidance": "llguidance"}
-    if name not in packages:
+    """The backend is one we have; its packages are needed by guided requests only
+    (`guided_decoding_unavailable`), so an engine starts without them."""
+    if name not in BACKEND_PACKAGES:
         raise ValueError(f"guided_decoding_backend must be one of {', '.join(BACKENDS)}, "
                          f"got {name!r}")
-    if importlib.util.find_spec(packages[name]) is None:
-        raise ValueError(f"guided_decoding_backend {name!r} needs the {packages[name]} package "
-                         f"(pip install {packages[name]})")
+
+
+def guided_decoding_unavailable(backend: str) -> str | None:
+    """Why guided requests are refused here (a package `backend` needs is missing), or None."""
+    # find_spec, not import: xgrammar takes seconds to import, and start-up asks too.
+    for package in BACKEND_PACKAGES[backend]:
+        if importlib.util.find_spec(package) is None:
+            return missing_package(package)
+    return None
 
 
 class RequestGrammar:
@@ -127,6 +136,9 @@ class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device,
                  max_num_reqs: int, backend: str = "xgrammar", workers: int | None = 0) -> None:
         check_backend(backend)
+        # Set where the backend's packages are missing: guided requests are refused with it,
+        # the others run.
+        self.unavailable = guided_decoding_unavailable(backend)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.device = device
@@ -150,8 +162,9 @@ class StructuredOutputManager:
         self._fill_started = threading.Event()
         # xgrammar's matchers in processes of their own (workers.py), started here so that
         # their start-up (seconds: torch and xgrammar) overlaps the model's loading; none:
-        # the fill thread above.
-        self.num_workers = resolve_workers(workers, device) if backend == "xgrammar" else 0
+        # the fill thread above (and none without xgrammar: no guided request will run).
+        self.num_workers = (resolve_workers(workers, device)
+                            if backend == "xgrammar" and self.unavailable is None else 0)
         self._workers: GrammarWorkers | None = None
         if self.num_workers and tokenizer is not None:
             from pagedserve.structured_output.workers import GrammarWorkers
@@ -171,6 +184,8 @@ class StructuredOutputManager:
     def _ensure_backend(self) -> Any:
         with self._lock:
             if self._backend is None:
+                if self.unavailable is not None:
+                    raise ValueError(self.unavailable)
                 if self.tokenizer is None:
                     raise ValueError("guided decoding needs the model's tokenizer, and this "
                                      "model has none")

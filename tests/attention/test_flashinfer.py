@@ -65,9 +65,9 @@ def _indices(common, part):
     return common.paged_kv_indices[part.page_start:part.page_end].tolist()
 
 
-def test_split_design_worked_example():
-    # DESIGN.md: block_table [[0,1,3],[2,5],[4,6,7,8]], seq_lens [40,25,50], block size 16;
-    # request 0 is a whole 40-token prompt, requests 1 and 2 decode.
+def test_split_architecture_worked_example():
+    # docs/architecture.md's worked example: block_table [[0,1,3],[2,5],[4,6,7,8]], seq_lens
+    # [40,25,50], block size 16; request 0 is a whole 40-token prompt, requests 1 and 2 decode.
     common = _common([[0, 1, 3], [2, 5], [4, 6, 7, 8]], [0, 24, 49], [40, 1, 1], 1, 16)
     prefill, decode = split_prefill_decode(common)
     assert prefill.qo_indptr.tolist() == [0, 40]

@@ -1,4 +1,5 @@
-"""CommonAttentionMetadata: DESIGN.md's worked CSR example, and buffer reuse across steps."""
+"""CommonAttentionMetadata: the worked CSR example of docs/architecture.md ("The metadata
+contract"), and buffer reuse across steps."""
 
 import numpy as np
 import torch
@@ -13,7 +14,7 @@ def _build(builder, table, computed, scheduled, num_prefills=0, rows=None):
                          np.asarray(scheduled, dtype=np.int32), num_prefills, table.table)
 
 
-def test_design_worked_example():
+def test_architecture_worked_example():
     table = BlockTable(max_num_reqs=4, max_blocks_per_seq=6)
     for row, ids in enumerate([[0, 1, 3], [2, 5], [4, 6, 7, 8]]):
         table.add_row(row, ids)

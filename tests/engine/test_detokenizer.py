@@ -194,3 +194,31 @@ def test_streaming_path_matches_python_path(smollm_tokenizer: Any, skip: bool) -
                 slow.update(ids[i:i + chunk])
                 assert fast.get_next_delta() == slow.get_next_delta()
             assert fast.output_text == slow.output_text
+
+
+def test_stop_search_reads_only_the_tail_of_the_text(smollm_tokenizer: Any, monkeypatch) -> None:
+    # A match must end in the new text, so it starts at most (longest stop - 1) characters
+    # before it: each token's search must read that window, never the whole text, or its
+    # cost would grow with the output.
+    from pagedserve.engine import detokenizer
+
+    windows: list[int] = []
+    real = detokenizer.earliest_stop
+
+    def recording(window: str, stops: list[str]) -> tuple[int, str] | None:
+        windows.append(len(window))
+        return real(window, stops)
+
+    monkeypatch.setattr(detokenizer, "earliest_stop", recording)
+    stops = ["never said", "nor this one, which is longer than the others"]
+    tok = smollm_tokenizer
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=stops))
+    ids = tok.encode("lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 60)
+    bounds = []
+    for i in ids:
+        before = len(detok.output_text)
+        assert detok.update([i]) is None
+        bounds.append(len(detok.output_text) - before + max(map(len, stops)) - 1)
+    assert len(windows) == len(ids)
+    assert all(w <= b for w, b in zip(windows, bounds, strict=True))
+    assert len(detok.output_text) > 50 * max(windows)

@@ -52,6 +52,30 @@ def test_generate_file_reports_bad_lines_and_runs_the_rest(tiny_model_dir, tmp_p
     assert len(results[0]["token_ids"]) <= 4 and len(results[1]["token_ids"]) == 3
 
 
+def test_generate_refuses_stop_fields_over_the_engine_limits(tiny_model_dir, tmp_path, capsys):
+    lines = [
+        {"prompt": [5, 6, 7], "stop": ["ab", "cd", "ef"]},
+        {"prompt": [5, 6, 7], "stop": ["abcdefghi"]},
+        {"prompt": [5, 6, 7], "stop_token_ids": [1, 2, 3]},
+        {"prompt": [5, 6, 7], "stop": ["ab", "abcdefgh"], "stop_token_ids": [1, 2],
+         "max_tokens": 2},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert main(["generate", "--model", tiny_model_dir, *ENGINE, "--input", str(src),
+                 "--output", str(tmp_path / "out.jsonl"), "--max-stop-strings", "2",
+                 "--max-stop-string-length", "8", "--max-stop-token-ids", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"{src}:1: stop must hold at most 2 strings (the engine's --max-stop-strings), " \
+           "got 3" in err
+    assert f"{src}:2: stop strings must be at most 8 characters long (the engine's " \
+           "--max-stop-string-length), got one of 9" in err
+    assert f"{src}:3: stop_token_ids must hold at most 2 ids (the engine's " \
+           "--max-stop-token-ids), got 3" in err
+    assert [json.loads(x)["line"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] \
+        == [4]
+
+
 def test_generate_rejects_bad_engine_value(tiny_model_dir):
     with pytest.raises(SystemExit, match="block_size must be >= 1, got 0"):
         main(["generate", "--model", tiny_model_dir, *ENGINE, "--block-size", "0",

@@ -95,6 +95,17 @@ CASES = {
     "n above --max-n": ("/v1/completions", {"prompt": "hi", "n": 5}, 400, "n"),
     "more prompts than --max-n": (
         "/v1/completions", {"prompt": ["a", "b", "c", "d", "e"]}, 400, "prompt"),
+    # Searched for in the text at every token: bounded in number and length.
+    "a 150,000-character stop string": (
+        "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stop": ["z" * 150_000]}, 400,
+        "--max-stop-string-length"),
+    "more stop strings than --max-stop-strings": (
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                 "stop": [f"s{i}" for i in range(33)]}, 400,
+        "--max-stop-strings"),
+    "more stop ids than --max-stop-token-ids": (
+        "/v1/completions", {"prompt": "hi", "stop_token_ids": [0] * 1025}, 400,
+        "--max-stop-token-ids"),
 }
 
 
