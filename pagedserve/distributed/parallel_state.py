@@ -44,7 +44,8 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
     global _rank, _world_size
     if world_size > 1 and dist.is_initialized():
         raise RuntimeError("this process is in a tensor-parallel group already: shut the "
-                           "engine that uses it down first (LLMEngine.shutdown())")
+                           "engine that uses it down first (LLM.close(), "
+                           "LLMEngine.shutdown(), or drop every reference to it)")
     if world_size > 1:
         # Imported first: imported while a group exists (transformers' config classes import
         # it through their FSDP helpers), torch's sharding module keeps references to the

@@ -344,8 +344,8 @@ class LLMEngine:
         self.client.on_death(callback)
 
     def shutdown(self) -> None:
-        """Stop the core process, if there is one (also done when the engine is collected and
-        at exit)."""
+        """Stop the core process, if there is one, and the model's other ranks, if any (also
+        done when the engine is collected and at exit)."""
         self.client.shutdown()
 
 

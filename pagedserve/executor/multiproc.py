@@ -28,7 +28,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.distributed import free_port_init_method
 from pagedserve.distributed.parallel_state import abort_distributed
 from pagedserve.executor.progress import StepProgress
-from pagedserve.executor.remote import RemoteRanksExecutor
+from pagedserve.executor.remote import RankFailures, RemoteRanksExecutor
 from pagedserve.executor.worker import WorkerSpec, join_group, worker_main
 
 logger = logging.getLogger(__name__)
@@ -55,41 +55,23 @@ def _stop(processes: list[Any], commands: list[Connection], grace_s: float = 5.0
     abort_distributed()
 
 
-class MultiprocExecutor(RemoteRanksExecutor):
-    def __init__(self, config: EngineConfig, dtype: torch.dtype,
-                 quantization: str | None) -> None:
-        super().__init__(config)
-        self._init_state(config.tensor_parallel_size)
-        init_method = free_port_init_method()
-        ctx = mp.get_context("spawn")
-        self.processes: list[Any] = []
-        self.commands: list[Connection] = []
-        self.replies: list[Connection] = []
-        for rank in range(1, self.world_size):
-            spec = WorkerSpec(config, rank, self.world_size, init_method, dtype, quantization)
-            cmd_recv, cmd_send = ctx.Pipe(duplex=False)
-            reply_recv, reply_send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, args=(spec, cmd_recv, reply_send),
-                               name=f"pagedserve-tp{rank}", daemon=True)
-            proc.start()
-            cmd_recv.close()
-            reply_send.close()
-            self.processes.append(proc)
-            self.commands.append(cmd_send)
-            self.replies.append(reply_recv)
-        # Workers are stopped even when the engine is dropped without shutdown().
-        self._stopper = weakref.finalize(self, _stop, list(self.processes), list(self.commands))
+class WorkerMonitor:
+    """The monitor thread's part: until every worker has exited, record readiness,
+    heartbeats, errors and deaths, and declare a worker hung when it falls silent or behind.
+    The thread holds this, not the executor, so that an engine dropped without shutdown() is
+    collected and its finalizer stops the workers (which ends this thread)."""
+
+    def __init__(self, processes: list[Any], replies: list[Connection],
+                 failures: RankFailures) -> None:
+        self.processes = processes
+        self.replies = replies
+        self.failures = failures
         self.loaded: set[int] = set()
         self.ready: set[int] = set()
         self.heard: dict[int, float] = {}  # rank -> when it last spoke, from "ready" on
-        self.progress = StepProgress(range(1, self.world_size))
-        threading.Thread(target=self._watch, name="pagedserve-tp monitor", daemon=True).start()
-        self._while_watching(lambda: join_group(config, 0, self.world_size, init_method),
-                             "joining the group")
+        self.progress = StepProgress(range(1, len(processes) + 1))
 
-    def _watch(self) -> None:
-        """Until every worker has exited: record readiness, heartbeats, errors and deaths,
-        and declare a worker hung when it falls silent or behind."""
+    def run(self) -> None:
         rank_of = {p.sentinel: r for r, p in enumerate(self.processes, start=1)}
         pipes = list(self.replies)
         sentinels = list(rank_of)
@@ -105,8 +87,8 @@ class MultiprocExecutor(RemoteRanksExecutor):
                 self.progress.forget(rank)
                 proc = self.processes[rank - 1]
                 proc.join(0.5)
-                self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
-                           f"{proc.exitcode}")
+                self.failures.record(f"tensor-parallel rank {rank} (pid {proc.pid}) exited "
+                                     f"with code {proc.exitcode}")
             # Only after the pipes that had something are read: a monitor that was itself
             # held up must not blame a worker for words it has not read yet.
             self._check_liveness(time.monotonic())
@@ -125,12 +107,12 @@ class MultiprocExecutor(RemoteRanksExecutor):
                     self.heard[rank] = time.monotonic()
                     self.ready.add(rank)
                 else:
-                    self._fail(f"tensor-parallel rank {rank} failed: {payload}")
+                    self.failures.record(f"tensor-parallel rank {rank} failed: {payload}")
         except (EOFError, OSError):
             pipes.remove(pipe)
 
     def _check_liveness(self, now: float) -> None:
-        if self.failure is not None or self._closing:
+        if self.failures.first is not None or self.failures.closing:
             return  # the ranks are being stopped anyway
         silence = envs.PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S
         for rank, heard in list(self.heard.items()):
@@ -148,18 +130,52 @@ class MultiprocExecutor(RemoteRanksExecutor):
         proc = self.processes[rank - 1]
         message = f"tensor-parallel rank {rank} (pid {proc.pid}) {what}"
         logger.error("%s: killing it", message)
-        self._fail(message)
+        self.failures.record(message)
         self.heard.pop(rank, None)
         proc.kill()
 
+
+class MultiprocExecutor(RemoteRanksExecutor):
+    def __init__(self, config: EngineConfig, dtype: torch.dtype,
+                 quantization: str | None) -> None:
+        super().__init__(config)
+        self._init_state(config.tensor_parallel_size)
+        world_size = self.world_size
+        init_method = free_port_init_method()
+        ctx = mp.get_context("spawn")
+        self.processes: list[Any] = []
+        self.commands: list[Connection] = []
+        self.replies: list[Connection] = []
+        for rank in range(1, world_size):
+            spec = WorkerSpec(config, rank, world_size, init_method, dtype, quantization)
+            cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+            reply_recv, reply_send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, args=(spec, cmd_recv, reply_send),
+                               name=f"pagedserve-tp{rank}", daemon=True)
+            proc.start()
+            cmd_recv.close()
+            reply_send.close()
+            self.processes.append(proc)
+            self.commands.append(cmd_send)
+            self.replies.append(reply_recv)
+        # Workers are stopped, and the group left, even when the engine is dropped without
+        # shutdown(): nothing else holds the executor (the monitor thread holds its
+        # `WorkerMonitor`), so this runs when the engine is collected, or else at exit.
+        self._stopper = weakref.finalize(self, _stop, list(self.processes), list(self.commands))
+        self.monitor = WorkerMonitor(self.processes, self.replies, self.failures)
+        threading.Thread(target=self.monitor.run, name="pagedserve-tp monitor",
+                         daemon=True).start()
+        self._while_watching(lambda: join_group(config, 0, world_size, init_method),
+                             "joining the group")
+
     def _all_loaded(self) -> bool:
-        return len(self.loaded) == self.world_size - 1
+        return len(self.monitor.loaded) == self.world_size - 1
 
     def _all_ready(self) -> bool:
-        return len(self.ready) == self.world_size - 1
+        return len(self.monitor.ready) == self.world_size - 1
 
     def _send(self, command: tuple[str, Any]) -> None:
-        self.progress.sent(command[0])
+        self.monitor.progress.sent(command[0])
         for conn in self.commands:
             conn.send(command)
 

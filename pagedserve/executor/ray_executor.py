@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -24,8 +25,9 @@ import torch
 from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import free_port_init_method
+from pagedserve.distributed.parallel_state import abort_distributed
 from pagedserve.executor.progress import StepProgress
-from pagedserve.executor.remote import RemoteRanksExecutor
+from pagedserve.executor.remote import RankFailures, RemoteRanksExecutor
 from pagedserve.executor.worker import Worker, WorkerSpec, join_group
 
 logger = logging.getLogger(__name__)
@@ -113,83 +115,118 @@ class RayExecutor(RemoteRanksExecutor):
                               device="cuda:0" if cuda else "cpu")  # an actor sees its one GPU
             self.actors.append(actor_cls.options(
                 scheduling_strategy=on_bundle(rank - 1 + first)).remote(spec))
-        # Calls not yet known to have succeeded: object ref -> rank. The engine's thread and
-        # the watcher both poll them.
-        self._outstanding: dict[Any, int] = {}
-        self._calls_lock = threading.Lock()
-        self._commands_done = dict.fromkeys(range(1, self.world_size), 0)
-        self.progress = StepProgress(range(1, self.world_size))
         # Ray runs one caller's calls to an actor in order: finish_setup after load.
-        self._load = {actor.load.remote(): rank for rank, actor in enumerate(self.actors, 1)}
-        self._setup = {actor.finish_setup.remote(): rank
-                       for rank, actor in enumerate(self.actors, start=1)}
-        self._outstanding.update(self._load)
-        self._outstanding.update(self._setup)
-        self._loaded = self._ready = 0
-        threading.Thread(target=self._watch, name="pagedserve-tp ray monitor",
+        self.calls = ActorCalls(ray, self.actors, self.failures,
+                                [actor.load.remote() for actor in self.actors],
+                                [actor.finish_setup.remote() for actor in self.actors])
+        # The actors are killed, and the group left, even when the engine is dropped without
+        # shutdown(): the watcher thread holds `self.calls`, not the executor, so this runs
+        # when the engine is collected, or else at exit.
+        self._stopper = weakref.finalize(self, _stop_actors, self.calls, self.holder,
+                                         self.placement)
+        threading.Thread(target=self.calls.watch, name="pagedserve-tp ray monitor",
                          daemon=True).start()
-        self._while_watching(lambda: join_group(config, 0, self.world_size, init_method),
+        world_size = self.world_size
+        self._while_watching(lambda: join_group(config, 0, world_size, init_method),
                              "joining the group")
 
-    def _watch(self) -> None:
+    def _poll(self) -> None:
+        self.calls.poll()
+
+    def _all_loaded(self) -> bool:
+        return self.calls.loaded == self.world_size - 1
+
+    def _all_ready(self) -> bool:
+        return self.calls.ready == self.world_size - 1
+
+    def _send(self, command: tuple[str, Any]) -> None:
+        self.calls.send(command)
+
+    def _stop_ranks(self) -> None:
+        self._stopper()
+
+
+class ActorCalls:
+    """The actor calls not yet known to have succeeded (object ref -> rank) and what their
+    results have told: polled by the engine's thread and by the watcher thread, which holds
+    this, not the executor (see `RankFailures`)."""
+
+    def __init__(self, ray: Any, actors: list[Any], failures: RankFailures,
+                 load: list[Any], setup: list[Any]) -> None:
+        self.ray = ray
+        self.actors = actors
+        self.failures = failures
+        self.lock = threading.Lock()
+        self.closed = False  # after shutdown the actors and maybe Ray are gone
+        self.load = {ref: rank for rank, ref in enumerate(load, start=1)}
+        self.setup = {ref: rank for rank, ref in enumerate(setup, start=1)}
+        self.outstanding: dict[Any, int] = {**self.load, **self.setup}
+        self.loaded = self.ready = 0
+        self.commands_done = dict.fromkeys(range(1, len(actors) + 1), 0)
+        self.progress = StepProgress(range(1, len(actors) + 1))
+
+    def watch(self) -> None:
         """Poll while rank 0 may be blocked in a collective (on the CPU its forward waits
         there), so a hung actor is declared and killed within the step timeout."""
         while True:
             time.sleep(0.25)
-            if self._closed:
+            if self.closed:
                 return
             try:
-                self._poll()
+                self.poll()
             except Exception as exc:  # Ray itself went away under us
-                self._fail(f"tensor-parallel ranks: Ray failed: {exc}")
+                self.failures.record(f"tensor-parallel ranks: Ray failed: {exc}")
                 return
 
-    def _poll(self) -> None:
-        with self._calls_lock:
-            if not self._closed:  # after shutdown the actors and maybe Ray are gone
+    def poll(self) -> None:
+        with self.lock:
+            if not self.closed:
                 self._poll_calls()
 
     def _poll_calls(self) -> None:
-        if self._outstanding:
-            refs = list(self._outstanding)
+        if self.outstanding:
+            refs = list(self.outstanding)
             done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
             for ref in done:
-                rank = self._outstanding.pop(ref)
+                rank = self.outstanding.pop(ref)
                 try:
                     self.ray.get(ref)
                 except Exception as exc:  # RayActorError (it died), RayTaskError (it raised)
-                    self._fail(f"tensor-parallel rank {rank} failed: {exc}")
+                    self.failures.record(f"tensor-parallel rank {rank} failed: {exc}")
                     continue
-                if ref in self._load:
-                    self._loaded += 1
-                elif ref in self._setup:
-                    self._ready += 1
+                if ref in self.load:
+                    self.loaded += 1
+                elif ref in self.setup:
+                    self.ready += 1
                 else:  # a step's command: an actor runs its calls in order, so a count
-                    self._commands_done[rank] += 1
-                    self.progress.done(rank, self._commands_done[rank])
-        if self.failure is None and not self._closing:
+                    self.commands_done[rank] += 1
+                    self.progress.done(rank, self.commands_done[rank])
+        if self.failures.first is None and not self.failures.closing:
             late = self.progress.overdue(envs.PAGEDSERVE_STEP_TIMEOUT_S)
             if late is not None:
                 message = f"tensor-parallel rank {late.rank} (Ray actor) {late.describe()}"
                 logger.error("%s: killing it", message)
-                self._fail(message)
+                self.failures.record(message)
                 self.ray.kill(self.actors[late.rank - 1])
 
-    def _all_loaded(self) -> bool:
-        return self._loaded == self.world_size - 1
-
-    def _all_ready(self) -> bool:
-        return self._ready == self.world_size - 1
-
-    def _send(self, command: tuple[str, Any]) -> None:
-        with self._calls_lock:
+    def send(self, command: tuple[str, Any]) -> None:
+        with self.lock:
             self.progress.sent(command[0])
             for rank, actor in enumerate(self.actors, start=1):
-                self._outstanding[actor.handle.remote(*command)] = rank
-            if len(self._outstanding) > 64 * len(self.actors):
+                self.outstanding[actor.handle.remote(*command)] = rank
+            if len(self.outstanding) > 64 * len(self.actors):
                 self._poll_calls()  # results of calls long done: let them go
 
-    def _stop_ranks(self) -> None:
-        for actor in [*self.actors, *([self.holder] if self.holder is not None else [])]:
-            self.ray.kill(actor)
-        self.ray.util.remove_placement_group(self.placement)
+
+def _stop_actors(calls: ActorCalls, holder: Any, placement: Any) -> None:
+    """Kill the actors (and the GPU holder), free their bundles and leave the group. Ray may
+    be shut down already (its own exit hook, or the caller's ray.shutdown()): its actors went
+    with it."""
+    with calls.lock:
+        calls.closed = True  # neither thread polls the actors from here on
+    ray = calls.ray
+    if ray.is_initialized():
+        for actor in [*calls.actors, *([holder] if holder is not None else [])]:
+            ray.kill(actor)
+        ray.util.remove_placement_group(placement)
+    abort_distributed()

@@ -30,17 +30,42 @@ from pagedserve.scheduler import Request, SchedulerOutput
 T = TypeVar("T")
 
 
+class RankFailures:
+    """The first failure of another rank, recorded by whichever thread learns of it (the
+    engine's, or the transport's watcher). A watcher thread holds this and what it watches,
+    never the executor: an executor dropped without shutdown() must be collected, so that its
+    finalizer stops the ranks and leaves the group."""
+
+    def __init__(self) -> None:
+        self.first: str | None = None
+        self.closing = False  # our own shutdown: ranks exiting then is no failure
+        self._lock = threading.Lock()
+
+    def record(self, message: str) -> None:
+        """The first failure is the one reported (a rank's own error beats its exit code)."""
+        with self._lock:
+            if self.first is None and not self.closing:
+                self.first = message
+
+
 class RemoteRanksExecutor(Executor):
     """Subclasses start the ranks, then call `_join` with their group's rendezvous; they
     implement `_send`, `_poll`, `_all_ready` and `_stop_ranks`."""
 
     def _init_state(self, world_size: int) -> None:
         self.world_size = world_size
-        self.failure: str | None = None
-        self._closing = False  # our own shutdown: ranks exiting then is no failure
+        self.failures = RankFailures()
         self._closed = False
-        self._lock = threading.Lock()
         self._finished: list[str] = []
+
+    @property
+    def failure(self) -> str | None:
+        """The first rank failure recorded, if any."""
+        return self.failures.first
+
+    @property
+    def _closing(self) -> bool:
+        return self.failures.closing
 
     # ---- the transport's part ---------------------------------------------------------------
 
@@ -77,10 +102,7 @@ class RemoteRanksExecutor(Executor):
     # ---- failures -----------------------------------------------------------------------------
 
     def _fail(self, message: str) -> None:
-        """The first failure is the one reported (a rank's own error beats its exit code)."""
-        with self._lock:
-            if self.failure is None and not self._closing:
-                self.failure = message
+        self.failures.record(message)
 
     def _await_failure(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -195,7 +217,8 @@ class RemoteRanksExecutor(Executor):
     def shutdown(self) -> None:
         if self._closed:
             return
-        self._closing = self._closed = True
+        self._closed = True
+        self.failures.closing = True
         self._stop_ranks()
         if self.failure is not None:
             abort_distributed()  # collectives may be stuck in flight: do not wait for them

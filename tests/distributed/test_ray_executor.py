@@ -1,12 +1,16 @@
 """Tensor parallelism through Ray: a local Ray of 3 CPUs, rank 1 a Ray actor in a placement
-group, rank 0 in this process; greedy tokens of two ranks equal one rank's."""
+group, rank 0 in this process; greedy tokens of two ranks equal one rank's; an engine dropped
+without close() frees the process for another."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
 from pagedserve import LLM
-from tests.distributed.test_tensor_parallel import CONFIGS, ENGINE, greedy, save_model
+from tests.distributed.test_tensor_parallel import CONFIGS, ENGINE, ROOT, greedy, save_model
 
 ray = pytest.importorskip("ray")
 
@@ -73,3 +77,41 @@ def test_ray_actor_stuck_in_a_step_is_a_clear_error(tmp_path, monkeypatch):
             except ProcessLookupError:
                 pass
         ray.shutdown()
+
+
+# Run in a process of its own: one group per process, and the exit itself is checked.
+DROPPED_ENGINE = """
+import ray
+import torch.distributed as dist
+from ray.util import placement_group_table
+from pagedserve import LLM, SamplingParams
+
+ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+args = dict(model="random:tiny", tensor_parallel_size=2, distributed_executor_backend="ray",
+            **{engine!r})
+params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+llm = LLM(**args)
+first = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+placement = llm.engine.runner.placement
+del llm  # neither close() nor gc.collect(): the last reference goes, and the engine with it
+assert not dist.is_initialized(), "the group outlived the engine"
+state = placement_group_table(placement)["state"]
+assert state == "REMOVED", f"the actors' placement group is {{state}}"
+llm = LLM(**args)
+second = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+assert second == first, (first, second)
+print("second engine ok")
+"""  # the second engine is left to the interpreter's exit
+
+
+@pytest.mark.slow
+def test_dropped_ray_engine_frees_the_process_for_another():
+    """`del llm` kills a Ray engine's actors, frees their placement group and leaves the
+    group, as close() does: a second engine starts in the same process, which exits
+    cleanly."""
+    code = DROPPED_ENGINE.format(engine=ENGINE)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "second engine ok" in out.stdout
+    assert "terminate called" not in out.stderr and "Traceback" not in out.stderr, out.stderr

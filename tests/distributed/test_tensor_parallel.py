@@ -3,7 +3,7 @@ one rank's for a Llama with one K/V head (replicated over the ranks), a Qwen3 (q
 heads split) and a Qwen3-MoE (experts split inside), saved as sharded safetensors and read a
 slice per rank; with chunked prefill, and preemption forced for Qwen3. A worker killed
 mid-generation is a WorkerError within seconds and leaves no process behind; a start-up error
-comes back as itself."""
+comes back as itself; an engine dropped without close() frees the process for another."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +41,7 @@ PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [150, 3, 3, 44], list(range(20, 60))]
 ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory="16MiB", max_model_len=128,
               block_size=4, max_num_batched_tokens=16)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def save_model(config: transformers.PretrainedConfig, path) -> str:
@@ -141,6 +145,43 @@ def test_random_weights_split_as_one_rank_draws_them(tmp_path):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             for token, lp in la.items():
                 assert lb[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+
+
+# Run in a process of its own: one group per process, and the exit itself is checked.
+DROPPED_ENGINE = """
+import multiprocessing, os
+import torch.distributed as dist
+from pagedserve import LLM, SamplingParams
+
+args = dict(model="random:tiny", tensor_parallel_size=2, **{engine!r})
+params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+llm = LLM(**args)
+first = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+workers = llm.engine.runner.processes
+del llm  # neither close() nor gc.collect(): the last reference goes, and the engine with it
+assert not dist.is_initialized(), "the group outlived the engine"
+assert [p.exitcode for p in workers] == [0], [p.exitcode for p in workers]
+assert not multiprocessing.active_children(), multiprocessing.active_children()
+gloo = [t for t in os.listdir("/proc/self/task")
+        if "gloo" in open(f"/proc/self/task/{{t}}/comm").read()]
+assert not gloo, f"{{len(gloo)}} gloo threads left"
+llm = LLM(**args)
+second = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+assert second == first, (first, second)
+print("second engine ok")
+"""  # the second engine is left to the interpreter's exit
+
+
+def test_dropped_engine_frees_the_process_for_another():
+    """`del llm` shuts a tensor-parallel engine down as close() does: its worker exits, the
+    group and its threads go, a second engine starts in the same process, and the process
+    (the second engine still open) exits cleanly."""
+    code = DROPPED_ENGINE.format(engine=ENGINE)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "second engine ok" in out.stdout
+    assert "terminate called" not in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_killed_worker_is_a_clear_error(models):
