@@ -34,7 +34,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             print(textwrap.fill(line, width=max(40, width), initial_indent="    ",
                                 subsequent_indent="      "))
     print(f"\ndevice: {device}; auto-selection order: "
-          f"{' > '.join(AUTO_ORDER.get(device.type, ()))}")
+          f"{' > '.join(AUTO_ORDER.get(device.type, ()))}, then, for a quantized "
+          f"--kv-cache-dtype, the backends that store it (quantized-kv)")
     return 0
 
 

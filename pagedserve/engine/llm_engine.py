@@ -374,7 +374,7 @@ def check_settings(config: EngineConfig) -> str | None:
     from pagedserve.models.loader import model_path
 
     config.check_device()
-    requested_backend(config.attention_backend)
+    requested_backend(config.attention_backend, config.cache.kv_cache_dtype)
     check_backend(config.guided_decoding_backend)
     resolve_workers(config.guided_decoding_workers, config.torch_device)
     missing = guided_decoding_unavailable(config.guided_decoding_backend)

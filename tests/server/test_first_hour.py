@@ -74,6 +74,11 @@ def _mistakes(model_dir: str, tmp_path) -> list[tuple[list[str], dict[str, str],
           "--prompt", "hi"], {}, ("guided_decoding_workers", "-1")),
         (["bench", "serve", "--url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1"],
          {}, ("is a server running there?",)),
+        (["generate", "--model", model_dir, *CPU, "--attention-backend", "CPU",
+          "--kv-cache-dtype", "tq_4bit", "--prompt", "hi"], {},
+         ("CPU does not store kv_cache_dtype 'tq_4bit'", "TURBOQUANT")),
+        (["generate", "--model", model_dir, *CPU, "--kv-cache-dtype", "int4", "--prompt", "hi"],
+         {}, ("'int4'", "valid values: auto, fp8, tq_k8v4")),
     ]
 
 

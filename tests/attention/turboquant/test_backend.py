@@ -107,6 +107,27 @@ def test_engine_generates_with_every_preset(make_llm, tiny_llama):
     assert kl["naive_int4"] < kl["naive_int3"], kl
 
 
+def test_engine_picks_turboquant_for_a_preset_unasked(make_llm, caplog):
+    """--kv-cache-dtype tq_4bit alone starts the engine (issue #47): the CPU's automatic order
+    stores no preset, so TURBOQUANT is chosen and the choice logged; naming a backend that
+    stores no preset beside it is an error before the model loads."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.attention import BackendSelectionError
+
+    common = dict(model="random:tiny", device="cpu", dtype="float32", kv_cache_memory="16MiB",
+                  kv_cache_dtype="tq_4bit")
+    with caplog.at_level("INFO"):
+        llm = make_llm(**common)
+    assert llm.engine.runner.backend.get_name() == "TURBOQUANT"
+    assert ("kv_cache_dtype 'tq_4bit': attention backend TURBOQUANT (the automatic order's CPU "
+            "does not store it)") in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(BackendSelectionError, match="CPU does not store kv_cache_dtype"):
+        LLM(**common, attention_backend="CPU")
+
+
 @pytest.mark.slow
 def test_bundled_model_tq_k8v4_agrees_with_unquantized(make_llm):
     from pagedserve import SamplingParams
