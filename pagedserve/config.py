@@ -80,8 +80,9 @@ class ModelConfig:
         "auto", "'auto': EOS ids and default sampling settings from the model's "
                 "generation_config.json; 'vllm': neither; or a directory holding one")
     quantization: str = setting(
-        "auto", "weight-only int8 linears on the CPU with bfloat16 activations: auto (for a "
-                ".gguf model when --dtype is left to the engine), int8 or none",
+        "auto", "weight-only int8 linears on the CPU (bfloat16 products, float32 "
+                "activations): auto (for a .gguf model when --dtype is left to the engine), "
+                "int8 or none",
         choices=["auto", "int8", "none"])
     max_logprobs: int = setting(20, "most logprobs a request may ask for (per token or prompt "
                                     "position)")

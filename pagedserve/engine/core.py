@@ -125,12 +125,11 @@ class EngineCore:
             configure_cpu_threads()
         m = config.model
         quantization = resolve_quantization(m.quantization, m.model, m.dtype, device)
-        # Weight-only int8 runs with bfloat16 activations unless a dtype was asked for.
-        dtype = (torch.bfloat16 if quantization and m.dtype == "auto"
-                 else resolve_dtype(m.dtype, device))
+        dtype = resolve_dtype(m.dtype, device)
         if quantization:
-            logger.info("%s weight-only linears with %s activations on the CPU (exact float32: "
-                        "--dtype float32 or --quantization none)", quantization, dtype)
+            logger.info("%s weight-only linears (bfloat16 products) with %s activations on the "
+                        "CPU (float32 weights: --dtype float32 or --quantization none)",
+                        quantization, dtype)
         t0 = time.perf_counter()
         # The executor first: with tensor parallelism it starts the other ranks and joins
         # their group, so the load below takes this process's (rank 0's) shard.

@@ -1,10 +1,18 @@
 """Weight-only int8 linears for the CPU: a decode step there reads every weight once per token,
 so memory, not arithmetic, sets its speed.
 
-Each output row keeps int8 codes and one scale (symmetric, per channel); activations stay in
-bfloat16 and PyTorch's `_weight_int8pack_mm` multiplies without dequantizing the matrix. On the
+Each output row keeps int8 codes and one scale (symmetric, per channel), and PyTorch's
+`_weight_int8pack_mm` multiplies without dequantizing the matrix. Its fast kernels read
+bfloat16 inputs (float32 ones take a path several times slower than float32 weights), so the
+layer rounds its input to bfloat16 for the product and hands back the model's dtype. On the
 team's 2-core AVX-512 machine the bundled SmolLM2's projections ran 2x faster than in float32
 at one token and its tied LM head (49,152 x 576) 7.5x (`benchmarks/cpu_decode.py`).
+
+Batch invariance: the kernel computes each output row from its own input row alone (the same
+bits at any number of rows), so the engine keeps everything else in float32 (norms, the
+residual stream, attention: see the CPU backend) and a request's greedy tokens do not depend
+on what else runs beside it. With bfloat16 everywhere, as before, a last-bit difference in
+attention between batch shapes was rounded up to a bfloat16 step and changed greedy text.
 
 `quantization="auto"` chooses it for a `.gguf` model on the CPU when the dtype is left to the
 engine: the file's weights were quantized already (4-bit for the bundled model), so int8
@@ -20,17 +28,21 @@ from torch import nn
 METHODS = ("auto", "none", "int8")
 
 
+# The dtype the int8 kernel reads its input and scales in.
+KERNEL_DTYPE = torch.bfloat16
+
+
 class Int8Linear(nn.Module):
-    """y = x @ (codes * scale)^T + bias, x in the scales' dtype (bfloat16)."""
+    """y = bf16(x) @ (codes * scale)^T + bias, returned in `dtype` (the model's activations)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         super().__init__()
         w = weight.detach().float()
-        # The scale as the kernel reads it (in `dtype`), rounded up so no code passes 127; the
-        # codes are then exact to half a step of it.
+        # The scale as the kernel reads it, rounded up so no code passes 127; the codes are
+        # then exact to half a step of it.
         scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
-        scale = (scale * (1 + 2 ** -7)).to(dtype)
+        scale = (scale * (1 + 2 ** -7)).to(KERNEL_DTYPE)
         codes = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scale", scale)
@@ -39,8 +51,8 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = w.shape[1], w.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scale.dtype)
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale)
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)

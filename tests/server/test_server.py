@@ -75,8 +75,8 @@ def _texts_per_length(llm: LLM) -> tuple[list[dict[int, str]], list[int]]:
 
 @pytest.fixture(scope="module")
 def ref() -> Reference:
-    # float32: the exact path, whose greedy tokens do not depend on how requests are batched
-    # (the CPU's default int8 + bfloat16 path rounds differently at different batch sizes).
+    # float32 weights: the path that matches transformers (the CPU's int8 default is as
+    # batch-invariant: tests/server/test_batch_invariance.py).
     llm = LLM(model=None, dtype="float32", kv_cache_memory="128MiB")
     texts, lens = _texts_per_length(llm)
     final = llm.generate(PROMPTS, SamplingParams(max_tokens=REF_TOKENS, **GREEDY),

@@ -3,13 +3,27 @@
 The builder does the per-step work once for all layers: for the prefill group and the decode
 group it builds the page-gather index, the scatter of packed query tokens into a padded
 [requests, max_query_len] grid and the boolean mask (causal from each request's cached length,
-sequence end, sliding window). Each layer then gathers its K/V pages once per group and calls
-`scaled_dot_product_attention` with `enable_gqa`, so repeated K/V heads are never materialised
-by us. Decodes form their own group so a long prompt in the same step does not pad them.
-SDPA has neither a soft-cap nor a column for attention sinks: layers with either take an exact
-float32 path (`_attend_float32`) instead. Values may have their own head size (head_size_v):
-both paths take V's last dimension as it comes, and the cache is then the base class's
-side-by-side layout.
+sequence end, sliding window). Decodes form their own group so a long prompt in the same step
+does not pad them. Values may have their own head size (head_size_v): the cache is then the
+base class's side-by-side layout.
+
+Each layer gathers its K/V pages once per group as one matrix per request and KV head
+([B * Hkv, keys, D]), and attends with two batched matmuls around a float32 softmax: the
+query heads
+that share a KV head are the rows of one product, so GQA never repeats K/V. Soft-caps and
+sinks (a column in the softmax's sum) fit in the same pass.
+
+Batch invariance: a query's output is the same bits whatever else the step holds. Each
+(request, KV head) pair is its own matrix product, padding keys add exact zeros, and the
+softmax reads each row alone. What is left are kernels chosen by size, measured on the team's
+AVX-512 machine: the BLAS's products of one or two rows differ from each other and from those
+of three rows or more, which all agree whatever the key count, so every product gets at least
+`MIN_ROWS` rows; and a softmax row shorter than a vector register (16 floats) sums in another
+order than a longer one, so every row gets at least `MIN_KEYS` keys.
+tests/engine/test_batch_invariance.py holds the engine to it. SDPA's CPU kernel, which this
+replaced, splits keys and queries into blocks sized from the batch's longest sequence and
+query, so its outputs moved by a few bits with the batch, and the int8 default's bfloat16
+products (models/quantization.py) turned those into other greedy tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +39,11 @@ from pagedserve.attention.backend import (
     AttentionMetadataBuilder,
 )
 from pagedserve.attention.metadata import CommonAttentionMetadata
+
+# Rows every query product gets (zero rows added below it) and keys every softmax row reads
+# (masked columns added after it): see the module's docstring.
+MIN_ROWS = 3
+MIN_KEYS = 32
 
 
 @dataclass
@@ -105,52 +124,60 @@ class CPUAttentionImpl(AttentionImpl):
 
     def _attend_group(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       group: AttentionGroup, sinks: torch.Tensor | None) -> torch.Tensor:
-        b, _ = group.page_index.shape
-        h, d, hkv = self.num_heads, self.head_size, self.num_kv_heads
-        dv = self.value_head_size
-        # [B, P, bs, Hkv, D] -> [B, Hkv, max_k, D]
-        k = k_cache[group.page_index].flatten(1, 2)[:, :group.max_seq_len].transpose(1, 2)
-        v = v_cache[group.page_index].flatten(1, 2)[:, :group.max_seq_len].transpose(1, 2)
-        decode = group.max_query_len == 1  # one token per request: already the grid
-        if decode:
-            q = query.view(b, 1, h, d).transpose(1, 2)
+        b, lq = group.page_index.shape[0], group.max_query_len
+        h, hkv = self.num_heads, self.num_kv_heads
+        g = h // hkv
+        k = _gather_pages(k_cache, group.page_index, group.max_seq_len)
+        v = _gather_pages(v_cache, group.page_index, group.max_seq_len)
+        if lq == 1:  # decodes: one token per request, already the grid; the rows a free view
+            q = query.view(b * hkv, g, -1)
         else:
-            q = query.new_zeros(b * group.max_query_len, h, d)
-            q[group.token_index] = query
-            q = q.view(b, group.max_query_len, h, d).transpose(1, 2)
-        if self.logits_soft_cap is None and sinks is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale,
-                                                 enable_gqa=hkv != h)
-        else:
-            out = self._attend_float32(q, k, v, group.mask, sinks)
-        out = out.transpose(1, 2).reshape(b * group.max_query_len, h, dv)
-        return out if decode else out[group.token_index]
-
-    def _attend_float32(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        mask: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-        """Scores in float32, soft-capped and with the sink column as the layer asks."""
-        b, h, lq, d = q.shape
-        hkv, dv = k.shape[1], v.shape[-1]
-        qg = q.view(b, hkv, h // hkv, lq, d)
-        scores = torch.matmul(qg.float(), k.float()[:, :, None].transpose(-1, -2)) * self.scale
+            grid = query.new_zeros(b * lq, h, self.head_size)
+            grid[group.token_index] = query
+            # [B * Lq, Hkv * G, D] -> [B * Hkv, Lq * G, D]: the rows that share a KV head.
+            q = grid.view(b, lq, hkv, g, -1).transpose(1, 2).reshape(b * hkv, lq * g, -1)
+        rows = q.shape[1]
+        if rows < MIN_ROWS:
+            q = torch.cat([q, q.new_zeros(b * hkv, MIN_ROWS - rows, q.shape[2])], dim=1)
+        scores = torch.bmm(q.float(), k.float().transpose(1, 2))[:, :rows].mul_(self.scale)
         if self.logits_soft_cap is not None:
-            scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
-        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-        if sinks is None:
-            probs = torch.softmax(scores, dim=-1)
-        else:
-            probs = _softmax_with_sinks(scores, sinks)
-        out = torch.matmul(probs, v.float()[:, :, None])
-        return out.view(b, h, lq, dv).to(q.dtype)
+            scores = torch.tanh(scores / self.logits_soft_cap).mul_(self.logits_soft_cap)
+        # [B, 1, Lq, N] mask -> [B, 1 (Hkv), Lq, 1 (G), N].
+        scores = scores.view(b, hkv, lq, g, -1).masked_fill_(~group.mask[:, :, :, None],
+                                                               float("-inf"))
+        num_keys = scores.shape[-1]
+        if num_keys < MIN_KEYS:  # masked columns: the softmax's sums then run in vector lanes
+            scores = F.pad(scores, (0, MIN_KEYS - num_keys), value=float("-inf"))
+        probs = (torch.softmax(scores, dim=-1) if sinks is None
+                 else _softmax_with_sinks(scores, sinks))
+        probs = probs[..., :num_keys].reshape(b * hkv, rows, num_keys)
+        if rows < MIN_ROWS:
+            probs = torch.cat([probs, probs.new_zeros(b * hkv, MIN_ROWS - rows,
+                                                      probs.shape[2])], dim=1)
+        out = torch.bmm(probs, v.float())[:, :rows].to(query.dtype)
+        if lq == 1:
+            return out.reshape(b, h, -1)
+        out = out.view(b, hkv, lq, g, -1).transpose(1, 2).reshape(b * lq, h, -1)
+        return out[group.token_index]
+
+
+def _gather_pages(cache: torch.Tensor, page_index: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[num_blocks, block_size, Hkv, D] cache, [B, P] page ids -> [B * Hkv, num_keys, D]: each
+    (request, KV head) pair's keys one contiguous matrix, so the products take them as they
+    are."""
+    b, p = page_index.shape
+    _, block_size, hkv, d = cache.shape
+    pages = cache[page_index].view(b, p * block_size, hkv, d)[:, :num_keys]
+    return pages.transpose(1, 2).reshape(b * hkv, num_keys, d)
 
 
 def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """softmax over [scores, sink] with the sink's column dropped, for scores [B, Hkv, H / Hkv,
-    Lq, Lk] and sinks [H]: each probability is exp(s - lse) where lse also counts exp(sink), so
-    no column is concatenated."""
+    """softmax over [scores, sink] with the sink's column dropped, for scores [B, Hkv, Lq,
+    H / Hkv, Lk] and sinks [H]: each probability is exp(s - lse) where lse also counts
+    exp(sink), so no column is concatenated."""
     hkv = scores.shape[1]
-    # Query head h is member h % qpk of KV group h // qpk: [H] -> [1, Hkv, qpk, 1, 1].
-    sink = sinks.detach().float().view(1, hkv, -1, 1, 1)
+    # Query head h is member h % qpk of KV group h // qpk: [H] -> [1, Hkv, 1, qpk, 1].
+    sink = sinks.detach().float().view(1, hkv, 1, -1, 1)
     lse = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)
     return torch.exp(scores - lse)
 
@@ -175,7 +202,7 @@ class CPUAttentionBackend(AttentionBackend):
     supports_soft_cap = True
     supports_sinks = True
     supports_diff_kv = True
-    description = "torch scaled_dot_product_attention over gathered pages"
+    description = "batched torch matmuls over gathered pages (batch-invariant)"
 
     impl_cls = CPUAttentionImpl
     builder_cls = CPUAttentionMetadataBuilder

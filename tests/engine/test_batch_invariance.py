@@ -1,0 +1,60 @@
+"""The CPU default (int8 weights with bfloat16 products, float32 activations, attention in
+float64) is batch-invariant: a request's greedy tokens and their logprobs are the same bits
+whether it runs alone, beside requests that arrive at other steps, or in chunked prefill."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve import SamplingParams
+from pagedserve.models.quantization import Int8Linear
+
+QUESTIONS = ["What divides 21?", "Tell me a story about a dragon.", "The capital of France is",
+             "List three colors:", "Explain gravity in one sentence.",
+             "Write a haiku about rain.", "2+2=", "Name a famous scientist."]
+PARAMS = SamplingParams(temperature=0, max_tokens=40, logprobs=0)
+
+Result = tuple[list[int], list[float]]
+
+
+def result(output) -> Result:
+    seq = output.outputs[0]
+    return list(seq.token_ids), [next(iter(d.values())).logprob for d in seq.logprobs]
+
+
+def chat_prompts(llm) -> list[str]:
+    return [llm.engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS]
+
+
+def run_staggered(llm, prompts: list[str], every: int) -> list[Result]:
+    """Each prompt added `every` steps after the one before, so prefills run beside decodes
+    of other lengths."""
+    engine, done, step = llm.engine, {}, 0
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        if pending and step % every == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(str(i), prompt, PARAMS)
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = result(out)
+        step += 1
+    return [done[i] for i in range(len(prompts))]
+
+
+def test_default_cpu_settings_are_batch_invariant(make_llm) -> None:
+    llm = make_llm(kv_cache_memory="64MiB")
+    assert isinstance(llm.engine.runner.model.lm_head, Int8Linear)  # the default's int8 path
+    assert llm.engine.runner.dtype == torch.float32
+    prompts = chat_prompts(llm)
+    alone = [result(llm.generate(p, PARAMS, use_tqdm=False)[0]) for p in prompts]
+    together = [result(o) for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    assert together == alone
+    for every in (2, 3):
+        assert run_staggered(llm, prompts, every) == alone
+    # A 16-token budget: every prompt's prefill in chunks, beside other requests' decodes.
+    chunked = make_llm(kv_cache_memory="64MiB", max_num_batched_tokens=16,
+                       enable_prefix_caching=False)
+    assert [result(o) for o in chunked.generate(prompts, PARAMS, use_tqdm=False)] == alone
