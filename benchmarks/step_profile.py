@@ -63,9 +63,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="default: the config's (an H100 needs 0.95 for the 30B shape)")
     args = parser.parse_args()
 
-    llm = LLM(config=args.config, engine_core_process=False)
+    overrides = ({} if args.gpu_memory_utilization is None
+                 else {"gpu_memory_utilization": args.gpu_memory_utilization})
+    llm = LLM(config=args.config, engine_core_process=False, **overrides)
     vocab = llm.engine.core.runner.vocab_size
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, args.input_len).tolist()}
