@@ -27,7 +27,8 @@
 # and on an older one carried in .gpu-old/tree), serve_latency (the 8B shape served: TTFT, TPOT
 # and ITL at several request rates), mlatests (TRITON_MLA's GPU tests, left running for a later
 # stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
-# on the bundled GGUF: a batch-256 step's host phases and a cProfile).
+# on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
+# Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep).
 #
 # The whole GPU suite: three calls back to back on one machine (10 minutes each at most):
 #   1. carry .gpu .gpu-deps .gpu-smol-a:  install tests1   (Triton, FLASH_ATTN, models, graphs)
@@ -592,6 +593,24 @@ stage_flexbench() {  # the bundled GGUF through bench throughput on FLEX_ATTENTI
             >"$OUT/flexbench-$b.log" 2>&1; echo "exit $?" >>"$OUT/flexbench-$b.log"
         tail -4 "$OUT/flexbench-$b.log"
     done
+}
+
+stage_moeprofile() {  # issue #47 item 5: the Qwen3-30B-A3B shape's steps (kernel time as the
+    # union of the kernels' intervals, the top kernels, the allocator), a quantized KV dtype
+    # chosen without naming the backend, and the MoE GEMMs' launch-shape sweep at 2,048 and
+    # 8,192 tokens (an H100 needs --gpu-memory-utilization 0.93 for the 30B shape)
+    setup_env
+    timeout 300 python3 benchmarks/step_profile.py --config qwen3-30b-a3b-random \
+        --num-prompts 400 --input-len 1024 --output-len 128 --top 20 \
+        --gpu-memory-utilization 0.93 >"$OUT/step_profile.log" 2>&1
+    echo "exit $?" >>"$OUT/step_profile.log"; grep -v " INFO " "$OUT/step_profile.log" | tail -30
+    timeout 90 python3 -m pagedserve bench throughput --config smollm2-random-gpu \
+        --num-prompts 64 --input-len 256 --output-len 64 --kv-cache-dtype tq_4bit \
+        >"$OUT/tq-auto.log" 2>&1; echo "exit $?" >>"$OUT/tq-auto.log"
+    grep -E "kv_cache_dtype|Throughput|rror" "$OUT/tq-auto.log" | head -5
+    timeout 150 python3 benchmarks/moe_kernels.py --sections time --batches 2048,8192 --sweep \
+        --top 6 --warmup 3 --iters 20 >"$OUT/moe_sweep.log" 2>&1
+    echo "exit $?" >>"$OUT/moe_sweep.log"; grep -v " INFO " "$OUT/moe_sweep.log" | tail -24
 }
 
 for stage in "$@"; do
