@@ -58,3 +58,14 @@ def test_default_cpu_settings_are_batch_invariant(make_llm) -> None:
     chunked = make_llm(kv_cache_memory="64MiB", max_num_batched_tokens=16,
                        enable_prefix_caching=False)
     assert [result(o) for o in chunked.generate(prompts, PARAMS, use_tqdm=False)] == alone
+
+
+def test_short_sequences_are_batch_invariant(make_llm) -> None:
+    """Raw prompts of a few tokens: every request's keys stay below a vector register's 16
+    floats for its first steps, beside longer ones (the softmax's short-row order)."""
+    llm = make_llm(kv_cache_memory="64MiB")
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
+    prompts = ["2+2=", "Hi", "The capital of France is", "Once upon a time, in a land far away,"]
+    alone = [result(llm.generate(p, params, use_tqdm=False)[0]) for p in prompts]
+    together = [result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert together == alone

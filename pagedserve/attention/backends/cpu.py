@@ -17,9 +17,10 @@ Batch invariance: a query's output is the same bits whatever else the step holds
 (request, KV head) pair is its own matrix product, padding keys add exact zeros, and the
 softmax reads each row alone. What is left are kernels chosen by size, measured on the team's
 AVX-512 machine: the BLAS's products of one or two rows differ from each other and from those
-of three rows or more, which all agree whatever the key count, so every product gets at least
-`MIN_ROWS` rows; and a softmax row shorter than a vector register (16 floats) sums in another
-order than a longer one, so every row gets at least `MIN_KEYS` keys.
+of three rows or more, which agree whatever the key count from 8 keys up, so every product
+gets at least `MIN_ROWS` rows; products over fewer keys, and a softmax row shorter than a
+vector register (16 floats), sum in other orders, so every group attends to at least
+`MIN_KEYS` keys (masked zero keys past its longest sequence).
 tests/engine/test_batch_invariance.py holds the engine to it. SDPA's CPU kernel, which this
 replaced, splits keys and queries into blocks sized from the batch's longest sequence and
 query, so its outputs moved by a few bits with the batch, and the int8 default's bfloat16
@@ -129,36 +130,48 @@ class CPUAttentionImpl(AttentionImpl):
         g = h // hkv
         k = _gather_pages(k_cache, group.page_index, group.max_seq_len)
         v = _gather_pages(v_cache, group.page_index, group.max_seq_len)
-        if lq == 1:  # decodes: one token per request, already the grid; the rows a free view
-            q = query.view(b * hkv, g, -1)
+        k, v, mask = _min_keys(k, v, group.mask)
+        if lq == 1:  # decodes: one token per request, already the grid
+            q = query.reshape(b * hkv, g, -1)
         else:
             grid = query.new_zeros(b * lq, h, self.head_size)
             grid[group.token_index] = query
             # [B * Lq, Hkv * G, D] -> [B * Hkv, Lq * G, D]: the rows that share a KV head.
             q = grid.view(b, lq, hkv, g, -1).transpose(1, 2).reshape(b * hkv, lq * g, -1)
         rows = q.shape[1]
-        if rows < MIN_ROWS:
-            q = torch.cat([q, q.new_zeros(b * hkv, MIN_ROWS - rows, q.shape[2])], dim=1)
-        scores = torch.bmm(q.float(), k.float().transpose(1, 2))[:, :rows].mul_(self.scale)
+        scores = torch.bmm(_min_rows(q.float()), k.float().transpose(1, 2))[:, :rows]
+        scores.mul_(self.scale)
         if self.logits_soft_cap is not None:
             scores = torch.tanh(scores / self.logits_soft_cap).mul_(self.logits_soft_cap)
         # [B, 1, Lq, N] mask -> [B, 1 (Hkv), Lq, 1 (G), N].
-        scores = scores.view(b, hkv, lq, g, -1).masked_fill_(~group.mask[:, :, :, None],
-                                                               float("-inf"))
-        num_keys = scores.shape[-1]
-        if num_keys < MIN_KEYS:  # masked columns: the softmax's sums then run in vector lanes
-            scores = F.pad(scores, (0, MIN_KEYS - num_keys), value=float("-inf"))
+        scores = scores.view(b, hkv, lq, g, -1).masked_fill_(~mask[:, :, :, None], float("-inf"))
         probs = (torch.softmax(scores, dim=-1) if sinks is None
                  else _softmax_with_sinks(scores, sinks))
-        probs = probs[..., :num_keys].reshape(b * hkv, rows, num_keys)
-        if rows < MIN_ROWS:
-            probs = torch.cat([probs, probs.new_zeros(b * hkv, MIN_ROWS - rows,
-                                                      probs.shape[2])], dim=1)
-        out = torch.bmm(probs, v.float())[:, :rows].to(query.dtype)
+        probs = probs.view(b * hkv, rows, -1)
+        out = torch.bmm(_min_rows(probs), v.float())[:, :rows].to(query.dtype)
         if lq == 1:
             return out.reshape(b, h, -1)
         out = out.view(b, hkv, lq, g, -1).transpose(1, 2).reshape(b * lq, h, -1)
         return out[group.token_index]
+
+
+def _min_rows(x: torch.Tensor) -> torch.Tensor:
+    """[batch, rows, n] with zero rows appended up to MIN_ROWS (their products are dropped)."""
+    if x.shape[1] >= MIN_ROWS:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], MIN_ROWS - x.shape[1], x.shape[2])], dim=1)
+
+
+def _min_keys(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V [batch, keys, D] with zero keys appended up to MIN_KEYS, and the mask [B, 1,
+    Lq, keys] with them masked out."""
+    missing = MIN_KEYS - k.shape[1]
+    if missing <= 0:
+        return k, v, mask
+    hidden = mask.new_zeros(*mask.shape[:-1], missing)
+    return (F.pad(k, (0, 0, 0, missing)), F.pad(v, (0, 0, 0, missing)),
+            torch.cat([mask, hidden], dim=-1))
 
 
 def _gather_pages(cache: torch.Tensor, page_index: torch.Tensor, num_keys: int) -> torch.Tensor:
