@@ -30,6 +30,9 @@ METHODS = ("auto", "none", "int8")
 
 # The dtype the int8 kernel reads its input and scales in.
 KERNEL_DTYPE = torch.bfloat16
+# Looked up once: `torch.ops.aten.<name>` resolves the overload on every attribute access,
+# microseconds that count at 121 products a token.
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 
 
 class Int8Linear(nn.Module):
@@ -51,11 +54,11 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = w.shape[1], w.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale).to(x.dtype)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        out = _INT8_MM(flat.to(KERNEL_DTYPE), self.codes, self.scale).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
 def quantize_linears_(module: nn.Module, dtype: torch.dtype) -> int:
