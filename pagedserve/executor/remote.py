@@ -63,10 +63,6 @@ class RemoteRanksExecutor(Executor):
         """The first rank failure recorded, if any."""
         return self.failures.first
 
-    @property
-    def _closing(self) -> bool:
-        return self.failures.closing
-
     # ---- the transport's part ---------------------------------------------------------------
 
     def _send(self, command: tuple[str, Any]) -> None:

@@ -36,11 +36,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("xgrammar", "guidance")
 # The packages guided requests need, per backend: xgrammar parses every spec (SamplingParams
 # checks it when made) and applies masks on the CPU; `guidance` compiles and fills with
 # llguidance.
 BACKEND_PACKAGES = {"xgrammar": ("xgrammar",), "guidance": ("xgrammar", "llguidance")}
+BACKENDS = tuple(BACKEND_PACKAGES)
 
 
 def check_backend(name: str) -> None:
