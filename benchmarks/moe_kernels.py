@@ -23,12 +23,14 @@ import argparse
 import itertools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_kernels import time_cuda, time_graph  # noqa: E402
+from moe_before import align_by_expert_torch_ops  # noqa: E402
 
 from pagedserve.models.moe import SILU, ExpertActivation, torch_experts  # noqa: E402
 from pagedserve.models.moe_kernels import (  # noqa: E402
@@ -104,6 +106,19 @@ def floor_seconds(ids: torch.Tensor, tokens: int, args) -> tuple[int, float]:
     return hit, (weight_bytes + activation_bytes) / args.bandwidth
 
 
+def host_seconds(fn, iters: int) -> float:
+    """The host's time to issue one call (the device queue is drained first and the calls
+    are too few to fill it, so no launch waits)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    seconds = (time.perf_counter() - start) / iters
+    torch.cuda.synchronize()
+    return seconds
+
+
 def time_layer(tokens: int, args) -> dict:
     shape = QWEN3_30B_A3B
     layer = make_layer(tokens, shape["hidden"], shape["inter"], shape["experts"],
@@ -116,9 +131,16 @@ def time_layer(tokens: int, args) -> dict:
     eager = time_cuda(lambda: run(fused_experts, layer), args.warmup, args.iters)
     align = time_graph(lambda: align_by_expert(ids, shape["experts"], tiles.block_m),
                        args.warmup, args.iters)
+    align_host = host_seconds(lambda: align_by_expert(ids, shape["experts"], tiles.block_m),
+                              args.iters)
+    ops_host = host_seconds(
+        lambda: align_by_expert_torch_ops(ids, shape["experts"], tiles.block_m), args.iters)
+    ops = time_graph(lambda: align_by_expert_torch_ops(ids, shape["experts"], tiles.block_m),
+                     args.warmup, args.iters)
     reference = time_cuda(lambda: run(torch_experts, layer), args.warmup, max(3, args.iters // 5))
     return dict(tokens=tokens, experts_hit=hit, floor_us=floor * 1e6, graph_us=graph * 1e6,
                 pct_of_floor=100 * floor / graph, eager_us=eager * 1e6, align_us=align * 1e6,
+                align_host_us=align_host * 1e6, ops_us=ops * 1e6, ops_host_us=ops_host * 1e6,
                 torch_us=reference * 1e6, tiles=vars(tiles))
 
 
@@ -127,6 +149,8 @@ def time_section(args) -> list[dict]:
           f"{args.bandwidth / 1e12:.2f} TB/s")
     print(f"{'tokens':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'% floor':>8} "
           f"{'eager us':>9} {'align us':>9} {'torch us':>9} {'x torch':>8}")
+    print("  align: the Triton alignment's device time (from a graph); 'align host / ops' below: "
+          "its host time a call, and the torch-op version's device and host time")
     rows = []
     for tokens in args.batches:
         r = time_layer(tokens, args)
@@ -134,11 +158,21 @@ def time_section(args) -> list[dict]:
         print(f"{tokens:>6} {r['experts_hit']:>4} {r['floor_us']:9.1f} {r['graph_us']:9.1f} "
               f"{r['pct_of_floor']:7.1f}% {r['eager_us']:9.1f} {r['align_us']:9.1f} "
               f"{r['torch_us']:9.1f} {r['torch_us'] / r['graph_us']:7.1f}x", flush=True)
+        print(f"{'':>6} align host {r['align_host_us']:.1f} us | torch ops: device "
+              f"{r['ops_us']:.1f} us, host {r['ops_host_us']:.1f} us", flush=True)
     return rows
 
 
-def sweep_tiles(tokens: int) -> list[MoeTiles]:
-    """The sweep's launch shapes for a batch: block_m no taller than ~4x the rows per expert."""
+def parse_tiles(text: str) -> list[MoeTiles]:
+    """"m/n_up/n_down/k/group/warps/stages,..." -> launch shapes."""
+    return [MoeTiles(*map(int, item.split("/"))) for item in text.split(",")]
+
+
+def sweep_tiles(tokens: int, given: list[MoeTiles] | None = None) -> list[MoeTiles]:
+    """The sweep's launch shapes for a batch: `given` (--tiles), else the SWEEP grid with
+    block_m no taller than ~4x the rows per expert."""
+    if given:
+        return given
     rows = tokens * QWEN3_30B_A3B["top_k"] / QWEN3_30B_A3B["experts"]
     block_ms = [m for m in SWEEP["block_m"] if m == 16 or m <= 4 * rows]
     shapes = itertools.product(block_ms, SWEEP["n"], SWEEP["block_k"], SWEEP["num_warps"],
@@ -155,7 +189,7 @@ def sweep(tokens: int, args) -> list[dict]:
     reference = run(fused_experts, layer).float()
     print(f"\nsweep: {tokens} tokens", flush=True)
     results = []
-    for tiles in sweep_tiles(tokens):
+    for tiles in sweep_tiles(tokens, args.tiles):
         try:
             seconds = time_graph(lambda t=tiles: run(fused_experts, layer, tiles=t), args.warmup,
                                  args.iters)
@@ -184,6 +218,9 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=768, help="check section's I")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes")
     parser.add_argument("--top", type=int, default=5, help="sweep: fastest shapes to print")
+    parser.add_argument("--tiles", type=parse_tiles, default=None,
+                        help="sweep these shapes (m/n_up/n_down/k/group/warps/stages,...) "
+                             "instead of the grid")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", help="write every row to this JSON file")
@@ -201,7 +238,7 @@ def main() -> None:
         results["sweep"] = [r for tokens in args.batches for r in sweep(tokens, args)]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(results, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 (token, slot) pairs sorted by expert: the CUDA path of `moe.FusedMoE`, whose reference is
 `moe.torch_experts` (the design follows vLLM's fused_moe).
 
-1. `align_by_expert`: the T*k pairs sorted by expert, each expert's run padded to a multiple of
-   BLOCK_M with the invalid pair id T*k, so that every BLOCK_M block of the list belongs to one
-   expert. Torch ops on the device with no host sync: the buffers are sized by an upper bound
-   from T, k, E and BLOCK_M (`max_blocks`) and the real length stays a device tensor that the
-   kernels read to exit early, so a decode step can be captured in a CUDA graph.
+1. `moe_align.align_by_expert`: the T*k pairs grouped by expert, each expert's run padded to a
+   multiple of BLOCK_M with the invalid pair id T*k, so that every BLOCK_M block of the list
+   belongs to one expert. No host sync: the buffers are sized by an upper bound from T, k, E
+   and BLOCK_M (`max_blocks`) and the real length stays a device tensor that the kernels read
+   to exit early, so a decode step can be captured in a CUDA graph.
 2. `_gate_up_kernel`: one program per (block of sorted pairs, BLOCK_N columns of I) gathers the
    x rows of the block's tokens, accumulates the matching gate and up tiles of the block's
    expert in float32 over H, adds the bias and writes act(gate, up) to the intermediate row of
@@ -30,6 +30,8 @@ from typing import Protocol
 import torch
 import triton
 import triton.language as tl
+
+from pagedserve.models.moe_align import align_by_expert
 
 
 class Activation(Protocol):
@@ -67,21 +69,23 @@ class MoeTiles:
 
 # Keyed by the average rows an expert gets, T * k / E: that is what BLOCK_M must fit (each hit
 # expert pads its rows up to a multiple of it), and it lets one table serve Qwen3-MoE (k 8 of
-# 128), Mixtral (2 of 8) and gpt-oss (4 of 32/128). Hopper (H200), 16-bit, chosen by reasoning
-# and not yet swept on the device (`benchmarks/moe_kernels.py --sweep` times alternatives):
-# - up to ~8 rows (decode) the step only streams the hit experts' weights: BLOCK_M 16 (the
-#   smallest dot) wastes the least on padding, and narrow column tiles with a long BLOCK_K give
-#   the 132 SMs enough programs, and bytes in flight, on one expert's weights (Qwen3-30B-A3B at
-#   batch 1: 8 experts x 24 gate_up tiles = 192 programs).
-# - more rows: taller blocks reuse each weight tile across more rows, towards compute bound at
-#   prefill (128 x 128 accumulators, 8 warps). Shared memory per program, (block_m + 2 *
-#   block_n_up) * block_k * 2 bytes per stage, stays under 110 KB of the H200's 227 KB.
+# 128), Mixtral (2 of 8) and gpt-oss (4 of 32/128). Hopper, 16-bit:
+# - up to ~8 rows (decode), chosen by reasoning: the step only streams the hit experts'
+#   weights, so BLOCK_M 16 (the smallest dot) wastes the least on padding, and narrow column
+#   tiles with a long BLOCK_K give the 132 SMs enough programs, and bytes in flight, on one
+#   expert's weights (Qwen3-30B-A3B at batch 1: 8 experts x 24 gate_up tiles = 192 programs).
+# - more rows: the fastest of 12 shapes swept on an H100 (`benchmarks/moe_kernels.py --sweep
+#   --tiles ...`, Qwen3-30B-A3B's layer at 512 / 2,048 / 8,192 tokens, 2026-12-06; 3%, 20% and
+#   21% faster than the shapes chosen by reasoning before): wide column tiles (the gate_up
+#   program holds a 128-column gate and up tile, so 256 output columns, as the down program's)
+#   over BLOCK_K 64, 4 stages, 8 warps. Shared memory per program, (block_m + 2 * block_n_up) *
+#   block_k * 2 bytes a stage, is 196 KB of the 227 KB.
 _TILES_16BIT = (
     (2.0, MoeTiles(16, 32, 64, 128, 1, 4, 4)),
     (8.0, MoeTiles(16, 64, 128, 128, 1, 4, 3)),
-    (32.0, MoeTiles(32, 64, 128, 64, 4, 4, 4)),
-    (128.0, MoeTiles(64, 64, 128, 64, 8, 4, 4)),
-    (float("inf"), MoeTiles(128, 64, 128, 64, 8, 8, 3)),
+    (32.0, MoeTiles(64, 128, 256, 64, 1, 8, 4)),
+    (128.0, MoeTiles(128, 128, 256, 64, 8, 8, 4)),
+    (float("inf"), MoeTiles(128, 128, 256, 64, 1, 8, 4)),
 )
 # The interpreter runs programs one after another: few programs, each a whole tile, are fastest.
 INTERPRETER_TILES = MoeTiles(64, 64, 64, 64, 1, 1, 1)
@@ -98,58 +102,6 @@ def select_tiles(rows_per_expert: float, dtype: torch.dtype, device: torch.devic
         tiles = replace(tiles, block_m=min(tiles.block_m, 64), block_n_up=32, block_n_down=64,
                         block_k=32, num_warps=4, num_stages=2)
     return tiles
-
-
-def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Upper bound on the BLOCK_M blocks of the aligned list: each expert that gets a pair (at
-    most min(P, E) of them) pads by at most block_m - 1."""
-    return (num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m
-
-
-# Every arange made so far, per device, the longest last. The shorter ones are kept alive too:
-# a captured CUDA graph may read one, and freed memory would be handed to other tensors.
-_ARANGES: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """arange(n) as a prefix of a kept tensor: a kernel launch fewer per use. One made while a
-    CUDA graph is being captured is filled only on replay, so it is not kept."""
-    kept = _ARANGES.setdefault(device, [])
-    if kept and kept[-1].numel() >= n:
-        return kept[-1][:n]
-    fresh = torch.arange(triton.next_power_of_2(max(n, 1024)), device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        kept.append(fresh)
-    return fresh[:n]
-
-
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [T, k] -> (sorted_pairs [max_blocks * block_m] int32: pair ids t * k + j, grouped by
-    expert in expert order, each group padded to a multiple of block_m with T * k;
-    block_expert [max_blocks] int32: the expert of each block (past the end: a valid id that is
-    never used); num_padded [1]: the padded length). No host sync."""
-    flat = ids.reshape(-1).long()
-    num_pairs = flat.numel()
-    blocks = max_blocks(num_pairs, num_experts, block_m)
-    sorted_ids, order = torch.sort(flat, stable=True)
-    # starts[e]: where expert e's pairs begin in the sorted list (starts[E] = P).
-    starts = torch.searchsorted(sorted_ids, _arange(num_experts + 1, flat.device))
-    counts = starts[1:] - starts[:-1]
-    padded = (counts + (block_m - 1)).div_(block_m, rounding_mode="floor").mul_(block_m)
-    padded_ends = padded.cumsum(0)
-    # Each pair moves right by the padding of the experts before its own.
-    shift = padded_ends - padded - starts[:-1]
-    dest = shift.index_select(0, sorted_ids) + _arange(num_pairs, flat.device)
-    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32,
-                              device=flat.device)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    block_starts = _arange(blocks, flat.device) * block_m
-    # The first expert whose padded run ends after the block's start; blocks past the end get
-    # the last expert (dropping padded_ends[-1]), an index the kernels may read but never use.
-    block_expert = torch.searchsorted(padded_ends[:-1], block_starts, right=True,
-                                      out_int32=True)
-    return sorted_pairs, block_expert, padded_ends[-1:]
 
 
 @triton.jit

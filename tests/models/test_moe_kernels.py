@@ -13,6 +13,7 @@ from pagedserve.models.moe import SILU, ExpertActivation, torch_experts
 
 triton = pytest.importorskip("triton")
 
+from pagedserve.models import moe_align  # noqa: E402
 from pagedserve.models import moe_kernels as mk  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,10 +58,10 @@ def _compare(args: tuple, activation: ExpertActivation, **kwargs) -> None:
 
 
 def _check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
-    sorted_pairs, block_expert, num_padded = mk.align_by_expert(ids, num_experts, block_m)
+    sorted_pairs, block_expert, num_padded = moe_align.align_by_expert(ids, num_experts, block_m)
     flat = ids.flatten().cpu()
     pairs = flat.numel()
-    blocks = mk.max_blocks(pairs, num_experts, block_m)
+    blocks = moe_align.max_blocks(pairs, num_experts, block_m)
     assert sorted_pairs.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
     assert sorted_pairs.dtype == block_expert.dtype == torch.int32
     padded = int(num_padded.item())
@@ -84,7 +85,9 @@ def _check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
     (1, 1, 4, 16), (1, 3, 8, 16), (5, 2, 8, 16), (33, 3, 6, 16), (33, 3, 5, 4),
-    (100, 2, 3, 32), (7, 1, 1, 16), (64, 8, 128, 16)])
+    (100, 2, 3, 32), (7, 1, 1, 16), (64, 8, 128, 16),
+    # more pairs than one counting program takes (moe_align.CHUNK)
+    (300, 4, 6, 16), (300, 8, 128, 64)])
 def test_align_by_expert(num_tokens, top_k, num_experts, block_m):
     gen = torch.Generator().manual_seed(num_tokens)
     ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices
@@ -95,8 +98,8 @@ def test_align_by_expert(num_tokens, top_k, num_experts, block_m):
 
 def test_align_by_expert_bound_is_tight():
     # One pair on each of min(P, E) experts is exactly the worst case the bound allows.
-    ids = torch.arange(8).view(4, 2)
-    sorted_pairs, block_expert, num_padded = mk.align_by_expert(ids, 8, 16)
+    ids = torch.arange(8, device=DEVICE).view(4, 2)
+    sorted_pairs, block_expert, num_padded = moe_align.align_by_expert(ids, 8, 16)
     assert int(num_padded.item()) == sorted_pairs.numel() == 8 * 16
     assert block_expert.tolist() == list(range(8))
 
