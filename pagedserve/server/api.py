@@ -22,6 +22,7 @@ from pagedserve.server.anthropic.errors import error_body as anthropic_error
 from pagedserve.server.anthropic.errors import is_anthropic_path
 from pagedserve.server.anthropic.routes import anthropic_routes
 from pagedserve.server.chat import create_chat_completion, render_messages
+from pagedserve.server.chat_page import chat_page_routes
 from pagedserve.server.common import (
     ApiError,
     ServerState,
@@ -66,6 +67,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(_api_routes(state))
     app.include_router(anthropic_routes(state))
     app.include_router(responses_routes(state, ResponseStore(config.responses_store_size)))
+    if config.enable_chat_page:
+        app.include_router(chat_page_routes())
     body_limit = config.max_request_body_bytes or default_body_limit(llm.engine.max_model_len)
     app.add_middleware(Gatekeeper, api_key=config.api_key, max_body_bytes=body_limit,
                        state=state)
