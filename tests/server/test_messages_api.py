@@ -22,6 +22,7 @@ from tests.server.agent_conversation import (
     WEATHER_SCHEMA,
     cached_share,
     healthy,
+    leave_mid_stream,
 )
 
 ASK = [{"role": "user", "content": "Hello there"}]
@@ -168,4 +169,6 @@ def test_hostile_bodies_are_4xx_in_anthropic_shape(agent_server) -> None:
                   key="wrong")
     assert denied.status_code == 401
     assert denied.json()["error"]["type"] == "authentication_error"
+    leave_mid_stream(agent_server, "/v1/messages", {"model": MODEL, "max_tokens": 1500,
+                                                    "messages": ASK, "stream": True}, "msg_")
     healthy(agent_server.url)

@@ -24,6 +24,7 @@ from tests.server.agent_conversation import (
     WEATHER_SCHEMA,
     cached_share,
     healthy,
+    leave_mid_stream,
 )
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -179,4 +180,7 @@ def test_hostile_bodies_are_4xx(agent_server) -> None:
     assert wrong.status_code == 404
     denied = httpx.post(agent_server.url + "/v1/responses", json={"input": "x"}, timeout=60)
     assert denied.status_code == 401 and "error" in denied.json()
+    leave_mid_stream(agent_server, "/v1/responses", {"model": MODEL, "input": "x",
+                                                     "max_output_tokens": 1500,
+                                                     "stream": True}, "resp_")
     healthy(agent_server.url)
