@@ -84,6 +84,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_config_flags(group, ServerConfig)
     group.add_argument("--disable-log-requests", dest="enable_log_requests",
                        action="store_false", default=None, help=argparse.SUPPRESS)
+    group.add_argument("--disable-chat-page", dest="enable_chat_page",
+                       action="store_false", default=None, help=argparse.SUPPRESS)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -351,3 +351,13 @@ class ServerConfig:
         choices=["qwen3", "think", "deepseek_r1"])
     enable_log_requests: bool = setting(True, "log a line per finished request "
                                               "(--disable-log-requests turns it off)")
+    responses_store_size: int = setting(
+        1000, "most responses /v1/responses keeps in memory for previous_response_id and GET "
+              "(the least recently used go first; 0 stores none)")
+    enable_chat_page: bool = setting(True, "serve the chat page at / (--disable-chat-page "
+                                           "turns it off)")
+
+    def __post_init__(self) -> None:
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got "
+                             f"{self.responses_store_size}")

@@ -18,7 +18,11 @@ from pagedserve import __version__
 from pagedserve.config import ServerConfig
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from pagedserve.server import protocol as p
+from pagedserve.server.anthropic.errors import error_body as anthropic_error
+from pagedserve.server.anthropic.errors import is_anthropic_path
+from pagedserve.server.anthropic.routes import anthropic_routes
 from pagedserve.server.chat import create_chat_completion, render_messages
+from pagedserve.server.chat_page import chat_page_routes
 from pagedserve.server.common import (
     ApiError,
     ServerState,
@@ -30,6 +34,8 @@ from pagedserve.server.completions import create_completion
 from pagedserve.server.gatekeeper import Gatekeeper
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.reasoning import get_reasoning_parser
+from pagedserve.server.responses.routes import responses_routes
+from pagedserve.server.responses.store import ResponseStore
 from pagedserve.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger("pagedserve.server")
@@ -59,6 +65,10 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     _add_error_handlers(app)
     app.include_router(_open_routes(state))
     app.include_router(_api_routes(state))
+    app.include_router(anthropic_routes(state))
+    app.include_router(responses_routes(state, ResponseStore(config.responses_store_size)))
+    if config.enable_chat_page:
+        app.include_router(chat_page_routes())
     body_limit = config.max_request_body_bytes or default_body_limit(llm.engine.max_model_len)
     app.add_middleware(Gatekeeper, api_key=config.api_key, max_body_bytes=body_limit,
                        state=state)
@@ -76,7 +86,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         logger.info("%s %s -> %d: %s", request.method, request.url.path, exc.status,
                     exc.body.error.message)
-        return error_response(exc)
+        return _shaped(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -90,26 +100,37 @@ def _add_error_handlers(app: FastAPI) -> None:
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more error(s))"
         logger.info("%s %s -> 400: %s", request.method, request.url.path, message)
-        return error_json(400, message, param=param)
+        return _shaped(request, ApiError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_json(exc.status_code, str(exc.detail))
+        return _shaped(request, ApiError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(QueueFullError)
     async def queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
         logger.warning("%s %s -> 503: %s", request.method, request.url.path, exc)
-        return error_json(503, str(exc), type_="server_error", code="overloaded")
+        return _shaped(request, ApiError(503, str(exc), type_="server_error", code="overloaded"))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_json(503, str(exc), type_="server_error", code="engine_dead")
+        return _shaped(request, ApiError(503, str(exc), type_="server_error",
+                                         code="engine_dead"))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not the client's: logged with its traceback, answered in OpenAI's shape.
         logger.exception("%s %s -> 500", request.method, request.url.path)
-        return error_json(500, f"internal error: {type(exc).__name__}", type_="server_error")
+        return _shaped(request, ApiError(500, f"internal error: {type(exc).__name__}",
+                                         type_="server_error"))
+
+
+def _shaped(request: Request, exc: ApiError) -> JSONResponse:
+    """The error in the shape of the API the request was for: Anthropic's under
+    /v1/messages, OpenAI's everywhere else."""
+    if is_anthropic_path(request.url.path):
+        return JSONResponse(anthropic_error(exc.status, exc.body.error.message),
+                            status_code=exc.status)
+    return error_response(exc)
 
 
 # ---- open routes --------------------------------------------------------------------------

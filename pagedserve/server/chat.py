@@ -8,6 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -90,9 +91,20 @@ def _top_logprob(state: ServerState, token_id: int, text: str | None, logprob: f
 CHAT_RENAMES = {"logprobs": "top_logprobs"}
 
 
-async def create_chat_completion(state: ServerState, body: p.ChatCompletionRequest,
-                                 request: Request) -> Any:
-    start = time.monotonic()
+@dataclass
+class ChatRun:
+    """A chat request in the engine: its id, prompt, streams (one) and choice parsers (n)."""
+
+    request_id: str
+    prompt: list[int]
+    streams: list[RequestStream]
+    parsers: list[ChatChoiceParser]
+
+
+async def start_chat(state: ServerState, body: p.ChatCompletionRequest,
+                     id_prefix: str = "chatcmpl-") -> ChatRun:
+    """Check, render and add one chat request: the path every chat-shaped API (chat
+    completions, Responses, Anthropic's Messages) takes to the engine."""
     common_checks(state, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -112,15 +124,21 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     # The template renders and tokenizes in a worker thread (a long chat holds nothing up).
     prompt = await asyncio.to_thread(render_messages, state, body.messages,
                                      body.add_generation_prompt, plan.prompt)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = f"{id_prefix}{uuid.uuid4().hex}"
     streams = await add_all(state, request_id, [(None, prompt)], params, body.cache_salt,
                             "messages", renames)
-    parsers = [plan.parser(state) for _ in range(params.n)]
+    return ChatRun(request_id, prompt, streams, [plan.parser(state) for _ in range(params.n)])
+
+
+async def create_chat_completion(state: ServerState, body: p.ChatCompletionRequest,
+                                 request: Request) -> Any:
+    start = time.monotonic()
+    run = await start_chat(state, body)
     if body.stream:
-        return SSEResponse(_stream_chat(state, body, request_id, streams[0], parsers, start),
-                            streams)
-    return await until_disconnect(request, _full_chat(state, body, request_id, streams,
-                                                      parsers, start))
+        return SSEResponse(_stream_chat(state, body, run.request_id, run.streams[0],
+                                        run.parsers, start), run.streams)
+    return await until_disconnect(request, _full_chat(state, body, run.request_id,
+                                                      run.streams, run.parsers, start))
 
 
 async def _full_chat(state: ServerState, body: p.ChatCompletionRequest, request_id: str,

@@ -1,5 +1,6 @@
 """The first thing every HTTP request meets, before its body is read or parsed: whether the
-server still takes new work (it drains on shutdown), the API key, and the body's size.
+server still takes new work (it drains on shutdown), the API key (`Authorization: Bearer` or
+Anthropic's `x-api-key`), and the body's size.
 
 A pure ASGI middleware, so it works the same for streamed responses. The body is read here,
 up to the limit, and replayed to the app: a client cannot make the server parse (or even hold)
@@ -14,13 +15,17 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pagedserve.server.anthropic.errors import error_body as anthropic_error
+from pagedserve.server.anthropic.errors import is_anthropic_path
+
 Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-# Probes and scrapes: never authenticated, never drained away.
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+# Probes and scrapes, and the chat page (it holds no data; it asks for the key and sends it
+# with its API calls): never authenticated, never drained away.
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/"})
 
 
 def error_body(message: str, type_: str, code: str | None = None) -> bytes:
@@ -29,8 +34,12 @@ def error_body(message: str, type_: str, code: str | None = None) -> bytes:
 
 
 async def send_error(send: Send, status: int, message: str, type_: str,
-                     code: str | None = None) -> None:
-    body = error_body(message, type_, code)
+                     code: str | None = None, path: str = "") -> None:
+    """The error in OpenAI's shape, or Anthropic's for a route under /v1/messages."""
+    if is_anthropic_path(path):
+        body = json.dumps(anthropic_error(status, message)).encode()
+    else:
+        body = error_body(message, type_, code)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
@@ -49,20 +58,21 @@ class Gatekeeper:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
         if self.state.draining:
             await send_error(send, 503, "the server is shutting down; send it elsewhere",
-                             "server_error", "shutting_down")
+                             "server_error", "shutting_down", path)
             return
         if not self._authorized(scope):
             await send_error(send, 401, "Incorrect or missing API key: send Authorization: "
-                                        "Bearer <key>.", "invalid_request_error",
-                             "invalid_api_key")
+                                        "Bearer <key> (or x-api-key: <key>).",
+                             "invalid_request_error", "invalid_api_key", path)
             return
         body = await self._read_body(scope, receive)
         if body is None:
             await send_error(send, 413, f"the request body is larger than the server takes "
                                         f"({self.max_body_bytes} bytes)",
-                             "invalid_request_error", "request_too_large")
+                             "invalid_request_error", "request_too_large", path)
             return
         self.state.in_flight += 1
         try:
@@ -74,9 +84,14 @@ class Gatekeeper:
         if self.api_key is None:
             return True
         headers = dict(scope["headers"])
+        key = self.api_key.encode()
+        # Anthropic's clients send the key as x-api-key; either header will do.
+        if b"x-api-key" in headers and secrets.compare_digest(headers[b"x-api-key"].strip(),
+                                                              key):
+            return True
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(
-            token.strip().encode("latin-1"), self.api_key.encode())
+            token.strip().encode("latin-1"), key)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         """The whole body, or None once it passes the limit (declared or as it arrives)."""

@@ -77,10 +77,15 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 # Engine sampling fields a request may set; None (or absent) keeps the engine default.

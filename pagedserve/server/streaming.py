@@ -137,9 +137,13 @@ def sse(data: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> st
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> p.UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+          ) -> p.UsageInfo:
+    details = None if cached_tokens is None else p.PromptTokensDetails(
+        cached_tokens=cached_tokens)
     return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                       total_tokens=prompt_tokens + completion_tokens)
+                       total_tokens=prompt_tokens + completion_tokens,
+                       prompt_tokens_details=details)
 
 def log_request(request_id: str, prompt_tokens: int, completion_tokens: int,
                  finish_reasons: list[str | None], start: float, ttft: float | None) -> None:
@@ -155,12 +159,14 @@ class Tally:
     """Token counts of one HTTP request for its usage and its log line."""
 
     prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # prefix-cache hits per prompt
     completion_tokens: dict[tuple[int, int], int] = field(default_factory=dict)
     finish_reasons: dict[tuple[int, int], str | None] = field(default_factory=dict)
     ttft: float | None = None  # arrival to the first token, the earliest over the prompts
 
     def add(self, index: int, output: RequestOutput) -> None:
         self.prompt_tokens[index] = len(output.prompt_token_ids)
+        self.cached_tokens[index] = output.num_cached_tokens
         for c in output.outputs:
             self.completion_tokens[(index, c.index)] = len(c.token_ids)
             self.finish_reasons[(index, c.index)] = c.finish_reason
@@ -170,7 +176,12 @@ class Tally:
             self.ttft = ttft if self.ttft is None else min(self.ttft, ttft)
 
     def usage(self) -> p.UsageInfo:
-        return usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+        return usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()),
+                     sum(self.cached_tokens.values()))
+
+    @property
+    def completion_total(self) -> int:
+        return sum(self.completion_tokens.values())
 
     def log(self, request_id: str, start: float, enabled: bool = True) -> None:
         if not enabled:

@@ -186,7 +186,8 @@ def model_with_tokenizer() -> dict[str, str]:
     return {"model": str(bundled_gguf())}
 
 
-def tiny_chat_model(path: Path, init_std: float | None = None) -> Path:
+def tiny_chat_model(path: Path, init_std: float | None = None, max_positions: int = 512
+                    ) -> Path:
     """A tiny random Llama (2 layers, hidden 128, head size 64: every backend takes it) with the
     bundled SmolLM2's tokenizer and chat template saved beside it: a model directory that takes
     text and chat prompts and loads in a second. `init_std` widens the random weights (0.2
@@ -198,7 +199,7 @@ def tiny_chat_model(path: Path, init_std: float | None = None) -> Path:
     tokenizer = gguf_tokenizer(bundled_gguf())  # converted once, then from the user's cache
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                         max_position_embeddings=max_positions, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
     if init_std is not None:
         config.initializer_range = init_std

@@ -1,0 +1,103 @@
+"""Request bodies of Anthropic's Messages API (pydantic v2). Unknown fields are refused, as
+Anthropic does; the fields its SDK and Claude Code send that mean nothing here (metadata,
+cache_control, thinking, service_tier, output_config, context_management) are accepted and
+ignored. temperature, top_p and top_k come in the body (the SDK passes them as extra fields).
+Image and document blocks parse, so that the translation can refuse them by name."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, StrictInt
+
+from pagedserve.server.protocol import OpenAIModel as StrictModel
+
+Ignored = dict[str, Any] | None  # accepted, no meaning here
+
+
+class TextBlock(StrictModel):
+    type: Literal["text"]
+    text: str
+    cache_control: Ignored = None
+    citations: list[Any] | None = None
+
+
+class MediaBlock(StrictModel):
+    """An image or a document: refused by the translation with a message that names it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["image", "document", "search_result"]
+
+
+class ToolUseBlock(StrictModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: Ignored = None
+
+
+class ToolResultBlock(StrictModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] = ""
+    is_error: bool | None = None
+    cache_control: Ignored = None
+
+
+class ThinkingBlock(StrictModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: Ignored = None
+
+
+class RedactedThinkingBlock(StrictModel):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+                         | RedactedThinkingBlock, Field(discriminator="type")]
+
+
+class Message(StrictModel):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(StrictModel):
+    type: Literal["custom"] | None = None  # server tools (web search, bash...) are refused
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: Ignored = None
+
+
+class ToolChoice(StrictModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # type "tool": the tool to call
+    disable_parallel_tool_use: bool | None = None
+
+
+class CountTokensRequest(StrictModel):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Ignored = None
+    output_config: Ignored = None
+    context_management: Ignored = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: StrictInt  # required, as Anthropic requires it
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None
+    metadata: Ignored = None
+    service_tier: str | None = None
