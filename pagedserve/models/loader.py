@@ -177,23 +177,29 @@ def resolve_max_model_len(requested: int | None, config: PretrainedConfig) -> in
 def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                 weights: Iterator[tuple[str, torch.Tensor]],
                 quantization: str | None = None) -> nn.Module:
-    """The registered class for `config`, materialised on `device` in `dtype` and filled;
-    `quantization` ("int8"): its linears then run weight-only int8 (models/quantization.py)."""
+    """The registered class for `config`, materialised on `device` in `dtype` and filled.
+    Its layers' quantization methods come from the checkpoint's `quantization_config`, or
+    from `quantization` ("int8", "fp8": `pagedserve.quantization`)."""
+    from pagedserve.quantization import layers
+    from pagedserve.quantization.registry import quantization_config
+
     cls = get_model_cls(config)
-    check_tensor_parallel(cls, quantization)
+    quant = quantization_config(config, quantization)
+    check_tensor_parallel(cls, quant)
     with torch.device("meta"):
         module = cls(config)
-    module = module.to(dtype).to_empty(device=device)
+    module = module.to(dtype)
+    if quant is not None:
+        layers.attach_methods(module, quant, dtype)
+    module = module.to_empty(device=device)
     with torch.no_grad():
         module.load_weights(weights)
-        if quantization is not None:
-            if not hasattr(module, "quantize_"):
-                raise ValueError(f"{cls.__name__} has no {quantization} path")
-            module.quantize_(quantization)
+        if quant is not None:
+            layers.process_after_loading(module, quant)
     return module.eval()
 
 
-def check_tensor_parallel(cls: type[nn.Module], quantization: str | None = None) -> None:
+def check_tensor_parallel(cls: type[nn.Module], quantization: Any = None) -> None:
     """With more than one tensor-parallel rank, the model's family must split its layers."""
     if tp_world_size() == 1:
         return
@@ -203,9 +209,9 @@ def check_tensor_parallel(cls: type[nn.Module], quantization: str | None = None)
         names = ", ".join(sorted(c.__name__ for c in TENSOR_PARALLEL_FAMILIES))
         raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet "
                          f"(supported: {names})")
-    if quantization is not None:
-        raise ValueError(f"{quantization} quantization does not support "
-                         "tensor_parallel_size > 1 yet")
+    name = getattr(quantization, "name", quantization)
+    if name == "int8":
+        raise ValueError(f"{name} quantization does not support tensor_parallel_size > 1 yet")
 
 
 def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,
