@@ -283,7 +283,8 @@ class LlamaForCausalLM(nn.Module):
                     break
             owner, _, leaf = target.rpartition(".")
             layer = modules.get(owner)
-            if hasattr(layer, "quant_method") and not hasattr(layer, "load_expert"):
+            if _has_method(layer):
+                _check_not_fp8(name, tensor, layer)
                 rows = self._part_rows(target, shard) if shard else None
                 layer.quant_method.load(layer, leaf, tensor, shard, rows)
                 loaded.add(f"{owner}.{leaf}:{shard}")
@@ -293,10 +294,7 @@ class LlamaForCausalLM(nn.Module):
                                  f"{type(self).__name__}{_scale_hint(name)}")
             param = params[target]
             tensor = rank_part(self.get_submodule(owner), tensor, leaf, shard)
-            if tensor.dtype in FP8_DTYPES:
-                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but its module "
-                                 "has no FP8 method (no quantization_config, or an ignored "
-                                 "layer stored in FP8)")
+            _check_not_fp8(name, tensor, None)
             dst = param.data if shard is None else self._shard(target, param, shard)
             if dst.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -363,6 +361,16 @@ class LlamaForCausalLM(nn.Module):
 def _has_method(layer: nn.Module | None) -> bool:
     """A linear that loads through its quantization method (the float one included)."""
     return hasattr(layer, "quant_method") and not hasattr(layer, "load_expert")
+
+
+def _check_not_fp8(name: str, tensor: torch.Tensor, layer: nn.Module | None) -> None:
+    """An FP8 tensor may only load through an FP8 method: copied into a float parameter, its
+    codes would read as weights without their scales."""
+    quantized = layer is not None and "quant_method" in vars(layer)
+    if getattr(tensor, "dtype", None) in FP8_DTYPES and not quantized:
+        raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but its layer has "
+                         "float weights: the model's config.json has no quantization_config "
+                         "for it (or lists the layer as ignored)")
 
 
 def _scale_hint(name: str) -> str:

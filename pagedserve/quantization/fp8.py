@@ -212,12 +212,12 @@ class Fp8Config(QuantizationConfig):
 
     @classmethod
     def online(cls) -> Fp8Config:
-        # lm_head stays float, as in every FP8 release: its logits set the sampled tokens.
-        return cls(Fp8Scheme("channel", "dynamic", online=True), ["lm_head"])
+        return cls(Fp8Scheme("channel", "dynamic", online=True))
 
     def get_method(self, layer: nn.Module, prefix: str, hf_names: list[str]
                    ) -> LinearMethod | Any | None:
-        if self.is_ignored(hf_names):
+        # The head stays float in every FP8 format (DeepSeek's config does not list it).
+        if prefix == "lm_head" or self.is_ignored(hf_names):
             return None
         if isinstance(layer, nn.Linear):
             # Multi-head latent attention absorbs kv_b_proj into its query and output: it
