@@ -30,6 +30,13 @@ logger = logging.getLogger(__name__)
 
 # What the layer holds after loading (`layer.fp8_kernel`).
 DEQUANTIZED = "dequantized"
+# The tests set this to run the kernels' layouts on CPU tensors (`torch._scaled_mm` has a CPU
+# path, the Triton GEMM runs in the interpreter); serving on the CPU dequantizes.
+KERNELS_ON_CPU = False
+
+
+def _kernels_on(device: torch.device) -> bool:
+    return device.type == "cuda" or KERNELS_ON_CPU
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -89,7 +96,7 @@ class Fp8LinearMethod(LinearMethod):
         del layer.fp8_parts
         if self.scheme.online:
             codes, row_scale = fmt.quantize_per_channel(layer.weight.data)
-            if self.dequantize or not codes.is_cuda:
+            if self.dequantize or not _kernels_on(codes.device):
                 _set_weight(layer, fmt.dequantize(codes, row_scale, _channel(self.scheme))
                             .to(layer.model_dtype))
                 layer.fp8_kernel = DEQUANTIZED
@@ -100,7 +107,8 @@ class Fp8LinearMethod(LinearMethod):
             _finish_cuda(layer, Fp8Scheme("channel", "dynamic"))
             return
         name = self.scheme.scale_name
-        if not layer.weight.is_cuda or self.dequantize:
+        if self.dequantize or not _kernels_on(layer.weight.device) \
+                or not _kernel_takes(self.scheme):
             full = torch.empty(layer.weight.shape, dtype=layer.model_dtype,
                                device=layer.weight.device)
             for (start, size), scales in parts:
@@ -119,6 +127,12 @@ class Fp8LinearMethod(LinearMethod):
         from pagedserve.quantization.fp8_linear import apply_fp8
 
         return apply_fp8(layer, x, bias)
+
+
+def _kernel_takes(scheme: Fp8Scheme) -> bool:
+    from pagedserve.quantization.fp8_linear import kernel_takes
+
+    return kernel_takes(scheme)
 
 
 def _scalar(tensor: Any, what: str) -> torch.Tensor:
