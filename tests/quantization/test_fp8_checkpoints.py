@@ -13,9 +13,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pagedserve.models import load_model
+from pagedserve.quantization import fp8 as fp8_method
 from pagedserve.quantization.fp8_format import Fp8Scheme, scale_rank_part
 from tests.quantization import fp8_writer as w
-from tests.utils.paged import generate_greedy, hf_greedy
+from tests.utils.paged import generate_greedy, hf_greedy, run_prefill
 
 CPU = torch.device("cpu")
 NUM_NEW = 8
@@ -127,6 +128,31 @@ def test_online_fp8_of_a_float_checkpoint(float_models, tmp_path):
     save_file(ref, tmp_path / "ref" / "model.safetensors")
     (tmp_path / "ref" / "config.json").write_text((src / "config.json").read_text())
     _check_tokens(src, tmp_path / "ref", quantization="fp8")
+
+
+# (case, kernels, bound on the logits' relative change). The interpreter's e4m3 cast rounds
+# some values down a binade (see test_fp8_kernels), which the Triton path's bound allows for.
+KERNEL_CASES = [("native-block-f32", {"triton_block"}, 0.4),
+                ("ct-channel-dynamic", {"scaled_mm"}, 0.2),
+                ("ct-tensor-static", {"scaled_mm"}, 0.2)]
+
+
+@pytest.mark.parametrize("case,kernels,bound", KERNEL_CASES)
+def test_kernel_layouts_run_a_whole_model(float_models, tmp_path, monkeypatch, case, kernels,
+                                          bound):
+    """The CUDA layouts, run on the CPU (`torch._scaled_mm`'s CPU path, the Triton GEMM in the
+    interpreter): FP8 activations move these logits by ~10 % of the dequantized path's (two
+    layers of large random weights; each kernel's exactness is test_fp8_kernels'), a scale in
+    the wrong row or block by as much as the logits themselves."""
+    qconfig, scale_dtype = CASES[case]
+    w.write_fp8(float_models["qwen3"], tmp_path / "fp8", qconfig, tmp_path / "ref", scale_dtype)
+    prompts = _prompts(COMMON["vocab_size"])
+    exact = run_prefill(load_model(str(tmp_path / "fp8"), torch.float32, CPU).model, prompts)
+    monkeypatch.setattr(fp8_method, "KERNELS_ON_CPU", True)
+    model = load_model(str(tmp_path / "fp8"), torch.float32, CPU).model
+    assert {getattr(m, "fp8_kernel", None) for m in model.modules()} - {None} == kernels
+    for got, want in zip(run_prefill(model, prompts), exact, strict=True):
+        assert float((got - want).norm() / want.norm()) < bound
 
 
 # ---- refusals -------------------------------------------------------------------------------
