@@ -287,7 +287,10 @@ class LlamaForCausalLM(nn.Module):
                 _check_not_fp8(name, tensor, layer)
                 rows = self._part_rows(target, shard) if shard else None
                 layer.quant_method.load(layer, leaf, tensor, shard, rows)
-                loaded.add(f"{owner}.{leaf}:{shard}")
+                # A tensor stored already fused (Phi-3's qkv_proj) fills every part.
+                loaded.update([f"{owner}.{leaf}:{shard}"] if shard else
+                              [k for k in self._coverage_keys(target)
+                               if k.startswith(f"{owner}.{leaf}:")])
                 continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
@@ -329,19 +332,17 @@ class LlamaForCausalLM(nn.Module):
             owner = name.rpartition(".")[0]
             if _has_method(modules.get(owner)) and not name.endswith(".weight"):
                 continue  # the layer's method lists its tensors, once, under its weight
-            keys.extend(self._coverage_keys(name, modules))
+            keys.extend(self._coverage_keys(name))
         return keys
 
-    def _coverage_keys(self, name: str, modules: dict[str, nn.Module] | None = None
-                       ) -> list[str]:
+    def _coverage_keys(self, name: str) -> list[str]:
         """What a complete checkpoint fills of parameter `name`: each fused shard, each expert's
         projection (a checkpoint may hold experts one by one or already stacked), each tensor a
         layer's quantization method loads."""
-        modules = modules if modules is not None else dict(self.named_modules())
         owner = name.rpartition(".")[0]
         if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             prefix, _, stacked = name.rpartition(".")
-            moe = modules[prefix]
+            moe = self.get_submodule(prefix)
             shards = ("gate", "up") if stacked == "gate_up_proj" else ("down",)
             leaves = moe.quant_method.checkpoint_tensors(moe)
             return [f"{prefix}:{e}:{s}:{leaf}" for e in range(moe.num_experts) for s in shards
@@ -351,7 +352,7 @@ class LlamaForCausalLM(nn.Module):
             shards = ("q", "k", "v")
         elif ".gate_up_proj." in name:
             shards = ("gate", "up")
-        layer = modules.get(owner)
+        layer = self.get_submodule(owner) if owner else None
         if _has_method(layer):
             return [f"{owner}.{leaf}:{s}" for leaf in layer.quant_method.checkpoint_tensors(layer)
                     for s in shards]
