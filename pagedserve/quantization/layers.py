@@ -24,9 +24,14 @@ logger = logging.getLogger(__name__)
 _LAYER_NUMBER = re.compile(r"\.\d+\.")
 
 
-def attach_methods(model: nn.Module, config: QuantizationConfig, dtype: torch.dtype) -> None:
+def attach_methods(model: nn.Module, config: QuantizationConfig | None,
+                   dtype: torch.dtype) -> None:
+    """Each layer's method from `config` (None: the float weights the layers start with)."""
     from pagedserve.models.moe import FusedMoE
     from pagedserve.models.parallel import LinearBase
+
+    if config is None:
+        return
 
     config.check_model(model)
     _swap_plain_linears(model)
@@ -55,8 +60,10 @@ def _swap_plain_linears(module: nn.Module) -> None:
             _swap_plain_linears(child)
 
 
-def process_after_loading(model: nn.Module, config: QuantizationConfig) -> None:
+def process_after_loading(model: nn.Module, config: QuantizationConfig | None) -> None:
     """Every method's `process_after_loading`, then one log line per method and kernel."""
+    if config is None:
+        return
     groups: dict[str, list[str]] = defaultdict(list)
     for prefix, layer in model.named_modules():
         method = getattr(layer, "quant_method", None)
