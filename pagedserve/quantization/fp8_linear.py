@@ -87,6 +87,11 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     """x [..., K] -> [..., N] in x's dtype through `torch._scaled_mm` (rowwise scales)."""
     flat = x.reshape(-1, x.shape[-1])
     q, scale = quantize_per_token(flat, input_scale)
+    # cuBLASLt's rowwise-scaled FP8 GEMM writes bfloat16 only: other dtypes (fp16, float32
+    # tests on a GPU) are cast after.
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    if bias is not None:
+        bias = bias.to(out_dtype)
     out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1),
-                           bias=bias, out_dtype=x.dtype)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+                           bias=bias, out_dtype=out_dtype)
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
