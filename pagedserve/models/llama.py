@@ -100,9 +100,17 @@ class LlamaMLP(nn.Module):
                                            bias=bias)
         self.act_fn = ACT2FN[act]
         self.fused_silu = act == "silu"
+        # Set where down_proj reads FP8: SiLU-and-mul then emits it (`fuse_fp8_inputs`).
+        self.fp8_group: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.fp8_group is not None and gate_up.dim() == 2:
+            from pagedserve.quantization.ops.fp8_fused import silu_and_mul_fp8
+
+            width = gate_up.shape[-1] // 2
+            return self.down_proj(silu_and_mul_fp8(
+                gate_up, None if self.fp8_group == width else self.fp8_group))
         if self.fused_silu:
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -131,6 +139,27 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, rotary)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+    def fuse_fp8_inputs(self) -> int:
+        """Where a projection's kernel takes FP8 input, the kernel before it (the norm,
+        SiLU-and-mul) emits it: Llama's own layer only, whose norms feed the projections
+        directly (a MoE block's router reads the norm's output too). Returns how many."""
+        if type(self) is not LlamaDecoderLayer or type(self.self_attn) is not LlamaAttention:
+            return 0
+        points = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if type(self.mlp) is LlamaMLP and self.mlp.fused_silu:
+            points.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        fused = 0
+        for norm, proj in points:
+            if type(norm) is RMSNorm:
+                norm.fp8_group = proj.quant_method.input_group(proj)
+                fused += norm.fp8_group is not None
+        if len(points) == 2:
+            down = self.mlp.down_proj
+            self.mlp.fp8_group = down.quant_method.input_group(down)
+            fused += self.mlp.fp8_group is not None
+        return fused
 
 
 class LlamaModel(nn.Module):

@@ -47,6 +47,12 @@ class LinearMethod:
         """x [..., in] -> [..., out], plus `bias` when given."""
         raise NotImplementedError
 
+    def input_group(self, layer: nn.Linear) -> int | None:
+        """The activation group (in_features: one per token) in which this layer can take its
+        input already quantized to FP8 (`ops/fp8_fused.Fp8Activation`) from the kernel that
+        produces it; None: it takes the model's dtype."""
+        return None
+
 
 class MoEMethod:
     """How a `FusedMoE` holds its stacked expert weights and runs them."""

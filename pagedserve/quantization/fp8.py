@@ -128,6 +128,11 @@ class Fp8LinearMethod(LinearMethod):
 
         return apply_fp8(layer, x, bias)
 
+    def input_group(self, layer: nn.Linear) -> int | None:
+        from pagedserve.quantization.fp8_linear import input_group
+
+        return input_group(layer)
+
 
 def _kernel_takes(scheme: Fp8Scheme) -> bool:
     from pagedserve.quantization.fp8_linear import kernel_takes

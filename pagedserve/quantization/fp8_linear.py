@@ -57,7 +57,26 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def input_group(layer: nn.Linear) -> int | None:
+    """The activation group a layer's kernel reads (in_features: per token), or None where it
+    quantizes its input itself (a static input scale) or reads the model's dtype."""
+    if layer.fp8_kernel == SCALED_MM and layer.input_scale is None:
+        return layer.in_features
+    if layer.fp8_kernel == TRITON_BLOCK:
+        return layer.fp8_scheme.block[1]
+    return None
+
+
 def apply_fp8(layer: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer's kernel on x, in the model's dtype or already FP8 (`Fp8Activation`, from a
+    fused norm or SiLU-and-mul in the group `input_group` asked for)."""
+    from pagedserve.quantization.ops.fp8_fused import Fp8Activation
+
+    if isinstance(x, Fp8Activation):
+        if x.group != input_group(layer):
+            raise ValueError(f"{getattr(layer, 'prefix', 'layer')}: FP8 input in groups of "
+                             f"{x.group}, the kernel reads {input_group(layer)}")
+        return _apply_quantized(layer, x, bias)
     if layer.fp8_kernel == SCALED_MM:
         return scaled_mm_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
     if layer.fp8_kernel == TRITON_BLOCK:
@@ -66,6 +85,16 @@ def apply_fp8(layer: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> t
         return fp8_block_linear(x, layer.weight, layer.weight_scale, layer.fp8_scheme.block,
                                 bias)
     return F.linear(x, layer.weight, bias)
+
+
+def _apply_quantized(layer: nn.Linear, x, bias: torch.Tensor | None) -> torch.Tensor:
+    if layer.fp8_kernel == SCALED_MM:
+        return _scaled_mm(x.q, x.scale, layer.weight, layer.weight_scale, bias, x.dtype)
+    from pagedserve.quantization.ops.fp8_block_gemm import block_scaled_mm
+
+    out = block_scaled_mm(x.q, x.scale, layer.weight, layer.weight_scale,
+                          layer.fp8_scheme.block, x.dtype)
+    return out if bias is None else out + bias
 
 
 def quantize_per_token(x: torch.Tensor, input_scale: torch.Tensor | None
@@ -87,11 +116,18 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     """x [..., K] -> [..., N] in x's dtype through `torch._scaled_mm` (rowwise scales)."""
     flat = x.reshape(-1, x.shape[-1])
     q, scale = quantize_per_token(flat, input_scale)
+    out = _scaled_mm(q, scale, weight, weight_scale, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _scaled_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+               weight_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+               ) -> torch.Tensor:
     # cuBLASLt's rowwise-scaled FP8 GEMM writes bfloat16 only: other dtypes (fp16, float32
     # tests on a GPU) are cast after.
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    out_dtype = torch.bfloat16 if q.is_cuda else dtype
     if bias is not None:
         bias = bias.to(out_dtype)
     out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1),
                            bias=bias, out_dtype=out_dtype)
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out.to(dtype)

@@ -78,6 +78,10 @@ def process_after_loading(model: nn.Module, config: QuantizationConfig | None) -
         logger.info("%s: %d layers (%s%s)", label, len(prefixes), ", ".join(names[:6]),
                     ", ..." if len(names) > 6 else "")
     _quantize_tied_head(model, config)
+    fused = sum(m.fuse_fp8_inputs() for m in model.modules() if hasattr(m, "fuse_fp8_inputs"))
+    if fused:
+        logger.info("FP8 inputs: %d norms and SiLU-and-muls emit FP8 for the projection after",
+                    fused)
 
 
 def _quantize_tied_head(model: nn.Module, config: QuantizationConfig) -> None:

@@ -151,6 +151,12 @@ def test_kernel_layouts_run_a_whole_model(float_models, tmp_path, monkeypatch, c
     monkeypatch.setattr(fp8_method, "KERNELS_ON_CPU", True)
     model = load_model(str(tmp_path / "fp8"), torch.float32, CPU).model
     assert {getattr(m, "fp8_kernel", None) for m in model.modules()} - {None} == kernels
+    # Dynamic activations come quantized from the norm and SiLU-and-mul before each layer.
+    layer = model.model.layers[0]
+    fused = [layer.input_layernorm.fp8_group, layer.post_attention_layernorm.fp8_group,
+             layer.mlp.fp8_group]
+    static = "static" in case
+    assert all((g is None) == static for g in fused)
     for got, want in zip(run_prefill(model, prompts), exact, strict=True):
         assert float((got - want).norm() / want.norm()) < bound
 
