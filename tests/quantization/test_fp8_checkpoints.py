@@ -105,6 +105,30 @@ def test_fp8_checkpoint_tokens_equal_transformers_on_dequantized_weights(
     _check_tokens(tmp_path / "fp8", tmp_path / "ref")
 
 
+def test_the_engine_serves_an_fp8_checkpoint(float_models, tmp_path, make_llm):
+    """Through LLM: the checkpoint's quantization_config is read with --quantization auto, and
+    `fp8` agrees with it."""
+    from pagedserve import SamplingParams
+
+    w.write_fp8(float_models["qwen3"], tmp_path / "fp8", CASES["ct-channel-dynamic"][0],
+                tmp_path / "ref")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ref", attn_implementation="eager", dtype=torch.float32).eval()
+    prompts = _prompts(COMMON["vocab_size"])
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    for flag in ("auto", "fp8"):
+        llm = make_llm(model=str(tmp_path / "fp8"), dtype="float32", device="cpu",
+                       kv_cache_memory="16MiB", quantization=flag)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, NUM_NEW)
+                                                            for p in prompts]
+    with pytest.raises(ValueError, match=r"already quantized \(compressed-tensors\); "
+                                         r"--quantization int8 cannot apply"):
+        make_llm(model=str(tmp_path / "fp8"), dtype="float32", device="cpu",
+                 kv_cache_memory="16MiB", quantization="int8")
+
+
 def test_ignored_layers_stay_float(float_models, tmp_path):
     ignored = ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
                "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj"]
