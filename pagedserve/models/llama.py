@@ -295,7 +295,8 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            # FP8 checkpoints may carry KV-cache scales: unused while the cache is not FP8.
+            if "rotary_emb.inv_freq" in name or name.endswith((".k_scale", ".v_scale")):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head

@@ -5,12 +5,15 @@ Every other format, scheme or target is refused at start-up by name."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pagedserve.quantization.fp8 import Fp8Config
 from pagedserve.quantization.fp8_format import Fp8Scheme
 
 FORMATS = ("float-quantized", "naive-quantized")
+logger = logging.getLogger(__name__)
+
 SUPPORTED = ("weights: 8-bit float, strategy tensor / channel / block, static; activations: none, "
              "8-bit float dynamic per token, or static per tensor; targets: Linear")
 
@@ -24,6 +27,9 @@ class CompressedTensorsConfig(Fp8Config):
         if fmt not in FORMATS:
             raise ValueError(f"compressed-tensors format {fmt!r} is not supported (supported: "
                              f"{', '.join(FORMATS)})")
+        if data.get("kv_cache_scheme"):
+            logger.info("compressed-tensors kv_cache_scheme: its k_scale / v_scale are not "
+                        "read; the KV cache is as --kv-cache-dtype says")
         groups = list((data.get("config_groups") or {}).values())
         if not groups:
             raise ValueError("compressed-tensors config has no config_groups")

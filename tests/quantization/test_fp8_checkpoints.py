@@ -202,6 +202,17 @@ def _broken(float_models, tmp_path, qconfig=None, edit=None, config_edit=None) -
     return str(path)
 
 
+def test_kv_cache_scales_are_skipped(float_models, tmp_path):
+    """FP8 releases may carry k_scale / v_scale for an FP8 KV cache: not read yet, not an
+    error."""
+    def add(state):
+        state["model.layers.0.self_attn.k_scale"] = torch.tensor(0.1)
+        state["model.layers.0.self_attn.v_scale"] = torch.tensor(0.1)
+
+    path = _broken(float_models, tmp_path, edit=add)
+    _check_tokens(Path(path), tmp_path / "ref")
+
+
 REFUSALS = {
     "missing scale": (lambda s: s.pop("model.layers.1.mlp.up_proj.weight_scale_inv"), None,
                       r"lacks 1 tensors.*layers\.1\.mlp\.gate_up_proj\.weight_scale_inv:up"),
