@@ -140,7 +140,6 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-
     def fuse_fp8_inputs(self) -> int:
         """Where a projection's kernel takes FP8 input, the kernel before it (the norm,
         SiLU-and-mul) emits it: Llama's own layer only, whose norms feed the projections

@@ -23,7 +23,10 @@ def load_float(layer: nn.Linear, name: str, tensor: Any, shard: str | None,
                          "ignored but stored in FP8)")
     param = getattr(layer, name, None)
     if not isinstance(param, torch.Tensor):
-        raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(layer).__name__}")
+        what = f"{getattr(layer, 'prefix', type(layer).__name__)}.{name}"
+        hint = (": a quantization scale, but the model's config.json has no quantization_config "
+                "for this layer" if "scale" in name else "")
+        raise ValueError(f"checkpoint tensor {what!r} has no parameter{hint}")
     dst = param.data if rows is None else param.data.narrow(0, *rows)
     if dst.shape != part.shape:
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(part.shape)}, the model "
