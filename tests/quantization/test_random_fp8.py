@@ -3,6 +3,7 @@ output row as it is made (so a 70B shape never holds its bf16 weights)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve.models.loader import load_random_model
@@ -26,3 +27,33 @@ def test_random_fp8_weights_are_the_float_models_quantized(monkeypatch):
     qkv = kept.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.fp8_kernel == "scaled_mm"
     assert qkv.weight_scale.shape == (qkv.out_features,)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_serves_random_fp8_next_to_bf16(make_llm):
+    """The FP8 layouts and fused inputs on CUDA, with CUDA graphs: the kernels named at
+    start-up are the ones that run, and the FP8 engine's log-distributions on bf16's greedy
+    continuations stay near bf16's on the same weights (a wrong scale moves them by as much as
+    they spread)."""
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (5, 37)]
+    scores, continuations = {}, None
+    for quantization in ("none", "fp8"):
+        llm = make_llm(model="random:tiny", device="cuda", dtype="bfloat16",
+                       quantization=quantization, kv_cache_memory="64MiB")
+        if continuations is None:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            continuations = [list(o.outputs[0].token_ids) for o in outs]
+        scores[quantization] = llm.score(prompts, continuations)
+        if quantization == "fp8":
+            layer = llm.engine.runner.model.model.layers[0]
+            assert layer.self_attn.qkv_proj.fp8_kernel == "scaled_mm"
+            assert layer.input_layernorm.fp8_group == 128  # per token over hidden 128
+            assert layer.mlp.fp8_group == 256
+    for ref, got in zip(scores["none"], scores["fp8"], strict=True):
+        ref = ref - ref.mean(-1, keepdim=True)
+        got = got - got.mean(-1, keepdim=True)
+        assert float((got - ref).norm() / ref.norm()) < 0.3
