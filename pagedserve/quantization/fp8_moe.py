@@ -1,8 +1,9 @@
 """FP8 experts (`FusedMoE`): each expert's gate, up and down arrive as FP8 with their own
-scales (per tensor, per channel or in blocks) and are dequantized into the model's dtype after
-loading, on every device: the grouped GEMM (`models/moe_kernels.py`) reads float weights today.
-Reading FP8 there, with per-expert and block scales, is the next step; this keeps the
-checkpoints loadable meanwhile."""
+scales (per tensor, per channel or in blocks). Where the kernels run (CUDA), block-scaled
+experts with SiLU and dynamic activations keep their codes and run the FP8 grouped GEMM
+(`ops/fp8_moe_kernels.py`, the scales stacked per expert: gate's block rows, then up's);
+everything else (the CPU, per-tensor or per-channel experts) is dequantized into the model's
+dtype after loading and runs the float experts."""
 
 from __future__ import annotations
 
@@ -68,6 +69,11 @@ class Fp8MoEMethod(MoEMethod):
     def process_after_loading(self, layer: nn.Module) -> None:
         scales = layer.fp8_scales
         del layer.fp8_scales
+        if self._runs_fp8(layer):
+            _stack_block_scales(layer, scales, self.scheme.block)
+            layer.fp8_kernel = "triton_block_moe"
+            return
+        layer.fp8_kernel = "dequantized"
         for name in ("gate_up_proj", "down_proj"):
             codes = getattr(layer, name).data
             if self.scheme.online:  # quantize-dequantize: the rounding FP8 weights have
@@ -82,9 +88,33 @@ class Fp8MoEMethod(MoEMethod):
                         fmt.dequantize(src, scale.to(codes.device), self.scheme))
             setattr(layer, name, nn.Parameter(out.to(layer.model_dtype), requires_grad=False))
 
+    def _runs_fp8(self, layer: nn.Module) -> bool:
+        from pagedserve.quantization.fp8 import _kernels_on
+        from pagedserve.quantization.fp8_linear import kernel_takes
+
+        s = self.scheme
+        return (not s.online and s.weight == "block" and kernel_takes(s)
+                and _kernels_on(layer.gate_up_proj.device) and layer.activation.kind == "silu"
+                and layer.gate_up_proj_bias is None)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> torch.Tensor:
-        return UNQUANTIZED_MOE.apply(layer, x, weights, ids)
+        if layer.fp8_kernel == "dequantized":
+            return UNQUANTIZED_MOE.apply(layer, x, weights, ids)
+        from pagedserve.quantization.ops.fp8_moe_kernels import fp8_fused_experts
+
+        return fp8_fused_experts(x, layer.gate_up_proj, layer.gate_up_scale, layer.down_proj,
+                                 layer.down_scale, weights, ids, self.scheme.block)
+
+
+def _stack_block_scales(layer: nn.Module, scales: dict, block: tuple[int, int]) -> None:
+    """Per expert: [gate's block rows; up's] and down's, as the FP8 grouped GEMM reads them."""
+    device = layer.gate_up_proj.device
+    layer.gate_up_scale = torch.stack([
+        torch.cat([scales[e, "gate"], scales[e, "up"]]) for e in range(layer.num_experts)
+    ]).to(device).contiguous()
+    layer.down_scale = torch.stack([scales[e, "down"] for e in range(layer.num_experts)]
+                                   ).to(device).contiguous()
 
 
 def _online(weight: torch.Tensor) -> torch.Tensor:

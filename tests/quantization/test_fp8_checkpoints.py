@@ -156,27 +156,29 @@ def test_online_fp8_of_a_float_checkpoint(float_models, tmp_path):
 
 # (case, kernels, bound on the logits' relative change). The interpreter's e4m3 cast rounds
 # some values down a binade (see test_fp8_kernels), which the Triton path's bound allows for.
-KERNEL_CASES = [("native-block-f32", {"triton_block"}, 0.4),
-                ("ct-channel-dynamic", {"scaled_mm"}, 0.2),
-                ("ct-tensor-static", {"scaled_mm"}, 0.2)]
+KERNEL_CASES = [("qwen3", "native-block-f32", {"triton_block"}, 0.4),
+                ("qwen3", "ct-channel-dynamic", {"scaled_mm"}, 0.2),
+                ("qwen3", "ct-tensor-static", {"scaled_mm"}, 0.2),
+                ("qwen3_moe", "native-block-bf16", {"triton_block", "triton_block_moe"}, 0.4)]
 
 
-@pytest.mark.parametrize("case,kernels,bound", KERNEL_CASES)
-def test_kernel_layouts_run_a_whole_model(float_models, tmp_path, monkeypatch, case, kernels,
-                                          bound):
+@pytest.mark.parametrize("family,case,kernels,bound", KERNEL_CASES)
+def test_kernel_layouts_run_a_whole_model(float_models, tmp_path, monkeypatch, family, case,
+                                          kernels, bound):
     """The CUDA layouts, run on the CPU (`torch._scaled_mm`'s CPU path, the Triton GEMM in the
     interpreter): FP8 activations move these logits by ~10 % of the dequantized path's (two
     layers of large random weights; each kernel's exactness is test_fp8_kernels'), a scale in
     the wrong row or block by as much as the logits themselves."""
     qconfig, scale_dtype = CASES[case]
-    w.write_fp8(float_models["qwen3"], tmp_path / "fp8", qconfig, tmp_path / "ref", scale_dtype)
+    w.write_fp8(float_models[family], tmp_path / "fp8", qconfig, tmp_path / "ref", scale_dtype)
     prompts = _prompts(COMMON["vocab_size"])
     exact = run_prefill(load_model(str(tmp_path / "fp8"), torch.float32, CPU).model, prompts)
     monkeypatch.setattr(fp8_method, "KERNELS_ON_CPU", True)
     model = load_model(str(tmp_path / "fp8"), torch.float32, CPU).model
     assert {getattr(m, "fp8_kernel", None) for m in model.modules()} - {None} == kernels
-    # Dynamic activations come quantized from the norm and SiLU-and-mul before each layer.
-    layer = model.model.layers[0]
+    # Dynamic activations come quantized from the norm and SiLU-and-mul before each layer
+    # (layer 1: dense in both families).
+    layer = model.model.layers[1]
     fused = [layer.input_layernorm.fp8_group, layer.post_attention_layernorm.fp8_group,
              layer.mlp.fp8_group]
     static = "static" in case
