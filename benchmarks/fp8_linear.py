@@ -1,7 +1,7 @@
 """FP8 linears against bf16 on the GPU, one projection shape at a time:
 
     python benchmarks/fp8_linear.py [--models 8b,70b,30b-a3b,dsv3] [--tokens 1,16,128,1024,8192]
-        [--check] [--json FILE]
+        [--check] [--moe] [--json FILE]
 
 For each model's projections (N, K) and each token count M it times, with CUDA events (median):
 - bf16: `F.linear(x, W)`;
@@ -12,6 +12,8 @@ For each model's projections (N, K) and each token count M it times, with CUDA e
   `quantization/ops/fp8_block_gemm.py`).
 and prints the table with each FP8 path's speed-up over bf16. `--check` also compares every
 FP8 output with the float32 product of its dequantized operands (max relative error).
+`--moe` adds a Qwen3-30B-A3B expert layer (128 experts of 768, hidden 2048, top 8): the bf16
+grouped GEMM (`moe_kernels.fused_experts`) against the FP8 one (`fp8_moe_kernels`) per M.
 """
 
 from __future__ import annotations
@@ -90,11 +92,34 @@ def run_shape(n: int, k: int, m: int, check: bool) -> dict:
     return row
 
 
+def run_moe(m: int) -> dict:
+    from pagedserve.models.moe_kernels import fused_experts
+    from pagedserve.quantization.ops.fp8_moe_kernels import fp8_fused_experts
+
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, device="cuda", generator=gen) * inter ** -0.5
+    q13, s13 = (torch.stack(t) for t in zip(*(fmt.quantize_blocks(w, BLOCK) for w in w13),
+                                           strict=True))
+    q2, s2 = (torch.stack(t) for t in zip(*(fmt.quantize_blocks(w, BLOCK) for w in w2),
+                                         strict=True))
+    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    x = torch.randn(m, hidden, device="cuda", generator=gen).bfloat16()
+    probs = torch.softmax(torch.randn(m, experts, device="cuda", generator=gen), -1)
+    weights, ids = torch.topk(probs, top_k)
+    weights = weights.bfloat16()
+    return {"m": m, "bf16_us": time_us(lambda: fused_experts(x, w13, w2, weights, ids)),
+            "fp8_us": time_us(lambda: fp8_fused_experts(x, q13, s13, q2, s2, weights, ids,
+                                                        BLOCK))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="8b,70b,30b-a3b,dsv3")
     parser.add_argument("--tokens", default="1,16,128,1024,8192")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--moe", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -117,6 +142,13 @@ def main() -> None:
                 if args.check:
                     line += f"  {r['rowwise_err']:.2e}    {r['block_err']:.2e}"
                 print(line, flush=True)
+    if args.moe:
+        print(f"\n{'qwen3-30b-a3b experts':24} {'M':>5} {'bf16 us':>9} {'fp8 us':>9} {'x':>5}")
+        for m in (int(t) for t in args.tokens.split(",")):
+            r = run_moe(m)
+            rows.append({"model": "30b-a3b", "proj": "experts", **r})
+            print(f"{'':24} {m:>5} {r['bf16_us']:>9.1f} {r['fp8_us']:>9.1f} "
+                  f"{r['bf16_us'] / r['fp8_us']:>5.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
