@@ -30,13 +30,12 @@ logger = logging.getLogger(__name__)
 
 # What the layer holds after loading (`layer.fp8_kernel`).
 DEQUANTIZED = "dequantized"
-# The tests set this to run the kernels' layouts on CPU tensors (`torch._scaled_mm` has a CPU
-# path, the Triton GEMM runs in the interpreter); serving on the CPU dequantizes.
-KERNELS_ON_CPU = False
 
 
 def _kernels_on(device: torch.device) -> bool:
-    return device.type == "cuda" or KERNELS_ON_CPU
+    from pagedserve.quantization.fp8_linear import kernels_on
+
+    return kernels_on(device)
 
 
 class Fp8LinearMethod(LinearMethod):

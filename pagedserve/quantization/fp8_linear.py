@@ -26,6 +26,14 @@ TRITON_BLOCK = "triton_block"
 DEQUANTIZED = "dequantized"
 # cuBLASLt's FP8 GEMM wants both dimensions of the weight in multiples of 16.
 _ALIGN = 16
+# The tests set this to run the kernels' layouts on CPU tensors (`torch._scaled_mm` has a CPU
+# path, the Triton kernels run in the interpreter); serving on the CPU dequantizes.
+KERNELS_ON_CPU = False
+
+
+def kernels_on(device: torch.device) -> bool:
+    """Whether FP8 layers on `device` keep their codes for a kernel (else: dequantized)."""
+    return device.type == "cuda" or KERNELS_ON_CPU
 
 
 def choose_kernel(scheme: Fp8Scheme, layer: nn.Linear) -> str:

@@ -89,12 +89,11 @@ class Fp8MoEMethod(MoEMethod):
             setattr(layer, name, nn.Parameter(out.to(layer.model_dtype), requires_grad=False))
 
     def _runs_fp8(self, layer: nn.Module) -> bool:
-        from pagedserve.quantization.fp8 import _kernels_on
-        from pagedserve.quantization.fp8_linear import kernel_takes
+        from pagedserve.quantization.fp8_linear import kernel_takes, kernels_on
 
         s = self.scheme
         return (not s.online and s.weight == "block" and kernel_takes(s)
-                and _kernels_on(layer.gate_up_proj.device) and layer.activation.kind == "silu"
+                and kernels_on(layer.gate_up_proj.device) and layer.activation.kind == "silu"
                 and layer.gate_up_proj_bias is None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor,

@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pagedserve.models import load_model
-from pagedserve.quantization import fp8 as fp8_method
+from pagedserve.quantization import fp8_linear
 from pagedserve.quantization.fp8_format import Fp8Scheme, scale_rank_part
 from tests.quantization import fp8_writer as w
 from tests.utils.paged import generate_greedy, hf_greedy, run_prefill
@@ -173,7 +173,7 @@ def test_kernel_layouts_run_a_whole_model(float_models, tmp_path, monkeypatch, f
     w.write_fp8(float_models[family], tmp_path / "fp8", qconfig, tmp_path / "ref", scale_dtype)
     prompts = _prompts(COMMON["vocab_size"])
     exact = run_prefill(load_model(str(tmp_path / "fp8"), torch.float32, CPU).model, prompts)
-    monkeypatch.setattr(fp8_method, "KERNELS_ON_CPU", True)
+    monkeypatch.setattr(fp8_linear, "KERNELS_ON_CPU", True)
     model = load_model(str(tmp_path / "fp8"), torch.float32, CPU).model
     assert {getattr(m, "fp8_kernel", None) for m in model.modules()} - {None} == kernels
     # Dynamic activations come quantized from the norm and SiLU-and-mul before each layer

@@ -116,7 +116,7 @@ def test_fused_parts_scales_laid_out_for_the_kernel(monkeypatch, kind, block, ke
     """Each part keeps its own scale: tensor scales become rows, aligned blocks concatenate,
     parts inside one block row are re-quantized whole (48-row blocks over 64 + 32 + 32), and a
     block the kernel cannot step through is dequantized."""
-    monkeypatch.setattr(fp8_method, "KERNELS_ON_CPU", True)
+    monkeypatch.setattr(fp8_linear, "KERNELS_ON_CPU", True)
     torch.manual_seed(1)
     name = "weight_scale_inv" if kind == "block" else "weight_scale"
     scheme = Fp8Scheme(kind, "dynamic", block, name)

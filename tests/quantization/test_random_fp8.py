@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve.models.loader import load_random_model
-from pagedserve.quantization import fp8 as fp8_method
+from pagedserve.quantization import fp8_linear
 from tests.quantization import fp8_writer as w
 
 CPU = torch.device("cpu")
@@ -22,7 +22,7 @@ def test_random_fp8_weights_are_the_float_models_quantized(monkeypatch):
     torch.testing.assert_close(got, w.quantize(want, "channel")[2], rtol=0, atol=0)
     torch.testing.assert_close(fp8.lm_head.weight, exact.lm_head.weight, rtol=0, atol=0)
     # Where kernels run, the layers keep their codes: half the bytes of bf16.
-    monkeypatch.setattr(fp8_method, "KERNELS_ON_CPU", True)
+    monkeypatch.setattr(fp8_linear, "KERNELS_ON_CPU", True)
     kept = load_random_model("tiny", torch.bfloat16, CPU, quantization="fp8").model
     qkv = kept.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.fp8_kernel == "scaled_mm"
