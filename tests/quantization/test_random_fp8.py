@@ -3,6 +3,8 @@ output row as it is made (so a 70B shape never holds its bf16 weights)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -57,3 +59,21 @@ def test_gpu_engine_serves_random_fp8_next_to_bf16(make_llm):
         ref = ref - ref.mean(-1, keepdim=True)
         got = got - got.mean(-1, keepdim=True)
         assert float((got - ref).norm() / ref.norm()) < 0.3
+
+
+def test_random_fp8_experts_are_block_quantized(monkeypatch, tmp_path):
+    spec = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=96,
+                moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                max_position_embeddings=64, tie_word_embeddings=False)
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(spec))
+    exact = load_random_model(str(path), torch.float32, CPU).model
+    fp8 = load_random_model(str(path), torch.float32, CPU, quantization="fp8").model
+    want = exact.model.layers[0].mlp.experts.down_proj[2].detach()
+    got = fp8.model.layers[0].mlp.experts.down_proj[2]
+    torch.testing.assert_close(got, w.quantize(want, "block", (128, 128))[2], rtol=0, atol=0)
+    monkeypatch.setattr(fp8_linear, "KERNELS_ON_CPU", True)
+    kept = load_random_model(str(path), torch.float32, CPU, quantization="fp8").model
+    assert kept.model.layers[0].mlp.experts.fp8_kernel == "triton_block_moe"
