@@ -80,10 +80,11 @@ class ModelConfig:
         "auto", "'auto': EOS ids and default sampling settings from the model's "
                 "generation_config.json; 'vllm': neither; or a directory holding one")
     quantization: str = setting(
-        "auto", "weight-only int8 linears on the CPU (bfloat16 products, float32 "
-                "activations): auto (for a .gguf model when --dtype is left to the engine), "
-                "int8 or none",
-        choices=["auto", "int8", "none"])
+        "auto", "int8: weight-only int8 linears on the CPU (bfloat16 products, float32 "
+                "activations), which auto picks for a .gguf model when --dtype is left to the "
+                "engine; fp8: FP8 weights quantized at load (dequantized on the CPU); none. "
+                "A checkpoint's own quantization_config (FP8) is always read",
+        choices=["auto", "int8", "fp8", "none"])
     max_logprobs: int = setting(20, "most logprobs a request may ask for (per token or prompt "
                                     "position)")
     # The front searches every stop string in the tail of the text at every token (a window

@@ -114,7 +114,7 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineCore:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         from pagedserve.executor import create_executor
-        from pagedserve.models.quantization import resolve_quantization
+        from pagedserve.quantization.registry import resolve_quantization
 
         self.config = config
         # Sequence groups whose grammars compile off the step path (seconds for a big schema).
@@ -126,7 +126,7 @@ class EngineCore:
         m = config.model
         quantization = resolve_quantization(m.quantization, m.model, m.dtype, device)
         dtype = resolve_dtype(m.dtype, device)
-        if quantization:
+        if quantization == "int8":
             logger.info("%s weight-only linears (bfloat16 products) with %s activations on the "
                         "CPU (float32 weights: --dtype float32 or --quantization none)",
                         quantization, dtype)

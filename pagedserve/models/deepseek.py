@@ -91,6 +91,8 @@ class DeepseekAttention(nn.Module):
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    # The CPU int8 path does not cover multi-head latent attention (its absorbed kv_b_proj).
+    supports_int8 = False
     # Gate and up (dense and shared experts) load into one fused projection; q/k/v are not
     # fused here (`q_proj` is the whole query).
     fused_names = {
@@ -116,18 +118,15 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                    ) -> Iterator[tuple[str, torch.Tensor]]:
         num_layers = self.config.num_hidden_layers
         for name, tensor in weights:
-            if name.endswith("weight_scale_inv"):
-                raise ValueError(f"checkpoint tensor {name!r} is FP8-quantised; pagedserve "
-                                 f"reads DeepSeek in bf16 or float32 (dequantise it first)")
             layer = _LAYER.match(name)
             if layer and int(layer.group(1)) >= num_layers:
                 continue  # the multi-token-prediction layers after the decoder: not served
             # The latent up-projection belongs to the MLA layer, which hands it to its backend.
             yield name.replace(".self_attn.kv_b_proj.", ".self_attn.attn.kv_b_proj."), tensor
 
-    def quantize_(self, method: str) -> None:
-        raise ValueError(f"{method} weight-only quantization is not supported for "
-                         f"multi-head latent attention models ({type(self).__name__})")
+    def hf_names(self, prefix: str) -> list[str]:
+        return super().hf_names(prefix.replace(".self_attn.attn.kv_b_proj",
+                                               ".self_attn.kv_b_proj"))
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

@@ -47,6 +47,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    # Set where the next projection reads FP8 (`LlamaDecoderLayer.fuse_fp8_inputs`): the norm
+    # then emits its output quantized in groups of this many (the width: one per token).
+    fp8_group: int | None = None
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -55,6 +59,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm(x) or, given the residual stream, (RMSNorm(x + residual), x + residual)."""
+        if self.fp8_group is not None and x.dim() == 2:
+            from pagedserve.quantization.ops.fp8_fused import rms_norm_fp8
+
+            group = None if self.fp8_group == x.shape[-1] else self.fp8_group
+            out = rms_norm_fp8(x, residual, self.weight, self.eps, group)
+            return out if residual is None else (out, residual)
         kernels = fused_kernels(x)
         if kernels is not None and x.dim() == 2:
             if residual is None:

@@ -33,7 +33,7 @@ from pagedserve.models.parallel import (
     gather_vocab,
     rank_part,
 )
-from pagedserve.models.quantization import Int8Linear, quantize_linears_
+from pagedserve.quantization.unquantized import FP8_DTYPES
 
 
 class LlamaAttention(nn.Module):
@@ -100,9 +100,17 @@ class LlamaMLP(nn.Module):
                                            bias=bias)
         self.act_fn = ACT2FN[act]
         self.fused_silu = act == "silu"
+        # Set where down_proj reads FP8: SiLU-and-mul then emits it (`fuse_fp8_inputs`).
+        self.fp8_group: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.fp8_group is not None and gate_up.dim() == 2:
+            from pagedserve.quantization.ops.fp8_fused import silu_and_mul_fp8
+
+            width = gate_up.shape[-1] // 2
+            return self.down_proj(silu_and_mul_fp8(
+                gate_up, None if self.fp8_group == width else self.fp8_group))
         if self.fused_silu:
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -132,6 +140,26 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def fuse_fp8_inputs(self) -> int:
+        """Where a projection's kernel takes FP8 input, the kernel before it (the norm,
+        SiLU-and-mul) emits it: Llama's own layer only, whose norms feed the projections
+        directly (a MoE block's router reads the norm's output too). Returns how many."""
+        if type(self) is not LlamaDecoderLayer or type(self.self_attn) is not LlamaAttention:
+            return 0
+        points = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if type(self.mlp) is LlamaMLP and self.mlp.fused_silu:
+            points.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        fused = 0
+        for norm, proj in points:
+            if type(norm) is RMSNorm:
+                norm.fp8_group = proj.quant_method.input_group(proj)
+                fused += norm.fp8_group is not None
+        if len(points) == 2:
+            down = self.mlp.down_proj
+            self.mlp.fp8_group = down.quant_method.input_group(down)
+            fused += self.mlp.fp8_group is not None
+        return fused
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, family: type[LlamaForCausalLM]) -> None:
@@ -152,9 +180,11 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-# One expert's weight in a Hugging Face checkpoint: (layer prefix, expert, projection).
-# Qwen3-MoE names them gate/up/down_proj, Mixtral w1 (gate), w3 (up), w2 (down).
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# One expert's tensor in a Hugging Face checkpoint: (layer prefix, expert, projection, tensor:
+# its weight, or an FP8 checkpoint's scales). Qwen3-MoE names them gate/up/down_proj, Mixtral
+# w1 (gate), w3 (up), w2 (down).
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+                     r"\.(weight|weight_scale|weight_scale_inv|input_scale)$")
 _EXPERT_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                  "down_proj": "down", "w2": "down"}
 
@@ -182,6 +212,9 @@ class LlamaForCausalLM(nn.Module):
     norm_cls: type[RMSNorm] = RMSNorm
     # Checkpoint name parts that load into rows of a fused parameter.
     fused_names: dict[str, tuple[str, str]] = _FUSED
+    # Quantization methods this family's layers take (`pagedserve.quantization`).
+    supports_int8 = True
+    supports_quantized_checkpoints = True
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -227,13 +260,15 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
         return LlamaMLP(config)
 
-    def quantize_(self, method: str) -> None:
-        """Weight-only int8 for every projection and the head (`models/quantization.py`); a
-        tied head gets int8 codes of the embedding beside the embedding itself."""
-        dtype = self.model.embed_tokens.weight.dtype
-        quantize_linears_(self, dtype)
-        if self.lm_head is None:
-            self.lm_head = Int8Linear(self.model.embed_tokens.weight, None, dtype)
+    def hf_names(self, prefix: str) -> list[str]:
+        """The checkpoint's module names for our module `prefix`: a fused layer's parts
+        (quantization configs name the layers to leave alone by these)."""
+        parts = []
+        for hf, (ours, _) in self.fused_names.items():
+            ours = ours.strip(".")
+            if prefix.endswith("." + ours):
+                parts.append(prefix[:-len(ours)] + hf.strip("."))
+        return parts or [prefix]
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -252,71 +287,127 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (possibly fused) parameters, converting dtype
-        and device per tensor. Every parameter must be covered; then the rope cache is built on
-        the weights' device in their dtype."""
+        and device per tensor: a layer with a quantization method loads through it (weights and
+        scales, each rank its part). Every parameter must be covered; then the rope cache is
+        built on the weights' device in their dtype."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            # FP8 checkpoints may carry KV-cache scales: unused while the cache is not FP8.
+            if "rotary_emb.inv_freq" in name or name.endswith((".k_scale", ".v_scale")):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             if expert := _EXPERT.match(name):
-                prefix, index, proj = expert.groups()
+                prefix, index, proj, leaf = expert.groups()
                 shard = _EXPERT_SHARD[proj]
-                self.get_submodule(prefix).load_expert(int(index), shard, tensor)
-                loaded.add(f"{prefix}:{index}:{shard}")
+                self.get_submodule(prefix).load_expert(int(index), shard, tensor, leaf)
+                loaded.add(f"{prefix}:{index}:{shard}:{leaf}")
                 continue
             target, shard = name, None
             for hf_part, (ours, shard_id) in self.fused_names.items():
                 if hf_part in name:
                     target, shard = name.replace(hf_part, ours), shard_id
                     break
+            owner, _, leaf = target.rpartition(".")
+            layer = modules.get(owner)
+            if _has_method(layer):
+                _check_not_fp8(name, tensor, layer)
+                rows = self._part_rows(target, shard) if shard else None
+                layer.quant_method.load(layer, leaf, tensor, shard, rows)
+                # A tensor stored already fused (Phi-3's qkv_proj) fills every part.
+                loaded.update([f"{owner}.{leaf}:{shard}"] if shard else
+                              [k for k in self._coverage_keys(target)
+                               if k.startswith(f"{owner}.{leaf}:")])
+                continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
-                                 f"{type(self).__name__}")
+                                 f"{type(self).__name__}{_scale_hint(name)}")
             param = params[target]
-            owner, _, leaf = target.rpartition(".")
             tensor = rank_part(self.get_submodule(owner), tensor, leaf, shard)
+            _check_not_fp8(name, tensor, None)
             dst = param.data if shard is None else self._shard(target, param, shard)
             if dst.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dst.shape)}")
             dst.copy_(tensor)
             loaded.update([f"{target}:{shard}"] if shard else self._coverage_keys(target))
-        missing = [n for n in self._expected_names(params) if n not in loaded]
+        missing = [n for n in self._expected_names(params, modules) if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
         emb = self.model.embed_tokens.weight
         build_rope_caches(self, emb.device, emb.dtype)
 
-    def _shard(self, target: str, param: torch.Tensor, shard: str) -> torch.Tensor:
+    def _part_rows(self, target: str, shard: str) -> tuple[int, int]:
+        """(start, size) of fused part `shard`'s rows in this rank's parameter `target`."""
         if ".qkv_proj." in target:
             # The attention module that owns it (hybrid models have layers without one).
             attn = self.get_submodule(target.rpartition(".qkv_proj.")[0])
             q, kv = attn.q_size, attn.kv_size
-            start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-        else:  # gate rows, then up rows, of any gated MLP (dense or shared experts)
-            n = param.shape[0] // 2
-            start, size = {"gate": (0, n), "up": (n, n)}[shard]
-        return param.data.narrow(0, start, size)
+            return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+        # gate rows, then up rows, of any gated MLP (dense or shared experts)
+        n = self.get_submodule(target.rpartition(".")[0]).out_features // 2
+        return {"gate": (0, n), "up": (n, n)}[shard]
 
-    def _expected_names(self, params: dict[str, torch.Tensor]) -> list[str]:
-        return [key for name in params for key in self._coverage_keys(name)]
+    def _shard(self, target: str, param: torch.Tensor, shard: str) -> torch.Tensor:
+        return param.data.narrow(0, *self._part_rows(target, shard))
+
+    def _expected_names(self, params: dict[str, torch.Tensor],
+                        modules: dict[str, nn.Module] | None = None) -> list[str]:
+        modules = modules if modules is not None else dict(self.named_modules())
+        keys = []
+        for name in params:
+            owner = name.rpartition(".")[0]
+            if _has_method(modules.get(owner)) and not name.endswith(".weight"):
+                continue  # the layer's method lists its tensors, once, under its weight
+            keys.extend(self._coverage_keys(name))
+        return keys
 
     def _coverage_keys(self, name: str) -> list[str]:
         """What a complete checkpoint fills of parameter `name`: each fused shard, each expert's
-        projection (a checkpoint may hold experts one by one or already stacked)."""
+        projection (a checkpoint may hold experts one by one or already stacked), each tensor a
+        layer's quantization method loads."""
+        owner = name.rpartition(".")[0]
         if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             prefix, _, stacked = name.rpartition(".")
+            moe = self.get_submodule(prefix)
             shards = ("gate", "up") if stacked == "gate_up_proj" else ("down",)
-            experts = self.get_submodule(prefix).num_experts
-            return [f"{prefix}:{e}:{s}" for e in range(experts) for s in shards]
+            leaves = moe.quant_method.checkpoint_tensors(moe)
+            return [f"{prefix}:{e}:{s}:{leaf}" for e in range(moe.num_experts) for s in shards
+                    for leaf in leaves]
+        shards: tuple[str | None, ...] = (None,)
         if ".qkv_proj." in name:
-            return [f"{name}:{s}" for s in ("q", "k", "v")]
-        if ".gate_up_proj." in name:
-            return [f"{name}:{s}" for s in ("gate", "up")]
-        return [name]
+            shards = ("q", "k", "v")
+        elif ".gate_up_proj." in name:
+            shards = ("gate", "up")
+        layer = self.get_submodule(owner) if owner else None
+        if _has_method(layer):
+            return [f"{owner}.{leaf}:{s}" for leaf in layer.quant_method.checkpoint_tensors(layer)
+                    for s in shards]
+        return [name] if shards == (None,) else [f"{name}:{s}" for s in shards]
+
+
+def _has_method(layer: nn.Module | None) -> bool:
+    """A linear that loads through its quantization method (the float one included)."""
+    return hasattr(layer, "quant_method") and not hasattr(layer, "load_expert")
+
+
+def _check_not_fp8(name: str, tensor: torch.Tensor, layer: nn.Module | None) -> None:
+    """An FP8 tensor may only load through an FP8 method: copied into a float parameter, its
+    codes would read as weights without their scales."""
+    quantized = layer is not None and "quant_method" in vars(layer)
+    if getattr(tensor, "dtype", None) in FP8_DTYPES and not quantized:
+        raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but its layer has "
+                         "float weights: the model's config.json has no quantization_config "
+                         "for it (or lists the layer as ignored)")
+
+
+def _scale_hint(name: str) -> str:
+    if name.endswith(("weight_scale", "weight_scale_inv", "input_scale")):
+        return (": a quantization scale, but the model's config.json has no "
+                "quantization_config for it (or lists the layer as ignored)")
+    return ""
 
 
 class MistralForCausalLM(LlamaForCausalLM):

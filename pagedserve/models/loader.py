@@ -81,7 +81,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     `tokenizer`: another directory (or .gguf) to take the tokenizer from. `generation_config`:
     "auto" (the model directory's generation_config.json), "vllm" (none) or a directory."""
     if model is not None and model.startswith(RANDOM_PREFIX):
-        loaded = load_random_model(model[len(RANDOM_PREFIX):], dtype, device, max_model_len)
+        loaded = load_random_model(model[len(RANDOM_PREFIX):], dtype, device, max_model_len,
+                                   quantization=quantization)
     else:
         path = model_path(model)
         if path.is_dir():
@@ -177,23 +178,26 @@ def resolve_max_model_len(requested: int | None, config: PretrainedConfig) -> in
 def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                 weights: Iterator[tuple[str, torch.Tensor]],
                 quantization: str | None = None) -> nn.Module:
-    """The registered class for `config`, materialised on `device` in `dtype` and filled;
-    `quantization` ("int8"): its linears then run weight-only int8 (models/quantization.py)."""
+    """The registered class for `config`, materialised on `device` in `dtype` and filled; its
+    layers' quantization methods from the checkpoint's `quantization_config`, or from
+    `quantization` ("int8", "fp8": `pagedserve.quantization`)."""
+    from pagedserve.quantization import layers, registry
+
     cls = get_model_cls(config)
-    check_tensor_parallel(cls, quantization)
+    quant = registry.quantization_config(config, quantization)
+    check_tensor_parallel(cls, quant)
     with torch.device("meta"):
         module = cls(config)
-    module = module.to(dtype).to_empty(device=device)
+    module = module.to(dtype)
+    layers.attach_methods(module, quant, dtype)
+    module = module.to_empty(device=device)
     with torch.no_grad():
         module.load_weights(weights)
-        if quantization is not None:
-            if not hasattr(module, "quantize_"):
-                raise ValueError(f"{cls.__name__} has no {quantization} path")
-            module.quantize_(quantization)
+        layers.process_after_loading(module, quant)
     return module.eval()
 
 
-def check_tensor_parallel(cls: type[nn.Module], quantization: str | None = None) -> None:
+def check_tensor_parallel(cls: type[nn.Module], quantization: Any = None) -> None:
     """With more than one tensor-parallel rank, the model's family must split its layers."""
     if tp_world_size() == 1:
         return
@@ -203,9 +207,9 @@ def check_tensor_parallel(cls: type[nn.Module], quantization: str | None = None)
         names = ", ".join(sorted(c.__name__ for c in TENSOR_PARALLEL_FAMILIES))
         raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet "
                          f"(supported: {names})")
-    if quantization is not None:
-        raise ValueError(f"{quantization} quantization does not support "
-                         "tensor_parallel_size > 1 yet")
+    name = getattr(quantization, "name", quantization)
+    if name == "int8":
+        raise ValueError(f"{name} quantization does not support tensor_parallel_size > 1 yet")
 
 
 def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,
@@ -418,19 +422,25 @@ def init_random_weights(module: nn.Module, seed: int = 0, std: float = RANDOM_IN
 
 
 def load_random_model(spec: str, dtype: torch.dtype, device: torch.device,
-                      max_model_len: int | None = None, seed: int = 0) -> LoadedModel:
+                      max_model_len: int | None = None, seed: int = 0,
+                      quantization: str | None = None) -> LoadedModel:
     config = random_model_config(spec)
     max_len = resolve_max_model_len(max_model_len, config)
     cls = get_model_cls(config)
-    if tp_world_size() > 1:
+    if tp_world_size() > 1 or quantization == "int8":
         # Each rank takes its part of the very weights one rank would draw.
         module = build_model(config, dtype, device, _random_full_weights(config, dtype, device,
-                                                                         seed))
+                                                                         seed), quantization)
     else:
         with torch.device("meta"):
-            module = cls(config)
-        module = module.to(dtype).to_empty(device=device)
-        init_random_weights(module, seed)
+            module = cls(config).to(dtype)
+        if quantization == "fp8":  # each weight quantized as it is made
+            from pagedserve.quantization.random_weights import random_fp8_model as fp8
+
+            module = fp8(module, dtype, device, seed, RANDOM_INIT_STD)
+        else:
+            module = module.to_empty(device=device)
+            init_random_weights(module, seed)
         build_rope_caches(module, device, dtype)  # to_empty left them unset
     eos = [] if config.eos_token_id is None else [int(config.eos_token_id)]
     return LoadedModel(model=module.eval(), hf_config=config, tokenizer=None,

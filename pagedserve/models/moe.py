@@ -28,6 +28,7 @@ from transformers import PretrainedConfig
 from pagedserve.distributed import all_reduce, tp_rank, tp_world_size
 from pagedserve.models.layers import silu_and_mul
 from pagedserve.models.parallel import Weight, divide, materialize, narrow
+from pagedserve.quantization.unquantized import UNQUANTIZED_MOE
 
 
 class TopKRouter(nn.Module):
@@ -117,7 +118,12 @@ class FusedMoE(nn.Module):
 
     With tensor parallelism every rank holds every expert with its intermediate features
     split (I above is this rank's share): each expert's gate/up is column-parallel, its down
-    row-parallel, and one all-reduce sums the routed output over the ranks."""
+    row-parallel, and one all-reduce sums the routed output over the ranks.
+
+    Its weights are held, loaded and run by its quantization method (`quant_method`, float
+    unless a quantization config chooses another)."""
+
+    quant_method = UNQUANTIZED_MOE
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  activation: ExpertActivation = SILU, bias: bool = False) -> None:
@@ -141,17 +147,25 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                 ) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] -> [T, H]: each token's experts, weighted."""
+        out = self.quant_method.apply(self, x, weights, ids)
+        return all_reduce(out) if self.tp_size > 1 else out
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                    ) -> torch.Tensor:
+        """The experts on float weights: the Triton grouped GEMM on CUDA, else torch_experts."""
         experts = torch_experts
         if x.is_cuda:
             from pagedserve.models.moe_kernels import fused_experts as experts
-        out = experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
-                      self.gate_up_proj_bias, self.down_proj_bias)
-        return all_reduce(out) if self.tp_size > 1 else out
+        return experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
+                       self.gate_up_proj_bias, self.down_proj_bias)
 
     def rank_part(self, tensor: Weight, name: str, shard: str | None = None) -> torch.Tensor:
         """This rank's share of a full checkpoint tensor: one expert's gate, up ([I, H]) or
         down ([H, I]) as `shard` says, or the stacked gate_up_proj [E, 2I, H] or down_proj
         [E, H, I] (`name`)."""
+        part = self.rank_slice(name, shard)
+        if part is not None:
+            return narrow(tensor, *part)
         if self.tp_size == 1:
             return materialize(tensor)
         n, full = self.intermediate_size, self.full_intermediate_size
@@ -159,23 +173,22 @@ class FusedMoE(nn.Module):
         if name == "gate_up_proj":
             return torch.cat([narrow(tensor, 1, start, n), narrow(tensor, 1, full + start, n)],
                              dim=1)
-        if name == "down_proj":
-            return narrow(tensor, 2, start, n)
-        return narrow(tensor, 1 if shard == "down" else 0, start, n)
+        return narrow(tensor, 2, start, n)
 
-    def load_expert(self, expert: int, shard: str, tensor: Weight) -> None:
-        """One expert's full checkpoint tensor into the stacked weights (this rank's share of
-        it): `shard` is gate, up or down."""
-        tensor = self.rank_part(tensor, "", shard)
+    def rank_slice(self, name: str, shard: str | None = None
+                   ) -> tuple[int, int, int] | None:
+        """(dim, start, length) of one expert's full gate, up ([I, H]) or down ([H, I]) tensor
+        that this rank holds; None: all of it (one rank, or the stacked tensors below)."""
+        if self.tp_size == 1 or name in ("gate_up_proj", "down_proj"):
+            return None
         n = self.intermediate_size
-        if shard == "down":
-            dst = self.down_proj.data[expert]
-        else:
-            dst = self.gate_up_proj.data[expert].narrow(0, 0 if shard == "gate" else n, n)
-        if dst.shape != tensor.shape:
-            raise ValueError(f"expert {expert}'s {shard} weight has shape {tuple(tensor.shape)}, "
-                             f"the model expects {tuple(dst.shape)}")
-        dst.copy_(tensor)
+        return (1 if shard == "down" else 0, self.tp_rank * n, n)
+
+    def load_expert(self, expert: int, shard: str, tensor: Weight, name: str = "weight"
+                    ) -> None:
+        """One expert's full checkpoint tensor `name` (its weight, or a scale) into the stacked
+        weights (this rank's share of it): `shard` is gate, up or down."""
+        self.quant_method.load_expert(self, expert, shard, name, tensor)
 
 
 class TopKSoftmaxRouter(nn.Module):

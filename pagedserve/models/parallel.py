@@ -9,10 +9,11 @@ collective where a slice's partial result must become the whole.
 - `VocabParallelEmbedding` and `ParallelLMHead` split the vocabulary, padded to a multiple of
   the ranks; the embedding sums (a token's row lives on one rank), the head gathers.
 
-All are `nn.Linear`/`nn.Embedding` subclasses whose forward at one rank is the parent's, so the
-single-device path runs exactly what it ran before. Each knows which part of a full checkpoint
-tensor it holds (`rank_part`); the tensor may be a `LazySlice` that reads only that part from
-a safetensors file.
+All are `nn.Linear`/`nn.Embedding` subclasses. A linear's product is its quantization method's
+(`layer.quant_method.apply`, see `pagedserve.quantization`): the unquantized method is
+`F.linear`, so the single-device path runs exactly what it ran before. Each knows which part of
+a full checkpoint tensor it holds (`rank_slice` / `rank_part`); the tensor may be a `LazySlice`
+that reads only that part from a safetensors file.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed import all_gather, all_reduce, tp_rank, tp_world_size
+from pagedserve.quantization.unquantized import UNQUANTIZED
 
 
 class LazySlice:
@@ -61,7 +63,36 @@ def divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-class ColumnParallelLinear(nn.Linear):
+# (dim, start, length) of a full checkpoint tensor that this rank holds; None: all of it.
+RankSlice = tuple[int, int, int] | None
+
+
+class LinearBase(nn.Linear):
+    """A linear whose product is its quantization method's (`quant_method`, set per layer by
+    `pagedserve.quantization.attach_methods`; unquantized unless a config says otherwise)."""
+
+    quant_method = UNQUANTIZED
+    tp_size, tp_rank = 1, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+    def rank_slice(self, name: str, shard: str | None = None) -> RankSlice:
+        """Which part of a full checkpoint weight (`name` weight or bias, fused part `shard`)
+        this rank holds, as (dim, start, length) of the full tensor; None: all of it."""
+        return None
+
+    def rank_part(self, tensor: Weight, name: str, shard: str | None = None) -> torch.Tensor:
+        part = self.rank_slice(name, shard)
+        return materialize(tensor) if part is None else narrow(tensor, *part)
+
+
+class ReplicatedLinear(LinearBase):
+    """The same whole weight on every rank (DeepSeek's latent projections, any layer a family
+    builds as a plain linear)."""
+
+
+class ColumnParallelLinear(LinearBase):
     """y = x W^T + b with W's rows (output features) split over the ranks; y stays sharded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -69,12 +100,12 @@ class ColumnParallelLinear(nn.Linear):
         super().__init__(in_features, divide(out_features, self.tp_size, "output features"),
                          bias=bias)
 
-    def rank_part(self, tensor: Weight, name: str, shard: str | None = None) -> torch.Tensor:
+    def rank_slice(self, name: str, shard: str | None = None) -> RankSlice:
         n = self.out_features
-        return narrow(tensor, 0, self.tp_rank * n, n) if self.tp_size > 1 else materialize(tensor)
+        return (0, self.tp_rank * n, n) if self.tp_size > 1 else None
 
 
-class QKVParallelLinear(nn.Linear):
+class QKVParallelLinear(LinearBase):
     """q, k and v as one projection with the heads split over the ranks. With fewer K/V heads
     than ranks each K/V head is replicated on the ranks whose query heads use it."""
 
@@ -94,15 +125,15 @@ class QKVParallelLinear(nn.Linear):
         self.kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
 
-    def rank_part(self, tensor: Weight, name: str, shard: str | None = None) -> torch.Tensor:
+    def rank_slice(self, name: str, shard: str | None = None) -> RankSlice:
         if self.tp_size == 1:
-            return materialize(tensor)
+            return None
         if shard == "q":
-            return narrow(tensor, 0, self.tp_rank * self.q_size, self.q_size)
-        return narrow(tensor, 0, self.kv_head_start * self.head_dim, self.kv_size)
+            return (0, self.tp_rank * self.q_size, self.q_size)
+        return (0, self.kv_head_start * self.head_dim, self.kv_size)
 
 
-class MergedColumnParallelLinear(nn.Linear):
+class MergedColumnParallelLinear(LinearBase):
     """gate and up as one projection, each split over the ranks: a rank holds its gate rows
     then its up rows, so silu(gate) * up stays local."""
 
@@ -111,12 +142,12 @@ class MergedColumnParallelLinear(nn.Linear):
         self.local_size = divide(intermediate_size, self.tp_size, "the intermediate size")
         super().__init__(in_features, 2 * self.local_size, bias=bias)
 
-    def rank_part(self, tensor: Weight, name: str, shard: str | None = None) -> torch.Tensor:
+    def rank_slice(self, name: str, shard: str | None = None) -> RankSlice:
         n = self.local_size
-        return narrow(tensor, 0, self.tp_rank * n, n) if self.tp_size > 1 else materialize(tensor)
+        return (0, self.tp_rank * n, n) if self.tp_size > 1 else None
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(LinearBase):
     """y = sum over ranks of x_r W_r^T, + b: W's columns (input features) split, the input
     sharded as a column-parallel layer left it; the bias is added once, after the sum."""
 
@@ -127,15 +158,15 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))
+            return self.quant_method.apply(self, x, self.bias)
+        y = all_reduce(self.quant_method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
 
-    def rank_part(self, tensor: Weight, name: str, shard: str | None = None) -> torch.Tensor:
+    def rank_slice(self, name: str, shard: str | None = None) -> RankSlice:
         if self.tp_size == 1 or name == "bias":
-            return materialize(tensor)
+            return None
         n = self.in_features
-        return narrow(tensor, 1, self.tp_rank * n, n)
+        return (1, self.tp_rank * n, n)
 
 
 def _vocab_rows(vocab_size: int) -> tuple[int, int]:
@@ -187,7 +218,7 @@ def gather_vocab(local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return all_gather(local_logits, dim=-1)[..., :vocab_size]
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(LinearBase):
     """The output projection with the vocabulary split like `VocabParallelEmbedding`; its
     forward returns the full logits, gathered."""
 
@@ -198,9 +229,14 @@ class ParallelLMHead(nn.Linear):
         super().__init__(hidden_size, self.rows_per_rank, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.quant_method.apply(self, hidden, None)
+        return logits if self.tp_size == 1 else gather_vocab(logits, self.vocab_size)
+
+    def rank_slice(self, name: str, shard: str | None = None) -> RankSlice:
         if self.tp_size == 1:
-            return F.linear(hidden, self.weight)
-        return gather_vocab(F.linear(hidden, self.weight), self.vocab_size)
+            return None
+        raise ValueError("a quantized lm_head is not tensor-parallel yet (its padded vocabulary "
+                         "rows); list lm_head among the ignored layers")
 
     def rank_part(self, tensor: Weight, name: str, shard: str | None = None) -> torch.Tensor:
         return _vocab_part(tensor, self.vocab_size, self.rows_per_rank, self.vocab_start)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve import SamplingParams
-from pagedserve.models.quantization import Int8Linear
+from pagedserve.quantization.int8_cpu import INT8
 
 QUESTIONS = ["What divides 21?", "Tell me a story about a dragon.", "The capital of France is",
              "List three colors:", "Explain gravity in one sentence.",
@@ -46,7 +46,7 @@ def run_staggered(llm, prompts: list[str], every: int) -> list[Result]:
 
 def test_default_cpu_settings_are_batch_invariant(make_llm) -> None:
     llm = make_llm(kv_cache_memory="64MiB")
-    assert isinstance(llm.engine.runner.model.lm_head, Int8Linear)  # the default's int8 path
+    assert llm.engine.runner.model.lm_head.quant_method is INT8  # the default's int8 path
     assert llm.engine.runner.dtype == torch.float32
     prompts = chat_prompts(llm)
     alone = [result(llm.generate(p, PARAMS, use_tqdm=False)[0]) for p in prompts]

@@ -16,6 +16,7 @@ import transformers
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.models import get_model_cls, load_model
+from pagedserve.models.loader import build_model
 from pagedserve.models.moe import SparseMoeBlock
 from tests.utils.paged import check_prompt_logprobs, hf_greedy
 
@@ -283,8 +284,8 @@ def test_engine_picks_longrope_factors_by_max_model_len(family_models):
 
 
 def test_deepseek_checkpoints_outside_what_is_served(family_models):
-    """The multi-token-prediction layer after the decoder is skipped; FP8 weights and int8
-    quantization are refused by name."""
+    """The multi-token-prediction layer after the decoder is skipped; FP8 scales without a
+    quantization_config and int8 quantization are refused by name."""
     from safetensors.torch import load_file
 
     path = family_models["deepseek_v3"][0]
@@ -296,10 +297,10 @@ def test_deepseek_checkpoints_outside_what_is_served(family_models):
              "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(2, 2)}
     get_model_cls(config)(config).load_weights([*state.items(), *extra.items()])
     fp8 = {**state, "model.layers.1.mlp.experts.0.up_proj.weight_scale_inv": torch.ones(1)}
-    with pytest.raises(ValueError, match="weight_scale_inv.*FP8-quantised"):
+    with pytest.raises(ValueError, match="weight_scale_inv.*no quantization_config"):
         get_model_cls(config)(config).load_weights(fp8.items())
     with pytest.raises(ValueError, match="int8 weight-only quantization is not supported"):
-        get_model_cls(config)(config).quantize_("int8")
+        build_model(config, torch.float32, torch.device("cpu"), iter(state.items()), "int8")
 
 
 # ---- the Mixture-of-Experts layer ----------------------------------------------------------

@@ -9,7 +9,9 @@ import torch
 import transformers
 
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.quantization import Int8Linear, quantize_linears_, resolve_quantization
+from pagedserve.models.loader import build_model, hf_state_dict
+from pagedserve.quantization.int8_cpu import INT8, int8_linear
+from pagedserve.quantization.registry import resolve_quantization
 
 CPU = torch.device("cpu")
 
@@ -17,7 +19,7 @@ CPU = torch.device("cpu")
 def test_int8_linear_matches_its_dequantized_weights() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 40, bias=True)
-    q = Int8Linear(linear.weight, linear.bias, torch.bfloat16)
+    q = int8_linear(linear.weight.data, linear.bias.data)
     x = torch.randn(5, 96)
     dequantized = q.codes.float() * q.scale.float()[:, None]
     want = x.bfloat16().float() @ dequantized.T + q.bias.float()
@@ -34,14 +36,19 @@ def test_int8_linear_matches_its_dequantized_weights() -> None:
 def test_a_model_hands_every_linear_over_with_its_tied_head() -> None:
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
                                       num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=1, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.quantize_("int8")
-    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert isinstance(model.lm_head, Int8Linear)
+                                      num_key_value_heads=1, tie_word_embeddings=True,
+                                      architectures=["LlamaForCausalLM"])
+    float_model = LlamaForCausalLM(config)
+    weights = hf_state_dict(float_model)
+    model = build_model(config, torch.float32, CPU, iter(weights.items()), "int8")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 2 * 4 + 1 and all(m.quant_method is INT8 for m in linears)
+    assert all(m.weight is None for m in linears)  # the codes replace the float weight
     assert model.lm_head.codes.shape == (64, 32)
-    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    assert quantize_linears_(module, torch.float32) == 2
+    hidden = torch.randn(3, 32)
+    want = hidden @ float_model.model.embed_tokens.weight.detach().T
+    tolerance = 0.02 * float(want.abs().max())
+    torch.testing.assert_close(model.lm_head(hidden), want, rtol=0, atol=tolerance)
 
 
 def test_auto_chooses_int8_for_a_gguf_on_the_cpu_only_when_the_dtype_is_left_free() -> None:
@@ -66,8 +73,9 @@ def test_bundled_model_runs_int8_by_default_and_float32_on_request(make_llm) -> 
     params = SamplingParams(temperature=0, max_tokens=12)
     fast = make_llm(kv_cache_memory="64MiB")
     assert fast.engine.runner.dtype == torch.float32  # activations; the products in bf16
-    assert isinstance(fast.engine.runner.model.lm_head, Int8Linear)
+    assert fast.engine.runner.model.lm_head.quant_method is INT8
     assert "Paris" in fast.chat(chat, params, use_tqdm=False)[0].outputs[0].text
     exact = make_llm(dtype="float32", kv_cache_memory="64MiB")
     assert exact.engine.runner.dtype == torch.float32
-    assert not any(isinstance(m, Int8Linear) for m in exact.engine.runner.model.modules())
+    assert not any(getattr(m, "quant_method", None) is INT8
+               for m in exact.engine.runner.model.modules())

@@ -24,7 +24,7 @@ vector register (16 floats), sum in other orders, so every group attends to at l
 tests/engine/test_batch_invariance.py holds the engine to it. SDPA's CPU kernel, which this
 replaced, splits keys and queries into blocks sized from the batch's longest sequence and
 query, so its outputs moved by a few bits with the batch, and the int8 default's bfloat16
-products (models/quantization.py) turned those into other greedy tokens.
+products (quantization/int8_cpu.py) turned those into other greedy tokens.
 """
 
 from __future__ import annotations

@@ -1,0 +1,70 @@
+"""Quantization configs by the `quant_method` a checkpoint names, and the `--quantization`
+flag's choices. An unknown method is refused with the list of those supported: a quantized
+checkpoint never loads as if its codes were weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedserve.quantization.base import QuantizationConfig
+from pagedserve.quantization.compressed_tensors import CompressedTensorsConfig
+from pagedserve.quantization.fp8 import Fp8Config
+from pagedserve.quantization.int8_cpu import Int8Config
+
+CHECKPOINT_METHODS: dict[str, type[QuantizationConfig]] = {
+    "fp8": Fp8Config,
+    "compressed-tensors": CompressedTensorsConfig,
+}
+
+# --quantization: auto picks int8 for a GGUF on the CPU when the dtype is left to the engine;
+# fp8 quantizes a float checkpoint at load; a quantized checkpoint is read as it says.
+FLAGS = ("auto", "none", "int8", "fp8")
+
+
+def resolve_quantization(method: str | None, model: str | None, dtype: str,
+                         device: torch.device) -> str | None:
+    """The flag's method to run with: "int8", "fp8" or None (the checkpoint's own)."""
+    method = (method or "auto").lower()
+    if method not in FLAGS:
+        raise ValueError(f"quantization {method!r} is not one of {', '.join(FLAGS)}")
+    if method == "int8":
+        if device.type != "cpu":
+            raise ValueError("quantization 'int8' is the CPU's weight-only path; on "
+                             f"{device.type} leave it out")
+        return "int8"
+    if method == "fp8":
+        return "fp8"
+    if method == "none" or device.type != "cpu" or dtype != "auto":
+        return None
+    gguf = model is None or model.endswith(".gguf")  # None: the bundled GGUF
+    return "int8" if gguf else None
+
+
+def checkpoint_config(data: dict[str, Any]) -> QuantizationConfig:
+    """The config for a checkpoint's `quantization_config`."""
+    method = data.get("quant_method")
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"quantization_config quant_method {method!r} is not supported "
+                         f"(supported: {', '.join(CHECKPOINT_METHODS)})")
+    return CHECKPOINT_METHODS[method].from_config(data)
+
+
+def quantization_config(hf_config: Any, flag: str | None) -> QuantizationConfig | None:
+    """What the model runs with: the checkpoint's `quantization_config` when it has one (the
+    flag may only agree with it), else the flag's (None: float weights)."""
+    data = getattr(hf_config, "quantization_config", None)
+    if data is not None and not isinstance(data, dict):
+        data = data.to_dict()
+    if data:
+        config = checkpoint_config(data)
+        if flag not in (None, "fp8") or (flag == "fp8" and not isinstance(config, Fp8Config)):
+            raise ValueError(f"the checkpoint is already quantized ({data.get('quant_method')}); "
+                             f"--quantization {flag} cannot apply on top: leave it out")
+        return config
+    if flag == "int8":
+        return Int8Config()
+    if flag == "fp8":
+        return Fp8Config.online()
+    return None
