@@ -354,9 +354,8 @@ class EngineCore:
             out.scheduled[batch.requests[i].request_id] = (now, int(batch.num_computed_tokens[i]))
         self.prompt_tokens += int(batch.num_scheduled_tokens.sum()) - int(
             (batch.num_scheduled_tokens == 1).sum())
-        if batch.num_draft_tokens is not None:  # a verify step's 1 + K tokens are no prompt
-            verifies = batch.num_draft_tokens > 0
-            self.prompt_tokens -= int(batch.num_draft_tokens.sum()) + int(verifies.sum())
+        if (drafts := batch.num_draft_tokens) is not None:  # verify steps' 1+K: no prompt
+            self.prompt_tokens -= int(drafts.sum()) + int((drafts > 0).sum())
 
     def _complete(self, batch: SchedulerOutput, pending: PendingStep, out: StepOutput) -> None:
         output = self.runner.collect(pending)

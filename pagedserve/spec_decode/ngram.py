@@ -23,7 +23,7 @@ class NgramProposer(Proposer):
         drafts = Drafts(np.zeros((b, self.k), dtype=np.int64), np.zeros(b, dtype=np.int32))
         if not b or not eligible.any():
             return drafts
-        num_tokens = num_tokens.astype(np.int64)
+        num_tokens = np.where(eligible, num_tokens, 0).astype(np.int64)
         width = int(num_tokens[eligible].max())
         table = token_ids[rows, :width]
         last = find_matches(table, num_tokens, eligible, self.min_n, self.max_n)

@@ -1,0 +1,155 @@
+"""N-gram speculative decoding through the whole engine: greedy outputs (and their logprobs)
+equal those without speculation token for token, over chunked prefill, preemption, prefix-cache
+hits, async scheduling, n > 1, stop tokens and the FLEX_ATTENTION backend; seeded sampling
+reproduces; the acceptance counters add up. Prompts repeat themselves so that lookups find
+matches and verify steps keep some drafts and reject others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pagedserve import SamplingParams
+
+VOCAB = 97
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.3, tie_word_embeddings=False, rope_theta=10000.0)
+    path = tmp_path_factory.mktemp("tiny_spec")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    prompts = []
+    for length, repeats in ((5, 4), (9, 2), (3, 6), (17, 1), (6, 3), (2, 9)):
+        piece = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        prompts.append(piece * repeats)
+    return prompts + [prompts[0] + [7, 8], prompts[0][:12]]  # shared prefixes
+
+
+def _params() -> list[SamplingParams]:
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2)
+              for m in (1, 2, 5, 24, 33, 40)]
+    params += [SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[11, 12, 13]),
+               SamplingParams(temperature=0, n=2, max_tokens=20, ignore_eos=True)]
+    return params
+
+
+def _run(make_llm, path, prompts, params, spec, **kwargs):
+    kwargs.setdefault("kv_cache_memory", "8MiB")
+    llm = make_llm(model=path, dtype="float32", device="cpu", speculative_config=spec, **kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = [[(c.token_ids, c.finish_reason,
+             None if c.logprobs is None else [{t: lp.logprob for t, lp in pos.items()}
+                                              for pos in c.logprobs])
+            for c in o.outputs] for o in outs]
+    return got, llm.engine.call_utility("stats")
+
+
+def _assert_same(got, want):
+    assert [[c[:2] for c in o] for o in got] == [[c[:2] for c in o] for o in want]
+    for o_got, o_want in zip(got, want, strict=True):
+        for c_got, c_want in zip(o_got, o_want, strict=True):
+            assert (c_got[2] is None) == (c_want[2] is None)
+            for pos_got, pos_want in zip(c_got[2] or [], c_want[2] or [], strict=True):
+                assert pos_got.keys() == pos_want.keys()
+                assert all(abs(pos_got[t] - pos_want[t]) < 1e-4 for t in pos_want)
+
+
+CASES = {
+    "plain": dict(),
+    "chunked": dict(max_num_batched_tokens=16),
+    "preempting": dict(num_gpu_blocks_override=20, block_size=4, kv_cache_memory=None),
+    "prefix-caching": dict(enable_prefix_caching=True, block_size=4),
+    "async": dict(async_scheduling=True),
+    "flex": dict(attention_backend="FLEX_ATTENTION", block_size=4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_equals_no_speculation(tiny_path, make_llm, case):
+    prompts, params = _prompts(), _params()
+    if case in ("chunked", "flex"):  # the slowest: fewer requests (n > 1 kept)
+        prompts, params = prompts[2:], params[2:]
+    want, _ = _run(make_llm, tiny_path, prompts, params, None, **CASES[case])
+    got, stats = _run(make_llm, tiny_path, prompts, params, NGRAM, **CASES[case])
+    _assert_same(got, want)
+    # Verify steps ran, and both kept and rejected drafts.
+    assert stats.spec_decode_num_drafts > 0
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    if case == "preempting":
+        assert stats.num_preemptions > 0
+    if case == "prefix-caching":
+        assert stats.prefix_cache_hits > 0
+
+
+def test_counters_add_up(tiny_path, make_llm):
+    _, stats = _run(make_llm, tiny_path, _prompts(), _params(), NGRAM)
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert len(per_pos) == 3 and sum(per_pos) == stats.spec_decode_num_accepted_tokens
+    assert per_pos[0] <= stats.spec_decode_num_drafts
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))  # nested events
+    assert stats.spec_decode_num_draft_tokens <= 3 * stats.spec_decode_num_drafts
+    # Verify steps' tokens are no prompt tokens.
+    assert stats.prompt_tokens == stats.prefix_cache_queries - stats.prefix_cache_hits
+
+
+def test_seeded_sampling_reproduces(tiny_path, make_llm):
+    prompts = _prompts()
+    params = [SamplingParams(temperature=t, top_k=k, top_p=0.9, seed=s, max_tokens=25,
+                             ignore_eos=True, logprobs=1)
+              for s, (t, k) in enumerate([(0.5, 5), (1.0, 0), (0.3, 20)] * 3)][:len(prompts)]
+    first, stats = _run(make_llm, tiny_path, prompts, params, NGRAM)
+    # Another batch order: a seeded request's draws come from its own generator, as many as
+    # its own drafts (a step budget that cut its drafts short would change them).
+    second, _ = _run(make_llm, tiny_path, prompts[::-1], params[::-1], NGRAM)
+    _assert_same(second[::-1], first)
+    assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_penalties_and_min_tokens_equal_no_speculation(tiny_path, make_llm):
+    """Penalties count the drafts before each verified position; min_tokens bans end tokens
+    by each position."""
+    prompts = _prompts()[:4]
+    params = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.4,
+                             presence_penalty=0.2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, min_tokens=12,
+                             stop_token_ids=[11, 12, 13, 14, 15]),
+              SamplingParams(temperature=0, max_tokens=20, logit_bias={5: 3.0, 6: -2.0})]
+    want, _ = _run(make_llm, tiny_path, prompts, params, None)
+    got, stats = _run(make_llm, tiny_path, prompts, params, NGRAM)
+    _assert_same(got, want)
+    assert stats.spec_decode_num_drafts > 0
+
+
+def test_synthetic_acceptance_rate_one_keeps_every_draft(tiny_path, make_llm):
+    spec = dict(NGRAM, rejection_sample_method="synthetic", synthetic_acceptance_rate=1.0)
+    _, stats = _run(make_llm, tiny_path, _prompts(), _params(), spec)
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
+     "'draft_model' is not implemented yet"),
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2},
+     "'eagle3' is not implemented yet"),
+    (dict(NGRAM, draft_tensor_parallel_size=2), "draft_tensor_parallel_size 2"),
+])
+def test_refused_at_start_up(tiny_path, spec, message):
+    from pagedserve import LLM
+
+    with pytest.raises(ValueError, match=message):
+        LLM(model=tiny_path, dtype="float32", device="cpu", kv_cache_memory="8MiB",
+            speculative_config=spec)
