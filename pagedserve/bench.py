@@ -65,7 +65,28 @@ def run_throughput(llm: Any, prompts: list[list[int]], output_len: int,
             # CUDA events around each step's device work (PAGEDSERVE_DEVICE_TIMING=1): the
             # share of the run the GPU was busy; None when not measured.
             "gpu_busy": device_s / elapsed if device_s > 0 else None,
-            "gpu_ms_per_step": device_s / steps * 1e3 if device_s > 0 else None}
+            "gpu_ms_per_step": device_s / steps * 1e3 if device_s > 0 else None,
+            **_spec_decode_figures(before, after)}
+
+
+def _spec_decode_figures(before: Any, after: Any) -> dict[str, Any]:
+    """Speculative decoding's counters over the run (vLLM's names), none without drafts."""
+    from pagedserve.spec_decode.metrics import acceptance_rate, mean_acceptance_length
+
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    if not drafts:
+        return {}
+    draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    per_pos = [a - b for a, b in zip(after.spec_decode_num_accepted_tokens_per_pos,
+                                     before.spec_decode_num_accepted_tokens_per_pos or
+                                     [0] * len(after.spec_decode_num_accepted_tokens_per_pos),
+                                     strict=True)]
+    return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_num_accepted_tokens_per_pos": per_pos,
+            "spec_decode_acceptance_rate": acceptance_rate(draft_tokens, accepted),
+            "spec_decode_mean_acceptance_length": mean_acceptance_length(drafts, accepted)}
 
 
 def format_throughput(r: dict[str, float]) -> str:
@@ -79,7 +100,16 @@ def format_throughput(r: dict[str, float]) -> str:
             f"step() ({r['core_busy']:.0%} of the run), of which "
             f"{r['core_wait_ms_per_step']:.3f} ms waiting for the device"
             + (f"\nGPU busy: {r['gpu_busy']:.1%} of the run ({r['gpu_ms_per_step']:.3f} ms of "
-               "device work per step, CUDA events)" if r.get("gpu_busy") is not None else ""))
+               "device work per step, CUDA events)" if r.get("gpu_busy") is not None else "")
+            + (f"\nSpeculative decoding: mean acceptance length "
+               f"{r['spec_decode_mean_acceptance_length']:.2f}, acceptance rate "
+               f"{r['spec_decode_acceptance_rate']:.1%}, per position "
+               + ", ".join(f"{n / r['spec_decode_num_drafts']:.3f}"
+                           for n in r["spec_decode_num_accepted_tokens_per_pos"])
+               + f" ({r['spec_decode_num_drafts']} drafts, "
+               f"{r['spec_decode_num_draft_tokens']} draft tokens, "
+               f"{r['spec_decode_num_accepted_tokens']} accepted)"
+               if r.get("spec_decode_num_drafts") else ""))
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
