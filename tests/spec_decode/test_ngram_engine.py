@@ -153,3 +153,33 @@ def test_refused_at_start_up(tiny_path, spec, message):
     with pytest.raises(ValueError, match=message):
         LLM(model=tiny_path, dtype="float32", device="cpu", kv_cache_memory="8MiB",
             speculative_config=spec)
+
+
+def test_guided_requests_beside_verify_steps(tmp_path, make_llm, monkeypatch):
+    """Guided requests get no drafts (their grammar masks one token a step); in a step where
+    other requests verify drafts their mask lands on their own logits row. Both kinds equal
+    their outputs without speculation."""
+    pytest.importorskip("xgrammar")
+    from pagedserve.sampling_params import GuidedDecodingParams
+    from tests.utils.paged import tiny_chat_model
+
+    model = str(tiny_chat_model(tmp_path, init_std=0.2))
+    prompts = _prompts()[:4]
+    guided = [GuidedDecodingParams(choice=["yes", "no", "maybe so"]),
+              GuidedDecodingParams(regex="[a-c]{20,30}")]
+    params = [SamplingParams(temperature=0, max_tokens=24, guided_decoding=g) for g in guided]
+    params += [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 2
+    from pagedserve.spec_decode import rejection_sampler
+
+    mixed = []  # verify steps that also masked a guided row
+    expand = rejection_sampler.expand_metadata
+
+    def spy(meta, layout):
+        mixed.append(meta.token_bitmask is not None and layout.drafts.shape[1] > 0)
+        return expand(meta, layout)
+
+    monkeypatch.setattr(rejection_sampler, "expand_metadata", spy)
+    want, _ = _run(make_llm, model, prompts, params, None)
+    got, stats = _run(make_llm, model, prompts, params, NGRAM)
+    _assert_same(got, want)
+    assert stats.spec_decode_num_drafts > 0 and any(mixed)
