@@ -148,12 +148,12 @@ class EngineCore:
         except BaseException:
             self.runner.shutdown()
             raise
-        spec = config.speculative
+        spec, speculator = config.speculative, self.runner.speculator
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
-                                   spec.num_speculative_tokens if spec else 0)
+                                   spec.num_speculative_tokens if spec else 0,
+                                   bool(speculator and speculator.uses_kv_cache))
         self.async_scheduling = config.use_async_scheduling
-        # A host proposer (n-gram) reads each step's kept tokens before the next step can be
-        # scheduled with drafts: the steps do not overlap while speculating.
+        # Drafts follow each step's kept tokens, read on the host: no overlap while speculating.
         self._speculating = spec is not None
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         # Live sequences whose sampling needs all earlier tokens on the host (see step()).

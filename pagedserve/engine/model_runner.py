@@ -66,6 +66,13 @@ class ModelRunner:
         self.state_layers = kv_cache_setup.indexed_layers(model, StateLayer)
         if not self.attn_layers and not self.state_layers:
             raise ValueError("the model has neither attention nor state layers")
+        # Speculative decoding (spec_decode/): a verify step's layout and rejection sampling,
+        # the next drafts; None when off. A draft model's layers join the target's cache.
+        self.speculator = make_speculator(config, self.device, self.dtype,
+                                          bool(self.state_layers), self.tp_size, max_model_len,
+                                          vocab_size)
+        if self.speculator is not None:
+            self.attn_layers += self.speculator.attention_layers(len(self.attn_layers))
         # Backend builders by Attention.metadata_key, and the cache group each one reads.
         self.builders: dict[Any, Any] = {}
         self.builder_group: dict[Any, int] = {}
@@ -92,10 +99,6 @@ class ModelRunner:
         self.common_builder = self.group_builders[0]
         pin = self.device.type == "cuda"
         self.sampler = Sampler()
-        # Speculative decoding (spec_decode/): a verify step's layout and rejection sampling,
-        # the next drafts; None when off.
-        self.speculator = make_speculator(config, self.device, bool(self.state_layers),
-                                          self.tp_size)
         width = 1 + (self.speculator.num_speculative_tokens if self.speculator else 0)
         # The launched step not yet collected, and where steps' samples go to the host.
         self._in_flight: PendingStep | None = None
@@ -328,7 +331,10 @@ class ModelRunner:
             return self.decode_graphs.replay(graph_size, common.num_reqs)
         with set_forward_context(attn_metadata, self.kv_caches, self.state_caches,
                                  state_metadata):
-            return self.model(input_ids, common.positions)
+            hidden = self.model(input_ids, common.positions)
+            if self.speculator is not None:
+                self.speculator.forward_step(input_ids, common.positions)
+            return hidden
 
     def run_model(self, attn_metadata: dict[Any, Any], num_tokens: int) -> torch.Tensor:
         """The model over the first `num_tokens` of the persistent input ids and positions,
@@ -464,7 +470,7 @@ class ModelRunner:
         pending.sampled = sampled
         if self.speculator is not None:
             pending.drafts = self.speculator.propose(
-                batch, rows, self.input_batch.token_ids, sampled,
+                self, batch, rows, sampled,
                 self.input_batch.generation[rows] == pending.generations,
                 self._guided | self._wants_logits)
 
@@ -476,9 +482,9 @@ class ModelRunner:
             builder.warmup()
         logger.debug("backend warm-up took %.1f s", time.perf_counter() - t0)
         self.run_warmup_steps()
-        # Steps of models with state layers run eagerly: a graph would need a scratch slot for
-        # its padding rows (future work).
-        if not self.state_layers:
+        # Steps of models with state layers run eagerly (a graph would need a scratch slot for
+        # its padding rows), and a draft model's (the graphs hold the target's forward only).
+        if not self.state_layers and not (self.speculator and self.speculator.uses_kv_cache):
             self.decode_graphs = setup_decode_graphs(self.graph_inputs(), self.backend,
                                                      self.config, self.max_model_len)
 

@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int, num_speculative_tokens: int = 0) -> None:
+                 max_model_len: int, num_speculative_tokens: int = 0,
+                 draft_has_kv: bool = False) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
@@ -33,6 +34,9 @@ class Scheduler:
         # Speculative decoding's acceptance counters (None: off).
         self.spec_stats = (SpecDecodeStats(num_speculative_tokens)
                            if num_speculative_tokens else None)
+        # A draft model writes its K/V up to K - 1 positions past a step's last token while it
+        # proposes: each allocation reserves K slots more (within max_model_len).
+        self.lookahead = num_speculative_tokens if draft_has_kv else 0
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -118,14 +122,16 @@ class Scheduler:
             if drafts:  # its last verified token, then as many drafts as fit
                 drafts = self._fit_drafts(request, drafts, budget - num_new)
                 num_new += len(drafts)
-            blocks = kv.allocate_slots(request, num_new)
+            slots = (num_new + self._lookahead(request.num_computed_tokens + num_new)
+                     if self.lookahead else num_new)
+            blocks = kv.allocate_slots(request, slots)
             while blocks is None:
                 victim = running.pop()
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:
                     break
-                blocks = kv.allocate_slots(request, num_new)
+                blocks = kv.allocate_slots(request, slots)
             if blocks is None:
                 break
             # _StepPlan.add, inlined for the hot loop.
@@ -154,7 +160,9 @@ class Scheduler:
             request = self.waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            blocks = kv.allocate_slots(request, num_new, hits)
+            slots = num_new + self._lookahead(num_hit_tokens + num_new) if self.lookahead \
+                else num_new
+            blocks = kv.allocate_slots(request, slots, hits)
             if blocks is None:
                 break
             kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
@@ -173,6 +181,11 @@ class Scheduler:
         if step.requests:
             freed, self._freed_ids = self._freed_ids, []
         return step.output(freed, num_preempted, context_written_in_step)
+
+    def _lookahead(self, end: int) -> int:
+        """Slots reserved past a step's tokens (which end at `end`) for a draft model's
+        proposal steps."""
+        return max(min(self.lookahead, self.max_model_len - end), 0)
 
     def _fit_drafts(self, request: Request, drafts: list[int], room: int) -> list[int]:
         """The drafts a decode can verify now: within the step's token budget, and leaving

@@ -5,12 +5,13 @@ coordinates."""
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from pagedserve.spec_decode.config import SpeculativeConfig, check_supported
+from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.spec_decode.proposer import Drafts, Proposer
 from pagedserve.spec_decode.rejection_sampler import RejectionSampler
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
     from pagedserve.scheduler import SchedulerOutput
 
 
-def make_speculator(config: EngineConfig, device: torch.device, has_state_layers: bool,
-                    tensor_parallel_size: int) -> Speculator | None:
+def make_speculator(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                    has_state_layers: bool, tensor_parallel_size: int, max_model_len: int,
+                    vocab_size: int) -> Speculator | None:
     """The runner's speculator, None without --speculative-config; what the model cannot
     use is refused here, at start-up, with the reason."""
     spec = config.speculative
@@ -31,27 +33,47 @@ def make_speculator(config: EngineConfig, device: torch.device, has_state_layers
         return None
     check_supported(spec, has_state_layers=has_state_layers,
                     tensor_parallel_size=tensor_parallel_size)
-    return Speculator(spec, device)
+    return Speculator(spec, make_proposer(spec, dtype, device, max_model_len, vocab_size),
+                      device)
 
 
-def make_proposer(spec: SpeculativeConfig) -> Proposer:
+def make_proposer(spec: SpeculativeConfig, dtype: torch.dtype, device: torch.device,
+                  max_model_len: int, vocab_size: int) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                              spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        return DraftModelProposer(spec.num_speculative_tokens, spec.model, dtype, device,
+                                  max_model_len, vocab_size)
     raise ValueError(f"speculative_config: method {spec.method!r} is not implemented yet")
 
 
 class Speculator:
-    def __init__(self, spec: SpeculativeConfig, device: torch.device) -> None:
+    def __init__(self, spec: SpeculativeConfig, proposer: Proposer,
+                 device: torch.device) -> None:
         self.spec = spec
         self.device = device
-        self.proposer = make_proposer(spec)
+        self.proposer = proposer
         self.rejection_sampler = RejectionSampler(
             spec.synthetic_acceptance_rate if spec.synthetic else None)
 
     @property
     def num_speculative_tokens(self) -> int:
         return self.spec.num_speculative_tokens
+
+    @property
+    def uses_kv_cache(self) -> bool:
+        return self.proposer.uses_kv_cache
+
+    def attention_layers(self, first_index: int) -> list[Any]:
+        """A draft model's attention layers, numbered from `first_index` (none for n-gram)."""
+        return self.proposer.attention_layers(first_index) if self.uses_kv_cache else []
+
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Under a step's forward context, after the target: a draft model's K/V for the
+        step's tokens."""
+        if self.uses_kv_cache:
+            self.proposer.forward_step(input_ids, positions)
 
     def layout(self, batch: SchedulerOutput, query_start_loc: np.ndarray
                ) -> VerifyLayout | None:
@@ -70,7 +92,7 @@ class Speculator:
                ) -> SamplerOutput:
         return self.rejection_sampler(logits, meta, layout)
 
-    def propose(self, batch: SchedulerOutput, rows: np.ndarray, token_ids: np.ndarray,
+    def propose(self, runner: Any, batch: SchedulerOutput, rows: np.ndarray,
                 sampled: np.ndarray, current: np.ndarray,
                 ineligible: Collection[str]) -> Drafts:
         """Drafts for the requests of a collected step whose tokens are in the token table
@@ -85,4 +107,10 @@ class Speculator:
         if ineligible:
             eligible &= np.fromiter((r.request_id not in ineligible for r in batch.requests),
                                     bool, batch.num_reqs)
-        return self.proposer.propose(token_ids, rows, num_tokens, eligible)
+        if not self.uses_kv_cache:
+            return self.proposer.propose(runner.input_batch.token_ids, rows, num_tokens,
+                                         eligible)
+        # Each row's newest token (its first input): the step's sample, or its last kept one.
+        newest = (sampled if sampled.ndim == 1 else np.take_along_axis(
+            sampled, np.maximum((sampled >= 0).sum(axis=1) - 1, 0)[:, None], axis=1)[:, 0])
+        return self.proposer.propose_from(runner, rows, num_tokens, eligible, newest)
