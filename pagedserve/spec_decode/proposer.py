@@ -4,8 +4,10 @@ hook declared here (and its default), as the attention backends' base classes do
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 
 
 @dataclass
@@ -21,7 +23,9 @@ class Drafts:
 
 
 class Proposer:
-    """Proposes up to `num_speculative_tokens` drafts per request after each step."""
+    """Proposes up to `num_speculative_tokens` drafts per request after each step: `propose`
+    from the token table (a model-free proposer), or `propose_from` with the runner's caches
+    (one with K/V of its own, `uses_kv_cache`)."""
 
     # The proposal reads the step's accepted tokens on the host (n-gram lookup): each step is
     # completed before the next is scheduled. A device proposer (draft model, EAGLE) would keep
@@ -33,12 +37,15 @@ class Proposer:
     def __init__(self, num_speculative_tokens: int) -> None:
         self.k = num_speculative_tokens
 
-    def load(self, target: object) -> None:
-        """Load the draft's weights (a head may share the target's embedding and head)."""
-
-    def kv_cache_specs(self) -> list:
-        """The draft's own attention layers' cache specs (none for a model-free proposer)."""
+    def attention_layers(self, first_index: int) -> list[Any]:
+        """A proposer with K/V of its own: its attention layers, renumbered from
+        `first_index`, which join the target's cache (their cache specs and tensors follow
+        from them). None for a model-free proposer."""
         return []
+
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Under a step's forward context, after the target: the proposer's own K/V for the
+        step's tokens (a draft model), or whatever it taps from the step (a head)."""
 
     def add_request(self, request_id: str) -> None:
         """A request the proposer will be asked about."""
@@ -50,4 +57,11 @@ class Proposer:
                 eligible: np.ndarray) -> Drafts:
         """Drafts for the batch rows `rows` of the runner's token table `token_ids` [R, L],
         whose verified tokens are `num_tokens` [B]; rows where `eligible` is False get none."""
+        raise NotImplementedError
+
+    def propose_from(self, runner: Any, rows: np.ndarray, num_tokens: np.ndarray,
+                     eligible: np.ndarray, newest: np.ndarray) -> Drafts:
+        """A proposer with K/V of its own (`uses_kv_cache`): drafts from each row's newest
+        token `newest` (at position num_tokens - 1), on the runner's block table, metadata
+        builders and caches."""
         raise NotImplementedError

@@ -67,13 +67,12 @@ class Speculator:
 
     def attention_layers(self, first_index: int) -> list[Any]:
         """A draft model's attention layers, numbered from `first_index` (none for n-gram)."""
-        return self.proposer.attention_layers(first_index) if self.uses_kv_cache else []
+        return self.proposer.attention_layers(first_index)
 
     def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Under a step's forward context, after the target: a draft model's K/V for the
         step's tokens."""
-        if self.uses_kv_cache:
-            self.proposer.forward_step(input_ids, positions)
+        self.proposer.forward_step(input_ids, positions)
 
     def layout(self, batch: SchedulerOutput, query_start_loc: np.ndarray
                ) -> VerifyLayout | None:

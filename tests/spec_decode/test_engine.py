@@ -1,8 +1,10 @@
-"""N-gram speculative decoding through the whole engine: greedy outputs (and their logprobs)
-equal those without speculation token for token, over chunked prefill, preemption, prefix-cache
-hits, async scheduling, n > 1, stop tokens and the FLEX_ATTENTION backend; seeded sampling
-reproduces; the acceptance counters add up. Prompts repeat themselves so that lookups find
-matches and verify steps keep some drafts and reject others."""
+"""Speculative decoding through the whole engine, n-gram and draft model: greedy outputs (and
+their logprobs) equal those without speculation token for token, over chunked prefill,
+preemption, prefix-cache hits, async scheduling, n > 1, stop tokens and the FLEX_ATTENTION
+backend; a draft identical to the target keeps every draft; seeded sampling reproduces; the
+acceptance counters add up. Prompts repeat themselves so that lookups find matches, and the
+draft model is another random model, so that verify steps keep some drafts and reject
+others."""
 
 from __future__ import annotations
 
@@ -17,16 +19,27 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
+def _tiny(path, seed: int, hidden: int, layers: int) -> str:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.3, tie_word_embeddings=False, rope_theta=10000.0)
-    path = tmp_path_factory.mktemp("tiny_spec")
-    torch.manual_seed(0)
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
+        rope_theta=10000.0)
+    torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return _tiny(tmp_path_factory.mktemp("tiny_spec"), 0, 32, 2)
+
+
+@pytest.fixture(scope="module")
+def draft_path(tmp_path_factory):
+    """Another model of the target's vocabulary: other sizes (its own cache pages), other
+    weights, with the same greedy choice as the target now and then."""
+    return _tiny(tmp_path_factory.mktemp("tiny_draft"), 3, 16, 1)
 
 
 def _prompts() -> list[list[int]]:
@@ -77,13 +90,23 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_greedy_equals_no_speculation(tiny_path, make_llm, case):
+# FLEX_ATTENTION with a draft model runs both its verify steps and the draft's decode steps;
+# n-gram's verify steps on it, chunked and async with a draft model repeat paths run elsewhere.
+SLOW = {("flex", "ngram"), ("chunked", "draft_model"), ("async", "draft_model")}
+
+
+@pytest.mark.parametrize("case, method", [
+    pytest.param(case, method, marks=[pytest.mark.slow] if (case, method) in SLOW else [],
+                 id=f"{case}-{method}")
+    for case in CASES for method in ("ngram", "draft_model")])
+def test_greedy_equals_no_speculation(tiny_path, draft_path, make_llm, case, method):
     prompts, params = _prompts(), _params()
     if case in ("chunked", "flex"):  # the slowest: fewer requests (n > 1 kept)
-        prompts, params = prompts[4:], params[4:]
+        prompts, params = prompts[5:], params[5:]
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": draft_path,
+                                            "num_speculative_tokens": 3}
     want, _ = _run(make_llm, tiny_path, prompts, params, None, **CASES[case])
-    got, stats = _run(make_llm, tiny_path, prompts, params, NGRAM, **CASES[case])
+    got, stats = _run(make_llm, tiny_path, prompts, params, spec, **CASES[case])
     _assert_same(got, want)
     # Verify steps ran, and both kept and rejected drafts.
     assert stats.spec_decode_num_drafts > 0
@@ -92,6 +115,22 @@ def test_greedy_equals_no_speculation(tiny_path, make_llm, case):
         assert stats.num_preemptions > 0
     if case == "prefix-caching":
         assert stats.prefix_cache_hits > 0
+
+
+def test_a_draft_identical_to_the_target_keeps_every_draft(tiny_path, make_llm):
+    """Acceptance rate exactly 1.0 and mean acceptance length exactly K + 1 (max_tokens = 1 +
+    a multiple of K + 1, so no step's drafts are cut short)."""
+    k = 3
+    spec = {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": k}
+    params = SamplingParams(temperature=0, max_tokens=1 + 6 * (k + 1), ignore_eos=True)
+    prompts = _prompts()[:5]
+    want, _ = _run(make_llm, tiny_path, prompts, params, None)
+    got, stats = _run(make_llm, tiny_path, prompts, params, spec)
+    _assert_same(got, want)
+    assert stats.spec_decode_num_drafts == 5 * 6
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens == 5 * 18
+    assert 1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts == k + 1
+    assert stats.spec_decode_num_accepted_tokens_per_pos == [30, 30, 30]
 
 
 def test_counters_add_up(tiny_path, make_llm):
@@ -141,13 +180,12 @@ def test_synthetic_acceptance_rate_one_keeps_every_draft(tiny_path, make_llm):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
-     "'draft_model' is not implemented yet"),
     ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2},
      "'eagle3' is not implemented yet"),
     (dict(NGRAM, draft_tensor_parallel_size=2), "draft_tensor_parallel_size 2"),
 ])
 def test_refused_at_start_up(tiny_path, spec, message):
+    """(A draft of another vocabulary: test_draft_of_another_vocabulary_is_refused.)"""
     from pagedserve import LLM
 
     with pytest.raises(ValueError, match=message):
@@ -183,3 +221,16 @@ def test_guided_requests_beside_verify_steps(tmp_path, make_llm, monkeypatch):
     got, stats = _run(make_llm, model, prompts, params, NGRAM)
     _assert_same(got, want)
     assert stats.spec_decode_num_drafts > 0 and any(mixed)
+
+
+def test_draft_of_another_vocabulary_is_refused(tiny_path, tmp_path):
+    from pagedserve import LLM
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB + 1, hidden_size=16,
+                                      intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary of 98 tokens, the target 97"):
+        LLM(model=tiny_path, dtype="float32", device="cpu", kv_cache_memory="8MiB",
+            speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                "num_speculative_tokens": 2})
