@@ -67,12 +67,8 @@ class ModelRunner:
         if not self.attn_layers and not self.state_layers:
             raise ValueError("the model has neither attention nor state layers")
         # Speculative decoding (spec_decode/): a verify step's layout and rejection sampling,
-        # the next drafts; None when off. A draft model's layers join the target's cache.
-        self.speculator = make_speculator(config, self.device, self.dtype,
-                                          bool(self.state_layers), self.tp_size, max_model_len,
-                                          vocab_size)
-        if self.speculator is not None:
-            self.attn_layers += self.speculator.attention_layers(len(self.attn_layers))
+        # the next drafts; None when off. A draft model's layers join attn_layers (its cache).
+        self.speculator = make_speculator(config, self)
         # Backend builders by Attention.metadata_key, and the cache group each one reads.
         self.builders: dict[Any, Any] = {}
         self.builder_group: dict[Any, int] = {}
@@ -84,6 +80,8 @@ class ModelRunner:
             self._bind_state_layers()
         if self.attn_layers:
             self._bind_attention_layers()
+        if self.speculator is not None:
+            self.speculator.check_layout(self.kv_layout)
 
         self.num_kv_groups = len(self.kv_layout.groups) if self.kv_layout else 1
         self.input_batch = InputBatch(self.max_num_reqs, max_model_len, self.max_blocks_per_seq,

@@ -33,7 +33,10 @@ class DraftModelProposer(Proposer):
         from pagedserve.models.loader import load_model
 
         super().__init__(num_speculative_tokens)
-        loaded = load_model(model, dtype, device, max_model_len, generation_config="vllm")
+        try:
+            loaded = load_model(model, dtype, device, max_model_len, generation_config="vllm")
+        except ValueError as exc:  # e.g. a shorter context than the target's
+            raise ValueError(f"speculative_config: the draft model {model!r}: {exc}") from None
         draft_vocab = loaded.hf_config.vocab_size
         if draft_vocab != vocab_size:
             raise ValueError(f"speculative_config: the draft model {model!r} has a vocabulary "

@@ -20,21 +20,23 @@ from pagedserve.spec_decode.verify import VerifyLayout, build_layout
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.sampler import SamplerOutput, SamplingMetadata
+    from pagedserve.kv_cache.groups import KVCacheLayout
     from pagedserve.scheduler import SchedulerOutput
 
 
-def make_speculator(config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                    has_state_layers: bool, tensor_parallel_size: int, max_model_len: int,
-                    vocab_size: int) -> Speculator | None:
+def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
     """The runner's speculator, None without --speculative-config; what the model cannot
-    use is refused here, at start-up, with the reason."""
+    use is refused here, at start-up, with the reason. A draft model's attention layers are
+    appended to the runner's `attn_layers` (before they are bound to the backend)."""
     spec = config.speculative
     if spec is None:
         return None
-    check_supported(spec, has_state_layers=has_state_layers,
-                    tensor_parallel_size=tensor_parallel_size)
-    return Speculator(spec, make_proposer(spec, dtype, device, max_model_len, vocab_size),
-                      device)
+    check_supported(spec, has_state_layers=bool(runner.state_layers),
+                    tensor_parallel_size=runner.tp_size)
+    proposer = make_proposer(spec, runner.dtype, runner.device, runner.max_model_len,
+                             runner.vocab_size)
+    runner.attn_layers += proposer.attention_layers(len(runner.attn_layers))
+    return Speculator(spec, proposer, runner.device)
 
 
 def make_proposer(spec: SpeculativeConfig, dtype: torch.dtype, device: torch.device,
@@ -65,9 +67,12 @@ class Speculator:
     def uses_kv_cache(self) -> bool:
         return self.proposer.uses_kv_cache
 
-    def attention_layers(self, first_index: int) -> list[Any]:
-        """A draft model's attention layers, numbered from `first_index` (none for n-gram)."""
-        return self.proposer.attention_layers(first_index)
+    def check_layout(self, layout: KVCacheLayout | None) -> None:
+        """A draft model proposes on the first cache group's block table: its layers and the
+        target's must form one group."""
+        if self.uses_kv_cache and layout is not None and len(layout.groups) > 1:
+            raise ValueError("speculative_config: a draft model beside KV cache groups of "
+                             "several kinds (sliding windows) is not implemented yet")
 
     def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Under a step's forward context, after the target: a draft model's K/V for the

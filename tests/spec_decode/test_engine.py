@@ -234,3 +234,18 @@ def test_draft_of_another_vocabulary_is_refused(tiny_path, tmp_path):
         LLM(model=tiny_path, dtype="float32", device="cpu", kv_cache_memory="8MiB",
             speculative_config={"method": "draft_model", "model": str(tmp_path),
                                 "num_speculative_tokens": 2})
+
+
+def test_draft_model_beside_cache_groups_is_refused(draft_path, tmp_path):
+    """A target whose layers form KV cache groups of two kinds (full and sliding)."""
+    from pagedserve import LLM
+
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+        sliding_window=8, max_window_layers=1, max_position_embeddings=256)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="KV cache groups of several kinds"):
+        LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
+            speculative_config={"method": "draft_model", "model": draft_path,
+                                "num_speculative_tokens": 2})
