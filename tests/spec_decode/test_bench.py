@@ -1,4 +1,5 @@
-"""`bench throughput` prints speculative decoding's figures."""
+"""`bench throughput` prints speculative decoding's figures; /metrics exports its counters
+under vLLM's names."""
 
 from __future__ import annotations
 
@@ -23,3 +24,27 @@ def test_bench_throughput_prints_acceptance(capsys: pytest.CaptureFixture[str]) 
     # Every draft kept (synthetic rate 1.0); a lookup may find fewer than K tokens to draft.
     assert "acceptance rate 100.0%, per position 1.000, " in line
     assert "mean acceptance length " in line and "drafts, " in line
+
+
+def test_metrics_export_the_counters_under_vllms_names() -> None:
+    from types import SimpleNamespace
+
+    from pagedserve.engine.async_llm import EngineSnapshot
+    from pagedserve.engine.llm_engine import EngineStats
+    from pagedserve.server.metrics import EngineCollector
+
+    def families(**spec):
+        stats = EngineStats(1, 0, 0.5, 0, 10, 4, 100, 50, **spec)
+        snap = EngineSnapshot(stats, 64, 32, 2, 9, 0, 3)
+        return {m.name: m for m in EngineCollector(SimpleNamespace(snapshot=snap)).collect()}
+
+    off = families()
+    assert not any("spec_decode" in name for name in off)
+    on = families(spec_decode_num_drafts=5, spec_decode_num_draft_tokens=15,
+                  spec_decode_num_accepted_tokens=7,
+                  spec_decode_num_accepted_tokens_per_pos=[4, 2, 1])
+    assert on["pagedserve:spec_decode_num_drafts"].samples[0].value == 5
+    assert on["pagedserve:spec_decode_num_draft_tokens"].samples[0].value == 15
+    assert on["pagedserve:spec_decode_num_accepted_tokens"].samples[0].value == 7
+    per_pos = on["pagedserve:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert [(s.labels["position"], s.value) for s in per_pos] == [("0", 4), ("1", 2), ("2", 1)]
