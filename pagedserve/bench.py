@@ -86,6 +86,9 @@ def _spec_decode_figures(before: Any, after: Any) -> dict[str, Any]:
             "spec_decode_num_accepted_tokens": accepted,
             "spec_decode_num_accepted_tokens_per_pos": per_pos,
             "spec_decode_acceptance_rate": acceptance_rate(draft_tokens, accepted),
+            "spec_decode_propose_share": (
+                (after.spec_decode_propose_seconds - before.spec_decode_propose_seconds)
+                / max(after.step_seconds - before.step_seconds, 1e-9)),
             "spec_decode_mean_acceptance_length": mean_acceptance_length(drafts, accepted)}
 
 
@@ -108,7 +111,8 @@ def format_throughput(r: dict[str, float]) -> str:
                            for n in r["spec_decode_num_accepted_tokens_per_pos"])
                + f" ({r['spec_decode_num_drafts']} drafts, "
                f"{r['spec_decode_num_draft_tokens']} draft tokens, "
-               f"{r['spec_decode_num_accepted_tokens']} accepted)"
+               f"{r['spec_decode_num_accepted_tokens']} accepted); the proposer "
+               f"{r['spec_decode_propose_share']:.1%} of the engine core's step time"
                if r.get("spec_decode_num_drafts") else ""))
 
 

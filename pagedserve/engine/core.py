@@ -83,12 +83,12 @@ class CoreStats(msgspec.Struct, array_like=True):
     # rest is the host's own work.
     wait_seconds: float = 0.0
     device_seconds: float = 0.0  # the GPU's busy time (0 unless PAGEDSERVE_DEVICE_TIMING)
-    # Speculative decoding, vLLM's counters: requests that verified drafts, drafts verified,
-    # drafts kept, and kept at each position 1..K.
+    # Speculative decoding under vLLM's names (spec_decode/metrics.py says what each counts).
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    spec_decode_propose_seconds: float = 0.0  # of step_seconds: the proposer's
 
 
 class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -308,6 +308,8 @@ class Scheduler:
 
     def _keep_drafts(self, output: SchedulerOutput, drafts: Drafts) -> None:
         """Each live request's drafts for its next step (none for the ones that got none)."""
+        if self.spec_stats is not None:
+            self.spec_stats.propose_seconds += drafts.seconds
         for i in np.flatnonzero(drafts.counts).tolist():
             request = output.requests[i]
             if not request.status.is_finished and request.status == RequestStatus.RUNNING:

@@ -16,6 +16,7 @@ class SpecDecodeStats:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = np.zeros(num_speculative_tokens, dtype=np.int64)
+        self.propose_seconds = 0.0  # the proposer's host wall time (device work waited for)
 
     def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
         """One step's requests: drafts verified and kept, [B] each (rows without drafts
@@ -36,7 +37,8 @@ class SpecDecodeStats:
                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_decode_num_accepted_tokens_per_pos":
-                    self.num_accepted_tokens_per_pos.tolist()}
+                    self.num_accepted_tokens_per_pos.tolist(),
+                "spec_decode_propose_seconds": self.propose_seconds}
 
 
 def describe_acceptance(stats: Any) -> str:

@@ -17,6 +17,7 @@ class Drafts:
 
     token_ids: np.ndarray
     counts: np.ndarray
+    seconds: float = 0.0  # host wall time the proposal took (device work waited for)
 
     def row(self, i: int) -> list[int]:
         return self.token_ids[i, :int(self.counts[i])].tolist()

@@ -4,6 +4,7 @@ coordinates."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
@@ -111,10 +112,14 @@ class Speculator:
         if ineligible:
             eligible &= np.fromiter((r.request_id not in ineligible for r in batch.requests),
                                     bool, batch.num_reqs)
+        start = time.perf_counter()
         if not self.uses_kv_cache:
-            return self.proposer.propose(runner.input_batch.token_ids, rows, num_tokens,
-                                         eligible)
-        # Each row's newest token (its first input): the step's sample, or its last kept one.
-        newest = (sampled if sampled.ndim == 1 else np.take_along_axis(
-            sampled, np.maximum((sampled >= 0).sum(axis=1) - 1, 0)[:, None], axis=1)[:, 0])
-        return self.proposer.propose_from(runner, rows, num_tokens, eligible, newest)
+            drafts = self.proposer.propose(runner.input_batch.token_ids, rows, num_tokens,
+                                           eligible)
+        else:
+            # Each row's newest token (its first input): the step's sample, or its last kept.
+            newest = (sampled if sampled.ndim == 1 else np.take_along_axis(
+                sampled, np.maximum((sampled >= 0).sum(axis=1) - 1, 0)[:, None], axis=1)[:, 0])
+            drafts = self.proposer.propose_from(runner, rows, num_tokens, eligible, newest)
+        drafts.seconds = time.perf_counter() - start
+        return drafts

@@ -24,6 +24,13 @@ def test_bench_throughput_prints_acceptance(capsys: pytest.CaptureFixture[str]) 
     # Every draft kept (synthetic rate 1.0); a lookup may find fewer than K tokens to draft.
     assert "acceptance rate 100.0%, per position 1.000, " in line
     assert "mean acceptance length " in line and "drafts, " in line
+    assert "% of the engine core's step time" in line
+
+
+def test_backends_list_says_how_drafts_are_verified(capsys: pytest.CaptureFixture[str]):
+    assert main(["backends"]) == 0
+    assert "verifies a request's 1+K drafted tokens as a chunked prefill" in \
+        capsys.readouterr().out
 
 
 def test_metrics_export_the_counters_under_vllms_names() -> None:
