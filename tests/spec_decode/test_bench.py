@@ -55,3 +55,24 @@ def test_metrics_export_the_counters_under_vllms_names() -> None:
     assert on["pagedserve:spec_decode_num_accepted_tokens"].samples[0].value == 7
     per_pos = on["pagedserve:spec_decode_num_accepted_tokens_per_pos"].samples
     assert [(s.labels["position"], s.value) for s in per_pos] == [("0", 4), ("1", 2), ("2", 1)]
+
+
+def test_bench_serve_prints_acceptance(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Read from the server's /metrics before and after the run."""
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.engine.llm_engine import LLMEngine
+    from tests.utils.paged import tiny_chat_model
+    from tests.utils.server import app_in_thread
+
+    model = str(tiny_chat_model(tmp_path / "tiny"))
+    engine = LLMEngine.from_kwargs(model=model, dtype="float32", kv_cache_memory="16MiB",
+                                   speculative_config=SPEC)
+    llm = AsyncLLM(engine)
+    with app_in_thread(llm, "tiny") as url:
+        rc = main(["bench", "serve", "--url", url, "--num-prompts", "3", "--input-len", "12",
+                   "--output-len", "16", "--vocab-size", "50", "--request-rate", "inf"])
+    llm.shutdown()
+    out = capsys.readouterr().out
+    assert rc == 0 and "Successful requests: 3" in out
+    line = next(x for x in out.splitlines() if x.startswith("Speculative decoding:"))
+    assert "acceptance rate 100.0%, per position 1.000, " in line
