@@ -115,7 +115,10 @@ def profile_peak_memory(runner: Any) -> int:
     needed = -(-num_tokens // runner.block_size) if runner.attn_layers else 0
     runner.allocate_kv_cache(needed, 1 if runner.state_layers else 0)
     hidden = runner._dummy_forward(1, num_tokens, 0)
-    runner.model.compute_logits(hidden[-runner.max_num_reqs:])
+    # The head's rows: one per request, 1 + K per request in a step that verifies drafts.
+    spec = runner.config.speculative
+    head_rows = runner.max_num_reqs * (1 + (spec.num_speculative_tokens if spec else 0))
+    runner.model.compute_logits(hidden[-head_rows:])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     runner.kv_caches, runner.state_caches = [], []

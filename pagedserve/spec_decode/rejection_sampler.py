@@ -103,7 +103,7 @@ class RejectionSampler:
         if probs is not None:
             residual = probs[last]
             rejected = accepted < torch.from_numpy(layout.num_drafts).to(device)
-            if rejected.any() and self.synthetic_rate is None:
+            if self.synthetic_rate is None and layout.drafts.shape[1]:  # (no sync on .any())
                 residual = _remove_draft(residual, rejected, accepted, layout, draft_probs)
             sampled = _exponential_race(residual, meta.generators)
             final = torch.where(meta.is_greedy, final, sampled)

@@ -86,13 +86,15 @@ CASES = {
     "preempting": dict(num_gpu_blocks_override=20, block_size=4, kv_cache_memory=None),
     "prefix-caching": dict(enable_prefix_caching=True, block_size=4),
     "async": dict(async_scheduling=True),
+    "context-limit": dict(max_model_len=40),  # drafts cut at the end of the context
     "flex": dict(attention_backend="FLEX_ATTENTION", block_size=4),
 }
 
 
 # FLEX_ATTENTION with a draft model runs both its verify steps and the draft's decode steps;
 # n-gram's verify steps on it, chunked and async with a draft model repeat paths run elsewhere.
-SLOW = {("flex", "ngram"), ("chunked", "draft_model"), ("async", "draft_model")}
+SLOW = {("flex", "ngram"), ("chunked", "draft_model"), ("async", "draft_model"),
+        ("context-limit", "ngram")}
 
 
 @pytest.mark.parametrize("case, method", [
@@ -103,6 +105,8 @@ def test_greedy_equals_no_speculation(tiny_path, draft_path, make_llm, case, met
     prompts, params = _prompts(), _params()
     if case in ("chunked", "flex"):  # the slowest: fewer requests (n > 1 kept)
         prompts, params = prompts[5:], params[5:]
+    if case == "context-limit":  # every request runs to max_model_len
+        params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, logprobs=1)
     spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": draft_path,
                                             "num_speculative_tokens": 3}
     want, _ = _run(make_llm, tiny_path, prompts, params, None, **CASES[case])
