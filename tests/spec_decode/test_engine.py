@@ -254,3 +254,32 @@ def test_draft_model_beside_cache_groups_is_refused(tmp_path):
         LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
             speculative_config={"method": "draft_model", "model": str(tmp_path),
                                 "num_speculative_tokens": 2})
+
+
+def test_prompt_logprobs_and_scoring_beside_verify_steps(tiny_path, make_llm):
+    """Requests that keep more logits than their sample (prompt logprobs, scoring) get no
+    drafts and read their own rows of a verify step's logits."""
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                             prompt_logprobs=2 if i % 3 == 0 else None)
+              for i in range(len(prompts))]
+    results = []
+    for spec in (None, NGRAM):
+        # A small step budget staggers the prefills, so prompt chunks meet verify steps.
+        llm = make_llm(model=tiny_path, dtype="float32", device="cpu", kv_cache_memory="8MiB",
+                       speculative_config=spec, max_num_batched_tokens=24)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        scores = llm.score(prompts[:2], [prompts[2][:5], prompts[3][:4]])
+        results.append(([o.outputs[0].token_ids for o in outs],
+                        [[{t: lp.logprob for t, lp in pos.items()} if pos else None
+                          for pos in o.prompt_logprobs or []] for o in outs], scores))
+    (want_ids, want_lp, want_scores), (got_ids, got_lp, got_scores) = results
+    assert got_ids == want_ids
+    for o_got, o_want in zip(got_lp, want_lp, strict=True):
+        for pos_got, pos_want in zip(o_got, o_want, strict=True):
+            assert (pos_got is None) == (pos_want is None)
+            if pos_want:
+                assert pos_got.keys() == pos_want.keys()
+                assert all(abs(pos_got[t] - pos_want[t]) < 1e-4 for t in pos_want)
+    for s_got, s_want in zip(got_scores, want_scores, strict=True):
+        assert torch.allclose(s_got, s_want, atol=1e-4)
