@@ -119,7 +119,8 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             drafts = request.spec_token_ids
-            if drafts:  # its last verified token, then as many drafts as fit
+            if drafts:  # its last verified token, then as many drafts as fit (used once)
+                request.spec_token_ids = []
                 drafts = self._fit_drafts(request, drafts, budget - num_new)
                 num_new += len(drafts)
             slots = (num_new + self._lookahead(request.num_computed_tokens + num_new)
@@ -149,7 +150,6 @@ class Scheduler:
             add_is_new(False)
             if drafts:
                 step.drafts[len(step.requests) - 1] = drafts
-                request.spec_token_ids = []
             budget -= num_new
             i += 1
 

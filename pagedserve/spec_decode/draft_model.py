@@ -69,8 +69,9 @@ class DraftModelProposer(Proposer):
         b = len(rows)
         drafts = Drafts(np.zeros((b, self.k), dtype=np.int64), np.zeros(b, dtype=np.int32))
         table = runner.input_batch.block_table
-        # Positions past a row's blocks have no slot: its drafts stop there.
-        capacity = table.num_blocks[rows].astype(np.int64) * runner.block_size
+        # Positions past a row's blocks have no slot (nor past the context): drafts stop there.
+        capacity = np.minimum(table.num_blocks[rows].astype(np.int64) * runner.block_size,
+                              runner.max_model_len)
         start = num_tokens.astype(np.int64) - 1
         limit = np.where(eligible, np.clip(capacity - start, 0, self.k), 0)
         ids = torch.from_numpy(newest.astype(np.int64)).to(self.device)
