@@ -66,10 +66,10 @@ def run_throughput(llm: Any, prompts: list[list[int]], output_len: int,
             # share of the run the GPU was busy; None when not measured.
             "gpu_busy": device_s / elapsed if device_s > 0 else None,
             "gpu_ms_per_step": device_s / steps * 1e3 if device_s > 0 else None,
-            **_spec_decode_figures(before, after)}
+            **spec_decode_figures(before, after)}
 
 
-def _spec_decode_figures(before: Any, after: Any) -> dict[str, Any]:
+def spec_decode_figures(before: Any, after: Any) -> dict[str, Any]:
     """Speculative decoding's counters over the run (vLLM's names), none without drafts."""
     from pagedserve.spec_decode.metrics import acceptance_rate, mean_acceptance_length
 
@@ -308,7 +308,7 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         summary = summarize(list(results), time.perf_counter() - start)
         after = await _spec_counters(client, url)
         if before is not None and after is not None:
-            summary.update(_spec_decode_figures(before, after))
+            summary.update(spec_decode_figures(before, after))
         return summary
 
 

@@ -151,10 +151,9 @@ class EngineCore:
         spec, speculator = config.speculative, self.runner.speculator
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
                                    spec.num_speculative_tokens if spec else 0,
-                                   bool(speculator and speculator.uses_kv_cache))
+                                   bool(speculator and speculator.uses_kv_cache),
+                                   spec.disable_by_batch_size if spec else None)
         self.async_scheduling = config.use_async_scheduling
-        # Drafts follow each step's kept tokens, read on the host: no overlap while speculating.
-        self._speculating = spec is not None
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         # Live sequences whose sampling needs all earlier tokens on the host (see step()).
         self._sync_requests: set[str] = set()
@@ -325,7 +324,8 @@ class EngineCore:
                 wait([f for f, _ in self._awaiting_grammar], timeout=0.01,
                      return_when=FIRST_COMPLETED)
             self._admit_compiled(out)
-        overlap = self.async_scheduling and not self._sync_requests and not self._speculating
+        overlap = (self.async_scheduling and not self._sync_requests
+                   and not self.scheduler.speculating)
         if self._in_flight is not None and not overlap:
             self._complete(*self._in_flight, out)
             self._in_flight = None

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  max_model_len: int, num_speculative_tokens: int = 0,
-                 draft_has_kv: bool = False) -> None:
+                 draft_has_kv: bool = False, disable_by_batch_size: int | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
@@ -37,6 +37,17 @@ class Scheduler:
         # A draft model writes its K/V up to K - 1 positions past a step's last token while it
         # proposes: each allocation reserves K slots more (within max_model_len).
         self.lookahead = num_speculative_tokens if draft_has_kv else 0
+        # Drafts are verified only while fewer requests than this run (None: always).
+        self.disable_by_batch_size = disable_by_batch_size
+        self._drafting = False  # this step's: decided once, as it starts
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the next step may verify drafts. Drafts follow each step's kept tokens, read
+        on the host: the engine then completes each step before scheduling the next (a verify
+        step in flight would leave the next one's positions unknown)."""
+        limit = self.disable_by_batch_size
+        return self.spec_stats is not None and (limit is None or len(self.running) < limit)
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -96,6 +107,7 @@ class Scheduler:
         scheduled before this one's samples are back (the runner puts them into the next
         step's inputs before launching it)."""
         budget = self.config.max_num_batched_tokens
+        self._drafting = self.speculating
         step = _StepPlan()
         num_preempted = 0
         kv = self.kv
@@ -192,8 +204,8 @@ class Scheduler:
         room for the token the target adds after them within max_tokens and max_model_len.
         None while the request has a sample in flight (its drafts would follow a token not
         known yet)."""
-        if request.num_output_placeholders or request.num_computed_tokens + 1 != \
-                request.num_tokens:
+        if (not self._drafting or request.num_output_placeholders
+                or request.num_computed_tokens + 1 != request.num_tokens):
             return []
         limit = min(room, request.max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens - 1)

@@ -2,7 +2,10 @@
 
 The fields and their meaning are vLLM's: `method` (ngram, draft_model, eagle, eagle3, mtp),
 `model` (the draft or head), `num_speculative_tokens` (K, drafts per step),
-`prompt_lookup_min` / `prompt_lookup_max` (n-gram sizes), `draft_tensor_parallel_size`, and
+`prompt_lookup_min` / `prompt_lookup_max` (n-gram sizes), `draft_tensor_parallel_size`,
+`disable_by_batch_size` (no drafts while this many requests run: at a large batch a step is
+bound by its compute, not by reading the weights, and verifying drafts costs more than it
+saves; the steps overlap again under async scheduling), and
 the testing-only `rejection_sample_method: "synthetic"` with `synthetic_acceptance_rate`
 (drafts accepted at that rate per position, whatever the target says: a way to time a draft or
 head of random weights at a chosen acceptance length; the output is not the target's).
@@ -30,6 +33,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     draft_tensor_parallel_size: int | None = None
+    disable_by_batch_size: int | None = None
     rejection_sample_method: str = "strict"
     synthetic_acceptance_rate: float | None = None
 
@@ -49,6 +53,11 @@ class SpeculativeConfig:
         elif self.model is None and self.method != "mtp":
             raise ValueError(f"speculative_config: method {self.method!r} needs 'model' (the "
                              "draft model or head)")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                                  or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer "
+                             f">= 1, got {limit!r}")
         tp = self.draft_tensor_parallel_size
         if tp is not None and (not isinstance(tp, int) or tp < 1):
             raise ValueError(f"speculative_config: draft_tensor_parallel_size must be an "

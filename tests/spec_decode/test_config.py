@@ -45,6 +45,8 @@ def test_lookup_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
       "prompt_lookup_max": 2}, "prompt_lookup_min 4 is above prompt_lookup_max 2"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "m"}, "takes no model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "disable_by_batch_size must be"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"},
      "synthetic_acceptance_rate in"),

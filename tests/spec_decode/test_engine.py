@@ -283,3 +283,28 @@ def test_prompt_logprobs_and_scoring_beside_verify_steps(tiny_path, make_llm):
                 assert all(abs(pos_got[t] - pos_want[t]) < 1e-4 for t in pos_want)
     for s_got, s_want in zip(got_scores, want_scores, strict=True):
         assert torch.allclose(s_got, s_want, atol=1e-4)
+
+
+def test_disable_by_batch_size_switches_between_overlap_and_drafts(tiny_path, make_llm,
+                                                                    monkeypatch):
+    """Above the size the steps overlap without drafts; as requests finish, drafts resume
+    (each step then completed before the next). Outputs equal those without speculation."""
+    from pagedserve.engine.core import EngineCore
+
+    overlapped = []
+    step = EngineCore.step
+
+    def spy(self):
+        out = step(self)
+        overlapped.append(self._in_flight is not None)
+        return out
+
+    monkeypatch.setattr(EngineCore, "step", spy)
+    prompts, params = _prompts(), _params()
+    spec = dict(NGRAM, disable_by_batch_size=4)
+    want, _ = _run(make_llm, tiny_path, prompts, params, None, async_scheduling=True)
+    overlapped.clear()
+    got, stats = _run(make_llm, tiny_path, prompts, params, spec, async_scheduling=True)
+    _assert_same(got, want)
+    assert any(overlapped) and not all(overlapped)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
