@@ -19,10 +19,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 
 
-def _tiny(path, seed: int, hidden: int, layers: int) -> str:
+def _tiny(path, seed: int, hidden: int, layers: int, heads: int = 4) -> str:
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
         max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
         rope_theta=10000.0)
     torch.manual_seed(seed)
@@ -308,3 +308,19 @@ def test_disable_by_batch_size_switches_between_overlap_and_drafts(tiny_path, ma
     _assert_same(got, want)
     assert any(overlapped) and not all(overlapped)
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_triton_backend_in_the_interpreter(tmp_path, make_llm, method):
+    """TRITON's kernels (Triton's interpreter on the CPU) over verify steps and a draft
+    model's steps; its head sizes start at 64."""
+    pytest.importorskip("triton")
+    path = _tiny(tmp_path, 0, 128, 1, heads=2)
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": path,
+                                            "num_speculative_tokens": 2}
+    prompts, params = _prompts()[:3], SamplingParams(temperature=0, max_tokens=12,
+                                                     ignore_eos=True)
+    want, _ = _run(make_llm, path, prompts, params, None, attention_backend="TRITON")
+    got, stats = _run(make_llm, path, prompts, params, spec, attention_backend="TRITON")
+    _assert_same(got, want)
+    assert stats.spec_decode_num_accepted_tokens > 0
