@@ -76,22 +76,29 @@ class DraftModelProposer(Proposer):
         limit = np.where(eligible, np.clip(capacity - start, 0, self.k), 0)
         ids = torch.from_numpy(newest.astype(np.int64)).to(self.device)
         out = torch.zeros(b, self.k, dtype=torch.int64, device=self.device)
+        # Each step's metadata goes through the runner's pinned buffers: the next step rewrites
+        # them only once the copies queued from them have run.
+        copied = torch.cuda.Event() if self.device.type == "cuda" else None
         for j in range(self.k):
             live = np.flatnonzero(limit > j)
             if not live.size:
                 break
+            if copied is not None and j:
+                copied.synchronize()
             live_dev = torch.from_numpy(live).to(self.device)
             n = len(live)
             common = runner.common_builder.build(
                 rows[live], (start[live] + j).astype(np.int32), np.ones(n, dtype=np.int32), 0,
                 table.table)
             metadata = {key: builder.build(common) for key, builder in runner.builders.items()}
+            if copied is not None:
+                copied.record()
             with set_forward_context(metadata, runner.kv_caches):
                 hidden = self.model(ids[live_dev], common.positions)
             token = self.model.compute_logits(hidden[:n]).argmax(dim=-1)
             out[live_dev, j] = token
             ids = ids.clone()
             ids[live_dev] = token
-        drafts.token_ids = out.cpu().numpy()
+        drafts.token_ids = out.cpu().numpy()  # (waits for the steps: the buffers are free)
         drafts.counts = limit.astype(np.int32)
         return drafts
