@@ -168,7 +168,8 @@ def expand_metadata(meta: SamplingMetadata, layout: VerifyLayout) -> SamplingMet
     bitmask, bitmask_rows = meta.token_bitmask, meta.bitmask_rows
     if bitmask is not None:
         # Guided requests get no drafts: each has one row, at its row start.
-        bitmask = bitmask.index_select(0, req)
+        # (On CUDA the mask may be pinned host memory: gathered where it lies.)
+        bitmask = bitmask.index_select(0, req.to(bitmask.device))
         starts = layout.row_start.tolist()
         bitmask_rows = (starts if bitmask_rows is None
                         else [starts[i] for i in bitmask_rows])
