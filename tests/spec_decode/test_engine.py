@@ -326,3 +326,20 @@ def test_triton_backend_in_the_interpreter(tmp_path, make_llm, method):
     got, stats = _run(make_llm, path, prompts, params, spec, attention_backend="TRITON")
     _assert_same(got, want)
     assert stats.spec_decode_num_accepted_tokens > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TRITON", "FLEX_ATTENTION"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_cuda_greedy_equals_no_speculation(tmp_path, make_llm, backend, method):
+    """On CUDA in float32 (backends that take it): verify steps run eagerly beside decode
+    steps replayed from graphs, and a draft model's engine eagerly."""
+    path = _tiny(tmp_path, 0, 128, 2, heads=2)
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": path,
+                                            "num_speculative_tokens": 3}
+    kwargs = dict(device="cuda", attention_backend=backend, gpu_memory_utilization=0.3,
+                  kv_cache_memory=None, engine_core_process=False)
+    want, _ = _run(make_llm, path, _prompts(), _params(), None, **kwargs)
+    got, stats = _run(make_llm, path, _prompts(), _params(), spec, **kwargs)
+    _assert_same(got, want)
+    assert stats.spec_decode_num_accepted_tokens > 0
