@@ -148,15 +148,18 @@ def test_counters_add_up(tiny_path, make_llm):
     assert stats.prompt_tokens == stats.prefix_cache_queries - stats.prefix_cache_hits
 
 
-def test_seeded_sampling_reproduces(tiny_path, make_llm):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_sampling_reproduces(tiny_path, draft_path, make_llm, method):
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": draft_path,
+                                            "num_speculative_tokens": 3}
     prompts = _prompts()
     params = [SamplingParams(temperature=t, top_k=k, top_p=0.9, seed=s, max_tokens=25,
                              ignore_eos=True, logprobs=1)
               for s, (t, k) in enumerate([(0.5, 5), (1.0, 0), (0.3, 20)] * 3)][:len(prompts)]
-    first, stats = _run(make_llm, tiny_path, prompts, params, NGRAM)
+    first, stats = _run(make_llm, tiny_path, prompts, params, spec)
     # Another batch order: a seeded request's draws come from its own generator, as many as
     # its own drafts (a step budget that cut its drafts short would change them).
-    second, _ = _run(make_llm, tiny_path, prompts[::-1], params[::-1], NGRAM)
+    second, _ = _run(make_llm, tiny_path, prompts[::-1], params[::-1], spec)
     _assert_same(second[::-1], first)
     assert stats.spec_decode_num_accepted_tokens > 0
 
