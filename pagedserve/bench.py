@@ -65,7 +65,33 @@ def run_throughput(llm: Any, prompts: list[list[int]], output_len: int,
             # CUDA events around each step's device work (PAGEDSERVE_DEVICE_TIMING=1): the
             # share of the run the GPU was busy; None when not measured.
             "gpu_busy": device_s / elapsed if device_s > 0 else None,
-            "gpu_ms_per_step": device_s / steps * 1e3 if device_s > 0 else None}
+            "gpu_ms_per_step": device_s / steps * 1e3 if device_s > 0 else None,
+            **spec_decode_figures(before, after)}
+
+
+def spec_decode_figures(before: Any, after: Any) -> dict[str, Any]:
+    """Speculative decoding's counters over the run (vLLM's names), none without drafts."""
+    from pagedserve.spec_decode.metrics import acceptance_rate, mean_acceptance_length
+
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    if not drafts:
+        return {}
+    draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    per_pos = [a - b for a, b in zip(after.spec_decode_num_accepted_tokens_per_pos,
+                                     before.spec_decode_num_accepted_tokens_per_pos or
+                                     [0] * len(after.spec_decode_num_accepted_tokens_per_pos),
+                                     strict=True)]
+    return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_num_accepted_tokens_per_pos": per_pos,
+            "spec_decode_acceptance_rate": acceptance_rate(draft_tokens, accepted),
+            # The core's step time is known in process only (not from /metrics).
+            "spec_decode_propose_share": (
+                (after.spec_decode_propose_seconds - before.spec_decode_propose_seconds)
+                / max(after.step_seconds - before.step_seconds, 1e-9))
+            if hasattr(after, "step_seconds") else None,
+            "spec_decode_mean_acceptance_length": mean_acceptance_length(drafts, accepted)}
 
 
 def format_throughput(r: dict[str, float]) -> str:
@@ -79,7 +105,21 @@ def format_throughput(r: dict[str, float]) -> str:
             f"step() ({r['core_busy']:.0%} of the run), of which "
             f"{r['core_wait_ms_per_step']:.3f} ms waiting for the device"
             + (f"\nGPU busy: {r['gpu_busy']:.1%} of the run ({r['gpu_ms_per_step']:.3f} ms of "
-               "device work per step, CUDA events)" if r.get("gpu_busy") is not None else ""))
+               "device work per step, CUDA events)" if r.get("gpu_busy") is not None else "")
+            + (f"\n{format_spec_decode(r)}" if r.get("spec_decode_num_drafts") else ""))
+
+
+def format_spec_decode(r: dict[str, Any]) -> str:
+    share = r.get("spec_decode_propose_share")
+    return (f"Speculative decoding: mean acceptance length "
+            f"{r['spec_decode_mean_acceptance_length']:.2f}, acceptance rate "
+            f"{r['spec_decode_acceptance_rate']:.1%}, per position "
+            + ", ".join(f"{n / r['spec_decode_num_drafts']:.3f}"
+                        for n in r["spec_decode_num_accepted_tokens_per_pos"])
+            + f" ({r['spec_decode_num_drafts']} drafts, {r['spec_decode_num_draft_tokens']} "
+            f"draft tokens, {r['spec_decode_num_accepted_tokens']} accepted)"
+            + (f"; the proposer {share:.1%} of the engine core's step time"
+               if share is not None else ""))
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
@@ -157,6 +197,8 @@ def format_serve(s: dict[str, Any]) -> str:
                      f"p50 {s[f'p50_{name}_ms']:.2f}  p99 {s[f'p99_{name}_ms']:.2f}")
     if s["first_error"]:
         lines.append(f"first error: {s['first_error']}")
+    if s.get("spec_decode_num_drafts"):
+        lines.append(format_spec_decode(s))
     return "\n".join(lines)
 
 
@@ -246,6 +288,7 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
             model = await _first_model(client, url)
         prompts = random_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
         warm = await _one_request(client, url, model, prompts[0], 2, True)
+        before = await _spec_counters(client, url)
         if not warm.ok:
             raise SystemExit(f"pagedserve bench serve: the warm-up request failed: {warm.error}")
         semaphore = asyncio.Semaphore(limit)
@@ -262,7 +305,34 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(limited(prompt)))
         results = await asyncio.gather(*tasks)
-        return summarize(list(results), time.perf_counter() - start)
+        summary = summarize(list(results), time.perf_counter() - start)
+        after = await _spec_counters(client, url)
+        if before is not None and after is not None:
+            summary.update(spec_decode_figures(before, after))
+        return summary
+
+
+async def _spec_counters(client: Any, url: str) -> Any:
+    """The server's speculative decoding counters from /metrics (None without them)."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reply = await client.get(url + "/metrics")
+    if reply.status_code != 200:
+        return None
+    found: dict[str, Any] = {}
+    for family in text_string_to_metric_families(reply.text):
+        name = family.name.removeprefix("pagedserve:")
+        if not name.startswith("spec_decode_"):
+            continue
+        values = [s for s in family.samples if s.name.endswith("_total")]
+        if name.endswith("_per_pos"):
+            found[name] = [int(s.value) for s in
+                           sorted(values, key=lambda s: int(s.labels["position"]))]
+        elif values:
+            found[name] = int(values[0].value)
+    return SimpleNamespace(**found) if "spec_decode_num_drafts" in found else None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -36,6 +36,9 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     print(f"\ndevice: {device}; auto-selection order: "
           f"{' > '.join(AUTO_ORDER.get(device.type, ()))}, then, for a quantized "
           f"--kv-cache-dtype, the backends that store it (quantized-kv)")
+    print("speculative decoding (--speculative-config): every backend above verifies a "
+          "request's 1+K drafted tokens as a chunked prefill over its cached context; "
+          "verify steps run without CUDA graphs")
     return 0
 
 

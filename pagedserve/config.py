@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
+
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -199,8 +201,15 @@ class EngineConfig:
         None, "how the ranks run: uni (in the engine's process, one rank only), mp (a process "
               "per rank beside the engine's) or ray (Ray actors); default: uni at one rank, "
               "mp above", choices=["uni", "mp", "ray"])
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = setting(
+        None, "speculative decoding, a JSON object with vLLM's fields: method (ngram; "
+              "draft_model, eagle, eagle3 and mtp are refused as not implemented yet), "
+              "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
+              "draft_tensor_parallel_size; testing only: rejection_sample_method 'synthetic' "
+              "with synthetic_acceptance_rate", metavar="JSON")
 
     def __post_init__(self) -> None:
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
@@ -239,6 +248,12 @@ class EngineConfig:
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative decoding settings (None: off)."""
+        spec = self.speculative_config
+        return spec if isinstance(spec, SpeculativeConfig) else None
 
     @property
     def use_async_scheduling(self) -> bool:

@@ -23,11 +23,13 @@ import torch
 
 from pagedserve.config import EngineConfig, resolve_dtype
 from pagedserve.engine.cpu_threads import configure_cpu_threads
+from pagedserve.engine.logprob_rows import logprob_rows, merge_rows
 from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
 from pagedserve.kv_cache import KVCacheManager
 from pagedserve.kv_cache.specs import bytes_per_slot
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
+from pagedserve.spec_decode.metrics import describe_acceptance
 from pagedserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,12 @@ class CoreStats(msgspec.Struct, array_like=True):
     # rest is the host's own work.
     wait_seconds: float = 0.0
     device_seconds: float = 0.0  # the GPU's busy time (0 unless PAGEDSERVE_DEVICE_TIMING)
+    # Speculative decoding under vLLM's names (spec_decode/metrics.py says what each counts).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    spec_decode_propose_seconds: float = 0.0  # of step_seconds: the proposer's
 
 
 class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -140,7 +148,11 @@ class EngineCore:
         except BaseException:
             self.runner.shutdown()
             raise
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        spec, speculator = config.speculative, self.runner.speculator
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
+                                   spec.num_speculative_tokens if spec else 0,
+                                   bool(speculator and speculator.uses_kv_cache),
+                                   spec.disable_by_batch_size if spec else None)
         self.async_scheduling = config.use_async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         # Live sequences whose sampling needs all earlier tokens on the host (see step()).
@@ -312,7 +324,8 @@ class EngineCore:
                 wait([f for f, _ in self._awaiting_grammar], timeout=0.01,
                      return_when=FIRST_COMPLETED)
             self._admit_compiled(out)
-        overlap = self.async_scheduling and not self._sync_requests
+        overlap = (self.async_scheduling and not self._sync_requests
+                   and not self.scheduler.speculating)
         if self._in_flight is not None and not overlap:
             self._complete(*self._in_flight, out)
             self._in_flight = None
@@ -341,10 +354,13 @@ class EngineCore:
             out.scheduled[batch.requests[i].request_id] = (now, int(batch.num_computed_tokens[i]))
         self.prompt_tokens += int(batch.num_scheduled_tokens.sum()) - int(
             (batch.num_scheduled_tokens == 1).sum())
+        if (drafts := batch.num_draft_tokens) is not None:  # verify steps' 1+K: no prompt
+            self.prompt_tokens -= int(drafts.sum()) + int((drafts > 0).sum())
 
     def _complete(self, batch: SchedulerOutput, pending: PendingStep, out: StepOutput) -> None:
         output = self.runner.collect(pending)
-        results = self.scheduler.update_from_output(batch, output.sampled_token_ids)
+        results = self.scheduler.update_from_output(batch, output.sampled_token_ids,
+                                                    output.draft_token_ids)
         if results:
             self._record(batch, output, results, out)
 
@@ -383,7 +399,7 @@ class EngineCore:
         if output.logprobs is not None or output.prompt_logprobs:
             row_of = {r.request_id: i for i, r in enumerate(batch.requests)}
             if output.logprobs is not None:
-                rows = np.fromiter((row_of[s] for s in seq_ids), np.int64, len(seq_ids))
+                rows = logprob_rows(seq_ids, row_of, output.sampled_token_ids)
                 lp = output.logprobs
                 new_lp = (lp.logprobs.numpy()[rows], lp.token_ids.numpy()[rows],
                           lp.ranks.numpy()[rows])
@@ -392,7 +408,7 @@ class EngineCore:
                 out.prompt_logprobs[seq_id] = (first, lp.logprobs.numpy(), lp.token_ids.numpy(),
                                                lp.ranks.numpy())
         if new_lp is not None or out.logprobs is not None:
-            out.logprobs = _merge_rows(out.logprobs, first_row, new_lp, len(seq_ids))
+            out.logprobs = merge_rows(out.logprobs, first_row, new_lp, len(seq_ids))
         if output.score_logprobs or output.forced_logprobs:
             self._record_scores(output, results, out)
         self._forget(finished)
@@ -423,12 +439,14 @@ class EngineCore:
 
     def stats(self) -> CoreStats:
         kv, timer = self.kv_cache, getattr(self.runner, "device_timer", None)
+        spec = self.scheduler.spec_stats
         return CoreStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage,
                          self.scheduler.num_preemptions, kv.prefix_queries, kv.prefix_hits,
                          self.prompt_tokens, self.generation_tokens, kv.num_blocks,
                          kv.num_free_blocks, kv.all_free(), self.num_steps, self.step_seconds,
                          self.runner.wait_seconds,
-                         timer.total_seconds() if timer is not None else 0.0)
+                         timer.total_seconds() if timer is not None else 0.0,
+                         **(spec.counters() if spec is not None else {}))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (nothing done) while a request holds blocks."""
@@ -456,6 +474,8 @@ class EngineCore:
         logger.info("generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
                     "prefix cache hit rate %.1f%%, preemptions %d", rate, s.num_running,
                     s.num_waiting, 100 * s.kv_cache_usage, 100 * hit_rate, s.num_preemptions)
+        if s.spec_decode_num_drafts:
+            logger.info("speculative decoding: %s", describe_acceptance(s))
         self._last_log, self._logged_tokens = now, s.generation_tokens
 
     def shutdown(self) -> None:
@@ -478,22 +498,3 @@ class EngineCore:
         if layout is None:
             return 0
         return layout.bytes_per_block * len(layout.groups) // self.runner.block_size
-
-
-def _merge_rows(first: tuple[Any, ...] | None, num_first: int, more: tuple[Any, ...] | None,
-                num_more: int) -> tuple[Any, ...]:
-    """Logprob rows of two steps completed in one call (the switch from overlapped to step by
-    step); the rows of a step without logprobs are zeros, never read: its sequences asked for
-    none."""
-    if first is None or more is None:
-        like = more if first is None else first
-        zeros = tuple(np.zeros((num_first if first is None else num_more, *a.shape[1:]),
-                               a.dtype) for a in like)
-        first, more = (zeros, more) if first is None else (first, zeros)
-    width = max(first[0].shape[1], more[0].shape[1])
-
-    def pad(a: Any) -> Any:
-        return a if a.ndim == 1 or a.shape[1] == width else np.pad(
-            a, ((0, 0), (0, width - a.shape[1])))
-
-    return tuple(np.concatenate([pad(a), pad(b)]) for a, b in zip(first, more, strict=True))

@@ -153,7 +153,11 @@ class DPClient:
 
 def merge_stats(stats: list[CoreStats]) -> CoreStats:
     """The cores' counters as one engine's: sums, the mean cache usage, all free when all are."""
-    merged = {f: sum(getattr(s, f) for s in stats) for f in CoreStats.__struct_fields__}
+    per_pos = "spec_decode_num_accepted_tokens_per_pos"
+    merged = {f: sum(getattr(s, f) for s in stats) for f in CoreStats.__struct_fields__
+              if f != per_pos}
+    merged[per_pos] = [sum(col) for col in zip(*(getattr(s, per_pos) for s in stats),
+                                               strict=True)]
     merged["kv_cache_usage"] = sum(s.kv_cache_usage for s in stats) / len(stats)
     merged["all_free"] = all(s.all_free for s in stats)
     return CoreStats(**merged)

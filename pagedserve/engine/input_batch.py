@@ -135,6 +135,8 @@ class InputBatch:
         preempted and readmitted (its row is another, or the same one re-filled). The sample
         goes to the request's current row."""
         seq_lens = batch.num_computed_tokens + batch.num_scheduled_tokens
+        if sampled.ndim == 2:  # a verify step: the kept tokens after the last verified one
+            seq_lens = seq_lens - batch.num_draft_tokens
         done = batch.will_sample & (seq_lens < self.max_model_len)
         moved = self.generation[rows] != generations
         if moved.any():
@@ -142,7 +144,28 @@ class InputBatch:
             for i in np.flatnonzero(moved & done):
                 rows[i] = self.row_of.get(batch.requests[i].request_id, -1)
             done &= rows >= 0
-        self.token_ids[rows[done], seq_lens[done]] = sampled[done]
+        if sampled.ndim == 1:
+            self.token_ids[rows[done], seq_lens[done]] = sampled[done]
+            return
+        # Token j of a row at seq_len + j, for the tokens kept (not -1) within the table.
+        positions = seq_lens[:, None] + np.arange(sampled.shape[1])[None, :]
+        keep = done[:, None] & (sampled >= 0) & (positions < self.max_model_len)
+        self.token_ids[np.broadcast_to(rows[:, None], keep.shape)[keep], positions[keep]] = \
+            sampled[keep]
+
+    def write_drafts(self, batch: SchedulerOutput, rows: np.ndarray) -> None:
+        """A verify step's drafts into their rows of the token table, after each request's last
+        verified token, where the step's input ids are gathered from (a rejected draft stays
+        there until a kept token overwrites it: nothing reads past a row's verified tokens
+        unless scheduled)."""
+        num_drafts = batch.num_draft_tokens.astype(np.int64)
+        total = int(num_drafts.sum())
+        token_rows = np.repeat(rows, num_drafts)
+        starts = np.cumsum(num_drafts) - num_drafts
+        within = np.arange(total) - np.repeat(starts, num_drafts)
+        positions = np.repeat(batch.num_computed_tokens.astype(np.int64) + 1, num_drafts) + within
+        ids = np.fromiter((t for d in batch.draft_token_ids for t in d), np.int64, total)
+        self.token_ids[token_rows, positions] = ids
 
 
 class InputIds:

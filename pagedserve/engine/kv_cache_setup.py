@@ -12,13 +12,19 @@ group the sum of the layers' pages. State layers keep a slot per running request
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from pagedserve.attention import AttentionBackend, AttentionLayerConfig
 from pagedserve.config import CacheConfig
 from pagedserve.kv_cache import FullAttentionSpec, KVCacheLayout, KVCacheSpec, SlidingWindowSpec
-from pagedserve.kv_cache.specs import StateSpec, gpu_kv_cache_budget, split_budget
+from pagedserve.kv_cache.specs import (
+    StateSpec,
+    bytes_per_slot,
+    gpu_kv_cache_budget,
+    split_budget,
+)
 
 
 def attention_specs(backend: type[AttentionBackend], layers: list[AttentionLayerConfig],
@@ -94,3 +100,39 @@ def allocate_state_slots(specs: list[StateSpec], num_slots: int,
     """Each state layer's tensors by name, `num_slots` slots each."""
     return [{t.name: torch.zeros((num_slots, *t.shape), dtype=t.dtype, device=device)
              for t in spec.tensors} for spec in specs]
+
+
+@torch.inference_mode()
+def profile_peak_memory(runner: Any) -> int:
+    """Peak bytes in use during a forward over the largest batch the scheduler can form, with a
+    KV cache just big enough for it (weights included, the cache excluded). `runner`: the
+    ModelRunner (its cache is allocated for the forward and dropped after)."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens = min(runner.max_num_tokens, runner.max_model_len)
+    needed = -(-num_tokens // runner.block_size) if runner.attn_layers else 0
+    runner.allocate_kv_cache(needed, 1 if runner.state_layers else 0)
+    hidden = runner._dummy_forward(1, num_tokens, 0)
+    # The head's rows: one per request, 1 + K per request in a step that verifies drafts.
+    spec = runner.config.speculative
+    head_rows = runner.max_num_reqs * (1 + (spec.num_speculative_tokens if spec else 0))
+    runner.model.compute_logits(hidden[-head_rows:])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    runner.kv_caches, runner.state_caches = [], []
+    torch.cuda.empty_cache()
+    # The cache we just used counts against the peak but will be allocated anew.
+    used = needed * runner.bytes_per_block
+    return peak - used - (bytes_per_slot(runner.state_specs) if runner.state_layers else 0)
+
+
+def indexed_layers(model: torch.nn.Module, kind: type) -> list[Any]:
+    """The model's layers of one kind by `layer_idx`, which must be 0..N-1 (the index of the
+    layer's cache)."""
+    layers = sorted((m for m in model.modules() if isinstance(m, kind)),
+                    key=lambda m: m.layer_idx)
+    if [m.layer_idx for m in layers] != list(range(len(layers))):
+        raise ValueError(f"{kind.__name__} layer indices must be 0..N-1")
+    return layers

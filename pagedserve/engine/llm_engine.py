@@ -12,7 +12,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,12 @@ class EngineStats:
     prefix_cache_hits: int
     prompt_tokens: int
     generation_tokens: int
+    # Speculative decoding (CoreStats' counters of the same names; empty per-position list:
+    # off).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -312,7 +318,9 @@ class LLMEngine:
         s = self.client.stats()
         return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions,
                            s.prefix_cache_queries, s.prefix_cache_hits, s.prompt_tokens,
-                           s.generation_tokens)
+                           s.generation_tokens, s.spec_decode_num_drafts,
+                           s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens,
+                           list(s.spec_decode_num_accepted_tokens_per_pos))
 
     def call_utility(self, name: str) -> Any:
         """A core utility by name: "stats" (CoreStats, current), "reset_prefix_cache",

@@ -34,9 +34,10 @@ from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
 from pagedserve.engine.sample_copy import SamplesToHost
 from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
-from pagedserve.kv_cache.specs import StateSpec, bytes_per_slot
+from pagedserve.kv_cache.specs import StateSpec
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, SchedulerOutput
+from pagedserve.spec_decode.speculator import make_speculator
 from pagedserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,13 @@ class ModelRunner:
         # alone samples and sends its tokens to the others.
         self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
 
-        self.attn_layers = _indexed_layers(model, Attention)
-        self.state_layers = _indexed_layers(model, StateLayer)
+        self.attn_layers = kv_cache_setup.indexed_layers(model, Attention)
+        self.state_layers = kv_cache_setup.indexed_layers(model, StateLayer)
         if not self.attn_layers and not self.state_layers:
             raise ValueError("the model has neither attention nor state layers")
+        # Speculative decoding (spec_decode/): a verify step's layout and rejection sampling,
+        # the next drafts; None when off. A draft model's layers join attn_layers (its cache).
+        self.speculator = make_speculator(config, self)
         # Backend builders by Attention.metadata_key, and the cache group each one reads.
         self.builders: dict[Any, Any] = {}
         self.builder_group: dict[Any, int] = {}
@@ -76,6 +80,8 @@ class ModelRunner:
             self._bind_state_layers()
         if self.attn_layers:
             self._bind_attention_layers()
+        if self.speculator is not None:
+            self.speculator.check_layout(self.kv_layout)
 
         self.num_kv_groups = len(self.kv_layout.groups) if self.kv_layout else 1
         self.input_batch = InputBatch(self.max_num_reqs, max_model_len, self.max_blocks_per_seq,
@@ -91,9 +97,10 @@ class ModelRunner:
         self.common_builder = self.group_builders[0]
         pin = self.device.type == "cuda"
         self.sampler = Sampler()
+        width = 1 + (self.speculator.num_speculative_tokens if self.speculator else 0)
         # The launched step not yet collected, and where steps' samples go to the host.
         self._in_flight: PendingStep | None = None
-        self._samples_to_host = SamplesToHost(self.max_num_reqs, self.device)
+        self._samples_to_host = SamplesToHost(self.max_num_reqs * width, self.device)
         # Recorded once a step's host->device input copies are queued: the next step rewrites
         # the same pinned buffers only after they have been read (a step may be in flight).
         self._inputs_copied = torch.cuda.Event() if pin else None
@@ -193,25 +200,8 @@ class ModelRunner:
         """What one block id costs over the cache tensors (0 without attention layers)."""
         return self.kv_layout.bytes_per_block if self.kv_layout is not None else 0
 
-    @torch.inference_mode()
     def profile_peak_memory(self) -> int:
-        """Peak bytes in use during a forward over the largest batch the scheduler can form,
-        with a KV cache just big enough for it (weights included, the cache excluded)."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.max_num_tokens, self.max_model_len)
-        needed = -(-num_tokens // self.block_size) if self.attn_layers else 0
-        self.allocate_kv_cache(needed, 1 if self.state_layers else 0)
-        hidden = self._dummy_forward(1, num_tokens, 0)
-        self.model.compute_logits(hidden[-self.max_num_reqs:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        self.kv_caches, self.state_caches = [], []
-        torch.cuda.empty_cache()
-        # The cache we just used counts against the peak but will be allocated anew.
-        used = needed * self.bytes_per_block
-        return peak - used - (bytes_per_slot(self.state_specs) if self.state_layers else 0)
+        return kv_cache_setup.profile_peak_memory(self)
 
     def _dummy_forward(self, num_reqs: int, num_new: int, context: int) -> torch.Tensor:
         """A forward over `num_reqs` stand-in requests of `context` cached and `num_new` new
@@ -339,7 +329,10 @@ class ModelRunner:
             return self.decode_graphs.replay(graph_size, common.num_reqs)
         with set_forward_context(attn_metadata, self.kv_caches, self.state_caches,
                                  state_metadata):
-            return self.model(input_ids, common.positions)
+            hidden = self.model(input_ids, common.positions)
+            if self.speculator is not None:
+                self.speculator.forward_step(input_ids, common.positions)
+            return hidden
 
     def run_model(self, attn_metadata: dict[Any, Any], num_tokens: int) -> torch.Tensor:
         """The model over the first `num_tokens` of the persistent input ids and positions,
@@ -367,6 +360,8 @@ class ModelRunner:
             if prev.sampled is not None:
                 prev = None  # its samples are in the token table already
         rows = self.input_batch.update(batch)
+        if batch.num_draft_tokens is not None:
+            self.input_batch.write_drafts(batch, rows)
         meta = (self.sampling.metadata(batch.requests, self.input_batch.same_as_last_step)
                 if self.tp_rank == 0 else None)
         self._ran_graph = False
@@ -377,7 +372,12 @@ class ModelRunner:
                 greedy = self.decode_graphs.greedy_tokens(batch.num_reqs)
             else:
                 logits = self.decode_graphs.head_logits(batch.num_reqs)
-        if greedy is None and logits is None:  # each request's last new token's hidden state
+        verify = (self.speculator.layout(batch, self._common.query_start_loc_cpu)
+                  if self.speculator else None)
+        if verify is not None:  # the last 1+K hidden states of a request with K drafts
+            logits = self.model.compute_logits(
+                hidden[torch.from_numpy(verify.hidden_rows).to(self.device)])
+        elif greedy is None and logits is None:  # each request's last new token's hidden state
             last = (slice(batch.num_reqs) if self._common.max_query_len == 1  # decodes only
                     else self._common.query_start_loc[1:].long() - 1)  # from the cu_seqlens
             logits = self.model.compute_logits(hidden[last])
@@ -392,11 +392,12 @@ class ModelRunner:
                                   self._ran_graph))
         pending = PendingStep(batch, rows, self.input_batch.generation[rows],
                               sampling=None if greedy is not None else (logits, meta),
-                              fill=fill)
+                              fill=fill, verify=verify)
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
                      if r.request_id in self._wants_logits]
-            pending.forced, pending.forced_tokens = scoring.forced_logprobs(batch, index, logits)
+            pending.forced, pending.forced_tokens = scoring.forced_logprobs(
+                batch, index, logits if verify is None else logits[verify.row_start_dev])
             pending.prompt_logprobs, pending.score_logprobs = scoring.prompt_position_logprobs(
                 batch, index, hidden, self.model.compute_logits, self.device)
         # A step with a mask to fill is sampled by the next launch (or collect): the host's
@@ -420,7 +421,8 @@ class ModelRunner:
                 meta.token_bitmask = self.structured_output.finish_fill(fill)
                 meta.bitmask_rows = fill.rows
             try:
-                out = self.sampler(logits, meta)
+                out = (self.sampler(logits, meta) if pending.verify is None
+                       else self.speculator.sample(logits, meta, pending.verify))
             finally:
                 meta.token_bitmask = meta.bitmask_rows = None  # it may serve a next step
         else:  # a rank > 0: rank 0's samples arrive below
@@ -445,7 +447,7 @@ class ModelRunner:
         if self._in_flight is pending:
             self._in_flight = None
         return ModelRunnerOutput(pending.sampled, pending.logprobs, pending.prompt_logprobs,
-                                 pending.forced, pending.score_logprobs)
+                                 pending.forced, pending.score_logprobs, pending.drafts)
 
     def _record_samples(self, pending: PendingStep) -> None:
         """Once per step: wait for its samples, put teacher-forced tokens in their place, and
@@ -460,10 +462,15 @@ class ModelRunner:
             self.wait_seconds += time.perf_counter() - t0
         sampled = host.copy()
         for i, token in pending.forced_tokens.values():
-            sampled[i] = token
-        self.input_batch.record_samples(pending.batch, pending.rows, pending.generations,
-                                        sampled)
+            sampled.reshape(len(sampled), -1)[i, 0] = token  # a verify step's: [B, Kmax+1]
+        batch, rows = pending.batch, pending.rows
+        self.input_batch.record_samples(batch, rows, pending.generations, sampled)
         pending.sampled = sampled
+        if self.speculator is not None:
+            pending.drafts = self.speculator.propose(
+                self, batch, rows, sampled,
+                self.input_batch.generation[rows] == pending.generations,
+                self._guided | self._wants_logits)
 
     def warmup(self) -> None:
         """Compile/JIT whatever the backend needs before the first request, then capture the
@@ -473,9 +480,9 @@ class ModelRunner:
             builder.warmup()
         logger.debug("backend warm-up took %.1f s", time.perf_counter() - t0)
         self.run_warmup_steps()
-        # Steps of models with state layers run eagerly: a graph would need a scratch slot for
-        # its padding rows (future work).
-        if not self.state_layers:
+        # Steps of models with state layers run eagerly (a graph would need a scratch slot for
+        # its padding rows), and a draft model's (the graphs hold the target's forward only).
+        if not self.state_layers and not (self.speculator and self.speculator.uses_kv_cache):
             self.decode_graphs = setup_decode_graphs(self.graph_inputs(), self.backend,
                                                      self.config, self.max_model_len)
 
@@ -489,12 +496,3 @@ class ModelRunner:
                            group_builders=self.group_builders,
                            builder_group=self.builder_group, compute_logits=head)
 
-
-def _indexed_layers(model: torch.nn.Module, kind: type) -> list[Any]:
-    """The model's layers of one kind by `layer_idx`, which must be 0..N-1 (the index of the
-    layer's cache)."""
-    layers = sorted((m for m in model.modules() if isinstance(m, kind)),
-                    key=lambda m: m.layer_idx)
-    if [m.layer_idx for m in layers] != list(range(len(layers))):
-        raise ValueError(f"{kind.__name__} layer indices must be 0..N-1")
-    return layers

@@ -151,6 +151,8 @@ class OutputProcessor:
             state.metrics.last_token_time = now
             seq.token_ids.append(token)
             end = step.finished.get(seq_id)
+            if end is not None and row + 1 < len(tokens) and step.seq_ids[row + 1] == seq_id:
+                end = None  # a verify step's tokens: the finish is its last one's
             if end is not None:
                 seq.finish_reason, seq.stop_reason, on_end_token = end
                 if on_end_token:

@@ -10,6 +10,8 @@ import torch
 
 from pagedserve.engine.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from pagedserve.scheduler import SchedulerOutput
+from pagedserve.spec_decode.proposer import Drafts
+from pagedserve.spec_decode.verify import VerifyLayout
 from pagedserve.structured_output.manager import BitmaskFill
 
 
@@ -25,6 +27,8 @@ class ModelRunnerOutput:
     # request id -> (first position p, float32 [rows, V] on the CPU): the full log-distributions
     # this step computed at prompt positions p, p+1, ... of a request scored by prefill.
     score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # Speculative decoding: the proposer's drafts for each request's next step.
+    draft_token_ids: Drafts | None = None
 
 
 @dataclass
@@ -52,3 +56,6 @@ class PendingStep:
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
     score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     sampled: np.ndarray | None = None  # set once the samples are on the host
+    # A step that verifies drafts: its layout (its samples are then [B, Kmax+1], -1 padded).
+    verify: VerifyLayout | None = None
+    drafts: Drafts | None = None  # the proposer's, once the samples are recorded

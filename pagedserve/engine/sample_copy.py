@@ -14,6 +14,7 @@ class SamplesToHost:
     suffice. Logprobs go into pinned blocks of torch's caching host allocator."""
 
     def __init__(self, max_num_reqs: int, device: torch.device) -> None:
+        """`max_num_reqs`: the most ids one step sends (requests x tokens per request)."""
         pin = device.type == "cuda"
         self._parity = 0
         self._buffers = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=pin)
@@ -33,7 +34,8 @@ class SamplesToHost:
             lp = LogprobsTensors(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                                    .copy_(t, non_blocking=True) for t in lp))
         self._parity ^= 1
-        host = self._buffers[self._parity][:sampled.shape[0]]
+        # A verify step's ids are [B, Kmax+1]: the buffer holds max_num_reqs rows of that.
+        host = self._buffers[self._parity][:sampled.numel()].view(sampled.shape)
         host.copy_(sampled, non_blocking=True)
         event = self._copied[self._parity]
         event.record()

@@ -350,6 +350,17 @@ class KVCacheManager:
         if request.request_id in self.groups[0].req_to_blocks:
             self._cache_full_blocks(request, request.num_computed_tokens)
 
+    def cache_verified_blocks(self, request: CacheableRequest) -> None:
+        """After a verify step's kept tokens are appended and its rejected drafts rolled back:
+        publish the blocks that its verified K/V fills (drafts' K/V is never published: the
+        hashes cover known tokens only)."""
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
+            return
+        full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
+        if (full > self.num_cached_blocks.get(request.request_id, 0)
+                and request.request_id in self.groups[0].req_to_blocks):
+            self._cache_full_blocks(request, request.num_computed_tokens)
+
     def free(self, request: CacheableRequest) -> None:
         """Release a finished, aborted or preempted request's blocks in every group and its
         state slot."""

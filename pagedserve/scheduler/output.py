@@ -32,6 +32,11 @@ class SchedulerOutput:
     # on another request's prompt being computed now, e.g. the n samples of one prompt): the
     # step's K/V must be in the cache before any attention reads it.
     context_written_in_step: bool = False
+    # Speculative decoding (None in a step without drafts): int32 [B] drafts scheduled after
+    # each request's last verified token, and the drafts themselves ([] for none). A request
+    # with K drafts runs 1 + K new tokens.
+    num_draft_tokens: np.ndarray | None = None
+    draft_token_ids: list[list[int]] | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -67,7 +67,7 @@ class Request:
                  "num_computed_tokens", "num_output_placeholders", "num_preemptions",
                  "state_slot", "forced_output_ids", "score_from", "skip_prefix_cache",
                  "needs_logits", "needs_host_history", "grammar", "max_tokens", "min_tokens",
-                 "end_token_ids")
+                 "end_token_ids", "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
@@ -126,6 +126,9 @@ class Request:
         # Guided decoding: the engine's matcher for this sequence (structured_output's
         # RequestGrammar), advanced by the scheduler with each sampled token.
         self.grammar: Any = None
+        # Speculative decoding: drafts proposed after its last step, verified by its next one
+        # (the scheduler consumes them when it schedules it).
+        self.spec_token_ids: list[int] = []
         if scoring is not None:
             self.max_tokens = len(scoring.continuation) if scoring.mode == "decode" else 1
             self.min_tokens = 0

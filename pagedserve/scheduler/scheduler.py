@@ -13,13 +13,16 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache import KVCacheManager
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.spec_decode.metrics import SpecDecodeStats
+from pagedserve.spec_decode.proposer import Drafts
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int) -> None:
+                 max_model_len: int, num_speculative_tokens: int = 0,
+                 draft_has_kv: bool = False, disable_by_batch_size: int | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
@@ -28,6 +31,23 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._freed_ids: list[str] = []
         self.num_preemptions = 0
+        # Speculative decoding's acceptance counters (None: off).
+        self.spec_stats = (SpecDecodeStats(num_speculative_tokens)
+                           if num_speculative_tokens else None)
+        # A draft model writes its K/V up to K - 1 positions past a step's last token while it
+        # proposes: each allocation reserves K slots more (within max_model_len).
+        self.lookahead = num_speculative_tokens if draft_has_kv else 0
+        # Drafts are verified only while fewer requests than this run (None: always).
+        self.disable_by_batch_size = disable_by_batch_size
+        self._drafting = False  # this step's: decided once, as it starts
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the next step may verify drafts. Drafts follow each step's kept tokens, read
+        on the host: the engine then completes each step before scheduling the next (a verify
+        step in flight would leave the next one's positions unknown)."""
+        limit = self.disable_by_batch_size
+        return self.spec_stats is not None and (limit is None or len(self.running) < limit)
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -87,6 +107,7 @@ class Scheduler:
         scheduled before this one's samples are back (the runner puts them into the next
         step's inputs before launching it)."""
         budget = self.config.max_num_batched_tokens
+        self._drafting = self.speculating
         step = _StepPlan()
         num_preempted = 0
         kv = self.kv
@@ -109,14 +130,21 @@ class Scheduler:
                 i += 1  # its in-flight sample is its last: another step would be wasted
                 continue
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
-            blocks = kv.allocate_slots(request, num_new)
+            drafts = request.spec_token_ids
+            if drafts:  # its last verified token, then as many drafts as fit (used once)
+                request.spec_token_ids = []
+                drafts = self._fit_drafts(request, drafts, budget - num_new)
+                num_new += len(drafts)
+            slots = (num_new + self._lookahead(request.num_computed_tokens + num_new)
+                     if self.lookahead else num_new)
+            blocks = kv.allocate_slots(request, slots)
             while blocks is None:
                 victim = running.pop()
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:
                     break
-                blocks = kv.allocate_slots(request, num_new)
+                blocks = kv.allocate_slots(request, slots)
             if blocks is None:
                 break
             # _StepPlan.add, inlined for the hot loop.
@@ -132,6 +160,8 @@ class Scheduler:
             add_block_ids(blocks if blocks is no_blocks
                           else tuple([b.block_id for b in group] for group in blocks))
             add_is_new(False)
+            if drafts:
+                step.drafts[len(step.requests) - 1] = drafts
             budget -= num_new
             i += 1
 
@@ -142,7 +172,9 @@ class Scheduler:
             request = self.waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            blocks = kv.allocate_slots(request, num_new, hits)
+            slots = num_new + self._lookahead(num_hit_tokens + num_new) if self.lookahead \
+                else num_new
+            blocks = kv.allocate_slots(request, slots, hits)
             if blocks is None:
                 break
             kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
@@ -162,23 +194,55 @@ class Scheduler:
             freed, self._freed_ids = self._freed_ids, []
         return step.output(freed, num_preempted, context_written_in_step)
 
+    def _lookahead(self, end: int) -> int:
+        """Slots reserved past a step's tokens (which end at `end`) for a draft model's
+        proposal steps."""
+        return max(min(self.lookahead, self.max_model_len - end), 0)
+
+    def _fit_drafts(self, request: Request, drafts: list[int], room: int) -> list[int]:
+        """The drafts a decode can verify now: within the step's token budget, and leaving
+        room for the token the target adds after them within max_tokens and max_model_len.
+        None while the request has a sample in flight (its drafts would follow a token not
+        known yet)."""
+        if (not self._drafting or request.num_output_placeholders
+                or request.num_computed_tokens + 1 != request.num_tokens):
+            return []
+        limit = min(room, request.max_tokens - request.num_output_tokens - 1,
+                    self.max_model_len - request.num_tokens - 1)
+        return drafts[:max(limit, 0)]
+
     def _preempt(self, request: Request) -> None:
         """Recompute policy: drop the request's KV and put it back at the head of the queue; its
         output so far is kept and becomes part of the prompt it recomputes."""
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         self._freed_ids.append(request.request_id)
 
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled_token_ids: np.ndarray) -> list[tuple[Request, int | None]]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: np.ndarray,
+                           drafts: Drafts | None = None) -> list[tuple[Request, int | None]]:
         """Give each request that sampled in this step its token (a partial prompt chunk's
         sample is discarded) and finish those that stop. Returns (request, new token or None)
         in batch order; finished requests are already freed. Requests finished while the step
-        ran (aborted, or stopped by an earlier step with async scheduling) are skipped."""
+        ran (aborted, or stopped by an earlier step with async scheduling) are skipped.
+
+        With speculative decoding `sampled_token_ids` of a step that verified drafts is
+        [B, Kmax+1], -1 past each request's kept tokens, and a request gets one entry per
+        token kept (`_update_verified`); `drafts` are the proposer's for the next step."""
+        if sampled_token_ids.ndim == 2:
+            results = self._update_verified(output, sampled_token_ids)
+        else:
+            results = self._update_sampled(output, sampled_token_ids)
+        if drafts is not None:
+            self._keep_drafts(output, drafts)
+        return results
+
+    def _update_sampled(self, output: SchedulerOutput,
+                        sampled_token_ids: np.ndarray) -> list[tuple[Request, int | None]]:
         results: list[tuple[Request, int | None]] = []
         block_size = self.kv.block_size
         cache_computed_blocks = self.kv.cache_computed_blocks
@@ -211,6 +275,59 @@ class Scheduler:
         return results
 
 
+    def _update_verified(self, output: SchedulerOutput,
+                         sampled: np.ndarray) -> list[tuple[Request, int | None]]:
+        """A verify step: each request keeps its accepted drafts and the target's token after
+        them, and its rejected drafts are rolled back from num_computed_tokens (their K/V
+        slots are rewritten by its next step; only verified blocks are published)."""
+        results: list[tuple[Request, int | None]] = []
+        counts = (sampled >= 0).sum(axis=1)
+        num_drafts = (output.num_draft_tokens if output.num_draft_tokens is not None
+                      else np.zeros(len(counts), dtype=np.int32))
+        kept = np.where(output.will_sample, counts - 1, 0)
+        if self.spec_stats is not None:
+            self.spec_stats.observe(num_drafts[output.will_sample], kept[output.will_sample])
+        rows = sampled.tolist()
+        for i, (request, sampled_here) in enumerate(zip(output.requests,
+                                                        output.will_sample.tolist(),
+                                                        strict=True)):
+            if request.status.is_finished:
+                continue
+            if not sampled_here:
+                results.append((request, None))
+                continue
+            request.num_output_placeholders -= 1
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens -= int(num_drafts[i]) - int(kept[i])
+            for token in rows[i][:int(counts[i])]:
+                request.append_output_token(token)
+                if request.grammar is not None and not request.grammar.accept(
+                        token, request.num_output_tokens - 1):
+                    logger.error("request %s: its grammar refused sampled token %d; it ends "
+                                 "here", request.request_id, token)
+                results.append((request, token))
+                status = request.check_stop(self.max_model_len)
+                if status is not None:  # the tokens after it are dropped
+                    if request.status == RequestStatus.RUNNING:
+                        self.running.remove(request)
+                    else:
+                        self.waiting.remove(request)
+                    self._finish(request, status)
+                    break
+            else:
+                self.kv.cache_verified_blocks(request)
+        return results
+
+    def _keep_drafts(self, output: SchedulerOutput, drafts: Drafts) -> None:
+        """Each live request's drafts for its next step (none for the ones that got none)."""
+        if self.spec_stats is not None:
+            self.spec_stats.propose_seconds += drafts.seconds
+        for i in np.flatnonzero(drafts.counts).tolist():
+            request = output.requests[i]
+            if not request.status.is_finished and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = drafts.row(i)
+
+
 class _StepPlan:
     """The requests of the step being scheduled, with what the runner needs of each; each one
     added counts its new tokens as computed and takes a placeholder when the step samples for
@@ -223,6 +340,7 @@ class _StepPlan:
         self.samples: list[bool] = []
         self.block_ids: list[tuple[list[int], ...]] = []
         self.is_new: list[bool] = []
+        self.drafts: dict[int, list[int]] = {}  # index in `requests` -> drafts scheduled
 
     def add(self, request: Request, num_new: int, block_ids: tuple[list[int], ...],
             is_new: bool) -> None:
@@ -247,8 +365,16 @@ class _StepPlan:
         requests, block_ids, is_new = self.requests, self.block_ids, self.is_new
         computed = np.array(self.computed, dtype=np.int32)
         will_sample = np.array(self.samples, dtype=bool)
+        num_drafts = draft_ids = None
+        if self.drafts:
+            num_drafts = np.zeros(len(num_new), dtype=np.int32)
+            num_drafts[list(self.drafts)] = [len(d) for d in self.drafts.values()]
+            draft_ids = [self.drafts.get(i, []) for i in range(len(num_new))]
         if is_decode[:num_prefills].any():  # a decode before a prefill: reorder
             order = np.argsort(is_decode, kind="stable")
+            if num_drafts is not None:
+                num_drafts = num_drafts[order]
+                draft_ids = [draft_ids[i] for i in order.tolist()]
             num_new, computed, will_sample = num_new[order], computed[order], will_sample[order]
             index = order.tolist()
             requests = [requests[i] for i in index]
@@ -258,4 +384,5 @@ class _StepPlan:
             requests=requests, num_scheduled_tokens=num_new, num_computed_tokens=computed,
             new_block_ids=block_ids, is_new=is_new, num_prefills=num_prefills,
             will_sample=will_sample, freed_request_ids=freed, num_preempted=num_preempted,
-            context_written_in_step=context_written_in_step)
+            context_written_in_step=context_written_in_step, num_draft_tokens=num_drafts,
+            draft_token_ids=draft_ids)

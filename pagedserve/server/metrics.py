@@ -54,8 +54,23 @@ class EngineCollector(Collector):
             ("num_aborted_requests", "Requests aborted (client gone or cancelled).",
              snap.num_aborted),
         ]
+        if s.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding on
+            counters += [
+                ("spec_decode_num_drafts", "Requests' verify steps with drafts.",
+                 s.spec_decode_num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 s.spec_decode_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 s.spec_decode_num_accepted_tokens)]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        if s.spec_decode_num_accepted_tokens_per_pos:
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted at each position.",
+                                          labels=["position"])
+            for position, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([str(position)], n)
+            yield per_pos
 
 
 class ServerMetrics:

@@ -1,0 +1,111 @@
+"""Speculative decoding against none, side by side in one run: time per output token at each
+batch size, with the acceptance figures and the proposer's share of the core's step time.
+
+    python benchmarks/spec_decode.py [--model M] [--batch-sizes 1 64] \
+        [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, \
+                                "prompt_lookup_max": 4, "prompt_lookup_min": 2}']
+
+The default workload is the one n-gram lookup is for: chat prompts that ask the model to
+repeat, quote or lightly edit a passage given in the prompt (the answer repeats the prompt).
+`--random-prompts` uses random token ids instead (for a draft model or a head under
+`rejection_sample_method: "synthetic"`, whose acceptance does not depend on the text). Each
+row runs the engine without speculation, then with it, alternating `--repeats` times; the
+figures are the medians. Greedy and EOS ignored, so both runs produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.bench import format_spec_decode, random_prompts, spec_decode_figures
+
+PASSAGE = (
+    "The lighthouse keeper climbed the stairs every evening at dusk, counting the steps as he "
+    "went: one hundred and twelve, never more and never fewer. At the top he wiped the salt "
+    "from the great lens, trimmed the wick and lit the lamp, then sat by the window with his "
+    "logbook open on his knees. Ships passed in the dark, some close enough that he could hear "
+    "their engines, others only a faint light on the horizon. He wrote down each one he saw, "
+    "the time, the direction and the weather, in the same careful hand his father had used "
+    "before him. In the morning, when the first grey light came over the water, he put out "
+    "the lamp, closed the logbook and walked down the hundred and twelve steps to sleep.")
+
+TASKS = (
+    "Repeat the following passage exactly, word for word:\n\n{p}",
+    "Quote the passage below in full, then stop.\n\n{p}",
+    "Rewrite the passage below with every 'he' replaced by 'she', changing nothing else:\n\n{p}",
+    "Copy this text without changes:\n\n{p}",
+)
+
+
+def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
+    tokenizer = llm.engine.tokenizer
+    out = []
+    for i in range(n):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": TASKS[i % len(TASKS)].format(p=PASSAGE)}],
+            tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+def run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, Any, Any, int]:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    before = llm.engine.call_utility("stats")
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return elapsed, before, llm.engine.call_utility("stats"), tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--speculative-config", default=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--output-len", type=int, default=192)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--random-prompts", type=int, default=0, metavar="LEN",
+                        help="random prompts of LEN tokens instead of the copy tasks")
+    parser.add_argument("--engine-args", default="{}",
+                        help="more LLM(...) keywords as JSON, e.g. '{\"device\": \"cpu\"}'")
+    args = parser.parse_args()
+    extra = json.loads(args.engine_args)
+    spec = json.loads(args.speculative_config)
+    extra.setdefault("gpu_memory_utilization", 0.4)  # two engines side by side
+    plain = LLM(model=args.model, **extra)
+    fast = LLM(model=args.model, speculative_config=spec, **extra)
+    print(f"speculative_config: {json.dumps(spec)}")
+    for batch in args.batch_sizes:
+        if args.random_prompts:
+            prompts = random_prompts(batch, args.random_prompts, plain.engine.vocab_size, 0)
+        else:
+            prompts = chat_prompts(plain, batch)
+        run(plain, prompts[:1], 4)  # lazy initialisation, compiles
+        run(fast, prompts[:1], 4)
+        tpot: dict[str, list[float]] = {"off": [], "on": []}
+        figures: dict[str, Any] = {}
+        for _ in range(args.repeats):
+            for name, llm in (("off", plain), ("on", fast)):
+                elapsed, before, after, tokens = run(llm, prompts, args.output_len)
+                tpot[name].append(elapsed / (tokens / batch) * 1e3)
+                if name == "on":
+                    figures = spec_decode_figures(before, after)
+        off, on = statistics.median(tpot["off"]), statistics.median(tpot["on"])
+        print(f"batch {batch:>3}: time per output token {off:.3f} ms without, {on:.3f} ms "
+              f"with speculation: {off / on:.2f}x")
+        if figures:
+            print("  " + format_spec_decode(figures))
+        else:
+            print("  no drafts were proposed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""`--speculative-config`: vLLM's JSON object of speculative decoding settings, checked once.
+
+The fields and their meaning are vLLM's: `method` (ngram, draft_model, eagle, eagle3, mtp),
+`model` (the draft or head), `num_speculative_tokens` (K, drafts per step),
+`prompt_lookup_min` / `prompt_lookup_max` (n-gram sizes), `draft_tensor_parallel_size`,
+`disable_by_batch_size` (no drafts while this many requests run: at a large batch a step is
+bound by its compute, not by reading the weights, and verifying drafts costs more than it
+saves; the steps overlap again under async scheduling), and
+the testing-only `rejection_sample_method: "synthetic"` with `synthetic_acceptance_rate`
+(drafts accepted at that rate per position, whatever the target says: a way to time a draft or
+head of random weights at a chosen acceptance length; the output is not the target's).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+# Methods whose proposer exists; the others are refused at start-up by name.
+IMPLEMENTED = ("ngram", "draft_model")
+REJECTION_METHODS = ("strict", "synthetic")
+# vLLM's defaults for n-gram sizes when neither is given.
+DEFAULT_LOOKUP = 5
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    draft_tensor_parallel_size: int | None = None
+    disable_by_batch_size: int | None = None
+    rejection_sample_method: str = "strict"
+    synthetic_acceptance_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config: method {self.method!r} is not one of "
+                             f"{', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer "
+                             f">= 1, got {k!r}")
+        if self.method == "ngram":
+            self._check_lookup()
+            if self.model is not None:
+                raise ValueError("speculative_config: method 'ngram' looks drafts up in the "
+                                 "sequence itself and takes no model; drop 'model'")
+        elif self.model is None and self.method != "mtp":
+            raise ValueError(f"speculative_config: method {self.method!r} needs 'model' (the "
+                             "draft model or head)")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                                  or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer "
+                             f">= 1, got {limit!r}")
+        tp = self.draft_tensor_parallel_size
+        if tp is not None and (not isinstance(tp, int) or tp < 1):
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size must be an "
+                             f"integer >= 1, got {tp!r}")
+        self._check_rejection()
+
+    def _check_lookup(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_LOOKUP
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got "
+                                 f"{value!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min {lo} is above "
+                             f"prompt_lookup_max {hi}")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    def _check_rejection(self) -> None:
+        if self.rejection_sample_method not in REJECTION_METHODS:
+            raise ValueError(f"speculative_config: rejection_sample_method "
+                             f"{self.rejection_sample_method!r} is not one of "
+                             f"{', '.join(REJECTION_METHODS)}")
+        rate = self.synthetic_acceptance_rate
+        if self.rejection_sample_method == "synthetic":
+            if not isinstance(rate, int | float) or isinstance(rate, bool) or not 0 <= rate <= 1:
+                raise ValueError("speculative_config: rejection_sample_method 'synthetic' needs "
+                                 f"synthetic_acceptance_rate in [0, 1], got {rate!r}")
+        elif rate is not None:
+            raise ValueError("speculative_config: synthetic_acceptance_rate applies only to "
+                             "rejection_sample_method 'synthetic'")
+
+    @property
+    def synthetic(self) -> bool:
+        return self.rejection_sample_method == "synthetic"
+
+
+def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None
+                             ) -> SpeculativeConfig | None:
+    """A JSON string (the flag), a dict (LLM(...), YAML) or a config -> SpeculativeConfig."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(known))})")
+    for name in ("method", "num_speculative_tokens"):
+        if name not in value:
+            raise ValueError(f"speculative_config needs {name!r}")
+    return SpeculativeConfig(**value)
+
+
+def check_supported(spec: SpeculativeConfig, *, has_state_layers: bool,
+                    tensor_parallel_size: int) -> None:
+    """Refuse at start-up, with the reason, what this engine cannot run."""
+    if spec.method not in IMPLEMENTED:
+        raise ValueError(f"speculative_config: method {spec.method!r} is not implemented yet "
+                         f"(implemented: {', '.join(IMPLEMENTED)})")
+    if has_state_layers:
+        raise ValueError("speculative_config: the model has state layers (Mamba, gated delta "
+                         "net, ...), whose per-request state cannot be rolled back past "
+                         "rejected drafts; speculative decoding needs an attention-only model")
+    if tensor_parallel_size > 1:
+        raise ValueError("speculative_config: speculative decoding with tensor_parallel_size "
+                         f"{tensor_parallel_size} is not implemented yet (one rank only)")
+    if spec.draft_tensor_parallel_size not in (None, 1):
+        raise ValueError(f"speculative_config: draft_tensor_parallel_size "
+                         f"{spec.draft_tensor_parallel_size} is not implemented yet (1 only)")

@@ -1,0 +1,104 @@
+"""A draft model: any supported model with the target's vocabulary proposes K tokens, greedily
+(a draft that is a function of its context has one-hot probabilities, which the rejection
+sampler assumes when it is given none: the output stays exactly the target's).
+
+Its attention layers join the target's KV cache: numbered after the target's layers, they get
+cache tensors of their own at the same block ids, so a request's blocks hold both models' K/V
+for its positions (one block table, one pool; sizing counts both; a prefix-cache hit brings
+both). The draft runs over every step's tokens right after the target (its K/V for them), then
+after the samples are back, K one-token steps from each request's newest token, which write
+up to K - 1 positions past the next verify step's first: the scheduler reserves K lookahead
+slots per request for them. A rejected draft's K/V is rewritten by the next step, as the
+target's is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.attention.forward_context import set_forward_context
+from pagedserve.attention.layer import Attention
+from pagedserve.attention.state import StateLayer
+from pagedserve.spec_decode.proposer import Drafts, Proposer
+
+
+class DraftModelProposer(Proposer):
+    uses_kv_cache = True
+
+    def __init__(self, num_speculative_tokens: int, model: str, dtype: torch.dtype,
+                 device: torch.device, max_model_len: int, vocab_size: int) -> None:
+        from pagedserve.models.loader import load_model
+
+        super().__init__(num_speculative_tokens)
+        try:
+            loaded = load_model(model, dtype, device, max_model_len, generation_config="vllm")
+        except ValueError as exc:  # e.g. a shorter context than the target's
+            raise ValueError(f"speculative_config: the draft model {model!r}: {exc}") from None
+        draft_vocab = loaded.hf_config.vocab_size
+        if draft_vocab != vocab_size:
+            raise ValueError(f"speculative_config: the draft model {model!r} has a vocabulary "
+                             f"of {draft_vocab} tokens, the target {vocab_size}: a draft must "
+                             "share the target's vocabulary")
+        self.model = loaded.model
+        if any(isinstance(m, StateLayer) for m in self.model.modules()):
+            raise ValueError(f"speculative_config: the draft model {model!r} has state layers, "
+                             "whose state cannot be rolled back past rejected drafts")
+        self.device = device
+
+    def attention_layers(self, first_index: int) -> list[Attention]:
+        """The draft's attention layers, renumbered to follow the target's `first_index`
+        layers (their index is their cache's)."""
+        layers = sorted((m for m in self.model.modules() if isinstance(m, Attention)),
+                        key=lambda m: m.layer_idx)
+        for i, layer in enumerate(layers):
+            layer.layer_idx = first_index + i
+        return layers
+
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """The draft over a step's tokens, under the step's forward context: its K/V."""
+        self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def propose_from(self, runner: Any, rows: np.ndarray, num_tokens: np.ndarray,
+                     eligible: np.ndarray, newest: np.ndarray) -> Drafts:
+        """K greedy one-token steps of the draft from each eligible row's newest token
+        (`newest`, at position num_tokens - 1), on the runner's block table and caches."""
+        b = len(rows)
+        drafts = Drafts(np.zeros((b, self.k), dtype=np.int64), np.zeros(b, dtype=np.int32))
+        table = runner.input_batch.block_table
+        # Positions past a row's blocks have no slot (nor past the context): drafts stop there.
+        capacity = np.minimum(table.num_blocks[rows].astype(np.int64) * runner.block_size,
+                              runner.max_model_len)
+        start = num_tokens.astype(np.int64) - 1
+        limit = np.where(eligible, np.clip(capacity - start, 0, self.k), 0)
+        ids = torch.from_numpy(newest.astype(np.int64)).to(self.device)
+        out = torch.zeros(b, self.k, dtype=torch.int64, device=self.device)
+        # Each step's metadata goes through the runner's pinned buffers: the next step rewrites
+        # them only once the copies queued from them have run.
+        copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        for j in range(self.k):
+            live = np.flatnonzero(limit > j)
+            if not live.size:
+                break
+            if copied is not None and j:
+                copied.synchronize()
+            live_dev = torch.from_numpy(live).to(self.device)
+            n = len(live)
+            common = runner.common_builder.build(
+                rows[live], (start[live] + j).astype(np.int32), np.ones(n, dtype=np.int32), 0,
+                table.table)
+            metadata = {key: builder.build(common) for key, builder in runner.builders.items()}
+            if copied is not None:
+                copied.record()
+            with set_forward_context(metadata, runner.kv_caches):
+                hidden = self.model(ids[live_dev], common.positions)
+            token = self.model.compute_logits(hidden[:n]).argmax(dim=-1)
+            out[live_dev, j] = token
+            ids = ids.clone()
+            ids[live_dev] = token
+        drafts.token_ids = out.cpu().numpy()  # (waits for the steps: the buffers are free)
+        drafts.counts = limit.astype(np.int32)
+        return drafts

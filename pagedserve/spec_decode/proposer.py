@@ -1,0 +1,68 @@
+"""The proposer interface: what the model runner calls to get each request's drafts, with every
+hook declared here (and its default), as the attention backends' base classes do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Drafts:
+    """Each batch row's drafts: `token_ids` int64 [B, K] (columns past a row's count are
+    garbage), `counts` int32 [B] (0: no draft for that row)."""
+
+    token_ids: np.ndarray
+    counts: np.ndarray
+    seconds: float = 0.0  # host wall time the proposal took (device work waited for)
+
+    def row(self, i: int) -> list[int]:
+        return self.token_ids[i, :int(self.counts[i])].tolist()
+
+
+class Proposer:
+    """Proposes up to `num_speculative_tokens` drafts per request after each step: `propose`
+    from the token table (a model-free proposer), or `propose_from` with the runner's caches
+    (one with K/V of its own, `uses_kv_cache`)."""
+
+    # The proposal reads the step's accepted tokens on the host (n-gram lookup): each step is
+    # completed before the next is scheduled. A device proposer (draft model, EAGLE) would keep
+    # its drafts on the device and let steps overlap.
+    needs_host_tokens: bool = True
+    # It keeps K/V of its own (a draft model, a head): a cache group and lookahead slots.
+    uses_kv_cache: bool = False
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.k = num_speculative_tokens
+
+    def attention_layers(self, first_index: int) -> list[Any]:
+        """A proposer with K/V of its own: its attention layers, renumbered from
+        `first_index`, which join the target's cache (their cache specs and tensors follow
+        from them). None for a model-free proposer."""
+        return []
+
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Under a step's forward context, after the target: the proposer's own K/V for the
+        step's tokens (a draft model), or whatever it taps from the step (a head)."""
+
+    def add_request(self, request_id: str) -> None:
+        """A request the proposer will be asked about."""
+
+    def finish_request(self, request_id: str) -> None:
+        """A request gone (finished, aborted): drop whatever the proposer kept for it."""
+
+    def propose(self, token_ids: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
+                eligible: np.ndarray) -> Drafts:
+        """Drafts for the batch rows `rows` of the runner's token table `token_ids` [R, L],
+        whose verified tokens are `num_tokens` [B]; rows where `eligible` is False get none."""
+        raise NotImplementedError
+
+    def propose_from(self, runner: Any, rows: np.ndarray, num_tokens: np.ndarray,
+                     eligible: np.ndarray, newest: np.ndarray) -> Drafts:
+        """A proposer with K/V of its own (`uses_kv_cache`): drafts from each row's newest
+        token `newest` (at position num_tokens - 1), on the runner's block table, metadata
+        builders and caches."""
+        raise NotImplementedError

@@ -1,0 +1,125 @@
+"""What the model runner calls for speculative decoding: the verify step's layout, its
+sampling (the rejection sampler) and the next drafts (the proposer), so that the runner only
+coordinates."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from pagedserve.spec_decode.config import SpeculativeConfig, check_supported
+from pagedserve.spec_decode.draft_model import DraftModelProposer
+from pagedserve.spec_decode.ngram import NgramProposer
+from pagedserve.spec_decode.proposer import Drafts, Proposer
+from pagedserve.spec_decode.rejection_sampler import RejectionSampler
+from pagedserve.spec_decode.verify import VerifyLayout, build_layout
+
+if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.sampler import SamplerOutput, SamplingMetadata
+    from pagedserve.kv_cache.groups import KVCacheLayout
+    from pagedserve.scheduler import SchedulerOutput
+
+
+def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
+    """The runner's speculator, None without --speculative-config; what the model cannot
+    use is refused here, at start-up, with the reason. A draft model's attention layers are
+    appended to the runner's `attn_layers` (before they are bound to the backend)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    check_supported(spec, has_state_layers=bool(runner.state_layers),
+                    tensor_parallel_size=runner.tp_size)
+    proposer = make_proposer(spec, runner.dtype, runner.device, runner.max_model_len,
+                             runner.vocab_size)
+    runner.attn_layers += proposer.attention_layers(len(runner.attn_layers))
+    return Speculator(spec, proposer, runner.device)
+
+
+def make_proposer(spec: SpeculativeConfig, dtype: torch.dtype, device: torch.device,
+                  max_model_len: int, vocab_size: int) -> Proposer:
+    if spec.method == "ngram":
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        return DraftModelProposer(spec.num_speculative_tokens, spec.model, dtype, device,
+                                  max_model_len, vocab_size)
+    raise ValueError(f"speculative_config: method {spec.method!r} is not implemented yet")
+
+
+class Speculator:
+    def __init__(self, spec: SpeculativeConfig, proposer: Proposer,
+                 device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+        self.proposer = proposer
+        self.rejection_sampler = RejectionSampler(
+            spec.synthetic_acceptance_rate if spec.synthetic else None)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.spec.num_speculative_tokens
+
+    @property
+    def uses_kv_cache(self) -> bool:
+        return self.proposer.uses_kv_cache
+
+    def check_layout(self, layout: KVCacheLayout | None) -> None:
+        """A draft model proposes on the first cache group's block table: its layers and the
+        target's must form one group."""
+        if self.uses_kv_cache and layout is not None and len(layout.groups) > 1:
+            raise ValueError("speculative_config: a draft model beside KV cache groups of "
+                             "several kinds (sliding windows) is not implemented yet")
+
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Under a step's forward context, after the target: a draft model's K/V for the
+        step's tokens."""
+        self.proposer.forward_step(input_ids, positions)
+
+    def layout(self, batch: SchedulerOutput, query_start_loc: np.ndarray
+               ) -> VerifyLayout | None:
+        """The layout of a step with drafts; None for a step without any."""
+        if batch.num_draft_tokens is None:
+            return None
+        layout = build_layout(batch.num_draft_tokens, batch.draft_token_ids, query_start_loc,
+                              self.device)
+        if any(r.min_tokens for r in batch.requests):
+            layout.min_tokens_left = np.fromiter(
+                (max(r.min_tokens - r.num_output_tokens, 0) for r in batch.requests), np.int64,
+                batch.num_reqs)
+        return layout
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata, layout: VerifyLayout
+               ) -> SamplerOutput:
+        return self.rejection_sampler(logits, meta, layout)
+
+    def propose(self, runner: Any, batch: SchedulerOutput, rows: np.ndarray,
+                sampled: np.ndarray, current: np.ndarray,
+                ineligible: Collection[str]) -> Drafts:
+        """Drafts for the requests of a collected step whose tokens are in the token table
+        (`current`: their rows still theirs), but for `ineligible` ones (guided, scoring,
+        prompt logprobs: their steps keep one token's logits)."""
+        seq_lens = (batch.num_computed_tokens + batch.num_scheduled_tokens).astype(np.int64)
+        if sampled.ndim == 2:
+            num_tokens = seq_lens - batch.num_draft_tokens + (sampled >= 0).sum(axis=1)
+        else:
+            num_tokens = seq_lens + 1
+        eligible = batch.will_sample & current
+        if ineligible:
+            eligible &= np.fromiter((r.request_id not in ineligible for r in batch.requests),
+                                    bool, batch.num_reqs)
+        start = time.perf_counter()
+        if not self.uses_kv_cache:
+            drafts = self.proposer.propose(runner.input_batch.token_ids, rows, num_tokens,
+                                           eligible)
+        else:
+            # Each row's newest token (its first input): the step's sample, or its last kept.
+            newest = (sampled if sampled.ndim == 1 else np.take_along_axis(
+                sampled, np.maximum((sampled >= 0).sum(axis=1) - 1, 0)[:, None], axis=1)[:, 0])
+            drafts = self.proposer.propose_from(runner, rows, num_tokens, eligible, newest)
+        drafts.seconds = time.perf_counter() - start
+        return drafts

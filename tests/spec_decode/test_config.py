@@ -1,0 +1,66 @@
+"""--speculative-config: vLLM's field names from the flag (JSON), LLM(...) (a dict) and YAML;
+one-line errors for what is malformed."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedserve.arg_utils import add_engine_args, engine_config
+from pagedserve.config import EngineConfig
+from pagedserve.spec_decode.config import check_supported, parse_speculative_config
+
+
+def test_flag_and_keyword_give_the_same_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 4, '
+                              '"prompt_lookup_max": 3, "prompt_lookup_min": 2}'])
+    from_flag = engine_config(args).speculative
+    from_kwargs = EngineConfig.from_kwargs(speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 2}).speculative
+    assert from_flag == from_kwargs
+    assert (from_flag.prompt_lookup_min, from_flag.prompt_lookup_max) == (2, 3)
+    assert EngineConfig().speculative is None
+
+
+def test_lookup_defaults():
+    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
+    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                     "prompt_lookup_max": 3})
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 3)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{", "not valid JSON"),
+    ("[1]", "must be a JSON object"),
+    ({"num_speculative_tokens": 2}, "needs 'method'"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method 'medusa' is not one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown field"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, "prompt_lookup_min 4 is above prompt_lookup_max 2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "m"}, "takes no model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "disable_by_batch_size must be"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"},
+     "synthetic_acceptance_rate in"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "synthetic_acceptance_rate": 0.5},
+     "applies only to"),
+])
+def test_bad_values_are_refused(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs(speculative_config=value)
+
+
+def test_state_layers_and_tensor_parallelism_are_refused():
+    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="state layers"):
+        check_supported(spec, has_state_layers=True, tensor_parallel_size=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
+        check_supported(spec, has_state_layers=False, tensor_parallel_size=2)
