@@ -61,7 +61,8 @@ def _params() -> list[SamplingParams]:
 
 def _run(make_llm, path, prompts, params, spec, **kwargs):
     kwargs.setdefault("kv_cache_memory", "8MiB")
-    llm = make_llm(model=path, dtype="float32", device="cpu", speculative_config=spec, **kwargs)
+    kwargs.setdefault("device", "cpu")
+    llm = make_llm(model=path, dtype="float32", speculative_config=spec, **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     got = [[(c.token_ids, c.finish_reason,
              None if c.logprobs is None else [{t: lp.logprob for t, lp in pos.items()}
@@ -340,9 +341,12 @@ def test_cuda_greedy_equals_no_speculation(tmp_path, make_llm, backend, method):
     path = _tiny(tmp_path, 0, 128, 2, heads=2)
     spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": path,
                                             "num_speculative_tokens": 3}
-    kwargs = dict(device="cuda", attention_backend=backend, gpu_memory_utilization=0.3,
-                  kv_cache_memory=None, engine_core_process=False)
-    want, _ = _run(make_llm, path, _prompts(), _params(), None, **kwargs)
-    got, stats = _run(make_llm, path, _prompts(), _params(), spec, **kwargs)
+    kwargs = dict(device="cuda", attention_backend=backend, engine_core_process=False)
+    # Both engines live until the test ends, and each one's budget is the device's fraction
+    # less what the process holds already: the second gets the larger fraction.
+    want, _ = _run(make_llm, path, _prompts(), _params(), None, gpu_memory_utilization=0.25,
+                   **kwargs)
+    got, stats = _run(make_llm, path, _prompts(), _params(), spec, gpu_memory_utilization=0.6,
+                      **kwargs)
     _assert_same(got, want)
     assert stats.spec_decode_num_accepted_tokens > 0
