@@ -23,9 +23,15 @@ import torch
 
 from pagedserve.config import EngineConfig, resolve_dtype
 from pagedserve.engine.cpu_threads import configure_cpu_threads
-from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
+from pagedserve.engine.runner_outputs import (
+    ModelRunnerOutput,
+    PendingStep,
+    merge_logprob_rows,
+)
 from pagedserve.kv_cache import KVCacheManager
 from pagedserve.kv_cache.specs import bytes_per_slot
+from pagedserve.pooling.core_hooks import pooling_request, record_embeddings
+from pagedserve.pooling.params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
 from pagedserve.structured_output import StructuredOutputManager
@@ -61,6 +67,7 @@ class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     scoring_mode: str | None = None  # ScoringTask.mode of a scoring request
     continuation: list[int] | None = None
+    pooling: PoolingParams | None = None  # a pooling request's (pooling/)
 
 
 class CoreStats(msgspec.Struct, array_like=True):
@@ -99,6 +106,8 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: dict[str, tuple[int, Any, Any, Any]] = msgspec.field(default_factory=dict)
     # seq id -> new rows of a scoring request's next-token log-distributions, float32 [r, V].
     scores: dict[str, Any] = msgspec.field(default_factory=dict)
+    # seq id -> a pooling sequence's embedding, float32 [dimensions] (pooling/).
+    embeddings: dict[str, Any] = msgspec.field(default_factory=dict)
     num_preemptions: dict[str, int] = msgspec.field(default_factory=dict)  # nonzero only
     # seq id -> (first scheduled time, prompt tokens found in the prefix cache), once.
     scheduled: dict[str, tuple[float, int]] = msgspec.field(default_factory=dict)
@@ -255,6 +264,8 @@ class EngineCore:
             raise
 
     def _build(self, r: CoreRequest) -> Request:
+        if r.pooling is not None:
+            return pooling_request(r, self.eos_token_id)
         if r.scoring_mode is not None:
             task = ScoringTask(r.scoring_mode, tuple(r.continuation or ()))
             return Request(r.request_id, r.prompt_token_ids, SCORING_PARAMS, self.eos_token_id,
@@ -378,6 +389,8 @@ class EngineCore:
             out.finished[request.request_id] = (request.status.finish_reason, stop_token,
                                                 on_end_token)
         self.generation_tokens += int((tokens >= 0).sum())
+        if output.pooled is not None:
+            record_embeddings(batch, output.pooled, results, out)
         # Logprobs, prompt logprobs and scores are rare: looked at only when the step has any.
         new_lp = None
         if output.logprobs is not None or output.prompt_logprobs:
@@ -392,7 +405,7 @@ class EngineCore:
                 out.prompt_logprobs[seq_id] = (first, lp.logprobs.numpy(), lp.token_ids.numpy(),
                                                lp.ranks.numpy())
         if new_lp is not None or out.logprobs is not None:
-            out.logprobs = _merge_rows(out.logprobs, first_row, new_lp, len(seq_ids))
+            out.logprobs = merge_logprob_rows(out.logprobs, first_row, new_lp, len(seq_ids))
         if output.score_logprobs or output.forced_logprobs:
             self._record_scores(output, results, out)
         self._forget(finished)
@@ -479,21 +492,3 @@ class EngineCore:
             return 0
         return layout.bytes_per_block * len(layout.groups) // self.runner.block_size
 
-
-def _merge_rows(first: tuple[Any, ...] | None, num_first: int, more: tuple[Any, ...] | None,
-                num_more: int) -> tuple[Any, ...]:
-    """Logprob rows of two steps completed in one call (the switch from overlapped to step by
-    step); the rows of a step without logprobs are zeros, never read: its sequences asked for
-    none."""
-    if first is None or more is None:
-        like = more if first is None else first
-        zeros = tuple(np.zeros((num_first if first is None else num_more, *a.shape[1:]),
-                               a.dtype) for a in like)
-        first, more = (zeros, more) if first is None else (first, zeros)
-    width = max(first[0].shape[1], more[0].shape[1])
-
-    def pad(a: Any) -> Any:
-        return a if a.ndim == 1 or a.shape[1] == width else np.pad(
-            a, ((0, 0), (0, width - a.shape[1])))
-
-    return tuple(np.concatenate([pad(a), pad(b)]) for a, b in zip(first, more, strict=True))

@@ -12,6 +12,7 @@ group the sum of the layers' pages. State layers keep a slot per running request
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -94,3 +95,13 @@ def allocate_state_slots(specs: list[StateSpec], num_slots: int,
     """Each state layer's tensors by name, `num_slots` slots each."""
     return [{t.name: torch.zeros((num_slots, *t.shape), dtype=t.dtype, device=device)
              for t in spec.tensors} for spec in specs]
+
+
+def indexed_layers(model: torch.nn.Module, kind: type) -> list[Any]:
+    """The model's layers of one kind by `layer_idx`, which must be 0..N-1 (the index of the
+    layer's cache)."""
+    layers = sorted((m for m in model.modules() if isinstance(m, kind)),
+                    key=lambda m: m.layer_idx)
+    if [m.layer_idx for m in layers] != list(range(len(layers))):
+        raise ValueError(f"{kind.__name__} layer indices must be 0..N-1")
+    return layers

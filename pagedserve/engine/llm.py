@@ -14,6 +14,8 @@ from tqdm.auto import tqdm
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.pooling import PoolingParams, PoolingRequestOutput
+from pagedserve.pooling.front import tokenize_inputs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import ScoringTask
 
@@ -131,6 +133,33 @@ class LLM:
             raise
         return [o.outputs[0].forced_logprobs for o in outputs]
 
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+        """Embeddings of a pooling model (--runner pooling): prompts as strings (tokenized
+        together, with the tokenizer's special tokens), token-id lists or
+        {"prompt_token_ids": [...]} dicts; `outputs.embedding` of each result, in prompt
+        order."""
+        if isinstance(prompts, str | dict) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        inputs = [_prompt_input(p) for p in prompts]
+        texts = [p for p in inputs if isinstance(p, str)]
+        encoded = iter(tokenize_inputs(self.engine.tokenizer, texts))
+        ids = []
+        try:
+            for prompt in inputs:
+                request_id = str(next(self._ids))
+                token_ids = next(encoded) if isinstance(prompt, str) else prompt
+                self.engine.add_pooling_request(
+                    request_id, token_ids, pooling_params,
+                    prompt_text=prompt if isinstance(prompt, str) else None)
+                ids.append(request_id)
+            return self.wait_for(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+
     def _score_ids(self, text_or_ids: Any, what: str) -> list[int]:
         """Token ids, tokenizing text (without special tokens, so a prompt and its
         continuation concatenate as one text would)."""
@@ -161,7 +190,7 @@ class LLM:
         return render_chat(tokenizer, messages, add_generation_prompt,
                            chat_template or self.engine.chat_template)
 
-    def wait_for(self, ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
+    def wait_for(self, ids: list[str], use_tqdm: bool = True) -> list[Any]:
         """Step the engine until the requests `ids` (already added) finish."""
         pending = set(ids)
         final: dict[str, RequestOutput] = {}
@@ -174,7 +203,8 @@ class LLM:
                 if output.finished and output.request_id in pending:
                     pending.discard(output.request_id)
                     final[output.request_id] = output
-                    out_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    if isinstance(output, RequestOutput):  # not an embedding
+                        out_tokens += sum(len(o.token_ids) for o in output.outputs)
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)
                     bar.update(1)

@@ -22,6 +22,8 @@ from pagedserve.engine.core_client import InprocClient, MPClient
 from pagedserve.engine.dp_client import DPClient
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
+from pagedserve.pooling import PoolingParams, resolve_pooler
+from pagedserve.pooling.front import GENERATION_REFUSED, add_pooling_request
 from pagedserve.sampling_params import SamplingParams, default_sampling
 from pagedserve.scheduler import ScoringTask
 from pagedserve.structured_output import (
@@ -50,6 +52,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         self.config = config
         chat_template = check_settings(config)  # before the (slow) load
+        self.pooler_config = resolve_pooler(config.model)  # None: a generating model
         self.client = make_client(config, log_stats)
         info = self.client.info
         self.tokenizer = info.tokenizer
@@ -178,6 +181,8 @@ class LLMEngine:
         only when it finishes. `prompt_text`: the text of token-id `prompt` (its outputs'
         `prompt`), when the caller tokenized it."""
         self._check_new_id(request_id)
+        if self.pooler_config is not None:
+            raise ValueError(GENERATION_REFUSED)
         params = params or SamplingParams()
         if cache_salt is not None:
             cache_salt.encode("utf-8")  # hashed with the blocks: UnicodeEncodeError here, not there
@@ -209,6 +214,8 @@ class LLMEngine:
         each continuation token, computed by decode steps (`mode="decode"`) or as one prefill
         of prompt + continuation (`mode="prefill"`)."""
         self._check_new_id(request_id)
+        if self.pooler_config is not None:
+            raise ValueError(GENERATION_REFUSED)
         task = ScoringTask(mode, tuple(continuation))
         token_ids = list(prompt)
         if not token_ids:
@@ -227,6 +234,14 @@ class LLMEngine:
                                                               SCORING_PARAMS, scoring=True)]
         self._add(state, [CoreRequest(request_id, token_ids, SCORING_PARAMS, arrival,
                                       scoring_mode=mode, continuation=list(continuation))])
+
+    def add_pooling_request(self, request_id: str, prompt: str | list[int],
+                            params: PoolingParams | None = None,
+                            arrival_time: float | None = None,
+                            prompt_text: str | None = None) -> None:
+        """Queue an embedding request (pooling/front.py); its one output is a
+        PoolingRequestOutput."""
+        add_pooling_request(self, request_id, prompt, params, arrival_time, prompt_text)
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.output_processor.states:

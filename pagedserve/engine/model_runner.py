@@ -35,6 +35,7 @@ from pagedserve.engine.sample_copy import SamplesToHost
 from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
 from pagedserve.kv_cache.specs import StateSpec, bytes_per_slot
+from pagedserve.pooling.step import StepPooler, host_rows
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, SchedulerOutput
 from pagedserve.structured_output import StructuredOutputManager
@@ -61,8 +62,8 @@ class ModelRunner:
         # alone samples and sends its tokens to the others.
         self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
 
-        self.attn_layers = _indexed_layers(model, Attention)
-        self.state_layers = _indexed_layers(model, StateLayer)
+        self.attn_layers = kv_cache_setup.indexed_layers(model, Attention)
+        self.state_layers = kv_cache_setup.indexed_layers(model, StateLayer)
         if not self.attn_layers and not self.state_layers:
             raise ValueError("the model has neither attention nor state layers")
         # Backend builders by Attention.metadata_key, and the cache group each one reads.
@@ -91,6 +92,7 @@ class ModelRunner:
         self.common_builder = self.group_builders[0]
         pin = self.device.type == "cuda"
         self.sampler = Sampler()
+        self.pooler = StepPooler.for_engine(config)  # a pooling model's, in place of the sampler
         # The launched step not yet collected, and where steps' samples go to the host.
         self._in_flight: PendingStep | None = None
         self._samples_to_host = SamplesToHost(self.max_num_reqs, self.device)
@@ -367,6 +369,11 @@ class ModelRunner:
             if prev.sampled is not None:
                 prev = None  # its samples are in the token table already
         rows = self.input_batch.update(batch)
+        if self.pooler is not None:  # every request pools: no head, no sampler, no graphs
+            self._in_flight = self.pooler.launch(
+                batch, rows, self.input_batch.generation[rows], self._forward(batch, rows),
+                self._common.num_actual_tokens, self._common.query_start_loc)
+            return self._in_flight
         meta = (self.sampling.metadata(batch.requests, self.input_batch.same_as_last_step)
                 if self.tp_rank == 0 else None)
         self._ran_graph = False
@@ -445,7 +452,8 @@ class ModelRunner:
         if self._in_flight is pending:
             self._in_flight = None
         return ModelRunnerOutput(pending.sampled, pending.logprobs, pending.prompt_logprobs,
-                                 pending.forced, pending.score_logprobs)
+                                 pending.forced, pending.score_logprobs,
+                                 host_rows(pending.pooled))
 
     def _record_samples(self, pending: PendingStep) -> None:
         """Once per step: wait for its samples, put teacher-forced tokens in their place, and
@@ -475,7 +483,7 @@ class ModelRunner:
         self.run_warmup_steps()
         # Steps of models with state layers run eagerly: a graph would need a scratch slot for
         # its padding rows (future work).
-        if not self.state_layers:
+        if not self.state_layers and self.pooler is None:  # a pooling model never decodes
             self.decode_graphs = setup_decode_graphs(self.graph_inputs(), self.backend,
                                                      self.config, self.max_model_len)
 
@@ -488,13 +496,3 @@ class ModelRunner:
                            self.num_blocks, self.vocab_size, routes_experts=routes,
                            group_builders=self.group_builders,
                            builder_group=self.builder_group, compute_logits=head)
-
-
-def _indexed_layers(model: torch.nn.Module, kind: type) -> list[Any]:
-    """The model's layers of one kind by `layer_idx`, which must be 0..N-1 (the index of the
-    layer's cache)."""
-    layers = sorted((m for m in model.modules() if isinstance(m, kind)),
-                    key=lambda m: m.layer_idx)
-    if [m.layer_idx for m in layers] != list(range(len(layers))):
-        raise ValueError(f"{kind.__name__} layer indices must be 0..N-1")
-    return layers

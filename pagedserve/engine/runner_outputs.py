@@ -1,9 +1,11 @@
 """What the model runner hands back: a launched step (`PendingStep`) and, once collected, its
-samples and whatever else the step kept (`ModelRunnerOutput`)."""
+samples and whatever else the step kept (`ModelRunnerOutput`); and the merge of two collected
+steps' logprob rows into one StepOutput (`merge_logprob_rows`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +27,8 @@ class ModelRunnerOutput:
     # request id -> (first position p, float32 [rows, V] on the CPU): the full log-distributions
     # this step computed at prompt positions p, p+1, ... of a request scored by prefill.
     score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # A pooling model's step: float32 [B, hidden] embeddings in batch order (pooling/step.py).
+    pooled: np.ndarray | None = None
 
 
 @dataclass
@@ -52,3 +56,23 @@ class PendingStep:
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
     score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     sampled: np.ndarray | None = None  # set once the samples are on the host
+    pooled: Any = None  # a pooling model's step: its embeddings (pooling/step.py's PooledRows)
+
+
+def merge_logprob_rows(first: tuple[Any, ...] | None, num_first: int,
+                       more: tuple[Any, ...] | None, num_more: int) -> tuple[Any, ...]:
+    """Logprob rows of two steps completed in one call (the switch from overlapped to step by
+    step); the rows of a step without logprobs are zeros, never read: its sequences asked for
+    none."""
+    if first is None or more is None:
+        like = more if first is None else first
+        zeros = tuple(np.zeros((num_first if first is None else num_more, *a.shape[1:]),
+                               a.dtype) for a in like)
+        first, more = (zeros, more) if first is None else (first, zeros)
+    width = max(first[0].shape[1], more[0].shape[1])
+
+    def pad(a: Any) -> Any:
+        return a if a.ndim == 1 or a.shape[1] == width else np.pad(
+            a, ((0, 0), (0, width - a.shape[1])))
+
+    return tuple(np.concatenate([pad(a), pad(b)]) for a, b in zip(first, more, strict=True))

@@ -142,6 +142,8 @@ class Scheduler:
             request = self.waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if request.pooling is not None and num_new < request.num_tokens:
+                break  # a pooling request runs whole: it waits for a step with room for it
             blocks = kv.allocate_slots(request, num_new, hits)
             if blocks is None:
                 break

@@ -1,0 +1,66 @@
+"""The model runner's part for a pooling model: a step's final hidden states pooled, truncated
+and normalised on the device in one pass over the batch, and on their way to the host, in
+place of the head and the sampler.
+
+A pooling request finishes in the step that computes its prompt: the step "samples" a
+placeholder token (0) for it, which ends it at `max_tokens=1`, so the scheduler frees its
+blocks and the core reports its embedding (`core_hooks.py`) with the step's other results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.runner_outputs import PendingStep
+from pagedserve.pooling.config import PoolerConfig, resolve_pooler
+from pagedserve.pooling.methods import finish, pool
+from pagedserve.scheduler import SchedulerOutput
+
+
+class PooledRows:
+    """A step's embeddings, float32 [B, hidden] in batch order (a row truncated to a request's
+    `dimensions` is zero past them), copied to the host behind the step's work."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        if rows.device.type == "cuda":
+            self.host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            self.host.copy_(rows, non_blocking=True)
+            self.event: torch.cuda.Event | None = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = rows, None
+
+    def wait(self) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy()
+
+
+class StepPooler:
+    def __init__(self, config: PoolerConfig) -> None:
+        self.config = config
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig) -> StepPooler | None:
+        """The engine's pooler; None when it generates."""
+        pooler = resolve_pooler(config.model)
+        return None if pooler is None else cls(pooler)
+
+    def launch(self, batch: SchedulerOutput, rows: np.ndarray, generations: np.ndarray,
+               hidden: torch.Tensor, num_tokens: int, cu_seqlens: torch.Tensor) -> PendingStep:
+        """The launched step of a batch of pooling requests, each with its whole prompt:
+        hidden [>= num_tokens, H], cu_seqlens [B + 1] (the step's query_start_loc)."""
+        pooled = pool(hidden[:num_tokens], cu_seqlens, self.config.method)
+        dims = [getattr(r.pooling, "dimensions", None) for r in batch.requests]
+        pending = PendingStep(batch, rows, generations)
+        pending.pooled = PooledRows(finish(pooled, dims, self.config.normalize))
+        pending.sampled = np.zeros(batch.num_reqs, dtype=np.int64)
+        return pending
+
+
+def host_rows(pooled: Any) -> np.ndarray | None:
+    """A collected step's embeddings on the host (None for a generating step)."""
+    return None if pooled is None else pooled.wait()
