@@ -31,6 +31,7 @@ from pagedserve.server.common import (
     error_response,
 )
 from pagedserve.server.completions import create_completion
+from pagedserve.server.embeddings import EmbeddingRequest, create_embeddings
 from pagedserve.server.gatekeeper import Gatekeeper
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.reasoning import get_reasoning_parser
@@ -180,6 +181,10 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: p.ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(state, body, request)
+
+    @router.post("/v1/embeddings", response_model=None)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        return await create_embeddings(state, body, request)
 
     @router.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest) -> p.TokenizeResponse:
