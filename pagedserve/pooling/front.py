@@ -21,10 +21,10 @@ GENERATION_REFUSED = ("this is a pooling model (--runner pooling): it serves emb
 def tokenize_inputs(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Token ids per text, special tokens included, in one batched call (a fast tokenizer
     encodes the batch in parallel)."""
-    if tokenizer is None:
-        raise ValueError("this model has no tokenizer: pass token ids")
     if not texts:
         return []
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: pass token ids")
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
 

@@ -77,8 +77,8 @@ async def create_embeddings(state: ServerState, body: EmbeddingRequest,
         elif not item:
             raise ApiError(400, f"input {i} is an empty string", param="input")
     texts = [t for t in inputs if isinstance(t, str)]
-    tokenizer = state.tokenizer if texts else None
-    encoded = iter(await asyncio.to_thread(tokenize_inputs, tokenizer, texts))
+    encoded = iter(await asyncio.to_thread(tokenize_inputs, state.tokenizer, texts)
+                   if texts else [])
     prompts = [(t, next(encoded)) if isinstance(t, str) else (None, t) for t in inputs]
     request_id = f"embd-{uuid.uuid4().hex}"
     streams = await _add_all(state, request_id, prompts, params)
