@@ -138,3 +138,19 @@ def test_other_pooling_modes(tmp_path, texts, mode):
              max_model_len=128) as llm:
         assert llm.engine.pooler_config.method == mode
         np.testing.assert_allclose(embed(llm, texts), reference, atol=TOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_equals_sentence_transformers_on_cuda(model_dir, texts, reference, async_scheduling):
+    """The device path: embeddings copied to pinned host memory behind the step, every backend
+    the selector picks for the tiny model (float32)."""
+    with LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=128,
+             gpu_memory_utilization=0.3, max_num_batched_tokens=256,
+             async_scheduling=async_scheduling) as llm:
+        np.testing.assert_allclose(embed(llm, texts), reference, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(embed(llm, texts[:5], PoolingParams(dimensions=16)),
+                                   reference[:5, :16] / np.linalg.norm(
+                                       reference[:5, :16], axis=1, keepdims=True),
+                                   atol=1e-4, rtol=0)
+        assert llm.engine.check_blocks_free()
