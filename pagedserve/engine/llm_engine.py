@@ -69,6 +69,8 @@ class LLMEngine:
         self.eos_token_id = eos_ids[0] if eos_ids else None
         self.extra_eos_ids = eos_ids[1:]
         self.output_processor = OutputProcessor(self.tokenizer)
+        if self.pooler_config is not None:
+            logger.info("pooling model: %s", self.pooler_config.describe())
         self._structured_output: StructuredOutputManager | None = None
 
     @classmethod

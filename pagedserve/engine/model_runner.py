@@ -370,9 +370,9 @@ class ModelRunner:
                 prev = None  # its samples are in the token table already
         rows = self.input_batch.update(batch)
         if self.pooler is not None:  # every request pools: no head, no sampler, no graphs
-            self._in_flight = self.pooler.launch(
-                batch, rows, self.input_batch.generation[rows], self._forward(batch, rows),
-                self._common.num_actual_tokens, self._common.query_start_loc)
+            hidden = self._forward(batch, rows)
+            self._in_flight = self.pooler.launch(batch, rows, self.input_batch.generation[rows],
+                                                 hidden, self._common)
             return self._in_flight
         meta = (self.sampling.metadata(batch.requests, self.input_batch.same_as_last_step)
                 if self.tp_rank == 0 else None)

@@ -32,6 +32,11 @@ class PoolerConfig:
     hidden_size: int  # the embedding's full width
     source: str  # where the settings came from (for the log line)
 
+    def describe(self) -> str:
+        name = {"cls": "first-token (CLS)", "mean": "mean", "last": "last-token"}[self.method]
+        normed = "L2-normalised" if self.normalize else "not normalised"
+        return f"{name} pooling, {normed}, {self.hidden_size} dimensions (from {self.source})"
+
 
 def resolve_pooler(model: Any) -> PoolerConfig | None:
     """The pooling of an engine over `model` (a ModelConfig), or None for a generating

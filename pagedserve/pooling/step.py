@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.config import EngineConfig
 from pagedserve.engine.runner_outputs import PendingStep
 from pagedserve.pooling.config import PoolerConfig, resolve_pooler
@@ -50,10 +51,11 @@ class StepPooler:
         return None if pooler is None else cls(pooler)
 
     def launch(self, batch: SchedulerOutput, rows: np.ndarray, generations: np.ndarray,
-               hidden: torch.Tensor, num_tokens: int, cu_seqlens: torch.Tensor) -> PendingStep:
+               hidden: torch.Tensor, common: CommonAttentionMetadata) -> PendingStep:
         """The launched step of a batch of pooling requests, each with its whole prompt:
-        hidden [>= num_tokens, H], cu_seqlens [B + 1] (the step's query_start_loc)."""
-        pooled = pool(hidden[:num_tokens], cu_seqlens, self.config.method)
+        hidden [>= num_actual_tokens, H] under the step's metadata `common`."""
+        pooled = pool(hidden[:common.num_actual_tokens], common.query_start_loc,
+                      self.config.method)
         dims = [getattr(r.pooling, "dimensions", None) for r in batch.requests]
         pending = PendingStep(batch, rows, generations)
         pending.pooled = PooledRows(finish(pooled, dims, self.config.normalize))
