@@ -372,7 +372,7 @@ class ModelRunner:
         if self.pooler is not None:  # every request pools: no head, no sampler, no graphs
             hidden = self._forward(batch, rows)
             self._in_flight = self.pooler.launch(batch, rows, self.input_batch.generation[rows],
-                                                 hidden, self._common)
+                                                 hidden, self._common, self.device_timer)
             return self._in_flight
         meta = (self.sampling.metadata(batch.requests, self.input_batch.same_as_last_step)
                 if self.tp_rank == 0 else None)

@@ -51,15 +51,19 @@ class StepPooler:
         return None if pooler is None else cls(pooler)
 
     def launch(self, batch: SchedulerOutput, rows: np.ndarray, generations: np.ndarray,
-               hidden: torch.Tensor, common: CommonAttentionMetadata) -> PendingStep:
+               hidden: torch.Tensor, common: CommonAttentionMetadata,
+               device_timer: Any = None) -> PendingStep:
         """The launched step of a batch of pooling requests, each with its whole prompt:
-        hidden [>= num_actual_tokens, H] under the step's metadata `common`."""
+        hidden [>= num_actual_tokens, H] under the step's metadata `common`; `device_timer`
+        (the runner's, when it measures) ends the step's span after the pooler's work."""
         pooled = pool(hidden[:common.num_actual_tokens], common.query_start_loc,
                       self.config.method)
         dims = [getattr(r.pooling, "dimensions", None) for r in batch.requests]
         pending = PendingStep(batch, rows, generations)
         pending.pooled = PooledRows(finish(pooled, dims, self.config.normalize))
         pending.sampled = np.zeros(batch.num_reqs, dtype=np.int64)
+        if device_timer is not None:
+            device_timer.stop()
         return pending
 
 
