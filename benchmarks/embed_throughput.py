@@ -6,7 +6,8 @@ best is the baseline), then LLM.embed over the same texts. Prints texts/s, the r
 largest difference between the two embeddings.
 
     python benchmarks/embed_throughput.py --device cuda --dtype bfloat16 \\
-        --shape qwen3-0.6b --num-texts 10000 --tokens 256 --st-batch-sizes 32,64,128,256
+        --shape qwen3-0.6b --num-texts 10000 --tokens 256 --st-batch-sizes 32,64,128,256 \\
+        --serve-batch 16   # and /v1/embeddings at 16 texts a request, beside LLM.embed
     python benchmarks/embed_throughput.py --device cpu --shape tiny --num-texts 256
 """
 
@@ -65,6 +66,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per text, end included")
     parser.add_argument("--st-batch-sizes", default="32,64,128")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--serve-batch", type=int, default=0,
+                        help="also time /v1/embeddings at this many texts a request")
+    parser.add_argument("--concurrency", type=int, default=64)
     args = parser.parse_args()
 
     from sentence_transformers import SentenceTransformer
@@ -102,6 +106,63 @@ def main() -> None:
         got = np.stack([o.outputs.data for o in outputs])
         print(f"pagedserve LLM.embed: {rate:,.0f} texts/s = {rate / best:.2f}x the best "
               f"sentence-transformers batch; max |difference| {np.abs(got - reference).max():.2e}")
+        if args.serve_batch:
+            served = serve_rate(path, args, texts)
+            print(f"pagedserve /v1/embeddings, {args.serve_batch} texts a request, "
+                  f"{args.concurrency} at a time: {served:,.0f} texts/s = "
+                  f"{served / rate:.2f}x LLM.embed")
+
+
+def serve_rate(path: Path, args: argparse.Namespace, texts: list[str]) -> float:
+    """Texts/s through a `pagedserve serve` of the same model (base64, as the openai client
+    asks), `args.concurrency` requests of `args.serve_batch` texts in flight."""
+    import asyncio
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", str(path),
+                             "--device", args.device, "--dtype", args.dtype,
+                             "--max-model-len", str(args.tokens), "--port", str(port),
+                             "--max-num-batched-tokens", str(args.max_num_batched_tokens)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("the server did not start")
+            time.sleep(1)
+        batches = [texts[i:i + args.serve_batch]
+                   for i in range(0, len(texts), args.serve_batch)]
+
+        async def run() -> float:
+            queue = list(reversed(batches))
+            async with httpx.AsyncClient(timeout=600) as client:
+                async def worker() -> None:
+                    while queue:
+                        body = {"input": queue.pop(), "encoding_format": "base64"}
+                        r = await client.post(url + "/v1/embeddings", json=body)
+                        r.raise_for_status()
+
+                t0 = time.perf_counter()
+                await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+                return len(texts) / (time.perf_counter() - t0)
+
+        asyncio.run(run())  # warm-up
+        return asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def _sync(device: str) -> None:
