@@ -92,7 +92,7 @@ class ModelRunner:
         self.common_builder = self.group_builders[0]
         pin = self.device.type == "cuda"
         self.sampler = Sampler()
-        self.pooler = StepPooler.for_engine(config)  # a pooling model's, in place of the sampler
+        self.pooler = StepPooler.for_engine(config, model)  # a pooling model's, not the sampler
         # The launched step not yet collected, and where steps' samples go to the host.
         self._in_flight: PendingStep | None = None
         self._samples_to_host = SamplesToHost(self.max_num_reqs, self.device)

@@ -31,8 +31,19 @@ class PoolerConfig:
     normalize: bool  # L2-normalise each embedding (after any `dimensions` truncation)
     hidden_size: int  # the embedding's full width
     source: str  # where the settings came from (for the log line)
+    # A reranker (a causal cross-encoder): it scores (query, document) pairs by
+    # logit[true] - logit[false] at the last token, then `activation`, instead of embedding.
+    score_tokens: tuple[int, int | None] | None = None
+    activation: str = "sigmoid"
+
+    @property
+    def task(self) -> str:
+        return "score" if self.score_tokens is not None else "embed"
 
     def describe(self) -> str:
+        if self.task == "score":
+            return (f"a reranker: {self.activation}(logit[{self.score_tokens[0]}] - "
+                    f"logit[{self.score_tokens[1]}]) at the last token (from {self.source})")
         name = {"cls": "first-token (CLS)", "mean": "mean", "last": "last-token"}[self.method]
         normed = "L2-normalised" if self.normalize else "not normalised"
         return f"{name} pooling, {normed}, {self.hidden_size} dimensions (from {self.source})"
@@ -63,6 +74,12 @@ def resolve_pooler(model: Any) -> PoolerConfig | None:
     source = "flags"
     if st is not None:
         source = "the model's sentence-transformers files"
+        if st.score_tokens is not None:
+            if method not in (None, "last") or normalize:
+                raise ValueError("a cross-encoder (LogitScore) scores the last token's logits: "
+                                 "pooling_type and pooling_normalize do not apply")
+            return PoolerConfig("last", False, _hidden_size(model.model, hf), source,
+                                st.score_tokens, st.activation)
         method = method or st.method
         normalize = st.normalize if normalize is None else normalize
     return PoolerConfig(method or DEFAULT_METHOD, True if normalize is None else normalize,

@@ -45,3 +45,12 @@ def finish(pooled: torch.Tensor, dimensions: list[int | None], normalize: bool
         part = pooled[index, :d]
         out[index, :d] = F.normalize(part, dim=-1) if normalize else part
     return out
+
+
+def logit_score(logits: torch.Tensor, tokens: tuple[int, int | None], activation: str
+                ) -> torch.Tensor:
+    """A causal cross-encoder's score from its last token's logits [B, V]: logit[true] -
+    logit[false] (logit[true] alone without a false token), then the activation -> [B, 1]."""
+    true_id, false_id = tokens
+    score = logits[:, true_id] if false_id is None else logits[:, true_id] - logits[:, false_id]
+    return (torch.sigmoid(score) if activation == "sigmoid" else score)[:, None]

@@ -1,6 +1,6 @@
 """The model runner's part for a pooling model: a step's final hidden states pooled, truncated
-and normalised on the device in one pass over the batch, and on their way to the host, in
-place of the head and the sampler.
+and normalised on the device in one pass over the batch (a reranker's: its head's logits at
+each last token turned into a score), and on their way to the host, in place of the sampler.
 
 A pooling request finishes in the step that computes its prompt: the step "samples" a
 placeholder token (0) for it, which ends it at `max_tokens=1`, so the scheduler frees its
@@ -8,6 +8,7 @@ blocks and the core reports its embedding (`core_hooks.py`) with the step's othe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.config import EngineConfig
 from pagedserve.engine.runner_outputs import PendingStep
 from pagedserve.pooling.config import PoolerConfig, resolve_pooler
-from pagedserve.pooling.methods import finish, pool
+from pagedserve.pooling.methods import finish, logit_score, pool
 from pagedserve.scheduler import SchedulerOutput
 
 
@@ -41,14 +42,16 @@ class PooledRows:
 
 
 class StepPooler:
-    def __init__(self, config: PoolerConfig) -> None:
+    def __init__(self, config: PoolerConfig, compute_logits: Callable[..., torch.Tensor]
+                 ) -> None:
         self.config = config
+        self.compute_logits = compute_logits  # the model's head: a reranker's scores read it
 
     @classmethod
-    def for_engine(cls, config: EngineConfig) -> StepPooler | None:
+    def for_engine(cls, config: EngineConfig, model: Any) -> StepPooler | None:
         """The engine's pooler; None when it generates."""
         pooler = resolve_pooler(config.model)
-        return None if pooler is None else cls(pooler)
+        return None if pooler is None else cls(pooler, model.compute_logits)
 
     def launch(self, batch: SchedulerOutput, rows: np.ndarray, generations: np.ndarray,
                hidden: torch.Tensor, common: CommonAttentionMetadata,
@@ -56,11 +59,17 @@ class StepPooler:
         """The launched step of a batch of pooling requests, each with its whole prompt:
         hidden [>= num_actual_tokens, H] under the step's metadata `common`; `device_timer`
         (the runner's, when it measures) ends the step's span after the pooler's work."""
-        pooled = pool(hidden[:common.num_actual_tokens], common.query_start_loc,
-                      self.config.method)
-        dims = [getattr(r.pooling, "dimensions", None) for r in batch.requests]
+        config = self.config
+        if config.task == "score":  # the head over each request's last token only
+            last = hidden[common.query_start_loc[1:].long() - 1]
+            out = logit_score(self.compute_logits(last), config.score_tokens, config.activation)
+        else:
+            pooled = pool(hidden[:common.num_actual_tokens], common.query_start_loc,
+                          config.method)
+            dims = [getattr(r.pooling, "dimensions", None) for r in batch.requests]
+            out = finish(pooled, dims, config.normalize)
         pending = PendingStep(batch, rows, generations)
-        pending.pooled = PooledRows(finish(pooled, dims, self.config.normalize))
+        pending.pooled = PooledRows(out)
         pending.sampled = np.zeros(batch.num_reqs, dtype=np.int64)
         if device_timer is not None:
             device_timer.stop()

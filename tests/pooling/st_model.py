@@ -68,3 +68,32 @@ def mixed_texts(n: int = 32, seed: int = 0, longest: int = 90) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(f"w{rng.randrange(NUM_WORDS)}" for _ in range(rng.randint(1, longest)))
             for _ in range(n)]
+
+
+# Renders a (query, document) pair as sentence-transformers' CrossEncoder does: one message per
+# role through the chat template.
+RERANK_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'query' %}w1 {{ m['content'] }}"
+                   "{% elif m['role'] == 'document' %} w2 {{ m['content'] }}{% endif %}"
+                   "{% endfor %} w3")
+
+
+def tiny_qwen3_reranker(path: Path, max_positions: int = 256) -> Path:
+    """A tiny random Qwen3ForCausalLM with "yes" and "no" tokens, saved by
+    sentence-transformers' CrossEncoder itself (Transformer + LogitScore(yes, no), sigmoid)."""
+    from sentence_transformers import CrossEncoder
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    source = path.parent / (path.name + "_source")
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(["yes", "no"])
+    tokenizer.chat_template = RERANK_TEMPLATE
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=max_positions,
+                         initializer_range=0.2, eos_token_id=2, pad_token_id=0,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    CrossEncoder(str(source), device="cpu", local_files_only=True).save(str(path))
+    return path

@@ -116,8 +116,8 @@ def test_too_long_input_refused_or_truncated(llm):
 def test_generation_refused(llm):
     with pytest.raises(ValueError, match="pooling model .* not generation"):
         llm.generate("w1 w2", SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="pooling model"):
-        llm.score([[3, 4]], [[5]])
+    with pytest.raises(ValueError, match="scoring pairs needs a reranker"):
+        llm.score("w1", ["w2"])
 
 
 def test_generating_model_serves_no_embeddings(tmp_path):
