@@ -35,6 +35,7 @@ from pagedserve.server.embeddings import EmbeddingRequest, create_embeddings
 from pagedserve.server.gatekeeper import Gatekeeper
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.reasoning import get_reasoning_parser
+from pagedserve.server.rerank import RerankRequest, ScoreRequest, create_rerank, create_score
 from pagedserve.server.responses.routes import responses_routes
 from pagedserve.server.responses.store import ResponseStore
 from pagedserve.server.tool_parsers import get_tool_parser
@@ -185,6 +186,15 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/embeddings", response_model=None)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         return await create_embeddings(state, body, request)
+
+    @router.post("/score", response_model=None)
+    async def score(body: ScoreRequest, request: Request) -> Any:
+        return await create_score(state, body, request)
+
+    @router.post("/rerank", response_model=None)
+    @router.post("/v1/rerank", response_model=None)
+    async def rerank(body: RerankRequest, request: Request) -> Any:
+        return await create_rerank(state, body, request)
 
     @router.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest) -> p.TokenizeResponse:

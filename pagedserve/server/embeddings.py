@@ -60,6 +60,9 @@ async def create_embeddings(state: ServerState, body: EmbeddingRequest,
     if engine.pooler_config is None:
         raise ApiError(400, "this model generates text: it serves no embeddings (an embedding "
                             "model is served with --runner pooling)", param="model")
+    if engine.pooler_config.task != "embed":
+        raise ApiError(400, "this model is a reranker: it scores pairs (/score, /rerank), it "
+                            "does not embed", param="model")
     inputs = _inputs(body.input)
     if len(inputs) > MAX_INPUTS:
         raise ApiError(400, f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}",
@@ -81,12 +84,12 @@ async def create_embeddings(state: ServerState, body: EmbeddingRequest,
                    if texts else [])
     prompts = [(t, next(encoded)) if isinstance(t, str) else (None, t) for t in inputs]
     request_id = f"embd-{uuid.uuid4().hex}"
-    streams = await _add_all(state, request_id, prompts, params)
+    streams = await add_pooling_requests(state, request_id, prompts, params)
     return await until_disconnect(request, _respond(state, request_id, streams,
                                                     body.encoding_format))
 
 
-async def _add_all(state: ServerState, request_id: str,
+async def add_pooling_requests(state: ServerState, request_id: str,
                    prompts: list[tuple[str | None, list[int]]], params: PoolingParams
                    ) -> list[RequestStream]:
     """Every input queued at once (one engine request each), then awaited; all or none."""

@@ -99,5 +99,8 @@ def test_errors_in_openai_shape(served, client):
     r = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": []},
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    r = httpx.post(server.url + "/rerank", json={"query": "w1", "documents": ["w2"]},
+                   timeout=60)
+    assert r.status_code == 400 and "does not score pairs" in r.json()["error"]["message"]
     # Nothing is left running or holding blocks; the server still answers.
     assert client.embeddings.create(model=MODEL, input="w5 w6").data
