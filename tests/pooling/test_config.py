@@ -80,3 +80,24 @@ def test_runner_auto_files_and_flags(tmp_path):
     with pytest.raises(ValueError, match="apply to a pooling model only: add --runner "
                                          "pooling"):
         resolve_pooler(model(causal, pooling_type="mean"))
+
+
+def test_cross_encoder_files(tmp_path):
+    path = st_dir(tmp_path / "ce", {}, modules=("Transformer",))
+    entries = json.loads((path / "modules.json").read_text())
+    entries.append({"idx": 1, "name": "1", "path": "1_LogitScore",
+                    "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"})
+    (path / "modules.json").write_text(json.dumps(entries))
+    (path / "1_LogitScore").mkdir()
+    score_config = path / "1_LogitScore" / "config.json"
+    score_config.write_text(json.dumps({"true_token_id": 7, "false_token_id": 9}))
+    pooler = resolve_pooler(model(path))
+    assert (pooler.task, pooler.score_tokens, pooler.activation) == ("score", (7, 9), "sigmoid")
+    (path / "config_sentence_transformers.json").write_text(json.dumps(
+        {"activation_fn": "torch.nn.modules.linear.Identity"}))
+    assert resolve_pooler(model(path)).activation == "identity"
+    with pytest.raises(ValueError, match="pooling_type and pooling_normalize do not apply"):
+        resolve_pooler(model(path, pooling_type="mean"))
+    score_config.write_text(json.dumps({"true_token_id": 7, "module_input_name": "x"}))
+    with pytest.raises(ValueError, match="only the causal model's logits"):
+        resolve_pooler(model(path))
