@@ -5,8 +5,8 @@ states to `step.StepPooler` instead of the head and the sampler. Where a model's
 from (flags, sentence-transformers' files) is `config.py`; the pooling methods and Matryoshka
 truncation `methods.py`; a request's settings and the checks of its prompt `params.py`; what
 the engine core does with pooling sequences `core_hooks.py`; the front's part (tokenizing,
-adding requests, outputs) `front.py` and `outputs.py`; bare decoder checkpoints
-`base_models.py`.
+adding requests, outputs) `front.py` and `outputs.py`; rerankers (a causal cross-encoder's
+pairs and scores) `scoring.py`; bare decoder checkpoints `base_models.py`.
 """
 
 from pagedserve.pooling.config import PoolerConfig, resolve_pooler
