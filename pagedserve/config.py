@@ -87,6 +87,17 @@ class ModelConfig:
                 "engine; fp8: FP8 weights quantized at load (dequantized on the CPU); none. "
                 "A checkpoint's own quantization_config (FP8) is always read",
         choices=["auto", "int8", "fp8", "none"])
+    runner: str = setting(
+        "auto", "generate: sample tokens; pooling: embeddings (LLM.embed, /v1/embeddings); "
+                "auto: pooling for a sentence-transformers directory (modules.json) or a bare "
+                "checkpoint such as Qwen3Model, else generate",
+        choices=["auto", "generate", "pooling"])
+    pooling_type: str | None = setting(
+        None, "a pooling model's pooling: cls, mean or last (default: the model's "
+              "1_Pooling/config.json, else last)", choices=["cls", "mean", "last"])
+    pooling_normalize: bool | None = setting(
+        None, "L2-normalise a pooling model's embeddings (default: when its modules.json has "
+              "a Normalize module; without modules.json, yes)")
     max_logprobs: int = setting(20, "most logprobs a request may ask for (per token or prompt "
                                     "position)")
     # The front searches every stop string in the tail of the text at every token (a window

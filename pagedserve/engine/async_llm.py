@@ -26,6 +26,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import EngineDeadError
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.pooling import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class _Add:
     stream: RequestStream
     ack: asyncio.Future[None]
     prompt_text: str | None = None  # the text of a prompt tokenized by the caller
+    pooling: PoolingParams | None = None  # an embedding request's (pooling/)
 
 
 @dataclass
@@ -219,9 +221,12 @@ class AsyncLLM:
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams, cache_salt: str | None = None,
                           arrival_time: float | None = None,
-                          prompt_text: str | None = None) -> RequestStream:
+                          prompt_text: str | None = None,
+                          pooling: PoolingParams | None = None) -> RequestStream:
         """Queue a request and wait until the engine thread accepted it (within one step).
         `prompt_text`: the text of `prompt` when the caller tokenized it (for echo).
+        `pooling`: an embedding request of a pooling model (`params` then only counts it as one
+        sequence); its stream's one output is a PoolingRequestOutput.
 
         Raises ValueError for a request the engine refuses, QueueFullError when it would make
         more than `max_waiting_requests` sequences wait, and EngineDeadError when the engine is
@@ -240,7 +245,7 @@ class AsyncLLM:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._sent_seqs += params.n
         self._send(_Add(request_id, prompt, params, arrival, cache_salt, stream, ack,
-                        prompt_text))
+                        prompt_text, pooling))
         try:
             await ack
         except asyncio.CancelledError:
@@ -363,9 +368,14 @@ class AsyncLLM:
         try:
             if command.request_id in self._streams:
                 raise ValueError(f"request id {command.request_id!r} is already in use")
-            self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    command.arrival_time, command.cache_salt,
-                                    prompt_text=command.prompt_text)
+            if command.pooling is not None:
+                self.engine.add_pooling_request(command.request_id, command.prompt,
+                                                command.pooling, command.arrival_time,
+                                                prompt_text=command.prompt_text)
+            else:
+                self.engine.add_request(command.request_id, command.prompt, command.params,
+                                        command.arrival_time, command.cache_salt,
+                                        prompt_text=command.prompt_text)
         except Exception as exc:  # the caller's error; the other requests never see it
             return _resolve, (command.ack, exc)
         finally:

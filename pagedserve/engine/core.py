@@ -5,8 +5,8 @@ request's `n` sequences are added together) and aborts, and turns each completed
 compact `StepOutput`: per sequence its new token, its finish if the core ended it (EOS, a stop
 token id, the length limit, its grammar), its logprobs as arrays. Text, stop strings and
 RequestOutputs are the front's (`LLMEngine` and its `OutputProcessor`). The same core runs in
-the front's process or in a process of its own (`core_process.py`); the messages are msgspec
-structs so that they cross a socket as msgpack with numpy arrays as raw bytes.
+the front's process or in a process of its own (`core_process.py`); the messages it takes and
+gives are in `core_messages.py`.
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig, resolve_dtype
+from pagedserve.engine.core_messages import CoreInfo, CoreRequest, CoreStats, StepOutput
 from pagedserve.engine.cpu_threads import configure_cpu_threads
 from pagedserve.engine.logprob_rows import logprob_rows, merge_rows
 from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
 from pagedserve.kv_cache import KVCacheManager
 from pagedserve.kv_cache.specs import bytes_per_slot
+from pagedserve.pooling.core_hooks import pooling_request, record_embeddings
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
 from pagedserve.spec_decode.metrics import describe_acceptance
@@ -36,87 +36,6 @@ logger = logging.getLogger(__name__)
 
 # A scoring request samples nothing it keeps: greedy, so no generator or filter is built.
 SCORING_PARAMS = SamplingParams(temperature=0)
-
-
-@dataclass
-class CoreInfo:
-    """What the front needs of the loaded model; sent once when the core is ready."""
-
-    model_name: str
-    tokenizer: Any
-    chat_template: str | None
-    generation_config: dict[str, Any] | None
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    num_blocks: int
-    kv_cache_bytes_per_token: int
-
-
-class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One sequence to run: `request_id` is the sequence's id (`rid#i` for n > 1)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    cache_salt: str | None = None
-    scoring_mode: str | None = None  # ScoringTask.mode of a scoring request
-    continuation: list[int] | None = None
-
-
-class CoreStats(msgspec.Struct, array_like=True):
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens: int
-    generation_tokens: int
-    num_blocks: int
-    num_free_blocks: int  # free or cached-evictable: not held by any request
-    all_free: bool  # no request holds a block or a state slot
-    num_steps: int
-    step_seconds: float  # host wall time inside step() over all steps
-    # Of step_seconds: waiting for the device (a step's samples, the inputs' copies); the
-    # rest is the host's own work.
-    wait_seconds: float = 0.0
-    device_seconds: float = 0.0  # the GPU's busy time (0 unless PAGEDSERVE_DEVICE_TIMING)
-    # Speculative decoding under vLLM's names (spec_decode/metrics.py says what each counts).
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
-    spec_decode_propose_seconds: float = 0.0  # of step_seconds: the proposer's
-
-
-class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One completed step, compact. Rows follow `seq_ids` (the sequences the step touched,
-    batch order); arrays are numpy (bytes on the wire)."""
-
-    seq_ids: list[str] = msgspec.field(default_factory=list)
-    # int64 [N]: each sequence's new token; -1 when it kept none (a partial prompt chunk).
-    tokens: Any = None
-    # seq id -> (finish reason, the stop token id that ended it or None, whether its last token
-    # is an end token (EOS or a stop id), whose text is not shown): ended by the core.
-    finished: dict[str, tuple[str, int | None, bool]] = msgspec.field(default_factory=dict)
-    # Sampled-token logprobs, rows of seq_ids: float32 [N, K+1], int64 ids [N, K+1], ranks [N].
-    logprobs: tuple[Any, Any, Any] | None = None
-    # seq id -> (first prompt position predicted, logprobs, ids, ranks) of this chunk.
-    prompt_logprobs: dict[str, tuple[int, Any, Any, Any]] = msgspec.field(default_factory=dict)
-    # seq id -> new rows of a scoring request's next-token log-distributions, float32 [r, V].
-    scores: dict[str, Any] = msgspec.field(default_factory=dict)
-    num_preemptions: dict[str, int] = msgspec.field(default_factory=dict)  # nonzero only
-    # seq id -> (first scheduled time, prompt tokens found in the prefix cache), once.
-    scheduled: dict[str, tuple[float, int]] = msgspec.field(default_factory=dict)
-    time: float = 0.0  # time.monotonic() when the step completed (one clock for both processes)
-    utility: list[tuple[int, bool, Any]] = msgspec.field(default_factory=list)  # id, ok, result
-    failed: dict[str, str] = msgspec.field(default_factory=dict)  # seq id -> why its add failed
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.seq_ids or self.scheduled or self.utility or self.failed)
 
 
 class EngineCore:
@@ -267,6 +186,8 @@ class EngineCore:
             raise
 
     def _build(self, r: CoreRequest) -> Request:
+        if r.pooling is not None:
+            return pooling_request(r, self.eos_token_id)
         if r.scoring_mode is not None:
             task = ScoringTask(r.scoring_mode, tuple(r.continuation or ()))
             return Request(r.request_id, r.prompt_token_ids, SCORING_PARAMS, self.eos_token_id,
@@ -394,6 +315,8 @@ class EngineCore:
             out.finished[request.request_id] = (request.status.finish_reason, stop_token,
                                                 on_end_token)
         self.generation_tokens += int((tokens >= 0).sum())
+        if output.pooled is not None:
+            record_embeddings(batch, output.pooled, results, out)
         # Logprobs, prompt logprobs and scores are rare: looked at only when the step has any.
         new_lp = None
         if output.logprobs is not None or output.prompt_logprobs:

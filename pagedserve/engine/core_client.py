@@ -24,7 +24,8 @@ from typing import Any
 import msgspec
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import CoreInfo, CoreRequest, CoreStats, EngineCore, StepOutput
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.core_messages import CoreInfo, CoreRequest, CoreStats, StepOutput
 from pagedserve.scheduler import RequestStatus
 
 logger = logging.getLogger(__name__)

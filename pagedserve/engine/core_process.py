@@ -34,7 +34,8 @@ import numpy as np
 
 from pagedserve import envs
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import CoreRequest, CoreStats, EngineCore, StepOutput
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.core_messages import CoreRequest, CoreStats, StepOutput
 from pagedserve.sampling_params import specs_parsed_by_sender
 
 logger = logging.getLogger(__name__)

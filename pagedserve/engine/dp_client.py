@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import CoreInfo, CoreRequest, CoreStats, StepOutput
 from pagedserve.engine.core_client import EngineDeadError, MPClient
+from pagedserve.engine.core_messages import CoreInfo, CoreRequest, CoreStats, StepOutput
 
 
 def core_configs(config: EngineConfig) -> list[EngineConfig]:

@@ -14,6 +14,14 @@ from tqdm.auto import tqdm
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.pooling import PoolingParams, PoolingRequestOutput
+from pagedserve.pooling.front import tokenize_inputs
+from pagedserve.pooling.scoring import (
+    ScoringRequestOutput,
+    pair_list,
+    pair_token_ids,
+    scoring_output,
+)
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import ScoringTask
 
@@ -106,7 +114,13 @@ class LLM:
         mode="decode" feeds the continuation token by token (decode steps against the KV
         cache); mode="prefill" computes prompt + continuation as one ordinary prompt (chunked
         prefill allowed, prefix cache bypassed) and keeps the rows of its logits that predict
-        the continuation, the same shapes of work as a full-sequence forward."""
+        the continuation, the same shapes of work as a full-sequence forward.
+
+        A reranker (--runner pooling, a causal cross-encoder) scores pairs instead, as vLLM's
+        LLM.score does: `prompts` the query (one, or one per document), `continuations` the
+        documents; a ScoringRequestOutput per pair, its `outputs.score` the relevance."""
+        if self.engine.pooler_config is not None:
+            return self._score_pairs(prompts, continuations, use_tqdm)
         if mode not in ScoringTask.MODES:
             raise ValueError(f"mode must be 'decode' or 'prefill', not {mode!r}")
         prompts = [self._score_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
@@ -130,6 +144,49 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return [o.outputs[0].forced_logprobs for o in outputs]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+        """Embeddings of a pooling model (--runner pooling): prompts as strings (tokenized
+        together, with the tokenizer's special tokens), token-id lists or
+        {"prompt_token_ids": [...]} dicts; `outputs.embedding` of each result, in prompt
+        order."""
+        pooler = self.engine.pooler_config
+        if pooler is not None and pooler.task != "embed":
+            raise ValueError("this model is a reranker: it scores pairs (LLM.score), it does "
+                             "not embed")
+        if isinstance(prompts, str | dict) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        inputs = [_prompt_input(p) for p in prompts]
+        texts = [p for p in inputs if isinstance(p, str)]
+        encoded = iter(tokenize_inputs(self.engine.tokenizer, texts))
+        token_ids = [next(encoded) if isinstance(p, str) else p for p in inputs]
+        return self._pool(token_ids, [p if isinstance(p, str) else None for p in inputs],
+                          pooling_params, use_tqdm)
+
+    def _pool(self, token_ids: list[list[int]], texts: list[str | None],
+              params: PoolingParams | None, use_tqdm: bool) -> list[PoolingRequestOutput]:
+        ids = []
+        try:
+            for prompt, text in zip(token_ids, texts, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_pooling_request(request_id, prompt, params, prompt_text=text)
+                ids.append(request_id)
+            return self.wait_for(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+
+    def _score_pairs(self, text_1: str | list[str], text_2: str | list[str],
+                     use_tqdm: bool) -> list[ScoringRequestOutput]:
+        if self.engine.pooler_config.task != "score":
+            raise ValueError("this model embeds (LLM.embed); scoring pairs needs a reranker (a "
+                             "sentence-transformers CrossEncoder with a LogitScore module)")
+        token_ids = pair_token_ids(self.engine.tokenizer, pair_list(text_1, text_2))
+        outputs = self._pool(token_ids, [None] * len(token_ids), None, use_tqdm)
+        return [scoring_output(o) for o in outputs]
 
     def _score_ids(self, text_or_ids: Any, what: str) -> list[int]:
         """Token ids, tokenizing text (without special tokens, so a prompt and its
@@ -161,7 +218,7 @@ class LLM:
         return render_chat(tokenizer, messages, add_generation_prompt,
                            chat_template or self.engine.chat_template)
 
-    def wait_for(self, ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
+    def wait_for(self, ids: list[str], use_tqdm: bool = True) -> list[Any]:
         """Step the engine until the requests `ids` (already added) finish."""
         pending = set(ids)
         final: dict[str, RequestOutput] = {}
@@ -174,7 +231,8 @@ class LLM:
                 if output.finished and output.request_id in pending:
                     pending.discard(output.request_id)
                     final[output.request_id] = output
-                    out_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    if isinstance(output, RequestOutput):  # not an embedding
+                        out_tokens += sum(len(o.token_ids) for o in output.outputs)
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)
                     bar.update(1)

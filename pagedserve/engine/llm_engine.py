@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig
-from pagedserve.engine.core import SCORING_PARAMS, CoreRequest, CoreStats, StepOutput
+from pagedserve.engine.core import SCORING_PARAMS
 from pagedserve.engine.core_client import InprocClient, MPClient
+from pagedserve.engine.core_messages import CoreRequest, CoreStats, StepOutput
 from pagedserve.engine.dp_client import DPClient
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
+from pagedserve.pooling import PoolingParams, resolve_pooler
+from pagedserve.pooling.front import GENERATION_REFUSED, add_pooling_request
 from pagedserve.sampling_params import SamplingParams, default_sampling
 from pagedserve.scheduler import ScoringTask
 from pagedserve.structured_output import (
@@ -56,6 +59,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         self.config = config
         chat_template = check_settings(config)  # before the (slow) load
+        self.pooler_config = resolve_pooler(config.model)  # None: a generating model
         self.client = make_client(config, log_stats)
         info = self.client.info
         self.tokenizer = info.tokenizer
@@ -72,6 +76,8 @@ class LLMEngine:
         self.eos_token_id = eos_ids[0] if eos_ids else None
         self.extra_eos_ids = eos_ids[1:]
         self.output_processor = OutputProcessor(self.tokenizer)
+        if self.pooler_config is not None:
+            logger.info("pooling model: %s", self.pooler_config.describe())
         self._structured_output: StructuredOutputManager | None = None
 
     @classmethod
@@ -184,6 +190,8 @@ class LLMEngine:
         only when it finishes. `prompt_text`: the text of token-id `prompt` (its outputs'
         `prompt`), when the caller tokenized it."""
         self._check_new_id(request_id)
+        if self.pooler_config is not None:
+            raise ValueError(GENERATION_REFUSED)
         params = params or SamplingParams()
         if cache_salt is not None:
             cache_salt.encode("utf-8")  # hashed with the blocks: UnicodeEncodeError here, not there
@@ -215,6 +223,8 @@ class LLMEngine:
         each continuation token, computed by decode steps (`mode="decode"`) or as one prefill
         of prompt + continuation (`mode="prefill"`)."""
         self._check_new_id(request_id)
+        if self.pooler_config is not None:
+            raise ValueError(GENERATION_REFUSED)
         task = ScoringTask(mode, tuple(continuation))
         token_ids = list(prompt)
         if not token_ids:
@@ -233,6 +243,14 @@ class LLMEngine:
                                                               SCORING_PARAMS, scoring=True)]
         self._add(state, [CoreRequest(request_id, token_ids, SCORING_PARAMS, arrival,
                                       scoring_mode=mode, continuation=list(continuation))])
+
+    def add_pooling_request(self, request_id: str, prompt: str | list[int],
+                            params: PoolingParams | None = None,
+                            arrival_time: float | None = None,
+                            prompt_text: str | None = None) -> None:
+        """Queue an embedding request (pooling/front.py); its one output is a
+        PoolingRequestOutput."""
+        add_pooling_request(self, request_id, prompt, params, arrival_time, prompt_text)
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.output_processor.states:

@@ -2,8 +2,10 @@
 SchedulerOutput into one forward pass and samples the next tokens.
 
 Its parts live beside it: the persistent request rows and input ids (`input_batch`), the
-cache's sizing and allocation (`kv_cache_setup`), what a step keeps beyond samples for scoring
-and prompt logprobs (`scoring`), and decode steps replayed from CUDA graphs (`cuda_graphs`).
+cache's sizing and allocation (`kv_cache_setup`), the stand-in forwards before the first
+request (`runner_warmup`), what a step keeps beyond samples for scoring and prompt logprobs
+(`scoring`), decode steps replayed from CUDA graphs (`cuda_graphs`), and the packages it calls
+for drafts (`spec_decode`) and embeddings (`pooling`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pagedserve.attention.registry import get_backend_cls
 from pagedserve.attention.state import StateLayer, StateMetadataBuilder
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import broadcast_, tp_rank, tp_world_size
-from pagedserve.engine import guided, kv_cache_setup, scoring
+from pagedserve.engine import guided, kv_cache_setup, runner_warmup, scoring
 from pagedserve.engine.batch_sampling import BatchSampling
 from pagedserve.engine.cuda_graphs import DecodeGraphs, GraphInputs, setup_decode_graphs
 from pagedserve.engine.device_timer import DeviceTimer
@@ -35,7 +37,7 @@ from pagedserve.engine.sample_copy import SamplesToHost
 from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
 from pagedserve.kv_cache.specs import StateSpec
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.pooling.step import StepPooler, host_rows
 from pagedserve.scheduler import Request, SchedulerOutput
 from pagedserve.spec_decode.speculator import make_speculator
 from pagedserve.structured_output import StructuredOutputManager
@@ -98,6 +100,7 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self.sampler = Sampler()
         width = 1 + (self.speculator.num_speculative_tokens if self.speculator else 0)
+        self.pooler = StepPooler.for_engine(config, model)  # a pooling model's, not the sampler
         # The launched step not yet collected, and where steps' samples go to the host.
         self._in_flight: PendingStep | None = None
         self._samples_to_host = SamplesToHost(self.max_num_reqs * width, self.device)
@@ -204,54 +207,8 @@ class ModelRunner:
         return kv_cache_setup.profile_peak_memory(self)
 
     def _dummy_forward(self, num_reqs: int, num_new: int, context: int) -> torch.Tensor:
-        """A forward over `num_reqs` stand-in requests of `context` cached and `num_new` new
-        tokens each, on pages 0, 1, ... of the cache (no request holds them yet; every KV
-        cache group gets the same ids, and groups that share cache tensors overwrite each
-        other's writes: nothing reads them) and state slot 0, in a row table of their own."""
-        total = context + num_new
-        pages = -(-total // self.block_size) if self.attn_layers else 0
-        table = InputBatch(num_reqs, self.max_model_len, self.max_blocks_per_seq,
-                           self.num_kv_groups)
-        requests, block_ids, rows = [], [], []
-        for i in range(num_reqs):
-            request = Request(f"__dummy_{i}__", [0] * total, SamplingParams(max_tokens=1))
-            request.state_slot = 0 if self.state_layers else -1
-            ids = tuple(list(range(i * pages, (i + 1) * pages))
-                        for _ in range(self.num_kv_groups))
-            rows.append(table.add(request, ids))
-            requests.append(request)
-            block_ids.append(ids)
-        batch = SchedulerOutput(requests, np.full(num_reqs, num_new, dtype=np.int32),
-                                np.full(num_reqs, context, dtype=np.int32), block_ids,
-                                [False] * num_reqs, num_reqs if num_new > 1 else 0,
-                                np.ones(num_reqs, dtype=bool))
-        saved, self.input_batch = self.input_batch, table
-        try:
-            return self._forward(batch, np.array(rows, dtype=np.int64))
-        finally:
-            self.input_batch = saved
-
-    @torch.inference_mode()
-    def run_warmup_steps(self) -> None:
-        """The backend's warm-up steps (`AttentionBackend.warmup_steps`) through the whole
-        model, those that fit this engine's limits and its cache: what the backend compiles
-        per kind of step compiles now, not in the first request."""
-        t0 = time.perf_counter()
-        ran = 0
-        for num_reqs, num_new, context in self.backend.warmup_steps(self.device):
-            pages = num_reqs * -(-(context + num_new) // self.block_size) \
-                if self.attn_layers else 0
-            if (num_reqs > self.max_num_reqs or num_reqs * num_new > self.max_num_tokens
-                    or context + num_new > self.max_model_len or pages > self.num_blocks
-                    or (self.state_layers and self.num_state_slots < 1)):
-                continue
-            self._dummy_forward(num_reqs, num_new, context)
-            ran += 1
-        if ran:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            logger.info("%s: %d warm-up steps in %.1f s", self.backend.get_name(), ran,
-                        time.perf_counter() - t0)
+        """A forward over stand-in requests (`runner_warmup.dummy_forward`)."""
+        return runner_warmup.dummy_forward(self, num_reqs, num_new, context)
 
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         """The attention layers' pages and the state layers' slots."""
@@ -362,6 +319,11 @@ class ModelRunner:
         rows = self.input_batch.update(batch)
         if batch.num_draft_tokens is not None:
             self.input_batch.write_drafts(batch, rows)
+        if self.pooler is not None:  # every request pools: no head, no sampler, no graphs
+            hidden = self._forward(batch, rows)
+            self._in_flight = self.pooler.launch(batch, rows, self.input_batch.generation[rows],
+                                                 hidden, self._common, self.device_timer)
+            return self._in_flight
         meta = (self.sampling.metadata(batch.requests, self.input_batch.same_as_last_step)
                 if self.tp_rank == 0 else None)
         self._ran_graph = False
@@ -447,7 +409,9 @@ class ModelRunner:
         if self._in_flight is pending:
             self._in_flight = None
         return ModelRunnerOutput(pending.sampled, pending.logprobs, pending.prompt_logprobs,
-                                 pending.forced, pending.score_logprobs, pending.drafts)
+                                 pending.forced, pending.score_logprobs,
+                                 draft_token_ids=pending.drafts,
+                                 pooled=host_rows(pending.pooled))
 
     def _record_samples(self, pending: PendingStep) -> None:
         """Once per step: wait for its samples, put teacher-forced tokens in their place, and
@@ -479,10 +443,12 @@ class ModelRunner:
         for builder in self.builders.values():
             builder.warmup()
         logger.debug("backend warm-up took %.1f s", time.perf_counter() - t0)
-        self.run_warmup_steps()
+        runner_warmup.run_warmup_steps(self)
         # Steps of models with state layers run eagerly (a graph would need a scratch slot for
-        # its padding rows), and a draft model's (the graphs hold the target's forward only).
-        if not self.state_layers and not (self.speculator and self.speculator.uses_kv_cache):
+        # its padding rows), and a draft model's (the graphs hold the target's forward only);
+        # a pooling model never decodes.
+        if (not self.state_layers and self.pooler is None
+                and not (self.speculator and self.speculator.uses_kv_cache)):
             self.decode_graphs = setup_decode_graphs(self.graph_inputs(), self.backend,
                                                      self.config, self.max_model_len)
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedserve.engine.core import StepOutput
+from pagedserve.engine.core_messages import StepOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.outputs import (
     CompletionOutput,
@@ -25,6 +25,7 @@ from pagedserve.engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from pagedserve.pooling.outputs import pooling_output
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class SequenceState:
     num_preemptions: int = 0
     # Scoring (teacher-forced or by prefill): chunks [rows, V] of next-token log-distributions.
     forced_logprobs: list[Any] | None = None
+    embedding: Any = None  # a pooling sequence's, float32 [dimensions] (pooling/)
 
 
 @dataclass
@@ -132,7 +134,8 @@ class OutputProcessor:
         touched: dict[str, RequestState] = {}
         may_finish: set[str] = set()  # states one of whose sequences may have just ended
         stopped: list[str] = []
-        extras = bool(step.prompt_logprobs or step.scores or step.logprobs is not None)
+        extras = bool(step.prompt_logprobs or step.scores or step.logprobs is not None
+                      or step.embeddings)
         tokens = step.tokens.tolist() if step.tokens is not None else []
         for row, (seq_id, token) in enumerate(zip(step.seq_ids, tokens, strict=True)):
             entry = seq_of.get(seq_id)
@@ -185,6 +188,8 @@ class OutputProcessor:
             first, values, ids, ranks = chunk
             positions = self._positions(values, ids, ranks)
             state.prompt_logprobs.extend(positions[len(state.prompt_logprobs) - first:])
+        if seq_id in step.embeddings:
+            seq.embedding = step.embeddings[seq_id]
         rows = step.scores.get(seq_id)
         if rows is not None and seq.forced_logprobs is not None:
             seq.forced_logprobs.append(torch.from_numpy(np.array(rows, np.float32)))
@@ -244,6 +249,9 @@ class OutputProcessor:
         if state.finished:
             state.metrics.finished_time = now
             self.states.pop(state.request_id, None)
+        if state.sequences[0].embedding is not None:
+            return pooling_output(state.request_id, state.prompt, state.prompt_token_ids,
+                                  state.sequences[0].embedding, state.metrics)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                              state.prompt_logprobs, completions, state.finished, state.metrics,
                              state.num_cached_tokens)

@@ -4,6 +4,7 @@ samples and whatever else the step kept (`ModelRunnerOutput`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +30,8 @@ class ModelRunnerOutput:
     score_logprobs: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # Speculative decoding: the proposer's drafts for each request's next step.
     draft_token_ids: Drafts | None = None
+    # A pooling model's step: float32 [B, hidden] embeddings in batch order (pooling/step.py).
+    pooled: np.ndarray | None = None
 
 
 @dataclass
@@ -59,3 +62,4 @@ class PendingStep:
     # A step that verifies drafts: its layout (its samples are then [B, Kmax+1], -1 padded).
     verify: VerifyLayout | None = None
     drafts: Drafts | None = None  # the proposer's, once the samples are recorded
+    pooled: Any = None  # a pooling model's step: its embeddings (pooling/step.py's PooledRows)

@@ -29,6 +29,7 @@ from pagedserve.models import gguf_file
 from pagedserve.models.layers import build_rope_caches
 from pagedserve.models.parallel import LazySlice
 from pagedserve.models.registry import TEXT_DECODERS, get_model_cls
+from pagedserve.pooling.base_models import as_causal_family
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,
                                  "directory")
     # With tensor parallelism each rank reads only its slices of the sharded tensors.
     weights = safetensors_weights(path, lazy=tp_world_size() > 1)
-    config, weights = text_decoder(AutoConfig.from_pretrained(path), weights)
+    config, weights = as_causal_family(*text_decoder(AutoConfig.from_pretrained(path), weights))
     max_len = resolve_max_model_len(max_model_len, config)
     module = build_model(config, dtype, device, weights, quantization)
     tokenizer = None

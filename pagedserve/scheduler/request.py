@@ -67,12 +67,12 @@ class Request:
                  "num_computed_tokens", "num_output_placeholders", "num_preemptions",
                  "state_slot", "forced_output_ids", "score_from", "skip_prefix_cache",
                  "needs_logits", "needs_host_history", "grammar", "max_tokens", "min_tokens",
-                 "end_token_ids", "spec_token_ids")
+                 "end_token_ids", "spec_token_ids", "pooling")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
                  arrival_time: float | None = None, cache_salt: str | None = None,
-                 scoring: ScoringTask | None = None) -> None:
+                 scoring: ScoringTask | None = None, pooling: Any = None) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must have at least one token")
         self.request_id = request_id
@@ -113,9 +113,13 @@ class Request:
             len(prompt_token_ids) - 1 if scoring is not None and scoring.mode == "prefill"
             else None)
         prompt_logprobs = sampling_params.prompt_logprobs is not None
-        # Prompt logprobs and scoring by prefill need logits at every prompt position they
-        # cover, so cached prefixes are skipped.
-        self.skip_prefix_cache = self.score_from is not None or prompt_logprobs
+        # A pooling request (pooling.PoolingParams): its whole prompt in one step, pooled
+        # instead of sampled (pooling/).
+        self.pooling = pooling
+        # Prompt logprobs, scoring by prefill and pooling need every prompt position they
+        # cover computed, so cached prefixes are skipped.
+        self.skip_prefix_cache = (self.score_from is not None or prompt_logprobs
+                                  or pooling is not None)
         # A step keeps more than the sampled token for it (logits at forced or prompt
         # positions).
         self.needs_logits = scoring is not None or prompt_logprobs

@@ -172,6 +172,8 @@ class Scheduler:
             request = self.waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if request.pooling is not None and num_new < request.num_tokens:
+                break  # a pooling request runs whole: it waits for a step with room for it
             slots = num_new + self._lookahead(num_hit_tokens + num_new) if self.lookahead \
                 else num_new
             blocks = kv.allocate_slots(request, slots, hits)

@@ -31,9 +31,11 @@ from pagedserve.server.common import (
     error_response,
 )
 from pagedserve.server.completions import create_completion
+from pagedserve.server.embeddings import EmbeddingRequest, create_embeddings
 from pagedserve.server.gatekeeper import Gatekeeper
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.reasoning import get_reasoning_parser
+from pagedserve.server.rerank import RerankRequest, ScoreRequest, create_rerank, create_score
 from pagedserve.server.responses.routes import responses_routes
 from pagedserve.server.responses.store import ResponseStore
 from pagedserve.server.tool_parsers import get_tool_parser
@@ -180,6 +182,19 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: p.ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(state, body, request)
+
+    @router.post("/v1/embeddings", response_model=None)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        return await create_embeddings(state, body, request)
+
+    @router.post("/score", response_model=None)
+    async def score(body: ScoreRequest, request: Request) -> Any:
+        return await create_score(state, body, request)
+
+    @router.post("/rerank", response_model=None)
+    @router.post("/v1/rerank", response_model=None)
+    async def rerank(body: RerankRequest, request: Request) -> Any:
+        return await create_rerank(state, body, request)
 
     @router.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest) -> p.TokenizeResponse:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from pagedserve import __version__
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.pooling.front import GENERATION_REFUSED
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as p
 from pagedserve.server.metrics import ServerMetrics
@@ -108,6 +109,8 @@ def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> Non
 
 def common_checks(state: ServerState, body: p.SamplingRequest, num_prompts: int = 1) -> None:
     state.check_model(body.model)
+    if getattr(state.llm.engine, "pooler_config", None) is not None:  # every generating route
+        raise ApiError(400, GENERATION_REFUSED, param="model")
     if body.n is not None and body.n > state.max_n:
         raise ApiError(400, f"n must be <= {state.max_n}, got {body.n}", param="n")
     if num_prompts > state.max_n:

@@ -102,7 +102,7 @@ class ServerMetrics:
         if output.finished:
             if m.finished_time is not None:
                 self.e2e.observe(m.finished_time - m.arrival_time)
-            for completion in output.outputs:
+            for completion in output.outputs if isinstance(output.outputs, list) else ():
                 self.finished.labels(completion.finish_reason or "unknown").inc()
 
     def observe_abort(self) -> None:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.core import CoreRequest
+from pagedserve.engine.core_messages import CoreRequest
 from pagedserve.sampling_params import GuidedDecodingParams
 from tests.utils.paged import tiny_chat_model
 

@@ -293,7 +293,7 @@ def test_closed_llm_leaves_no_process(tiny_dir):
 def test_arrays_cross_the_socket_as_bytes():
     import numpy as np
 
-    from pagedserve.engine.core import StepOutput
+    from pagedserve.engine.core_messages import StepOutput
 
     out = StepOutput(["a", "b"], np.array([5, -1], np.int64),
                      logprobs=(np.ones((2, 3), np.float32), np.zeros((2, 3), np.int64),

@@ -276,7 +276,7 @@ def test_a_dead_engine_stops_the_server() -> None:
         tokenizer = None
 
         def core_stats(self):
-            from pagedserve.engine.core import CoreStats
+            from pagedserve.engine.core_messages import CoreStats
 
             return CoreStats(0, 0, 0.0, 0, 0, 0, 0, 0, 1, 1, True, 0, 0.0)
 

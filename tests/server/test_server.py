@@ -463,6 +463,14 @@ def test_context_length_error_names_both_numbers(server, ref):
                  "messages", contains=(str(max_len),))
 
 
+def test_embeddings_from_a_generating_model_refused(server):
+    r = post(server, "/v1/embeddings", {"model": MODEL, "input": "hello"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "generates text: it serves no embeddings" in error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "model"
+
+
 def test_bad_requests_do_not_disturb_others(server, ref):
     """Bad requests fired while a stream runs: each gets its 400, the stream is unharmed."""
     result = {}

@@ -305,7 +305,7 @@ def test_core_decodes_guided_requests_without_parsing_them_again(monkeypatch):
     """msgspec runs __post_init__ on what it decodes: the engine core's input thread decodes
     the front's requests with their specs taken as parsed (parsing a schema again held the
     core's GIL ~1.7 ms a request); anywhere else a spec is parsed when made."""
-    from pagedserve.engine.core import CoreRequest
+    from pagedserve.engine.core_messages import CoreRequest
     from pagedserve.engine.core_process import CoreInput, decoder, encoder
     from pagedserve.sampling_params import specs_parsed_by_sender
     from pagedserve.structured_output import grammar

@@ -1,0 +1,72 @@
+"""What a ModelRunner runs before its first request: forwards over stand-in requests (for the
+memory profile, `kv_cache_setup.profile_peak_memory`) and the backend's warm-up steps through
+the whole model, so that what the backend compiles per kind of step compiles at start-up.
+`runner`: the ModelRunner (its forward, its row table and limits)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.engine.input_batch import InputBatch
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler import Request, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def dummy_forward(runner: Any, num_reqs: int, num_new: int, context: int
+                  ) -> torch.Tensor:
+    """A forward over `num_reqs` stand-in requests of `context` cached and `num_new` new
+    tokens each, on pages 0, 1, ... of the cache (no request holds them yet; every KV
+    cache group gets the same ids, and groups that share cache tensors overwrite each
+    other's writes: nothing reads them) and state slot 0, in a row table of their own."""
+    total = context + num_new
+    pages = -(-total // runner.block_size) if runner.attn_layers else 0
+    table = InputBatch(num_reqs, runner.max_model_len, runner.max_blocks_per_seq,
+                       runner.num_kv_groups)
+    requests, block_ids, rows = [], [], []
+    for i in range(num_reqs):
+        request = Request(f"__dummy_{i}__", [0] * total, SamplingParams(max_tokens=1))
+        request.state_slot = 0 if runner.state_layers else -1
+        ids = tuple(list(range(i * pages, (i + 1) * pages))
+                    for _ in range(runner.num_kv_groups))
+        rows.append(table.add(request, ids))
+        requests.append(request)
+        block_ids.append(ids)
+    batch = SchedulerOutput(requests, np.full(num_reqs, num_new, dtype=np.int32),
+                            np.full(num_reqs, context, dtype=np.int32), block_ids,
+                            [False] * num_reqs, num_reqs if num_new > 1 else 0,
+                            np.ones(num_reqs, dtype=bool))
+    saved, runner.input_batch = runner.input_batch, table
+    try:
+        return runner._forward(batch, np.array(rows, dtype=np.int64))
+    finally:
+        runner.input_batch = saved
+
+
+@torch.inference_mode()
+def run_warmup_steps(runner: Any) -> None:
+    """The backend's warm-up steps (`AttentionBackend.warmup_steps`) through the whole
+    model, those that fit this engine's limits and its cache: what the backend compiles
+    per kind of step compiles now, not in the first request."""
+    t0 = time.perf_counter()
+    ran = 0
+    for num_reqs, num_new, context in runner.backend.warmup_steps(runner.device):
+        pages = num_reqs * -(-(context + num_new) // runner.block_size) \
+            if runner.attn_layers else 0
+        if (num_reqs > runner.max_num_reqs or num_reqs * num_new > runner.max_num_tokens
+                or context + num_new > runner.max_model_len or pages > runner.num_blocks
+                or (runner.state_layers and runner.num_state_slots < 1)):
+            continue
+        runner._dummy_forward(num_reqs, num_new, context)
+        ran += 1
+    if ran:
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        logger.info("%s: %d warm-up steps in %.1f s", runner.backend.get_name(), ran,
+                    time.perf_counter() - t0)

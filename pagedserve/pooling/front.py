@@ -1,0 +1,57 @@
+"""The front's part of a pooling request: tokenizing its text as the model's
+sentence-transformers setup does (with the tokenizer's special tokens: Qwen3-Embedding's
+appends the end-of-text token its last-token pooling reads), checking and truncating the
+prompt, and the sequence the engine core runs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedserve.engine.core_messages import CoreRequest
+from pagedserve.engine.output_processor import RequestState
+from pagedserve.engine.outputs import RequestMetrics
+from pagedserve.pooling.core_hooks import POOLING_SAMPLING
+from pagedserve.pooling.params import PoolingParams, check_params, fit_prompt
+
+GENERATION_REFUSED = ("this is a pooling model (--runner pooling): it serves embeddings "
+                      "(/v1/embeddings, LLM.embed), not generation")
+
+
+def tokenize_inputs(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids per text, special tokens included, in one batched call (a fast tokenizer
+    encodes the batch in parallel)."""
+    if not texts:
+        return []
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: pass token ids")
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+
+
+def add_pooling_request(engine: Any, request_id: str, prompt: str | list[int],
+                        params: PoolingParams | None = None, arrival_time: float | None = None,
+                        prompt_text: str | None = None) -> None:
+    """Queue an embedding request on `engine` (an LLMEngine over a pooling model): its one
+    output, a PoolingRequestOutput, comes when its prompt has run."""
+    pooler = engine.pooler_config
+    if pooler is None:
+        raise ValueError("this model generates text: it serves no embeddings (start it with "
+                         "--runner pooling for an embedding model)")
+    engine._check_new_id(request_id)
+    params = params or PoolingParams()
+    check_params(params, pooler)
+    text = prompt if isinstance(prompt, str) else prompt_text
+    ids = tokenize_inputs(engine.tokenizer, [prompt])[0] if isinstance(prompt, str) \
+        else list(prompt)
+    vocab = engine.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"input token id {bad[0]} is out of range [0, {vocab})")
+    ids = fit_prompt(ids, params, engine.max_model_len,
+                     engine.config.scheduler.max_num_batched_tokens)
+    arrival = time.monotonic() if arrival_time is None else arrival_time
+    state = RequestState(request_id, text, ids, [], RequestMetrics(arrival), stream=False)
+    state.sequences = [engine.output_processor.new_sequence(request_id, 0, ids,
+                                                            POOLING_SAMPLING, scoring=True)]
+    engine._add(state, [CoreRequest(request_id, ids, POOLING_SAMPLING, arrival,
+                                    pooling=params)])

@@ -1,0 +1,53 @@
+"""A pooling request's own settings, and the checks and truncation its prompt gets in the
+front before it reaches the engine core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.pooling.config import PoolerConfig
+
+
+@dataclass
+class PoolingParams:
+    # Matryoshka truncation: the embedding's first `dimensions` values (renormalised when the
+    # model normalises). None: all of them.
+    dimensions: int | None = None
+    # Keep only the prompt's last k tokens (k = -1: the model's context length), as vLLM does;
+    # None: a prompt over the context length is refused.
+    truncate_prompt_tokens: int | None = None
+
+
+def check_params(params: PoolingParams, pooler: PoolerConfig) -> None:
+    d = params.dimensions
+    if d is not None and pooler.task == "score":
+        raise ValueError("dimensions applies to embeddings; this model is a reranker")
+    if d is not None and not 1 <= d <= pooler.hidden_size:
+        raise ValueError(f"dimensions must be between 1 and the model's embedding size "
+                         f"{pooler.hidden_size}, got {d}")
+    k = params.truncate_prompt_tokens
+    if k is not None and k != -1 and k < 1:
+        raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or >= 1, "
+                         f"got {k}")
+
+
+def fit_prompt(token_ids: list[int], params: PoolingParams, max_model_len: int,
+               max_num_batched_tokens: int) -> list[int]:
+    """The prompt truncated as asked, or a clear error when it does not fit: a pooling
+    request runs its whole prompt in one step, so it must fit the context length and the
+    step's token budget."""
+    k = params.truncate_prompt_tokens
+    if k is not None:
+        token_ids = token_ids[-(max_model_len if k == -1 else k):]
+    n = len(token_ids)
+    if not n:
+        raise ValueError("the input is empty")
+    if n > max_model_len:
+        raise ValueError(f"this model's maximum context length is {max_model_len} tokens, but "
+                         f"the input has {n} tokens: shorten it or set truncate_prompt_tokens")
+    if n > max_num_batched_tokens:
+        raise ValueError(f"the input has {n} tokens, more than max_num_batched_tokens="
+                         f"{max_num_batched_tokens} (a pooling request runs in one step): "
+                         "shorten it, set truncate_prompt_tokens, or raise "
+                         "--max-num-batched-tokens")
+    return token_ids
