@@ -30,7 +30,7 @@ class AwqFormat(PackedFormat):
     def checkpoint_tensors(self) -> tuple[str, ...]:
         return ("qweight", "qzeros", "scales")
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], what: str) -> torch.Tensor:
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
         qweight = tensors["qweight"]
         k, n = qweight.shape[0], qweight.shape[1] * fmt.PER_WORD
         size, groups = fmt.groups_of(k, self.group_size, what)
@@ -41,7 +41,7 @@ class AwqFormat(PackedFormat):
                         f"a [{k}, {n}] weight in groups of {size}")
         zeros = _columns(tensors["qzeros"], f"{what}.qzeros")
         group = torch.arange(k) // size
-        return fmt.dequantize_groups(codes.t(), zeros.t(), tensors["scales"].t(), group)
+        return fmt.Int4Codes(codes.t(), zeros.t(), tensors["scales"].t(), group)
 
 
 def _columns(words: torch.Tensor, what: str) -> torch.Tensor:

@@ -19,6 +19,7 @@ from pagedserve.quantization.base import QuantizationConfig
 from pagedserve.quantization.packed import PackedFormat, check_family, packed_method
 
 FORMAT = "pack-quantized"
+OFFSET = 1 << (fmt.BITS - 1)  # codes are stored as value + 8
 SUPPORTED = ("weights: 4-bit int, strategy group (group_size) or channel, symmetric or not, "
              "actorder none / group / weight; no input activations; targets: Linear")
 # compressed-tensors' act-order names: "group" needs the g_idx, "weight" keeps the groups in
@@ -44,7 +45,7 @@ class CompressedW4A16Format(PackedFormat):
     def optional_tensors(self) -> tuple[str, ...]:
         return ("weight_g_idx",)
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], what: str) -> torch.Tensor:
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
         packed = tensors["weight_packed"]
         shape = tensors["weight_shape"].flatten().tolist()
         if len(shape) != 2 or packed.dim() != 2 or shape[0] != packed.shape[0] \
@@ -55,23 +56,24 @@ class CompressedW4A16Format(PackedFormat):
         size, groups = fmt.groups_of(k, self.group_size, what)
         why = f"a [{n}, {k}] weight in groups of {size}"
         fmt.check_shape(tensors["weight_scale"], (n, groups), f"{what}.weight_scale", why)
-        offset = 1 << (fmt.BITS - 1)
-        codes = fmt.unpack_int32(packed, 1, f"{what}.weight_packed")[:, :k] - offset
-        zeros = None if self.symmetric else _zero_points(tensors["weight_zero_point"], n,
-                                                        groups, f"{what}.weight_zero_point")
+        # Codes and zero points are stored as value + 8: subtracting one from the other
+        # cancels the offset, and a symmetric weight's zero point is the offset itself.
+        codes = fmt.unpack_int32(packed, 1, f"{what}.weight_packed")[:, :k]
+        zeros = torch.full((n, groups), OFFSET, dtype=torch.int32) if self.symmetric else \
+            _zero_points(tensors["weight_zero_point"], n, groups, f"{what}.weight_zero_point")
         group = fmt.group_index(tensors.get("weight_g_idx"), k, size, groups,
                                 f"{what}.weight_g_idx")
-        return fmt.dequantize_groups(codes, zeros, tensors["weight_scale"], group)
+        return fmt.Int4Codes(codes, zeros, tensors["weight_scale"], group)
 
 
 def _zero_points(zp: torch.Tensor, n: int, groups: int, what: str) -> torch.Tensor:
-    """Signed zero points [n, groups], from packed int32 words [ceil(n / 8), groups] or as
-    stored."""
+    """Zero points + 8 [n, groups], from packed int32 words [ceil(n / 8), groups] or signed
+    as stored."""
     if zp.dtype == torch.int32 and tuple(zp.shape) == (math.ceil(n / fmt.PER_WORD), groups):
-        return fmt.unpack_int32(zp, 0, what)[:n] - (1 << (fmt.BITS - 1))
+        return fmt.unpack_int32(zp, 0, what)[:n]
     fmt.check_shape(zp, (n, groups), what, f"{n} rows in {groups} groups (or packed: "
                     f"{(math.ceil(n / fmt.PER_WORD), groups)} int32)")
-    return zp
+    return zp.to(torch.int32) + OFFSET
 
 
 class CompressedTensorsW4A16Config(QuantizationConfig):

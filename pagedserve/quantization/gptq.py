@@ -37,7 +37,7 @@ class GptqFormat(PackedFormat):
     def optional_tensors(self) -> tuple[str, ...]:
         return ("g_idx",)
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], what: str) -> torch.Tensor:
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
         qweight = tensors["qweight"]
         k, n = qweight.shape[0] * fmt.PER_WORD, qweight.shape[1]
         size, groups = fmt.groups_of(k, self.group_size, what)
@@ -50,7 +50,7 @@ class GptqFormat(PackedFormat):
         codes = fmt.unpack_int32(qweight, 0, f"{what}.qweight")  # [K, N]
         zeros = fmt.unpack_int32(tensors["qzeros"], 1, f"{what}.qzeros") + self.zero_offset
         group = fmt.group_index(tensors.get("g_idx"), k, size, groups, f"{what}.g_idx")
-        return fmt.dequantize_groups(codes.t(), zeros.t(), tensors["scales"].t(), group)
+        return fmt.Int4Codes(codes.t(), zeros.t(), tensors["scales"].t(), group)
 
 
 class GptqConfig(QuantizationConfig):

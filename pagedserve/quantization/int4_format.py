@@ -10,6 +10,7 @@ product is a float32 without rounding; an e2m1 value times a power of two likewi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,11 +71,18 @@ def check_shape(t: torch.Tensor, want: tuple[int, ...], what: str, why: str) -> 
         raise ValueError(f"{what} has shape {tuple(t.shape)}; {why} needs {want}")
 
 
-def dequantize_groups(codes: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor,
-                      group: torch.Tensor) -> torch.Tensor:
-    """codes [N, K] (integers), zeros and scales [N, G], group [K] -> float32
-    (codes - zeros[:, group]) * scales[:, group]; no zeros: symmetric codes."""
-    q = codes.float()
-    if zeros is not None:
-        q = q - zeros.float()[:, group]
-    return q * scales.float()[:, group]
+@dataclass
+class Int4Codes:
+    """One weight's integer codes, unpacked in a format-neutral layout: w = (codes - zeros[:,
+    group]) * scales[:, group]. codes [N, K] 0..15; zeros [N, G] (0..16: GPTQ's v1 stores a
+    zero of 16 as 15); scales [N, G] as stored; group [K], each input's group."""
+
+    codes: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    group: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        q = self.codes.float() - self.zeros.float()[:, self.group]
+        return q * self.scales.float()[:, self.group]

@@ -42,10 +42,15 @@ class PackedFormat:
         """Tensors a checkpoint may add (read when present)."""
         return ()
 
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes | None:
+        """The staged tensors of one checkpoint weight as integer codes, zero points, scales
+        and groups (what the W4A16 kernel reads); None: the format is not integer (MXFP4).
+        `what` names the weight (its module) in errors."""
+        return None
+
     def dequantize(self, tensors: dict[str, torch.Tensor], what: str) -> torch.Tensor:
-        """The staged tensors of one checkpoint weight -> float32 [out, in]; `what` names the
-        weight (its module) in errors."""
-        raise NotImplementedError
+        """The staged tensors of one checkpoint weight -> float32 [out, in]."""
+        return self.unpack(tensors, what).dequantize()
 
 
 def _stage(staged: dict, key: Any, fmt_: PackedFormat, name: str, tensor: Any,
