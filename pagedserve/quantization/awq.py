@@ -72,7 +72,7 @@ class AwqConfig(QuantizationConfig):
     def get_method(self, layer: nn.Module, prefix: str, hf_names: list[str]) -> Any:
         if prefix == "lm_head" or self.is_ignored(hf_names):
             return None
-        return packed_method(self.format, layer, hf_names)
+        return packed_method(self.format, layer, prefix, hf_names)
 
     def check_model(self, model: nn.Module) -> None:
         check_family(model, "AWQ")

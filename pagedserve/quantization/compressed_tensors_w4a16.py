@@ -98,7 +98,7 @@ class CompressedTensorsW4A16Config(QuantizationConfig):
     def get_method(self, layer: nn.Module, prefix: str, hf_names: list[str]) -> Any:
         if self.is_ignored(hf_names):
             return None
-        return packed_method(self.format, layer, hf_names)
+        return packed_method(self.format, layer, prefix, hf_names)
 
     def check_model(self, model: nn.Module) -> None:
         check_family(model, "compressed-tensors int4")

@@ -5,7 +5,9 @@ zero points, a group index) and how they become a float32 [out, in] weight. The 
 here stage those tensors as they arrive, part by part (q, k, v; gate, up) and expert by expert,
 and once every tensor is in, dequantize each whole checkpoint weight and copy this rank's part
 of it into the layer's float weight, in the model's dtype. The product is then the float
-layer's: the CPU runs every format this way, exactly (see int4_format.py).
+layer's: the CPU runs every format this way, exactly (see int4_format.py). On CUDA an integer
+format's linears instead keep their codes for the W4A16 kernel (`w4a16.py`); experts, MXFP4
+and what the kernel cannot take are dequantized there too.
 
 A float `weight` where the config says packed, a tensor of another format, a missing one (the
 loader's coverage check) or a shape that does not fit are refused naming the tensor.
@@ -63,19 +65,31 @@ def _stage(staged: dict, key: Any, fmt_: PackedFormat, name: str, tensor: Any,
     staged.setdefault(key, {})[name] = fmt.tensor(tensor)
 
 
+# The tests set this to run the W4A16 kernel's layout on CPU tensors (the Triton interpreter);
+# serving on the CPU dequantizes.
+KERNELS_ON_CPU = False
+
+
 class PackedLinearMethod(LinearMethod):
     """A linear whose checkpoint weight is packed; `hf_names`: the checkpoint's module names
-    of its parts (for errors)."""
+    of its parts (for errors); `dequantize`: always into the model dtype (a weight another
+    module reads, such as DeepSeek's `kv_b_proj`)."""
 
-    def __init__(self, packed: PackedFormat, hf_names: list[str]) -> None:
+    def __init__(self, packed: PackedFormat, hf_names: list[str], dequantize: bool = False
+                 ) -> None:
         self.packed = packed
         self.hf_names = hf_names
+        self.dequantize = dequantize
         self.name = f"{packed.name}, dequantized at load"
 
     def create_weights(self, layer: nn.Linear, dtype: torch.dtype) -> None:
         layer.model_dtype = dtype
         layer.packed_parts = {}  # shard -> {tensor name: full checkpoint tensor}
         layer.packed_rows = {}  # shard -> its rows in this rank's layer (None: all)
+        # No float weight until the codes are in (a kernel may never need one); the empty
+        # parameter keeps its name, by which the loader lists the layer's checkpoint tensors.
+        layer.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=layer.weight.device),
+                                    requires_grad=False)
 
     def checkpoint_tensors(self, layer: nn.Linear) -> tuple[str, ...]:
         bias = ("bias",) if layer.bias is not None else ()
@@ -87,13 +101,23 @@ class PackedLinearMethod(LinearMethod):
             load_float(layer, name, tensor, shard, rows)
             return
         layer.packed_rows[shard] = rows
-        _stage(layer.packed_parts, shard, self.packed, name, tensor, self._part_name(shard))
+        _stage(layer.packed_parts, shard, self.packed, name, tensor, self.part_name(shard))
 
     def process_after_loading(self, layer: nn.Linear) -> None:
         staged, rows = layer.packed_parts, layer.packed_rows
         del layer.packed_parts, layer.packed_rows
+        device = layer.weight.device
+        if not self.dequantize and (device.type == "cuda" or KERNELS_ON_CPU):
+            from pagedserve.quantization.w4a16 import use_kernel
+
+            if use_kernel(layer, self, staged, rows):
+                self.name = f"{self.packed.name} -> W4A16 kernel"
+                return
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
+                                                dtype=layer.model_dtype, device=device),
+                                    requires_grad=False)
         for shard, tensors in staged.items():
-            what = self._part_name(shard)
+            what = self.part_name(shard)
             weight = self.packed.dequantize(tensors, what).to(layer.model_dtype)
             try:
                 load_float(layer, "weight", weight, shard, rows[shard])
@@ -102,9 +126,13 @@ class PackedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
+        if layer.weight is None:
+            from pagedserve.quantization.ops.w4a16_gemm import w4a16_linear
+
+            return w4a16_linear(x, layer.w4a16, bias)
         return UNQUANTIZED.apply(layer, x, bias)
 
-    def _part_name(self, shard: str | None) -> str:
+    def part_name(self, shard: str | None) -> str:
         """The checkpoint module of part `shard` (q -> ...q_proj, gate -> ...gate_proj)."""
         if shard is not None:
             for name in self.hf_names:
@@ -158,13 +186,15 @@ def _expert_name(layer: nn.Module, expert: int, shard: str) -> str:
     return f"{getattr(layer, 'prefix', 'experts')}.{expert}.{_PROJ[shard]}"
 
 
-def packed_method(packed: PackedFormat, layer: nn.Module, hf_names: list[str]
+def packed_method(packed: PackedFormat, layer: nn.Module, prefix: str, hf_names: list[str]
                   ) -> PackedLinearMethod | PackedMoEMethod | None:
     """The packed method for a linear or a `FusedMoE`; None for any other layer."""
     from pagedserve.models.moe import FusedMoE
 
     if isinstance(layer, nn.Linear):
-        return PackedLinearMethod(packed, hf_names)
+        # Multi-head latent attention absorbs kv_b_proj into its query and output: it reads
+        # the float weight.
+        return PackedLinearMethod(packed, hf_names, dequantize=prefix.endswith("kv_b_proj"))
     if isinstance(layer, FusedMoE):
         return PackedMoEMethod(packed)
     return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -140,15 +141,22 @@ def write_int4(src: Path, dst: Path, ref: Path, qconfig: dict) -> None:
                               seed)
     state = _state(src)
     quantized, dequantized = {}, {}
-    for seed, (name, t) in enumerate(sorted(state.items())):
+    for name, t in sorted(state.items()):
         if not PROJECTIONS.search(name):
             quantized[name] = dequantized[name] = t
             continue
         module = name.rpartition(".")[0]
-        packed, dequantized[name] = tensors(t, seed)
+        packed, dequantized[name] = tensors(t, _input_seed(name))
         quantized.update({f"{module}.{leaf}": v for leaf, v in packed.items()})
     _save(src, dst, quantized, qconfig)
     _save(src, ref, dequantized, None)
+
+
+def _input_seed(name: str) -> int:
+    """One act-order permutation per input: projections that read the same input (q, k, v;
+    gate, up) share it, as GPTQ's order (by the input's Hessian) does."""
+    shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
+    return zlib.crc32(shared.replace("up_proj", "gate_proj").encode())
 
 
 # ---- MXFP4 (gpt-oss experts) -----------------------------------------------------------------

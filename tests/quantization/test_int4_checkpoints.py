@@ -196,3 +196,27 @@ def test_packers_agree_with_the_formats_descriptions():
     assert awq[0, 0] == 0x75316420
     assert torch.equal(_columns(awq, "w"), codes)
     assert torch.equal(unpack_int32(w.pack(codes.t(), 0), 0, "w"), codes.t())
+
+
+@pytest.mark.parametrize("family,case", [("llama", "awq-g64"),
+                                         ("qwen3_moe", "gptq-v1-asym-g32-actorder"),
+                                         ("llama", "ct-asym-channel")])
+def test_kernel_layout_runs_a_whole_model(float_models, tmp_path, monkeypatch, family, case):
+    """The CUDA layout on the CPU (the Triton W4A16 GEMM in the interpreter): every linear
+    keeps its codes (act-order parts share their input's order), the experts are dequantized,
+    and the logits equal the dequantized path's to float32 rounding (a code, zero or group in
+    the wrong place moves them by as much as the logits themselves)."""
+    from pagedserve.quantization import packed
+    from tests.quantization.test_fp8_checkpoints import _prompts
+    from tests.utils.paged import run_prefill
+
+    w.write_int4(float_models[family], tmp_path / "int4", tmp_path / "ref", CASES[case])
+    prompts = _prompts(INT4["vocab_size"])
+    exact = run_prefill(load_model(str(tmp_path / "int4"), torch.float32, CPU).model, prompts)
+    monkeypatch.setattr(packed, "KERNELS_ON_CPU", True)
+    model = load_model(str(tmp_path / "int4"), torch.float32, CPU).model
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight is None and layer.self_attn.o_proj.weight is None
+    assert "W4A16 kernel" in layer.self_attn.qkv_proj.quant_method.name
+    for got, want in zip(run_prefill(model, prompts), exact, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
