@@ -220,3 +220,25 @@ def test_kernel_layout_runs_a_whole_model(float_models, tmp_path, monkeypatch, f
     assert "W4A16 kernel" in layer.self_attn.qkv_proj.quant_method.name
     for got, want in zip(run_prefill(model, prompts), exact, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_the_engine_serves_an_int4_checkpoint(float_models, tmp_path, make_llm):
+    """Through LLM with --quantization auto; a flag on top of the checkpoint's is refused."""
+    from pagedserve import SamplingParams
+    from tests.quantization.test_fp8_checkpoints import NUM_NEW, _prompts
+    from tests.utils.paged import hf_greedy
+
+    w.write_int4(float_models["llama"], tmp_path / "int4", tmp_path / "ref", CASES["awq-g64"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ref", attn_implementation="eager", dtype=torch.float32).eval()
+    prompts = _prompts(INT4["vocab_size"])
+    llm = make_llm(model=str(tmp_path / "int4"), dtype="float32", device="cpu",
+                   kv_cache_memory="16MiB")
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, NUM_NEW)
+                                                        for p in prompts]
+    with pytest.raises(ValueError, match=r"already quantized \(awq\); --quantization fp8 "
+                                         r"cannot apply"):
+        make_llm(model=str(tmp_path / "int4"), dtype="float32", device="cpu",
+                 kv_cache_memory="16MiB", quantization="fp8")
