@@ -85,7 +85,8 @@ class ModelConfig:
         "auto", "int8: weight-only int8 linears on the CPU (bfloat16 products, float32 "
                 "activations), which auto picks for a .gguf model when --dtype is left to the "
                 "engine; fp8: FP8 weights quantized at load (dequantized on the CPU); none. "
-                "A checkpoint's own quantization_config (FP8) is always read",
+                "A checkpoint's own quantization_config (FP8, AWQ, GPTQ, compressed-tensors, "
+                "MXFP4) is always read",
         choices=["auto", "int8", "fp8", "none"])
     runner: str = setting(
         "auto", "generate: sample tokens; pooling: embeddings (LLM.embed, /v1/embeddings); "

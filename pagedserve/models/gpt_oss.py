@@ -6,7 +6,9 @@ experts with biases and a clamped SwiGLU. Norms scale in float32 before the cast
 transformers stores the experts transposed with gate and up interleaved column by column
 (gate_up_proj [E, H, 2I], down_proj [E, I, H]); `load_weights` turns them into our stacked
 row layout ([E, 2I, H] gate rows then up rows, [E, H, I]). The MXFP4 checkpoints OpenAI
-publishes (`*_blocks`/`*_scales`) are not read: dequantise them to bf16 first.
+publishes store the experts as `*_blocks` / `*_scales` in the same order, rows before the
+transpose ([E, 2I, in / 32, 16] with gate and up rows interleaved, [E, H, ...]): they are split
+into each expert's gate, up and down tensors for the MXFP4 method (`quantization/mxfp4.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers import PretrainedConfig
 from pagedserve.models.layers import Float32ScaledRMSNorm
 from pagedserve.models.llama import LlamaForCausalLM, window_by_layer_type
 from pagedserve.models.moe import ExpertActivation, FusedMoE, SparseMoeBlock, TopKSoftmaxRouter
+from pagedserve.models.parallel import materialize
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
@@ -29,6 +32,7 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
 
 class GptOssForCausalLM(LlamaForCausalLM):
     norm_cls = Float32ScaledRMSNorm
+    reads_mxfp4_experts = True
 
     sliding_window_for_layer = staticmethod(window_by_layer_type)
 
@@ -54,9 +58,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def _our_layout(weights: Iterable[tuple[str, torch.Tensor]]
                     ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
-            if name.endswith(("_blocks", "_scales")):
-                raise ValueError(f"checkpoint tensor {name!r} is MXFP4-quantised; pagedserve "
-                                 f"reads gpt-oss in bf16 or float32 (dequantise it first)")
+            if name.endswith(("_blocks", "_scales")) and ".experts." in name:
+                yield from _mxfp4_experts(name, tensor)
+                continue
             name = name.replace(".mlp.router.", ".mlp.gate.")
             name = name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
             if name.endswith(".experts.gate_up_proj"):
@@ -66,3 +70,22 @@ class GptOssForCausalLM(LlamaForCausalLM):
             elif name.endswith(".experts.down_proj"):
                 tensor = tensor.transpose(1, 2)
             yield name, tensor
+
+
+def _mxfp4_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """`...experts.gate_up_proj_blocks` [E, 2I, ...] (gate, up rows alternating) or
+    `...experts.down_proj_blocks` [E, H, ...] (and their `_scales`) -> each expert's
+    `...experts.<e>.gate_proj.blocks` etc., rows as our layout holds them."""
+    tensor = materialize(tensor)
+    stacked, _, leaf = name.rpartition("_")
+    prefix, _, proj = stacked.rpartition(".")
+    if proj not in ("gate_up_proj", "down_proj") or tensor.dim() < 3:
+        raise ValueError(f"checkpoint tensor {name!r} is not gpt-oss's stacked MXFP4 "
+                         "gate_up_proj / down_proj (experts, rows, ...)")
+    for expert in range(tensor.shape[0]):
+        rows = tensor[expert]
+        if proj == "down_proj":
+            yield f"{prefix}.{expert}.down_proj.{leaf}", rows
+        else:
+            yield f"{prefix}.{expert}.gate_proj.{leaf}", rows[0::2]
+            yield f"{prefix}.{expert}.up_proj.{leaf}", rows[1::2]

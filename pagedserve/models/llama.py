@@ -181,10 +181,10 @@ class LlamaModel(nn.Module):
 
 
 # One expert's tensor in a Hugging Face checkpoint: (layer prefix, expert, projection, tensor:
-# its weight, or an FP8 checkpoint's scales). Qwen3-MoE names them gate/up/down_proj, Mixtral
-# w1 (gate), w3 (up), w2 (down).
+# its weight, or a quantized checkpoint's codes and scales). Qwen3-MoE names them
+# gate/up/down_proj, Mixtral w1 (gate), w3 (up), w2 (down).
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
-                     r"\.(weight|weight_scale|weight_scale_inv|input_scale)$")
+                     r"\.(\w+)$")
 _EXPERT_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                  "down_proj": "down", "w2": "down"}
 

@@ -8,14 +8,25 @@ from typing import Any
 
 import torch
 
+from pagedserve.quantization.awq import AwqConfig
 from pagedserve.quantization.base import QuantizationConfig
 from pagedserve.quantization.compressed_tensors import CompressedTensorsConfig
+from pagedserve.quantization.compressed_tensors_w4a16 import CompressedTensorsW4A16Config
 from pagedserve.quantization.fp8 import Fp8Config
+from pagedserve.quantization.gptq import GptqConfig
 from pagedserve.quantization.int8_cpu import Int8Config
+from pagedserve.quantization.mxfp4 import Mxfp4Config
 
 CHECKPOINT_METHODS: dict[str, type[QuantizationConfig]] = {
     "fp8": Fp8Config,
     "compressed-tensors": CompressedTensorsConfig,
+    "awq": AwqConfig,
+    "gptq": GptqConfig,
+    "mxfp4": Mxfp4Config,
+}
+# compressed-tensors formats other than its FP8 ones (compressed_tensors.py), by `format`.
+COMPRESSED_TENSORS_FORMATS: dict[str, type[QuantizationConfig]] = {
+    "pack-quantized": CompressedTensorsW4A16Config,
 }
 
 # --quantization: auto picks int8 for a GGUF on the CPU when the dtype is left to the engine;
@@ -48,6 +59,8 @@ def checkpoint_config(data: dict[str, Any]) -> QuantizationConfig:
     if method not in CHECKPOINT_METHODS:
         raise ValueError(f"quantization_config quant_method {method!r} is not supported "
                          f"(supported: {', '.join(CHECKPOINT_METHODS)})")
+    if method == "compressed-tensors" and data.get("format") in COMPRESSED_TENSORS_FORMATS:
+        return COMPRESSED_TENSORS_FORMATS[data["format"]].from_config(data)
     return CHECKPOINT_METHODS[method].from_config(data)
 
 

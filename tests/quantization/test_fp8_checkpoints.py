@@ -221,9 +221,9 @@ REFUSALS = {
     "wrong scale shape": (lambda s: s.update({"model.layers.0.self_attn.o_proj.weight_scale_inv":
                                               torch.ones(2, 1)}), None,
                           r"o_proj\.weight_scale_inv has shape \(2, 1\).*needs \(1, 1\)"),
-    "unknown quant_method": (None, lambda q: q.update(quant_method="awq"),
-                             r"quant_method 'awq' is not supported \(supported: fp8, "
-                             r"compressed-tensors\)"),
+    "unknown quant_method": (None, lambda q: q.update(quant_method="bitsandbytes"),
+                             r"quant_method 'bitsandbytes' is not supported \(supported: fp8, "
+                             r"compressed-tensors"),
     "float weights labeled fp8": (
         lambda s: s.update({"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 96)}),
         None, r"down_proj\.weight is torch.float32.*mislabeled"),
@@ -251,9 +251,9 @@ def test_unsupported_compressed_tensors_schemes_are_refused(float_models, tmp_pa
                                          r"\(supported: weights: 8-bit float"):
         load_model(_broken(float_models, tmp_path, w.compressed_config("channel", "dynamic"),
                            config_edit=lambda q: q.update(int4)), torch.float32, CPU)
-    with pytest.raises(ValueError, match="format 'pack-quantized' is not supported"):
+    with pytest.raises(ValueError, match="format 'marlin-24' is not supported"):
         load_model(_broken(float_models, tmp_path / "b", w.compressed_config("channel", "dynamic"),
-                           config_edit=lambda q: q.update(format="pack-quantized")),
+                           config_edit=lambda q: q.update(format="marlin-24")),
                    torch.float32, CPU)
 
 

@@ -1,0 +1,125 @@
+"""compressed-tensors `pack-quantized` checkpoints, weight-only int4 (llm-compressor's W4A16):
+per linear `weight_packed` int32 [out, ceil(in / 8)] with eight codes a word along the input
+dim (nibble i: input 8c+i) stored as code + 8, `weight_shape` [out, in], `weight_scale`
+[out, in / group_size] (strategy group) or [out, 1] (channel), and when asymmetric
+`weight_zero_point`, packed the same way along the output dim ([ceil(out / 8), groups]; an
+unpacked int8 [out, groups] is read too). Group act-order adds `weight_g_idx` [in].
+w = (q - zero) * scale. Dequantized at load (packed.py); other schemes are refused by name."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.quantization import int4_format as fmt
+from pagedserve.quantization.base import QuantizationConfig
+from pagedserve.quantization.packed import PackedFormat, check_family, packed_method
+
+FORMAT = "pack-quantized"
+OFFSET = 1 << (fmt.BITS - 1)  # codes are stored as value + 8
+SUPPORTED = ("weights: 4-bit int, strategy group (group_size) or channel, symmetric or not, "
+             "actorder none / group / weight; no input activations; targets: Linear")
+# compressed-tensors' act-order names: "group" needs the g_idx, "weight" keeps the groups in
+# input order (only the quantization order changed); "dynamic" and "static" are their aliases.
+ACTORDER = {None: None, "group": "group", "dynamic": "group", "weight": "weight",
+            "static": "weight"}
+
+
+class CompressedW4A16Format(PackedFormat):
+    def __init__(self, group_size: int, symmetric: bool, g_idx: bool) -> None:
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.g_idx = g_idx
+        group = "per channel" if group_size == -1 else f"group {group_size}"
+        self.name = (f"compressed-tensors int4 {'symmetric' if symmetric else 'asymmetric'}, "
+                     f"{group}" + (", act-order" if g_idx else ""))
+
+    def checkpoint_tensors(self) -> tuple[str, ...]:
+        names = ("weight_packed", "weight_scale", "weight_shape")
+        names += () if self.symmetric else ("weight_zero_point",)
+        return (*names, "weight_g_idx") if self.g_idx else names
+
+    def optional_tensors(self) -> tuple[str, ...]:
+        return ("weight_g_idx",)
+
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
+        packed = tensors["weight_packed"]
+        shape = tensors["weight_shape"].flatten().tolist()
+        if len(shape) != 2 or packed.dim() != 2 or shape[0] != packed.shape[0] \
+                or math.ceil(shape[1] / fmt.PER_WORD) != packed.shape[1]:
+            raise ValueError(f"{what}.weight_shape is {shape}, but {what}.weight_packed has "
+                             f"shape {tuple(packed.shape)} (eight inputs a word)")
+        n, k = shape
+        size, groups = fmt.groups_of(k, self.group_size, what)
+        why = f"a [{n}, {k}] weight in groups of {size}"
+        fmt.check_shape(tensors["weight_scale"], (n, groups), f"{what}.weight_scale", why)
+        # Codes and zero points are stored as value + 8: subtracting one from the other
+        # cancels the offset, and a symmetric weight's zero point is the offset itself.
+        codes = fmt.unpack_int32(packed, 1, f"{what}.weight_packed")[:, :k]
+        zeros = torch.full((n, groups), OFFSET, dtype=torch.int32) if self.symmetric else \
+            _zero_points(tensors["weight_zero_point"], n, groups, f"{what}.weight_zero_point")
+        group = fmt.group_index(tensors.get("weight_g_idx"), k, size, groups,
+                                f"{what}.weight_g_idx")
+        return fmt.Int4Codes(codes, zeros, tensors["weight_scale"], group)
+
+
+def _zero_points(zp: torch.Tensor, n: int, groups: int, what: str) -> torch.Tensor:
+    """Zero points + 8 [n, groups], from packed int32 words [ceil(n / 8), groups] or signed
+    as stored."""
+    if zp.dtype == torch.int32 and tuple(zp.shape) == (math.ceil(n / fmt.PER_WORD), groups):
+        return fmt.unpack_int32(zp, 0, what)[:n]
+    fmt.check_shape(zp, (n, groups), what, f"{n} rows in {groups} groups (or packed: "
+                    f"{(math.ceil(n / fmt.PER_WORD), groups)} int32)")
+    return zp.to(torch.int32) + OFFSET
+
+
+class CompressedTensorsW4A16Config(QuantizationConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, packed: CompressedW4A16Format, ignored: list[str]) -> None:
+        super().__init__(ignored)
+        self.format = packed
+
+    @classmethod
+    def from_config(cls, data: dict[str, Any]) -> CompressedTensorsW4A16Config:
+        groups = list((data.get("config_groups") or {}).values())
+        if not groups:
+            raise ValueError("compressed-tensors config has no config_groups")
+        schemes = {_scheme(group) for group in groups}
+        if len(schemes) > 1:
+            names = sorted(CompressedW4A16Format(*s).name for s in schemes)
+            raise ValueError("compressed-tensors config groups with different schemes are not "
+                             f"supported: {names}")
+        return cls(CompressedW4A16Format(*schemes.pop()), list(data.get("ignore") or []))
+
+    def get_method(self, layer: nn.Module, prefix: str, hf_names: list[str]) -> Any:
+        if self.is_ignored(hf_names):
+            return None
+        return packed_method(self.format, layer, prefix, hf_names)
+
+    def check_model(self, model: nn.Module) -> None:
+        check_family(model, "compressed-tensors int4")
+
+
+def _scheme(group: dict[str, Any]) -> tuple[int, bool, bool]:
+    """(group size or -1, symmetric, act-order g_idx) of one config group."""
+    targets = group.get("targets") or []
+    weights = group.get("weights") or {}
+    strategy = weights.get("strategy")
+    actorder = weights.get("actorder")
+    if list(targets) != ["Linear"] or group.get("input_activations") \
+            or (weights.get("num_bits"), weights.get("type")) != (4, "int") \
+            or weights.get("dynamic") or strategy not in ("group", "channel") \
+            or actorder not in ACTORDER:
+        brief = {k: weights.get(k) for k in ("num_bits", "type", "strategy", "actorder")}
+        raise ValueError(f"compressed-tensors pack-quantized targets {targets}, weights "
+                         f"{brief}, input_activations {group.get('input_activations')} are "
+                         f"not supported (supported: {SUPPORTED})")
+    size = int(weights.get("group_size") or 0) if strategy == "group" else -1
+    if strategy == "group" and size <= 0:
+        raise ValueError(f"compressed-tensors group weights need a group_size, got "
+                         f"{weights.get('group_size')}")
+    return size, bool(weights.get("symmetric", True)), ACTORDER[actorder] == "group"
