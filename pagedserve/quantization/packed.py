@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from pagedserve import envs
 from pagedserve.quantization import int4_format as fmt
 from pagedserve.quantization.base import LinearMethod, MoEMethod
 from pagedserve.quantization.unquantized import (
@@ -107,7 +108,10 @@ class PackedLinearMethod(LinearMethod):
         staged, rows = layer.packed_parts, layer.packed_rows
         del layer.packed_parts, layer.packed_rows
         device = layer.weight.device
-        if not self.dequantize and (device.type == "cuda" or KERNELS_ON_CPU):
+        # The kernel has not run on a GPU yet: CUDA takes it only when asked
+        # (PAGEDSERVE_W4A16_KERNEL=1), and dequantizes at load otherwise.
+        on_cuda = device.type == "cuda" and envs.PAGEDSERVE_W4A16_KERNEL
+        if not self.dequantize and (on_cuda or KERNELS_ON_CPU):
             from pagedserve.quantization.w4a16 import use_kernel
 
             if use_kernel(layer, self, staged, rows):
