@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.lora.config import LoRAConfig
 from pagedserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = {
@@ -152,7 +153,7 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
-SECTIONS = ("model", "cache", "scheduler")
+SECTIONS = ("model", "cache", "scheduler", "lora")
 
 
 @dataclass
@@ -160,6 +161,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     attention_backend: str | None = setting(
         None, "FLASHINFER, FLASH_ATTN, TRITON, CPU, ROCM, TURBOQUANT, FLEX_ATTENTION; MLA "
               "models: FLASHINFER_MLA, TRITON_MLA, CPU_MLA (default: "
@@ -232,6 +234,9 @@ class EngineConfig:
                                  ) from None
             if device.type not in ("cpu", "cuda"):
                 raise ValueError(f"device {self.device!r}: pagedserve runs on cpu or cuda")
+        if self.lora.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA with tensor parallelism is not implemented yet (A and B are "
+                             "not sharded): use tensor_parallel_size 1")
         if self.scheduler.max_num_seqs is None:
             self.scheduler.max_num_seqs = 256 if self.torch_device.type == "cuda" else 128
 
@@ -334,7 +339,8 @@ def preset_path(name_or_path: str | Path) -> Path:
 
 
 def section_classes() -> dict[str, type]:
-    return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+            "lora": LoRAConfig}
 
 
 @dataclass

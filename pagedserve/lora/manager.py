@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,3 +74,26 @@ class LoRAManager:
         per_request = torch.tensor([slot_of.get(i, base) for i in lora_ids], dtype=torch.long)
         counts = torch.as_tensor(num_tokens, dtype=torch.long).cpu()
         self.batch.set(per_request.repeat_interleave(counts).to(self.batch.token_slots.device))
+
+    # ---- what the model runner calls ----------------------------------------------------
+
+    def add_request(self, lora: LoRARequest) -> None:
+        """A new request's adapter is read now (a bad adapter fails the request's add)."""
+        if self.requests.get(lora.lora_int_id) != lora:
+            self.add_adapter(lora)
+
+    def set_batch(self, batch: Any) -> None:
+        """The scheduled step's slots (its requests in batch order)."""
+        self.set_step([r.lora_int_id for r in batch.requests], batch.num_scheduled_tokens)
+
+
+def make_lora_manager(config: Any, model: nn.Module, max_tokens: int) -> LoRAManager | None:
+    """The runner's manager with --lora-modules read (None without --enable-lora)."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return None
+    manager = LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras,
+                          max_tokens)
+    for request, _ in lora.startup_adapters():
+        manager.add_adapter(request)
+    return manager

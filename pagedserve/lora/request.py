@@ -18,3 +18,14 @@ class LoRARequest:
         if self.lora_int_id < 1:
             raise ValueError(f"LoRARequest {self.lora_name!r}: lora_int_id must be >= 1 "
                              f"(0 is the base model), got {self.lora_int_id}")
+
+
+def per_prompt(lora_request: LoRARequest | list | tuple | None, num_prompts: int
+               ) -> list[LoRARequest | None]:
+    """`LLM.generate`'s lora_request: one for every prompt, or a list with one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"{len(loras)} LoRA requests for {num_prompts} prompts")
+    return loras

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from pagedserve.lora import LoRAManager, LoRARequest
+from pagedserve.lora import LoRARequest
+from pagedserve.lora.manager import LoRAManager
 from pagedserve.models import load_model
 from tests.lora.adapters import ADAPTERS, save_adapter, save_base
 from tests.utils.paged import PagedHarness
