@@ -376,6 +376,8 @@ class ServerConfig:
     responses_store_size: int = setting(
         1000, "most responses /v1/responses keeps in memory for previous_response_id and GET "
               "(the least recently used go first; 0 stores none)")
+    allow_runtime_lora_updating: bool = setting(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     enable_chat_page: bool = setting(True, "serve the chat page at / (--disable-chat-page "
                                            "turns it off)")
 

@@ -148,6 +148,7 @@ class _Add:
     stream: RequestStream
     ack: asyncio.Future[None]
     prompt_text: str | None = None  # the text of a prompt tokenized by the caller
+    lora_request: Any = None  # a pagedserve.lora.LoRARequest (None: the base model)
 
 
 @dataclass
@@ -219,7 +220,8 @@ class AsyncLLM:
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams, cache_salt: str | None = None,
                           arrival_time: float | None = None,
-                          prompt_text: str | None = None) -> RequestStream:
+                          prompt_text: str | None = None, lora_request: Any = None
+                          ) -> RequestStream:
         """Queue a request and wait until the engine thread accepted it (within one step).
         `prompt_text`: the text of `prompt` when the caller tokenized it (for echo).
 
@@ -240,7 +242,7 @@ class AsyncLLM:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._sent_seqs += params.n
         self._send(_Add(request_id, prompt, params, arrival, cache_salt, stream, ack,
-                        prompt_text))
+                        prompt_text, lora_request))
         try:
             await ack
         except asyncio.CancelledError:
@@ -365,7 +367,8 @@ class AsyncLLM:
                 raise ValueError(f"request id {command.request_id!r} is already in use")
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     command.arrival_time, command.cache_salt,
-                                    prompt_text=command.prompt_text)
+                                    prompt_text=command.prompt_text,
+                                    lora_request=command.lora_request)
         except Exception as exc:  # the caller's error; the other requests never see it
             return _resolve, (command.ack, exc)
         finally:

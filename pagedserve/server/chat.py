@@ -126,7 +126,7 @@ async def start_chat(state: ServerState, body: p.ChatCompletionRequest,
                                      body.add_generation_prompt, plan.prompt)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     streams = await add_all(state, request_id, [(None, prompt)], params, body.cache_salt,
-                            "messages", renames)
+                            "messages", renames, model=body.model)
     return ChatRun(request_id, prompt, streams, [plan.parser(state) for _ in range(params.n)])
 
 

@@ -141,7 +141,8 @@ async def create_completion(state: ServerState, body: p.CompletionRequest,
     params = await with_guided(state, params, *guided_decoding(body))
     prompts = await tokenize_prompts(state, prompts)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await add_all(state, request_id, prompts, params, body.cache_salt, "prompt")
+    streams = await add_all(state, request_id, prompts, params, body.cache_salt, "prompt",
+                            model=body.model)
     builder = _CompletionChoices(state, body, params.n)
     if body.stream:
         return SSEResponse(_stream_completion(state, body, request_id, streams, builder,

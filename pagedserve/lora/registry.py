@@ -1,0 +1,55 @@
+"""The front's adapters by name (what a request's `model` may name): those of --lora-modules,
+and, with --allow-runtime-lora-updating, those loaded and unloaded through the API. Ids are
+never reused, so an adapter loaded again under an old name is read again by the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedserve.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, read_config
+from pagedserve.lora.config import LoRAConfig
+from pagedserve.lora.request import LoRARequest
+
+
+@dataclass
+class ServedAdapter:
+    request: LoRARequest
+    parent: str | None  # base_model_name given with it, if any
+
+
+class AdapterRegistry:
+    def __init__(self, config: LoRAConfig) -> None:
+        self.max_rank = config.max_lora_rank
+        self.adapters: dict[str, ServedAdapter] = {
+            request.lora_name: ServedAdapter(request, parent)
+            for request, parent in config.startup_adapters()}
+        self._next_id = len(self.adapters) + 1
+
+    def get(self, name: str) -> LoRARequest | None:
+        served = self.adapters.get(name)
+        return served.request if served is not None else None
+
+    def load(self, name: str, path: str) -> LoRARequest:
+        """Register an adapter after the checks that need no model (ValueError names what is
+        wrong); its shapes are checked against the model by the engine on first use."""
+        if not name or not path:
+            raise ValueError("lora_name and lora_path are both required")
+        if name in self.adapters:
+            raise ValueError(f"the LoRA adapter {name!r} is already loaded")
+        folder = Path(path)
+        for file in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (folder / file).is_file():
+                raise ValueError(f"LoRA adapter {name!r}: no {file} in {path}")
+        rank = int(read_config(folder).get("r", 0))
+        if rank > self.max_rank:
+            raise ValueError(f"LoRA adapter {name!r} has rank {rank}, over --max-lora-rank "
+                             f"{self.max_rank}")
+        request = LoRARequest(name, self._next_id, path)
+        self._next_id += 1
+        self.adapters[name] = ServedAdapter(request, None)
+        return request
+
+    def unload(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
