@@ -95,3 +95,32 @@ def test_lora_requests_are_checked(make_llm, saved, tmp_path):
                      lora_request=LoRARequest("gone", 4, str(tmp_path / "gone")))
     with pytest.raises(ValueError, match="2 LoRA requests for 1 prompts"):
         llm.generate([[5, 6]], params, use_tqdm=False, lora_request=[None, None])
+
+
+def test_more_adapters_than_slots_are_scheduled_in_turn(make_llm, saved):
+    """Three adapters and the base in one call with --max-loras 1: each step holds at most one
+    adapter (the runner refuses more), every request ends, each with its PeftModel's tokens."""
+    root, base, refs = saved
+    llm = _engine(make_llm, root, max_loras=1)
+    core = llm.engine.core
+    seen = []
+    schedule = core.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        seen.append({r.lora_int_id for r in batch.requests} - {0})
+        return batch
+
+    core.scheduler.schedule = spy
+    names = ["r8", None, "r16", "r32"]
+    reqs = [LoRARequest(n, i + 1, str(root / n)) if n else None for i, n in enumerate(names)]
+    prompt = [7, 30, 12, 99, 4]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([prompt] * 4, params, use_tqdm=False, lora_request=reqs)
+    assert max(len(s) for s in seen) == 1 and set().union(*seen) == {1, 3, 4}
+    for name, out in zip(names, outs, strict=True):
+        ref = base if name is None else refs[name]
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == want, name
