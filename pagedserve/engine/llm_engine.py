@@ -23,6 +23,7 @@ from pagedserve.engine.dp_client import DPClient
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.lora import LoRARequest
+from pagedserve.lora.adapter import check_adapter_dir
 from pagedserve.sampling_params import SamplingParams, default_sampling
 from pagedserve.scheduler import ScoringTask
 from pagedserve.structured_output import (
@@ -56,6 +57,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         self.config = config
+        self._checked_loras: set[LoRARequest] = set()  # adapters whose files were checked
         chat_template = check_settings(config)  # before the (slow) load
         self.client = make_client(config, log_stats)
         info = self.client.info
@@ -143,6 +145,10 @@ class LLMEngine:
         if not self.config.lora.enable_lora:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is "
                              f"off: start the engine with --enable-lora")
+        if lora_request not in self._checked_loras:  # what needs no model, here, once
+            check_adapter_dir(lora_request.lora_path, lora_request.lora_name,
+                              self.config.lora.max_lora_rank)
+            self._checked_loras.add(lora_request)
 
     def check_sampling(self, params: SamplingParams) -> None:
         """What a request's sampling settings must respect of this engine and model."""

@@ -89,21 +89,32 @@ def hf_module_names(tensors: dict[str, torch.Tensor], path: Path) -> set[str]:
     return names
 
 
+def check_adapter_dir(path: str | Path, name: str, max_rank: int) -> dict:
+    """What can be checked without the model: the directory, both files, the config's
+    refusals and the rank. Returns the config."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"LoRA adapter {name!r}: no directory {path}")
+    config = read_config(path)
+    if not (path / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"LoRA adapter {path}: missing {WEIGHTS_FILE} (only the "
+                                f"safetensors format is read)")
+    rank = int(config["r"])
+    if rank > max_rank:
+        raise ValueError(f"LoRA adapter {name!r} has rank {rank}, over --max-lora-rank "
+                         f"{max_rank}; raise --max-lora-rank")
+    return config
+
+
 def load_adapter(path: str | Path, name: str, targets: dict[str, tuple[str, nn.Module, int, int]],
                  max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
     """The adapter at `path` mapped onto `targets` (HF module name -> (our prefix, layer, part
     row start, part rows)); every check names the tensor and the numbers."""
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"LoRA adapter {name!r}: no directory {path}")
-    config = read_config(path)
-    rank = int(config["r"])
-    if rank > max_rank:
-        raise ValueError(f"LoRA adapter {name!r} has rank {rank}, over --max-lora-rank "
-                         f"{max_rank}; raise --max-lora-rank")
+    config = check_adapter_dir(path, name, max_rank)
     scale = scaling(config)
     tensors = read_tensors(path)
-    adapter = LoRAAdapter(name, rank)
+    adapter = LoRAAdapter(name, int(config["r"]))
     for hf in sorted(hf_module_names(tensors, path)):
         if hf not in targets:
             raise ValueError(f"LoRA adapter {name!r}: module {hf!r} is not a linear layer of "

@@ -5,9 +5,8 @@ never reused, so an adapter loaded again under an old name is read again by the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from pagedserve.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, read_config
+from pagedserve.lora.adapter import check_adapter_dir
 from pagedserve.lora.config import LoRAConfig
 from pagedserve.lora.request import LoRARequest
 
@@ -37,14 +36,10 @@ class AdapterRegistry:
             raise ValueError("lora_name and lora_path are both required")
         if name in self.adapters:
             raise ValueError(f"the LoRA adapter {name!r} is already loaded")
-        folder = Path(path)
-        for file in (CONFIG_FILE, WEIGHTS_FILE):
-            if not (folder / file).is_file():
-                raise ValueError(f"LoRA adapter {name!r}: no {file} in {path}")
-        rank = int(read_config(folder).get("r", 0))
-        if rank > self.max_rank:
-            raise ValueError(f"LoRA adapter {name!r} has rank {rank}, over --max-lora-rank "
-                             f"{self.max_rank}")
+        try:
+            check_adapter_dir(path, name, self.max_rank)
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
         request = LoRARequest(name, self._next_id, path)
         self._next_id += 1
         self.adapters[name] = ServedAdapter(request, None)

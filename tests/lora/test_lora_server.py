@@ -66,7 +66,7 @@ def test_model_name_picks_the_adapter(served):
 
 @pytest.mark.parametrize("path, body, message", [
     ("load", {"lora_name": "r8", "lora_path": "/x"}, "already loaded"),
-    ("load", {"lora_name": "new", "lora_path": "/nowhere"}, "no adapter_config.json"),
+    ("load", {"lora_name": "new", "lora_path": "/nowhere"}, "no directory /nowhere"),
     ("load", {"lora_name": "new"}, "lora_path"),
     ("unload", {"lora_name": "never"}, "no LoRA adapter named 'never'"),
 ])
