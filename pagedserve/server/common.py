@@ -84,6 +84,10 @@ class ServerState:
             raise ApiError(404, f"The model `{model}` does not exist. This server serves "
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
 
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the adapter the request named, else the base."""
+        return model if self.lora_request(model) is not None else self.model_name
+
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model)."""
         if self.loras is None or model is None:

@@ -50,6 +50,7 @@ def test_model_name_picks_the_adapter(served):
         response = _complete(url, name)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["token_ids"] == _greedy(ref), name
+        assert response.json()["model"] == name
     missing = _complete(url, "r16")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
