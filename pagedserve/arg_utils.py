@@ -48,6 +48,8 @@ def add_config_flags(group: Any, config_cls: type, skip: tuple[str, ...] = (),
             kwargs["action"] = argparse.BooleanOptionalAction
         elif kind == list[int]:
             kwargs.update(nargs="+", type=int, metavar="N")
+        elif kind == list[str]:
+            kwargs.update(nargs="+", type=str)
         else:
             kwargs["type"] = kind
             for key in ("choices", "nargs"):

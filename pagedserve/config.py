@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.lora.config import LoRAConfig
 from pagedserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = {
@@ -164,7 +165,7 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
-SECTIONS = ("model", "cache", "scheduler")
+SECTIONS = ("model", "cache", "scheduler", "lora")
 
 
 @dataclass
@@ -172,6 +173,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     attention_backend: str | None = setting(
         None, "FLASHINFER, FLASH_ATTN, TRITON, CPU, ROCM, TURBOQUANT, FLEX_ATTENTION; MLA "
               "models: FLASHINFER_MLA, TRITON_MLA, CPU_MLA (default: "
@@ -244,6 +246,9 @@ class EngineConfig:
                                  ) from None
             if device.type not in ("cpu", "cuda"):
                 raise ValueError(f"device {self.device!r}: pagedserve runs on cpu or cuda")
+        if self.lora.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA with tensor parallelism is not implemented yet (A and B are "
+                             "not sharded): use tensor_parallel_size 1")
         if self.scheduler.max_num_seqs is None:
             self.scheduler.max_num_seqs = 256 if self.torch_device.type == "cuda" else 128
 
@@ -346,7 +351,8 @@ def preset_path(name_or_path: str | Path) -> Path:
 
 
 def section_classes() -> dict[str, type]:
-    return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+            "lora": LoRAConfig}
 
 
 @dataclass
@@ -382,6 +388,8 @@ class ServerConfig:
     responses_store_size: int = setting(
         1000, "most responses /v1/responses keeps in memory for previous_response_id and GET "
               "(the least recently used go first; 0 stores none)")
+    allow_runtime_lora_updating: bool = setting(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     enable_chat_page: bool = setting(True, "serve the chat page at / (--disable-chat-page "
                                            "turns it off)")
 

@@ -150,6 +150,7 @@ class _Add:
     ack: asyncio.Future[None]
     prompt_text: str | None = None  # the text of a prompt tokenized by the caller
     pooling: PoolingParams | None = None  # an embedding request's (pooling/)
+    lora_request: Any = None  # a pagedserve.lora.LoRARequest (None: the base model)
 
 
 @dataclass
@@ -222,7 +223,8 @@ class AsyncLLM:
                           params: SamplingParams, cache_salt: str | None = None,
                           arrival_time: float | None = None,
                           prompt_text: str | None = None,
-                          pooling: PoolingParams | None = None) -> RequestStream:
+                          pooling: PoolingParams | None = None,
+                          lora_request: Any = None) -> RequestStream:
         """Queue a request and wait until the engine thread accepted it (within one step).
         `prompt_text`: the text of `prompt` when the caller tokenized it (for echo).
         `pooling`: an embedding request of a pooling model (`params` then only counts it as one
@@ -245,7 +247,7 @@ class AsyncLLM:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._sent_seqs += params.n
         self._send(_Add(request_id, prompt, params, arrival, cache_salt, stream, ack,
-                        prompt_text, pooling))
+                        prompt_text, pooling, lora_request))
         try:
             await ack
         except asyncio.CancelledError:
@@ -375,7 +377,8 @@ class AsyncLLM:
             else:
                 self.engine.add_request(command.request_id, command.prompt, command.params,
                                         command.arrival_time, command.cache_salt,
-                                        prompt_text=command.prompt_text)
+                                        prompt_text=command.prompt_text,
+                                        lora_request=command.lora_request)
         except Exception as exc:  # the caller's error; the other requests never see it
             return _resolve, (command.ack, exc)
         finally:

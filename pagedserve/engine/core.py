@@ -24,12 +24,13 @@ from pagedserve.engine.core_messages import CoreInfo, CoreRequest, CoreStats, St
 from pagedserve.engine.cpu_threads import configure_cpu_threads
 from pagedserve.engine.logprob_rows import logprob_rows, merge_rows
 from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
+from pagedserve.engine.stats_log import maybe_log_stats
 from pagedserve.kv_cache import KVCacheManager
 from pagedserve.kv_cache.specs import bytes_per_slot
+from pagedserve.lora.step_cap import AdapterCap
 from pagedserve.pooling.core_hooks import pooling_request, record_embeddings
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
-from pagedserve.spec_decode.metrics import describe_acceptance
 from pagedserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class EngineCore:
                                    spec.num_speculative_tokens if spec else 0,
                                    bool(speculator and speculator.uses_kv_cache),
                                    spec.disable_by_batch_size if spec else None)
+        if config.lora.enable_lora:
+            self.scheduler.lora_cap = AdapterCap(config.lora.max_loras)
         self.async_scheduling = config.use_async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         # Live sequences whose sampling needs all earlier tokens on the host (see step()).
@@ -192,13 +195,21 @@ class EngineCore:
             task = ScoringTask(r.scoring_mode, tuple(r.continuation or ()))
             return Request(r.request_id, r.prompt_token_ids, SCORING_PARAMS, self.eos_token_id,
                            r.arrival_time, scoring=task)
+        if r.lora is not None:  # read (and checked against the model) before it is queued
+            self._lora_manager().add_request(r.lora)
         request = Request(r.request_id, r.prompt_token_ids, r.params, self.eos_token_id,
-                          r.arrival_time, r.cache_salt)
+                          r.arrival_time, r.cache_salt, lora_request=r.lora)
         if r.params.guided_decoding is not None:
             # One matcher per sequence; the grammar is compiled once (or found in the cache).
             request.grammar = self.structured_output.new_grammar(r.params.guided_decoding,
                                                                  request.end_token_ids)
         return request
+
+    def _lora_manager(self) -> Any:
+        if self.scheduler.lora_cap is None:
+            raise ValueError("a request names a LoRA adapter, but LoRA is off: start the "
+                             "engine with --enable-lora")
+        return self.runner.lora
 
     def abort_requests(self, seq_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -254,6 +265,8 @@ class EngineCore:
         launched = None
         if not batch.is_empty:
             self._note_scheduled(batch, out)
+            if self.scheduler.lora_cap is not None:  # the step's adapters into their slots
+                self.runner.lora.set_batch(batch)
             launched = (batch, self.runner.launch(batch))
         if self._in_flight is not None:
             self._complete(*self._in_flight, out)
@@ -263,7 +276,7 @@ class EngineCore:
         out.time = time.monotonic()
         self.num_steps += 1
         self.step_seconds += time.perf_counter() - start
-        self._maybe_log_stats()
+        maybe_log_stats(self)
         return out
 
     def _note_scheduled(self, batch: SchedulerOutput, out: StepOutput) -> None:
@@ -384,22 +397,6 @@ class EngineCore:
         if name == "ping":
             return "pong"
         raise ValueError(f"unknown engine core utility {name!r}")
-
-    def _maybe_log_stats(self, interval: float = 10.0) -> None:
-        if not self.log_stats:
-            return
-        now = time.monotonic()
-        if now - self._last_log < interval:
-            return
-        s = self.stats()
-        rate = (s.generation_tokens - self._logged_tokens) / (now - self._last_log)
-        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0
-        logger.info("generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
-                    "prefix cache hit rate %.1f%%, preemptions %d", rate, s.num_running,
-                    s.num_waiting, 100 * s.kv_cache_usage, 100 * hit_rate, s.num_preemptions)
-        if s.spec_decode_num_drafts:
-            logger.info("speculative decoding: %s", describe_acceptance(s))
-        self._last_log, self._logged_tokens = now, s.generation_tokens
 
     def shutdown(self) -> None:
         """Stop the model's other ranks, if any (idempotent)."""

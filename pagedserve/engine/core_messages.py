@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from pagedserve.lora import LoRARequest
 from pagedserve.pooling.params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     scoring_mode: str | None = None  # ScoringTask.mode of a scoring request
     continuation: list[int] | None = None
     pooling: PoolingParams | None = None  # a pooling request's (pooling/)
+    lora: LoRARequest | None = None  # the adapter (None: the base model)
 
 
 class CoreStats(msgspec.Struct, array_like=True):

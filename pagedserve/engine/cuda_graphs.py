@@ -312,6 +312,9 @@ def setup_decode_graphs(inputs: GraphInputs, backend: type[AttentionBackend],
     warning naming it and return None (the runner then stays eager)."""
     if config.enforce_eager or config.torch_device.type != "cuda":
         return None
+    if config.lora.enable_lora:  # the graphs would hold the step without its adapters' terms
+        logger.info("CUDA graphs off: LoRA steps run eagerly (capturing them is not done yet)")
+        return None
     block_size = inputs.common_builder.block_size
     if not backend.can_capture_cuda_graphs(block_size):
         logger.info("CUDA graphs off: the %s backend does not support them here",

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.lora.request import LoRARequest, per_prompt
 from pagedserve.pooling import PoolingParams, PoolingRequestOutput
 from pagedserve.pooling.front import tokenize_inputs
 from pagedserve.pooling.scoring import (
@@ -81,9 +82,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None]
+                 | None = None) -> list[RequestOutput]:
         """Prompts as strings, token-id lists or {"prompt_token_ids": [...]} dicts; one
-        SamplingParams for all or one per prompt. Outputs come back in prompt order."""
+        SamplingParams for all or one per prompt; one LoRARequest for all or one per prompt
+        (None: the base model). Outputs come back in prompt order."""
         if isinstance(prompts, str | dict) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -94,11 +97,13 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        loras = per_prompt(lora_request, len(prompts))
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, _prompt_input(prompt), p, stream=False)
+                self.engine.add_request(request_id, _prompt_input(prompt), p, stream=False,
+                                        lora_request=lora)
                 ids.append(request_id)
             return self.wait_for(ids, use_tqdm)
         except BaseException:

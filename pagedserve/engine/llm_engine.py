@@ -23,6 +23,8 @@ from pagedserve.engine.core_messages import CoreRequest, CoreStats, StepOutput
 from pagedserve.engine.dp_client import DPClient
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
+from pagedserve.lora import LoRARequest
+from pagedserve.lora.adapter import check_adapter_dir
 from pagedserve.pooling import PoolingParams, resolve_pooler
 from pagedserve.pooling.front import GENERATION_REFUSED, add_pooling_request
 from pagedserve.sampling_params import SamplingParams, default_sampling
@@ -58,6 +60,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         self.config = config
+        self._checked_loras: set[LoRARequest] = set()  # adapters whose files were checked
         chat_template = check_settings(config)  # before the (slow) load
         self.pooler_config = resolve_pooler(config.model)  # None: a generating model
         self.client = make_client(config, log_stats)
@@ -138,6 +141,21 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer: pass prompt token ids")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """A request's adapter: LoRA must be on, and the request a LoRARequest."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a pagedserve.lora.LoRARequest, got "
+                            f"{type(lora_request).__name__}")
+        if not self.config.lora.enable_lora:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is "
+                             f"off: start the engine with --enable-lora")
+        if lora_request not in self._checked_loras:  # what needs no model, here, once
+            check_adapter_dir(lora_request.lora_path, lora_request.lora_name,
+                              self.config.lora.max_lora_rank)
+            self._checked_loras.add(lora_request)
+
     def check_sampling(self, params: SamplingParams) -> None:
         """What a request's sampling settings must respect of this engine and model."""
         limit = self.config.model.max_logprobs
@@ -184,7 +202,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None, stream: bool = True,
-                    prompt_text: str | None = None) -> None:
+                    prompt_text: str | None = None, lora_request: LoRARequest | None = None
+                    ) -> None:
         """Queue a request; `n` > 1 fans out into n sequences sharing the prompt (a seeded
         request's i-th sequence uses seed + i). With `stream=False` step() reports the request
         only when it finishes. `prompt_text`: the text of token-id `prompt` (its outputs'
@@ -213,7 +232,9 @@ class LLMEngine:
                            for i, (seq_id, child) in enumerate(zip(ids, children, strict=True))]
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
-        self._add(state, [CoreRequest(seq_id, token_ids, child, arrival, cache_salt)
+        self.check_lora(lora_request)
+        self._add(state, [CoreRequest(seq_id, token_ids, child, arrival, cache_salt,
+                                      lora=lora_request)
                           for seq_id, child in zip(ids, children, strict=True)])
 
     def add_scoring_request(self, request_id: str, prompt: list[int], continuation: list[int],

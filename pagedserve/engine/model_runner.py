@@ -37,6 +37,7 @@ from pagedserve.engine.sample_copy import SamplesToHost
 from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
 from pagedserve.kv_cache.specs import StateSpec
+from pagedserve.lora.manager import make_lora_manager
 from pagedserve.pooling.step import StepPooler, host_rows
 from pagedserve.scheduler import Request, SchedulerOutput
 from pagedserve.spec_decode.speculator import make_speculator
@@ -71,6 +72,7 @@ class ModelRunner:
         # Speculative decoding (spec_decode/): a verify step's layout and rejection sampling,
         # the next drafts; None when off. A draft model's layers join attn_layers (its cache).
         self.speculator = make_speculator(config, self)
+        self.lora = make_lora_manager(config, model, self.max_num_tokens)  # the core drives it
         # Backend builders by Attention.metadata_key, and the cache group each one reads.
         self.builders: dict[Any, Any] = {}
         self.builder_group: dict[Any, int] = {}

@@ -24,6 +24,7 @@ class CacheableRequest(Protocol):
     all_token_ids: list[int]
     num_computed_tokens: int
     cache_salt: str | None
+    lora_int_id: int  # 0: the base model
     skip_prefix_cache: bool
     state_slot: int
 
@@ -37,6 +38,12 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: str | No
 
 def _salt_bytes(extra_key: str | None) -> bytes:
     return b"\x01salt:" + extra_key.encode() if extra_key else b""
+
+
+def _lora_bytes(lora_int_id: int) -> bytes:
+    """An adapter's blocks hash apart from the base's and each other's (K/V differ). Fixed
+    width and a tag byte of its own, so no cache_salt can spell the same bytes."""
+    return b"\x02lora:" + lora_int_id.to_bytes(8, "little") if lora_int_id else b""
 
 
 _sha256 = hashlib.sha256
@@ -167,7 +174,7 @@ class KVCacheManager:
             return hashes
         bs = self.block_size
         parent = hashes[-1] if start else NONE_HASH
-        salt = _salt_bytes(request.cache_salt)
+        salt = _lora_bytes(request.lora_int_id) + _salt_bytes(request.cache_salt)
         # One conversion for all new blocks (per-block conversions cost more than SHA-256),
         # then hash_block's digest per block.
         data = _pack_int64(request.all_token_ids[start * bs:num_full_blocks * bs])

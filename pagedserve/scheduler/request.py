@@ -67,12 +67,14 @@ class Request:
                  "num_computed_tokens", "num_output_placeholders", "num_preemptions",
                  "state_slot", "forced_output_ids", "score_from", "skip_prefix_cache",
                  "needs_logits", "needs_host_history", "grammar", "max_tokens", "min_tokens",
-                 "end_token_ids", "spec_token_ids", "pooling")
+                 "end_token_ids", "spec_token_ids", "pooling", "lora_request",
+                 "lora_int_id")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
                  arrival_time: float | None = None, cache_salt: str | None = None,
-                 scoring: ScoringTask | None = None, pooling: Any = None) -> None:
+                 scoring: ScoringTask | None = None, pooling: Any = None,
+                 lora_request: Any = None) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must have at least one token")
         self.request_id = request_id
@@ -92,6 +94,9 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        # The adapter (a pagedserve.lora.LoRARequest; None and id 0: the base model).
+        self.lora_request = lora_request
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         self.status = RequestStatus.WAITING
         # Tokens whose K/V is in the cache or being written by a step already scheduled (the
         # scheduler advances it when it schedules them).

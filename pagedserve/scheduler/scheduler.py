@@ -40,6 +40,8 @@ class Scheduler:
         # Drafts are verified only while fewer requests than this run (None: always).
         self.disable_by_batch_size = disable_by_batch_size
         self._drafting = False  # this step's: decided once, as it starts
+        # LoRA's cap on distinct adapters per step (pagedserve.lora.step_cap; None: LoRA off).
+        self.lora_cap = None
 
     @property
     def speculating(self) -> bool:
@@ -117,6 +119,9 @@ class Scheduler:
         add_request, add_num_new = step.requests.append, step.num_new.append
         add_computed, add_sample = step.computed.append, step.samples.append
         add_block_ids, add_is_new = step.block_ids.append, step.is_new.append
+        lora_cap = self.lora_cap
+        if lora_cap is not None:
+            lora_cap.begin()
 
         # Running requests first (decodes and unfinished prompt chunks), in admission order.
         # The per-request work of a long batch of decodes lives here: kept flat on purpose.
@@ -124,6 +129,9 @@ class Scheduler:
         running = self.running
         while i < len(running) and budget > 0:
             request = running[i]
+            if lora_cap is not None and not lora_cap.admits(request.lora_int_id):
+                i += 1  # its adapter has no slot this step: the next one
+                continue
             pending = request.num_output_placeholders
             if pending and (request.num_output_tokens + pending >= request.max_tokens
                             or request.num_tokens + pending >= max_model_len):
@@ -170,6 +178,8 @@ class Scheduler:
         while (not num_preempted and self.waiting and budget > 0
                and len(running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if lora_cap is not None and not lora_cap.admits(request.lora_int_id):
+                break  # FCFS: it and those behind it wait for a step with a free slot
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if request.pooling is not None and num_new < request.num_tokens:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedserve import __version__
 from pagedserve.config import ServerConfig
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from pagedserve.lora.registry import AdapterRegistry
 from pagedserve.server import protocol as p
 from pagedserve.server.anthropic.errors import error_body as anthropic_error
 from pagedserve.server.anthropic.errors import is_anthropic_path
@@ -33,6 +34,7 @@ from pagedserve.server.common import (
 from pagedserve.server.completions import create_completion
 from pagedserve.server.embeddings import EmbeddingRequest, create_embeddings
 from pagedserve.server.gatekeeper import Gatekeeper
+from pagedserve.server.lora_routes import adapter_cards, lora_routes
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.reasoning import get_reasoning_parser
 from pagedserve.server.rerank import RerankRequest, ScoreRequest, create_rerank, create_score
@@ -50,6 +52,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     state = ServerState(llm, config.served_model_name or llm.engine.model_name,
                         ServerMetrics(llm), log_requests=config.enable_log_requests,
                         max_n=config.max_n)
+    if llm.engine.config.lora.enable_lora:
+        state.loras = AdapterRegistry(llm.engine.config.lora)
     if config.tool_call_parser is not None:
         state.tool_parser = get_tool_parser(config.tool_call_parser)
     if config.reasoning_parser is not None:
@@ -68,6 +72,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(_open_routes(state))
     app.include_router(_api_routes(state))
     app.include_router(anthropic_routes(state))
+    app.include_router(lora_routes(state, config.allow_runtime_lora_updating))
     app.include_router(responses_routes(state, ResponseStore(config.responses_store_size)))
     if config.enable_chat_page:
         app.include_router(chat_page_routes())
@@ -173,7 +178,8 @@ def _api_routes(state: ServerState) -> APIRouter:
         engine = state.llm.engine
         return p.ModelList(data=[p.ModelCard(id=state.model_name, created=int(state.started),
                                              root=engine.config.model.model or engine.model_name,
-                                             max_model_len=engine.max_model_len)])
+                                             max_model_len=engine.max_model_len),
+                                 *adapter_cards(state, int(state.started))])
 
     @router.post("/v1/completions", response_model=None)
     async def completions(body: p.CompletionRequest, request: Request) -> Any:

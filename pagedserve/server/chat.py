@@ -126,7 +126,7 @@ async def start_chat(state: ServerState, body: p.ChatCompletionRequest,
                                      body.add_generation_prompt, plan.prompt)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     streams = await add_all(state, request_id, [(None, prompt)], params, body.cache_salt,
-                            "messages", renames)
+                            "messages", renames, model=body.model)
     return ChatRun(request_id, prompt, streams, [plan.parser(state) for _ in range(params.n)])
 
 
@@ -158,8 +158,8 @@ async def _full_chat(state: ServerState, body: p.ChatCompletionRequest, request_
                 logprobs=_chat_logprobs(state, c.token_ids, c.logprobs, top_n) if body.logprobs
                 else None, finish_reason=parser.finish_reason(c.finish_reason),
                 stop_reason=c.stop_reason))
-        return p.ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
-                                        usage=tally.usage(),
+        return p.ChatCompletionResponse(id=request_id, model=state.response_model(body.model),
+                                        choices=choices, usage=tally.usage(),
                                         system_fingerprint=state.fingerprint)
     finally:
         tally.log(request_id, start, state.log_requests)
@@ -185,7 +185,7 @@ async def _stream_chat(state: ServerState, body: p.ChatCompletionRequest, reques
 
     def chunk(choices: list[p.ChatCompletionStreamChoice]) -> str:
         return _chat_chunk(p.ChatCompletionStreamResponse(
-            id=request_id, created=created, model=state.model_name, choices=choices,
+            id=request_id, created=created, model=state.response_model(body.model), choices=choices,
             system_fingerprint=state.fingerprint), include_usage)
 
     try:
@@ -213,7 +213,7 @@ async def _stream_chat(state: ServerState, body: p.ChatCompletionRequest, reques
                         stop_reason=c.stop_reason)])
         if include_usage:
             yield _chat_chunk(p.ChatCompletionStreamResponse(
-                id=request_id, created=created, model=state.model_name, choices=[],
+                id=request_id, created=created, model=state.response_model(body.model), choices=[],
                 usage=tally.usage(), system_fingerprint=state.fingerprint), True)
         yield SSE_DONE
     except EngineDeadError as exc:

@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 
 from pagedserve import __version__
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.lora import LoRARequest
+from pagedserve.lora.registry import AdapterRegistry
 from pagedserve.pooling.front import GENERATION_REFUSED
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as p
@@ -69,6 +71,7 @@ class ServerState:
     in_flight: int = 0  # API requests whose response has not ended (Gatekeeper counts)
     tool_parser: ToolParser | None = None  # --tool-call-parser: tool_choice "auto"
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+    loras: AdapterRegistry | None = None  # --enable-lora: adapters a request's model may name
 
     @property
     def tokenizer(self) -> Any:
@@ -78,9 +81,19 @@ class ServerState:
         return tokenizer
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and self.lora_request(model) is None:
             raise ApiError(404, f"The model `{model}` does not exist. This server serves "
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the adapter the request named, else the base."""
+        return model if self.lora_request(model) is not None else self.model_name
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        if self.loras is None or model is None:
+            return None
+        return self.loras.get(model)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)

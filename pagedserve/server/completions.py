@@ -141,7 +141,8 @@ async def create_completion(state: ServerState, body: p.CompletionRequest,
     params = await with_guided(state, params, *guided_decoding(body))
     prompts = await tokenize_prompts(state, prompts)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await add_all(state, request_id, prompts, params, body.cache_salt, "prompt")
+    streams = await add_all(state, request_id, prompts, params, body.cache_salt, "prompt",
+                            model=body.model)
     builder = _CompletionChoices(state, body, params.n)
     if body.stream:
         return SSEResponse(_stream_completion(state, body, request_id, streams, builder,
@@ -162,7 +163,8 @@ async def _full_completion(state: ServerState, request_id: str, streams: list[Re
                 choice = builder.choice(index, output, c, delta=False)
                 assert choice is not None
                 choices.append(choice)
-        return p.CompletionResponse(id=request_id, model=state.model_name, choices=choices,
+        model = state.response_model(builder.body.model)
+        return p.CompletionResponse(id=request_id, model=model, choices=choices,
                                     usage=tally.usage(), system_fingerprint=state.fingerprint)
     finally:
         tally.log(request_id, start, state.log_requests)
@@ -182,12 +184,12 @@ async def _stream_completion(state: ServerState, body: p.CompletionRequest, requ
                 choice = builder.choice(index, output, c, delta=True)
                 if choice is not None:
                     chunk = p.CompletionStreamResponse(
-                        id=request_id, created=created, model=state.model_name,
+                        id=request_id, created=created, model=state.response_model(body.model),
                         choices=[choice], system_fingerprint=state.fingerprint)
                     yield sse(chunk, exclude)
         if include_usage:
             yield sse(p.CompletionStreamResponse(
-                id=request_id, created=created, model=state.model_name, choices=[],
+                id=request_id, created=created, model=state.response_model(body.model), choices=[],
                 usage=tally.usage(), system_fingerprint=state.fingerprint))
         yield SSE_DONE
     except EngineDeadError as exc:

@@ -20,6 +20,7 @@ import transformers
 
 from pagedserve import SamplingParams
 from pagedserve.config import SchedulerConfig
+from pagedserve.engine.stats_log import maybe_log_stats
 from pagedserve.kv_cache import KVCacheManager
 from pagedserve.kv_cache.manager import NONE_HASH, hash_block
 from pagedserve.scheduler import Request, RequestStatus, Scheduler
@@ -591,7 +592,7 @@ def test_stats_log_line_and_cli_switch(tiny_model, make_llm, caplog):
     assert 0 < stats.prefix_cache_hits < stats.prefix_cache_queries
     engine.core.log_stats = True
     with caplog.at_level("INFO", logger="pagedserve.engine.core"):
-        engine.core._maybe_log_stats(interval=0.0)
+        maybe_log_stats(engine.core, interval=0.0)
     rate = 100 * stats.prefix_cache_hits / stats.prefix_cache_queries
     assert f"prefix cache hit rate {rate:.1f}%" in caplog.text
 

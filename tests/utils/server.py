@@ -61,15 +61,16 @@ def pids_gone(pids: list[int], timeout: float = 10.0) -> bool:
 
 
 @contextmanager
-def app_in_thread(llm: Any, served_model_name: str, timeout: float = 60.0) -> Iterator[str]:
+def app_in_thread(llm: Any, served_model_name: str, timeout: float = 60.0,
+                  **server_settings: Any) -> Iterator[str]:
     """The server's app over `llm` (an AsyncLLM) under uvicorn in a thread of this process,
-    healthy; yields its URL and stops it on leaving."""
+    healthy; yields its URL and stops it on leaving. `server_settings`: ServerConfig fields."""
     import uvicorn
 
     from pagedserve.config import ServerConfig
     from pagedserve.server.api import build_app
 
-    app = build_app(llm, ServerConfig(served_model_name=served_model_name))
+    app = build_app(llm, ServerConfig(served_model_name=served_model_name, **server_settings))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning"))

@@ -1,0 +1,79 @@
+"""LoRA through the HTTP server (one server start): `model` picks the adapter, /v1/models
+lists adapters with their parent, and adapters loaded and unloaded at run time, bad input
+answered 400 in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.llm_engine import LLMEngine
+from tests.lora.adapters import save_adapter, save_base
+from tests.utils.server import app_in_thread
+
+PROMPT = [5, 17, 33, 80, 9, 41, 2, 77]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_server")
+    base = save_base(root / "base")
+    refs = {"r8": save_adapter(base, root / "r8", 8, 16, False, seed=1),
+            "r16": save_adapter(base, root / "r16", 16, 8, True, seed=2)}
+    engine = LLMEngine.from_kwargs(model=str(root / "base"), dtype="float32", device="cpu",
+                                   kv_cache_memory="16MiB", enable_lora=True, max_loras=2,
+                                   max_lora_rank=16, lora_modules=[f"r8={root / 'r8'}"])
+    with app_in_thread(AsyncLLM(engine), "base", allow_runtime_lora_updating=True) as url:
+        yield url, root, base, refs
+
+
+def _greedy(model, n=4):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+def _complete(url, model):
+    return httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+
+
+def test_model_name_picks_the_adapter(served):
+    url, root, base, refs = served
+    models = httpx.get(url + "/v1/models").json()["data"]
+    assert [(m["id"], m["parent"]) for m in models] == [("base", None), ("r8", "base")]
+    for name, ref in (("base", base), ("r8", refs["r8"])):
+        response = _complete(url, name)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["token_ids"] == _greedy(ref), name
+        assert response.json()["model"] == name
+    missing = _complete(url, "r16")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+    # loaded at run time: served as its PeftModel; unloaded: unknown again
+    load = httpx.post(url + "/v1/load_lora_adapter",
+                      json={"lora_name": "r16", "lora_path": str(root / "r16")})
+    assert load.status_code == 200, load.text
+    assert _complete(url, "r16").json()["choices"][0]["token_ids"] == _greedy(refs["r16"])
+    assert "r16" in [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+    assert httpx.post(url + "/v1/unload_lora_adapter",
+                      json={"lora_name": "r16"}).status_code == 200
+    assert _complete(url, "r16").status_code == 404
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("load", {"lora_name": "r8", "lora_path": "/x"}, "already loaded"),
+    ("load", {"lora_name": "new", "lora_path": "/nowhere"}, "no directory /nowhere"),
+    ("load", {"lora_name": "new"}, "lora_path"),
+    ("unload", {"lora_name": "never"}, "no LoRA adapter named 'never'"),
+])
+def test_bad_lora_updates_get_400(served, path, body, message):
+    url, *_ = served
+    response = httpx.post(f"{url}/v1/{path}_lora_adapter", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
