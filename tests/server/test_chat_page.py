@@ -18,6 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pagedserve.arg_utils import add_server_args, server_config
+from pagedserve.config import EngineConfig
 from pagedserve.server.api import build_app
 from tests.utils.server import ServerProcess
 
@@ -35,7 +36,7 @@ def test_page_is_served_without_the_key(agent_server) -> None:
 
 
 def _stub_llm() -> SimpleNamespace:
-    engine = SimpleNamespace(model_name="stub", max_model_len=64, config=None)
+    engine = SimpleNamespace(model_name="stub", max_model_len=64, config=EngineConfig())
     return SimpleNamespace(engine=engine, observer=None, tokenizer=None, snapshot=None)
 
 
