@@ -200,7 +200,7 @@ def hf_generate(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
     storage, no copy); returns output tok/s."""
     import transformers
 
-    from pagedserve.models.loader import hf_state_dict
+    from pagedserve.models.checkpoint_loading import hf_state_dict
 
     cfg = llm.engine.loaded.hf_config
     device = llm.engine.runner.device

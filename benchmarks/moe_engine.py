@@ -42,7 +42,7 @@ def hf_model(llm: LLM) -> torch.nn.Module:
     """transformers' Qwen3-MoE over the engine's parameters (views, no copy)."""
     import transformers
 
-    from pagedserve.models.loader import hf_state_dict
+    from pagedserve.models.checkpoint_loading import hf_state_dict
 
     cfg = llm.engine.loaded.hf_config
     device = llm.engine.runner.device

@@ -4,15 +4,14 @@ hooks its layers are built from (biases, windows, q/k norm, the MLP).
 
 Tokens of every request in the step are flattened into one batch: `input_ids` [T] and
 `positions` [T]; attention goes through `Attention`, which reads the step's paged cache from the
-forward context. q/k/v and gate/up are fused projections; `load_weights` takes Hugging Face names
-and fills the fused rows. The arithmetic follows transformers' modeling code op for op (logits
-from the model-dtype matmul); the norms, rotary embedding and SiLU-and-mul are `models/layers.py`'s
-(fused Triton kernels on CUDA in 16 bits).
+forward context. q/k/v and gate/up are fused projections; `load_weights` (`checkpoint_loading`)
+takes Hugging Face names and fills the fused rows. The arithmetic follows transformers' modeling
+code op for op (logits from the model-dtype matmul); the norms, rotary embedding and SiLU-and-mul
+are `models/layers.py`'s (fused Triton kernels on CUDA in 16 bits).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
@@ -22,7 +21,8 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from pagedserve.attention.layer import Attention
-from pagedserve.models.layers import RMSNorm, RotaryEmbedding, build_rope_caches, silu_and_mul
+from pagedserve.models.checkpoint_loading import _FUSED, CheckpointLoading
+from pagedserve.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from pagedserve.models.moe import SparseMoeBlock
 from pagedserve.models.parallel import (
     MergedColumnParallelLinear,
@@ -31,9 +31,7 @@ from pagedserve.models.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_vocab,
-    rank_part,
 )
-from pagedserve.quantization.unquantized import FP8_DTYPES
 
 
 class LlamaAttention(nn.Module):
@@ -180,22 +178,6 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-# One expert's tensor in a Hugging Face checkpoint: (layer prefix, expert, projection, tensor:
-# its weight, or a quantized checkpoint's codes and scales). Qwen3-MoE names them
-# gate/up/down_proj, Mixtral w1 (gate), w3 (up), w2 (down).
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
-                     r"\.(\w+)$")
-_EXPERT_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
-                 "down_proj": "down", "w2": "down"}
-
-# Hugging Face parameter -> (our fused parameter, shard id).
-_FUSED = {
-    ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-    ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-    ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-    ".mlp.gate_proj.": (".mlp.gate_up_proj.", "gate"),
-    ".mlp.up_proj.": (".mlp.gate_up_proj.", "up"),
-}
 
 
 def window_by_layer_type(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -205,7 +187,7 @@ def window_by_layer_type(config: PretrainedConfig, layer_idx: int) -> int | None
     return config.sliding_window if sliding else None
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CheckpointLoading, nn.Module):
     # The decoder stack; families with another layer layout (Gemma's sandwich norms) swap it.
     model_cls: type[nn.Module] = LlamaModel
     # The decoder's norms (gpt-oss scales in float32 before the cast back).
@@ -260,16 +242,6 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
         return LlamaMLP(config)
 
-    def hf_names(self, prefix: str) -> list[str]:
-        """The checkpoint's module names for our module `prefix`: a fused layer's parts
-        (quantization configs name the layers to leave alone by these)."""
-        parts = []
-        for hf, (ours, _) in self.fused_names.items():
-            ours = ours.strip(".")
-            if prefix.endswith("." + ours):
-                parts.append(prefix[:-len(ours)] + hf.strip("."))
-        return parts or [prefix]
-
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
@@ -284,131 +256,6 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.model.embed_tokens.weight)
             return gather_vocab(logits, self.config.vocab_size).float()
         return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (possibly fused) parameters, converting dtype
-        and device per tensor: a layer with a quantization method loads through it (weights and
-        scales, each rank its part). Every parameter must be covered; then the rope cache is
-        built on the weights' device in their dtype."""
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            # FP8 checkpoints may carry KV-cache scales: unused while the cache is not FP8.
-            if "rotary_emb.inv_freq" in name or name.endswith((".k_scale", ".v_scale")):
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
-            if expert := _EXPERT.match(name):
-                prefix, index, proj, leaf = expert.groups()
-                shard = _EXPERT_SHARD[proj]
-                self.get_submodule(prefix).load_expert(int(index), shard, tensor, leaf)
-                loaded.add(f"{prefix}:{index}:{shard}:{leaf}")
-                continue
-            target, shard = name, None
-            for hf_part, (ours, shard_id) in self.fused_names.items():
-                if hf_part in name:
-                    target, shard = name.replace(hf_part, ours), shard_id
-                    break
-            owner, _, leaf = target.rpartition(".")
-            layer = modules.get(owner)
-            if _has_method(layer):
-                _check_not_fp8(name, tensor, layer)
-                rows = self._part_rows(target, shard) if shard else None
-                layer.quant_method.load(layer, leaf, tensor, shard, rows)
-                # A tensor stored already fused (Phi-3's qkv_proj) fills every part.
-                loaded.update([f"{owner}.{leaf}:{shard}"] if shard else
-                              [k for k in self._coverage_keys(target)
-                               if k.startswith(f"{owner}.{leaf}:")])
-                continue
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
-                                 f"{type(self).__name__}{_scale_hint(name)}")
-            param = params[target]
-            tensor = rank_part(self.get_submodule(owner), tensor, leaf, shard)
-            _check_not_fp8(name, tensor, None)
-            dst = param.data if shard is None else self._shard(target, param, shard)
-            if dst.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            loaded.update([f"{target}:{shard}"] if shard else self._coverage_keys(target))
-        missing = [n for n in self._expected_names(params, modules) if n not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
-        emb = self.model.embed_tokens.weight
-        build_rope_caches(self, emb.device, emb.dtype)
-
-    def _part_rows(self, target: str, shard: str) -> tuple[int, int]:
-        """(start, size) of fused part `shard`'s rows in this rank's parameter `target`."""
-        if ".qkv_proj." in target:
-            # The attention module that owns it (hybrid models have layers without one).
-            attn = self.get_submodule(target.rpartition(".qkv_proj.")[0])
-            q, kv = attn.q_size, attn.kv_size
-            return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-        # gate rows, then up rows, of any gated MLP (dense or shared experts)
-        n = self.get_submodule(target.rpartition(".")[0]).out_features // 2
-        return {"gate": (0, n), "up": (n, n)}[shard]
-
-    def _shard(self, target: str, param: torch.Tensor, shard: str) -> torch.Tensor:
-        return param.data.narrow(0, *self._part_rows(target, shard))
-
-    def _expected_names(self, params: dict[str, torch.Tensor],
-                        modules: dict[str, nn.Module] | None = None) -> list[str]:
-        modules = modules if modules is not None else dict(self.named_modules())
-        keys = []
-        for name in params:
-            owner = name.rpartition(".")[0]
-            if _has_method(modules.get(owner)) and not name.endswith(".weight"):
-                continue  # the layer's method lists its tensors, once, under its weight
-            keys.extend(self._coverage_keys(name))
-        return keys
-
-    def _coverage_keys(self, name: str) -> list[str]:
-        """What a complete checkpoint fills of parameter `name`: each fused shard, each expert's
-        projection (a checkpoint may hold experts one by one or already stacked), each tensor a
-        layer's quantization method loads."""
-        owner = name.rpartition(".")[0]
-        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-            prefix, _, stacked = name.rpartition(".")
-            moe = self.get_submodule(prefix)
-            shards = ("gate", "up") if stacked == "gate_up_proj" else ("down",)
-            leaves = moe.quant_method.checkpoint_tensors(moe)
-            return [f"{prefix}:{e}:{s}:{leaf}" for e in range(moe.num_experts) for s in shards
-                    for leaf in leaves]
-        shards: tuple[str | None, ...] = (None,)
-        if ".qkv_proj." in name:
-            shards = ("q", "k", "v")
-        elif ".gate_up_proj." in name:
-            shards = ("gate", "up")
-        layer = self.get_submodule(owner) if owner else None
-        if _has_method(layer):
-            return [f"{owner}.{leaf}:{s}" for leaf in layer.quant_method.checkpoint_tensors(layer)
-                    for s in shards]
-        return [name] if shards == (None,) else [f"{name}:{s}" for s in shards]
-
-
-def _has_method(layer: nn.Module | None) -> bool:
-    """A linear that loads through its quantization method (the float one included)."""
-    return hasattr(layer, "quant_method") and not hasattr(layer, "load_expert")
-
-
-def _check_not_fp8(name: str, tensor: torch.Tensor, layer: nn.Module | None) -> None:
-    """An FP8 tensor may only load through an FP8 method: copied into a float parameter, its
-    codes would read as weights without their scales."""
-    quantized = layer is not None and "quant_method" in vars(layer)
-    if getattr(tensor, "dtype", None) in FP8_DTYPES and not quantized:
-        raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but its layer has "
-                         "float weights: the model's config.json has no quantization_config "
-                         "for it (or lists the layer as ignored)")
-
-
-def _scale_hint(name: str) -> str:
-    if name.endswith(("weight_scale", "weight_scale_inv", "input_scale")):
-        return (": a quantization scale, but the model's config.json has no "
-                "quantization_config for it (or lists the layer as ignored)")
-    return ""
-
 
 class MistralForCausalLM(LlamaForCausalLM):
     @staticmethod

@@ -26,6 +26,7 @@ from transformers import AutoConfig, PretrainedConfig
 from pagedserve.distributed import tp_world_size
 from pagedserve.distributed.parallel_state import single_rank
 from pagedserve.models import gguf_file
+from pagedserve.models.checkpoint_loading import hf_parts
 from pagedserve.models.layers import build_rope_caches
 from pagedserve.models.parallel import LazySlice
 from pagedserve.models.registry import TEXT_DECODERS, get_model_cls
@@ -465,36 +466,4 @@ def _random_full_weights(config: PretrainedConfig, dtype: torch.dtype, device: t
             tensor.fill_(1.0)
         else:
             tensor.normal_(0.0, std, generator=generator)
-        yield from _hf_parts(full, name, tensor)
-
-
-def _hf_parts(module: nn.Module, name: str, tensor: torch.Tensor
-              ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameter `name` of a Llama-family module as Hugging Face tensors (a fused q/k/v or
-    gate/up split back into its parts; views)."""
-    split = {".self_attn.qkv_proj.": ("q", "k", "v"), ".mlp.gate_up_proj.": ("gate", "up")}
-    hf_name = {shard: hf.split(".")[-2] for hf, (_, shard) in _hf_fused_parts().items()}
-    for fused, shards in split.items():
-        if fused in name:
-            for shard in shards:
-                yield (name.replace(fused.split(".")[-2], hf_name[shard]),
-                       module._shard(name, tensor, shard))
-            return
-    yield name, tensor
-
-
-def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A Llama-family module's weights under Hugging Face names (the fused q/k/v and gate/up
-    rows split back out; views, no copies), so transformers can run the very same weights."""
-    out: dict[str, torch.Tensor] = {}
-    for name, param in module.named_parameters():
-        out.update(_hf_parts(module, name, param.data))
-    if getattr(module, "lm_head", None) is None and "lm_head.weight" not in out:
-        out["lm_head.weight"] = module.model.embed_tokens.weight.data  # tied
-    return out
-
-
-def _hf_fused_parts() -> dict[str, tuple[str, str]]:
-    from pagedserve.models.llama import _FUSED
-
-    return _FUSED
+        yield from hf_parts(full, name, tensor)

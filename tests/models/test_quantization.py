@@ -8,8 +8,9 @@ import pytest
 import torch
 import transformers
 
+from pagedserve.models.checkpoint_loading import hf_state_dict
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.loader import build_model, hf_state_dict
+from pagedserve.models.loader import build_model
 from pagedserve.quantization.int8_cpu import INT8, int8_linear
 from pagedserve.quantization.registry import resolve_quantization
 

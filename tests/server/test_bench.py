@@ -22,7 +22,8 @@ from pagedserve.arg_utils import engine_kwargs
 from pagedserve.bench import RequestResult, arrival_delays, random_prompts, summarize
 from pagedserve.cli import build_parser, main
 from pagedserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
-from pagedserve.models.loader import hf_state_dict, load_random_model
+from pagedserve.models.checkpoint_loading import hf_state_dict
+from pagedserve.models.loader import load_random_model
 
 CPU_ARGS = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB")
 
