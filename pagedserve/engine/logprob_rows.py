@@ -13,16 +13,17 @@ def logprob_rows(seq_ids: list[str], row_of: dict[str, int], sampled: np.ndarray
                   ) -> np.ndarray:
     """Each result row's row of the step's logprobs: its request's row, or in a verify step
     (samples [B, W]) row b * W + j for the request's j-th kept token."""
-    if sampled.ndim == 1:
-        return np.fromiter((row_of[s] for s in seq_ids), np.int64, len(seq_ids))
-    width = sampled.shape[1]
-    seen: dict[str, int] = {}
-    rows = np.empty(len(seq_ids), dtype=np.int64)
-    for i, s in enumerate(seq_ids):
-        j = seen.get(s, 0)
-        seen[s] = j + 1
-        rows[i] = row_of[s] * width + j
-    return rows
+    rows = np.fromiter((row_of[s] for s in seq_ids), np.int64, len(seq_ids))
+    if sampled.ndim == 1 or rows.size == 0:
+        return rows
+    # j counts the earlier results of the same request: a stable sort groups them in order.
+    order = np.argsort(rows, kind="stable")
+    grouped = rows[order]
+    starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+    sizes = np.diff(np.r_[starts, grouped.size])
+    rank = np.empty_like(rows)
+    rank[order] = np.arange(grouped.size) - np.repeat(starts, sizes)
+    return rows * sampled.shape[1] + rank
 
 
 def merge_rows(first: tuple[Any, ...] | None, num_first: int, more: tuple[Any, ...] | None,
