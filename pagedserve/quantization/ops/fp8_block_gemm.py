@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.quantization.ops.tile_order import grouped_tile
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # A zero group (padding, an all-zero token) must not divide by zero.
@@ -66,16 +68,7 @@ def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
                        stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
                        GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped ordering: GROUP_M row tiles walk the column tiles together, so the weight tiles
-    # they share stay in L2.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * tiles_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
