@@ -179,6 +179,10 @@ class AttentionImpl(ABC):
         self.logits_soft_cap = layer.logits_soft_cap
         self.kv_cache_dtype = layer.kv_cache_dtype
         self.sinks: torch.Tensor | None = None
+        # Per-tensor scales of an fp8 cache, which holds K / k_scale and V / v_scale (1.0 unless
+        # the checkpoint carries them; `bind_kv_scales`). A cache in the model dtype ignores them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def bind_sinks(self, sinks: torch.Tensor) -> None:
         """The layer's sink logits [num_heads] (any float dtype, on the layer's device), bound
@@ -192,6 +196,15 @@ class AttentionImpl(ABC):
             raise ValueError(f"sinks must have shape ({self.num_heads},), got "
                              f"{tuple(sinks.shape)}")
         self.sinks = sinks
+
+    def bind_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """The checkpoint's per-tensor KV-cache scales (positive floats), bound by the Attention
+        module before the first forward; an impl with an fp8 cache stores K / k_scale and
+        V / v_scale and reads them back multiplied."""
+        if not (k_scale > 0 and v_scale > 0):
+            raise ValueError(f"KV-cache scales must be positive, got k_scale={k_scale}, "
+                             f"v_scale={v_scale}")
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
 
     def bound_sinks(self) -> torch.Tensor | None:
         """The sinks forward applies: None for a layer without them; a sink layer whose sinks
@@ -287,7 +300,13 @@ class AttentionBackend(ABC):
 
     @classmethod
     def get_kv_cache_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-        """The torch dtype of the cache tensor for the user's `kv_cache_dtype` setting."""
+        """The torch dtype of the cache tensor for the user's `kv_cache_dtype` setting: "fp8"
+        is e4m3 (casts to it saturate at 448) where the backend reads it, else the model's."""
+        if kv_cache_dtype == "fp8" and "fp8" in cls.supported_kv_cache_dtypes:
+            return torch.float8_e4m3fn
+        if kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            raise ValueError(f"{cls.name}: kv_cache_dtype {kv_cache_dtype!r} not in "
+                             f"{list(cls.supported_kv_cache_dtypes)}")
         return model_dtype
 
     @classmethod

@@ -34,6 +34,9 @@ class Attention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         self.sinks: nn.Parameter | None = (nn.Parameter(torch.zeros(num_heads)) if has_sinks
                                            else None)
+        # An fp8 cache's per-tensor K/V scales, from the checkpoint where it carries them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.impl: AttentionImpl | None = None
         self.layer_config: AttentionLayerConfig | None = None
         # Where the layer finds its metadata in the forward context: its configuration, or
@@ -51,9 +54,20 @@ class Attention(nn.Module):
         if self.sinks is not None:
             # The parameter itself: weights loaded into it in place stay visible to the impl.
             impl.bind_sinks(self.sinks)
+        impl.bind_kv_scales(self.k_scale, self.v_scale)
         self.impl = impl
         self.layer_config = layer_config
         self.metadata_key = layer_config if metadata_key is None else metadata_key
+
+    def load_kv_scale(self, which: str, tensor: torch.Tensor) -> None:
+        """A checkpoint's `k_scale` or `v_scale` (one value for the layer: the cache holds
+        K / k_scale); a per-head scale is refused by name rather than averaged."""
+        if tensor.numel() != 1:
+            raise ValueError(f"layer {self.layer_idx}: {which} has shape {tuple(tensor.shape)}; "
+                             "only per-tensor KV-cache scales are supported")
+        setattr(self, which, float(tensor.float().item()))
+        if self.impl is not None:
+            self.impl.bind_kv_scales(self.k_scale, self.v_scale)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if self.impl is None:

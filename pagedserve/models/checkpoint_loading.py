@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from pagedserve.attention.layer import Attention
 from pagedserve.models.layers import build_rope_caches
 from pagedserve.models.parallel import rank_part
 from pagedserve.quantization.unquantized import FP8_DTYPES
@@ -25,6 +26,22 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|
                      r"\.(\w+)$")
 _EXPERT_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                  "down_proj": "down", "w2": "down"}
+
+# An fp8 KV cache's per-tensor scales under their checkpoint names: FP8 checkpoints' own, and
+# compressed-tensors' kv_cache_scheme (the outputs of k_proj / v_proj). Longest suffix first.
+_KV_SCALES = {".k_proj.output_scale": "k_scale", ".v_proj.output_scale": "v_scale",
+              ".k_scale": "k_scale", ".v_scale": "v_scale"}
+
+
+def _load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor) -> None:
+    """Hand a KV-cache scale to the attention layer it belongs to. A layer that is not a paged
+    Attention (MLA's latent cache) never holds fp8, so its scale goes unused."""
+    for suffix, which in _KV_SCALES.items():
+        if name.endswith(suffix):
+            attn = modules.get(name[:-len(suffix)] + ".attn")
+            if isinstance(attn, Attention):
+                attn.load_kv_scale(which, tensor)
+            return
 
 
 # Hugging Face parameter -> (our fused parameter, shard id).
@@ -62,8 +79,10 @@ class CheckpointLoading:
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
-            # FP8 checkpoints may carry KV-cache scales: unused while the cache is not FP8.
-            if "rotary_emb.inv_freq" in name or name.endswith((".k_scale", ".v_scale")):
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name.endswith(tuple(_KV_SCALES)):  # used where the cache is fp8
+                _load_kv_scale(modules, name, tensor)
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head

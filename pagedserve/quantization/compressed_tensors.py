@@ -28,8 +28,8 @@ class CompressedTensorsConfig(Fp8Config):
             raise ValueError(f"compressed-tensors format {fmt!r} is not supported (supported: "
                              f"{', '.join(FORMATS)})")
         if data.get("kv_cache_scheme"):
-            logger.info("compressed-tensors kv_cache_scheme: its k_scale / v_scale are not "
-                        "read; the KV cache is as --kv-cache-dtype says")
+            logger.info("compressed-tensors kv_cache_scheme: its K/V scales apply with "
+                        "--kv-cache-dtype fp8; the KV cache is as that flag says")
         groups = list((data.get("config_groups") or {}).values())
         if not groups:
             raise ValueError("compressed-tensors config has no config_groups")

@@ -79,6 +79,26 @@ def test_backend_soft_cap(name):
     run_case(get_backend_cls(name), case, DEVICE)
 
 
+# ---- fp8 KV cache ------------------------------------------------------------------------------
+
+FP8_BACKENDS = [name for name in AVAILABLE
+                if "fp8" in get_backend_cls(name).supported_kv_cache_dtypes]
+
+
+@pytest.mark.parametrize("name", FP8_BACKENDS)
+@pytest.mark.parametrize("batch,window,kv_scales", [
+    ("mixed", None, (1.0, 1.0)), ("chunked_prefill", 8, (0.5, 2.0)), ("decode", None, (3.0, 0.25))])
+def test_backend_with_fp8_kv_cache(name, batch, window, kv_scales):
+    # The reference attends over the cache's rounded values times the scales: what is compared
+    # is the backend's reading of e4m3 pages and its scales, not the quantisation error.
+    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+    case = Case(BATCHES[batch], 16, 4, 2, 64, dtype, window, kv_cache_dtype="fp8",
+                kv_scales=kv_scales)
+    if not _supported(name, case):
+        pytest.skip(f"{name} does not support {case}")
+    run_case(get_backend_cls(name), case, DEVICE)
+
+
 # ---- attention sinks (gpt-oss) ---------------------------------------------------------------
 
 SINK_BACKENDS = [name for name in AVAILABLE if get_backend_cls(name).supports_sinks]

@@ -40,6 +40,10 @@ class Case:
     sink_std: float = 2.0
     # Values of another head size (DeepSeek's expanded MLA prefill: 192 / 128); None: head_size.
     head_size_v: int | None = None
+    # "fp8": an e4m3 cache holding K / k_scale and V / v_scale (kv_scales, bound to the impl);
+    # the reference attends over the same rounded values times the scales.
+    kv_cache_dtype: str = "auto"
+    kv_scales: tuple[float, float] = (1.0, 1.0)
 
     @property
     def value_head_size(self) -> int:
@@ -47,8 +51,9 @@ class Case:
 
     def layer(self, scale: float | None = None) -> AttentionLayerConfig:
         return AttentionLayerConfig(self.num_heads, self.num_kv_heads, self.head_size, self.dtype,
-                                    self.sliding_window, self.logits_soft_cap, scale=scale,
-                                    has_sinks=self.sinks, head_size_v=self.head_size_v)
+                                    self.sliding_window, self.logits_soft_cap,
+                                    self.kv_cache_dtype, scale=scale, has_sinks=self.sinks,
+                                    head_size_v=self.head_size_v)
 
 
 def value_size_kwargs(case: Case) -> dict[str, int]:
@@ -97,7 +102,7 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
         block_ids.append(perm[pos:pos + n])
         pos += n
 
-    cache_dtype = backend.get_kv_cache_dtype("auto", case.dtype)
+    cache_dtype = backend.get_kv_cache_dtype(case.kv_cache_dtype, case.dtype)
     value_size = value_size_kwargs(case)
     kv_cache = torch.randn(backend.get_kv_cache_shape(num_blocks, bs, hkv, d, **value_size),
                            generator=gen).to(cache_dtype).to(device)
@@ -105,8 +110,14 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
     full_k = [torch.randn(c + q, hkv, d, generator=gen).to(case.dtype) for c, q in batch]
     full_v = [torch.randn(c + q, hkv, dv, generator=gen).to(case.dtype) for c, q in batch]
     queries = [torch.randn(q, case.num_heads, d, generator=gen).to(case.dtype) for _, q in batch]
+    k_scale, v_scale = case.kv_scales
+    # What the cache holds for each K/V row, and what attention reads back from it.
+    stored_k = [_stored(k, k_scale, cache_dtype) for k in full_k]
+    stored_v = [_stored(v, v_scale, cache_dtype) for v in full_v]
+    read_k = [_read(k, k_scale, case.dtype) for k in stored_k]
+    read_v = [_read(v, v_scale, case.dtype) for v in stored_v]
     k_view, v_view = backend.kv_cache_views(kv_cache, **value_size)
-    for ids, (c, _), k, v in zip(block_ids, batch, full_k, full_v, strict=True):
+    for ids, (c, _), k, v in zip(block_ids, batch, stored_k, stored_v, strict=True):
         for t in range(c):
             blk, off = ids[t // bs], t % bs
             k_view[blk, off] = k[t].to(device)
@@ -131,6 +142,7 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
                                      max_blocks, device)
     metadata = backend.get_builder_cls()(config).build(common)
     impl = backend.get_impl_cls()(layer)
+    impl.bind_kv_scales(k_scale, v_scale)
     # Drawn last, so the other data of a case are the same with and without sinks.
     sinks = None
     if case.sinks:
@@ -146,10 +158,10 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
     start = 0
     sinks_matter = []
     for i, (c, q) in enumerate(batch):
-        ref = reference_attention(queries[i], full_k[i], full_v[i], c, scale,
+        ref = reference_attention(queries[i], read_k[i], read_v[i], c, scale,
                                   case.sliding_window, case.logits_soft_cap, sinks)
         if sinks is not None:
-            sinks_matter.append(_sinks_matter(ref, queries[i], full_k[i], full_v[i], c, scale,
+            sinks_matter.append(_sinks_matter(ref, queries[i], read_k[i], read_v[i], c, scale,
                                               case, tol))
         got = out[start:start + q].float().cpu()
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol,
@@ -161,14 +173,29 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
     if sinks_matter:
         assert (all if case.dtype == torch.float32 else any)(sinks_matter), \
             "the sinks change these requests by less than the tolerance: the case proves nothing"
-    # The new tokens' K/V landed in their slots.
-    for ids, (c, q), k, v in zip(block_ids, batch, full_k, full_v, strict=True):
+    # The new tokens' K/V landed in their slots (an fp8 cache's scaled and rounded as torch
+    # rounds: to nearest even).
+    for ids, (c, q), k, v in zip(block_ids, batch, stored_k, stored_v, strict=True):
         for t in range(c, c + q):
             blk, off = ids[t // bs], t % bs
             torch.testing.assert_close(k_view[blk, off].float().cpu(), k[t].float(),
-                                       rtol=0, atol=0 if cache_dtype == case.dtype else 0.1)
+                                       rtol=0, atol=0)
             torch.testing.assert_close(v_view[blk, off].float().cpu(), v[t].float(),
-                                       rtol=0, atol=0 if cache_dtype == case.dtype else 0.1)
+                                       rtol=0, atol=0)
+
+
+def _stored(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Rows as a cache of `cache_dtype` holds them: an fp8 cache x / scale, rounded."""
+    if cache_dtype == x.dtype:
+        return x
+    return (x.float() / scale).to(cache_dtype)
+
+
+def _read(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The values attention reads back from `stored` rows, in float32 for the reference."""
+    if stored.dtype == dtype:
+        return stored
+    return stored.float() * scale
 
 
 

@@ -380,10 +380,7 @@ class FlashInferImpl(AttentionImpl):
 
     def __init__(self, layer: AttentionLayerConfig) -> None:
         super().__init__(layer)
-        # Per-layer quantisation scales of an fp8 cache (the cache holds K / k_scale); a weight
-        # loader may set them. FlashInfer folds k_scale into the softmax scale.
-        self.k_scale = 1.0
-        self.v_scale = 1.0
+        # FlashInfer folds an fp8 cache's k_scale (the base class's) into the softmax scale.
         # The plan uses FlashInfer's default softmax scale 1/sqrt(head_size); a model's own
         # scale rides on k_scale, which multiplies the same product q.k.
         self._scale_ratio = self.scale * self.head_size ** 0.5
@@ -471,15 +468,6 @@ class FlashInferBackend(AttentionBackend):
         if head_size_v is not None:
             raise ValueError("FLASHINFER caches hold K and V of one head size")
         return kv_cache[:, 0], kv_cache[:, 1]
-
-    @classmethod
-    def get_kv_cache_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-        if kv_cache_dtype == "auto":
-            return model_dtype
-        if kv_cache_dtype == "fp8":  # e4m3: the kernels read it; casts to it saturate at 448
-            return torch.float8_e4m3fn
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} not in "
-                         f"{list(cls.supported_kv_cache_dtypes)}")
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -101,10 +101,17 @@ class TritonAttentionImpl(AttentionImpl):
         if output is None:
             output = query.new_empty(query.shape[0], self.num_heads, self.value_head_size)
         if md.num_qblocks == 0:  # nothing to attend, but the cache still takes the K/V
-            reshape_and_cache(key, value, k_cache, v_cache, md.common.slot_mapping)
+            reshape_and_cache(key, value, k_cache, v_cache, md.common.slot_mapping,
+                              **self._cache_scales(k_cache, query))
             return output
         self._attend(query, key, value, k_cache, v_cache, output, md)
         return output
+
+    def _cache_scales(self, k_cache: torch.Tensor, query: torch.Tensor) -> dict[str, float]:
+        """The K/V scales of an fp8 cache; a cache in the model dtype holds K/V as they are."""
+        if k_cache.dtype == query.dtype:
+            return {}
+        return dict(k_scale=self.k_scale, v_scale=self.v_scale)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, output: torch.Tensor,
@@ -118,25 +125,29 @@ class TritonAttentionImpl(AttentionImpl):
         common = md.common
         sinks = self.bound_sinks()
         new_kv = dict(key=key, value=value, slot_mapping=common.slot_mapping)
-        if common.context_written_in_step:
+        scales = self._cache_scales(k_cache, query)
+        if common.context_written_in_step or scales:
             # Some request reads as context blocks this step writes (a same-step prefix-cache
-            # hit): the fused write would race with those reads, so write first.
+            # hit): the fused write would race with those reads, so write first. An fp8 cache
+            # is written first too, scaled, so that every key is read back as stored.
             from pagedserve.attention.ops.reshape_and_cache import reshape_and_cache
 
-            reshape_and_cache(key, value, k_cache, v_cache, common.slot_mapping)
+            reshape_and_cache(key, value, k_cache, v_cache, common.slot_mapping, **scales)
             new_kv = {}
+        scale = self.scale * scales.get("k_scale", 1.0)
+        v_scale = scales.get("v_scale", 1.0)
         if md.num_splits > 1:
             split_kv_decode(query, k_cache, v_cache, output, common.block_table,
                             common.query_start_loc, common.seq_lens, md.qblock_req,
-                            md.qblock_start, md.num_qblocks, md.block_m, self.scale, md.tiles,
+                            md.qblock_start, md.num_qblocks, md.block_m, scale, md.tiles,
                             md.num_splits, md.partials, self.sliding_window,
-                            self.logits_soft_cap, sinks=sinks, **new_kv)
+                            self.logits_soft_cap, sinks=sinks, v_scale=v_scale, **new_kv)
             return
         unified_attention(query, k_cache, v_cache, output, common.block_table,
                           common.query_start_loc, common.seq_lens, md.qblock_req,
-                          md.qblock_start, md.num_qblocks, md.block_q, md.block_m, self.scale,
+                          md.qblock_start, md.num_qblocks, md.block_q, md.block_m, scale,
                           md.tiles, self.sliding_window, self.logits_soft_cap, sinks=sinks,
-                          **new_kv)
+                          v_scale=v_scale, **new_kv)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -149,6 +160,8 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sinks = True
     supports_diff_kv = True
     supports_cuda_graphs = True
+    # fp8: e4m3 pages with per-tensor scales, written before the kernel reads them back.
+    supported_kv_cache_dtypes = ("auto", "fp8")
     description = "Triton unified paged attention (one launch per step) + split-KV decode"
 
     impl_cls = TritonAttentionImpl

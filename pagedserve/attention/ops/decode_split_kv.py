@@ -72,7 +72,7 @@ def allocate_partials(max_tokens: int, num_heads: int, value_head_size: int, num
 
 @triton.jit
 def _reduce_split_kv_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sinks_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sinks_ptr, v_scale,
     stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, USE_SINKS: tl.constexpr,
@@ -95,20 +95,22 @@ def _reduce_split_kv_kernel(
     total = tl.sum(weight * l_s, 0)
     if USE_SINKS:
         total += tl.exp2(sink - m_max)
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0) * v_scale
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
 
 
 def reduce_split_kv(partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     out: torch.Tensor, num_tokens: int, num_splits: int,
-                    sinks: torch.Tensor | None = None) -> None:
+                    sinks: torch.Tensor | None = None, v_scale: float = 1.0) -> None:
     """Merge the partials of the first `num_tokens` tokens into out [T, H, D_v]; sinks [H]: the
-    per-head sink logits, which the partials leave out."""
+    per-head sink logits, which the partials leave out; v_scale multiplies the result (an fp8
+    cache's V scale)."""
     part_m, part_l, part_acc = partials
     num_heads, head_size = out.shape[1], out.shape[2]
     _reduce_split_kv_kernel[(num_tokens, num_heads)](
-        part_m, part_l, part_acc, out, part_m if sinks is None else sinks, *out.stride(),
+        part_m, part_l, part_acc, out, part_m if sinks is None else sinks, float(v_scale),
+        *out.stride(),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
         S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_SIZE=head_size,
         D_PAD=padded_head_size(head_size), USE_SINKS=sinks is not None, num_warps=4,
@@ -124,13 +126,15 @@ def split_kv_decode(
     sliding_window: int | None = None, soft_cap: float | None = None,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+    v_scale: float = 1.0,
 ) -> None:
     """Decode attention (one query token per request) with each context split `num_splits`
     ways: the first launch writes the partial buffers (see `allocate_partials`), the second
     merges them into `out`. key/value/slot_mapping: as `unified_attention` (the first split
     writes the new K/V). sinks [H]: added by the merge, so once whatever the split count. out
-    [T, H, D_v] and `partials` sized for D_v, the values' head size."""
+    [T, H, D_v] and `partials` sized for D_v, the values' head size. v_scale: as
+    `unified_attention`'s, applied by the merge."""
     unified_attention(query, k_cache, v_cache, out, block_table, query_start_loc, seq_lens,
                       qblock_req, qblock_start, num_decodes, 1, block_m, scale, tiles,
                       sliding_window, soft_cap, num_splits, partials, key, value, slot_mapping)
-    reduce_split_kv(partials, out, num_decodes, num_splits, sinks)
+    reduce_split_kv(partials, out, num_decodes, num_splits, sinks, v_scale)

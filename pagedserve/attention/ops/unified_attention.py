@@ -163,6 +163,9 @@ def _attend_tiles(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        else:  # an fp8 cache's tiles join the dots in the queries' dtype (else a no-op)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION)
         if USE_SOFT_CAP:
@@ -255,7 +258,7 @@ def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, key_ptr, value_ptr, slot_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, qblock_req_ptr, qblock_start_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, lse_ptr,
-    sm_scale, soft_cap, window,
+    sm_scale, v_scale, soft_cap, window,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
@@ -404,7 +407,7 @@ def _unified_attention_kernel(
                  mask=row_ok[:, None])
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        out = acc / l_safe[:, None]
+        out = acc / l_safe[:, None] * v_scale  # exact for a cache without scales (1.0)
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_dv[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & dv_ok[None, :])
@@ -422,7 +425,7 @@ def unified_attention(
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None, v_scale: float = 1.0,
 ) -> None:
     """Attention of query [T, H, D] over the paged cache (k_cache [..., D], v_cache [..., D_v])
     into `out` [T, H, D_v].
@@ -437,7 +440,9 @@ def unified_attention(
     them. sinks [H] (any float dtype): per-head sink logits joining every softmax; a split
     launch takes none (`reduce_split_kv` adds them, once). lse [T, H] fp32 (contiguous; not
     with splits): also store each row's log-sum-exp in base 2 (scores times scale x log2(e)),
-    for a caller that merges this softmax with another. All sizes are host ints: no sync."""
+    for a caller that merges this softmax with another. v_scale multiplies the output (an fp8
+    cache holds V / v_scale; its k_scale rides on `scale`); a split launch leaves it to
+    `reduce_split_kv`. All sizes are host ints: no sync."""
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads, head_size_v = k_cache.shape[2], v_cache.shape[3]
     if num_qblocks == 0:
@@ -453,6 +458,8 @@ def unified_attention(
     fused = key is not None
     if fused and (value is None or slot_mapping is None):
         raise ValueError("writing K/V needs key, value and slot_mapping together")
+    if fused and k_cache.dtype == torch.float8_e4m3fn:
+        raise ValueError("an fp8 cache takes the step's K/V scaled, through reshape_and_cache")
     upcast = query.dtype == torch.float32 or interpreting(query.device)
     if partials is None:
         part_m = part_l = part_acc = out  # unused
@@ -467,7 +474,7 @@ def unified_attention(
         block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
         part_m, part_l, part_acc, query if sinks is None else sinks,
         out if lse is None else lse,
-        scale, soft_cap or 0.0, sliding_window or 0,
+        scale, float(v_scale), soft_cap or 0.0, sliding_window or 0,
         *query.stride(), *out.stride(), *k_cache.stride(), *key.stride(), *value.stride(),
         block_table.stride(0),
         NUM_HEADS=num_heads, QPK=num_heads // num_kv_heads, HEAD_SIZE=head_size,
