@@ -19,7 +19,7 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # Methods whose proposer exists; the others are refused at start-up by name.
-IMPLEMENTED = ("ngram", "draft_model")
+IMPLEMENTED = ("ngram", "draft_model", "eagle", "eagle3")
 REJECTION_METHODS = ("strict", "synthetic")
 # vLLM's defaults for n-gram sizes when neither is given.
 DEFAULT_LOOKUP = 5
