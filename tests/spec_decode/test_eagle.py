@@ -263,13 +263,23 @@ def test_seeded_sampling_reproduces(tiny_path, heads, make_llm, method):
     assert stats.spec_decode_num_draft_tokens > 0
 
 
-def test_synthetic_acceptance_times_a_random_head(tiny_path, heads, make_llm):
-    """The timing path: a random head's drafts kept at rate 1 (not the target's output)."""
-    spec = _spec("eagle3", heads, rejection_sample_method="synthetic",
-                 synthetic_acceptance_rate=1.0)
-    _, stats = _run(make_llm, tiny_path, _prompts(), SamplingParams(
+def test_synthetic_acceptance_times_a_random_head(tmp_path, make_llm):
+    """The timing path (benchmarks/spec_decode.py --random-eagle3-head): a random head of the
+    target's shape with the default taps, its drafts kept at rate 1 (not the target's
+    output): every step after the prompt's verifies K = 3 drafts, so 13 tokens take the
+    prompt's step and 3 verify steps of 4 tokens each."""
+    from pagedserve.spec_decode.random_head import write_random_eagle3_head
+
+    target = _tiny(tmp_path / "target", 0, H, 4)
+    head = write_random_eagle3_head(tmp_path / "head",
+                                    transformers.AutoConfig.from_pretrained(target), 40,
+                                    dtype=torch.float32)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
+            "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 1.0}
+    _, stats = _run(make_llm, target, _prompts()[:4], SamplingParams(
         temperature=0, max_tokens=13, ignore_eos=True), spec)
-    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_drafts == 4 * 3
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens == 36
 
 
 @pytest.mark.parametrize("kind, message", [
