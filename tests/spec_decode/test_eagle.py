@@ -228,10 +228,18 @@ CASES = {
     "plain": dict(),
     "chunked": dict(max_num_batched_tokens=16),
     "preempting": dict(num_gpu_blocks_override=20, block_size=4, kv_cache_memory=None),
+    "prefix-caching": dict(enable_prefix_caching=True, block_size=4),
+    "async": dict(async_scheduling=True),
+    "flex": dict(attention_backend="FLEX_ATTENTION", block_size=4),
+    # Steps overlap without drafts while 4 or more requests run: the head's pass after each
+    # step then runs after the next step's launch, and drafting resumes on its K/V.
+    "overlap": dict(async_scheduling=True),
 }
+SLOW = ("prefix-caching", "async", "flex", "overlap")  # paths the draft model's tests run fast already
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else [])
+                                  for c in CASES])
 @pytest.mark.parametrize("method", ["eagle3", "eagle"])
 def test_greedy_equals_no_speculation(tiny_path, heads, make_llm, case, method):
     prompts, params = _prompts(), [
@@ -239,15 +247,17 @@ def test_greedy_equals_no_speculation(tiny_path, heads, make_llm, case, method):
         for m in (1, 2, 5, 16, 21, 28)] + [
         SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[11, 12, 13]),
         SamplingParams(temperature=0, n=2, max_tokens=14, ignore_eos=True)]
-    if case == "chunked":
+    if case in ("chunked", "flex"):
         prompts, params = prompts[5:], params[5:]
     want, _ = _run(make_llm, tiny_path, prompts, params, None, **CASES[case])
-    got, stats = _run(make_llm, tiny_path, prompts, params, _spec(method, heads),
-                      **CASES[case])
+    spec = _spec(method, heads, **({"disable_by_batch_size": 4} if case == "overlap" else {}))
+    got, stats = _run(make_llm, tiny_path, prompts, params, spec, **CASES[case])
     _assert_same(got, want)
     assert stats.spec_decode_num_drafts > 0
     if case == "preempting":
         assert stats.num_preemptions > 0
+    if case == "prefix-caching":
+        assert stats.prefix_cache_hits > 0
 
 
 @pytest.mark.parametrize("method", ["eagle3", "eagle"])
