@@ -235,7 +235,8 @@ CASES = {
     # step then runs after the next step's launch, and drafting resumes on its K/V.
     "overlap": dict(async_scheduling=True),
 }
-SLOW = ("prefix-caching", "async", "flex", "overlap")  # paths the draft model's tests run fast already
+# Paths the draft model's fast tests run already.
+SLOW = ("prefix-caching", "async", "flex", "overlap")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else [])
