@@ -1,4 +1,5 @@
-"""EAGLE-1 and EAGLE-3 heads as proposers (the heads: `eagle_head.py`).
+"""EAGLE-1 and EAGLE-3 heads, and DeepSeek's multi-token-prediction layer, as proposers (the
+heads: `eagle_head.py`, `mtp_head.py`).
 
 A head at position i reads the target's hidden state at i and the token at i + 1, and
 predicts the token at i + 2; its attention layer keeps K/V of its own, which joins the
@@ -25,13 +26,14 @@ import torch
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
 from pagedserve.spec_decode.eagle_head import load_head
+from pagedserve.spec_decode.mtp_head import load_mtp_head
 from pagedserve.spec_decode.proposer import Drafts, Proposer, StepTokens
 
 
 class EagleProposer(Proposer):
     uses_kv_cache = True
 
-    def __init__(self, num_speculative_tokens: int, method: str, model: str,
+    def __init__(self, num_speculative_tokens: int, method: str, model: str | None,
                  target: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  max_model_len: int) -> None:
         super().__init__(num_speculative_tokens)
@@ -40,7 +42,10 @@ class EagleProposer(Proposer):
             raise ValueError(f"speculative_config: method {method!r} needs a Llama-style "
                              f"target whose hidden states it can tap; "
                              f"{type(target).__name__} exposes none")
-        self.head = load_head(method, model, target, dtype, device)
+        if method == "mtp":  # `model`: the target's checkpoint, which holds the layer
+            self.head = load_mtp_head(model, target, dtype, device)
+        else:
+            self.head = load_head(method, model, target, dtype, device)
         if self.head.reads == "taps":
             decoder.tap_layers = self.head.tap_layers
         self.decoder = decoder

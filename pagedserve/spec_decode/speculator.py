@@ -36,21 +36,23 @@ def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
     check_supported(spec, has_state_layers=bool(runner.state_layers),
                     tensor_parallel_size=runner.tp_size)
     proposer = make_proposer(spec, runner.model, runner.dtype, runner.device,
-                             runner.max_model_len, runner.vocab_size)
+                             runner.max_model_len, runner.vocab_size, config.model.model)
     runner.attn_layers += proposer.attention_layers(len(runner.attn_layers))
     return Speculator(spec, proposer, runner.device)
 
 
 def make_proposer(spec: SpeculativeConfig, target: torch.nn.Module, dtype: torch.dtype,
-                  device: torch.device, max_model_len: int, vocab_size: int) -> Proposer:
+                  device: torch.device, max_model_len: int, vocab_size: int,
+                  target_path: str | None = None) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                              spec.prompt_lookup_max)
     if spec.method == "draft_model":
         return DraftModelProposer(spec.num_speculative_tokens, spec.model, dtype, device,
                                   max_model_len, vocab_size)
-    if spec.method in ("eagle", "eagle3"):
-        return EagleProposer(spec.num_speculative_tokens, spec.method, spec.model, target,
+    if spec.method in ("eagle", "eagle3", "mtp"):
+        model = spec.model or target_path if spec.method == "mtp" else spec.model
+        return EagleProposer(spec.num_speculative_tokens, spec.method, model, target,
                              dtype, device, max_model_len)
     raise ValueError(f"speculative_config: method {spec.method!r} is not implemented yet")
 
