@@ -234,9 +234,10 @@ CASES = {
     # Steps overlap without drafts while 4 or more requests run: the head's pass after each
     # step then runs after the next step's launch, and drafting resumes on its K/V.
     "overlap": dict(async_scheduling=True),
+    "context-limit": dict(max_model_len=40),  # the head's pass and drafts cut at the end
 }
 # Paths the draft model's fast tests run already.
-SLOW = ("prefix-caching", "async", "flex", "overlap")
+SLOW = ("prefix-caching", "async", "flex", "overlap", "context-limit")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else [])
@@ -250,6 +251,8 @@ def test_greedy_equals_no_speculation(tiny_path, heads, make_llm, case, method):
         SamplingParams(temperature=0, n=2, max_tokens=14, ignore_eos=True)]
     if case in ("chunked", "flex"):
         prompts, params = prompts[5:], params[5:]
+    if case == "context-limit":  # every request runs to max_model_len
+        params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, logprobs=1)
     want, _ = _run(make_llm, tiny_path, prompts, params, None, **CASES[case])
     spec = _spec(method, heads, **({"disable_by_batch_size": 4} if case == "overlap" else {}))
     got, stats = _run(make_llm, tiny_path, prompts, params, spec, **CASES[case])

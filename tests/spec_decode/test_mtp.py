@@ -143,3 +143,13 @@ def test_a_checkpoint_without_the_layer_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no num_nextn_predict_layers"):
         LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
             speculative_config=MTP)
+
+
+def test_seeded_sampling_reproduces(target_with_mtp, make_llm):
+    prompts = _prompts()[:4]
+    params = [SamplingParams(temperature=t, top_k=k, seed=s, max_tokens=15, ignore_eos=True)
+              for s, (t, k) in enumerate([(0.5, 5), (1.0, 0), (0.3, 20), (0.8, 0)])]
+    first, stats = _run(make_llm, target_with_mtp[0], prompts, params, MTP)
+    second, _ = _run(make_llm, target_with_mtp[0], prompts[::-1], params[::-1], MTP)
+    _assert_same(second[::-1], first)
+    assert stats.spec_decode_num_draft_tokens > 0
