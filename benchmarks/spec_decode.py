@@ -11,14 +11,15 @@ repeat, quote or lightly edit a passage given in the prompt (the answer repeats 
 `rejection_sample_method: "synthetic"`, whose acceptance does not depend on the text).
 `--random-eagle3-head DRAFT_VOCAB` writes a random-weight EAGLE-3 head of the target's shape
 (a draft vocabulary of that many ids, 0: the target's) to a temporary directory and sets it as
-the config's `model`, e.g. for the 8B shape at mean acceptance length 3.0 with K=3:
+the config's `model`, e.g. for the 8B shape at a mean acceptance length of about 3.0 with K=3:
 
     python benchmarks/spec_decode.py --model random:llama3-8b --random-prompts 128 \
         --random-eagle3-head 32000 --batch-sizes 1 32 --speculative-config \
         '{"method": "eagle3", "num_speculative_tokens": 3, "model": "-", \
           "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.8}'
 
-Each
+A `random:` DeepSeek target (`--model random:deepseek-v2-lite`) takes `"method": "mtp"` with a
+random-weight MTP layer the same way. Each
 row runs the engine without speculation, then with it, alternating `--repeats` times; the
 figures are the medians. Greedy and EOS ignored, so both runs produce the same tokens.
 """

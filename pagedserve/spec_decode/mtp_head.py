@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from pagedserve.models.layers import RMSNorm
 from pagedserve.spec_decode.eagle_head import EagleHead
@@ -54,21 +55,23 @@ class MtpHead(EagleHead):
 
 def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype,
                   device: torch.device) -> MtpHead:
-    from pagedserve.models.loader import build_model
+    from pagedserve.models.loader import RANDOM_PREFIX, build_model
 
     config = target.config
     arch = type(target).__name__
     if arch not in _MTP_FAMILIES:
         raise ValueError(f"speculative_config: method 'mtp' is implemented for "
                          f"{', '.join(_MTP_FAMILIES)}; the target is {arch}")
+    if target_path is not None and target_path.startswith(RANDOM_PREFIX):
+        return _random_head(config, dtype, device)
     if not getattr(config, "num_nextn_predict_layers", 0):
         raise ValueError("speculative_config: method 'mtp': the target's config has no "
                          "num_nextn_predict_layers (its checkpoint carries no MTP layer)")
+    n = config.num_hidden_layers
     path = Path(target_path) if target_path else None
     if path is None or not path.is_dir():
         raise ValueError("speculative_config: method 'mtp' loads its layer from the target's "
                          f"checkpoint directory; {target_path!r} is none")
-    n = config.num_hidden_layers
     prefix = f"model.layers.{n}."
     own = _read_prefixed(path, prefix)
     for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
@@ -76,11 +79,7 @@ def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype
         if name not in own:
             raise ValueError(f"speculative_config: method 'mtp': the target's checkpoint lacks "
                              f"{prefix}{name}")
-    stack_config = copy.deepcopy(config)
-    stack_config.num_hidden_layers = 1
-    # The MTP layer's MLP is dense or experts as layer n of the target would be.
-    stack_config.first_k_dense_replace = 1 if n < config.first_k_dense_replace else 0
-    stack_config.num_nextn_predict_layers = 0
+    stack_config = _stack_config(config)
     embed = own.pop("embed_tokens.weight", None)
     if embed is None:
         embed = target.model.embed_tokens.weight.detach().cpu()
@@ -91,6 +90,35 @@ def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype
             getattr(head, name).weight = nn.Parameter(own[f"{name}.weight"].to(dtype),
                                                       requires_grad=False)
     return head.to(device).eval()
+
+
+def _stack_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The one-layer model's config: its MLP dense or experts as layer `num_hidden_layers`
+    of the target would have it."""
+    stack_config = copy.deepcopy(config)
+    stack_config.num_hidden_layers = 1
+    stack_config.first_k_dense_replace = int(
+        config.num_hidden_layers < config.first_k_dense_replace)
+    stack_config.num_nextn_predict_layers = 0
+    return stack_config
+
+
+def _random_head(config: PretrainedConfig, dtype: torch.dtype, device: torch.device
+                 ) -> MtpHead:
+    """A random-weight MTP layer over a `random:` target, to time the path under synthetic
+    acceptance (as `random:` targets are drawn: norms 1, the rest normal)."""
+    from pagedserve.models.layers import build_rope_caches
+    from pagedserve.models.loader import init_random_weights
+    from pagedserve.models.registry import get_model_cls
+
+    stack_config = _stack_config(config)
+    with torch.device("meta"):
+        head = MtpHead(get_model_cls(stack_config)(stack_config), config.hidden_size,
+                       config.rms_norm_eps)
+    head = head.to(dtype).to_empty(device=device)
+    init_random_weights(head, seed=1)
+    build_rope_caches(head, device, dtype)
+    return head.eval()
 
 
 def _stack_weights(own: dict[str, torch.Tensor], embed: torch.Tensor

@@ -153,3 +153,16 @@ def test_seeded_sampling_reproduces(target_with_mtp, make_llm):
     second, _ = _run(make_llm, target_with_mtp[0], prompts[::-1], params[::-1], MTP)
     _assert_same(second[::-1], first)
     assert stats.spec_decode_num_draft_tokens > 0
+
+
+def test_a_random_layer_over_a_random_target(tmp_path, make_llm):
+    """The timing path: `random:` DeepSeek targets get a random MTP layer; under synthetic
+    acceptance at rate 1 every step after the prompt's keeps its K drafts."""
+    fields = {k: v for k, v in CONFIG.items() if k != "initializer_range"}
+    (tmp_path / "ds.json").write_text(json.dumps(dict(fields, model_type="deepseek_v3",
+                                                      num_hidden_layers=2)))
+    spec = dict(MTP, rejection_sample_method="synthetic", synthetic_acceptance_rate=1.0)
+    _, stats = _run(make_llm, f"random:{tmp_path / 'ds.json'}", _prompts()[:3], SamplingParams(
+        temperature=0, max_tokens=7, ignore_eos=True), spec)
+    assert stats.spec_decode_num_drafts == 3 * 2
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens == 12
