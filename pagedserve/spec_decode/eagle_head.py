@@ -148,6 +148,10 @@ def load_head(method: str, model: str, target: nn.Module, dtype: torch.dtype,
     raw = json.loads((path / "config.json").read_text())
     raw.pop("architectures", None)
     config = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    # Its rope table covers every position the target serves (heads often ship a shorter
+    # max_position_embeddings than their target's; the rotation itself does not depend on it).
+    config.max_position_embeddings = max(config.max_position_embeddings,
+                                         target.config.max_position_embeddings)
     weights = {k.removeprefix("model."): v for k, v in read_weights(path).items()}
     target_config = target.config
     target_h = target_config.hidden_size
