@@ -323,3 +323,46 @@ def test_heads_that_do_not_fit_are_refused(tiny_path, heads, tmp_path, kind, mes
     with pytest.raises(ValueError, match=message):
         LLM(model=tiny_path, dtype="float32", device="cpu", kv_cache_memory="8MiB",
             speculative_config=dict(spec, num_speculative_tokens=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TRITON", "FLEX_ATTENTION"])
+def test_cuda_greedy_equals_no_speculation(tmp_path, make_llm, backend):
+    """On CUDA in float32: an EAGLE-3 head's pass and draft steps run eagerly beside the
+    target's verify steps (head sizes of 64 for TRITON)."""
+    from pagedserve.spec_decode.random_head import write_random_eagle3_head
+
+    path = _tiny(tmp_path / "target", 0, 128, 4, heads=2)
+    head = write_random_eagle3_head(tmp_path / "head",
+                                    transformers.AutoConfig.from_pretrained(path), 60,
+                                    dtype=torch.float32)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    kwargs = dict(device="cuda", attention_backend=backend, engine_core_process=False)
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+    want, _ = _run(make_llm, path, prompts, params, None, gpu_memory_utilization=0.25,
+                   **kwargs)
+    got, stats = _run(make_llm, path, prompts, params, spec, gpu_memory_utilization=0.6,
+                      **kwargs)
+    _assert_same(got, want)
+    assert stats.spec_decode_num_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_triton_backend_in_the_interpreter(tmp_path, make_llm):
+    """TRITON's kernels (Triton's interpreter on the CPU) over the head's pass after each step
+    and its draft steps; head sizes of 64."""
+    pytest.importorskip("triton")
+    from pagedserve.spec_decode.random_head import write_random_eagle3_head
+
+    path = _tiny(tmp_path / "target", 0, 128, 4, heads=2)
+    head = write_random_eagle3_head(tmp_path / "head",
+                                    transformers.AutoConfig.from_pretrained(path), 60,
+                                    dtype=torch.float32)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 2}
+    prompts, params = _prompts()[:3], SamplingParams(temperature=0, max_tokens=8,
+                                                     ignore_eos=True)
+    want, _ = _run(make_llm, path, prompts, params, None, attention_backend="TRITON")
+    got, stats = _run(make_llm, path, prompts, params, spec, attention_backend="TRITON")
+    _assert_same(got, want)
+    assert stats.spec_decode_num_draft_tokens > 0
