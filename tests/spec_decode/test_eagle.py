@@ -305,9 +305,13 @@ def test_synthetic_acceptance_times_a_random_head(tmp_path, make_llm):
     ("eagle1-as-eagle3", "is no EAGLE-3 head"),
     ("eagle3-as-eagle1", "is no EAGLE-1 head"),
     ("not-a-directory", "is not a directory with a config.json"),
+    ("hidden-size", "the EAGLE-1 head .* has hidden size 32, the target 48"),
 ])
 def test_heads_that_do_not_fit_are_refused(tiny_path, heads, tmp_path, kind, message):
     from pagedserve import LLM
+
+    if kind == "hidden-size":  # a target of another width
+        tiny_path = _tiny(tmp_path / "wide", 0, 48, 2)
 
     if kind == "default-taps":
         spec = {"method": "eagle3", "model": write_eagle3(tmp_path / "h")}
@@ -316,6 +320,8 @@ def test_heads_that_do_not_fit_are_refused(tiny_path, heads, tmp_path, kind, mes
                                                           fc_in=48)}
     elif kind == "eagle1-as-eagle3":
         spec = {"method": "eagle3", "model": heads["eagle"]}
+    elif kind == "hidden-size":
+        spec = {"method": "eagle", "model": heads["eagle"]}
     elif kind == "eagle3-as-eagle1":
         spec = {"method": "eagle", "model": heads["eagle3"]}
     else:
