@@ -67,6 +67,8 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def propose_from(self, runner: Any, step: StepTokens) -> Drafts:
+        """The head's pass over the step's verified positions (its K/V, the first drafts),
+        then K - 1 one-token steps for the eligible rows, within their blocks."""
         b = len(step.rows)
         drafts = Drafts(np.zeros((b, self.k), dtype=np.int64), np.zeros(b, dtype=np.int32))
         inputs_copied = getattr(runner, "_inputs_copied", None)
