@@ -121,10 +121,14 @@ def test_drafts_equal_the_reference(target_with_mtp, make_llm, monkeypatch):
         assert drafts == reference_drafts(full, extra, target, tokens, len(drafts))
 
 
-@pytest.mark.parametrize("case", ["plain", pytest.param("preempting", marks=pytest.mark.slow)])
+CASES = {"plain": {}, "chunked": dict(max_num_batched_tokens=16),
+         "preempting": dict(num_gpu_blocks_override=24, block_size=4, kv_cache_memory=None)}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c != "plain" else [])
+                                  for c in CASES])  # (the EAGLE tests run these paths fast)
 def test_greedy_equals_no_speculation(target_with_mtp, make_llm, case):
-    kwargs = (dict(num_gpu_blocks_override=24, block_size=4, kv_cache_memory=None)
-              if case == "preempting" else {})
+    kwargs = CASES[case]
     prompts = _prompts()[:5]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=1)
               for m in (3, 9, 17, 20, 12)]
