@@ -8,7 +8,18 @@ batch size, with the acceptance figures and the proposer's share of the core's s
 The default workload is the one n-gram lookup is for: chat prompts that ask the model to
 repeat, quote or lightly edit a passage given in the prompt (the answer repeats the prompt).
 `--random-prompts` uses random token ids instead (for a draft model or a head under
-`rejection_sample_method: "synthetic"`, whose acceptance does not depend on the text). Each
+`rejection_sample_method: "synthetic"`, whose acceptance does not depend on the text).
+`--random-eagle3-head DRAFT_VOCAB` writes a random-weight EAGLE-3 head of the target's shape
+(a draft vocabulary of that many ids, 0: the target's) to a temporary directory and sets it as
+the config's `model`, e.g. for the 8B shape at a mean acceptance length of about 3.0 with K=3:
+
+    python benchmarks/spec_decode.py --model random:llama3-8b --random-prompts 128 \
+        --random-eagle3-head 32000 --batch-sizes 1 32 --speculative-config \
+        '{"method": "eagle3", "num_speculative_tokens": 3, "model": "-", \
+          "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.8}'
+
+A `random:` DeepSeek target (`--model random:deepseek-v2-lite`) takes `"method": "mtp"` with a
+random-weight MTP layer the same way. Each
 row runs the engine without speculation, then with it, alternating `--repeats` times; the
 figures are the medians. Greedy and EOS ignored, so both runs produce the same tokens.
 """
@@ -19,6 +30,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from pagedserve import LLM, SamplingParams
@@ -63,6 +75,23 @@ def run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, Any
     return elapsed, before, llm.engine.call_utility("stats"), tokens
 
 
+def random_head(model: str | None, draft_vocab: int) -> str:
+    """A random EAGLE-3 head for `model`'s shape in a temporary directory."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from pagedserve.models.loader import RANDOM_PREFIX, random_model_config
+    from pagedserve.spec_decode.random_head import write_random_eagle3_head
+
+    if model is None or not (model.startswith(RANDOM_PREFIX) or Path(model).is_dir()):
+        raise SystemExit("--random-eagle3-head needs --model random:<preset> or a directory")
+    config = (random_model_config(model[len(RANDOM_PREFIX):])
+              if model.startswith(RANDOM_PREFIX) else AutoConfig.from_pretrained(model))
+    return write_random_eagle3_head(tempfile.mkdtemp(prefix="eagle3-head-"), config,
+                                    draft_vocab or None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -74,12 +103,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--random-prompts", type=int, default=0, metavar="LEN",
                         help="random prompts of LEN tokens instead of the copy tasks")
+    parser.add_argument("--random-eagle3-head", type=int, default=None, metavar="DRAFT_VOCAB",
+                        help="time a random-weight EAGLE-3 head of the target's shape")
     parser.add_argument("--engine-args", default="{}",
                         help="more LLM(...) keywords as JSON, e.g. '{\"device\": \"cpu\"}'")
     args = parser.parse_args()
     extra = json.loads(args.engine_args)
     spec = json.loads(args.speculative_config)
     extra.setdefault("gpu_memory_utilization", 0.4)  # two engines side by side
+    if args.random_eagle3_head is not None:
+        spec["model"] = random_head(args.model, args.random_eagle3_head)
     plain = LLM(model=args.model, **extra)
     fast = LLM(model=args.model, speculative_config=spec, **extra)
     print(f"speculative_config: {json.dumps(spec)}")

@@ -38,7 +38,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
           f"--kv-cache-dtype, the backends that store it (quantized-kv)")
     print("speculative decoding (--speculative-config): every backend above verifies a "
           "request's 1+K drafted tokens as a chunked prefill over its cached context; "
-          "verify steps run without CUDA graphs")
+          "verify steps run without CUDA graphs, and a draft model's or head's own steps "
+          "(draft_model, eagle, eagle3, mtp) run eagerly on the same backend")
     return 0
 
 

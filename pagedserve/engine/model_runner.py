@@ -290,7 +290,7 @@ class ModelRunner:
                                  state_metadata):
             hidden = self.model(input_ids, common.positions)
             if self.speculator is not None:
-                self.speculator.forward_step(input_ids, common.positions)
+                self.speculator.forward_step(input_ids, common.positions, hidden)
             return hidden
 
     def run_model(self, attn_metadata: dict[Any, Any], num_tokens: int) -> torch.Tensor:
@@ -356,7 +356,9 @@ class ModelRunner:
                                   self._ran_graph))
         pending = PendingStep(batch, rows, self.input_batch.generation[rows],
                               sampling=None if greedy is not None else (logits, meta),
-                              fill=fill, verify=verify)
+                              fill=fill, verify=verify,
+                              captured=self.speculator.take_captured() if self.speculator
+                              else None)
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
                      if r.request_id in self._wants_logits]
@@ -436,7 +438,8 @@ class ModelRunner:
             pending.drafts = self.speculator.propose(
                 self, batch, rows, sampled,
                 self.input_batch.generation[rows] == pending.generations,
-                self._guided | self._wants_logits)
+                self._guided | self._wants_logits, pending.captured)
+            pending.captured = None  # (a head's hidden states: freed once read)
 
     def warmup(self) -> None:
         """Compile/JIT whatever the backend needs before the first request, then capture the

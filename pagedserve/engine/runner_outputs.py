@@ -62,4 +62,5 @@ class PendingStep:
     # A step that verifies drafts: its layout (its samples are then [B, Kmax+1], -1 padded).
     verify: VerifyLayout | None = None
     drafts: Drafts | None = None  # the proposer's, once the samples are recorded
+    captured: Any = None  # what the proposer read of the step's forward (a head's)
     pooled: Any = None  # a pooling model's step: its embeddings (pooling/step.py's PooledRows)

@@ -168,11 +168,17 @@ class LlamaModel(nn.Module):
         self.norm = family.norm_cls(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary_emb = RotaryEmbedding(config, head_dim)
+        # An EAGLE-3 head's taps: the residual stream entering these layers is kept, each
+        # step, in `tapped` by layer (none unless a head asks).
+        self.tap_layers: tuple[int, ...] = ()
+        self.tapped: dict[int, torch.Tensor] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.tap_layers:
+                self.tapped[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, self.rotary_emb)
         hidden, _ = self.norm(hidden, residual)
         return hidden

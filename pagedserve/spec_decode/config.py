@@ -18,8 +18,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-# Methods whose proposer exists; the others are refused at start-up by name.
-IMPLEMENTED = ("ngram", "draft_model")
+# Methods whose proposer exists (all of them now; the check stays for new ones).
+IMPLEMENTED = METHODS
 REJECTION_METHODS = ("strict", "synthetic")
 # vLLM's defaults for n-gram sizes when neither is given.
 DEFAULT_LOOKUP = 5

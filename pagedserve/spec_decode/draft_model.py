@@ -22,7 +22,7 @@ import torch
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.state import StateLayer
-from pagedserve.spec_decode.proposer import Drafts, Proposer
+from pagedserve.spec_decode.proposer import Drafts, Proposer, StepTokens
 
 
 class DraftModelProposer(Proposer):
@@ -57,15 +57,17 @@ class DraftModelProposer(Proposer):
             layer.layer_idx = first_index + i
         return layers
 
-    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     hidden: torch.Tensor) -> None:
         """The draft over a step's tokens, under the step's forward context: its K/V."""
         self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def propose_from(self, runner: Any, rows: np.ndarray, num_tokens: np.ndarray,
-                     eligible: np.ndarray, newest: np.ndarray) -> Drafts:
+    def propose_from(self, runner: Any, step: StepTokens) -> Drafts:
         """K greedy one-token steps of the draft from each eligible row's newest token
-        (`newest`, at position num_tokens - 1), on the runner's block table and caches."""
+        (at position num_tokens - 1), on the runner's block table and caches."""
+        rows, num_tokens, eligible, newest = (step.rows, step.num_tokens, step.eligible,
+                                              step.newest)
         b = len(rows)
         drafts = Drafts(np.zeros((b, self.k), dtype=np.int64), np.zeros(b, dtype=np.int32))
         table = runner.input_batch.block_table

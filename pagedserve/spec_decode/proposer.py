@@ -23,6 +23,26 @@ class Drafts:
         return self.token_ids[i, :int(self.counts[i])].tolist()
 
 
+@dataclass
+class StepTokens:
+    """A collected step as a proposer with K/V of its own sees it, per batch row: the
+    runner's table `rows`, the tokens cached before the step and scheduled in it, the verified
+    tokens after it, whether it sampled, whether its row is still its request's (`current`),
+    whether it may get drafts, its newest token (at position num_tokens - 1), and what the
+    proposer's `forward_step` captured from the step's forward (a head's hidden states, one
+    row per scheduled token in batch order)."""
+
+    rows: np.ndarray
+    num_computed: np.ndarray
+    num_scheduled: np.ndarray
+    num_tokens: np.ndarray
+    will_sample: np.ndarray
+    current: np.ndarray
+    eligible: np.ndarray
+    newest: np.ndarray
+    captured: Any = None
+
+
 class Proposer:
     """Proposes up to `num_speculative_tokens` drafts per request after each step: `propose`
     from the token table (a model-free proposer), or `propose_from` with the runner's caches
@@ -44,9 +64,13 @@ class Proposer:
         from them). None for a model-free proposer."""
         return []
 
-    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Under a step's forward context, after the target: the proposer's own K/V for the
-        step's tokens (a draft model), or whatever it taps from the step (a head)."""
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     hidden: torch.Tensor) -> Any:
+        """Under a step's forward context, after the target (whose final hidden states are
+        `hidden`): the proposer's own K/V for the step's tokens (a draft model), or what it
+        reads from the step (a head's hidden states), returned: the runner keeps it with the
+        step and hands it back as `StepTokens.captured`."""
+        return None
 
     def add_request(self, request_id: str) -> None:
         """A request the proposer will be asked about."""
@@ -60,9 +84,7 @@ class Proposer:
         whose verified tokens are `num_tokens` [B]; rows where `eligible` is False get none."""
         raise NotImplementedError
 
-    def propose_from(self, runner: Any, rows: np.ndarray, num_tokens: np.ndarray,
-                     eligible: np.ndarray, newest: np.ndarray) -> Drafts:
-        """A proposer with K/V of its own (`uses_kv_cache`): drafts from each row's newest
-        token `newest` (at position num_tokens - 1), on the runner's block table, metadata
-        builders and caches."""
+    def propose_from(self, runner: Any, step: StepTokens) -> Drafts:
+        """A proposer with K/V of its own (`uses_kv_cache`): drafts from each eligible row's
+        newest token, on the runner's block table, metadata builders and caches."""
         raise NotImplementedError

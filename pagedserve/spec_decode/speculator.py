@@ -13,8 +13,9 @@ import torch
 
 from pagedserve.spec_decode.config import SpeculativeConfig, check_supported
 from pagedserve.spec_decode.draft_model import DraftModelProposer
+from pagedserve.spec_decode.eagle import EagleProposer
 from pagedserve.spec_decode.ngram import NgramProposer
-from pagedserve.spec_decode.proposer import Drafts, Proposer
+from pagedserve.spec_decode.proposer import Drafts, Proposer, StepTokens
 from pagedserve.spec_decode.rejection_sampler import RejectionSampler
 from pagedserve.spec_decode.verify import VerifyLayout, build_layout
 
@@ -34,20 +35,25 @@ def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
         return None
     check_supported(spec, has_state_layers=bool(runner.state_layers),
                     tensor_parallel_size=runner.tp_size)
-    proposer = make_proposer(spec, runner.dtype, runner.device, runner.max_model_len,
-                             runner.vocab_size)
+    proposer = make_proposer(spec, runner.model, runner.dtype, runner.device,
+                             runner.max_model_len, runner.vocab_size, config.model.model)
     runner.attn_layers += proposer.attention_layers(len(runner.attn_layers))
     return Speculator(spec, proposer, runner.device)
 
 
-def make_proposer(spec: SpeculativeConfig, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int, vocab_size: int) -> Proposer:
+def make_proposer(spec: SpeculativeConfig, target: torch.nn.Module, dtype: torch.dtype,
+                  device: torch.device, max_model_len: int, vocab_size: int,
+                  target_path: str | None = None) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                              spec.prompt_lookup_max)
     if spec.method == "draft_model":
         return DraftModelProposer(spec.num_speculative_tokens, spec.model, dtype, device,
                                   max_model_len, vocab_size)
+    if spec.method in ("eagle", "eagle3", "mtp"):
+        model = spec.model or target_path if spec.method == "mtp" else spec.model
+        return EagleProposer(spec.num_speculative_tokens, spec.method, model, target,
+                             dtype, device, max_model_len)
     raise ValueError(f"speculative_config: method {spec.method!r} is not implemented yet")
 
 
@@ -57,6 +63,7 @@ class Speculator:
         self.spec = spec
         self.device = device
         self.proposer = proposer
+        self._captured: Any = None
         self.rejection_sampler = RejectionSampler(
             spec.synthetic_acceptance_rate if spec.synthetic else None)
 
@@ -75,10 +82,17 @@ class Speculator:
             raise ValueError("speculative_config: a draft model beside KV cache groups of "
                              "several kinds (sliding windows) is not implemented yet")
 
-    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     hidden: torch.Tensor) -> None:
         """Under a step's forward context, after the target: a draft model's K/V for the
-        step's tokens."""
-        self.proposer.forward_step(input_ids, positions)
+        step's tokens, or what a head reads of the step (kept until `take_captured`)."""
+        self._captured = self.proposer.forward_step(input_ids, positions, hidden)
+
+    def take_captured(self) -> Any:
+        """What the last forward captured for the proposer, for the runner to keep with its
+        step (a warm-up forward's is simply dropped by the next)."""
+        captured, self._captured = self._captured, None
+        return captured
 
     def layout(self, batch: SchedulerOutput, query_start_loc: np.ndarray
                ) -> VerifyLayout | None:
@@ -99,7 +113,7 @@ class Speculator:
 
     def propose(self, runner: Any, batch: SchedulerOutput, rows: np.ndarray,
                 sampled: np.ndarray, current: np.ndarray,
-                ineligible: Collection[str]) -> Drafts:
+                ineligible: Collection[str], captured: Any = None) -> Drafts:
         """Drafts for the requests of a collected step whose tokens are in the token table
         (`current`: their rows still theirs), but for `ineligible` ones (guided, scoring,
         prompt logprobs: their steps keep one token's logits)."""
@@ -120,6 +134,8 @@ class Speculator:
             # Each row's newest token (its first input): the step's sample, or its last kept.
             newest = (sampled if sampled.ndim == 1 else np.take_along_axis(
                 sampled, np.maximum((sampled >= 0).sum(axis=1) - 1, 0)[:, None], axis=1)[:, 0])
-            drafts = self.proposer.propose_from(runner, rows, num_tokens, eligible, newest)
+            drafts = self.proposer.propose_from(runner, StepTokens(
+                rows, batch.num_computed_tokens, batch.num_scheduled_tokens, num_tokens,
+                batch.will_sample, current, eligible, newest, captured))
         drafts.seconds = time.perf_counter() - start
         return drafts

@@ -188,8 +188,9 @@ def test_synthetic_acceptance_rate_one_keeps_every_draft(tiny_path, make_llm):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2},
-     "'eagle3' is not implemented yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2},
+     "'mtp' is implemented for DeepseekV3ForCausalLM, DeepseekV2ForCausalLM; the target is "
+     "LlamaForCausalLM"),
     (dict(NGRAM, draft_tensor_parallel_size=2), "draft_tensor_parallel_size 2"),
 ])
 def test_refused_at_start_up(tiny_path, spec, message):

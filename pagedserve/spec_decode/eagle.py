@@ -1,0 +1,151 @@
+"""EAGLE-1 and EAGLE-3 heads, and DeepSeek's multi-token-prediction layer, as proposers (the
+heads: `eagle_head.py`, `mtp_head.py`).
+
+A head at position i reads the target's hidden state at i and the token at i + 1, and
+predicts the token at i + 2; its attention layer keeps K/V of its own, which joins the
+target's cache as a draft model's does (its layer numbered after the target's, its own cache
+tensors at the same block ids). Since a position's K/V needs the token after it, the head
+runs only once a step's samples are back: over each request's positions of the step whose
+next token is verified (a verify step's kept ones; every position of a prompt chunk), with
+the target's hidden states captured during the step's forward; the last of those gives the
+first draft. Then K - 1 one-token steps, each from the draft before it and the head's own
+hidden state, at positions up to K - 2 past the newest token (the scheduler reserves K
+lookahead slots). A rejected draft's head K/V is rewritten by the next step's pass, as the
+target's is. A prefix-cache hit brings the head's K/V of the hit blocks; the last hit
+position's was computed from the cached sequence's next token, which may differ: only the
+drafts can change (acceptance), never the output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.attention.forward_context import set_forward_context
+from pagedserve.attention.layer import Attention
+from pagedserve.spec_decode.eagle_head import load_head
+from pagedserve.spec_decode.mtp_head import load_mtp_head
+from pagedserve.spec_decode.proposer import Drafts, Proposer, StepTokens
+
+
+class EagleProposer(Proposer):
+    uses_kv_cache = True
+
+    def __init__(self, num_speculative_tokens: int, method: str, model: str | None,
+                 target: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                 max_model_len: int) -> None:
+        super().__init__(num_speculative_tokens)
+        decoder = getattr(target, "model", None)
+        if not hasattr(decoder, "tap_layers") or not hasattr(decoder, "embed_tokens"):
+            raise ValueError(f"speculative_config: method {method!r} needs a Llama-style "
+                             f"target whose hidden states it can tap; "
+                             f"{type(target).__name__} exposes none")
+        if method == "mtp":  # `model`: the target's checkpoint, which holds the layer
+            self.head = load_mtp_head(model, target, dtype, device)
+        else:
+            self.head = load_head(method, model, target, dtype, device)
+        if self.head.reads == "taps":
+            decoder.tap_layers = self.head.tap_layers
+        self.decoder = decoder
+        self.device = device
+        self.max_model_len = max_model_len
+
+    def attention_layers(self, first_index: int) -> list[Attention]:
+        attn = self.head.layer.self_attn.attn
+        attn.layer_idx = first_index
+        return [attn]
+
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     hidden: torch.Tensor) -> torch.Tensor:
+        """The step's hidden states the head reads: the tapped layers' inputs side by side
+        (EAGLE-3), or the target's final hidden states (EAGLE-1)."""
+        if self.head.reads == "taps":
+            return torch.cat([self.decoder.tapped[i] for i in self.head.tap_layers], dim=-1)
+        return hidden
+
+    @torch.inference_mode()
+    def propose_from(self, runner: Any, step: StepTokens) -> Drafts:
+        """The head's pass over the step's verified positions (its K/V, the first drafts),
+        then K - 1 one-token steps for the eligible rows, within their blocks."""
+        b = len(step.rows)
+        drafts = Drafts(np.zeros((b, self.k), dtype=np.int64), np.zeros(b, dtype=np.int32))
+        inputs_copied = getattr(runner, "_inputs_copied", None)
+        if inputs_copied is not None:  # the launched step's copies read the same buffers
+            inputs_copied.synchronize()
+        copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        live, hidden, token = self._catch_up(runner, step, copied)
+        if live is None:
+            return drafts
+        table = runner.input_batch.block_table
+        start = step.num_tokens.astype(np.int64) - 1  # the newest token's position
+        capacity = np.minimum(table.num_blocks[step.rows].astype(np.int64) * runner.block_size,
+                              runner.max_model_len)
+        limit = np.zeros(b, dtype=np.int64)
+        limit[live] = np.where(step.eligible[live], np.clip(capacity[live] - start[live], 0,
+                                                            self.k), 0)
+        out = torch.zeros(b, self.k, dtype=torch.int64, device=self.device)
+        act = np.flatnonzero(limit[live] > 0)  # indices into live
+        act_dev = torch.from_numpy(act).to(self.device)
+        token, hidden = token[act_dev], hidden[act_dev]
+        rows = live[act]
+        out[torch.from_numpy(rows).to(self.device), 0] = token
+        for j in range(1, self.k):
+            keep = np.flatnonzero(limit[rows] > j)
+            if not keep.size:
+                break
+            keep_dev = torch.from_numpy(keep).to(self.device)
+            rows, token, hidden = rows[keep], token[keep_dev], hidden[keep_dev]
+            if copied is not None:
+                copied.synchronize()
+            n = len(rows)
+            common = runner.common_builder.build(
+                step.rows[rows], (start[rows] + j - 1).astype(np.int32),
+                np.ones(n, dtype=np.int32), 0, table.table)
+            hidden = self._run(runner, common, token, hidden, copied)
+            token = self.head.draft_ids(hidden)
+            out[torch.from_numpy(rows).to(self.device), j] = token
+        drafts.token_ids = out.cpu().numpy()
+        drafts.counts = limit.astype(np.int32)
+        return drafts
+
+    def _catch_up(self, runner: Any, step: StepTokens, copied: torch.cuda.Event | None
+                  ) -> tuple[np.ndarray | None, torch.Tensor, torch.Tensor]:
+        """The head over each current row's positions of the step whose next token is known:
+        its K/V there. Returns the rows run (prompt chunks first, as batches are ordered),
+        the head's hidden state at each one's last position and the draft it gives."""
+        c = step.num_computed.astype(np.int64)
+        s = step.num_scheduled.astype(np.int64)
+        m = np.where(step.will_sample, np.minimum(s, step.num_tokens - 1 - c), s)
+        m = np.minimum(m, self.max_model_len - 1 - c)  # the next token must be in the table
+        m = np.where(step.current, np.maximum(m, 0), 0)
+        live = np.flatnonzero(m > 0)
+        if not live.size:
+            return None, torch.empty(0), torch.empty(0)
+        live = live[np.argsort(m[live] == 1, kind="stable")]
+        num_prefills = int((m[live] > 1).sum())
+        ml = m[live]
+        first_hidden = np.cumsum(s) - s  # each row's first captured hidden state
+        req = np.repeat(np.arange(len(live)), ml)
+        within = np.arange(int(ml.sum())) - np.repeat(np.cumsum(ml) - ml, ml)
+        positions = c[live][req] + within
+        ids = runner.input_batch.token_ids[step.rows[live][req], positions + 1]
+        rows_hidden = torch.from_numpy(first_hidden[live][req] + within).to(self.device)
+        common = runner.common_builder.build(step.rows[live], c[live].astype(np.int32),
+                                             ml.astype(np.int32), num_prefills,
+                                             runner.input_batch.block_table.table)
+        hidden = self.head.combine(step.captured[rows_hidden])
+        ids_dev = torch.from_numpy(ids).to(self.device)
+        out = self._run(runner, common, ids_dev, hidden, copied)
+        last = torch.from_numpy(np.cumsum(ml) - 1).to(self.device)
+        out = out[last]
+        return live, out, self.head.draft_ids(out)
+
+    def _run(self, runner: Any, common: Any, ids: torch.Tensor, hidden: torch.Tensor,
+             copied: torch.cuda.Event | None) -> torch.Tensor:
+        metadata = {key: builder.build(common) for key, builder in runner.builders.items()}
+        if copied is not None:
+            copied.record()
+        with set_forward_context(metadata, runner.kv_caches):
+            return self.head(ids, common.positions, hidden)
