@@ -1,46 +1,26 @@
 """The LoRA wrapper around a linear layer, and which of a model's layers it wraps.
 
-Every adapter slot's factors for a layer are stacked into two fixed tensors: A [slots + 1,
-W, in] and B [slots + 1, W, out] (W = parts * R, R = --max-lora-rank; a fused layer's parts
-q/k/v or gate/up side by side, each part's B columns only at its slice of the output, so one
-product serves the whole fused layer). The last slot stays zero: the base model.
-
-The forward reads one slot index per token from the shared `LoRABatch` and computes, for all
-tokens at once, x A_all^T over every slot (the shrink is cheap: (slots + 1) * W columns),
-zeroes each token's columns of the other slots, and multiplies by B_all: two dense matmuls, no
-loop over tokens or adapters, no per-token copy of A or B, and no shape that depends on which
-adapters a step uses, so a CUDA graph could capture it with the indices as an input. (A
-gather of each token's A and B would copy T * W * (in + out) values: 0.8 GB for a 2k-token
-8B-shaped prefill.)
+Every adapter slot's factors for a layer are stacked into two fixed tensors: A [slots, P * R,
+in] and B [slots, out, R] (R = --max-lora-rank; P the fused parts q/k/v or gate/up, whose A
+sit side by side; each output row of B holds the factors of its part). Fixed addresses, so a
+CUDA graph captures the products with the step's slots (`LoRABatch`) as its only input. The
+products themselves are in `ops.py` (torch) and `kernels.py` (Triton): each token goes
+through its own adapter only, and base-model tokens (slot -1) through none.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.lora.batch import LoRABatch
+from pagedserve.lora.ops import add_lora
 from pagedserve.models.parallel import (
     LinearBase,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
 )
-
-
-class LoRABatch:
-    """The step's slot index per token (`num_slots` = the base model), set by the runner."""
-
-    def __init__(self, max_tokens: int, num_slots: int, device: torch.device) -> None:
-        self.base_slot = num_slots
-        self.token_slots = torch.full((max_tokens,), num_slots, dtype=torch.long, device=device)
-        self.active = False  # any token with an adapter: else the wrappers skip the products
-
-    def set(self, slots: torch.Tensor) -> None:
-        if slots.numel() > self.token_slots.numel():
-            self.token_slots = torch.empty_like(slots)  # grows for an eager step past the size
-        self.token_slots[:slots.numel()].copy_(slots)
-        self.active = bool((slots != self.base_slot).any())
 
 
 def part_rows(layer: LinearBase) -> list[int]:
@@ -67,17 +47,20 @@ class LoRALinear(nn.Module):
         self.base_layer = base_layer
         self.batch = batch
         self.parts = part_rows(base_layer)
+        self.bounds = [sum(self.parts[:i]) for i in range(len(self.parts) + 1)]
         self.max_rank = max_rank
         weight = base_layer.weight
-        width = len(self.parts) * max_rank
+        device = weight.device
         dtype = weight.dtype if weight.dtype.is_floating_point and weight.element_size() > 1 \
             else torch.bfloat16  # quantized base weights: factors in a float dtype
-        self.register_buffer("lora_a", torch.zeros(num_slots + 1, width, base_layer.in_features,
-                                                   dtype=dtype, device=weight.device),
+        self.register_buffer("lora_a", torch.zeros(num_slots, len(self.parts) * max_rank,
+                                                   base_layer.in_features, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(num_slots, self.bounds[-1], max_rank,
+                                                   dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("lora_b", torch.zeros(num_slots + 1, width, sum(self.parts),
-                                                   dtype=dtype, device=weight.device),
-                             persistent=False)
+        self.register_buffer("bounds_device", torch.tensor(self.bounds, dtype=torch.int32,
+                                                           device=device), persistent=False)
 
     def __getattr__(self, name: str):
         try:
@@ -87,28 +70,23 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
-        if not self.batch.active:
+        if not (self.batch.active or self.batch.graph_mode):
             return y
-        flat = x.reshape(-1, x.shape[-1]).to(self.lora_a.dtype)
-        num_slots, width, _ = self.lora_a.shape
-        slots = self.batch.token_slots[:flat.shape[0]]
-        shrunk = flat @ self.lora_a.view(num_slots * width, -1).t()  # [T, slots * W]
-        own = F.one_hot(slots, num_slots).to(shrunk.dtype).unsqueeze(-1)  # [T, slots, 1]
-        shrunk = (shrunk.view(-1, num_slots, width) * own).view(-1, num_slots * width)
-        delta = shrunk @ self.lora_b.view(num_slots * width, -1)  # [T, out]
-        return y + delta.to(y.dtype).reshape(y.shape)
+        flat = x.reshape(-1, x.shape[-1])
+        add_lora(flat, y.view(flat.shape[0], -1), self.lora_a, self.lora_b, self.bounds,
+                 self.bounds_device, self.batch)
+        return y
 
     def set_slot(self, slot: int, parts: list | None) -> None:
         """Write an adapter's `PartFactors` for this layer into `slot` (None: zeros)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
-        starts = [sum(self.parts[:i]) for i in range(len(self.parts))]
         for part in parts or []:
-            p = starts.index(part.row_start)
+            p = self.bounds.index(part.row_start)
             r, rows = part.a.shape[0], part.b.shape[0]
             col = p * self.max_rank
             self.lora_a[slot, col:col + r].copy_(part.a)
-            self.lora_b[slot, col:col + r, part.row_start:part.row_start + rows].copy_(part.b.t())
+            self.lora_b[slot, part.row_start:part.row_start + rows, :r].copy_(part.b)
 
 
 def wrap_layers(model: nn.Module, batch: LoRABatch, num_slots: int, max_rank: int

@@ -1,0 +1,53 @@
+"""The low-rank term of a LoRA layer, each token through its own adapter only.
+
+Factors of every slot are stacked: A [slots, P * R, in] (the P fused parts' A side by side,
+each padded to R = --max-lora-rank rows) and B [slots, out, R] (output row n holds the factors
+of the part it belongs to; `bounds` [P + 1] are the parts' first rows). For a token of slot s
+and an output row n of part p: y[n] += B[s, n] . (A[s, pR:(p+1)R] x).
+
+`lora_torch` is the vectorised torch path (the CPU's, and the reference of the Triton kernels
+in `kernels.py`, which CUDA runs): the step's tokens are grouped by slot on the host
+(`LoRABatch.groups`), so the work is one shrink and P expands per adapter in the step, each a
+matmul over that adapter's tokens, never over the other slots. `add_lora` picks the path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.lora.batch import LoRABatch
+
+
+def lora_torch(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+               bounds: list[int], groups: list[tuple[int, slice | torch.Tensor]]) -> None:
+    """y [T, out] += each group's tokens of x [T, in] through its slot's factors (in place).
+    Shrink output rounds to the factors' dtype, as PEFT's lora_A output does."""
+    rank = lora_b.shape[-1]
+    for slot, rows in groups:
+        xs = x[rows].to(lora_a.dtype)
+        shrunk = xs @ lora_a[slot].t()  # [n, P * R]
+        delta = torch.empty(xs.shape[0], y.shape[1], dtype=lora_a.dtype, device=x.device)
+        for p in range(len(bounds) - 1):
+            lo, hi = bounds[p], bounds[p + 1]
+            delta[:, lo:hi] = shrunk[:, p * rank:(p + 1) * rank] @ lora_b[slot, lo:hi].t()
+        if isinstance(rows, slice):
+            y[rows] += delta.to(y.dtype)
+        else:
+            y.index_add_(0, rows, delta.to(y.dtype))
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             bounds: list[int], bounds_device: torch.Tensor, batch: LoRABatch) -> None:
+    """y [T, out] += the LoRA term of x [T, in] for the step in `batch` (in place): Triton's
+    shrink and expand on CUDA (per row in decode and under a graph, per segment otherwise),
+    the torch path elsewhere."""
+    if x.device.type != "cuda":
+        lora_torch(x, y, lora_a, lora_b, bounds, batch.groups)
+        return
+    from pagedserve.lora import kernels  # triton: imported on the first CUDA step
+
+    if batch.decode or batch.graph_mode:
+        kernels.bgmv(x, y, lora_a, lora_b, bounds_device, batch.token_slots, len(bounds) - 1)
+    else:
+        kernels.sgmv(x, y, lora_a, lora_b, bounds_device, batch.seg_bounds, batch.seg_slots,
+                     batch.num_segments, batch.max_segment_len, len(bounds) - 1)
