@@ -47,7 +47,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     from pagedserve.lora import kernels  # triton: imported on the first CUDA step
 
     if batch.decode or batch.graph_mode:
-        kernels.bgmv(x, y, lora_a, lora_b, bounds_device, batch.token_slots, len(bounds) - 1)
+        kernels.bgmv(x, y, lora_a, lora_b, bounds, bounds_device, batch.token_slots)
     else:
-        kernels.sgmv(x, y, lora_a, lora_b, bounds_device, batch.seg_bounds, batch.seg_slots,
-                     batch.num_segments, batch.max_segment_len, len(bounds) - 1)
+        kernels.sgmv(x, y, lora_a, lora_b, bounds, bounds_device, batch.seg_bounds,
+                     batch.seg_slots, batch.num_segments, batch.max_segment_len)
