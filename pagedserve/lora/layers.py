@@ -59,6 +59,9 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(num_slots, self.bounds[-1], max_rank,
                                                    dtype=dtype, device=device),
                              persistent=False)
+        # The CPU's decode path wants B transposed too ([slots, R, out]; ops.lora_torch_masked).
+        self.register_buffer("lora_b_t", None if device.type == "cuda" else torch.zeros(
+            num_slots, max_rank, self.bounds[-1], dtype=dtype, device=device), persistent=False)
         self.register_buffer("bounds_device", torch.tensor(self.bounds, dtype=torch.int32,
                                                            device=device), persistent=False)
 
@@ -73,8 +76,8 @@ class LoRALinear(nn.Module):
         if not (self.batch.active or self.batch.graph_mode):
             return y
         flat = x.reshape(-1, x.shape[-1])
-        add_lora(flat, y.view(flat.shape[0], -1), self.lora_a, self.lora_b, self.bounds,
-                 self.bounds_device, self.batch)
+        add_lora(flat, y.view(flat.shape[0], -1), self.lora_a, self.lora_b, self.lora_b_t,
+                 self.bounds, self.bounds_device, self.batch)
         return y
 
     def set_slot(self, slot: int, parts: list | None) -> None:
@@ -87,6 +90,8 @@ class LoRALinear(nn.Module):
             col = p * self.max_rank
             self.lora_a[slot, col:col + r].copy_(part.a)
             self.lora_b[slot, part.row_start:part.row_start + rows, :r].copy_(part.b)
+        if self.lora_b_t is not None:
+            self.lora_b_t[slot].copy_(self.lora_b[slot].t())
 
 
 def wrap_layers(model: nn.Module, batch: LoRABatch, num_slots: int, max_rank: int

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedserve.lora.batch import LoRABatch
-from pagedserve.lora.ops import lora_torch
+from pagedserve.lora.ops import lora_torch, lora_torch_masked
 
 SLOTS = 3
 
@@ -65,6 +65,9 @@ def test_torch_path_matches_reference(rank, in_features, parts):
     lora_torch(x, got, a, b, bounds, batch.groups)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert (want - y).abs().max() > 1.0  # the term is there to be dropped
+    got = y.clone()
+    lora_torch_masked(x, got, a, b.transpose(1, 2).contiguous(), bounds, batch.token_slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rank,in_features,parts", CASES)
@@ -128,7 +131,7 @@ def test_cpu_lora_needs_no_triton():
             "from pagedserve.lora.ops import add_lora\n"
             "b = LoRABatch(4, torch.device('cpu')); b.set(np.array([0]), np.array([2]))\n"
             "y = torch.zeros(2, 4)\n"
-            "add_lora(torch.ones(2, 3), y, torch.ones(1, 2, 3), torch.ones(1, 4, 2), [0, 4],\n"
-            "         torch.tensor([0, 4]), b)\n"
+            "add_lora(torch.ones(2, 3), y, torch.ones(1, 2, 3), torch.ones(1, 4, 2), None,\n"
+            "         [0, 4], torch.tensor([0, 4]), b)\n"
             "assert float(y[0, 0]) == 6.0, y\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
