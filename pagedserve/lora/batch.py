@@ -35,6 +35,8 @@ class LoRABatch:
         # A decode graph is being captured (or replayed): the products run whatever the step,
         # per row over every padded row, reading only `token_slots`.
         self.graph_mode = False
+        # Triton's kernels off CUDA too (tests run them in the interpreter through the layers).
+        self.use_kernels = self.device.type == "cuda"
 
     def _allocate(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens

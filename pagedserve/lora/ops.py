@@ -68,7 +68,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     """y [T, out] += the LoRA term of x [T, in] for the step in `batch` (in place): Triton's
     shrink and expand on CUDA (per row in decode and under a graph, per segment otherwise),
     the torch paths elsewhere (`lora_b_t`: B transposed, kept off CUDA only)."""
-    if x.device.type != "cuda":
+    if not batch.use_kernels:
         if lora_b_t is not None and masked_pays(x.shape[0], len(batch.groups),
                                                 lora_a.shape[0]):
             lora_torch_masked(x, y, lora_a, lora_b_t, bounds, batch.token_slots)

@@ -59,9 +59,16 @@ def _run_mixed(model, manager, names, requests, prompts, new_tokens):
     return seqs, [torch.cat(chunks) for chunks in logits_out]
 
 
-def test_mixed_batch_matches_peft(setup):
+@pytest.mark.parametrize("path", ["torch", "kernels", "kernels per row"])
+def test_mixed_batch_matches_peft(setup, path):
+    """The torch paths, and Triton's kernels (the interpreter off CUDA) through the layers:
+    segments in prefill and rows in decode, or rows throughout (a graph's mode)."""
     root, base, refs, requests = setup
+    if path != "torch":
+        pytest.importorskip("triton")
     model, manager = _ours(root)
+    manager.batch.use_kernels = path != "torch"
+    manager.batch.graph_mode = path == "kernels per row"
     manager.add_adapter(requests["r8"])  # one at start-up, the others as requests arrive
     names = [None, "r8", "r16", "r32", "r16"]
     gen = torch.Generator().manual_seed(3)
