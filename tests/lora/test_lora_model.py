@@ -59,7 +59,8 @@ def _run_mixed(model, manager, names, requests, prompts, new_tokens):
     return seqs, [torch.cat(chunks) for chunks in logits_out]
 
 
-@pytest.mark.parametrize("path", ["torch", "kernels", "kernels per row"])
+@pytest.mark.parametrize("path", ["torch", "kernels",
+                                  pytest.param("kernels per row", marks=pytest.mark.slow)])
 def test_mixed_batch_matches_peft(setup, path):
     """The torch paths, and Triton's kernels (the interpreter off CUDA) through the layers:
     segments in prefill and rows in decode, or rows throughout (a graph's mode)."""
