@@ -10,16 +10,21 @@ through its own adapter only, and base-model tokens (slot -1) through none.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from pagedserve.distributed import all_reduce
 from pagedserve.lora.batch import LoRABatch
 from pagedserve.lora.ops import add_lora
 from pagedserve.models.parallel import (
+    ColumnParallelLinear,
     LinearBase,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
+    RowParallelLinear,
 )
 
 
@@ -32,10 +37,43 @@ def part_rows(layer: LinearBase) -> list[int]:
     return [layer.out_features]
 
 
+def full_parts(layer: LinearBase) -> list[tuple[int, str | None]]:
+    """(rows in the checkpoint, shard name for `rank_slice`) of each fused part: with tensor
+    parallelism a column-parallel layer holds a slice of each."""
+    tp = layer.tp_size
+    if isinstance(layer, QKVParallelLinear):
+        kv = layer.total_kv_heads * layer.head_dim
+        return [(layer.q_size * tp, "q"), (kv, "k"), (kv, "v")]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return [(layer.local_size * tp, None)] * 2
+    if isinstance(layer, ColumnParallelLinear):
+        return [(layer.out_features * tp, None)]
+    return [(layer.out_features, None)]
+
+
+def full_in_features(layer: LinearBase) -> int:
+    """Input features in the checkpoint (a row-parallel layer holds a slice)."""
+    return layer.in_features * (layer.tp_size if isinstance(layer, RowParallelLinear) else 1)
+
+
 def lora_targets(model: nn.Module) -> dict[str, LinearBase]:
     """Our linear layers an adapter may target, by prefix (every linear but the output head)."""
     return {prefix: m for prefix, m in model.named_modules()
             if isinstance(m, LinearBase) and not isinstance(m, ParallelLMHead)}
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """Where one checkpoint module's factors go: our layer (by prefix), the first local row of
+    its part, the part's rows and input features in the checkpoint, and the shard name that
+    `layer.rank_slice` takes (rows -1: not loadable here)."""
+
+    prefix: str
+    layer: LinearBase
+    row_start: int
+    rows: int
+    shard: str | None
+    in_features: int
 
 
 class LoRALinear(nn.Module):
@@ -72,24 +110,38 @@ class LoRALinear(nn.Module):
             return getattr(self._modules["base_layer"], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
-        if not (self.batch.active or self.batch.graph_mode):
-            return y
+        base = self.base_layer
+        lora = self.batch.active or self.batch.graph_mode
+        if isinstance(base, RowParallelLinear) and base.tp_size > 1 and lora:
+            # A holds this rank's input columns: its term is partial, summed by the layer's
+            # own all-reduce together with the base product's.
+            y = base.quant_method.apply(base, x, None)
+            self._add(x, y)
+            y = all_reduce(y)
+            return y if base.bias is None else y + base.bias
+        y = base(x)
+        if lora:
+            self._add(x, y)
+        return y
+
+    def _add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         flat = x.reshape(-1, x.shape[-1])
         add_lora(flat, y.view(flat.shape[0], -1), self.lora_a, self.lora_b, self.lora_b_t,
                  self.bounds, self.bounds_device, self.batch)
-        return y
 
     def set_slot(self, slot: int, parts: list | None) -> None:
         """Write an adapter's `PartFactors` for this layer into `slot` (None: zeros)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         for part in parts or []:
-            p = self.bounds.index(part.row_start)
-            r, rows = part.a.shape[0], part.b.shape[0]
-            col = p * self.max_rank
-            self.lora_a[slot, col:col + r].copy_(part.a)
-            self.lora_b[slot, part.row_start:part.row_start + rows, :r].copy_(part.b)
+            r, start = part.a.shape[0], part.row_start
+            end = start + part.b.shape[0]
+            self.lora_b[slot, start:end, :r].copy_(part.b)
+            # A goes to every fused part B covers (one factor pair may span several: a
+            # layer stored fused in the checkpoint too, Phi-3's qkv_proj)
+            for p in range(len(self.parts)):
+                if start < self.bounds[p + 1] and self.bounds[p] < end:
+                    self.lora_a[slot, p * self.max_rank:p * self.max_rank + r].copy_(part.a)
         if self.lora_b_t is not None:
             self.lora_b_t[slot].copy_(self.lora_b[slot].t())
 
@@ -107,20 +159,19 @@ def wrap_layers(model: nn.Module, batch: LoRABatch, num_slots: int, max_rank: in
     return wrapped
 
 
-def hf_targets(model: nn.Module, wrapped: dict[str, LoRALinear]
-               ) -> dict[str, tuple[str, LinearBase, int, int]]:
-    """Hugging Face module name -> (our prefix, layer, part's first row, part rows): the
-    checkpoint's q/k/v and gate/up land on slices of our fused layers."""
+def hf_targets(model: nn.Module, wrapped: dict[str, LoRALinear]) -> dict[str, LoRATarget]:
+    """Hugging Face module name -> where its factors go: the checkpoint's q/k/v and gate/up
+    land on slices of our fused layers (and of this rank's share of them)."""
     targets = {}
     for prefix, wrapper in wrapped.items():
+        layer = wrapper.base_layer
         names = model.hf_names(prefix) if hasattr(model, "hf_names") else [prefix]
-        if len(names) != len(wrapper.parts):
-            names = [prefix]  # a layer stored fused in the checkpoint too (Phi-3's qkv_proj)
-            rows = [sum(wrapper.parts)]
-        else:
-            rows = wrapper.parts
-        start = 0
-        for hf, n in zip(names, rows, strict=True):
-            targets[hf] = (prefix, wrapper.base_layer, start, n)
-            start += n
+        if len(names) == len(wrapper.parts):
+            shards = full_parts(layer)
+            starts = wrapper.bounds[:-1]
+        else:  # a layer stored fused in the checkpoint too (Phi-3's qkv_proj)
+            names, starts = [prefix], [0]
+            shards = [(sum(wrapper.parts) if layer.tp_size == 1 else -1, None)]
+        for hf, start, (rows, shard) in zip(names, starts, shards, strict=True):
+            targets[hf] = LoRATarget(prefix, layer, start, rows, shard, full_in_features(layer))
     return targets

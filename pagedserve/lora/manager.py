@@ -24,11 +24,6 @@ logger = logging.getLogger(__name__)
 class LoRAManager:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int | None = None, max_tokens: int = 8192) -> None:
-        from pagedserve.distributed import tp_world_size
-
-        if tp_world_size() > 1:
-            raise ValueError("LoRA with tensor parallelism is not implemented yet (A and B are "
-                             "not sharded); use --tensor-parallel-size 1")
         if max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {max_lora_rank}")
         param = next(model.parameters())

@@ -61,6 +61,27 @@ def test_padded_decode_steps_run_the_kernels_per_row(make_llm, saved):
     assert graphs.replays[8] >= NEW - 1  # the 4 requests' decodes, padded to 8
 
 
+def test_two_tensor_parallel_ranks_shard_the_adapters(saved):
+    """Tensor parallelism (two gloo ranks on the CPU): each rank holds its share of A and B
+    (column-parallel layers B's rows, row-parallel ones A's columns, their partial terms
+    summed by the layer's all-reduce); each PeftModel's tokens and logprobs within 1e-4."""
+    from pagedserve import LLM
+
+    root, base, refs = saved
+    llm = LLM(model=str(root / "base"), dtype="float32", device="cpu", enable_lora=True,
+              max_lora_rank=32, max_loras=3, tensor_parallel_size=2, kv_cache_memory="16MiB",
+              max_model_len=128)
+    try:
+        layers = llm.engine.runner.lora.layers  # rank 0's
+        attn = "model.layers.0.self_attn."
+        qkv, o = layers[attn + "qkv_proj"], layers[attn + "o_proj"]
+        assert qkv.lora_b.shape[1] == 64 and qkv.lora_a.shape[2] == 64  # of 128 rows; all in
+        assert o.lora_a.shape[2] == 32 and o.lora_b.shape[1] == 64  # of 64 columns; all out
+        _check_mixed(llm, root, base, refs)
+    finally:
+        llm.engine.shutdown()
+
+
 def _check_mixed(llm, root, base, refs):
     """One generate call of the base and the three adapters: each PeftModel's greedy tokens
     and logprobs."""
