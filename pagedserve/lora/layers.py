@@ -166,12 +166,15 @@ def hf_targets(model: nn.Module, wrapped: dict[str, LoRALinear]) -> dict[str, Lo
     for prefix, wrapper in wrapped.items():
         layer = wrapper.base_layer
         names = model.hf_names(prefix) if hasattr(model, "hf_names") else [prefix]
-        if len(names) == len(wrapper.parts):
-            shards = full_parts(layer)
-            starts = wrapper.bounds[:-1]
-        else:  # a layer stored fused in the checkpoint too (Phi-3's qkv_proj)
-            names, starts = [prefix], [0]
-            shards = [(sum(wrapper.parts) if layer.tp_size == 1 else -1, None)]
-        for hf, start, (rows, shard) in zip(names, starts, shards, strict=True):
-            targets[hf] = LoRATarget(prefix, layer, start, rows, shard, full_in_features(layer))
+        parts, full_in = full_parts(layer), full_in_features(layer)
+        if len(names) == len(parts):
+            for hf, start, (rows, shard) in zip(names, wrapper.bounds, parts, strict=False):
+                targets[hf] = LoRATarget(prefix, layer, start, rows, shard, full_in)
+        if prefix not in targets:
+            # the whole layer by our name, as a checkpoint that stores it fused names it
+            # (Phi-3's qkv_proj and gate_up_proj); fused rows do not split into one slice
+            # per rank
+            rows = parts[0][0] if len(parts) == 1 else \
+                wrapper.bounds[-1] if layer.tp_size == 1 else -1
+            targets[prefix] = LoRATarget(prefix, layer, 0, rows, None, full_in)
     return targets
