@@ -45,6 +45,14 @@ class LoRABatch:
         self.seg_bounds = torch.zeros(2 * max_tokens, dtype=torch.int32, device=self.device)
         self.seg_slots = torch.zeros(max_tokens, dtype=torch.int32, device=self.device)
         self._written = 0  # token_slots entries that may hold a slot (the rest are -1)
+        # On CUDA the host arrays go through one of two pinned buffers, copied without waiting
+        # for the device (a pageable copy would wait for the step in flight); a buffer is
+        # reused two steps later, after the event recorded behind its copy.
+        pin = self.device.type == "cuda"
+        self._staging = [torch.empty(4 * max_tokens, dtype=torch.int32, pin_memory=True)
+                         for _ in range(2 if pin else 0)]
+        self._copied = [torch.cuda.Event() for _ in range(2 if pin else 0)]
+        self._parity = 0
 
     def set(self, per_request: np.ndarray, num_tokens: np.ndarray) -> None:
         """Request i uses slot `per_request[i]` (-1: the base) for `num_tokens[i]` tokens."""
@@ -52,31 +60,47 @@ class LoRABatch:
         num_tokens = np.asarray(num_tokens, dtype=np.int64)
         slots = np.repeat(per_request, num_tokens)
         t = int(slots.size)
-        if t > self.max_tokens:  # an eager step past the size (no graph covers it)
-            self._allocate(t)
+        if t > self.max_tokens:  # the buffers stay where a captured graph reads them
+            raise ValueError(f"a step of {t} tokens, more than LoRA's routing buffers hold "
+                             f"({self.max_tokens}, the runner's max_num_batched_tokens)")
         self.num_tokens = t
         self.active = bool((per_request != BASE_SLOT).any())
         self.decode = not num_tokens.size or int(num_tokens.max()) <= 1
         width = max(t, self._written)  # clear what the previous step wrote past this one
         host = np.full(width, BASE_SLOT, dtype=np.int32)
         host[:t] = slots
-        self.token_slots[:width].copy_(torch.from_numpy(host))
         self._written = t
-        self._set_segments(slots)
+        self._copy([(self.token_slots, host), *self._segments(slots)])
         self.groups = _slot_groups(slots, self.device) if self.device.type != "cuda" else []
 
-    def _set_segments(self, slots: np.ndarray) -> None:
+    def _segments(self, slots: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
+        """The step's adapter runs (their count and longest kept on the host), as (device
+        buffer, host array) pairs to copy."""
         starts, lengths, seg = runs(slots)
         keep = seg != BASE_SLOT
         starts, lengths, seg = starts[keep], lengths[keep], seg[keep]
         self.num_segments = int(seg.size)
         self.max_segment_len = int(lengths.max()) if seg.size else 0
-        if not seg.size:
-            return
         bounds = np.empty(2 * seg.size, dtype=np.int32)  # [start_i, end_i] pairs
         bounds[0::2], bounds[1::2] = starts, starts + lengths
-        self.seg_bounds[:2 * seg.size].copy_(torch.from_numpy(bounds))
-        self.seg_slots[:seg.size].copy_(torch.from_numpy(seg.astype(np.int32)))
+        return [(self.seg_bounds, bounds), (self.seg_slots, seg.astype(np.int32))]
+
+    def _copy(self, pieces: list[tuple[torch.Tensor, np.ndarray]]) -> None:
+        """Each host array into the start of its device buffer (no wait for the device)."""
+        if not self._staging:
+            for dst, array in pieces:
+                dst[:array.size].copy_(torch.from_numpy(array))
+            return
+        self._parity ^= 1
+        staging, copied = self._staging[self._parity], self._copied[self._parity]
+        copied.synchronize()  # this buffer's copy of two steps ago has run
+        offset = 0
+        for dst, array in pieces:
+            src = staging[offset:offset + array.size]
+            src.numpy()[:] = array
+            dst[:array.size].copy_(src, non_blocking=True)
+            offset += array.size
+        copied.record()
 
 
 def runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -119,8 +119,11 @@ def test_batch_clears_rows_of_the_previous_step():
     batch.set(np.array([2, -1]), np.array([1, 1]))
     assert batch.token_slots.tolist() == [2] + [-1] * 15
     assert batch.decode and batch.num_segments == 1
-    batch.set(np.array([1]), np.array([20]))  # past the buffers: they grow
-    assert batch.token_slots.tolist() == [1] * 20 and not batch.decode
+    batch.set(np.array([1, 0]), np.array([12, 4]))
+    assert batch.token_slots.tolist() == [1] * 12 + [0] * 4 and not batch.decode
+    assert batch.seg_bounds[:4].tolist() == [0, 12, 12, 16] and batch.max_segment_len == 12
+    with pytest.raises(ValueError, match=r"a step of 20 tokens, more than .* hold \(16"):
+        batch.set(np.array([1]), np.array([20]))  # a graph reads the buffers where they are
 
 
 def test_cpu_lora_needs_no_triton():
