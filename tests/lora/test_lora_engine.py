@@ -82,6 +82,33 @@ def test_two_tensor_parallel_ranks_shard_the_adapters(saved):
         llm.engine.shutdown()
 
 
+@pytest.mark.slow
+def test_two_ranks_with_one_kv_head_replicate_its_factors(tmp_path):
+    """One K/V head over two ranks: each rank holds the whole k and v, and so the whole of
+    their B rows."""
+    from pagedserve import LLM
+    from tests.lora import adapters
+
+    base = adapters.save_base(tmp_path / "base", num_key_value_heads=1)
+    ref = save_adapter(base, tmp_path / "a", 16, 8, True, seed=4)
+    llm = LLM(model=str(tmp_path / "base"), dtype="float32", device="cpu", enable_lora=True,
+              max_lora_rank=16, tensor_parallel_size=2, kv_cache_memory="16MiB",
+              max_model_len=128)
+    try:
+        prompt = [9, 41, 7, 200, 3, 3, 18]
+        params = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=0, ignore_eos=True)
+        out = llm.generate([prompt], params, use_tqdm=False,
+                           lora_request=LoRARequest("a", 1, str(tmp_path / "a")))[0]
+        tokens, logprobs = _hf_greedy(ref, prompt)
+        assert out.outputs[0].token_ids == tokens
+        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens,
+                                                             strict=True)])
+        torch.testing.assert_close(got, logprobs[torch.arange(NEW), tokens], rtol=1e-4,
+                                   atol=1e-4)
+    finally:
+        llm.engine.shutdown()
+
+
 def _check_mixed(llm, root, base, refs):
     """One generate call of the base and the three adapters: each PeftModel's greedy tokens
     and logprobs."""
