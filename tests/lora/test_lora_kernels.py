@@ -138,3 +138,25 @@ def test_cpu_lora_needs_no_triton():
             "         [0, 4], torch.tensor([0, 4]), b)\n"
             "assert float(y[0, 0]) == 6.0, y\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_kernels_in_float16():
+    """16-bit factors and activations (the interpreter's tl.dot takes fp16, not bf16): within
+    float16 rounding of the float32 reference (the shrink's output rounds to fp16 first)."""
+    kernels = pytest.importorskip("pagedserve.lora.kernels")
+    a, b, bounds = _factors(16, 72, [50, 50], seed=9)
+    a, b = (0.25 * a).half(), (0.25 * b).half()
+    bounds_t = torch.tensor(bounds, dtype=torch.int32)
+    batch, x, y = _step(*STEP, 72, bounds[-1])
+    x, y = x.half(), y.half()
+    want = _reference(x.float(), y.float(), a.float(), b.float(), bounds,
+                      batch.token_slots[:x.shape[0]])
+    scale = float(want.abs().max())
+    for run in (lambda out: kernels.sgmv(x, out, a, b, bounds, bounds_t, batch.seg_bounds,
+                                         batch.seg_slots, batch.num_segments,
+                                         batch.max_segment_len),
+                lambda out: kernels.bgmv(x, out, a, b, bounds, bounds_t, batch.token_slots)):
+        got = y.clone()
+        run(got)
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=1e-3 * scale)
