@@ -246,9 +246,6 @@ class EngineConfig:
                                  ) from None
             if device.type not in ("cpu", "cuda"):
                 raise ValueError(f"device {self.device!r}: pagedserve runs on cpu or cuda")
-        if self.lora.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA with tensor parallelism is not implemented yet (A and B are "
-                             "not sharded): use tensor_parallel_size 1")
         if self.scheduler.max_num_seqs is None:
             self.scheduler.max_num_seqs = 256 if self.torch_device.type == "cuda" else 128
 

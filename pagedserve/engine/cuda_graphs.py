@@ -57,6 +57,10 @@ class GraphInputs:
     # The model's head (hidden -> float32 logits): each size also gets the head's graphs
     # (engine/head_graphs.py); None: none (tensor parallelism gathers the logits there).
     compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # --enable-lora: the step's routing (pagedserve.lora.batch.LoRABatch). Graphed forwards run
+    # in its graph mode: the LoRA products per row, reading the slot of each row from its
+    # fixed buffer (-1 on padding rows), whatever the step at capture.
+    lora: Any = None
 
     def group_metadata(self, commons: list[CommonAttentionMetadata],
                        build: Callable[[Any, CommonAttentionMetadata], Any]) -> dict[Any, Any]:
@@ -166,7 +170,14 @@ class DecodeGraphs:
         return self.head.head_logits(*self._last, num_reqs)
 
     def _forward(self, metadata: dict[Any, Any], size: int) -> torch.Tensor:
-        return self.inputs.run_model(metadata, size)
+        lora = self.inputs.lora
+        if lora is None:
+            return self.inputs.run_model(metadata, size)
+        lora.graph_mode = True
+        try:
+            return self.inputs.run_model(metadata, size)
+        finally:
+            lora.graph_mode = False
 
     def _graph_metadata(self, commons: list[CommonAttentionMetadata], size: int
                         ) -> dict[Any, Any]:
@@ -311,9 +322,6 @@ def setup_decode_graphs(inputs: GraphInputs, backend: type[AttentionBackend],
     """Capture decode graphs when the engine and backend allow them; on any failure log a
     warning naming it and return None (the runner then stays eager)."""
     if config.enforce_eager or config.torch_device.type != "cuda":
-        return None
-    if config.lora.enable_lora:  # the graphs would hold the step without its adapters' terms
-        logger.info("CUDA graphs off: LoRA steps run eagerly (capturing them is not done yet)")
         return None
     block_size = inputs.common_builder.block_size
     if not backend.can_capture_cuda_graphs(block_size):

@@ -465,5 +465,6 @@ class ModelRunner:
         return GraphInputs(self.run_model, self.common_builder, self.input_ids, self.builders,
                            self.num_blocks, self.vocab_size, routes_experts=routes,
                            group_builders=self.group_builders,
-                           builder_group=self.builder_group, compute_logits=head)
+                           builder_group=self.builder_group, compute_logits=head,
+                           lora=self.lora.batch if self.lora is not None else None)
 

@@ -100,15 +100,20 @@ class Worker:
         for request_id in msg.finished_request_ids:
             self.runner.finish_request(request_id)
             self.requests.pop(request_id, None)
+        lora = self.runner.lora  # this rank's share of each adapter (as rank 0's core does)
         for request in msg.new_requests:
             if request.request_id not in self.requests:
                 self.runner.add_request(request)
+                if lora is not None and request.lora_request is not None:
+                    lora.add_request(request.lora_request)
             self.requests[request.request_id] = request
         batch = SchedulerOutput([self.requests[i] for i in msg.request_ids],
                                 msg.num_scheduled_tokens, msg.num_computed_tokens,
                                 msg.new_block_ids, msg.is_new, msg.num_prefills,
                                 msg.will_sample, msg.freed_request_ids,
                                 context_written_in_step=msg.context_written_in_step)
+        if lora is not None:
+            lora.set_batch(batch)
         self.pending.append(self.runner.launch(batch))
 
     def collect(self) -> None:

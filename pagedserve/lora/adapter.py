@@ -12,9 +12,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -106,10 +106,12 @@ def check_adapter_dir(path: str | Path, name: str, max_rank: int) -> dict:
     return config
 
 
-def load_adapter(path: str | Path, name: str, targets: dict[str, tuple[str, nn.Module, int, int]],
-                 max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
-    """The adapter at `path` mapped onto `targets` (HF module name -> (our prefix, layer, part
-    row start, part rows)); every check names the tensor and the numbers."""
+def load_adapter(path: str | Path, name: str, targets: dict[str, Any], max_rank: int,
+                 dtype: torch.dtype) -> LoRAAdapter:
+    """The adapter at `path` mapped onto `targets` (HF module name -> `layers.LoRATarget`);
+    every check names the tensor and the numbers. With tensor parallelism each rank keeps
+    its share, as the layer's weight is split: a column-parallel layer's B rows, a
+    row-parallel layer's A columns."""
     path = Path(path)
     config = check_adapter_dir(path, name, max_rank)
     scale = scaling(config)
@@ -119,13 +121,29 @@ def load_adapter(path: str | Path, name: str, targets: dict[str, tuple[str, nn.M
         if hf not in targets:
             raise ValueError(f"LoRA adapter {name!r}: module {hf!r} is not a linear layer of "
                              f"the base model")
-        prefix, layer, start, rows = targets[hf]
+        target = targets[hf]
+        if target.rows < 0:
+            raise ValueError(f"LoRA adapter {name!r}: {hf} is stored fused in the checkpoint; "
+                             f"its factors cannot be split over tensor-parallel ranks yet")
         a = tensors[f"{_PEFT_PREFIX}{hf}.lora_A.weight"]
         b = tensors[f"{_PEFT_PREFIX}{hf}.lora_B.weight"]
-        _check_shapes(name, hf, a, b, layer.in_features, rows, max_rank)
-        adapter.layers.setdefault(prefix, []).append(
-            PartFactors(start, a.to(dtype), (b.float() * scale).to(dtype)))
+        _check_shapes(name, hf, a, b, target.in_features, target.rows, max_rank)
+        a, b = _rank_share(target, a, b)
+        adapter.layers.setdefault(target.prefix, []).append(
+            PartFactors(target.row_start, a.to(dtype), (b.float() * scale).to(dtype)))
     return adapter
+
+
+def _rank_share(target: Any, a: torch.Tensor, b: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's A and B: sliced where the layer's weight is (None: whole)."""
+    cut = target.layer.rank_slice("weight", target.shard)
+    if cut is None:
+        return a, b
+    dim, start, n = cut
+    if dim == 0:  # output rows: B's rows
+        return a, b.narrow(0, start, n)
+    return a.narrow(1, start, n), b  # input columns: A's columns
 
 
 def _check_shapes(name: str, hf: str, a: torch.Tensor, b: torch.Tensor, in_features: int,

@@ -7,12 +7,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from pagedserve.lora.adapter import LoRAAdapter, load_adapter
+from pagedserve.lora.batch import BASE_SLOT, LoRABatch
 from pagedserve.lora.cache import HostAdapterCache
-from pagedserve.lora.layers import LoRABatch, hf_targets, wrap_layers
+from pagedserve.lora.layers import hf_targets, wrap_layers
 from pagedserve.lora.request import LoRARequest
 from pagedserve.lora.slots import SlotTable
 
@@ -22,11 +24,6 @@ logger = logging.getLogger(__name__)
 class LoRAManager:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int | None = None, max_tokens: int = 8192) -> None:
-        from pagedserve.distributed import tp_world_size
-
-        if tp_world_size() > 1:
-            raise ValueError("LoRA with tensor parallelism is not implemented yet (A and B are "
-                             "not sharded); use --tensor-parallel-size 1")
         if max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {max_lora_rank}")
         param = next(model.parameters())
@@ -34,7 +31,7 @@ class LoRAManager:
         self.max_rank = max_lora_rank
         self.dtype = param.dtype if param.dtype.is_floating_point and param.element_size() > 1 \
             else torch.bfloat16
-        self.batch = LoRABatch(max_tokens, max_loras, param.device)
+        self.batch = LoRABatch(max_tokens, param.device)
         self.layers = wrap_layers(model, self.batch, max_loras, max_lora_rank)
         self.targets = hf_targets(model, self.layers)
         self.slots = SlotTable(max_loras)
@@ -70,10 +67,10 @@ class LoRAManager:
             adapter = self.cache.get(self.requests[lora_id])
             for prefix, layer in self.layers.items():
                 layer.set_slot(slot, adapter.layers.get(prefix))
-        base = self.batch.base_slot
-        per_request = torch.tensor([slot_of.get(i, base) for i in lora_ids], dtype=torch.long)
-        counts = torch.as_tensor(num_tokens, dtype=torch.long).cpu()
-        self.batch.set(per_request.repeat_interleave(counts).to(self.batch.token_slots.device))
+        per_request = np.array([slot_of.get(i, BASE_SLOT) for i in lora_ids], dtype=np.int32)
+        counts = num_tokens.cpu().numpy() if isinstance(num_tokens, torch.Tensor) \
+            else np.asarray(num_tokens)
+        self.batch.set(per_request, counts)
 
     # ---- what the model runner calls ----------------------------------------------------
 

@@ -113,6 +113,7 @@ class QKVParallelLinear(LinearBase):
                  bias: bool = False) -> None:
         self.tp_size, self.tp_rank = tp_world_size(), tp_rank()
         self.head_dim = head_dim
+        self.total_kv_heads = num_kv_heads
         self.num_heads = divide(num_heads, self.tp_size, "attention heads")
         if num_kv_heads >= self.tp_size:
             self.num_kv_heads = divide(num_kv_heads, self.tp_size, "key/value heads")

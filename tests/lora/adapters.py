@@ -15,10 +15,10 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
 ADAPTERS = {"r8": (8, 16, False), "r16": (16, 8, True), "r32": (32, 32, False)}
 
 
-def save_base(path: Path) -> torch.nn.Module:
+def save_base(path: Path, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation="eager",
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, **overrides}),
+                                             attn_implementation="eager", dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

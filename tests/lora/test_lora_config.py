@@ -35,7 +35,6 @@ def test_flags_become_the_lora_section():
     (dict(lora_modules=["a=/x"]), "--lora-modules needs --enable-lora"),
     (dict(enable_lora=True, max_loras=0), "max_loras must be >= 1, got 0"),
     (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "max_cpu_loras .2. must be >= "),
-    (dict(enable_lora=True, tensor_parallel_size=2), "LoRA with tensor parallelism"),
 ])
 def test_bad_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):

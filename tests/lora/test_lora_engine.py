@@ -41,6 +41,77 @@ def test_one_batch_mixes_base_and_adapters(make_llm, saved):
     root, base, refs = saved
     # r8 from --lora-modules (id 1), the others named first by requests (ids 2, 3)
     llm = _engine(make_llm, root, lora_modules=[f"r8={root / 'r8'}"], max_loras=3)
+    _check_mixed(llm, root, base, refs)
+
+
+def test_padded_decode_steps_run_the_kernels_per_row(make_llm, saved):
+    """Decode steps padded to a captured size the way CUDA graphs run them (here eagerly,
+    `DecodeGraphs(capture=False)`), through Triton's kernels (the interpreter): the per-row
+    products over the padded rows, whose slots stay -1."""
+    pytest.importorskip("triton")
+    from pagedserve.engine.cuda_graphs import DecodeGraphs
+
+    root, base, refs = saved
+    llm = _engine(make_llm, root, max_loras=3, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.lora.batch.use_kernels = True
+    graphs = DecodeGraphs(runner.graph_inputs(), [8], capture=False)
+    runner.decode_graphs = graphs
+    _check_mixed(llm, root, base, refs)
+    assert graphs.replays[8] >= NEW - 1  # the 4 requests' decodes, padded to 8
+
+
+def test_two_tensor_parallel_ranks_shard_the_adapters(saved):
+    """Tensor parallelism (two gloo ranks on the CPU): each rank holds its share of A and B
+    (column-parallel layers B's rows, row-parallel ones A's columns, their partial terms
+    summed by the layer's all-reduce); each PeftModel's tokens and logprobs within 1e-4."""
+    from pagedserve import LLM
+
+    root, base, refs = saved
+    llm = LLM(model=str(root / "base"), dtype="float32", device="cpu", enable_lora=True,
+              max_lora_rank=32, max_loras=3, tensor_parallel_size=2, kv_cache_memory="16MiB",
+              max_model_len=128)
+    try:
+        layers = llm.engine.runner.lora.layers  # rank 0's
+        attn = "model.layers.0.self_attn."
+        qkv, o = layers[attn + "qkv_proj"], layers[attn + "o_proj"]
+        assert qkv.lora_b.shape[1] == 64 and qkv.lora_a.shape[2] == 64  # of 128 rows; all in
+        assert o.lora_a.shape[2] == 32 and o.lora_b.shape[1] == 64  # of 64 columns; all out
+        _check_mixed(llm, root, base, refs)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_two_ranks_with_one_kv_head_replicate_its_factors(tmp_path):
+    """One K/V head over two ranks: each rank holds the whole k and v, and so the whole of
+    their B rows."""
+    from pagedserve import LLM
+    from tests.lora import adapters
+
+    base = adapters.save_base(tmp_path / "base", num_key_value_heads=1)
+    ref = save_adapter(base, tmp_path / "a", 16, 8, True, seed=4)
+    llm = LLM(model=str(tmp_path / "base"), dtype="float32", device="cpu", enable_lora=True,
+              max_lora_rank=16, tensor_parallel_size=2, kv_cache_memory="16MiB",
+              max_model_len=128)
+    try:
+        prompt = [9, 41, 7, 200, 3, 3, 18]
+        params = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=0, ignore_eos=True)
+        out = llm.generate([prompt], params, use_tqdm=False,
+                           lora_request=LoRARequest("a", 1, str(tmp_path / "a")))[0]
+        tokens, logprobs = _hf_greedy(ref, prompt)
+        assert out.outputs[0].token_ids == tokens
+        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens,
+                                                             strict=True)])
+        torch.testing.assert_close(got, logprobs[torch.arange(NEW), tokens], rtol=1e-4,
+                                   atol=1e-4)
+    finally:
+        llm.engine.shutdown()
+
+
+def _check_mixed(llm, root, base, refs):
+    """One generate call of the base and the three adapters: each PeftModel's greedy tokens
+    and logprobs."""
     requests = {"r8": LoRARequest("r8", 1, str(root / "r8")),
                 "r16": LoRARequest("r16", 2, str(root / "r16")),
                 "r32": LoRARequest("r32", 3, str(root / "r32"))}
@@ -60,67 +131,3 @@ def test_one_batch_mixes_base_and_adapters(make_llm, saved):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_adapters_never_share_prefix_blocks_and_take_turns(make_llm, saved):
-    root, base, refs = saved
-    llm = _engine(make_llm, root, max_loras=1, block_size=16)
-    prompt = list(range(3, 3 + 40))  # two full blocks
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    r8, r16 = LoRARequest("r8", 1, str(root / "r8")), LoRARequest("r16", 2, str(root / "r16"))
-    llm.generate([prompt], params, use_tqdm=False, lora_request=r8)
-    hits = llm.engine.call_utility("stats").prefix_cache_hits
-    # the same prompt through another adapter and the base: no block found in the cache
-    outs = llm.generate([prompt, prompt], params, use_tqdm=False, lora_request=[r16, None])
-    assert llm.engine.call_utility("stats").prefix_cache_hits == hits
-    # ... through the same adapter again: its two full blocks are
-    llm.generate([prompt], params, use_tqdm=False, lora_request=r8)
-    assert llm.engine.call_utility("stats").prefix_cache_hits == hits + 32
-    # two adapters with one slot: served in turn, each as its PeftModel
-    for name, out in zip(("r16", None), outs, strict=True):
-        ref = base if name is None else refs[name]
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == want
-
-
-def test_lora_requests_are_checked(make_llm, saved, tmp_path):
-    root, *_ = saved
-    llm = _engine(make_llm, root, max_lora_rank=16)
-    params = SamplingParams(max_tokens=1)
-    with pytest.raises(ValueError, match="rank 32, over --max-lora-rank 16"):
-        llm.generate([[5, 6]], params, use_tqdm=False,
-                     lora_request=LoRARequest("r32", 3, str(root / "r32")))
-    with pytest.raises(FileNotFoundError, match="no directory"):
-        llm.generate([[5, 6]], params, use_tqdm=False,
-                     lora_request=LoRARequest("gone", 4, str(tmp_path / "gone")))
-    with pytest.raises(ValueError, match="2 LoRA requests for 1 prompts"):
-        llm.generate([[5, 6]], params, use_tqdm=False, lora_request=[None, None])
-
-
-def test_more_adapters_than_slots_are_scheduled_in_turn(make_llm, saved):
-    """Three adapters and the base in one call with --max-loras 1: each step holds at most one
-    adapter (the runner refuses more), every request ends, each with its PeftModel's tokens."""
-    root, base, refs = saved
-    llm = _engine(make_llm, root, max_loras=1)
-    core = llm.engine.core
-    seen = []
-    schedule = core.scheduler.schedule
-
-    def spy():
-        batch = schedule()
-        seen.append({r.lora_int_id for r in batch.requests} - {0})
-        return batch
-
-    core.scheduler.schedule = spy
-    names = ["r8", None, "r16", "r32"]
-    reqs = [LoRARequest(n, i + 1, str(root / n)) if n else None for i, n in enumerate(names)]
-    prompt = [7, 30, 12, 99, 4]
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    outs = llm.generate([prompt] * 4, params, use_tqdm=False, lora_request=reqs)
-    assert max(len(s) for s in seen) == 1 and set().union(*seen) == {1, 3, 4}
-    for name, out in zip(names, outs, strict=True):
-        ref = base if name is None else refs[name]
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == want, name

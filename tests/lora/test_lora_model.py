@@ -59,9 +59,17 @@ def _run_mixed(model, manager, names, requests, prompts, new_tokens):
     return seqs, [torch.cat(chunks) for chunks in logits_out]
 
 
-def test_mixed_batch_matches_peft(setup):
+@pytest.mark.parametrize("path", ["torch", "kernels",
+                                  pytest.param("kernels per row", marks=pytest.mark.slow)])
+def test_mixed_batch_matches_peft(setup, path):
+    """The torch paths, and Triton's kernels (the interpreter off CUDA) through the layers:
+    segments in prefill and rows in decode, or rows throughout (a graph's mode)."""
     root, base, refs, requests = setup
+    if path != "torch":
+        pytest.importorskip("triton")
     model, manager = _ours(root)
+    manager.batch.use_kernels = path != "torch"
+    manager.batch.graph_mode = path == "kernels per row"
     manager.add_adapter(requests["r8"])  # one at start-up, the others as requests arrive
     names = [None, "r8", "r16", "r32", "r16"]
     gen = torch.Generator().manual_seed(3)
@@ -147,3 +155,31 @@ def test_adapter_for_another_base_is_refused(setup, tmp_path):
     _, manager = _ours(root)
     with pytest.raises(ValueError, match="the adapter was trained for another base model"):
         manager.add_adapter(LoRARequest("other", 5, str(tmp_path / "other")))
+
+
+def test_phi3_adapter_on_layers_fused_in_the_checkpoint(tmp_path):
+    """Phi-3's checkpoint (and so PEFT) names qkv_proj and gate_up_proj whole: one factor pair
+    over every fused part."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    from tests.lora.adapters import TINY
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(Phi3Config(**TINY), attn_implementation="eager",
+                                            dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name
+                    else 0.15 * torch.randn_like(p))
+    base.save_pretrained(tmp_path / "base")
+    ref = save_adapter(base.eval(), tmp_path / "a", 8, 16, False, seed=1)
+    assert any("gate_up_proj.lora_A" in n for n, _ in ref.named_parameters())
+    model = load_model(str(tmp_path / "base"), torch.float32, CPU, None).model
+    manager = LoRAManager(model, max_loras=1, max_lora_rank=8)
+    manager.add_adapter(LoRARequest("a", 1, str(tmp_path / "a")))
+    prompt = [[5, 9, 11, 40, 7, 100]]
+    seqs, logits = _run_mixed(model, manager, ["a"], {"a": LoRARequest("a", 1, "")}, prompt, 2)
+    seq = seqs[0][:-1]
+    with torch.no_grad():
+        _close(logits[0], ref(torch.tensor([seq])).logits[0])
+        assert (logits[0] - base(torch.tensor([seq])).logits[0]).abs().max() > 0.1

@@ -1,0 +1,57 @@
+"""Compile LoRA's Triton kernels (pagedserve/lora/kernels.py) for a CUDA target without a GPU,
+with whichever triton is first on the path: a check that the device's triton (older than the
+CPU machines') accepts them before a device call. bf16 and float32 factors, rank 16.
+
+    pip install --no-deps --target DIR triton==3.6.0
+    python benchmarks/lora_kernels_compile.py --triton-path DIR --arch 90
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--triton-path", help="a directory holding the triton to use")
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    if args.triton_path:
+        sys.path.insert(0, args.triton_path)
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedserve.lora import kernels
+
+    rows = {"stride_r": "i32", "RANK": "constexpr", "R_PAD": "constexpr"}
+    shrink = {"x_ptr": "*T", "a_ptr": "*T", "r_ptr": "*fp32", "in_features": "i32",
+              "stride_x": "i32", "stride_as": "i32", "stride_ar": "i32", **rows}
+    expand = {"r_ptr": "*fp32", "b_ptr": "*T", "y_ptr": "*T", "bounds_ptr": "*i32",
+              "stride_bs": "i32", "stride_bn": "i32", "stride_y": "i32", **rows,
+              "N_BLOCKS": "constexpr", "BLOCK_N": "constexpr"}
+    segments = {"seg_bounds_ptr": "*i32", "seg_slots_ptr": "*i32", "BLOCK_M": "constexpr",
+                "DOT_PRECISION": "constexpr"}
+    consts = {"RANK": 16, "R_PAD": 16, "BLOCK_M": 64, "BLOCK_K": 64, "N_BLOCKS": 8,
+              "BLOCK_N": 64}
+    jobs = [(kernels._sgmv_shrink, {**shrink, **segments, "BLOCK_K": "constexpr"}),
+            (kernels._sgmv_expand, {**expand, **segments}),
+            (kernels._bgmv_shrink, {**shrink, "slots_ptr": "*i32", "BLOCK_K": "constexpr"}),
+            (kernels._bgmv_expand, {**expand, "slots_ptr": "*i32"})]
+    target = GPUTarget("cuda", args.arch, 32)
+    print(f"triton {triton.__version__}, target sm_{args.arch}")
+    for fn, signature in jobs:
+        for dtype in ("bf16", "fp32"):
+            sig = {k: f"*{dtype}" if v == "*T" else v for k, v in signature.items()}
+            const = {k: v for k, v in consts.items() if k in sig}
+            if "DOT_PRECISION" in sig:
+                const["DOT_PRECISION"] = "ieee" if dtype == "fp32" else None
+            compiled = triton.compile(ASTSource(fn, sig, constexprs=const), target=target)
+            print(f"{fn.fn.__name__:14s} {dtype}: {len(compiled.asm['cubin'])} bytes of cubin")
+
+
+if __name__ == "__main__":
+    main()

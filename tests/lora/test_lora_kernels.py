@@ -1,0 +1,162 @@
+"""LoRA's shrink/expand kernels (Triton, under TRITON_INTERPRET=1 on the CPU) and the torch
+path (ops.lora_torch), float32, against a per-token reference written here: mixed slots with
+base tokens between them, an empty segment, ranks 8/16/32, fused parts of unequal and
+non-power-of-two widths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.lora.batch import LoRABatch
+from pagedserve.lora.ops import lora_torch, lora_torch_masked
+
+SLOTS = 3
+
+
+def _factors(rank: int, in_features: int, parts: list[int], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    bounds = [sum(parts[:i]) for i in range(len(parts) + 1)]
+    a = torch.randn(SLOTS, len(parts) * rank, in_features, generator=gen)
+    b = torch.randn(SLOTS, bounds[-1], rank, generator=gen)
+    return a, b, bounds
+
+
+def _reference(x, y, a, b, bounds, token_slots):
+    """One token and one part at a time: y[t, part] += B_part (A_part x[t])."""
+    out = y.clone()
+    rank = b.shape[-1]
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot < 0:
+            continue
+        for p in range(len(bounds) - 1):
+            lo, hi = bounds[p], bounds[p + 1]
+            out[t, lo:hi] += b[slot, lo:hi] @ (a[slot, p * rank:(p + 1) * rank] @ x[t])
+    return out
+
+
+def _step(per_request, num_tokens, in_features, out_features):
+    batch = LoRABatch(64, torch.device("cpu"))
+    batch.set(np.array(per_request), np.array(num_tokens))
+    t = int(sum(num_tokens))
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(t, in_features, generator=gen), torch.randn(t, out_features, generator=gen)
+    return batch, x, y
+
+
+CASES = [  # (rank, in features, fused parts' rows)
+    (8, 40, [24, 12, 12]),  # q/k/v of unequal widths, nothing a power of two
+    (16, 72, [50, 50]),  # gate/up
+    (32, 33, [70]),  # a whole layer wider than one output block
+]
+STEP = ([0, -1, 2, 2, -1, 1, 0], [3, 2, 5, 1, 4, 18, 1])  # slots per request, tokens
+
+
+@pytest.mark.parametrize("rank,in_features,parts", CASES)
+def test_torch_path_matches_reference(rank, in_features, parts):
+    a, b, bounds = _factors(rank, in_features, parts, seed=rank)
+    batch, x, y = _step(*STEP, in_features, bounds[-1])
+    want = _reference(x, y, a, b, bounds, batch.token_slots[:x.shape[0]])
+    got = y.clone()
+    lora_torch(x, got, a, b, bounds, batch.groups)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert (want - y).abs().max() > 1.0  # the term is there to be dropped
+    got = y.clone()
+    lora_torch_masked(x, got, a, b.transpose(1, 2).contiguous(), bounds, batch.token_slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rank,in_features,parts", CASES)
+def test_kernels_match_reference(rank, in_features, parts):
+    kernels = pytest.importorskip("pagedserve.lora.kernels")
+    a, b, bounds = _factors(rank, in_features, parts, seed=rank)
+    bounds_t = torch.tensor(bounds, dtype=torch.int32)
+    batch, x, y = _step(*STEP, in_features, bounds[-1])
+    want = _reference(x, y, a, b, bounds, batch.token_slots[:x.shape[0]])
+    assert batch.num_segments == 4 and batch.max_segment_len == 18  # 2,2 merged; base dropped
+    got = y.clone()
+    kernels.sgmv(x, got, a, b, bounds, bounds_t, batch.seg_bounds, batch.seg_slots,
+                 batch.num_segments, batch.max_segment_len)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    # per row, over more rows than the step (a graph's padding: slot -1, left untouched)
+    pad = torch.randn(3, bounds[-1])
+    x_pad = torch.cat([x, torch.randn(3, in_features)])
+    got = torch.cat([y, pad])
+    kernels.bgmv(x_pad, got, a, b, bounds, bounds_t, batch.token_slots[:x_pad.shape[0]])
+    torch.testing.assert_close(got[:x.shape[0]], want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[x.shape[0]:], pad)
+
+
+def test_sgmv_skips_empty_segments_and_base_steps():
+    kernels = pytest.importorskip("pagedserve.lora.kernels")
+    a, b, bounds = _factors(16, 40, [24, 12, 12], seed=5)
+    bounds_t = torch.tensor(bounds, dtype=torch.int32)
+    x, y = torch.randn(6, 40), torch.randn(6, 48)
+    slots = torch.tensor([1, 1, 1, -1, 2, 2], dtype=torch.int32)
+    want = _reference(x, y, a, b, bounds, slots)
+    # segments [0, 3) slot 1, [3, 3) empty, [4, 6) slot 2
+    seg_bounds = torch.tensor([0, 3, 3, 3, 4, 6], dtype=torch.int32)
+    seg_slots = torch.tensor([1, 0, 2], dtype=torch.int32)
+    got = y.clone()
+    kernels.sgmv(x, got, a, b, bounds, bounds_t, seg_bounds, seg_slots, 3, 3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    base = LoRABatch(8, torch.device("cpu"))
+    base.set(np.array([-1, -1]), np.array([4, 2]))
+    assert base.num_segments == 0 and not base.active and not base.groups
+    got = y.clone()
+    kernels.sgmv(x, got, a, b, bounds, bounds_t, base.seg_bounds, base.seg_slots, 0, 0)
+    kernels.bgmv(x, got, a, b, bounds, bounds_t, base.token_slots[:6])
+    assert torch.equal(got, y)
+
+
+def test_batch_clears_rows_of_the_previous_step():
+    batch = LoRABatch(16, torch.device("cpu"))
+    batch.set(np.array([0, 1, 2]), np.array([4, 4, 4]))
+    batch.set(np.array([2, -1]), np.array([1, 1]))
+    assert batch.token_slots.tolist() == [2] + [-1] * 15
+    assert batch.decode and batch.num_segments == 1
+    batch.set(np.array([1, 0]), np.array([12, 4]))
+    assert batch.token_slots.tolist() == [1] * 12 + [0] * 4 and not batch.decode
+    assert batch.seg_bounds[:4].tolist() == [0, 12, 12, 16] and batch.max_segment_len == 12
+    with pytest.raises(ValueError, match=r"a step of 20 tokens, more than .* hold \(16"):
+        batch.set(np.array([1]), np.array([20]))  # a graph reads the buffers where they are
+
+
+def test_cpu_lora_needs_no_triton():
+    """The CPU path imports no Triton (the CPU install may lack it)."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import numpy as np, torch\n"
+            "from pagedserve.lora.batch import LoRABatch\n"
+            "from pagedserve.lora.ops import add_lora\n"
+            "b = LoRABatch(4, torch.device('cpu')); b.set(np.array([0]), np.array([2]))\n"
+            "y = torch.zeros(2, 4)\n"
+            "add_lora(torch.ones(2, 3), y, torch.ones(1, 2, 3), torch.ones(1, 4, 2), None,\n"
+            "         [0, 4], torch.tensor([0, 4]), b)\n"
+            "assert float(y[0, 0]) == 6.0, y\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_kernels_in_float16():
+    """16-bit factors and activations (the interpreter's tl.dot takes fp16, not bf16): within
+    float16 rounding of the float32 reference (the shrink's output rounds to fp16 first)."""
+    kernels = pytest.importorskip("pagedserve.lora.kernels")
+    a, b, bounds = _factors(16, 72, [50, 50], seed=9)
+    a, b = (0.25 * a).half(), (0.25 * b).half()
+    bounds_t = torch.tensor(bounds, dtype=torch.int32)
+    batch, x, y = _step(*STEP, 72, bounds[-1])
+    x, y = x.half(), y.half()
+    want = _reference(x.float(), y.float(), a.float(), b.float(), bounds,
+                      batch.token_slots[:x.shape[0]])
+    scale = float(want.abs().max())
+    for run in (lambda out: kernels.sgmv(x, out, a, b, bounds, bounds_t, batch.seg_bounds,
+                                         batch.seg_slots, batch.num_segments,
+                                         batch.max_segment_len),
+                lambda out: kernels.bgmv(x, out, a, b, bounds, bounds_t, batch.token_slots)):
+        got = y.clone()
+        run(got)
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=1e-3 * scale)
