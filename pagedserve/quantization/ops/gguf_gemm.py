@@ -194,7 +194,7 @@ class Tiles:
 # blocks, so narrow N tiles spread a layer over the SMs; BLOCK_K of 64 keeps whole sub-blocks
 # (32 values) in a tile.
 GPU_TILES = Tiles(16, 64, 64, 4, 3)
-INTERPRETER_TILES = Tiles(16, 32, 32, 1, 1)
+INTERPRETER_TILES = Tiles(16, 64, 64, 1, 1)
 # Above this many rows the weight is dequantized whole and the dense GEMM runs; not yet
 # measured (`benchmarks/gguf_linear.py` times both on the device).
 DEQUANTIZE_ABOVE_M = 64
