@@ -153,13 +153,16 @@ class GgufConfig(QuantizationConfig):
 def random_blocks(qtype: int, rows: int, cols: int, generator: torch.Generator,
                   scale: float = 1e-3) -> torch.Tensor:
     """Valid blocks of random codes for a [rows, cols] weight of block type `qtype` (uint8
-    [rows, bytes per row]): every byte random except the float16 scales, set to finite values
-    below `scale` (random bytes there would be NaN or huge). For tests and benchmarks."""
+    [rows, bytes per row], on the generator's device): every byte random except the float16
+    scales, set to finite values below `scale` (random bytes there would be NaN or huge). For
+    tests and benchmarks."""
     block, size, _ = BLOCKS[qtype]
+    device = generator.device
     data = torch.randint(0, 256, (rows, cols // block, size), generator=generator,
-                         dtype=torch.uint8)
+                         dtype=torch.uint8, device=device)
     offsets = {Q6_K: (208,), Q4_1: (0, 2), Q4_K: (0, 2), Q5_K: (0, 2)}.get(qtype, (0,))
     for offset in offsets:
-        d = (torch.rand(rows, cols // block, generator=generator) * scale).to(torch.float16)
-        data[:, :, offset:offset + 2] = d.view(torch.uint8).view(rows, cols // block, 2)
+        d = torch.rand(rows, cols // block, generator=generator, device=device) * scale
+        data[:, :, offset:offset + 2] = d.to(torch.float16).view(torch.uint8) \
+            .view(rows, cols // block, 2)
     return data.view(rows, -1)

@@ -190,10 +190,11 @@ class Tiles:
     num_stages: int
 
 
-# Chosen by reasoning and not yet measured on a device: at decode the kernel streams the
-# blocks, so narrow N tiles spread a layer over the SMs; BLOCK_K of 64 keeps whole sub-blocks
-# (32 values) in a tile.
-GPU_TILES = Tiles(16, 64, 64, 4, 3)
+# Not yet measured on a device. Chosen from what ptxas reports for sm_90a under triton 3.6
+# (`scripts/gguf_kernel_resources.py`): with 64 x 64 tiles in 3 stages Q4_1 and Q6_K used 255
+# registers (Q6_K spilled); 32 x 64 in 2 stages needs at most 164 and spills nothing. At
+# decode one program covers 32 outputs, so a 4,096-row layer still gives 128 programs.
+GPU_TILES = Tiles(16, 32, 64, 4, 2)
 INTERPRETER_TILES = Tiles(16, 64, 64, 1, 1)
 # Above this many rows the weight is dequantized whole and the dense GEMM runs; not yet
 # measured (`benchmarks/gguf_linear.py` times both on the device).
