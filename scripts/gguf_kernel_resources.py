@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernel_resources import Compile, ptxas_and_sass  # noqa: E402
 
-from pagedserve.quantization.gguf_blocks import BLOCKS  # noqa: E402
+from pagedserve.quantization.gguf_types import BLOCKS  # noqa: E402
 from pagedserve.quantization.ops import gguf_gemm as gg  # noqa: E402
 
 

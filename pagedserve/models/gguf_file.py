@@ -154,7 +154,7 @@ def gguf_weights(reader: Any, config: PretrainedConfig, keep_quantized: bool = F
     comes undecoded instead, as a `GGUFWeight` of the file's blocks (rows un-permuted: a row
     is whole blocks), for the GGUF method (`quantization/gguf_blocks.py`)."""
     from pagedserve.models.gguf_arch import ARCHITECTURES, CONFIG_TENSORS, Metadata, hf_name
-    from pagedserve.quantization.gguf_blocks import GGUFWeight
+    from pagedserve.quantization.gguf_blocks import GGUFWeight, dequantize_array
 
     arch = Metadata(reader).arch
     spec = ARCHITECTURES[arch]
@@ -181,17 +181,3 @@ def gguf_weights(reader: Any, config: PretrainedConfig, keep_quantized: bool = F
         # F32/F16 tensors come back as read-only views of the memory map: copy them.
         yield name, torch.from_numpy(np.ascontiguousarray(array) if array.flags.writeable
                                      else np.array(array))
-
-
-def dequantize_array(data: np.ndarray, qtype: int, name: str) -> np.ndarray:
-    """A GGUF tensor's data (blocks, or F32/F16 values) as float32 numpy (gguf's dequantizer;
-    a read-only view of the memory map for F32)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    qtype = GGMLQuantizationType(qtype)
-    try:
-        return dequantize(data, qtype)
-    except NotImplementedError:
-        raise ValueError(f"GGUF tensor {name!r} is stored as {qtype.name}, "
-                         "which pagedserve cannot dequantise") from None

@@ -22,18 +22,12 @@ import torch
 from torch import nn
 
 from pagedserve.quantization.base import LinearMethod, QuantizationConfig
+from pagedserve.quantization.gguf_types import BLOCKS, Q4_1, Q4_K, Q5_K, Q6_K
 from pagedserve.quantization.unquantized import UNQUANTIZED, load_float
 
 if TYPE_CHECKING:  # the kernels' module imports triton: only when a layer keeps its blocks
     from pagedserve.quantization.ops.gguf_gemm import GGUFBlocks
 
-# The block types with a kernel: ggml's type id (gguf.GGMLQuantizationType) -> (values per
-# block, bytes per block, name).
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
-BLOCKS: dict[int, tuple[int, int, str]] = {
-    Q8_0: (32, 34, "Q8_0"), Q4_0: (32, 18, "Q4_0"), Q4_1: (32, 20, "Q4_1"),
-    Q4_K: (256, 144, "Q4_K"), Q5_K: (256, 176, "Q5_K"), Q6_K: (256, 210, "Q6_K"),
-}
 
 
 @dataclass
@@ -55,10 +49,22 @@ class GGUFWeight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in] on the CPU (gguf's own dequantizer)."""
-        from pagedserve.models.gguf_file import dequantize_array
-
         values = dequantize_array(self.data, self.qtype, self.name)
         return torch.from_numpy(np.array(values, dtype=np.float32).reshape(self.shape))
+
+
+def dequantize_array(data: np.ndarray, qtype: int, name: str) -> np.ndarray:
+    """A GGUF tensor's data (blocks, or F32/F16 values) as float32 numpy (gguf's dequantizer;
+    a read-only view of the memory map for F32); `name`: the file's tensor, for errors."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(qtype)
+    try:
+        return dequantize(data, qtype)
+    except NotImplementedError:
+        raise ValueError(f"GGUF tensor {name!r} is stored as {qtype.name}, "
+                         "which pagedserve cannot dequantise") from None
 
 
 class GgufLinearMethod(LinearMethod):

@@ -13,7 +13,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from pagedserve.quantization.gguf_blocks import BLOCKS, random_blocks
+from pagedserve.quantization.gguf_blocks import random_blocks
+from pagedserve.quantization.gguf_types import BLOCKS
 from pagedserve.quantization.ops import gguf_gemm
 from pagedserve.quantization.ops.gguf_gemm import (
     GGUFBlocks,

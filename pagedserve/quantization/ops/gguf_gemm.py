@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.quantization.gguf_blocks import BLOCKS
+from pagedserve.quantization.gguf_types import BLOCKS
 
 
 @triton.jit
