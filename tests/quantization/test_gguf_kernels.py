@@ -113,6 +113,26 @@ def test_wrong_shapes_are_refused():
         check_blocks(int(T.Q4_K), weight.data, 500)
 
 
+@pytest.mark.slow
+def test_the_benchmark_runs_its_smoke_shape():
+    """benchmarks/gguf_linear.py on its tiny shape in the interpreter: both paths agree."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        subprocess.run([sys.executable, str(root / "benchmarks/gguf_linear.py"), "--smoke",
+                        "--tokens", "1", "--json", str(out)], check=True, cwd=root,
+                       env={**__import__("os").environ, "PYTHONPATH": str(root)})
+        result = json.loads(out.read_text())
+    assert result["rows"][0]["rel_err"] < 1e-5
+    assert 0.1 < result["gguf_bytes"] / result["dense_bytes"] < 0.2  # vs float32
+
+
 @functools.cache
 def _gpu_weight(qtype: T, n: int, k: int) -> tuple[GGUFBlocks, torch.Tensor]:
     blocks = random_blocks(int(qtype), n, k, torch.Generator().manual_seed(0))
