@@ -6,6 +6,7 @@ writes it (q/k rows interleaved per head)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -104,11 +105,15 @@ def rope_interleave(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def write_llama_gguf(path: Path, model: torch.nn.Module, types: dict[str, T]) -> None:
+def write_llama_gguf(path: Path, model: torch.nn.Module, types: dict[str, T],
+                     tokenizer: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
     """A llama GGUF of transformers' `model`; `types`: block type per Hugging Face module
-    suffix ("q_proj", "down_proj", ...); other tensors float32. No tokenizer."""
+    suffix ("q_proj", "down_proj", ...); other tensors float32. `tokenizer` writes the
+    tokenizer's keys (none without it)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
+    if tokenizer is not None:
+        tokenizer(writer)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)

@@ -26,9 +26,9 @@ TYPES = {"q_proj": T.Q4_K, "k_proj": T.Q4_K, "v_proj": T.Q6_K, "o_proj": T.Q5_K,
          "gate_proj": T.Q4_0, "up_proj": T.Q4_1, "down_proj": T.Q8_0, "lm_head": T.Q6_K}
 
 
-def _tiny_llama(seed: int = 0) -> transformers.PreTrainedModel:
+def _tiny_llama(seed: int = 0, vocab: int = 96) -> transformers.PreTrainedModel:
     # K-quants take rows of 256 values: hidden 256, intermediate 512.
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=512,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=128,
                                       tie_word_embeddings=False, rope_theta=10000.0)
@@ -104,3 +104,25 @@ def test_the_flag_needs_a_gguf_file_and_a_kernel_device(monkeypatch):
     assert resolve_quantization("auto", "m.gguf", "auto", cuda) == "gguf"
     assert resolve_quantization("auto", "model_dir", "auto", cuda) is None
     assert resolve_quantization("auto", "m.gguf", "auto", CPU) == "int8"  # the CPU default
+
+
+def test_the_engine_serves_a_gguf_with_the_flag(tmp_path, make_llm):
+    """`quantization="gguf"` through the engine (its tokenizer from the file): the same greedy
+    tokens as the file dequantized at load."""
+    from pagedserve import SamplingParams
+    from tests.models.test_gguf_families import qwen_vocab, write_vocab
+
+    vocab = qwen_vocab()
+    path = tmp_path / "tiny-chat.gguf"
+    write_llama_gguf(path, _tiny_llama(seed=2, vocab=len(vocab.tokens)), TYPES,
+                     lambda writer: write_vocab(writer, vocab))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = ["the cat sat on the mat", "hello world"]
+    outputs = {}
+    for method in ("gguf", "none"):
+        llm = make_llm(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                       quantization=method)
+        outputs[method] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        kept = [m for m in llm.engine.runner.model.modules() if hasattr(m, "gguf_blocks")]
+        assert len(kept) == (9 if method == "gguf" else 0)
+    assert outputs["gguf"] == outputs["none"]
