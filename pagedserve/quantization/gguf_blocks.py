@@ -29,7 +29,6 @@ if TYPE_CHECKING:  # the kernels' module imports triton: only when a layer keeps
     from pagedserve.quantization.ops.gguf_gemm import GGUFBlocks
 
 
-
 @dataclass
 class GGUFWeight:
     """A checkpoint weight as the GGUF file stores it: `data` [rows, bytes per row] of block
@@ -102,6 +101,10 @@ class GgufLinearMethod(LinearMethod):
         types = sorted({w.type_name for _, w in parts})
         outside = sorted({w.type_name for _, w in parts if w.qtype not in BLOCKS})
         device = layer.weight.device
+        rows = sum(w.shape[0] for _, w in parts)
+        if rows != layer.out_features:  # the loader's coverage check makes this unlikely
+            raise ValueError(f"{getattr(layer, 'prefix', 'a layer')}: its GGUF parts have "
+                             f"{rows} rows, the layer {layer.out_features}")
         if outside:
             self.name = f"gguf {'+'.join(outside)}: no kernel, dequantized at load"
             layer.weight = nn.Parameter(torch.cat([w.dequantize() for _, w in parts])
