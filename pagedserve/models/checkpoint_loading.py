@@ -17,6 +17,7 @@ from torch import nn
 from pagedserve.attention.layer import Attention
 from pagedserve.models.layers import build_rope_caches
 from pagedserve.models.parallel import rank_part
+from pagedserve.quantization.gguf_blocks import GGUFWeight
 from pagedserve.quantization.unquantized import FP8_DTYPES
 
 # One expert's tensor in a Hugging Face checkpoint: (layer prefix, expert, projection, tensor:
@@ -99,6 +100,9 @@ class CheckpointLoading:
                     break
             owner, _, leaf = target.rpartition(".")
             layer = modules.get(owner)
+            if isinstance(tensor, GGUFWeight) and not getattr(
+                    getattr(layer, "quant_method", None), "takes_gguf_blocks", False):
+                tensor = tensor.dequantize()  # a GGUF weight for a layer of float weights
             if _has_method(layer):
                 _check_not_fp8(name, tensor, layer)
                 rows = self._part_rows(target, shard) if shard else None

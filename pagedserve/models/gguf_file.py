@@ -147,10 +147,14 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(rows, *rest))
 
 
-def gguf_weights(reader: Any, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(reader: Any, config: PretrainedConfig, keep_quantized: bool = False
+                 ) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, float32 CPU tensor) for every weight, dequantised one at a time, with
-    the converter's transforms undone (`gguf_arch`)."""
+    the converter's transforms undone (`gguf_arch`). `keep_quantized`: each linear's weight
+    comes undecoded instead, as a `GGUFWeight` of the file's blocks (rows un-permuted: a row
+    is whole blocks), for the GGUF method (`quantization/gguf_blocks.py`)."""
     from pagedserve.models.gguf_arch import ARCHITECTURES, CONFIG_TENSORS, Metadata, hf_name
+    from pagedserve.quantization.gguf_blocks import GGUFWeight, dequantize_array
 
     arch = Metadata(reader).arch
     spec = ARCHITECTURES[arch]
@@ -161,22 +165,19 @@ def gguf_weights(reader: Any, config: PretrainedConfig) -> Iterator[tuple[str, t
         if tensor.name.rpartition(".")[0] in CONFIG_TENSORS:
             continue
         name = hf_name(tensor.name, names, arch)
-        array = _dequantize(tensor)
+        linear = keep_quantized and name.endswith(("_proj.weight", "lm_head.weight"))
+        array = tensor.data if linear else dequantize_array(tensor.data, tensor.tensor_type,
+                                                            tensor.name)
         for proj, num_heads in rope_heads.items():
             if proj in name:
                 array = unpermute_rope_rows(array, num_heads)
+        if linear:
+            rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
+            yield name, GGUFWeight(int(tensor.tensor_type), np.ascontiguousarray(array),
+                                   (rows, cols), tensor.name)
+            continue
         if spec.norm_shift and tensor.name.endswith("norm.weight"):
             array = array - np.float32(spec.norm_shift)  # stored as shift + w
         # F32/F16 tensors come back as read-only views of the memory map: copy them.
         yield name, torch.from_numpy(np.ascontiguousarray(array) if array.flags.writeable
                                      else np.array(array))
-
-
-def _dequantize(tensor: Any) -> np.ndarray:
-    from gguf.quants import dequantize
-
-    try:
-        return dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError:
-        raise ValueError(f"GGUF tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, "
-                         "which pagedserve cannot dequantise") from None

@@ -210,7 +210,7 @@ def check_tensor_parallel(cls: type[nn.Module], quantization: Any = None) -> Non
         raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet "
                          f"(supported: {names})")
     name = getattr(quantization, "name", quantization)
-    if name == "int8":
+    if name in ("int8", "gguf"):
         raise ValueError(f"{name} quantization does not support tensor_parallel_size > 1 yet")
 
 
@@ -292,8 +292,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
     reader = gguf_file.open_gguf(str(path))
     config = gguf_file.gguf_config(reader)
     max_len = resolve_max_model_len(max_model_len, config)
-    module = build_model(config, dtype, device, gguf_file.gguf_weights(reader, config),
-                         quantization)
+    weights = gguf_file.gguf_weights(reader, config, keep_quantized=quantization == "gguf")
+    module = build_model(config, dtype, device, weights, quantization)
     tokenizer = gguf_file.gguf_tokenizer(path)
     return LoadedModel(
         model=module, hf_config=config, tokenizer=tokenizer, generation_config=None,

@@ -22,6 +22,9 @@ class LinearMethod:
 
     # Logged at start-up beside the layers that use it.
     name: ClassVar[str] = "?"
+    # Whether `load` takes a GGUF file's weight undecoded (`gguf_blocks.GGUFWeight`); any
+    # other method gets it dequantized to float32 first.
+    takes_gguf_blocks: ClassVar[bool] = False
 
     def create_weights(self, layer: nn.Linear, dtype: torch.dtype) -> None:
         """Replace the layer's parameters with the ones this method loads (on the meta device:

@@ -158,6 +158,13 @@ class PackedMoEMethod(MoEMethod):
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         layer.model_dtype = dtype
         layer.packed_parts = {}  # (expert, shard) -> {tensor name: full checkpoint tensor}
+        # No float experts until the codes are in (the 4-bit kernel may never need them).
+        layer.expert_shapes = {}
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(layer, name)
+            layer.expert_shapes[name] = tuple(param.shape)
+            setattr(layer, name, nn.Parameter(torch.empty(0, dtype=dtype, device=param.device),
+                                              requires_grad=False))
 
     def checkpoint_tensors(self, layer: nn.Module) -> tuple[str, ...]:
         return self.packed.checkpoint_tensors()
@@ -168,8 +175,19 @@ class PackedMoEMethod(MoEMethod):
                _expert_name(layer, expert, shard))
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        staged = layer.packed_parts
-        del layer.packed_parts
+        staged, shapes = layer.packed_parts, layer.expert_shapes
+        del layer.packed_parts, layer.expert_shapes
+        device = layer.gate_up_proj.device
+        # As the linears: CUDA takes the 4-bit kernel only when asked (PAGEDSERVE_W4A16_KERNEL).
+        if (device.type == "cuda" and envs.PAGEDSERVE_W4A16_KERNEL) or KERNELS_ON_CPU:
+            from pagedserve.quantization.w4_moe import use_moe_kernel
+
+            if use_moe_kernel(layer, self.packed, staged, shapes):
+                self.name = f"{self.packed.name} experts -> 4-bit MoE kernel"
+                return
+        for name, shape in shapes.items():
+            setattr(layer, name, nn.Parameter(torch.empty(shape, dtype=layer.model_dtype,
+                                                          device=device), requires_grad=False))
         for (expert, shard), tensors in staged.items():
             what = _expert_name(layer, expert, shard)
             weight = self.packed.dequantize(tensors, what).to(layer.model_dtype)
@@ -183,6 +201,11 @@ class PackedMoEMethod(MoEMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> torch.Tensor:
+        if getattr(layer, "w4_experts", None) is not None:
+            from pagedserve.quantization.ops.w4_moe_kernels import w4_fused_experts
+
+            return w4_fused_experts(x, *layer.w4_experts, weights, ids, layer.activation,
+                                    layer.gate_up_proj_bias, layer.down_proj_bias)
         return UNQUANTIZED_MOE.apply(layer, x, weights, ids)
 
 

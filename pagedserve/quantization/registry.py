@@ -8,11 +8,13 @@ from typing import Any
 
 import torch
 
+from pagedserve import envs
 from pagedserve.quantization.awq import AwqConfig
 from pagedserve.quantization.base import QuantizationConfig
 from pagedserve.quantization.compressed_tensors import CompressedTensorsConfig
 from pagedserve.quantization.compressed_tensors_w4a16 import CompressedTensorsW4A16Config
 from pagedserve.quantization.fp8 import Fp8Config
+from pagedserve.quantization.gguf_blocks import GgufConfig
 from pagedserve.quantization.gptq import GptqConfig
 from pagedserve.quantization.int8_cpu import Int8Config
 from pagedserve.quantization.mxfp4 import Mxfp4Config
@@ -29,17 +31,24 @@ COMPRESSED_TENSORS_FORMATS: dict[str, type[QuantizationConfig]] = {
     "pack-quantized": CompressedTensorsW4A16Config,
 }
 
-# --quantization: auto picks int8 for a GGUF on the CPU when the dtype is left to the engine;
-# fp8 quantizes a float checkpoint at load; a quantized checkpoint is read as it says.
-FLAGS = ("auto", "none", "int8", "fp8")
+# --quantization: auto picks int8 for a GGUF on the CPU when the dtype is left to the engine
+# (and gguf on CUDA with PAGEDSERVE_GGUF_KERNEL=1); fp8 quantizes a float checkpoint at load;
+# gguf keeps a .gguf file's blocks for the Triton GEMMs; a quantized checkpoint is read as it
+# says.
+FLAGS = ("auto", "none", "int8", "fp8", "gguf")
 
 
 def resolve_quantization(method: str | None, model: str | None, dtype: str,
                          device: torch.device) -> str | None:
-    """The flag's method to run with: "int8", "fp8" or None (the checkpoint's own)."""
+    """The flag's method to run with: "int8", "fp8", "gguf" or None (the checkpoint's
+    own)."""
     method = (method or "auto").lower()
     if method not in FLAGS:
         raise ValueError(f"quantization {method!r} is not one of {', '.join(FLAGS)}")
+    gguf = model is None or model.endswith(".gguf")  # None: the bundled GGUF
+    if method == "gguf":
+        _check_gguf_kernels(gguf, model, device)
+        return "gguf"
     if method == "int8":
         if device.type != "cpu":
             raise ValueError("quantization 'int8' is the CPU's weight-only path; on "
@@ -47,10 +56,22 @@ def resolve_quantization(method: str | None, model: str | None, dtype: str,
         return "int8"
     if method == "fp8":
         return "fp8"
-    if method == "none" or device.type != "cpu" or dtype != "auto":
+    if method == "none":
         return None
-    gguf = model is None or model.endswith(".gguf")  # None: the bundled GGUF
+    if device.type == "cuda" and gguf and envs.PAGEDSERVE_GGUF_KERNEL:
+        return "gguf"
+    if device.type != "cpu" or dtype != "auto":
+        return None
     return "int8" if gguf else None
+
+
+def _check_gguf_kernels(gguf: bool, model: str | None, device: torch.device) -> None:
+    if not gguf:
+        raise ValueError(f"quantization 'gguf' keeps a .gguf file's blocks; {model!r} is not "
+                         "a .gguf file")
+    if device.type != "cuda" and not envs.TRITON_INTERPRET:
+        raise ValueError(f"quantization 'gguf' runs Triton kernels, on CUDA (on {device.type} "
+                         "only in tests, under TRITON_INTERPRET=1); leave it out")
 
 
 def checkpoint_config(data: dict[str, Any]) -> QuantizationConfig:
@@ -80,4 +101,6 @@ def quantization_config(hf_config: Any, flag: str | None) -> QuantizationConfig 
         return Int8Config()
     if flag == "fp8":
         return Fp8Config.online()
+    if flag == "gguf":
+        return GgufConfig()
     return None

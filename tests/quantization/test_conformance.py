@@ -16,6 +16,7 @@ from pagedserve.models.parallel import QKVParallelLinear, RowParallelLinear
 from pagedserve.quantization.base import LinearMethod
 from pagedserve.quantization.fp8 import Fp8Config
 from pagedserve.quantization.fp8_format import Fp8Scheme
+from pagedserve.quantization.gguf_blocks import GgufLinearMethod, GGUFWeight
 from pagedserve.quantization.int8_cpu import INT8
 from pagedserve.quantization.unquantized import UNQUANTIZED
 from tests.quantization import fp8_writer as w
@@ -39,6 +40,17 @@ def _online(weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
     return {"weight": weight}, w.quantize(weight, "channel")[2]
 
 
+def _gguf(weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """A GGUF file's Q4_1 blocks of the weight, as the GGUF reader hands them over."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType.Q4_1
+    blocks = quantize(weight.numpy(), qtype)
+    deq = torch.from_numpy(dequantize(blocks, qtype))
+    return {"weight": GGUFWeight(int(qtype), blocks, tuple(weight.shape), "blk.0.w")}, deq
+
+
 def _fp8_method(scheme: Fp8Scheme) -> Callable[[], LinearMethod]:
     return lambda: Fp8Config(scheme).get_method(QKVParallelLinear(8, 4, 2, 1), "x", ["x"])
 
@@ -53,7 +65,10 @@ METHODS = {
     "fp8-block": (_fp8_method(Fp8Scheme("block", "dynamic", (16, 32), "weight_scale_inv")),
                   _fp8("block", (16, 32), "weight_scale_inv"), 1e-6),
     "fp8-online": (_fp8_method(Fp8Scheme("channel", online=True)), _online, 1e-6),
+    "gguf": (GgufLinearMethod, _gguf, 1e-5),
 }
+# Inputs of the fused layer: a whole number of every format's blocks (GGUF's are 32 wide).
+HIDDEN = 64
 
 
 def _build(cls, method: LinearMethod, *args, **kwargs):
@@ -72,10 +87,10 @@ def test_linear_method_conformance(name):
     make, write, tolerance = METHODS[name]
     torch.manual_seed(0)
     method = make()
-    qkv = _build(QKVParallelLinear, method, 48, 16, 2, 1)
+    qkv = _build(QKVParallelLinear, method, HIDDEN, 16, 2, 1)
     parts, want = [], []
     for shard, rows in (("q", (0, 32)), ("k", (32, 16)), ("v", (48, 16))):
-        tensors, deq = write(torch.randn(rows[1], 48))
+        tensors, deq = write(torch.randn(rows[1], HIDDEN))
         assert set(tensors) == set(method.checkpoint_tensors(qkv))
         parts.append((shard, rows, tensors))
         want.append(deq)
@@ -85,7 +100,7 @@ def test_linear_method_conformance(name):
     with pytest.raises(ValueError, match="bogus"):
         method.load(qkv, "bogus", torch.ones(1), "q", (0, 32))
     method.process_after_loading(qkv)
-    x = torch.randn(5, 48)
+    x = torch.randn(5, HIDDEN)
     ref = F.linear(x, torch.cat(want))
     assert float((qkv(x) - ref).norm() / ref.norm()) < tolerance
 

@@ -242,3 +242,29 @@ def test_the_engine_serves_an_int4_checkpoint(float_models, tmp_path, make_llm):
                                          r"cannot apply"):
         make_llm(model=str(tmp_path / "int4"), dtype="float32", device="cpu",
                  kv_cache_memory="16MiB", quantization="fp8")
+
+
+@pytest.mark.parametrize("family,case", [("gpt_oss", "mxfp4"), ("qwen3_moe", "awq-g64"),
+                                         pytest.param("qwen3_moe", "ct-asym-channel",
+                                                      marks=pytest.mark.slow)])
+def test_moe_kernel_runs_a_whole_model(float_models, tmp_path, monkeypatch, family, case):
+    """The CUDA layout of 4-bit experts on the CPU (the grouped expert GEMMs in the
+    interpreter): MXFP4 (gpt-oss: clamped SwiGLU, biases) and int4 experts keep their codes, no
+    float experts are allocated, and the logits equal the dequantized path's."""
+    from pagedserve.quantization import packed
+    from tests.quantization.test_fp8_checkpoints import _prompts
+    from tests.utils.paged import run_prefill
+
+    if case == "mxfp4":
+        w.write_mxfp4(float_models[family], tmp_path / "int4", tmp_path / "ref")
+    else:
+        w.write_int4(float_models[family], tmp_path / "int4", tmp_path / "ref", CASES[case])
+    prompts = _prompts(INT4["vocab_size"])
+    exact = run_prefill(load_model(str(tmp_path / "int4"), torch.float32, CPU).model, prompts)
+    monkeypatch.setattr(packed, "KERNELS_ON_CPU", True)
+    model = load_model(str(tmp_path / "int4"), torch.float32, CPU).model
+    experts = model.model.layers[0].mlp.experts
+    assert experts.quant_method.name.endswith("experts -> 4-bit MoE kernel")
+    assert experts.gate_up_proj.numel() == 0 and experts.down_proj.numel() == 0
+    for got, want in zip(run_prefill(model, prompts), exact, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

@@ -1,0 +1,117 @@
+"""Compile the GGUF block GEMMs (`ops/gguf_gemm.py`) for a GPU architecture on any machine (no
+GPU needed), one per block type, as the GEMM (bf16 activations, the device tiles) and as the
+whole-weight decode, and the 4-bit expert GEMMs (`ops/w4_moe_kernels.py`, MXFP4 with clamped
+SwiGLU and biases, int4 with SiLU, at decode and prefill tiles), and print what ptxas
+reports: registers, spills, shared memory.
+
+    python scripts/gguf_kernel_resources.py [--arch 90]
+
+With triton 3.6 (the GPU machine's) from a separate directory:
+    PYTHONPATH=<dir with triton 3.6>:. python scripts/gguf_kernel_resources.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kernel_resources import Compile, ptxas_and_sass  # noqa: E402
+
+from pagedserve.quantization.gguf_types import BLOCKS  # noqa: E402
+from pagedserve.quantization.ops import gguf_gemm as gg  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    gg._tiles = lambda device: gg.GPU_TILES  # the device's tiles, not the interpreter's
+    real = gg._gguf_gemm_kernel, gg._gguf_dequantize_kernel
+    print(f"triton {triton.__version__}, sm_{args.arch}a, tiles {gg.GPU_TILES}")
+    failed = 0
+    for qtype, (block, size, name) in BLOCKS.items():
+        k, n = 1024, 256
+        weight = gg.GGUFBlocks(qtype, torch.zeros(n, k // block * size, dtype=torch.uint8), k)
+        gemm, decode = Compile(real[0], target), Compile(real[1], target)
+        gg._gguf_gemm_kernel, gg._gguf_dequantize_kernel = gemm, decode
+        try:
+            gg.gguf_mm(torch.zeros(1, k, dtype=torch.bfloat16), weight)
+            gg.gguf_dequantize(weight, torch.bfloat16)
+        except Exception as exc:  # report every type, then fail
+            failed += 1
+            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:2000]}")
+            continue
+        finally:
+            gg._gguf_gemm_kernel, gg._gguf_dequantize_kernel = real
+        for what, stand_in in (("gemm", gemm), ("decode", decode)):
+            compiled = stand_in.compiled[0]
+            usage, _ = ptxas_and_sass(compiled, args.arch)
+            print(f"{name} {what}: shared memory {compiled.metadata.shared / 1024:.1f} KB; "
+                  f"{usage}")
+    failed += compile_moe(target, args.arch)
+    sys.exit(1 if failed else 0)
+
+
+def compile_moe(target: GPUTarget, arch: int) -> int:
+    """The 4-bit expert kernels; returns how many failed."""
+    from pagedserve.models.moe import ExpertActivation
+    from pagedserve.quantization.ops import w4_moe_kernels as wm
+
+    e, h, i, t, k = 8, 256, 128, 4, 2
+
+    def aligned(ids, num_experts, block_m):  # stands in for the alignment kernels
+        blocks = 4
+        return (torch.zeros(blocks * block_m, dtype=torch.int32),
+                torch.zeros(blocks, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+
+    real = wm._w4_gate_up_kernel, wm._w4_down_kernel, wm.align_by_expert, wm.select_w4_tiles
+    wm.align_by_expert = aligned
+    failed = 0
+    for fmt in ("mxfp4", "int4"):
+        def experts(n: int, kk: int):
+            codes = torch.zeros(e, n, kk // 2, dtype=torch.uint8)
+            if fmt == "mxfp4":  # noqa: B023
+                return wm.W4Experts(codes, torch.zeros(e, n, kk // 32, dtype=torch.uint8),
+                                    None, 32)
+            return wm.W4Experts(codes, torch.zeros(e, n, kk // 128), torch.zeros(
+                e, n, kk // 128, dtype=torch.uint8), 128)
+        swiglu = fmt == "mxfp4"
+        for rows in (1.0, 64.0):
+            tiles = real[3](rows, torch.device("cuda"))
+            wm.select_w4_tiles = lambda *_: tiles  # noqa: B023
+            up, down = Compile(real[0], target), Compile(real[1], target)
+            wm._w4_gate_up_kernel, wm._w4_down_kernel = up, down
+            bias = (torch.zeros(e, 2 * i, dtype=torch.bfloat16),
+                    torch.zeros(e, h, dtype=torch.bfloat16)) if swiglu else (None, None)
+            try:
+                wm.w4_fused_experts(torch.zeros(t, h, dtype=torch.bfloat16), experts(2 * i, h),
+                                    experts(h, i), torch.zeros(t, k),
+                                    torch.zeros(t, k, dtype=torch.int64),
+                                    ExpertActivation("swiglu_clamped" if swiglu else "silu"),
+                                    *bias)
+            except Exception as exc:
+                failed += 1
+                print(f"{fmt} experts: FAILED {type(exc).__name__}: {str(exc)[:2000]}")
+                continue
+            for what, stand_in in (("gate_up", up), ("down", down)):
+                compiled = stand_in.compiled[0]
+                usage, _ = ptxas_and_sass(compiled, arch)
+                print(f"{fmt} experts {what} ({tiles}): shared memory "
+                      f"{compiled.metadata.shared / 1024:.1f} KB; {usage}")
+    wm._w4_gate_up_kernel, wm._w4_down_kernel, wm.align_by_expert, wm.select_w4_tiles = real
+    return failed
+
+
+if __name__ == "__main__":
+    main()
