@@ -40,6 +40,7 @@ class PoolerConfig:
     # token): its labels; the step's rows are its logits. With one label it is a
     # cross-encoder: it scores pairs by activation(logit).
     num_labels: int | None = None
+    labels: tuple[str, ...] = ()  # a classifier's label names (config.json's id2label)
     # Segments the model's token-type table holds (BERT's 2): ids may carry them
     # (models/bert.py `with_token_types`).
     num_token_types: int = 1
@@ -134,8 +135,10 @@ def _classifier(hf: dict[str, Any], architecture: str, method: str | None,
         activation = "identity"
     else:
         raise ValueError(f"activation_fn {name!r} is not supported (Sigmoid or Identity)")
+    names = {str(k): str(v) for k, v in (labels or {}).items()}
     return PoolerConfig("cls", False, int(hf["hidden_size"]), "the checkpoint's classifier",
                         activation=activation, num_labels=num_labels,
+                        labels=tuple(names.get(str(i), f"LABEL_{i}") for i in range(num_labels)),
                         num_token_types=token_types)
 
 
