@@ -269,6 +269,8 @@ class AttentionBackend(ABC):
     # Runs encoder-only layers (bidirectional, no cache kept: attention/encoder.py); its impl's
     # flag says the same.
     supports_encoder_only: ClassVar[bool] = False
+    # Runs encoder-only layers with a (two-sided) sliding window (ModernBERT's local layers).
+    supports_encoder_window: ClassVar[bool] = False
     # Reads the CSR page table's indices (`paged_kv_indices`); without it the engine does not
     # build them (a boolean gather and a copy a step).
     reads_paged_kv_indices: ClassVar[bool] = False
@@ -375,7 +377,8 @@ class AttentionBackend(ABC):
             return []
         if not cls.supports_encoder_only:
             return [ENCODER_REASON]
-        extras = [name for name, on in (("a sliding window", layer.sliding_window is not None),
+        window = layer.sliding_window is not None and not cls.supports_encoder_window
+        extras = [name for name, on in (("a sliding window", window),
                                         ("a logits soft-cap", layer.logits_soft_cap is not None),
                                         ("attention sinks", layer.has_sinks)) if on]
         return [f"encoder-only attention with {', '.join(extras)} not supported"] if extras else []

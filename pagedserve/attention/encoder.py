@@ -7,7 +7,9 @@ An attention layer declares its type (`AttentionLayerConfig.attn_type`):
   into the paged cache;
 - `ENCODER_ONLY`: bidirectional over the request's own tokens of this step, which are all of
   its tokens (an encoder request runs whole, in one step), and no cache is read or written: the
-  K/V is dropped after the layer.
+  K/V is dropped after the layer. A `sliding_window` w on such a layer is two-sided: a query
+  sees the keys within w - 1 positions of it on either side (ModernBERT's local layers,
+  `local_attention` 128: w = 65), on backends with `supports_encoder_window`.
 
 An encoder-only layer's metadata is built by its builder's `build_encoder` (default:
 `EncoderMetadata`, the step's cu_seqlens and longest sequence), and its impl runs
@@ -71,7 +73,8 @@ def padded_grid_index(cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int
 
 def torch_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            md: EncoderMetadata, scale: float,
-                           output: torch.Tensor | None = None) -> torch.Tensor:
+                           output: torch.Tensor | None = None,
+                           window: int | None = None) -> torch.Tensor:
     """Bidirectional attention within each request of a packed batch, in plain torch: the
     tokens scattered into a [B, L] grid (L the longest request), two batched matmuls around a
     float32 softmax with padding keys masked. GQA groups the query heads of a KV head as rows
@@ -95,7 +98,12 @@ def torch_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     q = grid(query).reshape(b, hkv, g * lmax, d)  # query head kv * g + j: rows (j, position)
     k, v = grid(key), grid(value)  # [B, Hkv, L, D]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hkv, G * L, L]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    visible = valid[:, None, None, :]  # [B, 1, 1, L]
+    if window is not None:  # two-sided: |query - key| <= window - 1
+        pos = torch.arange(lmax, device=scores.device)
+        near = (pos[:, None] - pos[None, :]).abs() < window  # [L, L]
+        visible = visible & near.repeat(g, 1)[None, None]  # rows (j, position)
+    scores.masked_fill_(~visible, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hkv, G * L, Dv]
     out = out.view(b, h, lmax, dv).transpose(1, 2).reshape(b * lmax, h, dv)
     output[:n] = out[index].to(output.dtype)

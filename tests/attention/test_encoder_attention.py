@@ -14,14 +14,20 @@ from pagedserve.attention.registry import BackendSelectionError, select_backend
 LENGTHS = [5, 1, 37, 16, 70, 2]
 
 
-def reference(q, k, v, lengths, scale):
-    """Per request, per head: softmax(q k^T * scale) v in float32 (GQA by repeating K/V)."""
+def reference(q, k, v, lengths, scale, window=None):
+    """Per request, per head: softmax(q k^T * scale) v in float32 (GQA by repeating K/V); a
+    window keeps keys within window - 1 positions either side."""
     g = q.shape[1] // k.shape[1]
     out, start = [], 0
     for n in lengths:
         qs, ks, vs = (x[start:start + n].float().transpose(0, 1) for x in (q, k, v))
         ks, vs = ks.repeat_interleave(g, 0), vs.repeat_interleave(g, 0)
-        p = torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1)
+        scores = qs @ ks.transpose(1, 2) * scale
+        if window is not None:
+            pos = torch.arange(n)
+            far = (pos[:, None] - pos[None, :]).abs() >= window
+            scores = scores.masked_fill(far, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
         out.append((p @ vs).transpose(0, 1))
         start += n
     return torch.cat(out)
@@ -39,27 +45,36 @@ class _Common:
         self.max_query_len = max(lengths)
 
 
-def run_backend(name, dtype, device, heads=(4, 2), head_size=64, lengths=LENGTHS):
+def run_backend(name, dtype, device, heads=(4, 2), head_size=64, lengths=LENGTHS,
+                window=None):
     torch.manual_seed(0)
     h, hkv = heads
     t = sum(lengths)
     q = torch.randn(t, h, head_size, dtype=dtype, device=device)
     k = torch.randn(t, hkv, head_size, dtype=dtype, device=device)
     v = torch.randn(t, hkv, head_size, dtype=dtype, device=device)
-    layer = AttentionLayerConfig(h, hkv, head_size, dtype, attn_type=ENCODER_ONLY)
+    layer = AttentionLayerConfig(h, hkv, head_size, dtype, attn_type=ENCODER_ONLY,
+                                 sliding_window=window)
     backend = get_backend_cls(name)
     assert not backend.validate_configuration(layer, 16, torch.device(device))
     builder = backend.get_builder_cls()(BuilderConfig.for_layer(
         layer, 16, 8, 256, 16, torch.device(device)))
     md = builder.build_step(_Common(lengths, device))
     out = backend.get_impl_cls()(layer).forward_encoder(q, k, v, md)
-    ref = reference(q, k, v, lengths, head_size ** -0.5)
+    ref = reference(q, k, v, lengths, head_size ** -0.5, window)
     return out.float(), ref
 
 
 @pytest.mark.parametrize("name", ["CPU", "FLEX_ATTENTION", "TRITON"])
 def test_encoder_attention_equals_reference(name):
     out, ref = run_backend(name, torch.float32, "cpu")
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["CPU", "FLEX_ATTENTION", "TRITON"])
+def test_two_sided_window(name):
+    """ModernBERT's local layers: keys within window - 1 positions on either side."""
+    out, ref = run_backend(name, torch.float32, "cpu", lengths=[40, 3, 20], window=9)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
@@ -91,9 +106,9 @@ def test_backends_without_it_refuse_it_by_name(name):
 
 def test_selection_names_the_layers():
     layers = [AttentionLayerConfig(4, 2, 64, torch.float32, attn_type=ENCODER_ONLY,
-                                   sliding_window=8)] * 2
+                                   logits_soft_cap=30.0)] * 2
     with pytest.raises(BackendSelectionError, match="all 2 layers: encoder-only attention "
-                                                    "with a sliding window not supported"):
+                                                    "with a logits soft-cap not supported"):
         select_backend("CPU", torch.device("cpu"), layers, 16)
     with pytest.raises(ValueError, match="attn_type must be one of"):
         AttentionLayerConfig(4, 2, 64, torch.float32, attn_type="cross")

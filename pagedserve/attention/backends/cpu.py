@@ -114,7 +114,8 @@ class CPUAttentionImpl(AttentionImpl):
                         attn_metadata: EncoderMetadata,
                         output: torch.Tensor | None = None) -> torch.Tensor:
         """Encoder-only layers: the padded-grid torch form (float32 softmax)."""
-        return torch_varlen_attention(query, key, value, attn_metadata, self.scale, output)
+        return torch_varlen_attention(query, key, value, attn_metadata, self.scale, output,
+                                      self.sliding_window)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CPUAttentionMetadata,
@@ -224,6 +225,7 @@ class CPUAttentionBackend(AttentionBackend):
     supports_sinks = True
     supports_diff_kv = True
     supports_encoder_only = True
+    supports_encoder_window = True
     description = "batched torch matmuls over gathered pages (batch-invariant)"
 
     impl_cls = CPUAttentionImpl

@@ -16,22 +16,26 @@ from pagedserve.attention.encoder import EncoderMetadata
 
 def flash_attn_encoder(implementation: str, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, md: EncoderMetadata, scale: float,
-                       output: torch.Tensor) -> torch.Tensor:
-    """FlashAttention's varlen forward with causal=False, cu_seqlens for both Q and K."""
+                       output: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """FlashAttention's varlen forward with causal=False, cu_seqlens for both Q and K; a
+    window as (w - 1, w - 1)."""
     n = md.num_tokens
     if n == 0:
         return output
     q, k, v = query[:n], key[:n], value[:n]
     cu, longest = md.cu_seqlens[:md.num_reqs + 1], md.max_seqlen
     if implementation == "torch":
+        extra = {} if window is None else {"window_size_left": window - 1,
+                                           "window_size_right": window - 1}
         out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0,
-                                                      False, False, scale=scale)[0]
+                                                      False, False, scale=scale, **extra)[0]
     else:
         module = {"fa3": "flash_attn_interface", "fa2": "flash_attn",
                   "fa4": "flash_attn.cute"}[implementation]
         fn = importlib.import_module(module).flash_attn_varlen_func
+        extra = {} if window is None else {"window_size": (window - 1, window - 1)}
         out = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                 max_seqlen_k=longest, softmax_scale=scale, causal=False)
+                 max_seqlen_k=longest, softmax_scale=scale, causal=False, **extra)
         out = out[0] if isinstance(out, tuple) else out
     output[:n].copy_(out)
     return output

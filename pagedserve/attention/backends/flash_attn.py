@@ -435,7 +435,7 @@ class FlashAttentionImpl(AttentionImpl):
         if output is None:
             output = torch.empty_like(query)
         return flash_attn_encoder(self.implementation, query, key, value, attn_metadata,
-                                  self.scale, output)
+                                  self.scale, output, self.sliding_window)
 
     def _window(self) -> tuple[int, int]:
         return (self.window_left, 0) if self.sliding_window is not None else (-1, -1)
@@ -524,6 +524,7 @@ class FlashAttentionBackend(AttentionBackend):
     # and no GPU has checked: refused by name until one does (TRITON runs such layers).
     supports_diff_kv = False
     supports_encoder_only = True  # each implementation's varlen call, causal=False
+    supports_encoder_window = True  # window_size=(w - 1, w - 1)
     description = "FlashAttention (FA3, FA2, FA4 or torch's FA2 over gathered pages)"
 
     impl_cls = FlashAttentionImpl

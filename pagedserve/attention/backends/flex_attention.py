@@ -386,7 +386,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         return causal if window is None else windowed
 
     def build_encoder(self, common: CommonAttentionMetadata) -> Any:
-        return flex_encoder.encoder_metadata(common, _flex_module())  # a document mask
+        return flex_encoder.encoder_metadata(common, _flex_module(), self.config.sliding_window)
 
     def warmup(self) -> None:
         if self.config.device.type == "cuda":  # compiled there, eager elsewhere
@@ -500,6 +500,7 @@ class FlexAttentionBackend(AttentionBackend):
     supports_sinks = True
     supports_diff_kv = True
     supports_encoder_only = True
+    supports_encoder_window = True
     description = ("torch flex_attention (block mask from the page table over the cache "
                    "itself on CUDA; gathered pages, eager, on CPU)")
 

@@ -22,7 +22,7 @@ class FlexEncoderMetadata(EncoderMetadata):
     block_mask: Any = None
 
 
-def encoder_metadata(common: Any, flex: Any) -> FlexEncoderMetadata:
+def encoder_metadata(common: Any, flex: Any, window: int | None = None) -> FlexEncoderMetadata:
     base = EncoderMetadata.from_common(common)
     n, b = base.num_tokens, base.num_reqs
     device = base.cu_seqlens.device
@@ -32,7 +32,7 @@ def encoder_metadata(common: Any, flex: Any) -> FlexEncoderMetadata:
                              token_req=token_req)
     if n == 0:
         return md
-    mask = document_mask(md)
+    mask = document_mask(md, window)
     if device.type != "cpu":
         md.block_mask = flex.create_block_mask(mask, None, None, n, n, device=device,
                                                BLOCK_SIZE=_TILE)
@@ -46,12 +46,19 @@ def encoder_metadata(common: Any, flex: Any) -> FlexEncoderMetadata:
     return md
 
 
-def document_mask(md: FlexEncoderMetadata) -> Callable[..., torch.Tensor]:
+def document_mask(md: FlexEncoderMetadata, window: int | None
+                  ) -> Callable[..., torch.Tensor]:
+    """Same request; with a window, within window - 1 tokens either side (a request's tokens
+    are contiguous, so packed distance is position distance)."""
     def same_request(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                      kv_idx: torch.Tensor) -> torch.Tensor:
         return md.token_req[q_idx] == md.token_req[kv_idx]
 
-    return same_request
+    def windowed(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                 kv_idx: torch.Tensor) -> torch.Tensor:
+        return same_request(b, h, q_idx, kv_idx) & ((q_idx - kv_idx).abs() < window)
+
+    return same_request if window is None else windowed
 
 
 def encoder_forward(attend: Callable[..., tuple[torch.Tensor, torch.Tensor]],

@@ -103,7 +103,7 @@ class TritonAttentionImpl(AttentionImpl):
         if output is None:
             output = query.new_empty(query.shape[0], self.num_heads, self.value_head_size)
         return varlen_attention(query, key, value, output, md.cu_seqlens, md.num_reqs,
-                                md.max_seqlen, self.scale)
+                                md.max_seqlen, self.scale, window=self.sliding_window)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata,
@@ -164,6 +164,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_diff_kv = True
     supports_cuda_graphs = True
     supports_encoder_only = True
+    supports_encoder_window = True
     description = "Triton unified paged attention (one launch per step) + split-KV decode"
 
     impl_cls = TritonAttentionImpl

@@ -2,9 +2,10 @@
 for the TRITON backend (attention/encoder.py).
 
 One program per (query block of a request, query head): it walks its request's keys in tiles
-of BLOCK_N with an online softmax in float32 (non-causal; `CAUSAL` masks keys after the query
-for a causal variant). Requests are found through cu_seqlens; a program whose query block lies
-past its request's end exits at once, so the grid is [cdiv(max_seqlen, BLOCK_M), B, H]. The
+of BLOCK_N with an online softmax in float32 (non-causal; `CAUSAL` masks keys after the
+query for a causal variant, `WINDOW` keys further than WINDOW - 1 positions either side).
+Requests are found through cu_seqlens; a program whose query block lies past its request's
+end exits at once, so the grid is [cdiv(max_seqlen, BLOCK_M), B, H]. The
 head size is padded to a power of two and masked. GQA reads K/V head h // (H / Hkv).
 """
 
@@ -22,7 +23,7 @@ def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, scale,
                              GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_V: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             CAUSAL: tl.constexpr):
+                             CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     block = tl.program_id(0)
     req = tl.program_id(1)
     head = tl.program_id(2)
@@ -52,6 +53,9 @@ def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, scale,
             keep = col_ok[None, :]
             if CAUSAL:
                 keep = keep & (cols[None, :] <= rows[:, None])
+            if WINDOW > 0:  # two-sided: |query - key| < WINDOW
+                dist = cols[None, :] - rows[:, None]
+                keep = keep & (dist < WINDOW) & (dist > -WINDOW)
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
@@ -70,9 +74,11 @@ def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, scale,
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      output: torch.Tensor, cu_seqlens: torch.Tensor, num_reqs: int,
-                     max_seqlen: int, scale: float, causal: bool = False) -> torch.Tensor:
+                     max_seqlen: int, scale: float, causal: bool = False,
+                     window: int | None = None) -> torch.Tensor:
     """query [T, H, D], key [T, Hkv, D], value [T, Hkv, Dv] packed by cu_seqlens [B+1] ->
-    output [T, H, Dv] (rows past cu_seqlens[B] untouched). One launch, no host sync."""
+    output [T, H, Dv] (rows past cu_seqlens[B] untouched). One launch, no host sync.
+    `window`: keys within window - 1 positions of the query, on both sides."""
     if num_reqs == 0 or max_seqlen == 0:
         return output
     h, d = query.shape[1], query.shape[2]
@@ -85,5 +91,5 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         value.stride(0), value.stride(1), output.stride(0), output.stride(1),
         GROUP=h // hkv, HEAD=d, HEAD_V=dv, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_M=block_m, BLOCK_N=32,
-        CAUSAL=causal)
+        CAUSAL=causal, WINDOW=window or 0)
     return output
