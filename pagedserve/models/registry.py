@@ -39,12 +39,16 @@ _MODELS: dict[str, str] = {
     "RobertaModel": "pagedserve.models.xlm_roberta:XLMRobertaModel",
     "RobertaForSequenceClassification":
         "pagedserve.models.xlm_roberta:XLMRobertaForSequenceClassification",
+    "ModernBertModel": "pagedserve.models.modernbert:ModernBertModel",
+    "ModernBertForSequenceClassification":
+        "pagedserve.models.modernbert:ModernBertForSequenceClassification",
 }
 # Architectures that only pool (no language-model head): `--runner auto` serves them as
 # pooling models.
 ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "XLMRobertaModel",
                          "XLMRobertaForSequenceClassification", "RobertaModel",
-                         "RobertaForSequenceClassification")
+                         "RobertaForSequenceClassification", "ModernBertModel",
+                         "ModernBertForSequenceClassification")
 
 
 # Multimodal checkpoints whose text decoder is served on its own (text in, text out): the text

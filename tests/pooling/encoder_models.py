@@ -19,7 +19,7 @@ def tiny_encoder_tokenizer(family: str):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    if family == "bert":
+    if family in ("bert", "modernbert"):
         specials = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3}
         cls, sep, pad, unk = "[CLS]", "[SEP]", "[PAD]", "[UNK]"
         post = processors.TemplateProcessing(
@@ -44,13 +44,20 @@ def tiny_encoder_tokenizer(family: str):
 
 
 def encoder_config(family: str, max_positions: int = 128, num_labels: int | None = None):
-    from transformers import BertConfig, XLMRobertaConfig
+    from transformers import BertConfig, ModernBertConfig, XLMRobertaConfig
 
     common = dict(vocab_size=NUM_WORDS + 4, hidden_size=HIDDEN, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, initializer_range=0.2,
                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     if num_labels is not None:
         common["num_labels"] = num_labels
+    if family == "modernbert":  # alternating global / local (window of 2 x 8 + 1) layers
+        common.pop("hidden_dropout_prob"), common.pop("attention_probs_dropout_prob")
+        return ModernBertConfig(max_position_embeddings=max_positions, pad_token_id=0,
+                                num_hidden_layers=3, global_attn_every_n_layers=2,
+                                local_attention=16, cls_token_id=2, sep_token_id=3,
+                                bos_token_id=2, eos_token_id=3,
+                                **{k: v for k, v in common.items() if k != "num_hidden_layers"})
     if family == "bert":
         return BertConfig(max_position_embeddings=max_positions, type_vocab_size=2,
                           pad_token_id=0, **common)
@@ -60,11 +67,12 @@ def encoder_config(family: str, max_positions: int = 128, num_labels: int | None
 
 def tiny_encoder_embedder(path: Path, family: str, pooling: str = "cls",
                           normalize: bool = True) -> Path:
-    from transformers import BertModel, XLMRobertaModel
+    from transformers import BertModel, ModernBertModel, XLMRobertaModel
 
     config = encoder_config(family)
     torch.manual_seed(0)
-    model = (BertModel if family == "bert" else XLMRobertaModel)(config)
+    model = {"bert": BertModel, "xlm-roberta": XLMRobertaModel,
+             "modernbert": ModernBertModel}[family](config)
     model.save_pretrained(path)
     tiny_encoder_tokenizer(family).save_pretrained(path)
     modules = [{"idx": 0, "name": "0", "path": "",
@@ -89,12 +97,17 @@ def tiny_encoder_embedder(path: Path, family: str, pooling: str = "cls",
 
 def tiny_cross_encoder(path: Path, family: str, num_labels: int = 1) -> Path:
     """A random `*ForSequenceClassification` with its tokenizer (what CrossEncoder loads)."""
-    from transformers import BertForSequenceClassification, XLMRobertaForSequenceClassification
+    from transformers import (
+        BertForSequenceClassification,
+        ModernBertForSequenceClassification,
+        XLMRobertaForSequenceClassification,
+    )
 
     config = encoder_config(family, num_labels=num_labels)
     torch.manual_seed(1)
-    cls = (BertForSequenceClassification if family == "bert"
-           else XLMRobertaForSequenceClassification)
+    cls = {"bert": BertForSequenceClassification,
+           "xlm-roberta": XLMRobertaForSequenceClassification,
+           "modernbert": ModernBertForSequenceClassification}[family]
     cls(config).save_pretrained(path)
     tiny_encoder_tokenizer(family).save_pretrained(path)
     return path

@@ -44,7 +44,7 @@ def test_scores_equal_cross_encoder(tmp_path, family):
             llm.embed("w1 w2")
 
 
-@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "modernbert"])
 def test_classify_equals_transformers(tmp_path, family):
     from transformers import AutoModelForSequenceClassification
 

@@ -38,7 +38,7 @@ def texts():
 
 @pytest.mark.parametrize("family,pooling,normalize", [
     ("bert", "cls", True), ("bert", "mean", False), ("xlm-roberta", "mean", True),
-    ("xlm-roberta", "cls", False)])
+    ("xlm-roberta", "cls", False), ("modernbert", "mean", True)])
 def test_equals_sentence_transformers(tmp_path, texts, family, pooling, normalize):
     path = tiny_encoder_embedder(tmp_path / family, family, pooling, normalize)
     reference = st_encode(path, texts)
