@@ -43,11 +43,12 @@ def tiny_encoder_tokenizer(family: str):
                                    if family == "bert" else ["input_ids", "attention_mask"])
 
 
-def encoder_config(family: str, max_positions: int = 128, num_labels: int | None = None):
+def encoder_config(family: str, max_positions: int = 128, num_labels: int | None = None,
+                   heads: int = 4):
     from transformers import BertConfig, ModernBertConfig, XLMRobertaConfig
 
     common = dict(vocab_size=NUM_WORDS + 4, hidden_size=HIDDEN, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, initializer_range=0.2,
+                  num_hidden_layers=2, num_attention_heads=heads, initializer_range=0.2,
                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     if num_labels is not None:
         common["num_labels"] = num_labels
@@ -66,10 +67,10 @@ def encoder_config(family: str, max_positions: int = 128, num_labels: int | None
 
 
 def tiny_encoder_embedder(path: Path, family: str, pooling: str = "cls",
-                          normalize: bool = True) -> Path:
+                          normalize: bool = True, heads: int = 4) -> Path:
     from transformers import BertModel, ModernBertModel, XLMRobertaModel
 
-    config = encoder_config(family)
+    config = encoder_config(family, heads=heads)
     torch.manual_seed(0)
     model = {"bert": BertModel, "xlm-roberta": XLMRobertaModel,
              "modernbert": ModernBertModel}[family](config)

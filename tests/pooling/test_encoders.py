@@ -92,3 +92,15 @@ def test_runner_generate_refused(tmp_path):
     path = tiny_encoder_embedder(tmp_path / "bert", "bert")
     with pytest.raises(ValueError, match="cannot generate"):
         open_llm(path, runner="generate")
+
+
+@pytest.mark.parametrize("backend", ["TRITON", "FLEX_ATTENTION"])
+def test_other_backends_through_the_engine(tmp_path, backend):
+    """The same embeddings with the encoder layers on TRITON (Triton's interpreter) and
+    FLEX_ATTENTION (eager) as on the CPU backend's reference."""
+    path = tiny_encoder_embedder(tmp_path / "bert", "bert", "mean", heads=1)  # head size 64
+    texts = mixed_texts(6, seed=2, longest=40)
+    reference = st_encode(path, texts)
+    with open_llm(path, attention_backend=backend) as llm:
+        assert llm.engine.runner.backend.get_name() == backend
+        np.testing.assert_allclose(embed(llm, texts), reference, atol=TOL, rtol=0)
