@@ -18,6 +18,7 @@ from pagedserve.lora.request import LoRARequest, per_prompt
 from pagedserve.pooling import PoolingParams, PoolingRequestOutput
 from pagedserve.pooling.classify import ClassificationRequestOutput, classification_output
 from pagedserve.pooling.front import tokenize_inputs
+from pagedserve.pooling.params import check_params
 from pagedserve.pooling.scoring import (
     ScoringRequestOutput,
     pair_list,
@@ -204,16 +205,20 @@ class LLM:
         outputs = self._pool(token_ids, [None] * len(token_ids), None, use_tqdm)
         return [scoring_output(o, pooler) for o in outputs]
 
-    def classify(self, prompts: Prompt | Sequence[Prompt],
-                 use_tqdm: bool = False) -> list[ClassificationRequestOutput]:
+    def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
+                 truncate_prompt_tokens: int | None = None
+                 ) -> list[ClassificationRequestOutput]:
         """A classifier's (`*ForSequenceClassification`, --runner pooling) logits and
         probabilities per prompt (`outputs.logits`, `outputs.probs`), in prompt order; prompts
-        as for `embed`."""
+        as for `embed`; `truncate_prompt_tokens` keeps each prompt's last k tokens."""
         pooler = self.engine.pooler_config
         if pooler is None or pooler.task != "classify":
             raise ValueError("this model does not classify: LLM.classify needs a "
                              "*ForSequenceClassification model served with --runner pooling")
-        return [classification_output(o) for o in self._pool_prompts(prompts, None, use_tqdm)]
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        check_params(params, pooler)
+        outputs = self._pool_prompts(prompts, params, use_tqdm)
+        return [classification_output(o) for o in outputs]
 
     def _score_ids(self, text_or_ids: Any, what: str) -> list[int]:
         """Token ids, tokenizing text (without special tokens, so a prompt and its

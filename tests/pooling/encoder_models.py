@@ -96,7 +96,7 @@ def tiny_encoder_embedder(path: Path, family: str, pooling: str = "cls",
     return path
 
 
-def tiny_cross_encoder(path: Path, family: str, num_labels: int = 1) -> Path:
+def tiny_cross_encoder(path: Path, family: str, num_labels: int = 1, heads: int = 4) -> Path:
     """A random `*ForSequenceClassification` with its tokenizer (what CrossEncoder loads)."""
     from transformers import (
         BertForSequenceClassification,
@@ -104,7 +104,7 @@ def tiny_cross_encoder(path: Path, family: str, num_labels: int = 1) -> Path:
         XLMRobertaForSequenceClassification,
     )
 
-    config = encoder_config(family, num_labels=num_labels)
+    config = encoder_config(family, num_labels=num_labels, heads=heads)
     torch.manual_seed(1)
     cls = {"bert": BertForSequenceClassification,
            "xlm-roberta": XLMRobertaForSequenceClassification,

@@ -66,5 +66,21 @@ def test_classify_equals_transformers(tmp_path, family):
         np.testing.assert_allclose(probs, torch.softmax(torch.tensor(reference), -1).numpy(),
                                    atol=TOL, rtol=0)
         assert outputs[0].outputs.num_classes == 3
+        kept = llm.classify(texts[0], truncate_prompt_tokens=2)[0]
+        assert len(kept.prompt_token_ids) == 2
         with pytest.raises(ValueError, match="classifies into 3 labels"):
             llm.score(QUERY, texts[:2])
+
+
+@pytest.mark.gpu
+def test_cross_encoder_on_cuda(tmp_path):
+    """bf16 on CUDA (the automatic backend's encoder path) against CrossEncoder in float32."""
+    from sentence_transformers import CrossEncoder
+
+    path = tiny_cross_encoder(tmp_path / "ce", "xlm-roberta", heads=1)  # head size 64
+    documents = mixed_texts(12, seed=3, longest=40)
+    reference = CrossEncoder(str(path), device="cpu", local_files_only=True).predict(
+        [(QUERY, d) for d in documents], convert_to_numpy=True)
+    with LLM(str(path), device="cuda", dtype="bfloat16") as llm:
+        got = np.array([o.outputs.score for o in llm.score(QUERY, documents)])
+    np.testing.assert_allclose(got, reference, atol=2e-2, rtol=0)
