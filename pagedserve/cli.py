@@ -29,7 +29,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         dtypes = ",".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
         print(f"{name:<11} {'available' if ok else 'not available'}")
         lines = [f"{'runs' if ok else 'why'}: {why}", f"head sizes: {heads}; dtypes: {dtypes}",
-                 f"features: {', '.join(cls.features()) or '-'}"]
+                 f"features: {', '.join(cls.features()) or '-'}",
+                 f"encoder-only attention: {'yes' if cls.supports_encoder_only else 'no'}"]
         for line in lines:
             print(textwrap.fill(line, width=max(40, width), initial_indent="    ",
                                 subsequent_indent="      "))

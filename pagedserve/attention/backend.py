@@ -15,6 +15,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from pagedserve.attention.encoder import (
+    DECODER,
+    ENCODER_ONLY,
+    EncoderMetadata,
+    check_attn_type,
+)
 from pagedserve.attention.metadata import CommonAttentionMetadata
 
 # Triton compiles a kernel anew for each class of its integer arguments (1, a multiple of 16,
@@ -24,6 +30,9 @@ from pagedserve.attention.metadata import CommonAttentionMetadata
 # before the first request. Without them the 8B shape served at 4 req/s compiled for ~10 s
 # inside its first requests (2026-12-02: TPOT 28 ms against 6 ms once compiled).
 CUDA_WARMUP_STEPS = ((1, 17, 0), (2, 8, 0), (1, 17, 32), (3, 5, 21), (3, 1, 40), (16, 1, 40))
+
+
+ENCODER_REASON = "encoder-only (bidirectional, no KV cache) attention not supported"
 
 
 def normalized_head_size_v(head_size: int, head_size_v: int | None) -> int | None:
@@ -49,6 +58,7 @@ class _ValueHeadSize:
     def __post_init__(self) -> None:
         object.__setattr__(self, "head_size_v",
                            normalized_head_size_v(self.head_size, self.head_size_v))
+        check_attn_type(self.attn_type)
 
     @property
     def value_head_size(self) -> int:
@@ -73,7 +83,9 @@ class AttentionLayerConfig(_ValueHeadSize):
     # Values with their own head size (DeepSeek's expanded MLA prefill, MiMo-V2-Flash: 192 for
     # queries/keys, 128 for values); None (or head_size, stored as None): the same size.
     head_size_v: int | None = None
-
+    # DECODER (causal over the cached context) or ENCODER_ONLY (bidirectional over the
+    # request's own tokens, no cache kept): attention/encoder.py.
+    attn_type: str = DECODER
 
     @property
     def softmax_scale(self) -> float:
@@ -103,6 +115,7 @@ class BuilderConfig(_ValueHeadSize):
     mla_dims: tuple[int, int, int, int] | None = None
     # The layer's softmax scale (resolved), for builders that bake it into a plan.
     softmax_scale: float | None = None
+    attn_type: str = DECODER  # as AttentionLayerConfig's: which build the step calls
 
     @classmethod
     def for_layer(cls, layer: AttentionLayerConfig, block_size: int, max_num_reqs: int,
@@ -112,7 +125,7 @@ class BuilderConfig(_ValueHeadSize):
                    block_size, max_num_reqs, max_num_tokens, max_blocks_per_seq, device,
                    layer.sliding_window, layer.logits_soft_cap, layer.kv_cache_dtype,
                    layer.has_sinks, layer.head_size_v,
-                   getattr(layer, "mla_dims", None), layer.softmax_scale)
+                   getattr(layer, "mla_dims", None), layer.softmax_scale, layer.attn_type)
 
 
 class AttentionMetadataBuilder(ABC):
@@ -124,6 +137,19 @@ class AttentionMetadataBuilder(ABC):
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> Any:
         """Host work once per step (plan); the result is handed to every layer's forward."""
+
+    def build_encoder(self, common: CommonAttentionMetadata) -> Any:
+        """The metadata of an encoder-only layer's step (every request whole, nothing cached),
+        handed to the impl's `forward_encoder`. Default: the varlen form `EncoderMetadata`
+        (cu_seqlens, longest sequence); a backend that plans per step overrides it."""
+        return EncoderMetadata.from_common(common)
+
+    def build_step(self, common: CommonAttentionMetadata) -> Any:
+        """What the runner calls each step: `build_encoder` for an encoder-only layer
+        configuration, else `build`."""
+        if self.config.attn_type == ENCODER_ONLY:
+            return self.build_encoder(common)
+        return self.build(common)
 
     def build_for_cudagraph(self, common: CommonAttentionMetadata, num_reqs_padded: int,
                             padded: CommonAttentionMetadata | None = None) -> Any:
@@ -159,6 +185,9 @@ class AttentionImpl(ABC):
     # Whether forward handles values of another head size than queries/keys (output [T, H,
     # D_v]); an impl that does not is never built for such a layer.
     supports_diff_kv: ClassVar[bool] = False
+    # Whether `forward_encoder` runs encoder-only layers; an impl that does not is never built
+    # for one.
+    supports_encoder_only: ClassVar[bool] = False
 
     def __init__(self, layer: AttentionLayerConfig) -> None:
         if layer.num_heads % layer.num_kv_heads:
@@ -169,6 +198,8 @@ class AttentionImpl(ABC):
         if layer.head_size_v is not None and not self.supports_diff_kv:
             raise ValueError(f"{type(self).__name__}: "
                              f"{diff_kv_reason(layer.head_size, layer.head_size_v)}")
+        if layer.attn_type == ENCODER_ONLY and not self.supports_encoder_only:
+            raise ValueError(f"{type(self).__name__}: {ENCODER_REASON}")
         self.layer = layer
         self.num_heads = layer.num_heads
         self.head_size = layer.head_size
@@ -221,6 +252,14 @@ class AttentionImpl(ABC):
         (D_v = the layer's value_head_size). Writes the new K/V into `kv_cache` through the slot
         mapping first, then attends (prefill, decode or mixed) and returns [T, H, D_v]."""
 
+    def forward_encoder(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_metadata: Any, output: torch.Tensor | None = None) -> torch.Tensor:
+        """An encoder-only layer: query [T, H, D], key [T, Hkv, D], value [T, Hkv, D_v] of
+        whole requests packed by `attn_metadata` (the builder's `build_encoder`), each token
+        attending to every token of its own request; no cache is read or written. Returns
+        [T, H, D_v]. Default: not supported (`supports_encoder_only` off)."""
+        raise NotImplementedError(f"{type(self).__name__}: {ENCODER_REASON}")
+
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
@@ -240,6 +279,11 @@ class AttentionBackend(ABC):
     # The cache stores K/V lossily (quantized codes): the exact-tolerance conformance suite does
     # not apply; the backend has tests with tolerances of its own.
     lossy_kv_cache: ClassVar[bool] = False
+    # Runs encoder-only layers (bidirectional, no cache kept: attention/encoder.py); its impl's
+    # flag says the same.
+    supports_encoder_only: ClassVar[bool] = False
+    # Runs encoder-only layers with a (two-sided) sliding window (ModernBERT's local layers).
+    supports_encoder_window: ClassVar[bool] = False
     # Reads the CSR page table's indices (`paged_kv_indices`); without it the engine does not
     # build them (a boolean gather and a copy a step).
     reads_paged_kv_indices: ClassVar[bool] = False
@@ -338,10 +382,25 @@ class AttentionBackend(ABC):
         if layer.has_sinks and not cls.supports_sinks:
             reasons.append("attention sinks not supported")
         reasons += cls._value_head_size_reasons(layer)
+        reasons += cls._encoder_reasons(layer)
         if layer.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             reasons.append(f"kv_cache_dtype {layer.kv_cache_dtype!r} not in "
                            f"{list(cls.supported_kv_cache_dtypes)}")
         return reasons
+
+    @classmethod
+    def _encoder_reasons(cls, layer: AttentionLayerConfig) -> list[str]:
+        """An encoder-only layer on a backend without it; the encoder paths run plain
+        softmax attention, so a window, soft-cap or sinks with them are refused too."""
+        if layer.attn_type != ENCODER_ONLY:
+            return []
+        if not cls.supports_encoder_only:
+            return [ENCODER_REASON]
+        window = layer.sliding_window is not None and not cls.supports_encoder_window
+        extras = [name for name, on in (("a sliding window", window),
+                                        ("a logits soft-cap", layer.logits_soft_cap is not None),
+                                        ("attention sinks", layer.has_sinks)) if on]
+        return [f"encoder-only attention with {', '.join(extras)} not supported"] if extras else []
 
     @classmethod
     def _value_head_size_reasons(cls, layer: AttentionLayerConfig) -> list[str]:
@@ -386,6 +445,8 @@ class AttentionBackend(ABC):
             out.append("sinks")
         if cls.supports_diff_kv:
             out.append("diff-kv")
+        if cls.supports_encoder_only:
+            out.append("encoder-only")
         if cls.supported_kv_cache_dtypes != ("auto",):
             quant = [d for d in cls.supported_kv_cache_dtypes if d != "auto"]
             out.append("quantized-kv(" + ",".join(quant) + ")")

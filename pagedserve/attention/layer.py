@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention.backend import AttentionImpl, AttentionLayerConfig
+from pagedserve.attention.encoder import DECODER, ENCODER_ONLY, check_attn_type
 from pagedserve.attention.forward_context import get_forward_context
 
 
@@ -17,13 +18,17 @@ class Attention(nn.Module):
     has_sinks: the layer owns learned per-head sink logits `sinks` [H] (gpt-oss), a checkpoint
     weight that follows the model's dtype; `bind` hands them to the impl.
     head_size_v: the values' head size D_v when it differs from head_size (DeepSeek's expanded
-    MLA prefill, MiMo-V2-Flash); None: D_v = head_size."""
+    MLA prefill, MiMo-V2-Flash); None: D_v = head_size.
+    attn_type: DECODER (causal, K/V into the paged cache) or ENCODER_ONLY (bidirectional over
+    the request's own tokens; no cache: attention/encoder.py)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  layer_idx: int, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None, has_sinks: bool = False,
-                 head_size_v: int | None = None) -> None:
+                 head_size_v: int | None = None, attn_type: str = DECODER) -> None:
         super().__init__()
+        check_attn_type(attn_type)
+        self.attn_type = attn_type
         self.num_heads = num_heads
         self.head_size = head_size
         self.head_size_v = head_size if head_size_v is None else head_size_v
@@ -47,7 +52,7 @@ class Attention(nn.Module):
         return AttentionLayerConfig(self.num_heads, self.num_kv_heads, self.head_size, dtype,
                                     self.sliding_window, self.logits_soft_cap, kv_cache_dtype,
                                     self.scale, has_sinks=self.sinks is not None,
-                                    head_size_v=self.head_size_v)
+                                    head_size_v=self.head_size_v, attn_type=self.attn_type)
 
     def bind(self, impl: AttentionImpl, layer_config: AttentionLayerConfig,
              metadata_key: object = None) -> None:
@@ -74,6 +79,13 @@ class Attention(nn.Module):
             raise RuntimeError("attention layer has no backend bound")
         ctx = get_forward_context()
         t = query.shape[0]
+        if self.attn_type == ENCODER_ONLY:  # no cache: the layer has none
+            out = self.impl.forward_encoder(
+                query.view(t, self.num_heads, self.head_size),
+                key.view(t, self.num_kv_heads, self.head_size),
+                value.view(t, self.num_kv_heads, self.head_size_v),
+                ctx.attn_metadata[self.metadata_key])
+            return out.reshape(t, self.num_heads * self.head_size_v)
         out = self.impl.forward(
             query.view(t, self.num_heads, self.head_size),
             key.view(t, self.num_kv_heads, self.head_size),

@@ -126,6 +126,9 @@ class EngineCore:
             if len(layout.groups) > 1:
                 logger.info("KV cache groups share %d blocks of %d bytes (%s)", num_blocks,
                             layout.bytes_per_block, layout.describe())
+        if getattr(self.runner, "encoder_only", False):
+            logger.info("encoder-only model: no KV cache; each request runs whole in one step "
+                        "(backend %s)", self.runner.backend.get_name())
         if num_slots:
             logger.info("state layers: %d slots (one per running request), %d bytes per slot",
                         num_slots, bytes_per_slot(self.runner.state_specs))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pagedserve.attention import AttentionBackend, AttentionLayerConfig
+from pagedserve.attention.encoder import ENCODER_ONLY
 from pagedserve.config import CacheConfig
 from pagedserve.kv_cache import FullAttentionSpec, KVCacheLayout, KVCacheSpec, SlidingWindowSpec
 from pagedserve.kv_cache.specs import (
@@ -47,6 +48,21 @@ def attention_specs(backend: type[AttentionBackend], layers: list[AttentionLayer
     return specs
 
 
+def is_encoder_only(layers: list[AttentionLayerConfig], pooler: Any) -> bool:
+    """Whether every attention layer is encoder-only (the model keeps no KV cache). A model
+    mixing the two kinds, or an encoder asked to generate, is refused by name."""
+    encoders = [i for i, layer in enumerate(layers) if layer.attn_type == ENCODER_ONLY]
+    if not encoders:
+        return False
+    if len(encoders) != len(layers):
+        raise ValueError(f"attention layers {encoders} are encoder-only and the others decoder "
+                         "layers: a model mixing the two is not supported")
+    if pooler is None:
+        raise ValueError("an encoder-only model (bidirectional attention, no KV cache) cannot "
+                         "generate text: serve it with --runner pooling")
+    return True
+
+
 def _value_size(head_size_v: int | None) -> dict[str, int]:
     """head_size_v for the layout hooks only where it differs from head_size: a backend that
     never runs such layers may override them with the equal-size signature alone."""
@@ -61,6 +77,8 @@ def determine_cache_size(cache: CacheConfig, block_bytes: int,
     runs the profiling forward on CUDA and returns its peak bytes, the cache it used excluded.
     `num_gpu_blocks_override` sets the blocks (with state layers: max_num_seqs slots beside
     them), or for a model without attention layers the slots."""
+    if not block_bytes and not state:  # encoder-only: nothing is cached
+        return 0, 0
     override = cache.num_gpu_blocks_override
     if override is not None:
         if not block_bytes:
@@ -112,7 +130,7 @@ def profile_peak_memory(runner: Any) -> int:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     num_tokens = min(runner.max_num_tokens, runner.max_model_len)
-    needed = -(-num_tokens // runner.block_size) if runner.attn_layers else 0
+    needed = -(-num_tokens // runner.block_size) if runner.kv_layout is not None else 0
     runner.allocate_kv_cache(needed, 1 if runner.state_layers else 0)
     hidden = runner._dummy_forward(1, num_tokens, 0)
     # The head's rows: one per request, 1 + K per request in a step that verifies drafts.

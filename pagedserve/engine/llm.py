@@ -16,7 +16,9 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.lora.request import LoRARequest, per_prompt
 from pagedserve.pooling import PoolingParams, PoolingRequestOutput
+from pagedserve.pooling.classify import ClassificationRequestOutput, classification_output
 from pagedserve.pooling.front import tokenize_inputs
+from pagedserve.pooling.params import check_params
 from pagedserve.pooling.scoring import (
     ScoringRequestOutput,
     pair_list,
@@ -159,8 +161,14 @@ class LLM:
         order."""
         pooler = self.engine.pooler_config
         if pooler is not None and pooler.task != "embed":
-            raise ValueError("this model is a reranker: it scores pairs (LLM.score), it does "
-                             "not embed")
+            kind = "reranker" if pooler.task == "score" else "classifier"
+            raise ValueError(f"this model is a {kind}: it scores pairs (LLM.score) or "
+                             "classifies (LLM.classify), it does not embed")
+        return self._pool_prompts(prompts, pooling_params, use_tqdm)
+
+    def _pool_prompts(self, prompts: Prompt | Sequence[Prompt],
+                      pooling_params: PoolingParams | None,
+                      use_tqdm: bool) -> list[PoolingRequestOutput]:
         if isinstance(prompts, str | dict) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -186,12 +194,31 @@ class LLM:
 
     def _score_pairs(self, text_1: str | list[str], text_2: str | list[str],
                      use_tqdm: bool) -> list[ScoringRequestOutput]:
-        if self.engine.pooler_config.task != "score":
-            raise ValueError("this model embeds (LLM.embed); scoring pairs needs a reranker (a "
-                             "sentence-transformers CrossEncoder with a LogitScore module)")
-        token_ids = pair_token_ids(self.engine.tokenizer, pair_list(text_1, text_2))
+        pooler = self.engine.pooler_config
+        if not pooler.scores_pairs:
+            does = ("embeds (LLM.embed)" if pooler.task == "embed" else
+                    f"classifies into {pooler.num_labels} labels (LLM.classify)")
+            raise ValueError(f"this model {does}; scoring pairs needs a reranker (a "
+                             "cross-encoder of one label, or a sentence-transformers "
+                             "CrossEncoder with a LogitScore module)")
+        token_ids = pair_token_ids(self.engine.tokenizer, pair_list(text_1, text_2), pooler)
         outputs = self._pool(token_ids, [None] * len(token_ids), None, use_tqdm)
-        return [scoring_output(o) for o in outputs]
+        return [scoring_output(o, pooler) for o in outputs]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
+                 truncate_prompt_tokens: int | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """A classifier's (`*ForSequenceClassification`, --runner pooling) logits and
+        probabilities per prompt (`outputs.logits`, `outputs.probs`), in prompt order; prompts
+        as for `embed`; `truncate_prompt_tokens` keeps each prompt's last k tokens."""
+        pooler = self.engine.pooler_config
+        if pooler is None or pooler.task != "classify":
+            raise ValueError("this model does not classify: LLM.classify needs a "
+                             "*ForSequenceClassification model served with --runner pooling")
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        check_params(params, pooler)
+        outputs = self._pool_prompts(prompts, params, use_tqdm)
+        return [classification_output(o) for o in outputs]
 
     def _score_ids(self, text_or_ids: Any, what: str) -> list[int]:
         """Token ids, tokenizing text (without special tokens, so a prompt and its

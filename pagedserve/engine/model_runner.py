@@ -38,6 +38,7 @@ from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
 from pagedserve.kv_cache.specs import StateSpec
 from pagedserve.lora.manager import make_lora_manager
+from pagedserve.pooling.config import resolve_pooler
 from pagedserve.pooling.step import StepPooler, host_rows
 from pagedserve.scheduler import Request, SchedulerOutput
 from pagedserve.spec_decode.speculator import make_speculator
@@ -79,6 +80,9 @@ class ModelRunner:
         self.kv_specs = []
         self.kv_layout: KVCacheLayout | None = None
         self.state_specs: list[StateSpec] = []
+        # Every attention layer encoder-only (BERT and kin): no KV cache, no blocks.
+        self.encoder_only = False
+        self.pooler_config = resolve_pooler(config.model)
         self.state_builder: StateMetadataBuilder | None = None
         if self.state_layers:
             self._bind_state_layers()
@@ -148,11 +152,15 @@ class ModelRunner:
         logger.info("attention backend: %s (%s)", self.backend.get_name(),
                     self.backend.is_available()[1])
         self.kv_cache_dtype = self.backend.get_kv_cache_dtype(cache.kv_cache_dtype, self.dtype)
-        self.kv_specs = kv_cache_setup.attention_specs(self.backend, layers, self.block_size,
-                                                       self.kv_cache_dtype)
-        self.kv_layout = plan_kv_cache_groups(self.kv_specs)
-        grouped = len(self.kv_layout.groups) > 1
-        group_of_layer = self.kv_layout.group_of_layer
+        self.encoder_only = kv_cache_setup.is_encoder_only(layers, self.pooler_config)
+        if self.encoder_only:  # no cache: one pass per request, the K/V dropped after it
+            group_of_layer, grouped = [0] * len(layers), False
+        else:
+            self.kv_specs = kv_cache_setup.attention_specs(self.backend, layers,
+                                                           self.block_size, self.kv_cache_dtype)
+            self.kv_layout = plan_kv_cache_groups(self.kv_specs)
+            grouped = len(self.kv_layout.groups) > 1
+            group_of_layer = self.kv_layout.group_of_layer
         impl_cls = self.backend.get_impl_cls()
         builder_cls = self.backend.get_builder_cls()
         for module, layer, group in zip(self.attn_layers, layers, group_of_layer, strict=True):
@@ -214,7 +222,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         """The attention layers' pages and the state layers' slots."""
-        if self.attn_layers:
+        if self.attn_layers and not self.encoder_only:
             self.kv_caches = kv_cache_setup.allocate_layer_caches(
                 self.backend, self.kv_layout, num_blocks, self.kv_cache_dtype, self.device)
         self.state_caches = kv_cache_setup.allocate_state_slots(self.state_specs,
@@ -268,7 +276,7 @@ class ModelRunner:
         attn_metadata = state_metadata = None
         if graph_size is None:
             group = self.builder_group
-            attn_metadata = {key: b.build(commons[group[key]])
+            attn_metadata = {key: b.build_step(commons[group[key]])
                              for key, b in self.builders.items()}
         if self.state_builder is not None:
             n = len(rows)

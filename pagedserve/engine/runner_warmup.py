@@ -58,7 +58,9 @@ def run_warmup_steps(runner: Any) -> None:
     ran = 0
     for num_reqs, num_new, context in runner.backend.warmup_steps(runner.device):
         pages = num_reqs * -(-(context + num_new) // runner.block_size) \
-            if runner.attn_layers else 0
+            if runner.kv_layout is not None else 0
+        if runner.encoder_only and context:  # an encoder request runs whole: no cached part
+            continue
         if (num_reqs > runner.max_num_reqs or num_reqs * num_new > runner.max_num_tokens
                 or context + num_new > runner.max_model_len or pages > runner.num_blocks
                 or (runner.state_layers and runner.num_state_slots < 1)):

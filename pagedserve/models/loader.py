@@ -164,6 +164,11 @@ DEFAULT_UNBOUNDED_MAX_MODEL_LEN = 4096
 
 def resolve_max_model_len(requested: int | None, config: PretrainedConfig) -> int:
     model_max = getattr(config, "max_position_embeddings", None)
+    if model_max is not None and getattr(config, "model_type", "") in ("roberta",
+                                                                        "xlm-roberta"):
+        from pagedserve.models.xlm_roberta import usable_positions
+
+        model_max = usable_positions(config)  # the table starts at padding_idx + 1
     if model_max is None:  # no positional limit: what was asked for, else a default
         return requested or DEFAULT_UNBOUNDED_MAX_MODEL_LEN
     model_max = int(model_max)

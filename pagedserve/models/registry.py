@@ -30,7 +30,25 @@ _MODELS: dict[str, str] = {
     "Qwen3NextForCausalLM": "pagedserve.models.qwen3_next:Qwen3NextForCausalLM",
     "Lfm2ForCausalLM": "pagedserve.models.lfm2:Lfm2ForCausalLM",
     "MiniMaxForCausalLM": "pagedserve.models.minimax:MiniMaxForCausalLM",
+    # Encoders (pooling only: encoder-only attention, no KV cache).
+    "BertModel": "pagedserve.models.bert:BertModel",
+    "BertForSequenceClassification": "pagedserve.models.bert:BertForSequenceClassification",
+    "XLMRobertaModel": "pagedserve.models.xlm_roberta:XLMRobertaModel",
+    "XLMRobertaForSequenceClassification":
+        "pagedserve.models.xlm_roberta:XLMRobertaForSequenceClassification",
+    "RobertaModel": "pagedserve.models.xlm_roberta:XLMRobertaModel",
+    "RobertaForSequenceClassification":
+        "pagedserve.models.xlm_roberta:XLMRobertaForSequenceClassification",
+    "ModernBertModel": "pagedserve.models.modernbert:ModernBertModel",
+    "ModernBertForSequenceClassification":
+        "pagedserve.models.modernbert:ModernBertForSequenceClassification",
 }
+# Architectures that only pool (no language-model head): `--runner auto` serves them as
+# pooling models.
+ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "XLMRobertaModel",
+                         "XLMRobertaForSequenceClassification", "RobertaModel",
+                         "RobertaForSequenceClassification", "ModernBertModel",
+                         "ModernBertForSequenceClassification")
 
 
 # Multimodal checkpoints whose text decoder is served on its own (text in, text out): the text

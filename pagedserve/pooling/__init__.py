@@ -6,7 +6,8 @@ from (flags, sentence-transformers' files) is `config.py`; the pooling methods a
 truncation `methods.py`; a request's settings and the checks of its prompt `params.py`; what
 the engine core does with pooling sequences `core_hooks.py`; the front's part (tokenizing,
 adding requests, outputs) `front.py` and `outputs.py`; rerankers (a causal cross-encoder's
-pairs and scores) `scoring.py`; bare decoder checkpoints `base_models.py`.
+pairs and scores) `scoring.py`; classifiers and encoder cross-encoders (logits,
+probabilities, pair scores) `classify.py`; bare decoder checkpoints `base_models.py`.
 """
 
 from pagedserve.pooling.config import PoolerConfig, resolve_pooler

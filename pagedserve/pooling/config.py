@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.models.registry import ENCODER_ARCHITECTURES
 from pagedserve.pooling.base_models import is_base_model
 from pagedserve.pooling.st_files import read_sentence_transformer
 
@@ -35,12 +36,32 @@ class PoolerConfig:
     # logit[true] - logit[false] at the last token, then `activation`, instead of embedding.
     score_tokens: tuple[int, int | None] | None = None
     activation: str = "sigmoid"
+    # A classifier (`*ForSequenceClassification`: an encoder and its head over the first
+    # token): its labels; the step's rows are its logits. With one label it is a
+    # cross-encoder: it scores pairs by activation(logit).
+    num_labels: int | None = None
+    labels: tuple[str, ...] = ()  # a classifier's label names (config.json's id2label)
+    # Segments the model's token-type table holds (BERT's 2): ids may carry them
+    # (models/bert.py `with_token_types`).
+    num_token_types: int = 1
 
     @property
     def task(self) -> str:
-        return "score" if self.score_tokens is not None else "embed"
+        if self.score_tokens is not None:
+            return "score"
+        return "embed" if self.num_labels is None else "classify"
+
+    @property
+    def scores_pairs(self) -> bool:
+        """Serves /score, /rerank and LLM.score: a causal reranker or a one-label
+        cross-encoder."""
+        return self.task == "score" or self.num_labels == 1
 
     def describe(self) -> str:
+        if self.task == "classify":
+            return (f"a classifier of {self.num_labels} labels over the first token"
+                    + (f", scoring pairs by {self.activation}(logit)" if self.scores_pairs
+                       else "") + f" (from {self.source})")
         if self.task == "score":
             return (f"a reranker: {self.activation}(logit[{self.score_tokens[0]}] - "
                     f"logit[{self.score_tokens[1]}]) at the last token (from {self.source})")
@@ -63,15 +84,24 @@ def resolve_pooler(model: Any) -> PoolerConfig | None:
     hf = json.loads((path / "config.json").read_text()) if path is not None and (
         path / "config.json").is_file() else {}
     st = read_sentence_transformer(path) if path is not None else None
+    architectures = hf.get("architectures") or []
+    encoder = any(a in ENCODER_ARCHITECTURES for a in architectures)
     if runner == "auto":
-        runner = "pooling" if st is not None or is_base_model(hf.get("architectures")) \
+        runner = "pooling" if st is not None or encoder or is_base_model(architectures) \
             else "generate"
+    if runner == "generate" and encoder:
+        raise ValueError(f"{architectures[0]} is an encoder (bidirectional attention, no "
+                         "language-model head): it cannot generate; serve it with --runner "
+                         "pooling")
     if runner == "generate":
         if method is not None or normalize is not None:
             raise ValueError("pooling_type and pooling_normalize apply to a pooling model only: "
                              "add --runner pooling")
         return None
     source = "flags"
+    token_types = int(hf.get("type_vocab_size", 1) or 1) if encoder else 1
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return _classifier(hf, architectures[0], method, normalize, token_types)
     if st is not None:
         source = "the model's sentence-transformers files"
         if st.score_tokens is not None:
@@ -82,8 +112,34 @@ def resolve_pooler(model: Any) -> PoolerConfig | None:
                                 st.score_tokens, st.activation)
         method = method or st.method
         normalize = st.normalize if normalize is None else normalize
-    return PoolerConfig(method or DEFAULT_METHOD, True if normalize is None else normalize,
-                        _hidden_size(model.model, hf), source)
+    # An encoder's first token has seen the whole input (BERT's CLS); a decoder's last one.
+    default = "cls" if encoder else DEFAULT_METHOD
+    return PoolerConfig(method or default, True if normalize is None else normalize,
+                        _hidden_size(model.model, hf), source, num_token_types=token_types)
+
+
+def _classifier(hf: dict[str, Any], architecture: str, method: str | None,
+                normalize: bool | None, token_types: int) -> PoolerConfig:
+    """A `*ForSequenceClassification` checkpoint: its head reads the first token. The
+    activation of its pair scores is sentence-transformers' CrossEncoder's: config.json's
+    `sentence_transformers.activation_fn`, else the sigmoid."""
+    if method not in (None, "cls") or normalize:
+        raise ValueError(f"{architecture} classifies its first token: pooling_type and "
+                         "pooling_normalize do not apply")
+    labels = hf.get("id2label")
+    num_labels = int(hf.get("num_labels", len(labels) if labels else 2))
+    name = (hf.get("sentence_transformers") or {}).get("activation_fn")
+    if name is None or name.endswith(".Sigmoid"):
+        activation = "sigmoid"
+    elif name.endswith(".Identity"):
+        activation = "identity"
+    else:
+        raise ValueError(f"activation_fn {name!r} is not supported (Sigmoid or Identity)")
+    names = {str(k): str(v) for k, v in (labels or {}).items()}
+    return PoolerConfig("cls", False, int(hf["hidden_size"]), "the checkpoint's classifier",
+                        activation=activation, num_labels=num_labels,
+                        labels=tuple(names.get(str(i), f"LABEL_{i}") for i in range(num_labels)),
+                        num_token_types=token_types)
 
 
 def _model_dir(model: str | None) -> Path | None:

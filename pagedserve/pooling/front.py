@@ -14,8 +14,9 @@ from pagedserve.engine.outputs import RequestMetrics
 from pagedserve.pooling.core_hooks import POOLING_SAMPLING
 from pagedserve.pooling.params import PoolingParams, check_params, fit_prompt
 
-GENERATION_REFUSED = ("this is a pooling model (--runner pooling): it serves embeddings "
-                      "(/v1/embeddings, LLM.embed), not generation")
+GENERATION_REFUSED = ("this is a pooling model (--runner pooling): it serves embeddings, "
+                      "scores or classes (/v1/embeddings, /score, /rerank, /classify; "
+                      "LLM.embed, LLM.score, LLM.classify), not generation")
 
 
 def tokenize_inputs(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -45,6 +46,11 @@ def add_pooling_request(engine: Any, request_id: str, prompt: str | list[int],
         else list(prompt)
     vocab = engine.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
+    if bad and pooler.num_token_types > 1:  # a pair's second segment rides in the ids
+        from pagedserve.models.bert import TOKEN_TYPE_SHIFT
+
+        bad = [t for t in bad if not (0 <= t & ((1 << TOKEN_TYPE_SHIFT) - 1) < vocab
+                                      and t >> TOKEN_TYPE_SHIFT < pooler.num_token_types)]
     if bad:
         raise ValueError(f"input token id {bad[0]} is out of range [0, {vocab})")
     ids = fit_prompt(ids, params, engine.max_model_len,

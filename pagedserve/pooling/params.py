@@ -20,8 +20,9 @@ class PoolingParams:
 
 def check_params(params: PoolingParams, pooler: PoolerConfig) -> None:
     d = params.dimensions
-    if d is not None and pooler.task == "score":
-        raise ValueError("dimensions applies to embeddings; this model is a reranker")
+    if d is not None and pooler.task != "embed":
+        raise ValueError(f"dimensions applies to embeddings; this model is a "
+                         f"{'reranker' if pooler.task == 'score' else 'classifier'}")
     if d is not None and not 1 <= d <= pooler.hidden_size:
         raise ValueError(f"dimensions must be between 1 and the model's embedding size "
                          f"{pooler.hidden_size}, got {d}")

@@ -28,9 +28,19 @@ class ScoringRequestOutput:
     finished: bool = True
 
 
-def scoring_output(output: PoolingRequestOutput) -> ScoringRequestOutput:
+def scoring_output(output: PoolingRequestOutput, pooler: Any = None) -> ScoringRequestOutput:
+    """A pair's score: a causal reranker's row is its score; an encoder cross-encoder's
+    (`pooler.task` classify) its logit, through its activation."""
     return ScoringRequestOutput(output.request_id, output.prompt_token_ids,
-                                ScoringOutput(float(output.outputs.data[0])))
+                                ScoringOutput(row_score(output.outputs.data, pooler)))
+
+
+def row_score(row: Any, pooler: Any) -> float:
+    if pooler is not None and pooler.task == "classify":
+        from pagedserve.pooling.classify import pair_score
+
+        return pair_score(row, pooler)
+    return float(row[0])
 
 
 def pair_list(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
@@ -47,8 +57,14 @@ def pair_list(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[st
     return list(zip(first, second, strict=True))
 
 
-def pair_token_ids(tokenizer: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:
-    """Each pair rendered with the model's chat template (query and document roles)."""
+def pair_token_ids(tokenizer: Any, pairs: list[tuple[str, str]], pooler: Any = None
+                   ) -> list[list[int]]:
+    """Each pair rendered with the model's chat template (query and document roles); for an
+    encoder cross-encoder (`pooler.task` classify), its tokenizer's pair template."""
+    if pooler is not None and pooler.task == "classify":
+        from pagedserve.pooling.classify import encoder_pair_ids
+
+        return encoder_pair_ids(tokenizer, pairs, pooler)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this reranker has no chat template to render (query, document) "
                          "pairs with")

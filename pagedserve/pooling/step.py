@@ -42,16 +42,22 @@ class PooledRows:
 
 
 class StepPooler:
-    def __init__(self, config: PoolerConfig, compute_logits: Callable[..., torch.Tensor]
-                 ) -> None:
+    def __init__(self, config: PoolerConfig, compute_logits: Callable[..., torch.Tensor],
+                 classify: Callable[..., torch.Tensor] | None = None) -> None:
         self.config = config
         self.compute_logits = compute_logits  # the model's head: a reranker's scores read it
+        self.classify = classify  # a classifier's head over first tokens [B, H] -> logits
 
     @classmethod
     def for_engine(cls, config: EngineConfig, model: Any) -> StepPooler | None:
         """The engine's pooler; None when it generates."""
         pooler = resolve_pooler(config.model)
-        return None if pooler is None else cls(pooler, model.compute_logits)
+        if pooler is None:
+            return None
+        classify = getattr(model, "classify", None)
+        if pooler.task == "classify" and classify is None:
+            raise ValueError(f"{type(model).__name__} has no classification head")
+        return cls(pooler, model.compute_logits, classify)
 
     def launch(self, batch: SchedulerOutput, rows: np.ndarray, generations: np.ndarray,
                hidden: torch.Tensor, common: CommonAttentionMetadata,
@@ -60,7 +66,9 @@ class StepPooler:
         hidden [>= num_actual_tokens, H] under the step's metadata `common`; `device_timer`
         (the runner's, when it measures) ends the step's span after the pooler's work."""
         config = self.config
-        if config.task == "score":  # the head over each request's last token only
+        if config.task == "classify":  # the classifier over each first token: the logits
+            out = self.classify(hidden[common.query_start_loc[:-1].long()])
+        elif config.task == "score":  # the head over each request's last token only
             last = hidden[common.query_start_loc[1:].long() - 1]
             out = logit_score(self.compute_logits(last), config.score_tokens, config.activation)
         else:

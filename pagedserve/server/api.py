@@ -24,6 +24,7 @@ from pagedserve.server.anthropic.errors import is_anthropic_path
 from pagedserve.server.anthropic.routes import anthropic_routes
 from pagedserve.server.chat import create_chat_completion, render_messages
 from pagedserve.server.chat_page import chat_page_routes
+from pagedserve.server.classify import ClassificationRequest, create_classify
 from pagedserve.server.common import (
     ApiError,
     ServerState,
@@ -192,6 +193,10 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/embeddings", response_model=None)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         return await create_embeddings(state, body, request)
+
+    @router.post("/classify", response_model=None)
+    async def classify(body: ClassificationRequest, request: Request) -> Any:
+        return await create_classify(state, body, request)
 
     @router.post("/score", response_model=None)
     async def score(body: ScoreRequest, request: Request) -> Any:

@@ -61,8 +61,9 @@ async def create_embeddings(state: ServerState, body: EmbeddingRequest,
         raise ApiError(400, "this model generates text: it serves no embeddings (an embedding "
                             "model is served with --runner pooling)", param="model")
     if engine.pooler_config.task != "embed":
-        raise ApiError(400, "this model is a reranker: it scores pairs (/score, /rerank), it "
-                            "does not embed", param="model")
+        kind = "reranker" if engine.pooler_config.task == "score" else "classifier"
+        raise ApiError(400, f"this model is a {kind}: it scores pairs (/score, /rerank) or "
+                            "classifies (/classify), it does not embed", param="model")
     inputs = _inputs(body.input)
     if len(inputs) > MAX_INPUTS:
         raise ApiError(400, f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}",

@@ -1,8 +1,9 @@
 """POST /score (vLLM's: `text_1` / `text_2`, or `queries` / `documents`) and POST /rerank,
 /v1/rerank (Jina's and Cohere's shape: `query`, `documents`, `top_n`, and
-`results[{index, document, relevance_score}]` best first) over a reranker (pooling/scoring.py).
-Pairs are rendered and tokenized in a worker thread; every pair is queued before any is
-awaited, so they batch into the same steps."""
+`results[{index, document, relevance_score}]` best first) over a reranker (pooling/scoring.py)
+or an encoder cross-encoder of one label (pooling/classify.py). Pairs are rendered and
+tokenized in a worker thread; every pair is queued before any is awaited, so they batch into
+the same steps."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from pagedserve.pooling import PoolingParams
-from pagedserve.pooling.scoring import pair_list, pair_token_ids
+from pagedserve.pooling.scoring import pair_list, pair_token_ids, row_score
 from pagedserve.server.common import ApiError, ServerState
 from pagedserve.server.embeddings import MAX_INPUTS, add_pooling_requests
 from pagedserve.server.protocol import OpenAIModel
@@ -46,7 +47,7 @@ async def _scores(state: ServerState, request_id: str, text_1: str | list[str],
                   ) -> tuple[list[float], int] | Any:
     """(score per pair, prompt tokens in all), or the response of a client that left."""
     pooler = state.llm.engine.pooler_config
-    if pooler is None or pooler.task != "score":
+    if pooler is None or not pooler.scores_pairs:
         raise ApiError(400, "this model does not score pairs: /score and /rerank need a "
                             "reranker (a cross-encoder served with --runner pooling)",
                        param="model")
@@ -54,7 +55,7 @@ async def _scores(state: ServerState, request_id: str, text_1: str | list[str],
         pairs = pair_list(text_1, text_2)
         if len(pairs) > MAX_INPUTS:
             raise ValueError(f"at most {MAX_INPUTS} pairs per request, got {len(pairs)}")
-        prompts = await asyncio.to_thread(pair_token_ids, state.tokenizer, pairs)
+        prompts = await asyncio.to_thread(pair_token_ids, state.tokenizer, pairs, pooler)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     streams = await add_pooling_requests(state, request_id, [(None, p) for p in prompts],
@@ -62,7 +63,7 @@ async def _scores(state: ServerState, request_id: str, text_1: str | list[str],
 
     async def collect() -> tuple[list[float], int]:
         finals = await final_outputs(streams)
-        return ([float(o.outputs.data[0]) for o in finals],
+        return ([row_score(o.outputs.data, pooler) for o in finals],
                 sum(len(o.prompt_token_ids) for o in finals))
 
     return await until_disconnect(request, collect())

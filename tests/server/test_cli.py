@@ -92,3 +92,12 @@ def test_backends_table(capsys):
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
     assert "CPU" in out and "FLASHINFER" in out and "auto-selection order" in out
+    # The encoder-only column: which backends run bidirectional layers without a cache.
+    encoder, name = {}, None
+    for line in out.split("\n"):
+        if line and not line.startswith(" "):
+            name = line.split()[0]
+        elif "encoder-only attention:" in line:
+            encoder[name] = line.rsplit(" ", 1)[1]
+    assert encoder["CPU"] == "yes" and encoder["TRITON"] == "yes"
+    assert encoder["TURBOQUANT"] == "no" and encoder["CPU_MLA"] == "no"

@@ -39,6 +39,7 @@ from pagedserve.attention.backend import (
     AttentionImpl,
     AttentionMetadataBuilder,
 )
+from pagedserve.attention.encoder import EncoderMetadata, torch_varlen_attention
 from pagedserve.attention.metadata import CommonAttentionMetadata
 
 # Rows every query product gets (zero rows added below it) and keys every softmax row reads
@@ -107,6 +108,14 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
 class CPUAttentionImpl(AttentionImpl):
     supports_sinks = True
     supports_diff_kv = True
+    supports_encoder_only = True
+
+    def forward_encoder(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_metadata: EncoderMetadata,
+                        output: torch.Tensor | None = None) -> torch.Tensor:
+        """Encoder-only layers: the padded-grid torch form (float32 softmax)."""
+        return torch_varlen_attention(query, key, value, attn_metadata, self.scale, output,
+                                      self.sliding_window)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CPUAttentionMetadata,
@@ -215,6 +224,8 @@ class CPUAttentionBackend(AttentionBackend):
     supports_soft_cap = True
     supports_sinks = True
     supports_diff_kv = True
+    supports_encoder_only = True
+    supports_encoder_window = True
     description = "batched torch matmuls over gathered pages (batch-invariant)"
 
     impl_cls = CPUAttentionImpl

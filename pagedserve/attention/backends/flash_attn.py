@@ -61,6 +61,7 @@ import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -395,6 +396,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
 # ---- the layer's attention ---------------------------------------------------------------
 
 class FlashAttentionImpl(AttentionImpl):
+    supports_encoder_only = True
     def __init__(self, layer: AttentionLayerConfig) -> None:
         super().__init__(layer)
         self.implementation = _require_implementation()
@@ -424,6 +426,16 @@ class FlashAttentionImpl(AttentionImpl):
             return output
         self._attend(query, k_cache, v_cache, md, output)
         return output
+
+    def forward_encoder(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_metadata: Any, output: torch.Tensor | None = None) -> torch.Tensor:
+        """Encoder-only layers: the implementation's varlen call, causal=False."""
+        from pagedserve.attention.backends.encoder_gpu import flash_attn_encoder
+
+        if output is None:
+            output = torch.empty_like(query)
+        return flash_attn_encoder(self.implementation, query, key, value, attn_metadata,
+                                  self.scale, output, self.sliding_window)
 
     def _window(self) -> tuple[int, int]:
         return (self.window_left, 0) if self.sliding_window is not None else (-1, -1)
@@ -511,6 +523,8 @@ class FlashAttentionBackend(AttentionBackend):
     # and V, and fa3's paged path takes 192/128 only in some builds, which nothing here probes
     # and no GPU has checked: refused by name until one does (TRITON runs such layers).
     supports_diff_kv = False
+    supports_encoder_only = True  # each implementation's varlen call, causal=False
+    supports_encoder_window = True  # window_size=(w - 1, w - 1)
     description = "FlashAttention (FA3, FA2, FA4 or torch's FA2 over gathered pages)"
 
     impl_cls = FlashAttentionImpl

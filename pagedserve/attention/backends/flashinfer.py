@@ -40,6 +40,7 @@ from pagedserve.attention.backend import (
     BuilderConfig,
     diff_kv_reason,
 )
+from pagedserve.attention.backends import encoder_gpu
 from pagedserve.attention.metadata import CommonAttentionMetadata, CommonMetadataBuilder
 
 logger = logging.getLogger(__name__)
@@ -73,11 +74,9 @@ def import_flashinfer(submodule: str | None = None) -> tuple[Any | None, str]:
 
 @dataclass
 class CSRPart:
-    """A contiguous run of a step's requests [req_start, req_end) in FlashInfer's CSR form.
-
-    The arrays are host (numpy) and rebased to start at 0; the page ids themselves stay on the
-    device as `paged_kv_indices[page_start:page_end]` of the step's metadata.
-    """
+    """A contiguous run of a step's requests [req_start, req_end) in FlashInfer's CSR form:
+    host arrays rebased to start at 0; the page ids stay on the device as
+    `paged_kv_indices[page_start:page_end]` of the step's metadata."""
 
     req_start: int
     req_end: int
@@ -177,12 +176,10 @@ class _GraphDecode:
     metadata: FlashInferMetadata
 
 
-class FlashInferMetadataBuilder(AttentionMetadataBuilder):
-    """Plans FlashInfer's wrappers once per step for one layer configuration.
-
-    Eager steps: `build(common)`. CUDA-graph decode steps (pure decode, padded to a captured
-    batch size): `build_for_cudagraph(common, num_reqs_padded)`; see its docstring.
-    """
+class FlashInferMetadataBuilder(encoder_gpu.FlashInferEncoderBuilder, AttentionMetadataBuilder):
+    """Plans FlashInfer's wrappers once per step for one layer configuration. Eager steps:
+    `build(common)`. CUDA-graph decode steps (pure decode, padded to a captured batch size):
+    `build_for_cudagraph(common, num_reqs_padded)`; encoder-only layers: `build_encoder`."""
 
     def __init__(self, config: BuilderConfig) -> None:
         super().__init__(config)
@@ -375,7 +372,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
 
 # ---- implementation ---------------------------------------------------------------------------
 
-class FlashInferImpl(AttentionImpl):
+class FlashInferImpl(encoder_gpu.FlashInferEncoderImpl, AttentionImpl):
     supports_sinks = True
 
     def __init__(self, layer: AttentionLayerConfig) -> None:
@@ -447,6 +444,7 @@ class FlashInferBackend(AttentionBackend):
     supports_soft_cap = True
     supports_sinks = True  # through FlashInfer's attention-sink variant (module docstring)
     supports_cuda_graphs = True
+    supports_encoder_only = True  # the ragged prefill wrapper, causal=False (encoder_gpu.py)
     description = "FlashInfer paged prefill (fa2/fa3) and tensor-core decode, NHD cache"
 
     impl_cls = FlashInferImpl

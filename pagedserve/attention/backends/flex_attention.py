@@ -72,6 +72,7 @@ from pagedserve.attention.backend import (
     AttentionImpl,
     AttentionMetadataBuilder,
 )
+from pagedserve.attention.backends import flex_encoder
 from pagedserve.attention.backends.cpu import write_kv
 from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.device import to_device_async
@@ -384,6 +385,9 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
 
         return causal if window is None else windowed
 
+    def build_encoder(self, common: CommonAttentionMetadata) -> Any:
+        return flex_encoder.encoder_metadata(common, _flex_module(), self.config.sliding_window)
+
     def warmup(self) -> None:
         if self.config.device.type == "cuda":  # compiled there, eager elsewhere
             FlexAttentionImpl.compile_flex()
@@ -392,6 +396,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
 class FlexAttentionImpl(AttentionImpl):
     supports_sinks = True
     supports_diff_kv = True
+    supports_encoder_only = True
     # flex_attention itself, replaced by its compiled form by `compile_flex` (CUDA warm-up).
     _flex: Callable[..., Any] | None = None
 
@@ -461,6 +466,13 @@ class FlexAttentionImpl(AttentionImpl):
         output[:n] = out
         return output
 
+    def forward_encoder(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_metadata: Any, output: torch.Tensor | None = None) -> torch.Tensor:
+        if output is None:
+            output = query.new_empty(query.shape[0], self.num_heads, self.value_head_size)
+        return flex_encoder.encoder_forward(self._attend, query, key, value, attn_metadata,
+                                            output)
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any,
                 kernel_options: dict[str, Any] | None,
                 enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -487,6 +499,8 @@ class FlexAttentionBackend(AttentionBackend):
     supports_soft_cap = True
     supports_sinks = True
     supports_diff_kv = True
+    supports_encoder_only = True
+    supports_encoder_window = True
     description = ("torch flex_attention (block mask from the page table over the cache "
                    "itself on CUDA; gathered pages, eager, on CPU)")
 

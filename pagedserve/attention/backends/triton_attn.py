@@ -25,6 +25,7 @@ from pagedserve.attention.backend import (
     AttentionMetadataBuilder,
     BuilderConfig,
 )
+from pagedserve.attention.encoder import EncoderMetadata
 from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.attention.ops.query_blocks import QueryBlockMap
 
@@ -90,6 +91,19 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 class TritonAttentionImpl(AttentionImpl):
     supports_sinks = True
     supports_diff_kv = True
+    supports_encoder_only = True
+
+    def forward_encoder(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_metadata: EncoderMetadata,
+                        output: torch.Tensor | None = None) -> torch.Tensor:
+        """Encoder-only layers: one varlen launch over the packed Q/K/V (ops/varlen_attention)."""
+        from pagedserve.attention.ops.varlen_attention import varlen_attention
+
+        md = attn_metadata
+        if output is None:
+            output = query.new_empty(query.shape[0], self.num_heads, self.value_head_size)
+        return varlen_attention(query, key, value, output, md.cu_seqlens, md.num_reqs,
+                                md.max_seqlen, self.scale, window=self.sliding_window)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata,
@@ -162,6 +176,8 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
     # fp8: e4m3 pages with per-tensor scales, written before the kernel reads them back.
     supported_kv_cache_dtypes = ("auto", "fp8")
+    supports_encoder_only = True
+    supports_encoder_window = True
     description = "Triton unified paged attention (one launch per step) + split-KV decode"
 
     impl_cls = TritonAttentionImpl
