@@ -81,6 +81,9 @@ class DraftModelProposer(Proposer):
         # Each step's metadata goes through the runner's pinned buffers: the next step rewrites
         # them only once the copies queued from them have run.
         copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        inputs_copied = getattr(runner, "_inputs_copied", None)
+        if inputs_copied is not None:  # the launched step's copies read the same buffers
+            inputs_copied.synchronize()
         for j in range(self.k):
             live = np.flatnonzero(limit > j)
             if not live.size:
