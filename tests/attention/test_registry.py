@@ -139,20 +139,24 @@ def test_fp8_picks_flashinfer_where_it_runs(monkeypatch, caplog):
         "that can run the model)"]
 
 
-@pytest.mark.parametrize("device", [CPU, CUDA])
-def test_fp8_without_a_backend_that_runs_it_says_who_stores_it(monkeypatch, device):
-    """Only FLASHINFER stores fp8: on a GPU without FlashInfer, and on any CPU, the error names
-    the dtype, the device and FLASHINFER with why it cannot run here."""
+def test_fp8_on_a_gpu_without_flashinfer_takes_triton(monkeypatch):
+    """TRITON stores fp8 too: a GPU without FlashInfer serves an fp8 cache through it."""
     _simulate_gpu(monkeypatch, ("TRITON", "TURBOQUANT", "CPU"))
+    assert select_backend(None, CUDA, _layers("fp8"), 16).get_name() == "TRITON"
+
+
+def test_fp8_without_a_backend_that_runs_it_says_who_stores_it(monkeypatch):
+    """On a CPU without the Triton interpreter nothing runs an fp8 cache: the error names the
+    dtype, the device and each backend that stores it, with why it cannot run here."""
+    _simulate_gpu(monkeypatch, ("TRITON", "TURBOQUANT", "CPU"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(BackendSelectionError) as err:
-        select_backend(None, device, _layers("fp8", torch.float32 if device == CPU
-                                              else torch.bfloat16), 16)
+        select_backend(None, CPU, _layers("fp8", torch.float32), 16)
     message = str(err.value)
-    assert message.startswith(f"no attention backend can run this model on {device} with "
-                              f"kv_cache_dtype 'fp8' (stored by FLASHINFER only")
-    assert "FLASHINFER: FLASHINFER not here" in message
-    if device == CPU:
-        assert "FlashInfer runs on CUDA devices, not cpu" in message
+    assert message.startswith(f"no attention backend can run this model on {CPU} with "
+                              "kv_cache_dtype 'fp8' (stored by FLASHINFER, TRITON, ROCM only")
+    assert "FlashInfer runs on CUDA devices, not cpu" in message
+    assert "CPU tensors need TRITON_INTERPRET=1" in message
 
 
 def test_a_preset_turboquant_cannot_run_on_this_gpu_is_an_error_saying_why(monkeypatch):
@@ -176,7 +180,7 @@ def test_an_unknown_kv_cache_dtype_lists_the_valid_values():
 
 @pytest.mark.parametrize("backend,kv_cache_dtype,stores", [
     ("TRITON", "tq_4bit", "TURBOQUANT"), ("triton_attn", "tq_3bit", "TURBOQUANT"),
-    ("CPU", "fp8", "FLASHINFER"), ("FLASHINFER", "tq_k8v4", "TURBOQUANT")])
+    ("CPU", "fp8", "FLASHINFER, TRITON, ROCM"), ("FLASHINFER", "tq_k8v4", "TURBOQUANT")])
 def test_a_backend_that_does_not_store_the_kv_cache_dtype_is_a_one_line_error(
         monkeypatch, backend, kv_cache_dtype, stores):
     """Whether or not the named backend runs here: the two settings contradict each other."""
