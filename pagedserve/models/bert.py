@@ -165,30 +165,14 @@ class BertModel(nn.Module):
         return name, None
 
 
-class BertForSequenceClassification(nn.Module):
-    """The encoder and BERT's classifier: tanh(W_pool h_CLS) -> W_cls (num_labels logits)."""
+class EncoderClassifier(nn.Module):
+    """A classification head over an `encoder`: the head's tensors (checkpoint prefixes in
+    `_HEAD`, mapped onto this module's names) load here, the rest through the encoder."""
 
-    encoder_cls = BertModel
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.encoder = self.encoder_cls(config)
-        self.num_labels = config.num_labels
-        self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.encoder(input_ids, positions)
-
-    def classify(self, first_token: torch.Tensor) -> torch.Tensor:
-        """Each request's first-token hidden state [B, H] -> logits [B, num_labels] float32."""
-        return self.classifier(torch.tanh(self.pooler(first_token))).float()
+    _HEAD: dict[str, str] = {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{type(self).__name__} has no language-model head")
-
-    _HEAD = {"bert.pooler.dense.": "pooler.", "classifier.": "classifier."}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -208,3 +192,26 @@ class BertForSequenceClassification(nn.Module):
         missing = sorted(n for n in params if not n.startswith("encoder.") and n not in head)
         if missing:
             raise ValueError(f"checkpoint is missing the classifier's tensors {missing}")
+
+
+class BertForSequenceClassification(EncoderClassifier):
+    """The encoder and BERT's classifier: tanh(W_pool h_CLS) -> W_cls (num_labels logits)."""
+
+    encoder_cls = BertModel
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.encoder = self.encoder_cls(config)
+        self.num_labels = config.num_labels
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.encoder(input_ids, positions)
+
+    def classify(self, first_token: torch.Tensor) -> torch.Tensor:
+        """Each request's first-token hidden state [B, H] -> logits [B, num_labels] float32."""
+        return self.classifier(torch.tanh(self.pooler(first_token))).float()
+
+    _HEAD = {"bert.pooler.dense.": "pooler.", "classifier.": "classifier."}

@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 
 from pagedserve.attention.encoder import ENCODER_ONLY
 from pagedserve.attention.layer import Attention
-from pagedserve.models.bert import activation
+from pagedserve.models.bert import EncoderClassifier, activation
 from pagedserve.models.layers import RotaryEmbedding, build_rope_caches
 
 
@@ -117,7 +117,7 @@ class ModernBertModel(nn.Module):
         build_rope_caches(self, emb.device, emb.dtype)  # to_empty left the tables unset
 
 
-class ModernBertForSequenceClassification(nn.Module):
+class ModernBertForSequenceClassification(EncoderClassifier):
     """The encoder and ModernBERT's head over the first token: classifier(norm(act(dense)))."""
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -139,26 +139,4 @@ class ModernBertForSequenceClassification(nn.Module):
     def classify(self, first_token: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.head_norm(self.head_act(self.dense(first_token)))).float()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise ValueError(f"{type(self).__name__} has no language-model head")
-
     _HEAD = {"head.dense.": "dense.", "head.norm.": "head_norm.", "classifier.": "classifier."}
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        head: set[str] = set()
-
-        def encoder_part() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                prefix = next((p for p in self._HEAD if name.startswith(p)), None)
-                if prefix is None:
-                    yield name, tensor
-                    continue
-                target = self._HEAD[prefix] + name[len(prefix):]
-                params[target].data.copy_(tensor)
-                head.add(target)
-
-        self.encoder.load_weights(encoder_part())
-        missing = sorted(n for n in params if not n.startswith("encoder.") and n not in head)
-        if missing:
-            raise ValueError(f"checkpoint is missing the classifier's tensors {missing}")
