@@ -1,0 +1,39 @@
+"""The hooks a model that takes images implements. The runner and the processor call only
+these; each is declared here so a new vision-language family is one file and a registry line."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from pagedserve.multimodal.inputs import MultiModalFeature
+
+
+class SupportsMultiModal:
+    """Mixed into a vision-language model class (beside its decoder family's class)."""
+
+    supports_multimodal: ClassVar[bool] = True
+    # Positions are int64 [3, T] (temporal, height, width) instead of [T] (Qwen2-VL family).
+    uses_mrope: ClassVar[bool] = False
+    # Tokens of one image span attend to each other both ways (Gemma 3): only backends whose
+    # `supports_bidirectional_spans` is true run such a model.
+    bidirectional_image_spans: ClassVar[bool] = False
+    # The class that expands placeholders and preprocesses images for this family
+    # (processing.MultiModalProcessor subclass).
+    processor_cls: ClassVar[Any] = None
+
+    def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """The encoder (vision tower and projector) over several images at once: one
+        [placeholder.num_embeds, hidden] tensor per feature, in the model's dtype."""
+        raise NotImplementedError
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's token embeddings of input_ids [T] -> [T, hidden]."""
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """As a decoder's forward; with `inputs_embeds` [T, hidden] the ids are not embedded
+        (the runner has written the images' rows over their placeholders' embeddings)."""
+        raise NotImplementedError
