@@ -613,6 +613,46 @@ stage_moeprofile() {  # issue #47 item 5: the Qwen3-30B-A3B shape's steps (kerne
     echo "exit $?" >>"$OUT/moe_sweep.log"; grep -v " INFO " "$OUT/moe_sweep.log" | tail -24
 }
 
+shard_any() {  # name, pytest args...: every test selected, gpu-marked or not (the unmarked
+    # conformance and kernel cases run on CUDA when it is there)
+    local name=$1; shift
+    ( timeout "$SHARD_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rs "$@" \
+        >"$OUT/$name.log" 2>&1; echo "exit $?" >>"$OUT/$name.log" ) &
+}
+
+stage_wave25() {  # the twenty-fifth session's GPU tests (fp8 KV on TRITON, encoder attention,
+    # LoRA kernels and graphs, EAGLE/MTP, GGUF and 4-bit expert kernels), then the GGUF and
+    # int4 linear benchmarks
+    setup_env
+    SHARD_TIMEOUT=${WAVE_TIMEOUT:-330}
+    shard_any fp8kv tests/attention/test_conformance.py tests/models/test_kv_scales.py -k fp8
+    shard encoder tests/attention/test_encoder_attention.py tests/pooling/test_cross_encoders.py \
+        tests/pooling/test_embed.py
+    shard_any lora tests/lora/test_lora_kernels.py tests/lora/test_lora_cuda_graphs.py
+    shard spec tests/spec_decode
+    shard quant tests/quantization/test_gguf_kernels.py tests/quantization/test_w4_moe_kernels.py \
+        tests/quantization/test_w4a16_kernel.py tests/quantization/test_random_fp8.py
+    shard graphs tests/engine/test_cuda_graphs.py
+    wait
+    timeout 100 python3 benchmarks/gguf_linear.py >"$OUT/gguf_linear.log" 2>&1
+    echo "exit $?" >>"$OUT/gguf_linear.log"; tail -12 "$OUT/gguf_linear.log"
+    timeout 100 python3 benchmarks/int4_linear.py --tokens 1,16,256 >"$OUT/int4_linear.log" 2>&1
+    echo "exit $?" >>"$OUT/int4_linear.log"; tail -20 "$OUT/int4_linear.log"
+}
+
+stage_wave25bench() {  # issue #54's LoRA rows and #49's EAGLE-3 row on the 8B shape
+    setup_env
+    timeout 330 python3 benchmarks/lora_engine.py --json "$OUT/lora.json" \
+        >"$OUT/lora_engine.log" 2>&1
+    echo "exit $?" >>"$OUT/lora_engine.log"; tail -6 "$OUT/lora_engine.log"
+    timeout 200 python3 benchmarks/spec_decode.py --model random:llama3-8b --random-prompts 128 \
+        --random-eagle3-head 32000 --batch-sizes 1 32 --output-len 128 --repeats 1 \
+        --speculative-config '{"method": "eagle3", "num_speculative_tokens": 3, "model": "-",
+            "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.8}' \
+        >"$OUT/eagle3.log" 2>&1
+    echo "exit $?" >>"$OUT/eagle3.log"; tail -8 "$OUT/eagle3.log"
+}
+
 for stage in "$@"; do
     echo "=== $stage $(date +%T)"
     "stage_$stage"
