@@ -9,6 +9,7 @@ largest difference between the two embeddings.
         --shape qwen3-0.6b --num-texts 10000 --tokens 256 --st-batch-sizes 32,64,128,256 \\
         --serve-batch 16   # and /v1/embeddings at 16 texts a request, beside LLM.embed
     python benchmarks/embed_throughput.py --device cpu --shape tiny --num-texts 256
+    python benchmarks/embed_throughput.py --shape bge-base ...  # a BERT encoder, CLS pooling
 """
 
 from __future__ import annotations
@@ -28,25 +29,42 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
+# Encoder shapes (BertModel, CLS pooling, as bge-base-en-v1.5 ships).
+BERT_SHAPES = {
+    "bge-base": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                     num_attention_heads=12),
+    "bert-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4),
+}
 NUM_WORDS = 1000
 
 
 def save_embedder(path: Path, shape: str, max_len: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3Model
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3Model
 
-    vocab = {"[PAD]": 0, "[UNK]": 1, "<eos>": 2, **{f"w{i}": i + 3 for i in range(NUM_WORDS)}}
+    bert = shape in BERT_SHAPES
+    vocab = {"[PAD]": 0, "[UNK]": 1, "<eos>": 2, "[CLS]": 3,
+             **{f"w{i}": i + 4 for i in range(NUM_WORDS)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="$A <eos>",
-                                                       special_tokens=[("<eos>", 2)])
+    # --tokens counts the special tokens: BERT's [CLS] .. <eos> (its [SEP]), the decoder's <eos>.
+    template = "[CLS] $A <eos>" if bert else "$A <eos>"
+    tok.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[("<eos>", 2), ("[CLS]", 3)])
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
-                            eos_token="<eos>", padding_side="right").save_pretrained(path)
-    config = Qwen3Config(vocab_size=len(vocab), max_position_embeddings=max_len,
-                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
-                         **SHAPES[shape])
+                            eos_token="<eos>", cls_token="[CLS]", sep_token="<eos>",
+                            padding_side="right").save_pretrained(path)
     torch.manual_seed(0)
-    Qwen3Model(config).save_pretrained(path)
+    if bert:
+        config = BertConfig(vocab_size=len(vocab), max_position_embeddings=max_len,
+                            pad_token_id=0, **BERT_SHAPES[shape])
+        BertModel(config, add_pooling_layer=False).save_pretrained(path)
+    else:
+        config = Qwen3Config(vocab_size=len(vocab), max_position_embeddings=max_len,
+                             eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+                             **SHAPES[shape])
+        Qwen3Model(config).save_pretrained(path)
     modules = [{"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{k}"}
                for i, (p, k) in enumerate([("", "Transformer"), ("1_Pooling", "Pooling"),
                                            ("2_Normalize", "Normalize")])]
@@ -54,14 +72,15 @@ def save_embedder(path: Path, shape: str, max_len: int) -> None:
     for folder in ("1_Pooling", "2_Normalize"):
         (path / folder).mkdir()
     (path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": config.hidden_size, "pooling_mode_lasttoken": True}))
+        {"word_embedding_dimension": config.hidden_size,
+         "pooling_mode_cls_token" if bert else "pooling_mode_lasttoken": True}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--shape", default="qwen3-0.6b", choices=list(SHAPES))
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=[*SHAPES, *BERT_SHAPES])
     parser.add_argument("--num-texts", type=int, default=10000)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per text, end included")
     parser.add_argument("--st-batch-sizes", default="32,64,128")
@@ -76,7 +95,8 @@ def main() -> None:
     from pagedserve import LLM
 
     rng = np.random.default_rng(0)
-    texts = [" ".join(f"w{i}" for i in rng.integers(0, NUM_WORDS, args.tokens - 1))
+    words = args.tokens - (2 if args.shape in BERT_SHAPES else 1)  # the special tokens' room
+    texts = [" ".join(f"w{i}" for i in rng.integers(0, NUM_WORDS, words))
              for _ in range(args.num_texts)]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "embedder"

@@ -653,6 +653,18 @@ stage_wave25bench() {  # issue #54's LoRA rows and #49's EAGLE-3 row on the 8B s
     echo "exit $?" >>"$OUT/eagle3.log"; tail -8 "$OUT/eagle3.log"
 }
 
+stage_wave25embed() {  # issue #52's rows: bge-base and Qwen3-Embedding-0.6B shapes beside
+    # sentence-transformers, and /v1/embeddings at 16 texts a request
+    setup_env
+    local shape
+    for shape in bge-base qwen3-0.6b; do
+        timeout 200 python3 benchmarks/embed_throughput.py --device cuda --dtype bfloat16 \
+            --shape $shape --num-texts 10000 --tokens 256 --st-batch-sizes 32,64,128,256 \
+            --serve-batch 16 >"$OUT/embed-$shape.log" 2>&1
+        echo "exit $?" >>"$OUT/embed-$shape.log"; grep -E "texts/s|exit" "$OUT/embed-$shape.log"
+    done
+}
+
 for stage in "$@"; do
     echo "=== $stage $(date +%T)"
     "stage_$stage"
