@@ -171,7 +171,8 @@ def main() -> int:
         with LLM(model=str(path), dtype=args.dtype, device=args.device,
                  max_model_len=1024) as llm:
             mm = llm.engine.mm_processor
-            processed = [mm.process(prompt, [image]) for prompt, image in zip(prompts, images, strict=True)]
+            processed = [mm.process(prompt, [image])
+                         for prompt, image in zip(prompts, images, strict=True)]
             row["tokens_per_image"] = processed[0].features[0].placeholder.num_embeds
             feats = [p.features[0] for p in processed[:args.encoder_batch * 2]]
             runner_model = llm.engine.runner.model
