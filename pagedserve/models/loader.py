@@ -214,9 +214,10 @@ def check_tensor_parallel(cls: type[nn.Module], quantization: Any = None) -> Non
         names = ", ".join(sorted(c.__name__ for c in TENSOR_PARALLEL_FAMILIES))
         raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet "
                          f"(supported: {names})")
-    name = getattr(quantization, "name", quantization)
-    if name in ("int8", "gguf"):
-        raise ValueError(f"{name} quantization does not support tensor_parallel_size > 1 yet")
+    # Among other things, int8 gives a tied head codes of the embedding as a plain linear,
+    # which under tensor parallelism would hold only this rank's vocabulary rows.
+    if getattr(quantization, "name", quantization) == "int8":
+        raise ValueError("int8 quantization does not support tensor_parallel_size > 1 yet")
 
 
 def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,
