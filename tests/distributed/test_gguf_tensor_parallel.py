@@ -22,13 +22,11 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.distributed import parallel_state
-from pagedserve.models import gguf_file
-from pagedserve.models.loader import build_model
 from pagedserve.quantization.gguf_blocks import dequantize_array
 from tests.models.test_gguf_families import qwen_vocab, write_vocab
 from tests.quantization.gguf_writer import write_llama_gguf
-from tests.quantization.test_gguf_model import TYPES, _tiny_llama
+from tests.quantization.test_fp8_tensor_parallel import _as_rank
+from tests.quantization.test_gguf_model import TYPES, _load, _tiny_llama
 
 # hidden 256 (4 heads of 64, 2 K/V heads), intermediate 512: at two ranks o_proj's inputs are
 # 128 per rank (32-input types only), down_proj's 256 (the K-quants too).
@@ -54,19 +52,6 @@ def files(tmp_path_factory) -> dict[str, Any]:
                          lambda writer: write_vocab(writer, vocab))
         out[name] = str(path)
     return out
-
-
-def _load(path: str, keep: bool) -> torch.nn.Module:
-    reader = gguf_file.open_gguf(path)
-    config = gguf_file.gguf_config(reader)
-    weights = gguf_file.gguf_weights(reader, config, keep_quantized=keep)
-    return build_model(config, torch.float32, torch.device("cpu"), weights,
-                       "gguf" if keep else None)
-
-
-def _as_rank(monkeypatch, rank: int, world_size: int = 2) -> None:
-    monkeypatch.setattr(parallel_state, "_world_size", world_size)
-    monkeypatch.setattr(parallel_state, "_rank", rank)
 
 
 def _weight(layer: torch.nn.Module) -> torch.Tensor:
