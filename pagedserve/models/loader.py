@@ -208,10 +208,13 @@ def check_tensor_parallel(cls: type[nn.Module], quantization: Any = None) -> Non
     """With more than one tensor-parallel rank, the model's family must split its layers."""
     if tp_world_size() == 1:
         return
+    from pagedserve.models.gpt_oss import GptOssForCausalLM
     from pagedserve.models.llama import TENSOR_PARALLEL_FAMILIES
 
-    if cls not in TENSOR_PARALLEL_FAMILIES:
-        names = ", ".join(sorted(c.__name__ for c in TENSOR_PARALLEL_FAMILIES))
+    # gpt-oss: its sinks split with the heads, its experts' biases as moe.FusedMoE says.
+    families = TENSOR_PARALLEL_FAMILIES | {GptOssForCausalLM}
+    if cls not in families:
+        names = ", ".join(sorted(c.__name__ for c in families))
         raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet "
                          f"(supported: {names})")
     # Among other things, int8 gives a tied head codes of the embedding as a plain linear,
