@@ -19,10 +19,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedserve.distributed import tp_rank, tp_world_size
 from pagedserve.models.layers import Float32ScaledRMSNorm
 from pagedserve.models.llama import LlamaForCausalLM, window_by_layer_type
 from pagedserve.models.moe import ExpertActivation, FusedMoE, SparseMoeBlock, TopKSoftmaxRouter
-from pagedserve.models.parallel import materialize
+from pagedserve.models.parallel import divide, materialize
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
@@ -62,14 +63,27 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 yield from _mxfp4_experts(name, tensor)
                 continue
             name = name.replace(".mlp.router.", ".mlp.gate.")
-            name = name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
+            if name.endswith(".self_attn.sinks"):
+                name = name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
+                tensor = _rank_heads(tensor)
+            # Read whole (a rank's lazy slice would not deinterleave); FusedMoE cuts its part.
             if name.endswith(".experts.gate_up_proj"):
-                tensor = _deinterleave(tensor).transpose(1, 2)
+                tensor = _deinterleave(materialize(tensor)).transpose(1, 2)
             elif name.endswith(".experts.gate_up_proj_bias"):
-                tensor = _deinterleave(tensor)
+                tensor = _deinterleave(materialize(tensor))
             elif name.endswith(".experts.down_proj"):
-                tensor = tensor.transpose(1, 2)
+                tensor = materialize(tensor).transpose(1, 2)
             yield name, tensor
+
+
+def _rank_heads(sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks [heads] of this tensor-parallel rank's query heads."""
+    sinks = materialize(sinks)
+    size = tp_world_size()
+    if size == 1:
+        return sinks
+    n = divide(sinks.shape[0], size, "attention heads")
+    return sinks.narrow(0, tp_rank() * n, n)
 
 
 def _mxfp4_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

@@ -208,15 +208,19 @@ def check_tensor_parallel(cls: type[nn.Module], quantization: Any = None) -> Non
     """With more than one tensor-parallel rank, the model's family must split its layers."""
     if tp_world_size() == 1:
         return
+    from pagedserve.models.gpt_oss import GptOssForCausalLM
     from pagedserve.models.llama import TENSOR_PARALLEL_FAMILIES
 
-    if cls not in TENSOR_PARALLEL_FAMILIES:
-        names = ", ".join(sorted(c.__name__ for c in TENSOR_PARALLEL_FAMILIES))
+    # gpt-oss: its sinks split with the heads, its experts' biases as moe.FusedMoE says.
+    families = TENSOR_PARALLEL_FAMILIES | {GptOssForCausalLM}
+    if cls not in families:
+        names = ", ".join(sorted(c.__name__ for c in families))
         raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet "
                          f"(supported: {names})")
-    name = getattr(quantization, "name", quantization)
-    if name in ("int8", "gguf"):
-        raise ValueError(f"{name} quantization does not support tensor_parallel_size > 1 yet")
+    # Among other things, int8 gives a tied head codes of the embedding as a plain linear,
+    # which under tensor parallelism would hold only this rank's vocabulary rows.
+    if getattr(quantization, "name", quantization) == "int8":
+        raise ValueError("int8 quantization does not support tensor_parallel_size > 1 yet")
 
 
 def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,

@@ -118,7 +118,8 @@ class FusedMoE(nn.Module):
 
     With tensor parallelism every rank holds every expert with its intermediate features
     split (I above is this rank's share): each expert's gate/up is column-parallel, its down
-    row-parallel, and one all-reduce sums the routed output over the ranks.
+    row-parallel, and one all-reduce sums the routed output over the ranks. A gate/up bias
+    splits with its rows; a down bias is rank 0's alone, so the sum adds it once.
 
     Its weights are held, loaded and run by its quantization method (`quant_method`, float
     unless a quantization config chooses another)."""
@@ -129,8 +130,6 @@ class FusedMoE(nn.Module):
                  activation: ExpertActivation = SILU, bias: bool = False) -> None:
         super().__init__()
         self.tp_size, self.tp_rank = tp_world_size(), tp_rank()
-        if bias and self.tp_size > 1:
-            raise ValueError("experts with biases are not tensor-parallel yet")
         self.num_experts = num_experts
         self.full_intermediate_size = intermediate_size
         intermediate_size = divide(intermediate_size, self.tp_size, "the experts' size")
@@ -161,8 +160,8 @@ class FusedMoE(nn.Module):
 
     def rank_part(self, tensor: Weight, name: str, shard: str | None = None) -> torch.Tensor:
         """This rank's share of a full checkpoint tensor: one expert's gate, up ([I, H]) or
-        down ([H, I]) as `shard` says, or the stacked gate_up_proj [E, 2I, H] or down_proj
-        [E, H, I] (`name`)."""
+        down ([H, I]) as `shard` says, or the stacked gate_up_proj [E, 2I, H], down_proj
+        [E, H, I] or their biases [E, 2I] and [E, H] (`name`)."""
         part = self.rank_slice(name, shard)
         if part is not None:
             return narrow(tensor, *part)
@@ -170,16 +169,21 @@ class FusedMoE(nn.Module):
             return materialize(tensor)
         n, full = self.intermediate_size, self.full_intermediate_size
         start = self.tp_rank * n
-        if name == "gate_up_proj":
+        if name in ("gate_up_proj", "gate_up_proj_bias"):
             return torch.cat([narrow(tensor, 1, start, n), narrow(tensor, 1, full + start, n)],
                              dim=1)
+        if name == "down_proj_bias":
+            # Added once: rank 0 holds it, the others zeros, and the all-reduce sums them.
+            bias = materialize(tensor)
+            return bias if self.tp_rank == 0 else torch.zeros_like(bias)
         return narrow(tensor, 2, start, n)
 
     def rank_slice(self, name: str, shard: str | None = None
                    ) -> tuple[int, int, int] | None:
         """(dim, start, length) of one expert's full gate, up ([I, H]) or down ([H, I]) tensor
         that this rank holds; None: all of it (one rank, or the stacked tensors below)."""
-        if self.tp_size == 1 or name in ("gate_up_proj", "down_proj"):
+        if self.tp_size == 1 or name in ("gate_up_proj", "down_proj", "gate_up_proj_bias",
+                                         "down_proj_bias"):
             return None
         n = self.intermediate_size
         return (1 if shard == "down" else 0, self.tp_rank * n, n)

@@ -45,6 +45,8 @@ class LazySlice:
         return self.handle[:]
 
 
+# A checkpoint tensor as a layer receives it; a GGUF weight kept in its blocks
+# (`quantization/gguf_blocks.GGUFWeight`) narrows and pads as these do.
 Weight = torch.Tensor | LazySlice
 
 
@@ -185,6 +187,8 @@ def _vocab_part(tensor: Weight, vocab_size: int, per_rank: int, start: int) -> t
     part = narrow(tensor, 0, start, rows)
     if rows == per_rank:
         return part
+    if not isinstance(part, torch.Tensor):  # a GGUF head's blocks pad with zero bytes
+        return part.with_zero_rows(per_rank - rows)
     pad = torch.zeros(per_rank - rows, *part.shape[1:], dtype=part.dtype)
     return torch.cat([part, pad.to(part.device)])
 

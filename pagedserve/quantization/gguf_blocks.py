@@ -10,6 +10,14 @@ the model dtype, whole, and the start-up log names the type. The parts of a fuse
 v; gate, up) of one type are stacked into one weight; parts of different types (a Q4_K_M file's
 Q6_K v beside Q4_K q and k) each keep their own, and the layer's product writes each part's
 columns.
+
+Tensor parallelism cuts the blocks before anything else, through the layer's own `rank_part`
+(`GGUFWeight.narrow`): blocks run along the inputs, so a column-parallel layer (q/k/v, gate/up,
+each part its rank's rows; the head's vocabulary rows, padded with zero bytes) takes whole
+rows, and a row-parallel one (o, down) takes whole blocks of each row, 32 inputs for
+Q8_0/Q4_0/Q4_1 and 256 for the K-quants: a rank's share that is not whole blocks is refused
+naming the layer, the tensor, its type and the sizes. The kept and the dequantized layers then
+see only their rank's part, so CUDA's GEMMs and the dequantize-at-load path shard alike.
 """
 
 from __future__ import annotations
@@ -51,6 +59,41 @@ class GGUFWeight:
         values = dequantize_array(self.data, self.qtype, self.name)
         return torch.from_numpy(np.array(values, dtype=np.float32).reshape(self.shape))
 
+    @property
+    def block_size(self) -> int:
+        """Inputs per block (1 for F32/F16/BF16)."""
+        import gguf
+
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.qtype)][0]
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
+        """Output rows `start:start + length` (dim 0: each row is whole blocks, any rows split
+        cleanly) or inputs (dim 1, a row-parallel rank's slice: whole blocks only, else an
+        error naming the tensor, its type and the sizes). What a tensor-parallel layer's
+        `rank_part` takes of the weight."""
+        rows, cols = self.shape
+        if dim == 0:
+            return GGUFWeight(self.qtype, self.data[start:start + length], (length, cols),
+                              self.name)
+        block = self.block_size
+        if start % block or length % block:
+            raise ValueError(
+                f"GGUF tensor {self.name} ({self.type_name}, {rows} outputs x {cols} inputs) "
+                f"cannot split its inputs {length} per rank (tensor_parallel_size "
+                f"{cols // length}): a rank must hold whole {self.type_name} blocks of {block} "
+                f"inputs and a row has {cols // block}; use a tensor_parallel_size that "
+                f"divides {cols // block}")
+        width = self.data.shape[1] // (cols // block)  # data columns per block
+        data = self.data[:, start // block * width:(start + length) // block * width]
+        return GGUFWeight(self.qtype, np.ascontiguousarray(data), (rows, length), self.name)
+
+    def with_zero_rows(self, count: int) -> GGUFWeight:
+        """`count` rows of zero bytes appended: every type's zero bytes decode to zeros (zero
+        scales, zero mins), as a padded vocabulary's rows must."""
+        pad = np.zeros((count, self.data.shape[1]), dtype=self.data.dtype)
+        return GGUFWeight(self.qtype, np.concatenate([self.data, pad]),
+                          (self.shape[0] + count, self.shape[1]), self.name)
+
 
 def dequantize_array(data: np.ndarray, qtype: int, name: str) -> np.ndarray:
     """A GGUF tensor's data (blocks, or F32/F16 values) as float32 numpy (gguf's dequantizer;
@@ -86,9 +129,14 @@ class GgufLinearMethod(LinearMethod):
         if name != "weight":
             load_float(layer, name, tensor, shard, rows)
             return
+        what = getattr(layer, "prefix", "a layer")
         if not isinstance(tensor, GGUFWeight):
-            raise ValueError(f"{getattr(layer, 'prefix', 'a layer')}.weight reached the GGUF "
-                             "method as a float tensor: only a .gguf file's weights can")
+            raise ValueError(f"{what}.weight reached the GGUF method as a float tensor: only a "
+                             ".gguf file's weights can")
+        try:  # this rank's rows (column-parallel) or whole blocks of inputs (row-parallel)
+            tensor = layer.rank_part(tensor, name, shard)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
         size = rows[1] if rows is not None else layer.out_features
         if tensor.shape != (size, layer.in_features):
             raise ValueError(f"GGUF tensor {tensor.name} has shape {tensor.shape}, the model "

@@ -1,7 +1,8 @@
 """Tensor parallelism end to end on the CPU (gloo, float32): greedy tokens of two ranks equal
 one rank's for a Llama with one K/V head (replicated over the ranks), a Qwen3 (q/k norms,
 heads split) and a Qwen3-MoE (experts split inside), saved as sharded safetensors and read a
-slice per rank; with chunked prefill, and preemption forced for Qwen3. A worker killed
+slice per rank; with chunked prefill, and preemption forced for Qwen3. gpt-oss in MXFP4 (sinks,
+experts with biases) likewise. A worker killed
 mid-generation is a WorkerError within seconds and leaves no process behind; a start-up error
 comes back as itself; an engine dropped without close() frees the process for another."""
 
@@ -44,12 +45,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def save_model(config: transformers.PretrainedConfig, path) -> str:
-    """A random model with weights of std 0.15 (greedy far from ties), sharded."""
+def save_model(config: transformers.PretrainedConfig, path, biases: bool = False) -> str:
+    """A random model with weights of std 0.15 (greedy far from ties), sharded; `biases`: its
+    biases and sinks too (transformers starts them at zero), std 0.5."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if biases and (name.endswith("bias") or "sinks" in name):
+                p.copy_(0.5 * torch.randn_like(p))
+                continue
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name
                     else 0.15 * torch.randn_like(p))
     model.save_pretrained(path, max_shard_size="100KB")
@@ -214,6 +219,37 @@ def test_families_without_tensor_parallel_refuse_by_name(monkeypatch):
         check_tensor_parallel(Gemma2ForCausalLM)
     with pytest.raises(ValueError, match="int8 quantization"):
         check_tensor_parallel(Qwen3ForCausalLM, "int8")
+
+
+def test_gpt_oss_mxfp4_two_ranks_match_one(tmp_path):
+    """gpt-oss as published (MXFP4 experts, dequantized at load on the CPU): its sinks split
+    with the heads, each expert's gate/up bias with its rows, the down bias added once (rank
+    0's); tokens and logprobs of two ranks equal one rank's."""
+    from tests.quantization import int4_writer
+
+    config = transformers.GptOssConfig(**{**COMMON, "intermediate_size": 64},
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       num_local_experts=4, num_experts_per_tok=2,
+                                       swiglu_limit=1.5, sliding_window=12,
+                                       layer_types=["sliding_attention", "full_attention"])
+    save_model(config, tmp_path / "float", biases=True)
+    int4_writer.write_mxfp4(tmp_path / "float", tmp_path / "mxfp4", tmp_path / "ref")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+    outputs = {}
+    for tp in (1, 2):
+        llm = LLM(model=str(tmp_path / "mxfp4"), tensor_parallel_size=tp, **ENGINE)
+        try:
+            outputs[tp] = [o.outputs[0] for o in llm.generate(PROMPTS[:2], params,
+                                                              use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+    for one, two in zip(outputs[1], outputs[2], strict=True):
+        assert one.token_ids == two.token_ids
+        for la, lb in zip(one.logprobs, two.logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            for token, lp in la.items():
+                assert lb[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+    _no_workers_left()
 
 
 def test_start_up_failure_is_the_ranks_error(tmp_path):

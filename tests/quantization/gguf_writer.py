@@ -108,8 +108,9 @@ def rope_interleave(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def write_llama_gguf(path: Path, model: torch.nn.Module, types: dict[str, T],
                      tokenizer: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
     """A llama GGUF of transformers' `model`; `types`: block type per Hugging Face module
-    suffix ("q_proj", "down_proj", ...); other tensors float32. `tokenizer` writes the
-    tokenizer's keys (none without it)."""
+    suffix ("q_proj", "down_proj", ...), or for one layer's ("1.o_proj": layer 1's, before
+    "o_proj"); other tensors float32. `tokenizer` writes the tokenizer's keys (none without
+    it)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     if tokenizer is not None:
@@ -132,7 +133,8 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, types: dict[str, T],
         module = name.split(".")[-2]
         if module in heads:
             array = rope_interleave(array, heads[module])
-        qtype = types.get(module)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        qtype = types.get(f"{layer}.{module}", types.get(module))
         if qtype is None:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))
         else:
