@@ -99,10 +99,12 @@ def test_greedy_and_logprobs_equal_transformers(llava, images):
 
 @pytest.mark.parametrize("budget", [4, 12])
 def test_chunked_prefill_splits_image_spans(llava, images, budget):
-    """Steps of 4 tokens (fewer than one image's 9) and of 12: spans split across steps, each
-    image encoded once, in the step that first reaches it."""
+    """Steps of 4 tokens (fewer than one image's 9; with async scheduling) and of 12: spans
+    split across steps, each image encoded once, in the step that first reaches it."""
     path, hf = llava
-    llm = _llm(path, max_num_batched_tokens=budget, max_num_seqs=2)
+    llm = _llm(path, max_num_batched_tokens=budget, max_num_seqs=2,
+               async_scheduling=budget == 4)
+    assert llm.engine.async_scheduling == (budget == 4)
     requests = _requests(images)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate(requests, params, use_tqdm=False)

@@ -109,3 +109,14 @@ def test_features_cross_the_core_socket():
     assert (got[1].placeholder.is_embed == mask).all() and got[1].placeholder.num_embeds == 6
     assert (back.mrope_positions == request.mrope_positions).all()
     assert back.mrope_delta == -2
+
+
+def test_memory_profile_runs_the_encoder(llava):
+    """The profile before the KV cache is sized runs the encoder over one step's worth of the
+    largest images and counts the store: encoder_cache_size rows of the decoder's width."""
+    llm, _ = llava
+    mm = llm.engine.runner.mm
+    before = mm.num_encoded
+    width = llm.engine.core.loaded.hf_config.text_config.hidden_size
+    assert mm.profile() == mm.cache_size * width * 4  # float32
+    assert mm.num_encoded == before  # a profile is not an encoder run of a request
