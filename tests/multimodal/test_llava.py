@@ -172,3 +172,46 @@ def test_chat_with_an_image_part(llava, images):
                        params, use_tqdm=False)[0]
     assert chat.prompt_token_ids == ref.prompt_token_ids
     assert chat.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_full_strategy_and_several_feature_layers(tmp_path, images):
+    """vision_feature_select_strategy "full" (the class token kept: 10 tokens per image) and
+    vision_feature_layer a list (hidden states concatenated)."""
+    hf = tiny_llava(tmp_path, strategy="full", feature_layer=[-1, -3], seed=1)
+    llm = _llm(tmp_path)
+    req = {"prompt_token_ids": TWO, "multi_modal_data": {"image": images[:2]}}
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    out = llm.generate(req, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids.count(IMAGE_TOKEN_ID) == 2 * (NUM_IMAGE_TOKENS + 1)
+    pixels = llm.engine.mm_processor.image_processor(images=images[:2],
+                                                     return_tensors="pt")["pixel_values"]
+    ids = torch.tensor([out.prompt_token_ids])
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = hf.generate(ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
+                          max_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0)
+    assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+    llm.close()
+
+
+def test_checkpoint_names_of_each_layout():
+    from pagedserve.models.llava import _our_name
+
+    ours = {
+        "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight":
+            "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+        "vision_tower.encoder.layers.0.mlp.fc1.weight":
+            "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+        "model.vision_tower.vision_model.pre_layrnorm.bias":
+            "vision_tower.vision_model.pre_layrnorm.bias",
+        "model.language_model.layers.0.mlp.up_proj.weight":
+            "language_model.model.layers.0.mlp.up_proj.weight",
+        "language_model.model.norm.weight": "language_model.model.norm.weight",
+        "lm_head.weight": "language_model.lm_head.weight",
+        "language_model.lm_head.weight": "language_model.lm_head.weight",
+        "model.multi_modal_projector.linear_1.bias": "multi_modal_projector.linear_1.bias",
+    }
+    for name, expected in ours.items():
+        assert _our_name(name) == expected
+    with pytest.raises(ValueError, match="not part of a LLaVA checkpoint"):
+        _our_name("image_newline")

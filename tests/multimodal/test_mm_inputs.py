@@ -120,3 +120,14 @@ def test_memory_profile_runs_the_encoder(llava):
     width = llm.engine.core.loaded.hf_config.text_config.hidden_size
     assert mm.profile() == mm.cache_size * width * 4  # float32
     assert mm.num_encoded == before  # a profile is not an encoder run of a request
+
+
+def test_an_image_over_the_encoder_budget_is_refused_in_the_front(tmp_path, make_llm):
+    path = tmp_path / "m"
+    tiny_llava(path)
+    llm = make_llm(model=str(path), dtype="float32", device="cpu", kv_cache_memory="4MiB",
+                   encoder_cache_size=8)
+    with pytest.raises(ValueError, match="9 embedding rows, more than the engine's "
+                                         "encoder_cache_size of 8"):
+        llm.generate(_req([3, IMAGE_TOKEN_ID], [image(0)]), PARAMS, use_tqdm=False)
+    assert not llm.engine.core.scheduler.requests
