@@ -215,3 +215,24 @@ def test_checkpoint_names_of_each_layout():
         assert _our_name(name) == expected
     with pytest.raises(ValueError, match="not part of a LLaVA checkpoint"):
         _our_name("image_newline")
+
+
+def test_encoder_cache_of_one_image(llava, make_llm):
+    """encoder_cache_size of one image: a two-image prompt encodes its second image once the
+    first span is done; without prefix caching a repeated request encodes both again (each
+    evicted the other); the tokens still equal transformers'."""
+    path, hf = llava
+    llm = make_llm(model=str(path), dtype="float32", device="cpu", kv_cache_memory="4MiB",
+                   encoder_cache_size=NUM_IMAGE_TOKENS, max_num_batched_tokens=32,
+                   max_num_seqs=1, enable_prefix_caching=False)
+    prompt = [1, 3, IMAGE_TOKEN_ID, 20, IMAGE_TOKEN_ID, 4, 5]
+    imgs = [image(0), image(1)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    reqs = [{"prompt_token_ids": prompt, "multi_modal_data": {"image": imgs}}] * 2
+    outputs = llm.generate(reqs, params, use_tqdm=False)
+    tokens, _ = _reference(hf, llm, prompt, imgs)
+    assert [o.outputs[0].token_ids for o in outputs] == [tokens, tokens]
+    mm = llm.engine.runner.mm
+    assert mm.num_encoded == 4
+    assert sum(rows.shape[0] for rows in mm.store.values()) <= NUM_IMAGE_TOKENS
+
