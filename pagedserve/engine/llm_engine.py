@@ -26,7 +26,7 @@ from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.lora import LoRARequest
 from pagedserve.lora.adapter import check_adapter_dir
 from pagedserve.multimodal.encoder_cache import check_encoder_budget, encoder_budgets
-from pagedserve.multimodal.front import make_processor, process_prompt
+from pagedserve.multimodal.front import check_item_limits, make_processor, process_prompt
 from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.pooling import PoolingParams, resolve_pooler
 from pagedserve.pooling.front import GENERATION_REFUSED, add_pooling_request
@@ -268,6 +268,7 @@ class LLMEngine:
             mm = multi_modal_data
             if mm.features and self.mm_processor is None:
                 raise ValueError(f"{self.model_name} takes no images: it is a text-only model")
+            check_item_limits(mm.features, self.mm_limits)
         else:
             mm = process_prompt(self.mm_processor, token_ids, multi_modal_data,
                                 self.mm_limits, self.model_name)

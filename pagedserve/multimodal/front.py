@@ -78,6 +78,15 @@ def check_image(item: Any, index: int) -> None:
                      f"{type(item).__name__}")
 
 
+def check_item_limits(features: list[Any], limits: Mapping[str, int] | None) -> None:
+    """A prompt processed already (a server's worker pool) within the engine's limits."""
+    for modality, limit in (limits or {}).items():
+        count = sum(f.modality == modality for f in features)
+        if count > limit:
+            raise ValueError(f"the prompt has {count} {modality}s, more than the limit of "
+                             f"{limit} per prompt (limit_mm_per_prompt)")
+
+
 def process_prompt(processor: MultiModalProcessor | None, prompt_token_ids: list[int],
                    multi_modal_data: Mapping[str, Any] | None,
                    limits: Mapping[str, int] | None = None,

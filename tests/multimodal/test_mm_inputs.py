@@ -168,3 +168,22 @@ def test_async_llm_generate_with_images(llava, core_process):
     req = _req([3, 5, IMAGE_TOKEN_ID, 11, IMAGE_TOKEN_ID, 4, 5], [image(4), image(5)])
     expected = llm.generate(req, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
     assert _async_tokens(llm.engine.config.model.model, req, core_process) == expected
+
+
+def test_a_prompt_processed_already(llava):
+    """add_request takes process_prompt's result (what a server makes on a worker pool): the
+    same tokens as the raw images, and the same limit."""
+    from pagedserve.multimodal.front import process_prompt
+
+    llm, _ = llava
+    engine = llm.engine
+    ids = [3, 5, IMAGE_TOKEN_ID, 11, 4, 5]
+    mm = process_prompt(engine.mm_processor, ids, {"image": image(6)}, engine.mm_limits)
+    engine.add_request("pre", ids, PARAMS, multi_modal_data=mm)
+    done = llm.wait_for(["pre"], use_tqdm=False)[0]
+    ref = llm.generate(_req(ids, [image(6)]), PARAMS, use_tqdm=False)[0]
+    assert done.prompt_token_ids == ref.prompt_token_ids
+    assert done.outputs[0].token_ids == ref.outputs[0].token_ids
+    three = process_prompt(engine.mm_processor, [3, IMAGE_TOKEN_ID] * 3, {"image": [image(6)] * 3})
+    with pytest.raises(ValueError, match="3 images, more than the limit of 2"):
+        engine.add_request("three", [3], PARAMS, multi_modal_data=three)
