@@ -236,3 +236,21 @@ def test_encoder_cache_of_one_image(llava, make_llm):
     assert mm.num_encoded == 4
     assert sum(rows.shape[0] for rows in mm.store.values()) <= NUM_IMAGE_TOKENS
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "TRITON"])
+def test_greedy_on_cuda_matches_transformers(tmp_path, images, backend):
+    """The CUDA path in float32 (the default backend's or TRITON's decoder attention, the
+    tower's encoder attention on the first backend with an encoder path, decode CUDA graphs
+    between image steps, chunks splitting spans) against transformers' float32 tokens on the
+    CPU; heads of 64."""
+    hf = tiny_llava(tmp_path, head_dim=64, seed=3)
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", attention_backend=backend,
+              gpu_memory_utilization=0.2, max_num_batched_tokens=16)
+    requests = _requests(images)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    _check_against_transformers(hf, llm, outputs, requests)
+    assert llm.engine.runner.mm.num_encoded == 3
+    llm.close()
