@@ -67,6 +67,7 @@ class MultiModalRunner:
             return None
         return self.inputs_embeds(batch, input_ids, query_start_loc)
 
+    @torch.inference_mode()
     def profile(self) -> int:
         """Before the KV cache is sized: run the encoder over as many of the largest images as
         one step may encode (its activations count in the peak), and return the bytes the
