@@ -150,6 +150,25 @@ def test_prefix_cache_is_keyed_by_the_image(llava, images):
     assert llm.engine.runner.mm.num_encoded == 3
 
 
+def test_text_prompt_with_prompt_logprobs_and_n(llava, images):
+    """A text prompt holding `<image>`, two samples, prompt logprobs over chunks of 8 (the
+    image's positions included) within 1e-4 of transformers'."""
+    path, hf = llava
+    llm = _llm(path, max_num_batched_tokens=8)
+    req = {"prompt": "USER : w4 <image> w5 ASSISTANT :", "multi_modal_data": {"image": images[0]}}
+    params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=3, prompt_logprobs=1)
+    out = llm.generate(req, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == _expanded([3, 5, 10, IMAGE_TOKEN_ID, 11, 4, 5], 1)
+    assert len(out.outputs) == 2
+    pixels = llm.engine.mm_processor.image_processor(images=[images[0]],
+                                                     return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([out.prompt_token_ids]), pixel_values=pixels).logits
+    ref = torch.log_softmax(logits[0].float(), dim=-1)
+    for i, token in enumerate(out.prompt_token_ids[1:], start=1):
+        assert abs(out.prompt_logprobs[i][token].logprob - ref[i - 1, token].item()) < 1e-4
+
+
 def test_chat_with_an_image_part(llava, images):
     """LLM.chat: an image_url part (a data: URL) rendered by the model's template from list
     content equals LLM.generate with the same image."""
