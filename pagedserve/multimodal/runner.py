@@ -49,8 +49,8 @@ class MultiModalRunner:
         if runner.tp_size > 1:
             raise ValueError(f"{type(model).__name__} runs at tensor_parallel_size 1 only (its "
                              "vision tower is not split across ranks)")
-        backend = bind_encoder_attention(model, runner.backend, runner.config.attention_backend,
-                                         runner.device, runner.dtype, runner.max_num_tokens)
+        backend = bind_encoder_attention(model, runner.backend, runner.device, runner.dtype,
+                                         runner.max_num_tokens)
         if backend is not None:
             logger.info("vision encoder attention: backend %s", backend.get_name())
         budgets = encoder_budgets(runner.config.scheduler,
