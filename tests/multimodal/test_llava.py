@@ -118,7 +118,9 @@ def test_preemption_reuses_encoder_rows(llava, images):
     images included, from the encoder rows still cached (no encoder runs again)."""
     path, hf = llava
     # 2 KiB per block of 4 tokens: 12 blocks hold either request (6 and 10 blocks), not both
-    llm = _llm(path, kv_cache_memory="24KiB", block_size=4, max_num_batched_tokens=16)
+    # (prefix caching off: the recomputation goes through the image spans again)
+    llm = _llm(path, kv_cache_memory="24KiB", block_size=4, max_num_batched_tokens=16,
+               enable_prefix_caching=False)
     requests = _requests(images)[:2]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate(requests, params, use_tqdm=False)
