@@ -238,6 +238,28 @@ def test_checkpoint_names_of_each_layout():
         _our_name("image_newline")
 
 
+def test_checkpoints_we_cannot_run_are_refused_by_name():
+    import transformers
+
+    from pagedserve.models.llava import check_config
+
+    def config(**kwargs):
+        return transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(
+            num_hidden_layers=2), text_config=transformers.LlamaConfig(), **kwargs)
+
+    # transformers' constructor refuses this strategy; a config.json may still hold it
+    padded = config()
+    object.__setattr__(padded, "vision_feature_select_strategy", "pad")
+    with pytest.raises(ValueError, match="vision_feature_select_strategy 'pad'"):
+        check_config(padded)
+    with pytest.raises(ValueError, match="vision_feature_layer -4 is out of range"):
+        check_config(config(vision_feature_layer=-4))
+    siglip = transformers.LlavaConfig(vision_config=transformers.SiglipVisionConfig(),
+                                      text_config=transformers.LlamaConfig())
+    with pytest.raises(ValueError, match="'siglip_vision_model' vision tower"):
+        check_config(siglip)
+
+
 def test_encoder_cache_of_one_image(llava, make_llm):
     """encoder_cache_size of one image: a two-image prompt encodes its second image once the
     first span is done; without prefix caching a repeated request encodes both again (each
