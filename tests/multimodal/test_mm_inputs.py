@@ -152,6 +152,8 @@ def _async_tokens(path: str, req: dict, core_process: bool) -> list[int]:
             async for out in engine.generate(req["prompt_token_ids"], PARAMS, "r",
                                              multi_modal_data=req["multi_modal_data"]):
                 final = out
+            stats = await engine.call_utility("stats")
+            assert (stats.mm_images_encoded, stats.mm_encoder_calls) == (2, 1)
             return final.outputs[0].token_ids
         finally:
             await asyncio.to_thread(engine.shutdown)
