@@ -189,3 +189,10 @@ def test_a_prompt_processed_already(llava):
     three = process_prompt(engine.mm_processor, [3, IMAGE_TOKEN_ID] * 3, {"image": [image(6)] * 3})
     with pytest.raises(ValueError, match="3 images, more than the limit of 2"):
         engine.add_request("three", [3], PARAMS, multi_modal_data=three)
+
+
+def test_lora_over_a_vision_language_model_is_refused(llava):
+    llm, _ = llava
+    with pytest.raises(ValueError, match="LoRA adapters over a vision-language model"):
+        LLM(model=llm.engine.config.model.model, dtype="float32", device="cpu",
+            kv_cache_memory="4MiB", enable_lora=True)
