@@ -5,7 +5,6 @@ of its arguments, so a server may run it on a worker pool off its event loop."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,6 @@ import torch
 
 from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.multimodal.processing import MultiModalProcessor
-
-logger = logging.getLogger(__name__)
 
 MODALITIES = ("image",)
 
