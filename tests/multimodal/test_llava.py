@@ -132,24 +132,30 @@ def test_preemption_reuses_encoder_rows(llava, images):
 
 def test_prefix_cache_is_keyed_by_the_image(llava, images):
     """The same request again hits every full block before its last token; the same text with
-    another image hits only the blocks before the first image's span."""
+    another first image hits only the blocks before that image's span, with another second
+    image the blocks before the second span."""
     path, _ = llava
     llm = _llm(path, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    # expanded: tokens 0-5 text, 6-14 the first image, 15 text, 16-24 the second, 25-27 text
+    prompt = [1, 3, 5, 10, 11, 12, IMAGE_TOKEN_ID, 20, IMAGE_TOKEN_ID, 21, 4, 5]
 
-    def run(img):
-        req = {"prompt_token_ids": TWO, "multi_modal_data": {"image": [img, images[2]]}}
+    def run(*imgs):
+        req = {"prompt_token_ids": prompt, "multi_modal_data": {"image": list(imgs)}}
         return llm.generate(req, params, use_tqdm=False)[0]
 
-    first = run(images[0])
-    again = run(images[0])
-    other = run(images[1])
+    first = run(images[0], images[1])
+    again = run(images[0], images[1])
+    other_first = run(images[2], images[1])
+    other_second = run(images[0], images[2])
     n = len(first.prompt_token_ids)
+    assert n == 28
     assert first.num_cached_tokens == 0
-    assert again.num_cached_tokens == (n - 1) // 4 * 4
-    assert other.num_cached_tokens == 3 // 4 * 4  # the span starts at token 3: block 0 only
+    assert again.num_cached_tokens == (n - 1) // 4 * 4  # 24
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert other_first.num_cached_tokens == 4  # block 1 (tokens 4-7) holds image tokens
+    assert other_second.num_cached_tokens == 16  # blocks 0-3: up to the second span
+    assert llm.engine.runner.mm.num_encoded == 3  # images 0, 1, 2: each once
 
 
 def test_text_prompt_with_prompt_logprobs_and_n(llava, images):
