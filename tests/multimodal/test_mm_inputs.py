@@ -196,3 +196,20 @@ def test_lora_over_a_vision_language_model_is_refused(llava):
     with pytest.raises(ValueError, match="LoRA adapters over a vision-language model"):
         LLM(model=llm.engine.config.model.model, dtype="float32", device="cpu",
             kv_cache_memory="4MiB", enable_lora=True)
+
+
+def test_a_template_of_string_content_gets_the_placeholders_before_the_text():
+    """A chat template that renders content as a string (no image parts of its own): each
+    image's placeholder goes before its message's text."""
+    from pagedserve.multimodal.chat import chat_images, render_with_images
+    from tests.multimodal.llava_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    template = "{% for m in messages %}{{ m['role'] | upper }} : {{ m['content'] }} {% endfor %}"
+    messages, imgs = chat_images([{"role": "user", "content": [
+        {"type": "text", "text": "w1"}, {"type": "image_pil", "image_pil": image(0)},
+        {"type": "image_pil", "image_pil": image(1)}]}])
+    assert len(imgs) == 2
+    ids = render_with_images(tok, messages, 2, "<image>", False, template)
+    assert ids == tok.encode("USER : <image>\n<image>\nw1 ", add_special_tokens=False)
+    assert ids.count(IMAGE_TOKEN_ID) == 2
