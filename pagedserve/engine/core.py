@@ -396,7 +396,8 @@ class EngineCore:
         mm = getattr(self.runner, "mm", None)
         if mm is None:
             return {}
-        return {"mm_images_encoded": mm.num_encoded, "mm_encoder_calls": mm.num_encoder_calls}
+        return {"mm_images_encoded": mm.num_encoded, "mm_encoder_calls": mm.num_encoder_calls,
+                "mm_encoder_seconds": mm.encoder_seconds}
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (nothing done) while a request holds blocks."""

@@ -100,6 +100,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     # encoded any); an image whose rows were stored already is not encoded again.
     mm_images_encoded: int = 0
     mm_encoder_calls: int = 0
+    mm_encoder_seconds: float = 0.0  # the encoder's (device) time over those calls
 
 
 class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -90,6 +90,9 @@ class LLMEngine:
         self.mm_processor = (make_processor(config.model.model, self.tokenizer)
                              if self.pooler_config is None else None)
         self.mm_limits = {"image": config.model.mm_limit("image")}
+        # Images this front preprocessed (decoded, resized, normalised) and the time it took.
+        self.mm_images_preprocessed = 0
+        self.mm_preprocess_seconds = 0.0
         self.encoder_budgets = encoder_budgets(
             config.scheduler, self.mm_processor.max_image_tokens if self.mm_processor else 0)
 
@@ -270,8 +273,11 @@ class LLMEngine:
                 raise ValueError(f"{self.model_name} takes no images: it is a text-only model")
             check_item_limits(mm.features, self.mm_limits)
         else:
+            t0 = time.perf_counter()
             mm = process_prompt(self.mm_processor, token_ids, multi_modal_data,
                                 self.mm_limits, self.model_name)
+            self.mm_preprocess_seconds += time.perf_counter() - t0
+            self.mm_images_preprocessed += len(mm.features)
         if not mm.features:
             return None
         whole_spans = self.mm_processor is not None and self.mm_processor.whole_spans

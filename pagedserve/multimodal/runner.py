@@ -12,6 +12,7 @@ text step. Which images to encode and which rows to drop is the scheduler's deci
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -35,9 +36,12 @@ class MultiModalRunner:
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         # identifier -> the encoder's rows [num_embeds, hidden] on the device
         self.store: dict[str, torch.Tensor] = {}
-        # Counters the tests and metrics read: images encoded, and encoder calls (steps).
+        # Counters the tests and metrics read: images encoded, encoder calls (steps), and the
+        # encoder's time (on CUDA from events, summed once they have completed).
         self.num_encoded = 0
         self.num_encoder_calls = 0
+        self._encoder_seconds = 0.0
+        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @classmethod
     def for_runner(cls, runner: Any) -> MultiModalRunner | None:
@@ -107,7 +111,7 @@ class MultiModalRunner:
                     features.append(feature)
         if not features:
             return
-        outputs = self.model.embed_multimodal(features)
+        outputs = self._timed_encoder(features)
         for feature, rows in zip(features, outputs, strict=True):
             expected = feature.placeholder.num_embeds
             if rows.shape[0] != expected:
@@ -116,6 +120,27 @@ class MultiModalRunner:
             self.store[feature.identifier] = rows
         self.num_encoded += len(features)
         self.num_encoder_calls += 1
+
+    def _timed_encoder(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            outputs = self.model.embed_multimodal(features)
+            self._encoder_seconds += time.perf_counter() - t0
+            return outputs
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        outputs = self.model.embed_multimodal(features)
+        end.record()
+        self._timing.append((start, end))
+        return outputs
+
+    @property
+    def encoder_seconds(self) -> float:
+        """The encoder's time over every call so far (on CUDA: the calls completed)."""
+        while self._timing and self._timing[0][1].query():
+            start, end = self._timing.pop(0)
+            self._encoder_seconds += start.elapsed_time(end) / 1000
+        return self._encoder_seconds
 
     # ---- the step's embeddings ---------------------------------------------------------
 

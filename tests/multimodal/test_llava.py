@@ -94,6 +94,10 @@ def test_greedy_and_logprobs_equal_transformers(llava, images):
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check_against_transformers(hf, llm, outputs, requests, logprobs=True)
     assert llm.engine.runner.mm.num_encoded == 3  # images[2] twice, encoded once
+    stats = llm.engine.core_stats()
+    assert (stats.mm_images_encoded, stats.mm_encoder_calls) == (3, 1)  # one step, one call
+    assert stats.mm_encoder_seconds > 0
+    assert llm.engine.mm_images_preprocessed == 4 and llm.engine.mm_preprocess_seconds > 0
     assert llm.engine.check_blocks_free()
 
 
