@@ -1,0 +1,268 @@
+"""Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): a vision transformer over 14x14 patches
+whose merger turns each 2x2 block of patches into one token of the Qwen2 decoder, which places
+its tokens with M-RoPE (three position rows: temporal, height, width).
+
+The vision tower, as transformers' Qwen2_5_VisionTransformerPretrainedModel computes it:
+- patch embedding: the checkpoint's Conv3d covers a whole (channels, 2 frames, 14, 14) patch
+  at stride = kernel, so it is one linear map of the flattened patch (the processor's rows);
+- patches are reordered window by window (`fullatt_block_indexes` layers see the whole image,
+  the others a window of `window_size` pixels), in units of 2x2 merge blocks, and the merger's
+  output is put back in image order at the end;
+- each block: x + proj(attn(RMSNorm(x))), x + SwiGLU(RMSNorm(x)); attention is bidirectional
+  varlen attention (multimodal/vision_attention.py) over the images (full layers) or the
+  windows (the others), with a 2D rotary embedding: the first half of each head's rotary
+  frequencies turn with the patch's row, the second with its column;
+- the merger: RMSNorm, 4 patches concatenated, Linear-GELU-Linear to the decoder's width.
+
+The decoder is Qwen2 (models/llama.py) with `MRotaryEmbedding` and an `inputs_embeds` path;
+`pagedserve.multimodal.mrope` computes the positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from pagedserve.models.layers import RMSNorm, silu_and_mul
+from pagedserve.models.llama import LlamaModel, Qwen2ForCausalLM
+from pagedserve.models.mrope_rotary import MRotaryEmbedding
+from pagedserve.multimodal.inputs import MultiModalFeature
+from pagedserve.multimodal.model import SupportsMultiModal
+from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor
+from pagedserve.multimodal.vision_attention import VisionAttention, VisionSeqs
+
+_VISION_EPS = 1e-6  # transformers' vision RMSNorms and merger norm
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        dim, heads = config.hidden_size, config.num_heads
+        self.num_heads, self.head_dim = heads, dim // heads
+        self.norm1 = RMSNorm(dim, _VISION_EPS)
+        self.norm2 = RMSNorm(dim, _VISION_EPS)
+        self.attn = nn.Module()
+        self.attn.qkv = nn.Linear(dim, 3 * dim)
+        self.attn.proj = nn.Linear(dim, dim)
+        self.attn.attn = VisionAttention(heads, self.head_dim, self.head_dim ** -0.5)
+        self.mlp = nn.Module()
+        self.mlp.gate_up_proj = nn.Linear(dim, 2 * config.intermediate_size)
+        self.mlp.down_proj = nn.Linear(config.intermediate_size, dim)
+        self.act = config.hidden_act
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                seqs: VisionSeqs) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.attn.qkv(self.norm1(x)).view(n, 3, self.num_heads,
+                                                    self.head_dim).unbind(1)
+        q, k = self._rotate(q, cos_sin), self._rotate(k, cos_sin)
+        out = self.attn.attn(q, k, v.contiguous(), seqs).reshape(n, -1)
+        x = x + self.attn.proj(out)
+        gate_up = self.mlp.gate_up_proj(self.norm2(x))
+        if self.act == "silu":
+            hidden = silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = ACT2FN[self.act](gate) * up
+        return x + self.mlp.down_proj(hidden)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # In float32 as transformers' apply_rotary_pos_emb_vision, then back.
+        cos, sin = cos_sin
+        x32 = x.float()
+        return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, dim: int, context_dim: int, merge_size: int) -> None:
+        super().__init__()
+        self.width = context_dim * merge_size ** 2
+        self.ln_q = RMSNorm(context_dim, _VISION_EPS)
+        self.mlp = nn.ModuleList([nn.Linear(self.width, self.width), nn.GELU(),
+                                  nn.Linear(self.width, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_q(x).view(-1, self.width)
+        for layer in self.mlp:
+            x = layer(x)
+        return x
+
+
+class VisionGeometry:
+    """Where one call's patches go, from the images' grids (t, h, w in patches), in numpy:
+    each patch's (row, column) for the 2D rotary embedding, the window order of the merge
+    blocks and the windows' and images' cu_seqlens (both in patches, window order)."""
+
+    def __init__(self, grids: np.ndarray, merge: int, window_blocks: int) -> None:
+        unit = merge * merge
+        rows, cols, order, window_lens, frame_lens = [], [], [], [], []
+        offset = 0  # merge blocks before this image
+        for t, h, w in grids.tolist():
+            hb, wb = h // merge, w // merge
+            # A patch's index in the processor's order: (frame, block row, block column,
+            # row in block, column in block).
+            br, bc, ir, ic = np.meshgrid(np.arange(hb), np.arange(wb), np.arange(merge),
+                                         np.arange(merge), indexing="ij")
+            rows.append(np.tile((br * merge + ir).reshape(-1), t))
+            cols.append(np.tile((bc * merge + ic).reshape(-1), t))
+            # Merge blocks by window (frame, window row, window column), then row-major.
+            frame, r, c = np.meshgrid(np.arange(t), np.arange(hb), np.arange(wb), indexing="ij")
+            frame, r, c = frame.reshape(-1), r.reshape(-1), c.reshape(-1)
+            wr, wc = r // window_blocks, c // window_blocks
+            perm = np.lexsort((c, r, wc, wr, frame))
+            order.append(perm + offset)
+            windows = (frame * -(-hb // window_blocks) + wr) * -(-wb // window_blocks) + wc
+            window_lens.append(np.bincount(windows)[np.unique(windows)] * unit)
+            frame_lens.append(np.full(t, h * w))
+            offset += t * hb * wb
+        self.block_order = np.concatenate(order)  # window order -> image order of blocks
+        self.rows, self.cols = np.concatenate(rows), np.concatenate(cols)
+        self.window_cu = np.concatenate([[0], np.cumsum(np.concatenate(window_lens))])
+        self.image_cu = np.concatenate([[0], np.cumsum(np.concatenate(frame_lens))])
+        self.unit = unit
+
+    def patch_order(self) -> np.ndarray:
+        """The window order of the patches (each merge block's patches stay together)."""
+        return (self.block_order[:, None] * self.unit + np.arange(self.unit)).reshape(-1)
+
+
+class Qwen2_5_VisionTransformer(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.merge = config.spatial_merge_size
+        self.window_blocks = config.window_size // self.merge // config.patch_size
+        self.fullatt = set(config.fullatt_block_indexes)
+        dim = config.hidden_size
+        patch = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Linear(patch, dim, bias=False)  # the Conv3d, flattened
+        head_dim = dim // config.num_heads
+        theta = (config.rope_parameters or {}).get("rope_theta", 10000.0)
+        spatial = head_dim // 2
+        self.register_buffer("inv_freq", 1.0 / theta ** (
+            torch.arange(0, spatial, 2, dtype=torch.float) / spatial), persistent=False)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config.out_hidden_size, dim, self.merge)
+
+    def forward(self, pixel_values: torch.Tensor, grids: np.ndarray) -> torch.Tensor:
+        """pixel_values [patches, C*2*14*14] of the images in `grids` order -> [patches / 4,
+        out_hidden_size] in the same order."""
+        geo = VisionGeometry(grids, self.merge, self.window_blocks)
+        device = pixel_values.device
+        order = torch.from_numpy(geo.patch_order()).to(device)
+        x = self.patch_embed.proj(pixel_values.to(self.patch_embed.proj.weight.dtype))[order]
+        cos_sin = self._rotary(geo, order, device)
+        full, windows = VisionSeqs(geo.image_cu, device), VisionSeqs(geo.window_cu, device)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos_sin, full if i in self.fullatt else windows)
+        merged = self.merger(x)
+        restore = torch.from_numpy(np.argsort(geo.block_order)).to(device)
+        return merged[restore]
+
+    def _rotary(self, geo: VisionGeometry, order: torch.Tensor, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [patches, 1, head_dim] float32 in window order: row angles, then column
+        angles, the pair repeated for the rotate-half halves."""
+        inv = self.inv_freq.to(device)
+        pos = torch.from_numpy(np.stack([geo.rows, geo.cols], axis=1)).to(device)[order]
+        freqs = (pos[..., None].float() * inv).flatten(1)  # [N, 2 * head_dim / 4]
+        freqs = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return freqs.cos(), freqs.sin()
+
+
+class Qwen2_5_VLTextModel(LlamaModel):
+    """The Qwen2 stack; the images' rows arrive through `inputs_embeds`."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, self.rotary_emb)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen2_5_VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
+    """The vision tower beside the Qwen2 decoder. `config` is the checkpoint's whole
+    config; the decoder's layers are built from its text_config."""
+
+    model_cls = Qwen2_5_VLTextModel
+    uses_mrope = True
+    processor_cls = QwenVLProcessor
+    supports_int8 = False
+    supports_quantized_checkpoints = False
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        text = config.text_config
+        check_decoder_config(text)
+        super().__init__(text)
+        self.hf_config = config
+        head_dim = self.model.layers[0].self_attn.head_dim
+        self.model.rotary_emb = MRotaryEmbedding(text, head_dim)
+        self.visual = Qwen2_5_VisionTransformer(config.vision_config)
+
+    # ---- the multimodal hooks ---------------------------------------------------------
+
+    def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """All the features' images through the tower in one call, split per image."""
+        if not features:
+            return []
+        device = self.visual.patch_embed.proj.weight.device
+        pixels = torch.cat([f.data["pixel_values"] for f in features]).to(device)
+        grids = np.concatenate([f.data["image_grid_thw"].reshape(-1, 3).numpy()
+                                for f in features])
+        merged = self.visual(pixels, grids).to(self.model.embed_tokens.weight.dtype)
+        return list(merged.split((grids.prod(axis=1) // self.visual.merge ** 2).tolist()))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: int64 [3, T] (M-RoPE rows), or [T] meaning all three rows equal."""
+        return self.model(input_ids, positions, inputs_embeds)
+
+    # ---- weights ----------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """transformers' layout: `model.language_model.*`, `model.visual.*`, `lm_head.*`
+        (and transformers 4.x's `model.*` / `visual.*`)."""
+        patch = self.visual.patch_embed.proj.weight
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                name = _our_name(name)
+                if name == "visual.patch_embed.proj.weight":
+                    tensor = tensor.reshape(patch.shape[0], -1)  # the Conv3d as a linear
+                yield name, tensor
+
+        super().load_weights(renamed())
+
+
+def _our_name(name: str) -> str:
+    for prefix, ours in (("model.language_model.", "model."), ("model.visual.", "visual."),
+                         ("language_model.model.", "model."), ("language_model.lm_head.",
+                                                               "lm_head.")):
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return name
+
+
+def check_decoder_config(text: PretrainedConfig) -> None:
+    """Refuse by name what the decoder here does not run."""
+    if getattr(text, "use_sliding_window", False):
+        raise ValueError("Qwen2.5-VL with use_sliding_window is not supported")
+
