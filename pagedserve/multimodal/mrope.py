@@ -71,10 +71,12 @@ class MRopeStepPositions:
         if positions is not None:
             self._prompt[request.request_id] = np.asarray(positions, dtype=np.int64)
             self._delta[request.request_id] = int(request.mrope_delta)
+            self._last = None
 
     def finish_request(self, request_id: str) -> None:
         self._prompt.pop(request_id, None)
         self._delta.pop(request_id, None)
+        self._last = None
 
     def build(self, requests: list[Any], num_computed: np.ndarray, num_scheduled: np.ndarray,
               query_start_loc: np.ndarray, positions: np.ndarray) -> torch.Tensor:

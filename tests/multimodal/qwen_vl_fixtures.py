@@ -1,0 +1,58 @@
+"""A tiny random Qwen2.5-VL saved as transformers saves it, with a preprocessor config whose
+min/max pixels keep images at a few merged tokens, and images of several sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import torch
+
+IMAGE, VIDEO, START, END = 190, 191, 192, 193  # token ids of the tiny config
+VOCAB = 200
+
+
+def save_tiny_qwen2_5_vl(path: Path) -> Path:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]}),
+        # window_size 56 px = 2x2 merge blocks per window; block 1 attends the whole image.
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                           out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+        vision_end_token_id=END)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # larger weights than the init's, so images move the logits
+        for name, p in model.named_parameters():
+            if "visual" in name and p.dim() > 1:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    # 28x28 to 112x84 pixels: 1 to 12 merged tokens an image.
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 84).save_pretrained(path)
+    return path
+
+
+def images() -> list[PIL.Image.Image]:
+    """Three random RGB images of different sizes (6, 4 and 12 merged tokens)."""
+    rng = np.random.default_rng(0)
+    return [PIL.Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+            for h, w in ((60, 90), (56, 56), (84, 112))]
+
+
+def image_prompt(text_before: list[int], *texts_after: list[int]) -> list[int]:
+    """Text, then for each further text an image placeholder followed by it."""
+    ids = list(text_before)
+    for text in texts_after:
+        ids += [START, IMAGE, END, *text]
+    return ids

@@ -1,0 +1,137 @@
+"""Qwen2.5-VL's parts against transformers' own float32 model: the vision tower (windowed and
+full-attention layers, merger), the processor's expansion and M-RoPE positions against
+`get_rope_index`, the decoder's prefill logits with M-RoPE, and the runner's step positions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.multimodal.qwen_vl_fixtures import IMAGE, image_prompt, images, save_tiny_qwen2_5_vl
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        model_dir, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def ours(model_dir: Path):
+    from transformers import AutoConfig
+
+    from pagedserve.models.loader import safetensors_weights
+    from pagedserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(model_dir))
+    model.load_weights(safetensors_weights(model_dir))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir: Path):
+    from transformers import AutoConfig
+
+    from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor
+
+    return QwenVLProcessor(AutoConfig.from_pretrained(model_dir), None, str(model_dir))
+
+
+def _grids(features) -> torch.Tensor:
+    return torch.stack([f.data["image_grid_thw"] for f in features])
+
+
+def _rope_index(reference, ids: list[int], grids: torch.Tensor | None):
+    input_ids = torch.tensor([ids])
+    return reference.model.get_rope_index(input_ids, (input_ids == IMAGE).int(), grids)
+
+
+@torch.no_grad()
+def test_vision_tower_matches_transformers(reference, ours, processor) -> None:
+    """Three images of different sizes in one call (several windows in the largest)."""
+    prompt = processor.process(image_prompt([5], [6], [7], [8]), images())
+    feats = prompt.features
+    pixels = torch.cat([f.data["pixel_values"] for f in feats])
+    expected = reference.model.get_image_features(pixels, _grids(feats)).pooler_output
+    got = ours.embed_multimodal(feats)
+    assert [g.shape[0] for g in got] == [6, 4, 12]
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("texts,which", [
+    ([[3, 4, 5]], []),  # no image
+    ([[], [9, 10]], [0]),  # an image first
+    ([[3], [4, 5], [6]], [2, 1]),  # two, the larger first
+    ([[3, 4], [], [7, 8, 9]], [1, 0]),  # two images with nothing between their spans
+])
+def test_positions_match_get_rope_index(reference, processor, texts, which) -> None:
+    ims = images()
+    prompt = processor.process(image_prompt(*texts), [ims[i] for i in which])
+    ids = prompt.prompt_token_ids
+    assert sum(i == IMAGE for i in ids) == sum([6, 4, 12][i] for i in which)
+    grids = _grids(prompt.features) if which else None
+    if grids is None:  # transformers' text positions
+        expected, delta = np.tile(np.arange(len(ids)), (3, 1)), 0
+    else:
+        pos, deltas = _rope_index(reference, ids, grids)
+        expected, delta = pos[:, 0].numpy(), int(deltas)
+    assert prompt.mrope_positions.dtype == np.int64
+    np.testing.assert_array_equal(prompt.mrope_positions, expected)
+    assert prompt.mrope_delta == delta
+    for feature in prompt.features:  # each span is the image's pads
+        span = ids[feature.placeholder.offset:feature.placeholder.end]
+        assert span == [IMAGE] * feature.placeholder.length
+
+
+def test_processor_refuses_mismatches(processor) -> None:
+    with pytest.raises(ValueError, match="2 image placeholders .* for 1 images"):
+        processor.process(image_prompt([1], [2], [3]), images()[:1])
+    with pytest.raises(ValueError, match="not precomputed embeddings"):
+        processor.process(image_prompt([1], [2]), [torch.zeros(4, 64)])
+
+
+def test_step_positions_prefill_chunks_and_decodes(reference, processor) -> None:
+    """The runner's [3, T]: a prompt in two chunks that split an image's span, then decode
+    tokens at index + delta; beside it a text-only request at its plain positions."""
+    from pagedserve.multimodal.mrope import MRopeStepPositions
+
+    prompt = processor.process(image_prompt([3], [4, 5], [6]), images()[:2])
+    n = len(prompt.prompt_token_ids)
+    req = type("R", (), dict(request_id="a", mrope_positions=prompt.mrope_positions,
+                             mrope_delta=prompt.mrope_delta))()
+    text = type("R", (), dict(request_id="b", mrope_positions=None, mrope_delta=0))()
+    step = MRopeStepPositions(64, torch.device("cpu"))
+    step.add_request(req)
+    step.add_request(text)
+
+    def run(requests, computed, scheduled):
+        computed, scheduled = np.array(computed), np.array(scheduled)
+        qsl = np.concatenate([[0], np.cumsum(scheduled)])
+        positions = np.concatenate([np.arange(c, c + s)
+                                    for c, s in zip(computed, scheduled, strict=True)])
+        return step.build(requests, computed, scheduled, qsl, positions).numpy().copy()
+
+    cut = prompt.features[0].placeholder.offset + 2  # inside the first image
+    first = run([req, text], [0, 7], [cut, 1])
+    np.testing.assert_array_equal(first[:, :cut], prompt.mrope_positions[:, :cut])
+    np.testing.assert_array_equal(first[:, cut], [7, 7, 7])
+    rest = run([req], [cut], [n - cut + 2])  # the prompt's end and two tokens past it
+    np.testing.assert_array_equal(rest[:, :n - cut], prompt.mrope_positions[:, cut:])
+    past = np.arange(n, n + 2) + prompt.mrope_delta
+    np.testing.assert_array_equal(rest[:, n - cut:], np.tile(past, (3, 1)))
+    # transformers continues generation at the text positions + rope_deltas
+    _, deltas = _rope_index(reference, prompt.prompt_token_ids, _grids(prompt.features))
+    assert past[0] == n + int(deltas)
+    step.finish_request("a")
+    np.testing.assert_array_equal(run([req], [n + 3], [1]), [[n + 3]] * 3)
