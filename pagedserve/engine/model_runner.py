@@ -38,6 +38,7 @@ from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
 from pagedserve.kv_cache.specs import StateSpec
 from pagedserve.lora.manager import make_lora_manager
+from pagedserve.multimodal.mrope import MRopeStepPositions
 from pagedserve.pooling.config import resolve_pooler
 from pagedserve.pooling.step import StepPooler, host_rows
 from pagedserve.scheduler import Request, SchedulerOutput
@@ -95,6 +96,9 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, max_model_len, self.max_blocks_per_seq,
                                       self.num_kv_groups)
         self.input_ids = InputIds(self.max_num_tokens, self.max_num_reqs, self.device)
+        # M-RoPE models (Qwen2-VL family): the step's [3, T] positions (multimodal/mrope.py).
+        self.mrope = (MRopeStepPositions(self.max_num_tokens, self.device)
+                      if getattr(model, "uses_mrope", False) else None)
         # One builder per KV cache group: the first builds the step's common metadata, the
         # others only their group's block table, slot mapping and page table.
         csr = bool(self.attn_layers) and self.backend.reads_paged_kv_indices
@@ -238,9 +242,13 @@ class ModelRunner:
             self._wants_logits.add(request.request_id)
         if request.grammar is not None:
             self._guided.add(request.request_id)
+        if self.mrope is not None:
+            self.mrope.add_request(request)
 
     def finish_request(self, request_id: str) -> None:
         self.sampling.finish_request(request_id)
+        if self.mrope is not None:
+            self.mrope.finish_request(request_id)
         self._wants_logits.discard(request_id)
         self._guided.discard(request_id)
 
@@ -272,6 +280,11 @@ class ModelRunner:
         # A decode step whose every id is a sample still on the device needs no host ids.
         input_ids = (self.input_ids.upload(0, t) if num_patched < t
                      else self.input_ids.device[:t])
+        positions = common.positions
+        if self.mrope is not None:  # the rows the model turns by; the metadata keeps its own
+            positions = self.mrope.build(batch.requests, batch.num_computed_tokens,
+                                         batch.num_scheduled_tokens, common.query_start_loc_cpu,
+                                         self.common_builder.np["positions"][:t])
         graph_size = self.decode_graphs.prepare(commons) if self.decode_graphs else None
         attn_metadata = state_metadata = None
         if graph_size is None:
@@ -296,7 +309,7 @@ class ModelRunner:
             return self.decode_graphs.replay(graph_size, common.num_reqs)
         with set_forward_context(attn_metadata, self.kv_caches, self.state_caches,
                                  state_metadata):
-            hidden = self.model(input_ids, common.positions)
+            hidden = self.model(input_ids, positions)
             if self.speculator is not None:
                 self.speculator.forward_step(input_ids, common.positions, hidden)
             return hidden
@@ -304,9 +317,10 @@ class ModelRunner:
     def run_model(self, attn_metadata: dict[Any, Any], num_tokens: int) -> torch.Tensor:
         """The model over the first `num_tokens` of the persistent input ids and positions,
         under `attn_metadata` (what a CUDA graph captures and the padding path runs)."""
+        positions = (self.common_builder.dev["positions"][:num_tokens] if self.mrope is None
+                     else self.mrope.device[:, :num_tokens])
         with set_forward_context(attn_metadata, self.kv_caches):
-            return self.model(self.input_ids.device[:num_tokens],
-                              self.common_builder.dev["positions"][:num_tokens])
+            return self.model(self.input_ids.device[:num_tokens], positions)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:

@@ -148,11 +148,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
         patch = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Linear(patch, dim, bias=False)  # the Conv3d, flattened
-        head_dim = dim // config.num_heads
-        theta = (config.rope_parameters or {}).get("rope_theta", 10000.0)
-        spatial = head_dim // 2
-        self.register_buffer("inv_freq", 1.0 / theta ** (
-            torch.arange(0, spatial, 2, dtype=torch.float) / spatial), persistent=False)
+        self.head_dim = dim // config.num_heads
+        self.rope_theta = (config.rope_parameters or {}).get("rope_theta", 10000.0)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config.out_hidden_size, dim, self.merge)
 
@@ -175,7 +172,9 @@ class Qwen2_5_VisionTransformer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [patches, 1, head_dim] float32 in window order: row angles, then column
         angles, the pair repeated for the rotate-half halves."""
-        inv = self.inv_freq.to(device)
+        spatial = self.head_dim // 2  # each of row and column turns half the frequencies
+        inv = 1.0 / self.rope_theta ** (
+            torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial)
         pos = torch.from_numpy(np.stack([geo.rows, geo.cols], axis=1)).to(device)[order]
         freqs = (pos[..., None].float() * inv).flatten(1)  # [N, 2 * head_dim / 4]
         freqs = torch.cat([freqs, freqs], dim=-1)[:, None]

@@ -30,12 +30,11 @@ def reference(model_dir: Path):
 def ours(model_dir: Path):
     from transformers import AutoConfig
 
-    from pagedserve.models.loader import safetensors_weights
-    from pagedserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from pagedserve.models.loader import build_model, safetensors_weights
 
-    model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(model_dir))
-    model.load_weights(safetensors_weights(model_dir))
-    return model.eval()
+    # As the loader builds it: on the meta device, then filled.
+    return build_model(AutoConfig.from_pretrained(model_dir), torch.float32,
+                       torch.device("cpu"), safetensors_weights(model_dir))
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +134,32 @@ def test_step_positions_prefill_chunks_and_decodes(reference, processor) -> None
     assert past[0] == n + int(deltas)
     step.finish_request("a")
     np.testing.assert_array_equal(run([req], [n + 3], [1]), [[n + 3]] * 3)
+
+
+@torch.no_grad()
+def test_prefill_logits_match_transformers(reference, ours, processor) -> None:
+    """The decoder over a two-image prompt (image rows written over the placeholders' token
+    embeddings, [3, T] positions) through the paged CPU backend: every position's logits."""
+    from pagedserve.attention.forward_context import set_forward_context
+    from tests.utils.paged import PagedHarness
+
+    ims = images()
+    prompt = processor.process(image_prompt([3, 4], [5], [6, 7]), [ims[2], ims[1]])
+    ids = torch.tensor(prompt.prompt_token_ids)
+    n = len(ids)
+    embeds = ours.embed_input_ids(ids)
+    for feature, rows in zip(prompt.features, ours.embed_multimodal(prompt.features),
+                             strict=True):
+        embeds[feature.placeholder.offset:feature.placeholder.end] = rows
+    harness = PagedHarness(ours, [n])
+    common = harness.common_builder.build(np.array([0]), np.array([0], np.int32),
+                                          np.array([n], np.int32), 1,
+                                          harness.block_table.table)
+    metadata = {cfg: b.build(common) for cfg, b in harness.builders.items()}
+    with set_forward_context(metadata, harness.kv_caches):
+        hidden = ours(ids, torch.from_numpy(prompt.mrope_positions), embeds)
+    pixels = torch.cat([f.data["pixel_values"] for f in prompt.features])
+    expected = reference(input_ids=ids[None], pixel_values=pixels,
+                         image_grid_thw=_grids(prompt.features),
+                         mm_token_type_ids=(ids[None] == IMAGE).int()).logits[0]
+    torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=0, atol=1e-5)
