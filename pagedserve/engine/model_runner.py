@@ -242,13 +242,9 @@ class ModelRunner:
             self._wants_logits.add(request.request_id)
         if request.grammar is not None:
             self._guided.add(request.request_id)
-        if self.mrope is not None:
-            self.mrope.add_request(request)
 
     def finish_request(self, request_id: str) -> None:
         self.sampling.finish_request(request_id)
-        if self.mrope is not None:
-            self.mrope.finish_request(request_id)
         self._wants_logits.discard(request_id)
         self._guided.discard(request_id)
 

@@ -55,28 +55,15 @@ def prompt_positions(num_tokens: int, offsets: np.ndarray, grids: np.ndarray
 class MRopeStepPositions:
     """The runner's M-RoPE positions: a step's [3, T] built on the host (pinned on CUDA) and
     copied into a persistent device buffer (`device[:, :T]`), which the model reads and a
-    decode CUDA graph captured reading."""
+    decode CUDA graph captured reading. A request's prompt positions and delta are its own
+    (`Request.mrope_positions`, `mrope_delta`; None and 0 for a text prompt)."""
 
     def __init__(self, max_num_tokens: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.host = torch.zeros(3, max_num_tokens, dtype=torch.int64, pin_memory=pin)
         self.device = self.host if not pin else torch.zeros_like(self.host, device=device)
-        self._prompt: dict[str, np.ndarray] = {}  # request id -> its [3, P] prompt positions
-        self._delta: dict[str, int] = {}
         self._last_requests: list[Any] | None = None
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # deltas, prompt lengths
-
-    def add_request(self, request: Any) -> None:
-        positions = getattr(request, "mrope_positions", None)
-        if positions is not None:
-            self._prompt[request.request_id] = np.asarray(positions, dtype=np.int64)
-            self._delta[request.request_id] = int(request.mrope_delta)
-            self._last = None
-
-    def finish_request(self, request_id: str) -> None:
-        self._prompt.pop(request_id, None)
-        self._delta.pop(request_id, None)
-        self._last = None
 
     def build(self, requests: list[Any], num_computed: np.ndarray, num_scheduled: np.ndarray,
               query_start_loc: np.ndarray, positions: np.ndarray) -> torch.Tensor:
@@ -91,19 +78,18 @@ class MRopeStepPositions:
             c = int(num_computed[i])
             n = min(int(num_scheduled[i]), int(prompt_lens[i]) - c)
             q = int(query_start_loc[i])
-            out[:, q:q + n] = self._prompt[requests[i].request_id][:, c:c + n]
+            out[:, q:q + n] = requests[i].mrope_positions[:, c:c + n]
         if self.device is not self.host:
             for row in range(3):  # contiguous rows: async copies from pinned memory
                 self.device[row, :t].copy_(self.host[row, :t], non_blocking=True)
         return self.device[:, :t]
 
     def _per_request(self, requests: list[Any]) -> tuple[np.ndarray, np.ndarray]:
-        """Each request's delta and prompt length (0 for text-only requests), rebuilt only
-        when the step's requests differ from the last step's (most decode steps do not)."""
+        """Each request's delta and prompt length (0 for a text prompt), rebuilt only when
+        the step's requests differ from the last step's (most decode steps do not)."""
         if self._last is None or requests != self._last_requests:
-            ids = [r.request_id for r in requests]
-            deltas = np.fromiter((self._delta.get(i, 0) for i in ids), np.int64, len(ids))
-            lens = np.fromiter((self._prompt[i].shape[1] if i in self._prompt else 0
-                                for i in ids), np.int64, len(ids))
-            self._last_requests, self._last = requests, (deltas, lens)
+            deltas = np.fromiter((r.mrope_delta for r in requests), np.int64, len(requests))
+            lens = np.fromiter((0 if r.mrope_positions is None else r.mrope_positions.shape[1]
+                                for r in requests), np.int64, len(requests))
+            self._last_requests, self._last = list(requests), (deltas, lens)
         return self._last

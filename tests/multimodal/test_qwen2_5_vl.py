@@ -111,8 +111,6 @@ def test_step_positions_prefill_chunks_and_decodes(reference, processor) -> None
                              mrope_delta=prompt.mrope_delta))()
     text = type("R", (), dict(request_id="b", mrope_positions=None, mrope_delta=0))()
     step = MRopeStepPositions(64, torch.device("cpu"))
-    step.add_request(req)
-    step.add_request(text)
 
     def run(requests, computed, scheduled):
         computed, scheduled = np.array(computed), np.array(scheduled)
@@ -132,8 +130,8 @@ def test_step_positions_prefill_chunks_and_decodes(reference, processor) -> None
     # transformers continues generation at the text positions + rope_deltas
     _, deltas = _rope_index(reference, prompt.prompt_token_ids, _grids(prompt.features))
     assert past[0] == n + int(deltas)
-    step.finish_request("a")
-    np.testing.assert_array_equal(run([req], [n + 3], [1]), [[n + 3]] * 3)
+    np.testing.assert_array_equal(run([text, req], [8, n + 3], [1, 1]),
+                                  [[8, n + 3 + prompt.mrope_delta]] * 3)
 
 
 @torch.no_grad()
