@@ -16,11 +16,16 @@ from pagedserve.models.layers import RotaryEmbedding, _rotate, fused_kernels, ro
 
 
 class MRotaryEmbedding(RotaryEmbedding):
-    """positions [3, T] (or [T]: all rows equal) -> rotated query and key."""
+    """positions [3, T] (or [T]: all rows equal) -> rotated query and key.
 
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    interleaved (Qwen3-VL): the frequencies cycle temporal, height, width (frequency j of
+    the first 3 * section[1] turns by height when j % 3 == 1, of the first 3 * section[2] by
+    width when j % 3 == 2, the rest by the temporal row) instead of lying in three blocks."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int,
+                 interleaved: bool = False) -> None:
         section = rope_parameters(config).get("mrope_section")
-        self.section = section
+        self.section, self.interleaved = section, interleaved
         super().__init__(config, head_dim)
         if section is None:
             raise ValueError("an M-RoPE model's rope parameters need an mrope_section")
@@ -33,11 +38,20 @@ class MRotaryEmbedding(RotaryEmbedding):
     def build_cache(self, device: torch.device, dtype: torch.dtype,
                     max_model_len: int | None = None) -> None:
         super().build_cache(device, dtype, max_model_len)
-        # For each column of the cos | sin table, the position row it is read at.
-        section = torch.tensor(self.section or [self.rotary_dim // 2])
-        self.row_of_column = torch.repeat_interleave(
-            torch.arange(len(section)) % 3, section).repeat(2).to(device)
+        self.row_of_column = self._row_of_column().to(device)
         self._rows_of = self._table = None
+
+    def _row_of_column(self) -> torch.Tensor:
+        """For each column of the cos | sin table, the position row it is read at."""
+        section = list(self.section or [self.rotary_dim // 2])
+        if not self.interleaved:
+            row = torch.repeat_interleave(torch.arange(len(section)) % 3,
+                                          torch.tensor(section))
+        else:
+            row = torch.zeros(self.rotary_dim // 2, dtype=torch.long)
+            row[1:section[1] * 3:3] = 1
+            row[2:section[2] * 3:3] = 2
+        return row.repeat(2)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,17 +44,73 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class VisionBlock(nn.Module):
+class VisionSelfAttention(nn.Module):
+    """qkv, the 2D rotary embedding on q and k, varlen attention over `seqs`, proj."""
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         dim, heads = config.hidden_size, config.num_heads
         self.num_heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.attn = VisionAttention(heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                seqs: VisionSeqs) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = _rotate_vision(q, cos_sin), _rotate_vision(k, cos_sin)
+        return self.proj(self.attn(q, k, v.contiguous(), seqs).reshape(n, -1))
+
+
+def _rotate_vision(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                   ) -> torch.Tensor:
+    # In float32 as transformers' apply_rotary_pos_emb_vision, then back.
+    cos, sin = cos_sin
+    x32 = x.float()
+    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+
+
+def vision_rotary(rows: torch.Tensor, cols: torch.Tensor, head_dim: int, theta: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [patches, 1, head_dim] float32 of the 2D rotary embedding: the first half of
+    the frequencies turn by the patch's row, the second by its column, the pair repeated for
+    the rotate-half halves."""
+    spatial = head_dim // 2
+    inv = 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float,
+                                       device=rows.device) / spatial)
+    freqs = (torch.stack([rows, cols], dim=1)[..., None].float() * inv).flatten(1)
+    freqs = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return freqs.cos(), freqs.sin()
+
+
+def patch_coordinates(grids: np.ndarray, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each patch's (row, column) in its image, in the processor's order: frame, block row,
+    block column, row in block, column in block."""
+    rows, cols = [], []
+    for t, h, w in grids.tolist():
+        br, bc, ir, ic = np.meshgrid(np.arange(h // merge), np.arange(w // merge),
+                                     np.arange(merge), np.arange(merge), indexing="ij")
+        rows.append(np.tile((br * merge + ir).reshape(-1), t))
+        cols.append(np.tile((bc * merge + ic).reshape(-1), t))
+    return np.concatenate(rows), np.concatenate(cols)
+
+
+def image_cu_seqlens(grids: np.ndarray) -> np.ndarray:
+    """Each frame of each image one sequence (transformers' convention), in patches."""
+    lengths = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+    return np.concatenate([[0], np.cumsum(lengths)])
+
+
+class VisionBlock(nn.Module):
+    """x + attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        dim = config.hidden_size
         self.norm1 = RMSNorm(dim, _VISION_EPS)
         self.norm2 = RMSNorm(dim, _VISION_EPS)
-        self.attn = nn.Module()
-        self.attn.qkv = nn.Linear(dim, 3 * dim)
-        self.attn.proj = nn.Linear(dim, dim)
-        self.attn.attn = VisionAttention(heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = VisionSelfAttention(config)
         self.mlp = nn.Module()
         self.mlp.gate_up_proj = nn.Linear(dim, 2 * config.intermediate_size)
         self.mlp.down_proj = nn.Linear(config.intermediate_size, dim)
@@ -62,12 +118,7 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 seqs: VisionSeqs) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.attn.qkv(self.norm1(x)).view(n, 3, self.num_heads,
-                                                    self.head_dim).unbind(1)
-        q, k = self._rotate(q, cos_sin), self._rotate(k, cos_sin)
-        out = self.attn.attn(q, k, v.contiguous(), seqs).reshape(n, -1)
-        x = x + self.attn.proj(out)
+        x = x + self.attn(self.norm1(x), cos_sin, seqs)
         gate_up = self.mlp.gate_up_proj(self.norm2(x))
         if self.act == "silu":
             hidden = silu_and_mul(gate_up)
@@ -75,13 +126,6 @@ class VisionBlock(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = ACT2FN[self.act](gate) * up
         return x + self.mlp.down_proj(hidden)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        # In float32 as transformers' apply_rotary_pos_emb_vision, then back.
-        cos, sin = cos_sin
-        x32 = x.float()
-        return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
 
 
 class PatchMerger(nn.Module):
@@ -101,35 +145,27 @@ class PatchMerger(nn.Module):
 
 class VisionGeometry:
     """Where one call's patches go, from the images' grids (t, h, w in patches), in numpy:
-    each patch's (row, column) for the 2D rotary embedding, the window order of the merge
-    blocks and the windows' and images' cu_seqlens (both in patches, window order)."""
+    each patch's (row, column), the window order of the merge blocks, and the windows' and
+    images' cu_seqlens (both in patches)."""
 
     def __init__(self, grids: np.ndarray, merge: int, window_blocks: int) -> None:
         unit = merge * merge
-        rows, cols, order, window_lens, frame_lens = [], [], [], [], []
+        order, window_lens = [], []
         offset = 0  # merge blocks before this image
         for t, h, w in grids.tolist():
             hb, wb = h // merge, w // merge
-            # A patch's index in the processor's order: (frame, block row, block column,
-            # row in block, column in block).
-            br, bc, ir, ic = np.meshgrid(np.arange(hb), np.arange(wb), np.arange(merge),
-                                         np.arange(merge), indexing="ij")
-            rows.append(np.tile((br * merge + ir).reshape(-1), t))
-            cols.append(np.tile((bc * merge + ic).reshape(-1), t))
             # Merge blocks by window (frame, window row, window column), then row-major.
             frame, r, c = np.meshgrid(np.arange(t), np.arange(hb), np.arange(wb), indexing="ij")
             frame, r, c = frame.reshape(-1), r.reshape(-1), c.reshape(-1)
             wr, wc = r // window_blocks, c // window_blocks
-            perm = np.lexsort((c, r, wc, wr, frame))
-            order.append(perm + offset)
+            order.append(np.lexsort((c, r, wc, wr, frame)) + offset)
             windows = (frame * -(-hb // window_blocks) + wr) * -(-wb // window_blocks) + wc
             window_lens.append(np.bincount(windows)[np.unique(windows)] * unit)
-            frame_lens.append(np.full(t, h * w))
             offset += t * hb * wb
         self.block_order = np.concatenate(order)  # window order -> image order of blocks
-        self.rows, self.cols = np.concatenate(rows), np.concatenate(cols)
+        self.rows, self.cols = patch_coordinates(grids, merge)
         self.window_cu = np.concatenate([[0], np.cumsum(np.concatenate(window_lens))])
-        self.image_cu = np.concatenate([[0], np.cumsum(np.concatenate(frame_lens))])
+        self.image_cu = image_cu_seqlens(grids)
         self.unit = unit
 
     def patch_order(self) -> np.ndarray:
@@ -170,15 +206,9 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
     def _rotary(self, geo: VisionGeometry, order: torch.Tensor, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [patches, 1, head_dim] float32 in window order: row angles, then column
-        angles, the pair repeated for the rotate-half halves."""
-        spatial = self.head_dim // 2  # each of row and column turns half the frequencies
-        inv = 1.0 / self.rope_theta ** (
-            torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial)
-        pos = torch.from_numpy(np.stack([geo.rows, geo.cols], axis=1)).to(device)[order]
-        freqs = (pos[..., None].float() * inv).flatten(1)  # [N, 2 * head_dim / 4]
-        freqs = torch.cat([freqs, freqs], dim=-1)[:, None]
-        return freqs.cos(), freqs.sin()
+        """The 2D rotary embedding's cos, sin in window order."""
+        rows, cols = (torch.from_numpy(a).to(device)[order] for a in (geo.rows, geo.cols))
+        return vision_rotary(rows, cols, self.head_dim, self.rope_theta)
 
 
 class Qwen2_5_VLTextModel(LlamaModel):
