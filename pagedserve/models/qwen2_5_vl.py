@@ -273,7 +273,7 @@ class Qwen2_5_VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
 
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                name = _our_name(name)
+                name = our_name(name)
                 if name == "visual.patch_embed.proj.weight":
                     tensor = tensor.reshape(patch.shape[0], -1)  # the Conv3d as a linear
                 yield name, tensor
@@ -281,7 +281,7 @@ class Qwen2_5_VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
         super().load_weights(renamed())
 
 
-def _our_name(name: str) -> str:
+def our_name(name: str) -> str:
     for prefix, ours in (("model.language_model.", "model."), ("model.visual.", "visual."),
                          ("language_model.model.", "model."), ("language_model.lm_head.",
                                                                "lm_head.")):

@@ -33,6 +33,7 @@ _MODELS: dict[str, str] = {
     # Vision-language models (images in prompts: pagedserve.multimodal).
     "Qwen2_5_VLForConditionalGeneration":
         "pagedserve.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "pagedserve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     # Encoders (pooling only: encoder-only attention, no KV cache).
     "BertModel": "pagedserve.models.bert:BertModel",
     "BertForSequenceClassification": "pagedserve.models.bert:BertForSequenceClassification",

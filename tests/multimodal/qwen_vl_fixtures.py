@@ -56,3 +56,37 @@ def image_prompt(text_before: list[int], *texts_after: list[int]) -> list[int]:
     for text in texts_after:
         ids += [START, IMAGE, END, *text]
     return ids
+
+
+def save_tiny_qwen3_vl(path: Path) -> Path:
+    """Qwen3-VL: 16-pixel patches, a 6x6 learned position table, DeepStack after blocks 0
+    and 1 of 3, interleaved M-RoPE."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=256, bos_token_id=1,
+                         eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                           out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, num_position_embeddings=36,
+                           deepstack_visual_indexes=[0, 1]),
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+        vision_end_token_id=END)
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name and p.dim() > 1:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32,
+                             max_pixels=128 * 96).save_pretrained(path)
+    return path
