@@ -38,7 +38,7 @@ from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
 from pagedserve.kv_cache.specs import StateSpec
 from pagedserve.lora.manager import make_lora_manager
-from pagedserve.multimodal.mrope import MRopeStepPositions
+from pagedserve.multimodal.runner import MultiModalRunner
 from pagedserve.pooling.config import resolve_pooler
 from pagedserve.pooling.step import StepPooler, host_rows
 from pagedserve.scheduler import Request, SchedulerOutput
@@ -91,14 +91,14 @@ class ModelRunner:
             self._bind_attention_layers()
         if self.speculator is not None:
             self.speculator.check_layout(self.kv_layout)
+        # Images in prompts (multimodal/): a vision-language model's encoders and the store of
+        # their rows; None for a text model, whose steps never look at images.
+        self.mm = MultiModalRunner.for_runner(self)
 
         self.num_kv_groups = len(self.kv_layout.groups) if self.kv_layout else 1
         self.input_batch = InputBatch(self.max_num_reqs, max_model_len, self.max_blocks_per_seq,
                                       self.num_kv_groups)
         self.input_ids = InputIds(self.max_num_tokens, self.max_num_reqs, self.device)
-        # M-RoPE models (Qwen2-VL family): the step's [3, T] positions (multimodal/mrope.py).
-        self.mrope = (MRopeStepPositions(self.max_num_tokens, self.device)
-                      if getattr(model, "uses_mrope", False) else None)
         # One builder per KV cache group: the first builds the step's common metadata, the
         # others only their group's block table, slot mapping and page table.
         csr = bool(self.attn_layers) and self.backend.reads_paged_kv_indices
@@ -276,12 +276,11 @@ class ModelRunner:
         # A decode step whose every id is a sample still on the device needs no host ids.
         input_ids = (self.input_ids.upload(0, t) if num_patched < t
                      else self.input_ids.device[:t])
-        positions = common.positions
-        if self.mrope is not None:  # the rows the model turns by; the metadata keeps its own
-            positions = self.mrope.build(batch.requests, batch.num_computed_tokens,
-                                         batch.num_scheduled_tokens, common.query_start_loc_cpu,
-                                         self.common_builder.np["positions"][:t])
-        graph_size = self.decode_graphs.prepare(commons) if self.decode_graphs else None
+        # The positions the model turns by (M-RoPE's [3, T] rows; the metadata keeps its own).
+        positions = (self.mm.step_positions(batch, common, self.common_builder.np["positions"])
+                     if self.mm is not None else common.positions)
+        graph_size = (self.decode_graphs.prepare(commons)
+                      if self.decode_graphs and not batch.embeds_images else None)
         attn_metadata = state_metadata = None
         if graph_size is None:
             group = self.builder_group
@@ -303,9 +302,12 @@ class ModelRunner:
         if graph_size is not None:
             self._ran_graph = True
             return self.decode_graphs.replay(graph_size, common.num_reqs)
+        embeds = (self.mm.step_embeds(batch, input_ids, common.query_start_loc_cpu)
+                  if self.mm is not None else None)
         with set_forward_context(attn_metadata, self.kv_caches, self.state_caches,
                                  state_metadata):
-            hidden = self.model(input_ids, positions)
+            hidden = (self.model(input_ids, positions) if embeds is None
+                      else self.model(input_ids, positions, inputs_embeds=embeds))
             if self.speculator is not None:
                 self.speculator.forward_step(input_ids, common.positions, hidden)
             return hidden
@@ -313,8 +315,9 @@ class ModelRunner:
     def run_model(self, attn_metadata: dict[Any, Any], num_tokens: int) -> torch.Tensor:
         """The model over the first `num_tokens` of the persistent input ids and positions,
         under `attn_metadata` (what a CUDA graph captures and the padding path runs)."""
-        positions = (self.common_builder.dev["positions"][:num_tokens] if self.mrope is None
-                     else self.mrope.device[:, :num_tokens])
+        positions = self.common_builder.dev["positions"][:num_tokens]
+        if self.mm is not None:
+            positions = self.mm.graph_positions(positions)
         with set_forward_context(attn_metadata, self.kv_caches):
             return self.model(self.input_ids.device[:num_tokens], positions)
 

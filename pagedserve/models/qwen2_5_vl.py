@@ -9,7 +9,7 @@ The vision tower, as transformers' Qwen2_5_VisionTransformerPretrainedModel comp
   the others a window of `window_size` pixels), in units of 2x2 merge blocks, and the merger's
   output is put back in image order at the end;
 - each block: x + proj(attn(RMSNorm(x))), x + SwiGLU(RMSNorm(x)); attention is bidirectional
-  varlen attention (multimodal/vision_attention.py) over the images (full layers) or the
+  varlen attention (multimodal/encoder_attention.py) over the images (full layers) or the
   windows (the others), with a 2D rotary embedding: the first half of each head's rotary
   frequencies turn with the patch's row, the second with its column;
 - the merger: RMSNorm, 4 patches concatenated, Linear-GELU-Linear to the decoder's width.
@@ -21,6 +21,7 @@ The decoder is Qwen2 (models/llama.py) with `MRotaryEmbedding` and an `inputs_em
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,10 +32,10 @@ from transformers.activations import ACT2FN
 from pagedserve.models.layers import RMSNorm, silu_and_mul
 from pagedserve.models.llama import LlamaModel, Qwen2ForCausalLM
 from pagedserve.models.mrope_rotary import MRotaryEmbedding
+from pagedserve.multimodal.encoder_attention import EncoderAttention
 from pagedserve.multimodal.inputs import MultiModalFeature
 from pagedserve.multimodal.model import SupportsMultiModal
 from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor
-from pagedserve.multimodal.vision_attention import VisionAttention, VisionSeqs
 
 _VISION_EPS = 1e-6  # transformers' vision RMSNorms and merger norm
 
@@ -53,14 +54,14 @@ class VisionSelfAttention(nn.Module):
         self.num_heads, self.head_dim = heads, dim // heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
-        self.attn = VisionAttention(heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = EncoderAttention(heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                seqs: VisionSeqs) -> torch.Tensor:
+                md: Any) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate_vision(q, cos_sin), _rotate_vision(k, cos_sin)
-        return self.proj(self.attn(q, k, v.contiguous(), seqs).reshape(n, -1))
+        return self.proj(self.attn(q, k, v.contiguous(), md))
 
 
 def _rotate_vision(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
@@ -96,6 +97,15 @@ def patch_coordinates(grids: np.ndarray, merge: int) -> tuple[np.ndarray, np.nda
     return np.concatenate(rows), np.concatenate(cols)
 
 
+def tower_metadata(blocks: nn.ModuleList, cu_seqlens: np.ndarray) -> Any:
+    """The bound backend's encoder metadata for sequences cut at `cu_seqlens`."""
+    binding = blocks[0].attn.attn.binding
+    if binding is None:
+        raise RuntimeError("the vision tower's attention has no backend bound "
+                           "(multimodal.encoder_attention.bind_encoder_attention)")
+    return binding.metadata(np.diff(cu_seqlens))
+
+
 def image_cu_seqlens(grids: np.ndarray) -> np.ndarray:
     """Each frame of each image one sequence (transformers' convention), in patches."""
     lengths = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
@@ -117,8 +127,8 @@ class VisionBlock(nn.Module):
         self.act = config.hidden_act
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                seqs: VisionSeqs) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos_sin, seqs)
+                md: Any) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos_sin, md)
         gate_up = self.mlp.gate_up_proj(self.norm2(x))
         if self.act == "silu":
             hidden = silu_and_mul(gate_up)
@@ -197,7 +207,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
         order = torch.from_numpy(geo.patch_order()).to(device)
         x = self.patch_embed.proj(pixel_values.to(self.patch_embed.proj.weight.dtype))[order]
         cos_sin = self._rotary(geo, order, device)
-        full, windows = VisionSeqs(geo.image_cu, device), VisionSeqs(geo.window_cu, device)
+        # The backend's metadata for the two packings, built once; every block reads one.
+        full, windows = (tower_metadata(self.blocks, cu) for cu in (geo.image_cu, geo.window_cu))
         for i, block in enumerate(self.blocks):
             x = block(x, cos_sin, full if i in self.fullatt else windows)
         merged = self.merger(x)

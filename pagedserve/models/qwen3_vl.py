@@ -19,6 +19,7 @@ CUDA graphs) carry the plain [T, hidden] or none.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,12 +34,12 @@ from pagedserve.models.qwen2_5_vl import (
     image_cu_seqlens,
     our_name,
     patch_coordinates,
+    tower_metadata,
     vision_rotary,
 )
 from pagedserve.multimodal.inputs import MultiModalFeature
 from pagedserve.multimodal.model import SupportsMultiModal
 from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor
-from pagedserve.multimodal.vision_attention import VisionSeqs
 
 _EPS = 1e-6  # the tower's LayerNorms
 
@@ -56,8 +57,8 @@ class Qwen3VisionBlock(nn.Module):
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                seqs: VisionSeqs) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos_sin, seqs)
+                md: Any) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos_sin, md)
         return x + self.mlp.linear_fc2(self.act(self.mlp.linear_fc1(self.norm2(x))))
 
 
@@ -110,10 +111,10 @@ class Qwen3VisionTransformer(nn.Module):
                                                                                  self.merge))
         x = x + self._position_embeddings(rows, cols, grids).to(x.dtype)
         cos_sin = vision_rotary(rows, cols, self.head_dim, self.rope_theta)
-        seqs = VisionSeqs(image_cu_seqlens(grids), device)
+        md = tower_metadata(self.blocks, image_cu_seqlens(grids))
         stacked = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos_sin, seqs)
+            x = block(x, cos_sin, md)
             if i in self.deepstack_indexes:
                 stacked.append(self.deepstack_merger_list[self.deepstack_indexes.index(i)](x))
         return torch.cat([self.merger(x), *stacked], dim=-1)

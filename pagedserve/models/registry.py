@@ -30,7 +30,8 @@ _MODELS: dict[str, str] = {
     "Qwen3NextForCausalLM": "pagedserve.models.qwen3_next:Qwen3NextForCausalLM",
     "Lfm2ForCausalLM": "pagedserve.models.lfm2:Lfm2ForCausalLM",
     "MiniMaxForCausalLM": "pagedserve.models.minimax:MiniMaxForCausalLM",
-    # Vision-language models (images in prompts: pagedserve.multimodal).
+    # Vision-language models (images in prompts: pagedserve/multimodal).
+    "LlavaForConditionalGeneration": "pagedserve.models.llava:LlavaForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration":
         "pagedserve.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "pagedserve.models.qwen3_vl:Qwen3VLForConditionalGeneration",

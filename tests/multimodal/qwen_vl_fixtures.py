@@ -43,6 +43,16 @@ def save_tiny_qwen2_5_vl(path: Path) -> Path:
     return path
 
 
+def bind_cpu_encoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The vision tower's attention bound to the CPU backend, as the runner binds it."""
+    from pagedserve.attention.registry import get_backend_cls
+    from pagedserve.multimodal.encoder_attention import bind_encoder_attention
+
+    bind_encoder_attention(model, get_backend_cls("CPU"), None, torch.device("cpu"),
+                           torch.float32, 4096)
+    return model
+
+
 def images() -> list[PIL.Image.Image]:
     """Three random RGB images of different sizes (6, 4 and 12 merged tokens)."""
     rng = np.random.default_rng(0)

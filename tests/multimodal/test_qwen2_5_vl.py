@@ -31,10 +31,11 @@ def ours(model_dir: Path):
     from transformers import AutoConfig
 
     from pagedserve.models.loader import build_model, safetensors_weights
+    from tests.multimodal.qwen_vl_fixtures import bind_cpu_encoder
 
     # As the loader builds it: on the meta device, then filled.
-    return build_model(AutoConfig.from_pretrained(model_dir), torch.float32,
-                       torch.device("cpu"), safetensors_weights(model_dir))
+    return bind_cpu_encoder(build_model(AutoConfig.from_pretrained(model_dir), torch.float32,
+                                        torch.device("cpu"), safetensors_weights(model_dir)))
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,14 @@ def parts(tmp_path_factory: pytest.TempPathFactory):
 
     from pagedserve.models.loader import build_model, safetensors_weights
     from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor
+    from tests.multimodal.qwen_vl_fixtures import bind_cpu_encoder
 
     path: Path = save_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"))
     reference = Qwen3VLForConditionalGeneration.from_pretrained(
         path, attn_implementation="eager").eval()
     config = AutoConfig.from_pretrained(path)
-    ours = build_model(config, torch.float32, torch.device("cpu"), safetensors_weights(path))
+    ours = bind_cpu_encoder(build_model(config, torch.float32, torch.device("cpu"),
+                                        safetensors_weights(path)))
     return reference, ours, QwenVLProcessor(config, None, str(path))
 
 
