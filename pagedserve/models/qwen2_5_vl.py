@@ -35,7 +35,7 @@ from pagedserve.models.mrope_rotary import MRotaryEmbedding
 from pagedserve.multimodal.encoder_attention import EncoderAttention
 from pagedserve.multimodal.inputs import MultiModalFeature
 from pagedserve.multimodal.model import SupportsMultiModal
-from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor
+from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor, max_image_tokens
 
 _VISION_EPS = 1e-6  # transformers' vision RMSNorms and merger norm
 
@@ -255,6 +255,10 @@ class Qwen2_5_VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
         self.visual = Qwen2_5_VisionTransformer(config.vision_config)
 
     # ---- the multimodal hooks ---------------------------------------------------------
+
+    @classmethod
+    def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
+        return max_image_tokens(hf_config)
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
         """All the features' images through the tower in one call, split per image."""

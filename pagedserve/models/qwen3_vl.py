@@ -39,7 +39,7 @@ from pagedserve.models.qwen2_5_vl import (
 )
 from pagedserve.multimodal.inputs import MultiModalFeature
 from pagedserve.multimodal.model import SupportsMultiModal
-from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor
+from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor, max_image_tokens
 
 _EPS = 1e-6  # the tower's LayerNorms
 
@@ -182,6 +182,10 @@ class Qwen3VLForConditionalGeneration(SupportsMultiModal, Qwen3ForCausalLM):
         self.model.rotary_emb = MRotaryEmbedding(text, head_dim, interleaved=True)
         self.visual = Qwen3VisionTransformer(config.vision_config)
         self.num_stacked = len(self.visual.deepstack_indexes)
+
+    @classmethod
+    def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
+        return max_image_tokens(hf_config)
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
         if not features:

@@ -45,6 +45,17 @@ def image_processor(model_path: str | None, vision_config: Any) -> Any:
     return processor
 
 
+def max_image_tokens(hf_config: Any) -> int:
+    """The most tokens one image may take: smart_resize keeps an image within max_pixels, so
+    within max_pixels / (patch * merge)**2 merged tokens. The image processor is the model
+    directory's (the config remembers where it was read from), else transformers' defaults."""
+    path = getattr(hf_config, "name_or_path", None) or None
+    vision = hf_config.vision_config
+    processor = image_processor(path if path and Path(path).is_dir() else None, vision)
+    side = vision.patch_size * vision.spatial_merge_size
+    return int(processor.size.longest_edge) // (side * side)
+
+
 class QwenVLProcessor(MultiModalProcessor):
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
 
