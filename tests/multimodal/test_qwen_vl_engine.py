@@ -118,3 +118,17 @@ def test_qwen3_vl_greedy_and_logprobs_equal_transformers(tmp_path):
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check(hf, llm, outputs, requests, logprobs=True)
     assert llm.engine.check_blocks_free()
+
+
+@pytest.mark.gpu
+def test_qwen2_5_vl_decode_graphs_read_the_mrope_buffer(qwen2_5_vl):
+    """On CUDA the decode steps replay graphs captured reading the M-RoPE position buffer,
+    which each step refills (prompt rows, then index + delta): tokens equal transformers'."""
+    path, hf = qwen2_5_vl
+    llm = LLM(model=str(path), dtype="float32", device="cuda", num_gpu_blocks_override=64,
+              max_num_seqs=4)
+    requests = _requests()
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    assert sum(llm.engine.runner.decode_graphs.replays.values()) > 0
+    _check(hf.to("cpu"), llm, outputs, requests, logprobs=False)
