@@ -32,6 +32,7 @@ from transformers.activations import ACT2FN
 from pagedserve.models.layers import RMSNorm, silu_and_mul
 from pagedserve.models.llama import LlamaModel, Qwen2ForCausalLM
 from pagedserve.models.mrope_rotary import MRotaryEmbedding
+from pagedserve.models.parallel import ParallelLMHead
 from pagedserve.multimodal.encoder_attention import EncoderAttention
 from pagedserve.multimodal.inputs import MultiModalFeature
 from pagedserve.multimodal.model import SupportsMultiModal
@@ -250,6 +251,7 @@ class Qwen2_5_VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
         check_decoder_config(text)
         super().__init__(text)
         self.hf_config = config
+        tie_head(self, config)
         head_dim = self.model.layers[0].self_attn.head_dim
         self.model.rotary_emb = MRotaryEmbedding(text, head_dim)
         self.visual = Qwen2_5_VisionTransformer(config.vision_config)
@@ -294,6 +296,17 @@ class Qwen2_5_VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
                 yield name, tensor
 
         super().load_weights(renamed())
+
+
+def tie_head(model: nn.Module, config: PretrainedConfig) -> None:
+    """The head tied to the embedding as the whole config says (a flat 4.x-style config puts
+    tie_word_embeddings at its top only, e.g. Qwen2.5-VL-3B's)."""
+    tie = getattr(config, "tie_word_embeddings", None)
+    if tie is None or bool(tie) == model.tie_word_embeddings:
+        return
+    model.tie_word_embeddings = bool(tie)
+    text = config.text_config
+    model.lm_head = None if tie else ParallelLMHead(text.hidden_size, text.vocab_size)
 
 
 def our_name(name: str) -> str:

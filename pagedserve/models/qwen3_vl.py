@@ -34,6 +34,7 @@ from pagedserve.models.qwen2_5_vl import (
     image_cu_seqlens,
     our_name,
     patch_coordinates,
+    tie_head,
     tower_metadata,
     vision_rotary,
 )
@@ -178,6 +179,7 @@ class Qwen3VLForConditionalGeneration(SupportsMultiModal, Qwen3ForCausalLM):
         text = config.text_config
         super().__init__(text)
         self.hf_config = config
+        tie_head(self, config)
         head_dim = self.model.layers[0].self_attn.head_dim
         self.model.rotary_emb = MRotaryEmbedding(text, head_dim, interleaved=True)
         self.visual = Qwen3VisionTransformer(config.vision_config)

@@ -43,6 +43,27 @@ def save_tiny_qwen2_5_vl(path: Path) -> Path:
     return path
 
 
+def save_flat_qwen2_5_vl(path: Path) -> Path:
+    """The published checkpoints' form: a flat 4.x-style config (text fields at the top,
+    rope_scaling type mrope) with the head tied to the embedding (Qwen2.5-VL-3B's)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig.from_dict({
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "tie_word_embeddings": True, "image_token_id": IMAGE, "video_token_id": VIDEO,
+        "vision_start_token_id": START, "vision_end_token_id": END,
+        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 48,
+                          "num_heads": 2, "out_hidden_size": 64, "window_size": 56,
+                          "fullatt_block_indexes": [1], "hidden_act": "silu"}})
+    torch.manual_seed(1)
+    Qwen2_5_VLForConditionalGeneration(config).eval().save_pretrained(path)
+    return path
+
+
 def bind_cpu_encoder(model: torch.nn.Module) -> torch.nn.Module:
     """The vision tower's attention bound to the CPU backend, as the runner binds it."""
     from pagedserve.attention.registry import get_backend_cls

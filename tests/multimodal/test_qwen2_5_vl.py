@@ -136,14 +136,12 @@ def test_step_positions_prefill_chunks_and_decodes(reference, processor) -> None
 
 
 @torch.no_grad()
-def test_prefill_logits_match_transformers(reference, ours, processor) -> None:
-    """The decoder over a two-image prompt (image rows written over the placeholders' token
+def _prefill_logits(ours, prompt) -> torch.Tensor:
+    """The decoder over a whole prompt (image rows written over the placeholders' token
     embeddings, [3, T] positions) through the paged CPU backend: every position's logits."""
     from pagedserve.attention.forward_context import set_forward_context
     from tests.utils.paged import PagedHarness
 
-    ims = images()
-    prompt = processor.process(image_prompt([3, 4], [5], [6, 7]), [ims[2], ims[1]])
     ids = torch.tensor(prompt.prompt_token_ids)
     n = len(ids)
     embeds = ours.embed_input_ids(ids)
@@ -157,8 +155,41 @@ def test_prefill_logits_match_transformers(reference, ours, processor) -> None:
     metadata = {cfg: b.build(common) for cfg, b in harness.builders.items()}
     with set_forward_context(metadata, harness.kv_caches):
         hidden = ours(ids, torch.from_numpy(prompt.mrope_positions), embeds)
+    return ours.compute_logits(hidden)
+
+
+@torch.no_grad()
+def _reference_logits(reference, prompt) -> torch.Tensor:
+    ids = torch.tensor([prompt.prompt_token_ids])
     pixels = torch.cat([f.data["pixel_values"] for f in prompt.features])
-    expected = reference(input_ids=ids[None], pixel_values=pixels,
-                         image_grid_thw=_grids(prompt.features),
-                         mm_token_type_ids=(ids[None] == IMAGE).int()).logits[0]
-    torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=0, atol=1e-5)
+    return reference(input_ids=ids, pixel_values=pixels, image_grid_thw=_grids(prompt.features),
+                     mm_token_type_ids=(ids == IMAGE).int()).logits[0]
+
+
+def test_prefill_logits_match_transformers(reference, ours, processor) -> None:
+    ims = images()
+    prompt = processor.process(image_prompt([3, 4], [5], [6, 7]), [ims[2], ims[1]])
+    torch.testing.assert_close(_prefill_logits(ours, prompt),
+                               _reference_logits(reference, prompt), rtol=0, atol=1e-5)
+
+
+def test_flat_config_with_tied_head(tmp_path) -> None:
+    """A published-style checkpoint: flat config, tie_word_embeddings at its top only, no
+    lm_head tensor, transformers' default image processor (no preprocessor_config.json)."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from pagedserve.models.loader import build_model, safetensors_weights
+    from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor
+    from tests.multimodal.qwen_vl_fixtures import bind_cpu_encoder, save_flat_qwen2_5_vl
+
+    path = save_flat_qwen2_5_vl(tmp_path)
+    config = AutoConfig.from_pretrained(path)
+    ours = bind_cpu_encoder(build_model(config, torch.float32, torch.device("cpu"),
+                                        safetensors_weights(path)))
+    assert ours.lm_head is None
+    reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        path, attn_implementation="eager").eval()
+    prompt = QwenVLProcessor(config, None, str(path)).process(image_prompt([3], [4, 5]),
+                                                              images()[1:2])
+    torch.testing.assert_close(_prefill_logits(ours, prompt),
+                               _reference_logits(reference, prompt), rtol=0, atol=1e-5)
