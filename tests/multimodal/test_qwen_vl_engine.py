@@ -105,6 +105,25 @@ def test_qwen2_5_vl_prefill_chunks_split_image_spans(qwen2_5_vl):
     assert llm.engine.check_blocks_free()
 
 
+def test_qwen2_5_vl_preemption_and_prefix_cache_hits(qwen2_5_vl):
+    """A KV pool too small for both image requests: one is preempted and recomputes its
+    prompt and outputs (prompt rows, then index + delta) from the cached encoder rows; then
+    the first request again starts from a prefix-cache hit inside its prompt."""
+    path, hf = qwen2_5_vl
+    # 2 KiB per block of 4 tokens: 10 blocks hold either request (5 and 8 blocks), not both
+    llm = _llm(path, kv_cache_memory="20KiB", block_size=4, max_num_batched_tokens=16)
+    requests = _requests()[:2]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    _check(hf, llm, outputs, requests)
+    assert llm.engine.runner.mm.num_encoded == 3
+    again = llm.generate(requests[:1], params, use_tqdm=False)
+    assert again[0].num_cached_tokens > 0
+    _check(hf, llm, again, requests[:1])
+    assert llm.engine.check_blocks_free()
+
+
 def test_qwen3_vl_greedy_and_logprobs_equal_transformers(tmp_path):
     """DeepStack rows ride beside the merger's through the runner into the decoder."""
     from transformers import Qwen3VLForConditionalGeneration
