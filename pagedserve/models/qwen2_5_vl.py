@@ -14,8 +14,8 @@ The vision tower, as transformers' Qwen2_5_VisionTransformerPretrainedModel comp
   frequencies turn with the patch's row, the second with its column;
 - the merger: RMSNorm, 4 patches concatenated, Linear-GELU-Linear to the decoder's width.
 
-The decoder is Qwen2 (models/llama.py) with `MRotaryEmbedding` and an `inputs_embeds` path;
-`pagedserve.multimodal.mrope` computes the positions.
+The decoder is Qwen2 (models/llama.py, whose stack takes `inputs_embeds`) with
+`MRotaryEmbedding`; `pagedserve.multimodal.mrope` computes the positions.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from pagedserve.models.layers import RMSNorm, silu_and_mul
-from pagedserve.models.llama import LlamaModel, Qwen2ForCausalLM
+from pagedserve.models.llama import Qwen2ForCausalLM
 from pagedserve.models.mrope_rotary import MRotaryEmbedding
 from pagedserve.models.parallel import ParallelLMHead
 from pagedserve.multimodal.encoder_attention import EncoderAttention
@@ -47,7 +47,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class VisionSelfAttention(nn.Module):
-    """qkv, the 2D rotary embedding on q and k, varlen attention over `seqs`, proj."""
+    """qkv, the 2D rotary embedding on q and k, varlen attention (metadata `md`: images or
+    windows), proj."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -223,24 +224,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
         return vision_rotary(rows, cols, self.head_dim, self.rope_theta)
 
 
-class Qwen2_5_VLTextModel(LlamaModel):
-    """The Qwen2 stack; the images' rows arrive through `inputs_embeds`."""
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, self.rotary_emb)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
 class Qwen2_5_VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
     """The vision tower beside the Qwen2 decoder. `config` is the checkpoint's whole
     config; the decoder's layers are built from its text_config."""
 
-    model_cls = Qwen2_5_VLTextModel
     uses_mrope = True
     processor_cls = QwenVLProcessor
     supports_int8 = False
@@ -310,9 +297,8 @@ def tie_head(model: nn.Module, config: PretrainedConfig) -> None:
 
 
 def our_name(name: str) -> str:
-    for prefix, ours in (("model.language_model.", "model."), ("model.visual.", "visual."),
-                         ("language_model.model.", "model."), ("language_model.lm_head.",
-                                                               "lm_head.")):
+    """transformers 5's names onto ours; 4.x's (`model.*`, `visual.*`) are ours already."""
+    for prefix, ours in (("model.language_model.", "model."), ("model.visual.", "visual.")):
         if name.startswith(prefix):
             return ours + name[len(prefix):]
     return name
