@@ -64,6 +64,37 @@ def save_flat_qwen2_5_vl(path: Path) -> Path:
     return path
 
 
+# Qwen2-VL's chat template, in short: an image part renders as the image placeholder.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' or 'image' in c or 'image_url' in c %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in c %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def save_qwen_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary (w<i> for id i) with Qwen's special
+    tokens at the config's ids, and the chat template above."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    special = {0: "<unk>", 1: "<s>", 2: "</s>", 3: "<|im_start|>", 4: "<|im_end|>",
+               5: "user", 6: "assistant", IMAGE: "<|image_pad|>", VIDEO: "<|video_pad|>",
+               START: "<|vision_start|>", END: "<|vision_end|>"}
+    vocab = {special.get(i, f"w{i}"): i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for i, t in special.items() if i > 2
+                            and t.startswith("<")])
+    out = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                               bos_token="<s>", eos_token="</s>")
+    out.chat_template = CHAT_TEMPLATE
+    out.save_pretrained(path)
+
+
 def bind_cpu_encoder(model: torch.nn.Module) -> torch.nn.Module:
     """The vision tower's attention bound to the CPU backend, as the runner binds it."""
     from pagedserve.attention.registry import get_backend_cls

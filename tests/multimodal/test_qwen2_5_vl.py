@@ -166,6 +166,7 @@ def _reference_logits(reference, prompt) -> torch.Tensor:
                      mm_token_type_ids=(ids == IMAGE).int()).logits[0]
 
 
+@pytest.mark.slow  # the engine tests' logprobs cover it; this pins the decoder alone
 def test_prefill_logits_match_transformers(reference, ours, processor) -> None:
     ims = images()
     prompt = processor.process(image_prompt([3, 4], [5], [6, 7]), [ims[2], ims[1]])

@@ -1,7 +1,7 @@
 """Qwen2.5-VL and Qwen3-VL through the engine against transformers' own float32 `generate`:
 greedy tokens equal and top-5 logprobs within 1e-4, with one and two images of different
-sizes per prompt beside a text-only prompt (M-RoPE prompt rows, then index + delta), and
-prefill chunks that split image spans."""
+sizes per prompt beside a text-only prompt (M-RoPE prompt rows, then index + delta), prefill
+chunks that split image spans, preemption, a prefix-cache hit, and LLM.chat's image parts."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tests.multimodal.qwen_vl_fixtures import (
     IMAGE,
     image_prompt,
     images,
+    save_qwen_tokenizer,
     save_tiny_qwen2_5_vl,
     save_tiny_qwen3_vl,
 )
@@ -25,6 +26,7 @@ def qwen2_5_vl(tmp_path_factory):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     path = save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_engine"))
+    save_qwen_tokenizer(path)
     return path, Qwen2_5_VLForConditionalGeneration.from_pretrained(
         path, attn_implementation="eager").eval()
 
@@ -81,6 +83,30 @@ def _check(hf, llm: LLM, outputs, requests, logprobs: bool = True) -> None:
                 assert abs(ours[t] - v) < 1e-4, (position, t, ours[t], v)
 
 
+def _chat_equals_generate(llm: LLM) -> None:
+    """LLM.chat: the template renders each image part as the Qwen placeholder, which the
+    processor expands; the same as LLM.generate with those ids and images."""
+    import base64
+    import io
+
+    ims = images()
+    buf = io.BytesIO()
+    ims[1].save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "w20"}, {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "w21 w22"}, {"type": "image", "image": ims[0]}]}]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    chat = llm.chat(messages, params, use_tqdm=False)[0]
+    # <|im_start|> user w20 <image> w21 w22 <image> <|im_end|> <|im_start|> assistant
+    prompt = [3, 5, 20, *image_prompt([], [21, 22], [4, 3, 6])]
+    ref = llm.generate({"prompt_token_ids": prompt,
+                        "multi_modal_data": {"image": [ims[1], ims[0]]}},
+                       params, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == ref.prompt_token_ids
+    assert chat.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
 def test_qwen2_5_vl_greedy_and_logprobs_equal_transformers(qwen2_5_vl):
     path, hf = qwen2_5_vl
     llm = _llm(path)
@@ -89,6 +115,7 @@ def test_qwen2_5_vl_greedy_and_logprobs_equal_transformers(qwen2_5_vl):
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check(hf, llm, outputs, requests, logprobs=True)
     assert llm.engine.runner.mm.num_encoded == 3
+    _chat_equals_generate(llm)
     assert llm.engine.check_blocks_free()
 
 
