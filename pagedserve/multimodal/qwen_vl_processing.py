@@ -11,7 +11,6 @@ pixel_values and t*h*w / merge_size**2 tokens.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 
 from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
 from pagedserve.multimodal.mrope import prompt_positions
-from pagedserve.multimodal.processing import MultiModalProcessor
+from pagedserve.multimodal.processing import MultiModalProcessor, tensors_identifier
 
 
 def image_processor(model_path: str | None, vision_config: Any) -> Any:
@@ -65,7 +64,7 @@ class QwenVLProcessor(MultiModalProcessor):
         self.merge = int(hf_config.vision_config.spatial_merge_size)
         self.images = image_processor(model_path, hf_config.vision_config)
         # Part of every image's identifier: the same pixels under other settings differ.
-        self._settings = repr(sorted(self.images.to_dict().items())).encode()
+        self._settings = repr(sorted(self.images.to_dict().items()))
 
     def process(self, prompt_token_ids: list[int], images: list[Any]) -> MultiModalPrompt:
         ids = np.asarray(prompt_token_ids, dtype=np.int64)
@@ -92,15 +91,10 @@ class QwenVLProcessor(MultiModalProcessor):
         # Where each image's tokens start now: each image before it added size - 1 tokens.
         offsets = pads + np.cumsum(sizes - 1) - (sizes - 1)
         positions, delta = prompt_positions(len(expanded), offsets, llm_grids)
-        features = [
-            MultiModalFeature("image", self._identifier(pix, grid),
-                              PlaceholderRange(int(offset), int(size)),
-                              {"pixel_values": pix, "image_grid_thw": torch.from_numpy(grid)})
-            for pix, grid, offset, size in zip(pixels, grids, offsets, sizes, strict=True)]
+        features = []
+        for pix, grid, offset, size in zip(pixels, grids, offsets, sizes, strict=True):
+            data = {"pixel_values": pix, "image_grid_thw": torch.from_numpy(grid)}
+            features.append(MultiModalFeature(
+                "image", tensors_identifier(data, self._settings),
+                PlaceholderRange(int(offset), int(size)), data))
         return MultiModalPrompt(expanded.tolist(), features, positions, delta)
-
-    def _identifier(self, pixels: torch.Tensor, grid: np.ndarray) -> str:
-        digest = hashlib.sha256(self._settings)
-        digest.update(grid.tobytes())
-        digest.update(pixels.numpy().tobytes())
-        return digest.hexdigest()
