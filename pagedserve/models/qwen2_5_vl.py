@@ -29,6 +29,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from pagedserve.device import to_device_async
 from pagedserve.models.layers import RMSNorm, silu_and_mul
 from pagedserve.models.llama import Qwen2ForCausalLM
 from pagedserve.models.mrope_rotary import MRotaryEmbedding
@@ -206,7 +207,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         out_hidden_size] in the same order."""
         geo = VisionGeometry(grids, self.merge, self.window_blocks)
         device = pixel_values.device
-        order = torch.from_numpy(geo.patch_order()).to(device)
+        order = to_device_async(torch.from_numpy(geo.patch_order()), device)
         x = self.patch_embed.proj(pixel_values.to(self.patch_embed.proj.weight.dtype))[order]
         cos_sin = self._rotary(geo, order, device)
         # The backend's metadata for the two packings, built once; every block reads one.
@@ -214,13 +215,14 @@ class Qwen2_5_VisionTransformer(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, cos_sin, full if i in self.fullatt else windows)
         merged = self.merger(x)
-        restore = torch.from_numpy(np.argsort(geo.block_order)).to(device)
+        restore = to_device_async(torch.from_numpy(np.argsort(geo.block_order)), device)
         return merged[restore]
 
     def _rotary(self, geo: VisionGeometry, order: torch.Tensor, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The 2D rotary embedding's cos, sin in window order."""
-        rows, cols = (torch.from_numpy(a).to(device)[order] for a in (geo.rows, geo.cols))
+        rows, cols = (to_device_async(torch.from_numpy(a), device)[order]
+                      for a in (geo.rows, geo.cols))
         return vision_rotary(rows, cols, self.head_dim, self.rope_theta)
 
 
@@ -254,7 +256,7 @@ class Qwen2_5_VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
         if not features:
             return []
         device = self.visual.patch_embed.proj.weight.device
-        pixels = torch.cat([f.data["pixel_values"] for f in features]).to(device)
+        pixels = to_device_async(torch.cat([f.data["pixel_values"] for f in features]), device)
         grids = np.concatenate([f.data["image_grid_thw"].reshape(-1, 3).numpy()
                                 for f in features])
         merged = self.visual(pixels, grids).to(self.model.embed_tokens.weight.dtype)

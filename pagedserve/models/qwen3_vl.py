@@ -27,6 +27,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from pagedserve.device import to_device_async
 from pagedserve.models.llama import LlamaModel, Qwen3ForCausalLM
 from pagedserve.models.mrope_rotary import MRotaryEmbedding
 from pagedserve.models.qwen2_5_vl import (
@@ -108,8 +109,8 @@ class Qwen3VisionTransformer(nn.Module):
         device = pixel_values.device
         weight = self.patch_embed.proj.weight
         x = self.patch_embed.proj(pixel_values.to(weight.dtype))
-        rows, cols = (torch.from_numpy(a).to(device) for a in patch_coordinates(grids,
-                                                                                 self.merge))
+        rows, cols = (to_device_async(torch.from_numpy(a), device)
+                      for a in patch_coordinates(grids, self.merge))
         x = x + self._position_embeddings(rows, cols, grids).to(x.dtype)
         cos_sin = vision_rotary(rows, cols, self.head_dim, self.rope_theta)
         md = tower_metadata(self.blocks, image_cu_seqlens(grids))
@@ -125,8 +126,8 @@ class Qwen3VisionTransformer(nn.Module):
         """The learned side x side table resampled bilinearly (align_corners) at each patch:
         four taps, weights in float32 as transformers computes them."""
         sizes = grids.prod(axis=1)
-        heights = torch.from_numpy(np.repeat(grids[:, 1], sizes)).to(rows.device)
-        widths = torch.from_numpy(np.repeat(grids[:, 2], sizes)).to(rows.device)
+        heights = to_device_async(torch.from_numpy(np.repeat(grids[:, 1], sizes)), rows.device)
+        widths = to_device_async(torch.from_numpy(np.repeat(grids[:, 2], sizes)), rows.device)
         h_taps, h_weights = self._axis(rows, heights)
         w_taps, w_weights = self._axis(cols, widths)
         taps = (h_taps[:, :, None] * self.side + w_taps[:, None, :]).reshape(-1, 4)
@@ -193,7 +194,7 @@ class Qwen3VLForConditionalGeneration(SupportsMultiModal, Qwen3ForCausalLM):
         if not features:
             return []
         device = self.visual.patch_embed.proj.weight.device
-        pixels = torch.cat([f.data["pixel_values"] for f in features]).to(device)
+        pixels = to_device_async(torch.cat([f.data["pixel_values"] for f in features]), device)
         grids = np.concatenate([f.data["image_grid_thw"].reshape(-1, 3).numpy()
                                 for f in features])
         rows = self.visual(pixels, grids).to(self.model.embed_tokens.weight.dtype)
