@@ -210,10 +210,15 @@ class Qwen2_5_VisionTransformer(nn.Module):
         order = to_device_async(torch.from_numpy(geo.patch_order()), device)
         x = self.patch_embed.proj(pixel_values.to(self.patch_embed.proj.weight.dtype))[order]
         cos_sin = self._rotary(geo, order, device)
-        # The backend's metadata for the two packings, built once; every block reads one.
-        full, windows = (tower_metadata(self.blocks, cu) for cu in (geo.image_cu, geo.window_cu))
+        # The backend's metadata for the packing a block attends in, built again where the
+        # packing changes: a backend may keep one plan per builder (FlashInfer's ragged
+        # prefill wrapper), which the next build replaces.
+        md, packing = None, None
         for i, block in enumerate(self.blocks):
-            x = block(x, cos_sin, full if i in self.fullatt else windows)
+            want = geo.image_cu if i in self.fullatt else geo.window_cu
+            if want is not packing:
+                md, packing = tower_metadata(self.blocks, want), want
+            x = block(x, cos_sin, md)
         merged = self.merger(x)
         restore = to_device_async(torch.from_numpy(np.argsort(geo.block_order)), device)
         return merged[restore]

@@ -69,6 +69,29 @@ def test_vision_tower_matches_transformers(reference, ours, processor) -> None:
         torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
 
 
+@torch.no_grad()
+def test_every_block_attends_under_the_latest_plan(ours, processor, monkeypatch) -> None:
+    """Window, full, window blocks: the metadata is built again at each switch, and each
+    block runs under the last one built (a backend may keep a single plan per builder)."""
+    binding = ours.visual.blocks[0].attn.attn.binding
+    built, fresh = [], []
+    build, run = binding.metadata, binding.impl.forward_encoder
+
+    def metadata(lengths):
+        built.append(build(lengths))
+        return built[-1]
+
+    def forward_encoder(q, k, v, md):
+        fresh.append(md is built[-1])
+        return run(q, k, v, md)
+
+    monkeypatch.setattr(binding, "metadata", metadata)
+    monkeypatch.setattr(binding.impl, "forward_encoder", forward_encoder)
+    ours.embed_multimodal(processor.process(image_prompt([1], [2]), images()[2:]).features)
+    assert len(built) == 3 and fresh == [True] * 3
+    assert [md.num_reqs for md in built] == [4, 1, 4]  # 4 windows, 1 image, 4 windows
+
+
 @pytest.mark.parametrize("texts,which", [
     ([[3, 4, 5]], []),  # no image
     ([[], [9, 10]], [0]),  # an image first
