@@ -92,6 +92,26 @@ def test_every_block_attends_under_the_latest_plan(ours, processor, monkeypatch)
     assert [md.num_reqs for md in built] == [4, 1, 4]  # 4 windows, 1 image, 4 windows
 
 
+def test_tower_leaves_a_decoder_backend_that_cannot_run_it(model_dir) -> None:
+    """The tower's heads (16 here; Qwen3-VL's 72) on TRITON, whose kernels take 64, 80, ...:
+    its attention is bound to a backend that runs it instead."""
+    from transformers import AutoConfig
+
+    from pagedserve.attention.registry import get_backend_cls
+    from pagedserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from pagedserve.multimodal.encoder_attention import bind_encoder_attention
+
+    model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(model_dir))
+    triton = get_backend_cls("TRITON")
+    assert triton.validate_configuration(
+        model.visual.blocks[0].attn.attn.layer_config(torch.float32), 16, torch.device("cpu"))
+    chosen = bind_encoder_attention(model, triton, None, torch.device("cpu"), torch.float32,
+                                    4096)
+    assert chosen is not triton
+    assert not chosen.validate_configuration(
+        model.visual.blocks[0].attn.attn.layer_config(torch.float32), 16, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("texts,which", [
     ([[3, 4, 5]], []),  # no image
     ([[], [9, 10]], [0]),  # an image first
