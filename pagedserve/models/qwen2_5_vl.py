@@ -37,7 +37,11 @@ from pagedserve.models.parallel import ParallelLMHead
 from pagedserve.multimodal.encoder_attention import EncoderAttention
 from pagedserve.multimodal.inputs import MultiModalFeature
 from pagedserve.multimodal.model import SupportsMultiModal
-from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor, max_image_tokens
+from pagedserve.multimodal.qwen_vl_processing import (
+    QwenVLProcessor,
+    largest_image_data,
+    max_image_tokens,
+)
 
 _VISION_EPS = 1e-6  # transformers' vision RMSNorms and merger norm
 
@@ -255,6 +259,9 @@ class Qwen2_5_VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
     @classmethod
     def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
         return max_image_tokens(hf_config)
+
+    def dummy_image_data(self) -> dict[str, torch.Tensor]:
+        return largest_image_data(self.hf_config)
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
         """All the features' images through the tower in one call, split per image."""

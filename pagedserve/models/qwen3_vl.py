@@ -41,7 +41,11 @@ from pagedserve.models.qwen2_5_vl import (
 )
 from pagedserve.multimodal.inputs import MultiModalFeature
 from pagedserve.multimodal.model import SupportsMultiModal
-from pagedserve.multimodal.qwen_vl_processing import QwenVLProcessor, max_image_tokens
+from pagedserve.multimodal.qwen_vl_processing import (
+    QwenVLProcessor,
+    largest_image_data,
+    max_image_tokens,
+)
 
 _EPS = 1e-6  # the tower's LayerNorms
 
@@ -189,6 +193,9 @@ class Qwen3VLForConditionalGeneration(SupportsMultiModal, Qwen3ForCausalLM):
     @classmethod
     def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
         return max_image_tokens(hf_config)
+
+    def dummy_image_data(self) -> dict[str, torch.Tensor]:
+        return largest_image_data(self.hf_config)
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
         if not features:

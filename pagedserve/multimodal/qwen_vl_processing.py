@@ -11,6 +11,7 @@ pixel_values and t*h*w / merge_size**2 tokens.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,19 @@ def max_image_tokens(hf_config: Any) -> int:
     processor = image_processor(path if path and Path(path).is_dir() else None, vision)
     side = vision.patch_size * vision.spatial_merge_size
     return int(processor.size.longest_edge) // (side * side)
+
+
+def largest_image_data(hf_config: Any) -> dict[str, torch.Tensor]:
+    """Processed inputs of one image of the most tokens (zeros), for the memory profile: a
+    grid of a x b merged tokens with a * b = max_image_tokens, a the largest divisor not over
+    its square root (the near-square grid, whose windows are as full as a real image's)."""
+    vision = hf_config.vision_config
+    rows = max(max_image_tokens(hf_config), 1)
+    a = next(d for d in range(math.isqrt(rows), 0, -1) if rows % d == 0)
+    merge = vision.spatial_merge_size
+    grid = torch.tensor([1, a * merge, rows // a * merge])
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    return {"pixel_values": torch.zeros(int(grid.prod()), width), "image_grid_thw": grid}
 
 
 class QwenVLProcessor(MultiModalProcessor):

@@ -18,16 +18,25 @@ import numpy as np
 import torch
 
 from pagedserve.multimodal.encoder_attention import bind_encoder_attention
-from pagedserve.multimodal.inputs import MultiModalFeature
+from pagedserve.multimodal.encoder_cache import encoder_budgets
+from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
 from pagedserve.multimodal.mrope import MRopeStepPositions
 
 logger = logging.getLogger(__name__)
 
 
+def hf_config(model: Any) -> Any:
+    """The checkpoint's whole config (`max_tokens_per_image` reads it): a model built on a
+    decoder family keeps it as `hf_config`, its `config` being the decoder's (Qwen-VL)."""
+    return getattr(model, "hf_config", model.config)
+
+
 class MultiModalRunner:
     def __init__(self, model: Any, device: torch.device, dtype: torch.dtype,
-                 max_num_tokens: int = 0) -> None:
+                 budgets: tuple[int, int] = (0, 0), max_num_tokens: int = 0) -> None:
         self.model = model
+        # The scheduler's encoder_cache_size and per-step encoder rows (encoder_cache.py).
+        self.cache_size, self.compute_budget = budgets
         self.device = device
         self.dtype = dtype
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
@@ -54,7 +63,9 @@ class MultiModalRunner:
                                          runner.device, runner.dtype, runner.max_num_tokens)
         if backend is not None:
             logger.info("vision encoder attention: backend %s", backend.get_name())
-        return cls(model, runner.device, runner.dtype, runner.max_num_tokens)
+        budgets = encoder_budgets(runner.config.scheduler,
+                                  model.max_tokens_per_image(hf_config(model)))
+        return cls(model, runner.device, runner.dtype, budgets, runner.max_num_tokens)
 
     def step_embeds(self, batch: Any, input_ids: torch.Tensor,
                     query_start_loc: np.ndarray) -> torch.Tensor | None:
@@ -65,6 +76,22 @@ class MultiModalRunner:
         if not batch.embeds_images:
             return None
         return self.inputs_embeds(batch, input_ids, query_start_loc)
+
+    def profile(self) -> int:
+        """Before the KV cache is sized: run the encoder over as many of the largest images as
+        one step may encode (its activations count in the peak), and return the bytes the
+        store may hold, which the peak does not include."""
+        data = self.model.dummy_image_data()
+        rows = self.model.max_tokens_per_image(hf_config(self.model))
+        if data is None or not rows:
+            return 0
+        count = max(self.compute_budget // rows, 1)
+        features = [MultiModalFeature("image", f"profile-{i}", PlaceholderRange(0, rows), data)
+                    for i in range(count)]
+        out = self.model.embed_multimodal(features)
+        row_bytes = out[0].shape[-1] * out[0].element_size()
+        del out
+        return self.cache_size * row_bytes
 
     # ---- the encoders ------------------------------------------------------------------
 

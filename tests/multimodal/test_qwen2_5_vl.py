@@ -112,6 +112,21 @@ def test_tower_leaves_a_decoder_backend_that_cannot_run_it(model_dir) -> None:
         model.visual.blocks[0].attn.attn.layer_config(torch.float32), 16, torch.device("cpu"))
 
 
+@torch.no_grad()
+def test_memory_profile_runs_the_largest_image(ours) -> None:
+    """The profile's image: max_pixels 112 x 84 allow 12 merged tokens, a 3 x 4 grid."""
+    from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
+    from pagedserve.multimodal.runner import MultiModalRunner
+
+    rows = ours.max_tokens_per_image(ours.hf_config)
+    data = ours.dummy_image_data()
+    assert rows == 12 and data["image_grid_thw"].tolist() == [1, 6, 8]
+    feature = MultiModalFeature("image", "p", PlaceholderRange(0, rows), data)
+    assert ours.embed_multimodal([feature])[0].shape == (rows, 64)
+    mm = MultiModalRunner(ours, torch.device("cpu"), torch.float32, budgets=(24, 24))
+    assert mm.profile() == 24 * 64 * 4  # the store's rows, float32
+
+
 @pytest.mark.parametrize("texts,which", [
     ([[3, 4, 5]], []),  # no image
     ([[], [9, 10]], [0]),  # an image first
