@@ -159,8 +159,9 @@ class Qwen3VLTextModel(LlamaModel):
         if inputs_embeds is None:
             hidden = self.embed_tokens(input_ids)
         else:
-            hidden = inputs_embeds[:, :width]
-            if inputs_embeds.shape[1] > width:
+            hidden = inputs_embeds
+            if inputs_embeds.shape[1] > width:  # contiguous rows for the fused kernels
+                hidden = inputs_embeds[:, :width].contiguous()
                 stacked = inputs_embeds[:, width:].unflatten(1, (-1, width))  # [T, k, hidden]
         residual = None
         for i, layer in enumerate(self.layers):
