@@ -13,22 +13,26 @@ IMAGE, VIDEO, START, END = 190, 191, 192, 193  # token ids of the tiny config
 VOCAB = 200
 
 
-def save_tiny_qwen2_5_vl(path: Path) -> Path:
+def save_tiny_qwen2_5_vl(path: Path, text_overrides: dict | None = None,
+                         vision_overrides: dict | None = None) -> Path:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2, 3, 3]})
+    text.update(text_overrides or {})
+    # window_size 56 px = 2x2 merge blocks per window; block 1 attends the whole image.
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    vision.update(vision_overrides or {})
     config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3]}),
-        # window_size 56 px = 2x2 merge blocks per window; block 1 attends the whole image.
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
-                           out_hidden_size=64, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+        text_config=text, vision_config=vision,
         image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
         vision_end_token_id=END)
     torch.manual_seed(0)
