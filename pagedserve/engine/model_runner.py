@@ -276,6 +276,9 @@ class ModelRunner:
         # A decode step whose every id is a sample still on the device needs no host ids.
         input_ids = (self.input_ids.upload(0, t) if num_patched < t
                      else self.input_ids.device[:t])
+        # The positions the model turns by (M-RoPE's [3, T] rows; the metadata keeps its own).
+        positions = (self.mm.step_positions(batch, common, self.common_builder.np["positions"])
+                     if self.mm is not None else common.positions)
         graph_size = (self.decode_graphs.prepare(commons)
                       if self.decode_graphs and not batch.embeds_images else None)
         attn_metadata = state_metadata = None
@@ -299,12 +302,8 @@ class ModelRunner:
         if graph_size is not None:
             self._ran_graph = True
             return self.decode_graphs.replay(graph_size, common.num_reqs)
-        positions, embeds = common.positions, None
-        if self.mm is not None:  # images' rows over their placeholders; M-RoPE's [3, T]
-            embeds = self.mm.step_embeds(batch, input_ids, common.query_start_loc_cpu)
-            if self.mm.uses_mrope:
-                positions = self.mm.mrope_positions(batch, self.common_builder.np["positions"][
-                    :t], common.query_start_loc_cpu)
+        embeds = (self.mm.step_embeds(batch, input_ids, common.query_start_loc_cpu)
+                  if self.mm is not None else None)
         with set_forward_context(attn_metadata, self.kv_caches, self.state_caches,
                                  state_metadata):
             hidden = (self.model(input_ids, positions) if embeds is None
@@ -316,9 +315,11 @@ class ModelRunner:
     def run_model(self, attn_metadata: dict[Any, Any], num_tokens: int) -> torch.Tensor:
         """The model over the first `num_tokens` of the persistent input ids and positions,
         under `attn_metadata` (what a CUDA graph captures and the padding path runs)."""
+        positions = self.common_builder.dev["positions"][:num_tokens]
+        if self.mm is not None:
+            positions = self.mm.graph_positions(positions)
         with set_forward_context(attn_metadata, self.kv_caches):
-            return self.model(self.input_ids.device[:num_tokens],
-                              self.common_builder.dev["positions"][:num_tokens])
+            return self.model(self.input_ids.device[:num_tokens], positions)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
@@ -471,10 +472,8 @@ class ModelRunner:
         runner_warmup.run_warmup_steps(self)
         # Steps of models with state layers run eagerly (a graph would need a scratch slot for
         # its padding rows), and a draft model's (the graphs hold the target's forward only);
-        # a pooling model never decodes; an M-RoPE model's run eagerly too (its [3, T]
-        # positions are not among the graphs' inputs).
+        # a pooling model never decodes.
         if (not self.state_layers and self.pooler is None
-                and not (self.mm is not None and self.mm.uses_mrope)
                 and not (self.speculator and self.speculator.uses_kv_cache)):
             self.decode_graphs = setup_decode_graphs(self.graph_inputs(), self.backend,
                                                      self.config, self.max_model_len)

@@ -32,6 +32,9 @@ _MODELS: dict[str, str] = {
     "MiniMaxForCausalLM": "pagedserve.models.minimax:MiniMaxForCausalLM",
     # Vision-language models (images in prompts: pagedserve/multimodal).
     "LlavaForConditionalGeneration": "pagedserve.models.llava:LlavaForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration":
+        "pagedserve.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "pagedserve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     # Encoders (pooling only: encoder-only attention, no KV cache).
     "BertModel": "pagedserve.models.bert:BertModel",
     "BertForSequenceClassification": "pagedserve.models.bert:BertForSequenceClassification",

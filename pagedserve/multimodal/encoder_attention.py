@@ -84,8 +84,8 @@ class EncoderAttention(nn.Module):
 
 def bind_encoder_attention(model: nn.Module, decoder_backend: Any, device: torch.device,
                            dtype: torch.dtype, max_tokens: int) -> Any | None:
-    """Bind every EncoderAttention of `model`: through the decoder's backend when it has an
-    encoder path, else through the backend the selector picks for encoder layers (logged).
+    """Bind every EncoderAttention of `model`: through the decoder's backend when it can run
+    them, else through the backend the selector picks for these layers (logged).
     Returns the backend used (None: the model has no such layers)."""
     from pagedserve.attention.registry import select_backend
 
@@ -94,10 +94,14 @@ def bind_encoder_attention(model: nn.Module, decoder_backend: Any, device: torch
         return None
     configs = [m.layer_config(dtype) for m in layers]
     backend = decoder_backend
-    if not getattr(backend, "supports_encoder_only", False):
+    # The decoder's backend when it runs these layers (an encoder path, the tower's head
+    # size: Qwen3-VL's 72 is not among TRITON's), else the selector's choice for them.
+    problems = sorted({r for c in set(configs)
+                       for r in backend.validate_configuration(c, 16, device)})
+    if problems:
         backend = select_backend(None, device, configs, 16)
-        logger.info("vision encoder attention: backend %s (%s has no encoder path)",
-                    backend.get_name(), decoder_backend.get_name())
+        logger.info("vision encoder attention: backend %s (%s: %s)", backend.get_name(),
+                    decoder_backend.get_name(), "; ".join(problems))
     bindings: dict[AttentionLayerConfig, EncoderAttentionBinding] = {}
     for module, config in zip(layers, configs, strict=True):
         if config not in bindings:

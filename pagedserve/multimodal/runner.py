@@ -21,19 +21,29 @@ import torch
 from pagedserve.multimodal.encoder_attention import bind_encoder_attention
 from pagedserve.multimodal.encoder_cache import encoder_budgets
 from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
+from pagedserve.multimodal.mrope import MRopeStepPositions
 
 logger = logging.getLogger(__name__)
 
 
+def hf_config(model: Any) -> Any:
+    """The checkpoint's whole config (`max_tokens_per_image` reads it): a model built on a
+    decoder family keeps it as `hf_config`, its `config` being the decoder's (Qwen-VL)."""
+    return getattr(model, "hf_config", model.config)
+
+
 class MultiModalRunner:
     def __init__(self, model: Any, device: torch.device, dtype: torch.dtype,
-                 budgets: tuple[int, int] = (0, 0)) -> None:
+                 budgets: tuple[int, int] = (0, 0), max_num_tokens: int = 0) -> None:
         self.model = model
         # The scheduler's encoder_cache_size and per-step encoder rows (encoder_cache.py).
         self.cache_size, self.compute_budget = budgets
         self.device = device
         self.dtype = dtype
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        # M-RoPE models: the step's [3, T] positions (mrope.py); None for the others.
+        self.mrope = (MRopeStepPositions(max_num_tokens, device) if self.uses_mrope
+                      else None)
         # identifier -> the encoder's rows [num_embeds, hidden] on the device
         self.store: dict[str, torch.Tensor] = {}
         # Counters the tests and metrics read: images encoded, encoder calls (steps), and the
@@ -61,8 +71,8 @@ class MultiModalRunner:
         if backend is not None:
             logger.info("vision encoder attention: backend %s", backend.get_name())
         budgets = encoder_budgets(runner.config.scheduler,
-                                  model.max_tokens_per_image(model.config))
-        return cls(model, runner.device, runner.dtype, budgets)
+                                  model.max_tokens_per_image(hf_config(model)))
+        return cls(model, runner.device, runner.dtype, budgets, runner.max_num_tokens)
 
     def step_embeds(self, batch: Any, input_ids: torch.Tensor,
                     query_start_loc: np.ndarray) -> torch.Tensor | None:
@@ -80,7 +90,7 @@ class MultiModalRunner:
         one step may encode (its activations count in the peak), and return the bytes the
         store may hold, which the peak does not include."""
         data = self.model.dummy_image_data()
-        rows = self.model.max_tokens_per_image(self.model.config)
+        rows = self.model.max_tokens_per_image(hf_config(self.model))
         if data is None or not rows:
             return 0
         count = max(self.compute_budget // rows, 1)
@@ -195,21 +205,21 @@ class MultiModalRunner:
 
     # ---- positions ---------------------------------------------------------------------
 
-    def mrope_positions(self, batch: Any, positions: np.ndarray,
-                        query_start_loc: np.ndarray) -> torch.Tensor:
-        """M-RoPE models (`uses_mrope`): the step's positions int64 [3, T] on the device, what
-        the model runner passes such a model instead of the [T] positions (attention still
-        reads the [T] ones). A prompt token's are its request's `mrope_positions` column, a
-        later token's its position + `mrope_delta` on all three rows; a request without
-        mrope_positions has its positions on all three. `positions`: the step's host [T]."""
-        out = np.repeat(positions[None].astype(np.int64), 3, axis=0)
-        for i, request in enumerate(batch.requests):
-            if request.mrope_positions is None:
-                continue
-            s, e = int(query_start_loc[i]), int(query_start_loc[i + 1])
-            pos = positions[s:e]
-            in_prompt = pos < request.num_prompt_tokens
-            rows = out[:, s:e]  # a view: written in place
-            rows[:, in_prompt] = request.mrope_positions[:, pos[in_prompt]]
-            rows[:, ~in_prompt] = pos[~in_prompt] + request.mrope_delta
-        return torch.from_numpy(out).to(self.device, non_blocking=True)
+    def step_positions(self, batch: Any, common: Any, host_positions: np.ndarray
+                       ) -> torch.Tensor:
+        """The positions the model turns by this step: M-RoPE models' [3, T] from each
+        request's `mrope_positions` (prompt) and `mrope_delta` (later tokens), written into
+        the buffer decode CUDA graphs read; the step's [T] for the others."""
+        if self.mrope is None:
+            return common.positions
+        t = common.num_actual_tokens
+        return self.mrope.build(batch.requests, batch.num_computed_tokens,
+                                batch.num_scheduled_tokens, common.query_start_loc_cpu,
+                                host_positions[:t])
+
+    def graph_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """What a captured (or padded) forward over len(positions) tokens reads: the M-RoPE
+        buffer's first columns (filled by `step_positions` before each replay)."""
+        if self.mrope is None:
+            return positions
+        return self.mrope.device[:, :positions.shape[0]]

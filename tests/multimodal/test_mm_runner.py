@@ -47,15 +47,18 @@ def test_rows_over_partial_spans_and_masks():
 
 
 def test_mrope_positions():
-    mm = MultiModalRunner(_Embedder(), torch.device("cpu"), torch.float32)
+    mm = MultiModalRunner(_Embedder(), torch.device("cpu"), torch.float32, max_num_tokens=8)
     prompt = np.array([[0, 1, 2, 2, 2, 5], [0, 1, 2, 3, 3, 5], [0, 1, 2, 3, 4, 5]])
     a = SimpleNamespace(mrope_positions=prompt, mrope_delta=-2, num_prompt_tokens=6)
     b = SimpleNamespace(mrope_positions=None, mrope_delta=0, num_prompt_tokens=3)
     # a: tokens 4..7 (two prompt tokens, two outputs); b: a decode at position 9
     positions = np.array([4, 5, 6, 7, 9])
-    out = mm.mrope_positions(_batch([a, b], [4, 9], [4, 1]), positions, np.array([0, 4, 5]))
+    common = SimpleNamespace(num_actual_tokens=5, query_start_loc_cpu=np.array([0, 4, 5]))
+    out = mm.step_positions(_batch([a, b], [4, 9], [4, 1]), common, positions)
     expected = np.array([[2, 5, 4, 5, 9], [3, 5, 4, 5, 9], [4, 5, 4, 5, 9]])
     assert out.dtype == torch.int64 and (out.numpy() == expected).all()
+    # what a decode graph reads: the same buffer's first columns
+    assert (mm.graph_positions(torch.zeros(5)).numpy() == expected).all()
 
 
 def test_encoder_attention_falls_back_to_a_backend_with_an_encoder_path():
@@ -72,6 +75,10 @@ def test_encoder_attention_falls_back_to_a_backend_with_an_encoder_path():
         @staticmethod
         def get_name() -> str:
             return "NO_ENCODER"
+
+        @staticmethod
+        def validate_configuration(*args) -> list[str]:
+            return ["no encoder path"]
 
     tower = nn.Module()
     tower.attn = EncoderAttention(2, 8, 8 ** -0.5)
