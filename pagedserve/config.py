@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pagedserve.lora.config import LoRAConfig
+from pagedserve.multimodal.limits import parse_mm_limits
 from pagedserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = {
@@ -116,6 +117,10 @@ class ModelConfig:
     max_stop_token_ids: int = setting(1024, "most stop token ids a request may give")
     trust_remote_code: bool = setting(
         False, "refused: pagedserve runs only its own model code, never a checkpoint's")
+    limit_mm_per_prompt: dict[str, int] | str | None = setting(
+        None, "most images one prompt may carry, as vLLM spells it: '{\"image\": 2}' or "
+              "'image=2'; 0 takes a vision-language model's text only (default: no limit but "
+              "the context length)", metavar="LIMITS")
 
     def __post_init__(self) -> None:
         if self.trust_remote_code:
@@ -126,6 +131,12 @@ class ModelConfig:
                      "max_stop_token_ids"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
+
+    def mm_limit(self, modality: str) -> int | None:
+        """The most items of `modality` one prompt may carry (None: no limit)."""
+        limits = self.limit_mm_per_prompt
+        return limits.get(modality) if isinstance(limits, dict) else None
 
 
 @dataclass
