@@ -402,8 +402,29 @@ class ServerConfig:
         False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     enable_chat_page: bool = setting(True, "serve the chat page at / (--disable-chat-page "
                                            "turns it off)")
+    allowed_local_media_path: str | None = setting(
+        None, "a directory whose image files requests may name (file:// URLs or absolute "
+              "paths, symlinks resolved first); default: none, only data: URLs. Remote URLs "
+              "are never fetched")
+    max_image_pixels: int = setting(
+        32 << 20, "refuse an image with more pixels (width x height, read from its header "
+                  "before decoding) with a 400")
+    media_workers: int | None = setting(
+        None, "threads that decode images and run the model's image processor, off the event "
+              "loop and the engine's steps (default: the CPU count, at most 8)")
+    enable_mm_embeds: bool = setting(
+        False, "take image_embeds content parts (precomputed embeddings); for trusted "
+               "clients only")
 
     def __post_init__(self) -> None:
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got "
                              f"{self.responses_store_size}")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
+        if self.media_workers is not None and self.media_workers < 1:
+            raise ValueError(f"media_workers must be >= 1, got {self.media_workers}")
+        if self.allowed_local_media_path is not None \
+                and not Path(self.allowed_local_media_path).is_dir():
+            raise ValueError(f"allowed_local_media_path {self.allowed_local_media_path!r} is "
+                             "not a directory")
