@@ -78,14 +78,22 @@ class ChatPrompt:
 async def chat_prompt(state: ServerState, messages: list[p.ChatMessage],
                       add_generation_prompt: bool, tools: ToolPrompt | None = None
                       ) -> ChatPrompt:
-    """Render (in a worker thread: a long chat holds nothing up), then decode and process the
-    images on the media pool."""
+    """Render (in a worker thread: a long chat holds nothing up) while the media pool decodes
+    the images, then expand their placeholders on the pool. A bad image is named before a
+    template error."""
     inputs = template_messages(state, messages)
-    ids = await asyncio.to_thread(render_template, state, inputs.messages,
-                                  add_generation_prompt, tools)
+    render = asyncio.to_thread(render_template, state, inputs.messages, add_generation_prompt,
+                               tools)
     if not inputs.images:
-        return ChatPrompt(ids)
-    processed = await state.media.prepare(state.mm_processor, ids, inputs.images)
+        return ChatPrompt(await render)
+    processor = state.mm_processor
+    ids, items = await asyncio.gather(render, state.media.load_all(inputs.images, processor),
+                                      return_exceptions=True)
+    for result in (items, ids):
+        if isinstance(result, BaseException):
+            raise result
+    processed = await state.media.process(processor, ids, items, None,
+                                          state.model_name)
     return ChatPrompt(processed.prompt_token_ids, processed)
 
 

@@ -72,9 +72,8 @@ class MediaPool:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def prepare(self, processor: Any, token_ids: list[int], images: list[ImageItem]
-                      ) -> MultiModalPrompt:
-        """Decode every image (in parallel), then expand the prompt's placeholders."""
+    async def load_all(self, images: list[ImageItem], processor: Any) -> list[Any]:
+        """Every image decoded (in parallel): PIL images, or embeddings tensors."""
         loop = asyncio.get_running_loop()
         max_pixels = self.settings.max_image_pixels
         loaded = await asyncio.gather(
@@ -87,9 +86,14 @@ class MediaPool:
                 raise result
             if isinstance(result, torch.Tensor):
                 _check_embeds_width(processor, result, item.where)
+        return list(loaded)
+
+    async def process(self, processor: Any, token_ids: list[int], items: list[Any],
+                      limits: dict[str, int] | None, model_name: str) -> MultiModalPrompt:
+        """The prompt's placeholders expanded by the model's processor."""
+        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._pool, processor.process, token_ids,
-                                              list(loaded))
+            return await loop.run_in_executor(self._pool, processor.process, token_ids, items)
         except ValueError as exc:  # placeholders and images that do not match, and the like
             raise ApiError(400, f"messages: {exc}", param="messages") from None
 

@@ -211,7 +211,10 @@ class ImageURL(OpenAIModel):
 
 
 class ContentPart(OpenAIModel):
-    """A part of a message's content: text, image_url, or (vLLM's) image_embeds."""
+    """A part of a message's content: text, image_url, or (vLLM's) image_embeds. Other types
+    (input_audio, video_url, file) parse with their fields, to be refused by name."""
+
+    model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
