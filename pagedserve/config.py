@@ -29,6 +29,10 @@ DTYPES = {
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 
+# Items of one modality a prompt may carry unless limit_mm_per_prompt says otherwise.
+DEFAULT_MM_LIMIT = 2
+
+
 def setting(default: Any = None, help: str = "", **metadata: Any) -> Any:  # noqa: A002
     """A config field with its flag's help text (and `choices`, `flag=False`, `metavar`)."""
     if isinstance(default, list):
@@ -117,10 +121,16 @@ class ModelConfig:
     max_stop_token_ids: int = setting(1024, "most stop token ids a request may give")
     trust_remote_code: bool = setting(
         False, "refused: pagedserve runs only its own model code, never a checkpoint's")
+    # Images one prompt may carry, as vLLM's limit_mm_per_prompt (its JSON or image=N
+    # spelling, or a dict); a modality left out takes DEFAULT_MM_LIMIT.
     limit_mm_per_prompt: dict[str, int] | str | None = setting(
-        None, "most images one prompt may carry, as vLLM spells it: '{\"image\": 2}' or "
-              "'image=2'; 0 takes a vision-language model's text only (default: no limit but "
-              "the context length)", metavar="LIMITS")
+        None, "most images one prompt may carry, as vLLM spells it: '{\"image\": 4}' or "
+              f"'image=4'; 0 takes a vision-language model's text only (default: "
+              f"{DEFAULT_MM_LIMIT})", metavar="LIMITS")
+
+    def mm_limit(self, modality: str) -> int:
+        limits = self.limit_mm_per_prompt
+        return (limits if isinstance(limits, dict) else {}).get(modality, DEFAULT_MM_LIMIT)
 
     def __post_init__(self) -> None:
         if self.trust_remote_code:
@@ -132,11 +142,6 @@ class ModelConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
-
-    def mm_limit(self, modality: str) -> int | None:
-        """The most items of `modality` one prompt may carry (None: no limit)."""
-        limits = self.limit_mm_per_prompt
-        return limits.get(modality) if isinstance(limits, dict) else None
 
 
 @dataclass
@@ -169,6 +174,16 @@ class SchedulerConfig:
         None, "most requests in one step (default: 256 on CUDA, 128 on the CPU)")
     max_num_batched_tokens: int = setting(2048, "most tokens in one step (longer prompts are "
                                                 "prefilled in chunks)")
+    # Images: the encoder's output rows kept between steps (a span prefilled in chunks reads
+    # them over several steps; a repeated image finds them), and the rows the encoder may
+    # produce in one step. None: max(max_num_batched_tokens, the largest image's rows), as
+    # vLLM sizes both.
+    encoder_cache_size: int | None = setting(
+        None, "image embedding rows kept between steps (default: max(max_num_batched_tokens, "
+              "the largest image's rows))")
+    max_num_encoder_input_tokens: int | None = setting(
+        None, "most image embedding rows the encoder computes in one step (default: as "
+              "encoder_cache_size)")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
@@ -176,6 +191,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("encoder_cache_size", "max_num_encoder_input_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 SECTIONS = ("model", "cache", "scheduler", "lora")
