@@ -16,6 +16,7 @@ from fastapi import Request
 from pagedserve.engine.async_llm import EngineDeadError, RequestStream
 from pagedserve.engine.llm import render_chat
 from pagedserve.engine.outputs import PositionLogprobs
+from pagedserve.multimodal.chat import render_with_images
 from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.server import protocol as p
 from pagedserve.server.chat_media import (
@@ -47,9 +48,10 @@ def template_messages(state: ServerState, messages: list[p.ChatMessage]) -> Temp
 
 
 def render_template(state: ServerState, rendered: list[dict[str, Any]],
-                    add_generation_prompt: bool, tools: ToolPrompt | None = None
-                    ) -> list[int]:
-    """Template messages -> prompt token ids (one placeholder per image, not yet expanded)."""
+                    add_generation_prompt: bool, tools: ToolPrompt | None = None,
+                    num_images: int = 0) -> list[int]:
+    """Template messages -> prompt token ids (one placeholder per image, not yet expanded,
+    rendered as `LLM.chat` renders them)."""
     template = state.llm.engine.chat_template or getattr(state.tokenizer, "chat_template", "")
     template_tools = None
     if tools is not None:
@@ -61,6 +63,10 @@ def render_template(state: ServerState, rendered: list[dict[str, Any]],
         if state.reads_parts:
             rendered = as_parts(rendered)
     try:
+        if num_images and template_tools is None:
+            return render_with_images(state.tokenizer, rendered, num_images,
+                                      state.mm_processor.image_placeholder,
+                                      add_generation_prompt, state.llm.engine.chat_template)
         return render_chat(state.tokenizer, rendered, add_generation_prompt,
                            state.llm.engine.chat_template, template_tools)
     except ApiError:
@@ -83,7 +89,7 @@ async def chat_prompt(state: ServerState, messages: list[p.ChatMessage],
     template error."""
     inputs = template_messages(state, messages)
     render = asyncio.to_thread(render_template, state, inputs.messages, add_generation_prompt,
-                               tools)
+                               tools, len(inputs.images))
     if not inputs.images:
         return ChatPrompt(await render)
     processor = state.mm_processor
@@ -92,7 +98,7 @@ async def chat_prompt(state: ServerState, messages: list[p.ChatMessage],
     for result in (items, ids):
         if isinstance(result, BaseException):
             raise result
-    processed = await state.media.process(processor, ids, items, None,
+    processed = await state.media.process(processor, ids, items, state.llm.engine.mm_limits,
                                           state.model_name)
     return ChatPrompt(processed.prompt_token_ids, processed)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.multimodal.front import process_prompt
 from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.multimodal.media import (
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -93,7 +94,8 @@ class MediaPool:
         """The prompt's placeholders expanded by the model's processor."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._pool, processor.process, token_ids, items)
+            return await loop.run_in_executor(self._pool, process_prompt, processor, token_ids,
+                                              {"image": items}, limits, model_name)
         except ValueError as exc:  # placeholders and images that do not match, and the like
             raise ApiError(400, f"messages: {exc}", param="messages") from None
 

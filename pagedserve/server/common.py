@@ -83,7 +83,7 @@ class ServerState:
     @property
     def image_limit(self) -> int | None:
         """--limit-mm-per-prompt's images (None: no limit)."""
-        return self.llm.engine.config.model.mm_limit("image")
+        return getattr(self.llm.engine, "mm_limits", {}).get("image")
 
     @property
     def tokenizer(self) -> Any:
