@@ -150,7 +150,12 @@ def test_refusals_leave_the_server_serving(server, offline) -> None:
     three = [{"role": "user", "content": [image_url(IMAGES[0])] * 3}]
     bad = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]
-    for messages, words in ((three, "more than the 2 per prompt"), (bad, "not an image")):
+    buf = io.BytesIO()
+    torch.save(torch.zeros(NUM_IMAGE_TOKENS, 32), buf)
+    narrow = [{"role": "user", "content": [
+        {"type": "image_embeds", "image_embeds": base64.b64encode(buf.getvalue()).decode()}]}]
+    for messages, words in ((three, "more than the 2 per prompt"), (bad, "not an image"),
+                            (narrow, "32 wide, this model's hidden size is 64")):
         with pytest.raises(openai.BadRequestError, match=words):
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     ref = offline.chat(ONE, GREEDY, use_tqdm=False)[0]
