@@ -112,7 +112,7 @@ def test_openai_client_with_base64_images(llava, server, offline) -> None:
     assert tokens["tokens"] == offline.chat(ONE, GREEDY, use_tqdm=False)[0].prompt_token_ids
 
 
-def test_anthropic_client_and_image_embeds(server, offline) -> None:
+def test_anthropic_and_responses_clients_and_image_embeds(server, offline) -> None:
     ref = offline.chat(ONE, SamplingParams(temperature=0, max_tokens=NEW), use_tqdm=False)[0]
     client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
     reply = client.messages.create(model=MODEL, max_tokens=NEW, extra_body={"temperature": 0},
@@ -125,6 +125,13 @@ def test_anthropic_client_and_image_embeds(server, offline) -> None:
     assert "".join(b.text for b in reply.content) == ref.outputs[0].text
     usage = reply.usage  # the prompt was served before: part of it is a prefix-cache hit
     assert usage.input_tokens + usage.cache_read_input_tokens == len(ref.prompt_token_ids)
+    openai_client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    response = openai_client.responses.create(
+        model=MODEL, max_output_tokens=NEW, temperature=0, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "w4"},
+            {"type": "input_image", "image_url": ONE[0]["content"][1]["image_url"]["url"]},
+            {"type": "input_text", "text": "w5 w6"}]}])
+    assert response.output_text == ref.outputs[0].text
     # vLLM's image_embeds: the rows stand in for the encoder's output.
     rows = torch.randn(NUM_IMAGE_TOKENS, 64, generator=torch.Generator().manual_seed(3))
     buf = io.BytesIO()
@@ -138,7 +145,6 @@ def test_anthropic_client_and_image_embeds(server, offline) -> None:
     prompt = ids[:start + 1] + ids[start + NUM_IMAGE_TOKENS:]
     expect = offline.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": rows}},
                               GREEDY, use_tqdm=False)[0]
-    openai_client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     got = openai_client.chat.completions.create(
         model=MODEL, messages=messages, max_completion_tokens=NEW, temperature=0,
         extra_body={"ignore_eos": True})
