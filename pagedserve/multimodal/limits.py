@@ -30,6 +30,12 @@ def parse_mm_limits(value: dict[str, Any] | str | None) -> dict[str, int] | None
         if name not in MODALITIES:
             raise ValueError(f"limit_mm_per_prompt: unknown modality {name!r} (known: "
                              f"{', '.join(MODALITIES)})")
+        if isinstance(count, dict):  # vLLM's newer {"image": {"count": N}} spelling
+            unknown = sorted(set(count) - {"count"})
+            if unknown or "count" not in count:
+                raise ValueError(f"limit_mm_per_prompt: {name} takes {{\"count\": N}} (vLLM's "
+                                 f"profiling sizes are not used here), got {count!r}")
+            count = count["count"]
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"limit_mm_per_prompt: {name} must be a count >= 0, got {count!r}")
         limits[name] = count

@@ -108,6 +108,13 @@ def load(source: MediaSource, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     """The item itself: an RGB PIL image, or an embeddings tensor [n, hidden]."""
     if source.path is not None:
         try:
+            size = source.path.stat().st_size
+            # No encoding takes much more than 4 bytes a pixel (uncompressed RGBA): a larger
+            # file is refused before it is read into memory.
+            if size > 4 * max_pixels + (1 << 20):
+                raise MediaError(f"image file {str(source.path)!r} is {size} bytes, more than "
+                                 f"an image of at most {max_pixels} pixels takes "
+                                 "(--max-image-pixels)")
             raw = source.path.read_bytes()
         except OSError as exc:
             raise MediaError(f"cannot read image file {str(source.path)!r}: "

@@ -197,11 +197,19 @@ def as_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def template_reads_parts(tokenizer: Any, chat_template: str | None) -> bool:
-    """Whether the template drops plain-string content (it then reads typed parts only)."""
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": PROBE}],
-                                             chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=False)
-    except Exception:  # a template that fails on the probe: leave the messages as they are
-        return False
-    return isinstance(text, str) and PROBE not in text
+    """Whether the template wants typed parts: it drops plain-string content (llava-hf's
+    templates), or fails on it where it prints a text part."""
+    def render(content: Any) -> str | None:
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                 chat_template=chat_template, tokenize=False,
+                                                 add_generation_prompt=False)
+        except Exception:  # the template cannot take this form of content
+            return None
+        return text if isinstance(text, str) else None
+
+    as_string = render(PROBE)
+    if as_string is not None:
+        return PROBE not in as_string
+    as_part = render([{"type": "text", "text": PROBE}])
+    return as_part is not None and PROBE in as_part

@@ -112,6 +112,9 @@ def test_local_files_only_inside_the_allowed_directory(tmp_path) -> None:
         parse_image_url(str(allowed / "ok.png"), None)
     with pytest.raises(MediaError, match="does not exist"):
         parse_image_url(str(allowed / "missing.png"), allowed)
+    (allowed / "huge.bin").write_bytes(b"\0" * (4 * 100 + (1 << 20) + 1))
+    with pytest.raises(MediaError, match="more than an image of at most 100 pixels takes"):
+        load(parse_image_url(str(allowed / "huge.bin"), allowed), max_pixels=100)
 
 
 def test_image_embeds_as_vllm_sends_them() -> None:
@@ -230,6 +233,8 @@ def test_string_content_becomes_a_text_part_for_templates_that_read_parts_only(s
     tokenizer = served[1].tokenizer
     assert template_reads_parts(tokenizer, PARTS_TEMPLATE)
     assert not template_reads_parts(tokenizer, BOTH_TEMPLATE)
+    # A template that indexes into the parts fails on a string: it reads parts too.
+    assert template_reads_parts(tokenizer, "{{ messages[0]['content'][0]['text'] }}")
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
     rendered = tokenizer.apply_chat_template(as_parts(messages), chat_template=PARTS_TEMPLATE,
