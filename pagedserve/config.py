@@ -400,7 +400,7 @@ class ServerConfig:
                               "OpenAI caps them")
     max_request_body_bytes: int | None = setting(
         None, "answer 413 to a larger body, before parsing it (default: 64 bytes per token of "
-              "max_model_len, at least 4 MiB)")
+              "max_model_len, at least 4 MiB, or 64 MiB for a model that takes images)")
     shutdown_timeout: float = setting(30.0, "on SIGTERM or SIGINT, seconds running requests "
                                             "may finish in before they end with an error; a "
                                             "second signal exits at once")

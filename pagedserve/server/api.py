@@ -82,16 +82,18 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(responses_routes(state, ResponseStore(config.responses_store_size)))
     if config.enable_chat_page:
         app.include_router(chat_page_routes())
-    body_limit = config.max_request_body_bytes or default_body_limit(llm.engine.max_model_len)
+    body_limit = config.max_request_body_bytes or default_body_limit(
+        llm.engine.max_model_len, getattr(llm.engine, "mm_processor", None) is not None)
     app.add_middleware(Gatekeeper, api_key=config.api_key, max_body_bytes=body_limit,
                        state=state)
     return app
 
 
-def default_body_limit(max_model_len: int) -> int:
+def default_body_limit(max_model_len: int, takes_images: bool = False) -> int:
     """Room for max_model_len tokens as text or ids in a JSON body many times over (JSON
-    escapes take up to 6 bytes a character), and never less than 4 MiB."""
-    return max(4 << 20, 64 * max_model_len)
+    escapes take up to 6 bytes a character), and never less than 4 MiB; 64 MiB for a model
+    that takes images (a few photos as base64, at 4/3 bytes a byte)."""
+    return max(64 << 20 if takes_images else 4 << 20, 64 * max_model_len)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -165,6 +165,14 @@ def test_refusals_leave_the_server_serving(server, offline) -> None:
         with pytest.raises(openai.BadRequestError, match=words):
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     ref = offline.chat(ONE, GREEDY, use_tqdm=False)[0]
+    # A photo-sized image (a body over the 4 MiB a text model's server takes) is served.
+    photo = image(4, (1200, 1200))
+    big = [{**ONE[0], "content": [ONE[0]["content"][0], image_url(photo), ONE[0]["content"][2]]}]
+    assert len(big[0]["content"][1]["image_url"]["url"]) > 4 << 20
+    served = client.chat.completions.create(model=MODEL, messages=big, max_completion_tokens=NEW,
+                                            temperature=0, extra_body={"ignore_eos": True})
+    assert served.choices[0].message.content == \
+        offline.chat(big, GREEDY, use_tqdm=False)[0].outputs[0].text
     again = client.chat.completions.create(model=MODEL, messages=ONE, max_completion_tokens=NEW,
                                            temperature=0, extra_body={"ignore_eos": True})
     assert again.choices[0].message.content == ref.outputs[0].text
