@@ -83,7 +83,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     if config.enable_chat_page:
         app.include_router(chat_page_routes())
     body_limit = config.max_request_body_bytes or default_body_limit(
-        llm.engine.max_model_len, getattr(llm.engine, "mm_processor", None) is not None)
+        llm.engine.max_model_len, llm.engine.mm_processor is not None)
     app.add_middleware(Gatekeeper, api_key=config.api_key, max_body_bytes=body_limit,
                        state=state)
     return app

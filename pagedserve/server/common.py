@@ -78,12 +78,12 @@ class ServerState:
     @property
     def mm_processor(self) -> Any:
         """The model's image processor (None: the model takes text only)."""
-        return getattr(self.llm.engine, "mm_processor", None)
+        return self.llm.engine.mm_processor
 
     @property
     def image_limit(self) -> int | None:
         """--limit-mm-per-prompt's images (None: no limit)."""
-        return getattr(self.llm.engine, "mm_limits", {}).get("image")
+        return self.llm.engine.mm_limits.get("image")
 
     @property
     def tokenizer(self) -> Any:

@@ -35,7 +35,6 @@ async def add_all(state: ServerState, request_id: str,
                   multi_modal: Any = None) -> list[RequestStream]:
     """One engine request per (text, token ids) prompt (ids request_id-0, -1, ...); all or none
     are added. `multi_modal`: a chat prompt's processed images (MultiModalPrompt)."""
-    extra = {} if multi_modal is None else {"multi_modal_data": multi_modal}
     streams: list[RequestStream] = []
     lora = state.lora_request(model)
     try:
@@ -43,7 +42,7 @@ async def add_all(state: ServerState, request_id: str,
             engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(await state.llm.add_request(engine_id, ids, params, cache_salt,
                                                        prompt_text=text, lora_request=lora,
-                                                       **extra))
+                                                       multi_modal_data=multi_modal))
     except ValueError as exc:
         close_all(streams)
         raise bad_value(exc, prompt_param, renames) from None
