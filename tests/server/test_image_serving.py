@@ -49,13 +49,14 @@ def llava(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(llava, tmp_path_factory):
+def server(request, llava, tmp_path_factory):
     path, _ = llava
     srv = ServerProcess([str(path), "--device", "cpu", "--dtype", "float32",
                          "--kv-cache-memory", "8MiB", "--served-model-name", MODEL,
                          "--enable-mm-embeds"],
                         tmp_path_factory.mktemp("llava_server") / "server.log", wait=False)
     try:
+        request.getfixturevalue("offline")  # loads here while the server starts
         srv.wait_healthy()
     except BaseException:
         srv.stop()
@@ -125,6 +126,12 @@ def test_anthropic_and_responses_clients_and_image_embeds(server, offline) -> No
     assert "".join(b.text for b in reply.content) == ref.outputs[0].text
     usage = reply.usage  # the prompt was served before: part of it is a prefix-cache hit
     assert usage.input_tokens + usage.cache_read_input_tokens == len(ref.prompt_token_ids)
+    counted = client.messages.count_tokens(model=MODEL, messages=[
+        {"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": png_b64(IMAGES[0])}}]}])
+    assert counted.input_tokens == len(offline.chat(
+        [{"role": "user", "content": [image_url(IMAGES[0])]}], GREEDY,
+        use_tqdm=False)[0].prompt_token_ids)
     openai_client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     response = openai_client.responses.create(
         model=MODEL, max_output_tokens=NEW, temperature=0, input=[{"role": "user", "content": [
@@ -132,6 +139,15 @@ def test_anthropic_and_responses_clients_and_image_embeds(server, offline) -> No
             {"type": "input_image", "image_url": ONE[0]["content"][1]["image_url"]["url"]},
             {"type": "input_text", "text": "w5 w6"}]}])
     assert response.output_text == ref.outputs[0].text
+    # The next turn's prompt holds the stored conversation, its image included.
+    follow = openai_client.responses.create(model=MODEL, max_output_tokens=NEW, temperature=0,
+                                            previous_response_id=response.id, input="w9")
+    history = ONE + [{"role": "assistant", "content": response.output_text},
+                     {"role": "user", "content": "w9"}]
+    expect = offline.chat(history, SamplingParams(temperature=0, max_tokens=NEW),
+                          use_tqdm=False)[0]
+    assert follow.output_text == expect.outputs[0].text
+    assert follow.usage.input_tokens == len(expect.prompt_token_ids)
     # vLLM's image_embeds: the rows stand in for the encoder's output.
     rows = torch.randn(NUM_IMAGE_TOKENS, 64, generator=torch.Generator().manual_seed(3))
     buf = io.BytesIO()
