@@ -142,23 +142,28 @@ def decode_image(raw: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Imag
     if not raw:
         raise MediaError("the image data is empty")
     try:
-        with warnings.catch_warnings():  # the limit below decides, not pillow's warning
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with warnings.catch_warnings():  # the limit below decides, not pillow's bomb warning;
+            warnings.simplefilter("ignore")  # and a corrupt header's warnings end in an error
             image = Image.open(io.BytesIO(raw))
     except Image.DecompressionBombError as exc:
         raise MediaError(f"the image is too large to decode: {exc}") from None
     except UnidentifiedImageError:
         raise MediaError("the image data is not an image pillow can read (PNG, JPEG, GIF, "
                          "WebP, BMP, TIFF, ...)") from None
+    except Exception as exc:  # a known format whose header is broken: the data's fault
+        raise MediaError(f"the image header is corrupt: {type(exc).__name__}: "
+                         f"{str(exc)[:200]}") from None
     width, height = image.size
     if width * height > max_pixels:
         raise MediaError(f"the image is {width}x{height} = {width * height} pixels, more than "
                          f"this server's limit of {max_pixels} (--max-image-pixels)")
     try:
-        image.load()
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
-        raise MediaError(f"the image is truncated or corrupt: {exc}") from None
-    return to_rgb(image)
+        with warnings.catch_warnings():  # corrupt EXIF and the like: refused or decoded
+            warnings.simplefilter("ignore")
+            image.load()
+            return to_rgb(image)
+    except Exception as exc:  # pillow's decoders raise OSError, ValueError, struct.error...
+        raise MediaError(f"the image is truncated or corrupt: {str(exc)[:200]}") from None
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
