@@ -130,9 +130,10 @@ def template_input(messages: list[p.ChatMessage], processor: Any, image_limit: i
         if message.tool_calls:
             item["tool_calls"] = [c.model_dump() for c in message.tool_calls]
         out.messages.append(item)
-    if image_limit is not None and len(out.images) > image_limit:
-        raise ApiError(400, f"this request carries {len(out.images)} images, more than the "
-                            f"{image_limit} per prompt this server takes "
+    count = len(out.images)
+    if image_limit is not None and count > image_limit:
+        raise ApiError(400, f"this request carries {count} image{'s' * (count != 1)}, more "
+                            f"than the {image_limit} per prompt this server takes "
                             "(--limit-mm-per-prompt)", param="messages")
     return out
 
@@ -144,7 +145,9 @@ def _content(i: int, message: p.ChatMessage, parts: list[p.ContentPart],
     has_image = False
     for j, part in enumerate(parts):
         where = f"messages.{i}.content.{j}"
-        if part.type == "text" and part.text is not None:
+        if part.type == "text":
+            if part.text is None:
+                raise ApiError(400, f"{where}: a text part needs text", param=where)
             rendered.append({"type": "text", "text": part.text})
             continue
         if part.type not in IMAGE_PARTS:

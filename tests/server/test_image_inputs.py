@@ -279,6 +279,8 @@ def test_bad_images_are_400s_before_the_engine(vision) -> None:
         ({"type": "image_embeds", "image_embeds": saved(torch.randn(3, 4))},
          "--enable-mm-embeds"),
         ({"type": "input_audio", "input_audio": {}}, "input_audio"),
+        ({"type": "text"}, "a text part needs text"),
+        ({"type": "image_url"}, "needs image_url.url"),
     ]
     for part, words in cases:
         assert_openai_400(chat(client, part), words)
