@@ -6,6 +6,7 @@ own LlavaForConditionalGeneration greedy `generate` here too; never from the ser
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 
@@ -111,6 +112,25 @@ def test_openai_client_with_base64_images(llava, server, offline) -> None:
         offline.chat(ONE, GREEDY, use_tqdm=False)[0].outputs[0].text
     tokens = httpx.post(server.url + "/tokenize", json={"messages": ONE}, timeout=60).json()
     assert tokens["tokens"] == offline.chat(ONE, GREEDY, use_tqdm=False)[0].prompt_token_ids
+
+
+def test_concurrent_image_requests(server, offline) -> None:
+    """Four requests with different images at once (the media pool decodes them side by
+    side, the engine batches them): each answer is LLM.chat's for its own image."""
+    conversations = [[{"role": "user", "content": [{"type": "text", "text": f"w{10 + k}"},
+                                                   image_url(image(20 + k))]}]
+                     for k in range(4)]
+    refs = offline.chat(conversations, GREEDY, use_tqdm=False)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+    async def ask_all() -> list[str]:
+        replies = await asyncio.gather(*(client.chat.completions.create(
+            model=MODEL, messages=c, max_completion_tokens=NEW, temperature=0,
+            extra_body={"ignore_eos": True}) for c in conversations))
+        await client.close()
+        return [r.choices[0].message.content for r in replies]
+
+    assert asyncio.run(ask_all()) == [r.outputs[0].text for r in refs]
 
 
 def test_anthropic_and_responses_clients_and_image_embeds(server, offline) -> None:
