@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pagedserve.lora.config import LoRAConfig
+from pagedserve.multimodal.limits import parse_mm_limits
 from pagedserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = {
@@ -120,20 +121,18 @@ class ModelConfig:
     max_stop_token_ids: int = setting(1024, "most stop token ids a request may give")
     trust_remote_code: bool = setting(
         False, "refused: pagedserve runs only its own model code, never a checkpoint's")
-    # Images (or other items) one prompt may carry, per modality, as vLLM's
-    # limit_mm_per_prompt; a modality left out takes DEFAULT_MM_LIMIT. No flag here: the
-    # server parses its JSON form.
-    limit_mm_per_prompt: dict[str, int] | None = setting(
-        None, "most items of each modality one prompt may carry", flag=False)
+    # Images one prompt may carry, as vLLM's limit_mm_per_prompt (its JSON or image=N
+    # spelling, or a dict); a modality left out takes DEFAULT_MM_LIMIT.
+    limit_mm_per_prompt: dict[str, int] | str | None = setting(
+        None, "most images one prompt may carry, as vLLM spells it: '{\"image\": 4}' or "
+              f"'image=4'; 0 takes a vision-language model's text only (default: "
+              f"{DEFAULT_MM_LIMIT})", metavar="LIMITS")
 
     def mm_limit(self, modality: str) -> int:
-        return (self.limit_mm_per_prompt or {}).get(modality, DEFAULT_MM_LIMIT)
+        limits = self.limit_mm_per_prompt
+        return (limits if isinstance(limits, dict) else {}).get(modality, DEFAULT_MM_LIMIT)
 
     def __post_init__(self) -> None:
-        for modality, limit in (self.limit_mm_per_prompt or {}).items():
-            if not isinstance(limit, int) or limit < 0:
-                raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an int >= 0, got "
-                                 f"{limit!r}")
         if self.trust_remote_code:
             raise ValueError("trust_remote_code: pagedserve runs only its own implementation of "
                              "each model family and never code shipped with a checkpoint; drop "
@@ -142,6 +141,7 @@ class ModelConfig:
                      "max_stop_token_ids"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
 
 
 @dataclass
@@ -400,7 +400,7 @@ class ServerConfig:
                               "OpenAI caps them")
     max_request_body_bytes: int | None = setting(
         None, "answer 413 to a larger body, before parsing it (default: 64 bytes per token of "
-              "max_model_len, at least 4 MiB)")
+              "max_model_len, at least 4 MiB, or 64 MiB for a model that takes images)")
     shutdown_timeout: float = setting(30.0, "on SIGTERM or SIGINT, seconds running requests "
                                             "may finish in before they end with an error; a "
                                             "second signal exits at once")
@@ -420,8 +420,29 @@ class ServerConfig:
         False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     enable_chat_page: bool = setting(True, "serve the chat page at / (--disable-chat-page "
                                            "turns it off)")
+    allowed_local_media_path: str | None = setting(
+        None, "a directory whose image files requests may name (file:// URLs or absolute "
+              "paths, symlinks resolved first); default: none, only data: URLs. Remote URLs "
+              "are never fetched")
+    max_image_pixels: int = setting(
+        32 << 20, "refuse an image with more pixels (width x height, read from its header "
+                  "before decoding) with a 400")
+    media_workers: int | None = setting(
+        None, "threads that decode images and run the model's image processor, off the event "
+              "loop and the engine's steps (default: the CPU count, at most 8)")
+    enable_mm_embeds: bool = setting(
+        False, "take image_embeds content parts (precomputed embeddings); for trusted "
+               "clients only")
 
     def __post_init__(self) -> None:
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got "
                              f"{self.responses_store_size}")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
+        if self.media_workers is not None and self.media_workers < 1:
+            raise ValueError(f"media_workers must be >= 1, got {self.media_workers}")
+        if self.allowed_local_media_path is not None \
+                and not Path(self.allowed_local_media_path).is_dir():
+            raise ValueError(f"allowed_local_media_path {self.allowed_local_media_path!r} is "
+                             "not a directory")

@@ -22,7 +22,8 @@ from pagedserve.server import protocol as p
 from pagedserve.server.anthropic.errors import error_body as anthropic_error
 from pagedserve.server.anthropic.errors import is_anthropic_path
 from pagedserve.server.anthropic.routes import anthropic_routes
-from pagedserve.server.chat import create_chat_completion, render_messages
+from pagedserve.server.chat import chat_prompt, create_chat_completion
+from pagedserve.server.chat_media import MediaPool, MediaSettings
 from pagedserve.server.chat_page import chat_page_routes
 from pagedserve.server.classify import ClassificationRequest, create_classify
 from pagedserve.server.common import (
@@ -59,12 +60,16 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
         state.tool_parser = get_tool_parser(config.tool_call_parser)
     if config.reasoning_parser is not None:
         state.reasoning_parser = get_reasoning_parser(config.reasoning_parser)
+    state.media = MediaPool(MediaSettings(
+        config.allowed_local_media_path, config.max_image_pixels, config.enable_mm_embeds,
+        config.media_workers))
     llm.observer = state.metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         llm.start()
         yield
+        state.media.shutdown()
         await asyncio.to_thread(llm.shutdown)
 
     app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan)
@@ -77,16 +82,18 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(responses_routes(state, ResponseStore(config.responses_store_size)))
     if config.enable_chat_page:
         app.include_router(chat_page_routes())
-    body_limit = config.max_request_body_bytes or default_body_limit(llm.engine.max_model_len)
+    body_limit = config.max_request_body_bytes or default_body_limit(
+        llm.engine.max_model_len, llm.engine.mm_processor is not None)
     app.add_middleware(Gatekeeper, api_key=config.api_key, max_body_bytes=body_limit,
                        state=state)
     return app
 
 
-def default_body_limit(max_model_len: int) -> int:
+def default_body_limit(max_model_len: int, takes_images: bool = False) -> int:
     """Room for max_model_len tokens as text or ids in a JSON body many times over (JSON
-    escapes take up to 6 bytes a character), and never less than 4 MiB."""
-    return max(4 << 20, 64 * max_model_len)
+    escapes take up to 6 bytes a character), and never less than 4 MiB; 64 MiB for a model
+    that takes images (a few photos as base64, at 4/3 bytes a byte)."""
+    return max(64 << 20 if takes_images else 4 << 20, 64 * max_model_len)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -212,9 +219,9 @@ def _api_routes(state: ServerState) -> APIRouter:
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
-            tokens = await asyncio.to_thread(render_messages, state, body.messages,
-                                             body.add_generation_prompt)
+        if body.messages is not None:  # images counted as the tokens they expand to
+            tokens = (await chat_prompt(state, body.messages, body.add_generation_prompt)
+                      ).token_ids
         else:
             tokens = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
                                              add_special_tokens=body.add_special_tokens)

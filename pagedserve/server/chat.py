@@ -16,7 +16,15 @@ from fastapi import Request
 from pagedserve.engine.async_llm import EngineDeadError, RequestStream
 from pagedserve.engine.llm import render_chat
 from pagedserve.engine.outputs import PositionLogprobs
+from pagedserve.multimodal.chat import render_with_images
+from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.server import protocol as p
+from pagedserve.server.chat_media import (
+    TemplateInput,
+    as_parts,
+    template_input,
+    template_reads_parts,
+)
 from pagedserve.server.chat_output import ChatChoiceParser
 from pagedserve.server.chat_tools import ToolPrompt, tool_plan
 from pagedserve.server.common import ApiError, ServerState, common_checks, finite, sampling_params
@@ -32,39 +40,67 @@ from pagedserve.server.streaming import (
 )
 
 
-def render_messages(state: ServerState, messages: list[p.ChatMessage],
-                     add_generation_prompt: bool, tools: ToolPrompt | None = None) -> list[int]:
-    rendered = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise ApiError(400, f"messages[{i}]: only text content parts are "
-                                        f"supported, got type {part.type!r}",
-                                   param=f"messages.{i}.content")
-                texts.append(part.text)
-            content = "".join(texts)
-        item: dict[str, Any] = {"role": message.role, "content": content or ""}
-        if message.name is not None:
-            item["name"] = message.name
-        if message.tool_call_id is not None:
-            item["tool_call_id"] = message.tool_call_id
-        if message.tool_calls:
-            item["tool_calls"] = [c.model_dump() for c in message.tool_calls]
-        rendered.append(item)
+def template_messages(state: ServerState, messages: list[p.ChatMessage]) -> TemplateInput:
+    """The messages as the chat template takes them, and their images (refused here, before
+    any decoding, when the request cannot have them)."""
+    return template_input(messages, state.mm_processor, state.image_limit, state.media.settings,
+                          state.model_name)
+
+
+def render_template(state: ServerState, rendered: list[dict[str, Any]],
+                    add_generation_prompt: bool, tools: ToolPrompt | None = None,
+                    num_images: int = 0) -> list[int]:
+    """Template messages -> prompt token ids (one placeholder per image, not yet expanded,
+    rendered as `LLM.chat` renders them)."""
     template = state.llm.engine.chat_template or getattr(state.tokenizer, "chat_template", "")
     template_tools = None
     if tools is not None:
         template_tools, rendered = tools.apply(rendered, template or "")
+    if state.mm_processor is not None:
+        if state.reads_parts is None:  # checked once, on the first chat
+            state.reads_parts = template_reads_parts(state.tokenizer,
+                                                     state.llm.engine.chat_template)
+        if state.reads_parts:
+            rendered = as_parts(rendered)
     try:
+        if num_images and template_tools is None:
+            return render_with_images(state.tokenizer, rendered, num_images,
+                                      state.mm_processor.image_placeholder,
+                                      add_generation_prompt, state.llm.engine.chat_template)
         return render_chat(state.tokenizer, rendered, add_generation_prompt,
                            state.llm.engine.chat_template, template_tools)
     except ApiError:
         raise
     except Exception as exc:  # template errors are the request's fault, not the server's
         raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+
+
+@dataclass
+class ChatPrompt:
+    token_ids: list[int]  # with each image's placeholder expanded to its tokens
+    multi_modal: MultiModalPrompt | None = None  # the processed images, if any
+
+
+async def chat_prompt(state: ServerState, messages: list[p.ChatMessage],
+                      add_generation_prompt: bool, tools: ToolPrompt | None = None
+                      ) -> ChatPrompt:
+    """Render (in a worker thread: a long chat holds nothing up) while the media pool decodes
+    the images, then expand their placeholders on the pool. A bad image is named before a
+    template error."""
+    inputs = template_messages(state, messages)
+    render = asyncio.to_thread(render_template, state, inputs.messages, add_generation_prompt,
+                               tools, len(inputs.images))
+    if not inputs.images:
+        return ChatPrompt(await render)
+    processor = state.mm_processor
+    ids, items = await asyncio.gather(render, state.media.load_all(inputs.images, processor),
+                                      return_exceptions=True)
+    for result in (items, ids):
+        if isinstance(result, BaseException):
+            raise result
+    processed = await state.media.process(processor, ids, items, state.llm.engine.mm_limits,
+                                          state.model_name)
+    return ChatPrompt(processed.prompt_token_ids, processed)
 
 
 def _chat_logprobs(state: ServerState, token_ids: list[int],
@@ -121,13 +157,13 @@ async def start_chat(state: ServerState, body: p.ChatCompletionRequest,
                            param=field)
         guided, field = plan.guided, "tool_choice"
     params = await with_guided(state, params, guided, field)
-    # The template renders and tokenizes in a worker thread (a long chat holds nothing up).
-    prompt = await asyncio.to_thread(render_messages, state, body.messages,
-                                     body.add_generation_prompt, plan.prompt)
+    prompt = await chat_prompt(state, body.messages, body.add_generation_prompt, plan.prompt)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
-    streams = await add_all(state, request_id, [(None, prompt)], params, body.cache_salt,
-                            "messages", renames, model=body.model)
-    return ChatRun(request_id, prompt, streams, [plan.parser(state) for _ in range(params.n)])
+    streams = await add_all(state, request_id, [(None, prompt.token_ids)], params,
+                            body.cache_salt, "messages", renames, model=body.model,
+                            multi_modal=prompt.multi_modal)
+    return ChatRun(request_id, prompt.token_ids, streams,
+                   [plan.parser(state) for _ in range(params.n)])
 
 
 async def create_chat_completion(state: ServerState, body: p.ChatCompletionRequest,

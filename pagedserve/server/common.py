@@ -72,6 +72,18 @@ class ServerState:
     tool_parser: ToolParser | None = None  # --tool-call-parser: tool_choice "auto"
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     loras: AdapterRegistry | None = None  # --enable-lora: adapters a request's model may name
+    media: Any = None  # chat_media.MediaPool (build_app makes it): decodes, processes images
+    reads_parts: bool | None = None  # the chat template prints typed content parts only
+
+    @property
+    def mm_processor(self) -> Any:
+        """The model's image processor (None: the model takes text only)."""
+        return self.llm.engine.mm_processor
+
+    @property
+    def image_limit(self) -> int | None:
+        """--limit-mm-per-prompt's images (None: no limit)."""
+        return self.llm.engine.mm_limits.get("image")
 
     @property
     def tokenizer(self) -> Any:

@@ -205,9 +205,23 @@ class CompletionStreamResponse(CompletionResponse):
 # ---- /v1/chat/completions -----------------------------------------------------------------
 
 
+class ImageURL(OpenAIModel):
+    url: str  # a data: URL (base64), or a file under --allowed-local-media-path
+    detail: Literal["auto", "low", "high"] | None = None  # accepted: the processor decides
+
+
 class ContentPart(OpenAIModel):
+    """A part of a message's content: text, image_url, or (vLLM's) image_embeds. Other types
+    (input_audio, video_url, file) parse with their fields, to be refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
+    # Base64 of `torch.save(tensor [tokens, hidden])`, or {"image_embeds": that}.
+    image_embeds: str | dict[str, str] | None = None
+    uuid: str | None = None  # vLLM's: accepted; an image is known by its content's hash
 
 
 class FunctionCall(BaseModel):

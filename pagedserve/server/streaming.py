@@ -31,17 +31,18 @@ T = TypeVar("T")
 async def add_all(state: ServerState, request_id: str,
                   prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                   cache_salt: str | None, prompt_param: str,
-                  renames: dict[str, str] | None = None, model: str | None = None
-                  ) -> list[RequestStream]:
+                  renames: dict[str, str] | None = None, model: str | None = None,
+                  multi_modal: Any = None) -> list[RequestStream]:
     """One engine request per (text, token ids) prompt (ids request_id-0, -1, ...); all or none
-    are added."""
+    are added. `multi_modal`: a chat prompt's processed images (MultiModalPrompt)."""
     streams: list[RequestStream] = []
     lora = state.lora_request(model)
     try:
         for i, (text, ids) in enumerate(prompts):
             engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(await state.llm.add_request(engine_id, ids, params, cache_salt,
-                                                       prompt_text=text, lora_request=lora))
+                                                       prompt_text=text, lora_request=lora,
+                                                       multi_modal_data=multi_modal))
     except ValueError as exc:
         close_all(streams)
         raise bad_value(exc, prompt_param, renames) from None

@@ -36,7 +36,8 @@ def test_page_is_served_without_the_key(agent_server) -> None:
 
 
 def _stub_llm() -> SimpleNamespace:
-    engine = SimpleNamespace(model_name="stub", max_model_len=64, config=EngineConfig())
+    engine = SimpleNamespace(model_name="stub", max_model_len=64, config=EngineConfig(),
+                             mm_processor=None)
     return SimpleNamespace(engine=engine, observer=None, tokenizer=None, snapshot=None)
 
 

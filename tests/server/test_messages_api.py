@@ -138,7 +138,7 @@ HOSTILE = [
     ({"model": MODEL, "messages": ASK, "max_tokens": 4, "bogus": 1}, "bogus"),
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": "AA=="}}]}]}, "image blocks are not supported"),
+                                     "data": "AA=="}}]}]}, "takes text only"),
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},
      "role"),
     ({"model": MODEL, "max_tokens": 4, "messages": ASK, "tool_choice": {"type": "any"}},

@@ -2,7 +2,8 @@
 Anthropic does; the fields its SDK and Claude Code send that mean nothing here (metadata,
 cache_control, thinking, service_tier, output_config, context_management) are accepted and
 ignored. temperature, top_p and top_k come in the body (the SDK passes them as extra fields).
-Image and document blocks parse, so that the translation can refuse them by name."""
+Image blocks become chat image parts; document blocks parse, so that the translation can refuse
+them by name."""
 
 from __future__ import annotations
 
@@ -22,12 +23,26 @@ class TextBlock(StrictModel):
     citations: list[Any] | None = None
 
 
+class ImageSource(StrictModel):
+    type: Literal["base64", "url", "file"]  # file (the Files API) is refused
+    media_type: str | None = None  # base64: image/jpeg, image/png, image/gif, image/webp
+    data: str | None = None  # base64
+    url: str | None = None  # refused unless a file under --allowed-local-media-path
+    file_id: str | None = None
+
+
+class ImageBlock(StrictModel):
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: Ignored = None
+
+
 class MediaBlock(StrictModel):
-    """An image or a document: refused by the translation with a message that names it."""
+    """A document: refused by the translation with a message that names it."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["image", "document", "search_result"]
+    type: Literal["document", "search_result"]
 
 
 class ToolUseBlock(StrictModel):
@@ -41,7 +56,8 @@ class ToolUseBlock(StrictModel):
 class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] = ""
+    content: str | list[Annotated[TextBlock | ImageBlock | MediaBlock,
+                                  Field(discriminator="type")]] = ""
     is_error: bool | None = None
     cache_control: Ignored = None
 
@@ -58,8 +74,8 @@ class RedactedThinkingBlock(StrictModel):
     data: str
 
 
-ContentBlock = Annotated[TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
-                         | RedactedThinkingBlock, Field(discriminator="type")]
+ContentBlock = Annotated[TextBlock | ImageBlock | MediaBlock | ToolUseBlock | ToolResultBlock
+                         | ThinkingBlock | RedactedThinkingBlock, Field(discriminator="type")]
 
 
 class Message(StrictModel):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -11,7 +10,7 @@ from fastapi import APIRouter, Request
 from pagedserve.server.anthropic import protocol as a
 from pagedserve.server.anthropic.stream import stream_message
 from pagedserve.server.anthropic.translate import chat_request, message_object
-from pagedserve.server.chat import render_messages, start_chat
+from pagedserve.server.chat import chat_prompt, start_chat
 from pagedserve.server.chat_tools import tool_plan
 from pagedserve.server.common import ServerState
 from pagedserve.server.output_blocks import final_blocks
@@ -40,12 +39,12 @@ def anthropic_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: a.CountTokensRequest) -> dict[str, int]:
-        """The prompt's length as /v1/messages would render it (tools included)."""
+        """The prompt's length as /v1/messages would render it (tools and images
+        included)."""
         state.check_model(body.model)
         chat = chat_request(body)
         plan = tool_plan(state, chat)
-        tokens = await asyncio.to_thread(render_messages, state, chat.messages, True,
-                                         plan.prompt)
-        return {"input_tokens": len(tokens)}
+        prompt = await chat_prompt(state, chat.messages, True, plan.prompt)
+        return {"input_tokens": len(prompt.token_ids)}
 
     return router

@@ -71,26 +71,53 @@ def chat_messages(body: a.CountTokensRequest) -> list[dict[str, Any]]:
 
 def _refuse_media(block: Any, where: str) -> None:
     if isinstance(block, a.MediaBlock):
-        raise ApiError(400, f"{where}: {block.type} blocks are not supported: this model takes "
-                            "text only", param=where)
+        raise ApiError(400, f"{where}: {block.type} blocks are not supported", param=where)
+    if isinstance(block, a.ImageBlock):
+        raise ApiError(400, f"{where}: image blocks go in a user message's content (not in "
+                            "tool results or assistant messages)", param=where)
+
+
+def image_part(block: a.ImageBlock, where: str) -> dict[str, Any]:
+    """An image block as the chat path's image_url part (which refuses remote URLs)."""
+    source = block.source
+    if source.type == "base64":
+        if not source.data or not source.media_type:
+            raise ApiError(400, f"{where}: a base64 image source needs media_type and data",
+                           param=where)
+        return {"type": "image_url",
+                "image_url": {"url": f"data:{source.media_type};base64,{source.data}"}}
+    if source.type == "url":
+        if not source.url:
+            raise ApiError(400, f"{where}: a url image source needs url", param=where)
+        return {"type": "image_url", "image_url": {"url": source.url}}
+    raise ApiError(400, f"{where}: file image sources (the Files API) are not supported: send "
+                        "the image as base64", param=where)
 
 
 def _user_messages(i: int, blocks: list[Any]) -> list[dict[str, Any]]:
-    """Tool results become tool messages (the chat template's way), the text one user
-    message after them."""
-    out, texts = [], []
+    """Tool results become tool messages (the chat template's way), the text (and images,
+    in order) one user message after them."""
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         where = f"messages.{i}.content.{j}"
+        if isinstance(block, a.ImageBlock):
+            parts.append(image_part(block, where))
+            continue
         _refuse_media(block, where)
         if isinstance(block, a.TextBlock):
             texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
         elif isinstance(block, a.ToolResultBlock):
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": _tool_result_text(block, where)})
         elif not isinstance(block, a.ThinkingBlock | a.RedactedThinkingBlock):
             raise ApiError(400, f"{where}: a user message cannot hold {block.type} blocks",
                            param=where)
-    if texts or not out:
+    if len(parts) > len(texts):  # images: the parts in order
+        out.append({"role": "user", "content": parts})
+    elif texts or not out:
         out.append({"role": "user", "content": "\n\n".join(texts)})
     return out
 

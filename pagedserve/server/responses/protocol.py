@@ -1,7 +1,7 @@
 """Request bodies of the Responses API (pydantic v2). Unknown fields are refused, as OpenAI
 does; fields Codex and the SDK send that mean nothing here (reasoning, include,
-prompt_cache_key, metadata, service_tier, ...) are accepted and ignored. Image, file and audio
-inputs parse, so that the translation can refuse them by name."""
+prompt_cache_key, metadata, service_tier, ...) are accepted and ignored. Images become chat
+image parts; file and audio inputs parse, so that the translation can refuse them by name."""
 
 from __future__ import annotations
 
@@ -19,15 +19,22 @@ class TextPart(StrictModel):
     logprobs: list[Any] | None = None
 
 
+class ImagePart(StrictModel):
+    type: Literal["input_image"]
+    image_url: str | None = None  # a data: URL, or a file under --allowed-local-media-path
+    file_id: str | None = None  # refused: no Files API here
+    detail: Literal["auto", "low", "high"] | None = None  # accepted: the processor decides
+
+
 class MediaPart(StrictModel):
     """Refused by the translation with a message that names it."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["input_image", "input_file", "input_audio", "refusal"]
+    type: Literal["input_file", "input_audio", "refusal"]
 
 
-ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+ContentPart = Annotated[TextPart | ImagePart | MediaPart, Field(discriminator="type")]
 
 
 class MessageItem(StrictModel):

@@ -30,11 +30,13 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
     @router.post("/v1/responses", response_model=None)
     async def create(body: r.ResponsesRequest, request: Request) -> Any:
         start, created = time.monotonic(), time.time()
-        history = _history(store, body)
+        history, origins = _history(store, body)
+        if body.instructions:
+            origins.insert(0, "instructions")
         try:
             run = await start_chat(state, chat_request(body, history), id_prefix="resp_")
         except ApiError as exc:
-            raise renamed(exc) from None
+            raise renamed(exc, origins) from None
         response_id = run.request_id
 
         def finish(blocks: BlockStream, tally: Tally) -> dict[str, Any]:
@@ -66,8 +68,10 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
     return router
 
 
-def _history(store: ResponseStore, body: r.ResponsesRequest) -> list[dict[str, Any]]:
-    """The conversation so far: the previous response's (if any), then this input."""
+def _history(store: ResponseStore, body: r.ResponsesRequest
+             ) -> tuple[list[dict[str, Any]], list[str]]:
+    """The conversation so far: the previous response's (if any), then this input; and where
+    each of its messages came from."""
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id)
@@ -76,7 +80,8 @@ def _history(store: ResponseStore, body: r.ResponsesRequest) -> list[dict[str, A
                                 "found (store=false, or the store has since dropped it)",
                            param="previous_response_id", code="previous_response_not_found")
         history = list(previous.messages)
-    return history + input_messages(body.input)
+    messages, origins = input_messages(body.input)
+    return history + messages, ["previous_response_id"] * len(history) + origins
 
 
 async def _whole(state: ServerState, run: ChatRun, finish: Any, start: float) -> dict[str, Any]:

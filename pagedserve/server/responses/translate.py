@@ -20,11 +20,19 @@ PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
           "response_format.json_schema": "text.format.schema"}
 
 
-def renamed(exc: ApiError) -> ApiError:
-    """A chat path's error with its param named as the Responses API names it."""
+def renamed(exc: ApiError, origins: list[str] | None = None) -> ApiError:
+    """A chat path's error with its param named as the Responses API names it. `origins`:
+    where each chat message came from (input.3, instructions, previous_response_id), so that
+    messages.K.content.J names the input item's part."""
     error = exc.body.error
     if error.param in PARAMS:
         error.param = PARAMS[error.param]
+    elif origins and error.param and error.param.startswith("messages."):
+        index, _, rest = error.param.removeprefix("messages.").partition(".")
+        if index.isdigit() and int(index) < len(origins):
+            origin = origins[int(index)]
+            error.param = f"{origin}.{rest}" if rest and origin.startswith("input") else origin
+            error.message = error.message.replace(f"messages.{index}", origin, 1)
     return exc
 
 
@@ -62,18 +70,22 @@ def chat_request(body: r.ResponsesRequest, history: list[dict[str, Any]]
         raise ApiError(400, f"cannot translate the request: {exc.errors()[0]['msg']}") from None
 
 
-def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
-    """Input items as chat messages: function calls join the assistant message before them,
-    their outputs become tool messages, earlier reasoning is left out."""
+def input_messages(items: str | list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Input items as chat messages, and the input item each came from: function calls join
+    the assistant message before them, their outputs become tool messages, earlier reasoning
+    is left out."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], ["input"]
     out: list[dict[str, Any]] = []
+    origins: list[str] = []
     for i, item in enumerate(items):
         where = f"input.{i}"
+        if not (isinstance(item, r.FunctionCallItem) and out and out[-1]["role"] == "assistant"):
+            origins.append(where)
         if isinstance(item, r.MessageItem):
             # Templates know system, not OpenAI's newer developer role.
             role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": _text(item.content, f"{where}.content")})
+            out.append({"role": role, "content": _content(item.content, f"{where}.content")})
         elif isinstance(item, r.FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -83,20 +95,35 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, r.FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id,
-                        "content": _text(item.output, f"{where}.output")})
-    return out
+                        "content": _content(item.output, f"{where}.output", images=False)})
+        else:  # reasoning: no message
+            origins.pop()
+    return out, origins
 
 
-def _text(content: str | list[Any], where: str) -> str:
+def _content(content: str | list[Any], where: str, images: bool = True
+             ) -> str | list[dict[str, Any]]:
+    """The text; with input_image parts, chat content parts in order."""
     if isinstance(content, str):
         return content
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
-        if isinstance(part, r.MediaPart):
-            raise ApiError(400, f"{where}.{j}: {part.type} is not supported: this model takes "
-                                "text only", param=f"{where}.{j}")
+        if isinstance(part, r.ImagePart) and images:
+            parts.append(_image_part(part, f"{where}.{j}"))
+            continue
+        if not isinstance(part, r.TextPart):
+            raise ApiError(400, f"{where}.{j}: {part.type} is not supported here",
+                           param=f"{where}.{j}")
         texts.append(part.text)
-    return "".join(texts)
+        parts.append({"type": "text", "text": part.text})
+    return parts if len(parts) > len(texts) else "".join(texts)
+
+
+def _image_part(part: r.ImagePart, where: str) -> dict[str, Any]:
+    if not part.image_url:
+        raise ApiError(400, f"{where}: input_image needs image_url (file_id is not supported)",
+                       param=where)
+    return {"type": "image_url", "image_url": {"url": part.image_url}}
 
 
 # ---- the reply ----------------------------------------------------------------------------
