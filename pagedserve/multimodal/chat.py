@@ -3,9 +3,6 @@ template renders and the images, in order, that the rendered placeholders stand 
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 from typing import Any
 
 Message = dict[str, Any]
@@ -13,27 +10,15 @@ IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
 
 
 def load_data_url(url: str) -> Any:
-    """A `data:image/...;base64,...` URL as a PIL image (decoded now: a bad image is the
-    caller's error, not the engine's). Other URLs are refused: nothing is fetched."""
-    from PIL import Image, UnidentifiedImageError
+    """A `data:image/...;base64,...` URL as an RGB PIL image, decoded now (a bad image is the
+    caller's error, not the engine's) with the server's safeguards (multimodal/media.py: the
+    pixel limit read from the header, truncated files caught). Nothing is fetched: a remote URL
+    or a local path is refused (the server takes files under --allowed-local-media-path)."""
+    from pagedserve.multimodal import media
 
-    if not isinstance(url, str) or not url.startswith("data:"):
-        shown = url if isinstance(url, str) and len(url) < 80 else f"{str(url)[:77]}..."
-        raise ValueError(f"image_url {shown!r}: only data: URLs are taken here (base64 image "
-                         "bytes); nothing is fetched")
-    header, _, payload = url.partition(",")
-    if not header.endswith(";base64"):
-        raise ValueError("image_url: a data: URL must be base64 encoded "
-                         "(data:image/png;base64,...)")
-    try:
-        raw = base64.b64decode(payload, validate=True)
-        image = Image.open(io.BytesIO(raw))
-        image.load()
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"image_url: the data: URL is not valid base64 ({exc})") from None
-    except (UnidentifiedImageError, OSError) as exc:
-        raise ValueError(f"image_url: the data is not an image PIL can read ({exc})") from None
-    return image
+    if not isinstance(url, str):
+        raise ValueError(f"image_url must be a string URL, not {type(url).__name__}")
+    return media.load(media.parse_image_url(url, None))
 
 
 def _part_image(part: dict[str, Any]) -> Any:

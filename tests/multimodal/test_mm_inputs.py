@@ -49,9 +49,11 @@ def test_bad_images_are_refused_before_the_engine(llava, prompt, match):
 def test_bad_chat_image_parts(llava):
     llm, _ = llava
     bad = [({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
-            "only data: URLs"),
+            "remote image URLs are not fetched"),
+           ({"type": "image_url", "image_url": {"url": "/tmp/a.png"}},
+            "local image files are not read"),
            ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-            "not an image PIL can read"),
+            "not an image pillow can read"),
            ({"type": "audio_url", "audio_url": {"url": "data:,"}}, "'audio_url' is not supported")]
     for part, match in bad:
         with pytest.raises(ValueError, match=match):
