@@ -622,7 +622,7 @@ shard_any() {  # name, pytest args...: every test selected, gpu-marked or not (t
 
 stage_wave25() {  # the twenty-fifth session's GPU tests (fp8 KV on TRITON, encoder attention,
     # LoRA kernels and graphs, EAGLE/MTP, GGUF and 4-bit expert kernels), then the GGUF and
-    # int4 linear benchmarks
+    # int4 linear benchmarks; the images' GPU tests beside the graphs'
     setup_env
     SHARD_TIMEOUT=${WAVE_TIMEOUT:-330}
     shard_any fp8kv tests/attention/test_conformance.py tests/models/test_kv_scales.py -k fp8
@@ -632,7 +632,7 @@ stage_wave25() {  # the twenty-fifth session's GPU tests (fp8 KV on TRITON, enco
     shard spec tests/spec_decode
     shard quant tests/quantization/test_gguf_kernels.py tests/quantization/test_w4_moe_kernels.py \
         tests/quantization/test_w4a16_kernel.py tests/quantization/test_random_fp8.py
-    shard graphs tests/engine/test_cuda_graphs.py
+    shard graphs tests/engine/test_cuda_graphs.py tests/multimodal
     wait
     timeout 100 python3 benchmarks/gguf_linear.py >"$OUT/gguf_linear.log" 2>&1
     echo "exit $?" >>"$OUT/gguf_linear.log"; tail -12 "$OUT/gguf_linear.log"
