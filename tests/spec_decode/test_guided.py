@@ -58,11 +58,12 @@ def guided_path(tmp_path_factory):
 
 
 def _requests() -> list[SamplingParams]:
-    """Each grammar greedy, then each seeded at temperature 0.8 (valid; not compared)."""
+    """Each grammar greedy, then each seeded at temperature 0.8, two sequences each (valid;
+    not compared)."""
     specs = [GuidedDecodingParams(json=SCHEMA), GuidedDecodingParams(regex=REGEX),
              GuidedDecodingParams(choice=CHOICES)]
     return ([SamplingParams(temperature=0, max_tokens=80, guided_decoding=g) for g in specs]
-            + [SamplingParams(temperature=0.8, seed=s, max_tokens=80, guided_decoding=g)
+            + [SamplingParams(temperature=0.8, seed=s, n=2, max_tokens=80, guided_decoding=g)
                for s, g in enumerate(specs)])
 
 
@@ -229,3 +230,17 @@ def test_eagle3_greedy_equals_no_speculation(guided_path, no_speculation, make_l
     _assert_same(got[:3], no_speculation[:3])
     _check_valid(got, _requests())
     assert stats.spec_decode_num_drafts > 0
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_equals_no_speculation(tmp_path, make_llm):
+    """On CUDA in float32 (TRITON: head sizes of 64): the mask of every row read in place from
+    pinned host memory by the sampler's kernel, a verify step's rows included."""
+    path = _tiny(tmp_path / "target", 0, 128, 4, heads=2)
+    _char_tokenizer().save_pretrained(path)
+    kwargs = dict(device="cuda", engine_core_process=False)
+    want, _ = _run(make_llm, path, _prompt_ids(), _requests(), None,
+                   gpu_memory_utilization=0.25, **kwargs)
+    got, stats = _run(make_llm, path, _prompt_ids(), _requests(), NGRAM,
+                      gpu_memory_utilization=0.6, **kwargs)
+    _check(got, want, stats)
