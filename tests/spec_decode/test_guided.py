@@ -20,7 +20,7 @@ import torch
 
 from pagedserve import SamplingParams
 from pagedserve.sampling_params import GuidedDecodingParams
-from tests.spec_decode.test_engine import NGRAM, VOCAB, _assert_same, _run, _tiny
+from tests.spec_decode.test_engine import CASES, NGRAM, VOCAB, _assert_same, _run, _tiny
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"enum": ["alpha", "omega"]},
@@ -107,17 +107,25 @@ def no_speculation(guided_path):
     return [[(c.token_ids, c.finish_reason, None) for c in o.outputs] for o in outs]
 
 
-@pytest.mark.parametrize("case", ["plain", pytest.param("overlap", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", ["plain"] + [pytest.param(c, marks=pytest.mark.slow) for c in (
+    "overlap", "chunked", "preempting", "prefix-caching")])
 def test_ngram_greedy_equals_no_speculation(guided_path, no_speculation, make_llm, case):
     """Drafts the grammar forces are kept, the others rejected. `overlap`: async scheduling
     with drafts off while 4 or more requests run, so guided steps first overlap (the runner
-    advancing the grammars ahead of the scheduler) and then verify drafts."""
-    kwargs = dict(async_scheduling=True) if case == "overlap" else {}
-    spec = NGRAM if case == "plain" else dict(NGRAM, disable_by_batch_size=4)
+    advancing the grammars ahead of the scheduler) and then verify drafts; the others as the
+    spec tests' cases of that name."""
+    kwargs = {"overlap": dict(async_scheduling=True),  # (the spec tests' pool is too small)
+              "preempting": dict(num_gpu_blocks_override=60, block_size=4,
+                                 kv_cache_memory=None)}.get(case, CASES.get(case))
+    spec = NGRAM if case != "overlap" else dict(NGRAM, disable_by_batch_size=4)
     got, stats = _run(make_llm, guided_path, _prompt_ids(), _requests(), spec, **kwargs)
     _check(got, no_speculation, stats)
     if case == "plain":
         assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    if case == "preempting":
+        assert stats.num_preemptions > 0
+    if case == "prefix-caching":
+        assert stats.prefix_cache_hits > 0
 
 
 @pytest.mark.slow
