@@ -7,6 +7,8 @@ batch size, with the acceptance figures and the proposer's share of the core's s
 
 The default workload is the one n-gram lookup is for: chat prompts that ask the model to
 repeat, quote or lightly edit a passage given in the prompt (the answer repeats the prompt).
+`--guided-json` asks instead to copy a JSON record given in the prompt under its schema
+(guided decoding: the drafts the grammar accepts are verified under a mask per position).
 `--random-prompts` uses random token ids instead (for a draft model or a head under
 `rejection_sample_method: "synthetic"`, whose acceptance does not depend on the text).
 `--random-eagle3-head DRAFT_VOCAB` writes a random-weight EAGLE-3 head of the target's shape
@@ -35,6 +37,7 @@ from typing import Any
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.bench import format_spec_decode, random_prompts, spec_decode_figures
+from pagedserve.sampling_params import GuidedDecodingParams
 
 PASSAGE = (
     "The lighthouse keeper climbed the stairs every evening at dusk, counting the steps as he "
@@ -46,6 +49,20 @@ PASSAGE = (
     "before him. In the morning, when the first grey light came over the water, he put out "
     "the lamp, closed the logbook and walked down the hundred and twelve steps to sleep.")
 
+# The --guided-json workload: a record to copy, and the schema its answer is held to.
+RECORD = {"keeper": "Tomas Ilves", "steps": 112, "lamp": "lit at dusk, out at dawn",
+          "ships": [{"time": "21:40", "direction": "north", "weather": "fog"},
+                    {"time": "23:05", "direction": "south-west", "weather": "rain"},
+                    {"time": "02:15", "direction": "east", "weather": "clear"}]}
+SHIP = {"type": "object", "properties": {k: {"type": "string", "maxLength": 16}
+                                         for k in ("time", "direction", "weather")},
+        "required": ["time", "direction", "weather"], "additionalProperties": False}
+SCHEMA = {"type": "object", "properties": {
+    "keeper": {"type": "string", "maxLength": 32}, "steps": {"type": "integer"},
+    "lamp": {"type": "string", "maxLength": 40},
+    "ships": {"type": "array", "items": SHIP, "maxItems": 4}},
+    "required": ["keeper", "steps", "lamp", "ships"], "additionalProperties": False}
+
 TASKS = (
     "Repeat the following passage exactly, word for word:\n\n{p}",
     "Quote the passage below in full, then stop.\n\n{p}",
@@ -54,19 +71,23 @@ TASKS = (
 )
 
 
-def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
+def chat_prompts(llm: LLM, n: int, guided: bool = False) -> list[list[int]]:
     tokenizer = llm.engine.tokenizer
     out = []
     for i in range(n):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": TASKS[i % len(TASKS)].format(p=PASSAGE)}],
-            tokenize=False, add_generation_prompt=True)
+        task = (f"Copy this JSON record exactly:\n\n{json.dumps(RECORD)}" if guided
+                else TASKS[i % len(TASKS)].format(p=PASSAGE))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": task}],
+                                             tokenize=False, add_generation_prompt=True)
         out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
 
 
-def run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, Any, Any, int]:
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+def run(llm: LLM, prompts: list[list[int]], output_len: int, guided: bool = False
+        ) -> tuple[float, Any, Any, int]:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
+                            guided_decoding=GuidedDecodingParams(json=SCHEMA) if guided
+                            else None)
     before = llm.engine.call_utility("stats")
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -103,6 +124,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--random-prompts", type=int, default=0, metavar="LEN",
                         help="random prompts of LEN tokens instead of the copy tasks")
+    parser.add_argument("--guided-json", action="store_true",
+                        help="copy a JSON record under its schema (guided decoding)")
     parser.add_argument("--random-eagle3-head", type=int, default=None, metavar="DRAFT_VOCAB",
                         help="time a random-weight EAGLE-3 head of the target's shape")
     parser.add_argument("--engine-args", default="{}",
@@ -120,14 +143,15 @@ def main() -> None:
         if args.random_prompts:
             prompts = random_prompts(batch, args.random_prompts, plain.engine.vocab_size, 0)
         else:
-            prompts = chat_prompts(plain, batch)
-        run(plain, prompts[:1], 4)  # lazy initialisation, compiles
-        run(fast, prompts[:1], 4)
+            prompts = chat_prompts(plain, batch, args.guided_json)
+        run(plain, prompts[:1], 4, args.guided_json)  # lazy initialisation, compiles
+        run(fast, prompts[:1], 4, args.guided_json)
         tpot: dict[str, list[float]] = {"off": [], "on": []}
         figures: dict[str, Any] = {}
         for _ in range(args.repeats):
             for name, llm in (("off", plain), ("on", fast)):
-                elapsed, before, after, tokens = run(llm, prompts, args.output_len)
+                elapsed, before, after, tokens = run(llm, prompts, args.output_len,
+                                                     args.guided_json)
                 tpot[name].append(elapsed / (tokens / batch) * 1e3)
                 if name == "on":
                     figures = spec_decode_figures(before, after)

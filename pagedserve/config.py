@@ -234,7 +234,8 @@ class EngineConfig:
     guided_decoding_workers: int | None = setting(
         None, "processes that hold xgrammar's matchers and fill the token bitmask, each "
               "spinning on a core while guided requests run (default: 2 on x86-64 CUDA hosts "
-              "with at least 8 CPUs, else 0: a fill thread in the engine's process)")
+              "with at least 8 CPUs, else 0: a fill thread in the engine's process; 0 only "
+              "with speculative decoding)")
     tensor_parallel_size: int = setting(
         1, "ranks each layer is split over (GPUs on CUDA: ranks use cuda:N, N+1, ...; "
            "processes on the CPU)")
@@ -247,8 +248,8 @@ class EngineConfig:
               "per rank beside the engine's) or ray (Ray actors); default: uni at one rank, "
               "mp above", choices=["uni", "mp", "ray"])
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = setting(
-        None, "speculative decoding, a JSON object with vLLM's fields: method (ngram; "
-              "draft_model, eagle, eagle3 and mtp are refused as not implemented yet), "
+        None, "speculative decoding, a JSON object with vLLM's fields: method (ngram, "
+              "draft_model, eagle, eagle3 or mtp), "
               "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
               "draft_tensor_parallel_size; testing only: rejection_sample_method 'synthetic' "
               "with synthetic_acceptance_rate", metavar="JSON")

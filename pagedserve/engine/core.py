@@ -111,7 +111,8 @@ class EngineCore:
                                  self.max_model_len, self.eos_token_id)
         self.structured_output = StructuredOutputManager(
             loaded.tokenizer, self.runner.vocab_size, device, config.scheduler.max_num_seqs,
-            config.guided_decoding_backend, config.guided_decoding_workers)
+            config.guided_decoding_backend, config.guided_decoding_workers,
+            config.speculative.num_speculative_tokens if config.speculative else 0)
         self.runner.structured_output = self.structured_output
         num_blocks, num_slots = self.runner.determine_cache_size()
         self.runner.allocate_kv_cache(num_blocks, num_slots)

@@ -14,6 +14,12 @@ the CPU machine a Python thread kept spinning at full speed through a stream of 
 scheduler's own accept of the same tokens is then a no-op (`RequestGrammar.accept` by
 position).
 
+A step that verifies drafts (speculative decoding) is never launched with an earlier step in
+flight (the engine completes each step while speculating): its grammars have accepted every
+sample, and each guided request with K drafts (checked against its grammar by the scheduler)
+gets 1+K mask rows at its logits rows, the masks after 0..K of its drafts
+(`structured_output/drafts.py`).
+
 History: the fill ran on the engine's thread between the forward and the sampler until
 2026-12-02 (0.21-0.41 ms a step on the H200 at batch 64, on the host's critical path). A worker
 thread tried earlier had waited for the GIL to start: the engine thread's Python between the
@@ -27,6 +33,7 @@ import numpy as np
 
 from pagedserve.engine.runner_outputs import PendingStep
 from pagedserve.scheduler import SchedulerOutput
+from pagedserve.spec_decode.verify import VerifyLayout
 from pagedserve.structured_output.manager import BitmaskFill, StructuredOutputManager
 
 
@@ -64,10 +71,15 @@ def rows_to_mask(batch: SchedulerOutput, advanced: set[str]) -> tuple[list[int],
 
 
 def start_mask(manager: StructuredOutputManager, batch: SchedulerOutput,
-               prev: PendingStep | None = None) -> BitmaskFill | None:
+               prev: PendingStep | None = None, verify: VerifyLayout | None = None
+               ) -> BitmaskFill | None:
     """Advance the matchers by the samples of `prev` (the step before `batch`, uncollected,
     its samples on the host; None: none) and start filling the bitmask of `batch`'s guided
-    rows (None when it has none)."""
+    rows (None when it has none). `verify`: the layout of a step with drafts, whose mask has
+    a row per logits row."""
+    if verify is not None:
+        assert prev is None, "a verify step is launched with no step in flight"
+        return _start_verify_mask(manager, batch, verify)
     if prev is None:
         rows, grammars = rows_to_mask(batch, set())
     elif prev.batch.requests == batch.requests and not any(batch.is_new):  # most decode steps
@@ -86,6 +98,17 @@ def start_mask(manager: StructuredOutputManager, batch: SchedulerOutput,
     if not rows:
         return None
     return manager.start_fill(grammars, rows, batch.num_reqs)
+
+
+def _start_verify_mask(manager: StructuredOutputManager, batch: SchedulerOutput,
+                       verify: VerifyLayout) -> BitmaskFill | None:
+    rows, grammars = rows_to_mask(batch, set())
+    if not rows:
+        return None
+    drafts = batch.draft_token_ids
+    assert drafts is not None
+    return manager.start_fill(grammars, verify.row_start[rows].tolist(), verify.num_rows,
+                              [drafts[i] for i in rows])
 
 
 def _advance_and_rows(batch: SchedulerOutput, sampled_before: np.ndarray, sampled: np.ndarray

@@ -370,7 +370,7 @@ class ModelRunner:
         if self._guided:  # host work while the device runs the forward and the projection
             if prev is not None:  # uncollected: its samples are waited for here
                 self._record_samples(prev)
-            fill = guided.start_mask(self.structured_output, batch, prev)
+            fill = guided.start_mask(self.structured_output, batch, prev, verify)
         if self.step_log is not None:
             self.step_log.append((batch.num_computed_tokens.copy(),
                                   batch.num_scheduled_tokens.copy(), batch.num_prefills,
@@ -459,7 +459,7 @@ class ModelRunner:
             pending.drafts = self.speculator.propose(
                 self, batch, rows, sampled,
                 self.input_batch.generation[rows] == pending.generations,
-                self._guided | self._wants_logits, pending.captured)
+                self._wants_logits, pending.captured)
             pending.captured = None  # (a head's hidden states: freed once read)
 
     def warmup(self) -> None:

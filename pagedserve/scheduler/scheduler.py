@@ -248,15 +248,19 @@ class Scheduler:
 
     def _fit_drafts(self, request: Request, drafts: list[int], room: int) -> list[int]:
         """The drafts a decode can verify now: within the step's token budget, and leaving
-        room for the token the target adds after them within max_tokens and max_model_len.
-        None while the request has a sample in flight (its drafts would follow a token not
-        known yet)."""
+        room for the token the target adds after them within max_tokens and max_model_len;
+        under a grammar, the longest prefix of them it accepts (its matcher has accepted
+        every output token: nothing is in flight). None while the request has a sample in
+        flight (its drafts would follow a token not known yet)."""
         if (not self._drafting or request.num_output_placeholders
                 or request.num_computed_tokens + 1 != request.num_tokens):
             return []
         limit = min(room, request.max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens - 1)
-        return drafts[:max(limit, 0)]
+        drafts = drafts[:max(limit, 0)]
+        if request.grammar is not None and drafts:
+            drafts = drafts[:request.grammar.validate(drafts)]
+        return drafts
 
     def _preempt(self, request: Request) -> None:
         """Recompute policy: drop the request's KV and put it back at the head of the queue; its

@@ -165,14 +165,8 @@ def expand_metadata(meta: SamplingMetadata, layout: VerifyLayout) -> SamplingMet
     bias = meta.logit_bias
     if bias is not None:
         bias = _expand_bias(bias, layout)
-    bitmask, bitmask_rows = meta.token_bitmask, meta.bitmask_rows
-    if bitmask is not None:
-        # Guided requests get no drafts: each has one row, at its row start.
-        # (On CUDA the mask may be pinned host memory: gathered where it lies.)
-        bitmask = bitmask.index_select(0, req.to(bitmask.device))
-        starts = layout.row_start.tolist()
-        bitmask_rows = (starts if bitmask_rows is None
-                        else [starts[i] for i in bitmask_rows])
+    # A verify step's grammar bitmask (meta.token_bitmask) is filled per logits row already:
+    # a guided request's rows hold the masks after 0..K of its drafts (engine/guided.py).
     return dataclasses.replace(
         meta, temperature=take(meta.temperature), is_greedy=take(meta.is_greedy),
         top_k=take(meta.top_k), top_p=take(meta.top_p), min_p=take(meta.min_p),
@@ -180,7 +174,7 @@ def expand_metadata(meta: SamplingMetadata, layout: VerifyLayout) -> SamplingMet
         frequency_penalties=take(meta.frequency_penalties),
         repetition_penalties=take(meta.repetition_penalties), output_token_counts=counts,
         prompt_token_mask=take(meta.prompt_token_mask), banned_token_mask=banned,
-        generators={}, logit_bias=bias, token_bitmask=bitmask, bitmask_rows=bitmask_rows)
+        generators={}, logit_bias=bias)
 
 
 def _draft_history(layout: VerifyLayout) -> tuple[Tensor, Tensor]:

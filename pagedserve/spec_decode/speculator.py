@@ -115,8 +115,9 @@ class Speculator:
                 sampled: np.ndarray, current: np.ndarray,
                 ineligible: Collection[str], captured: Any = None) -> Drafts:
         """Drafts for the requests of a collected step whose tokens are in the token table
-        (`current`: their rows still theirs), but for `ineligible` ones (guided, scoring,
-        prompt logprobs: their steps keep one token's logits)."""
+        (`current`: their rows still theirs), but for `ineligible` ones (scoring, prompt
+        logprobs: their steps keep one token's logits). A guided request's drafts are
+        proposed as any other's; the scheduler keeps those its grammar accepts."""
         seq_lens = (batch.num_computed_tokens + batch.num_scheduled_tokens).astype(np.int64)
         if sampled.ndim == 2:
             num_tokens = seq_lens - batch.num_draft_tokens + (sampled >= 0).sum(axis=1)

@@ -76,6 +76,23 @@ class GuidanceBackend:
     def new_matcher(self, compiled: Any, stop_token_ids: list[int] | None) -> GuidanceMatcher:
         return GuidanceMatcher(compiled.deep_copy())
 
+    @staticmethod
+    def validate_tokens(matcher: GuidanceMatcher, token_ids: list[int]) -> int:
+        """How many leading tokens the matcher accepts, its state unchanged: llguidance's own
+        check (a refused `consume_token` would leave its matcher in its error state for
+        good), cut after a token that ends the grammar (it would take an EOS after that,
+        which the sequence never gets: it ends on that token)."""
+        ll = matcher.ll
+        n = ll.validate_tokens(token_ids)
+        for i in range(n):
+            ll.consume_token(token_ids[i])
+            if ll.is_stopped():
+                ll.rollback(i + 1)
+                return i + 1
+        if n:
+            ll.rollback(n)
+        return n
+
     def fill(self, matchers: list[GuidanceMatcher], bitmask: torch.Tensor,
              rows: list[int]) -> None:
         import llguidance.torch

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from pagedserve.structured_output.drafts import accepted_prefix, draft_rows, fill_over_drafts
 from pagedserve.structured_output.grammar import CACHE_ENTRIES, missing_package
 
 if TYPE_CHECKING:
@@ -63,8 +64,10 @@ def guided_decoding_unavailable(backend: str) -> str | None:
 class RequestGrammar:
     """One sequence's matcher and the number of its output tokens it has accepted."""
 
-    def __init__(self, matcher: Any, ends_on_stop_token: bool = True) -> None:
+    def __init__(self, matcher: Any, ends_on_stop_token: bool = True,
+                 validate_tokens: Callable[[Any, list[int]], int] = accepted_prefix) -> None:
         self.matcher = matcher
+        self._validate_tokens = validate_tokens  # the backend's (drafts.py)
         # xgrammar's matcher ends by accepting a stop token (EOS or a stop id: not text);
         # llguidance's ends once nothing but EOS could follow, on an ordinary token.
         self.ends_on_stop_token = ends_on_stop_token
@@ -96,6 +99,13 @@ class RequestGrammar:
             self.is_terminated = bool(self.matcher.is_terminated())
         return True
 
+    def validate(self, token_ids: list[int]) -> int:
+        """How many leading `token_ids` (a sequence's drafts) the grammar accepts after the
+        tokens it has accepted; its state is left as it was."""
+        if self.failed or self.is_terminated or not token_ids:
+            return 0
+        return self._validate_tokens(self.matcher, token_ids)
+
     def rollback_to(self, num_tokens: int) -> None:
         """Forget the accepted tokens beyond the first `num_tokens` (the sequence lost them)."""
         extra = self.num_accepted - num_tokens
@@ -115,15 +125,25 @@ class BitmaskFill:
     job: WorkerFill | None = None
 
 
-def resolve_workers(workers: int | None, device: torch.device) -> int:
+def resolve_workers(workers: int | None, device: torch.device, speculative: bool = False
+                    ) -> int:
     """Grammar worker processes: as set, or by default 2 on x86-64 CUDA hosts with at least 8
     CPUs (each spins on a core of its own while guided requests run; on the H200's 16-CPU
     host 2 beat 1, 3, 4 and 8 at batch 64: docs/structured_outputs.md) and none elsewhere
-    (the shared task's ordering rests on x86-64's: workers.py)."""
+    (the shared task's ordering rests on x86-64's: workers.py). None with speculative
+    decoding: a guided request's drafts are checked against its matcher when scheduled, and
+    its verify step's mask advances the matcher over them (drafts.py), which the workers'
+    protocol does not do."""
     if workers is not None:
         if workers < 0:
             raise ValueError(f"guided_decoding_workers must be >= 0, got {workers}")
+        if workers and speculative:
+            raise ValueError(f"guided_decoding_workers {workers} with speculative decoding: "
+                             "guided requests' drafts are checked by matchers in the engine's "
+                             "process; use 0 (the default while speculating)")
         return workers
+    if speculative:
+        return 0
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     return 2 if device.type == "cuda" and x86 and (os.cpu_count() or 1) >= 8 else 0
 
@@ -134,7 +154,8 @@ class StructuredOutputManager:
     threads before a request is added, so the engine thread finds the grammar in the cache."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device,
-                 max_num_reqs: int, backend: str = "xgrammar", workers: int | None = 0) -> None:
+                 max_num_reqs: int, backend: str = "xgrammar", workers: int | None = 0,
+                 num_speculative_tokens: int = 0) -> None:
         check_backend(backend)
         # Set where the backend's packages are missing: guided requests are refused with it,
         # the others run.
@@ -143,16 +164,18 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.device = device
         self.max_num_reqs = max_num_reqs
+        # Bitmask rows a step may need: 1+K per request in a step that verifies K drafts.
+        self.max_rows = max_num_reqs * (1 + num_speculative_tokens)
         self.backend_name = backend
         self._backend: Any = None  # XGrammarBackend or GuidanceBackend, made on first use
-        # The fill thread's two [max_num_reqs, ceil(V / 32)] int32 host buffers, used in turn
+        # The fill thread's two [max_rows, ceil(V / 32)] int32 host buffers, used in turn
         # (pinned on CUDA: a step's sampling reads one while the next step fills the other),
         # as tensors and as arrays, and the one filled last.
         self._bitmasks: list[torch.Tensor] = []
         self._bitmask_arrays: list[np.ndarray] = []
         self._buffer = 0
         # Per host buffer, the rows known to allow every token (allow_other_rows).
-        self._all_allowed = [np.zeros(max_num_reqs, dtype=bool) for _ in range(2)]
+        self._all_allowed = [np.zeros(self.max_rows, dtype=bool) for _ in range(2)]
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         # One thread fills the masks: xgrammar fills without the GIL (engine/guided.py), so
@@ -163,7 +186,7 @@ class StructuredOutputManager:
         # xgrammar's matchers in processes of their own (workers.py), started here so that
         # their start-up (seconds: torch and xgrammar) overlaps the model's loading; none:
         # the fill thread above (and none without xgrammar: no guided request will run).
-        self.num_workers = (resolve_workers(workers, device)
+        self.num_workers = (resolve_workers(workers, device, num_speculative_tokens > 0)
                             if backend == "xgrammar" and self.unavailable is None else 0)
         self._workers: GrammarWorkers | None = None
         if self.num_workers and tokenizer is not None:
@@ -238,20 +261,24 @@ class StructuredOutputManager:
         if self._workers is not None:
             return self._workers.new_matcher(guided.key, stop)
         return RequestGrammar(self._backend.new_matcher(compiled, stop),
-                              ends_on_stop_token=self.backend_name == "xgrammar")
+                              ends_on_stop_token=self.backend_name == "xgrammar",
+                              validate_tokens=self._backend.validate_tokens)
 
-    def start_fill(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int
-                   ) -> BitmaskFill:
+    def start_fill(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int,
+                   drafts: list[list[int]] | None = None) -> BitmaskFill:
         """Start filling the [num_rows, ceil(V / 32)] int32 bitmask of `rows` from `grammars`
         (bit set: token allowed) on the fill thread or in the grammar workers, and return once
         the fill is under way. The grammars' matchers must not change until `finish_fill`.
         The fill's `rows` is None when its mask applies to every row: every row has a grammar,
         or (CUDA, the mask read in place) the other rows allow every token; else the other
-        rows are left as they are and must not be applied."""
+        rows are left as they are and must not be applied. `drafts` (a verify step): grammar
+        i's drafts, which it has accepted already (`RequestGrammar.validate`); its rows are
+        rows[i] .. rows[i] + len(drafts[i]), the masks after 0 .. all of them (drafts.py)."""
         if self._workers is not None:
+            assert drafts is None, "grammar workers run without speculative decoding"
             fill = BitmaskFill(rows, job=self._workers.start_fill(grammars, rows, num_rows))
             return self._cover(fill, fill.job.buffer, num_rows)
-        fill = self._start_thread_fill(grammars, rows, num_rows)
+        fill = self._start_thread_fill(grammars, rows, num_rows, drafts)
         return self._cover(fill, self._buffer, num_rows)  # the buffer it fills
 
     def _cover(self, fill: BitmaskFill, buffer: int, num_rows: int) -> BitmaskFill:
@@ -266,9 +293,9 @@ class StructuredOutputManager:
         return fill
 
     def _start_thread_fill(self, grammars: list[RequestGrammar], rows: list[int],
-                           num_rows: int) -> BitmaskFill:
+                           num_rows: int, drafts: list[list[int]] | None) -> BitmaskFill:
         if not self._bitmasks:
-            shape, pin = (self.max_num_reqs, -(-self.vocab_size // 32)), self.device.type == "cuda"
+            shape, pin = (self.max_rows, -(-self.vocab_size // 32)), self.device.type == "cuda"
             self._bitmasks = [torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
                               for _ in range(2)]
             self._bitmask_arrays = [mask.numpy() for mask in self._bitmasks]
@@ -281,12 +308,12 @@ class StructuredOutputManager:
         self._fill_started.clear()  # set by this fill's start (the thread runs one at a time)
         assert self._fill_thread is not None
         future = self._fill_thread.submit(self._fill, [g.matcher for g in grammars], bitmask,
-                                          rows)
+                                          rows, drafts)
         # The fill thread needs the GIL to start (and to end). Wait here, without it, until
         # the fill is under way: this thread's Python work from here to `finish_fill` may
         # never let go of the GIL, and the fill would only start there.
         self._fill_started.wait()
-        return BitmaskFill(rows, future)
+        return BitmaskFill(rows if drafts is None else draft_rows(rows, drafts), future)
 
     @property
     def _masks_every_row(self) -> bool:
@@ -315,10 +342,14 @@ class StructuredOutputManager:
         self.num_repeats += 1
         return self._cover(BitmaskFill(job.rows, job=job), job.buffer, job.num_rows)
 
-    def _fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def _fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int],
+              drafts: list[list[int]] | None = None) -> torch.Tensor:
         self._fill_started.set()
         t0 = time.perf_counter()
-        self._backend.fill(matchers, bitmask, rows)
+        if drafts is None:
+            self._backend.fill(matchers, bitmask, rows)
+        else:
+            fill_over_drafts(self._backend.fill, matchers, bitmask, rows, drafts)
         self.fill_seconds += time.perf_counter() - t0
         self.num_fills += 1
         return bitmask
@@ -342,7 +373,7 @@ class StructuredOutputManager:
                 # One device buffer: a step's copy into it follows, in stream order, the last
                 # step's sampling that read it.
                 self._device_bitmask = torch.empty(
-                    (self.max_num_reqs, -(-self.vocab_size // 32)), dtype=torch.int32,
+                    (self.max_rows, -(-self.vocab_size // 32)), dtype=torch.int32,
                     device=self.device)
             # The host buffers are pinned (or page-locked shared memory): the copy need not
             # wait.

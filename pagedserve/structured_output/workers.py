@@ -143,6 +143,10 @@ class RemoteGrammar:
         self.is_terminated = token_id in self.stop_ids
         return True
 
+    def validate(self, token_ids: list[int]) -> int:
+        raise RuntimeError("grammar workers run without speculative decoding "
+                           "(manager.resolve_workers)")
+
     def rollback_to(self, num_tokens: int) -> None:
         extra = self.num_accepted - num_tokens
         if extra <= 0:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.structured_output.drafts import accepted_prefix
 from pagedserve.structured_output.grammar import parse_grammar
 
 
@@ -30,6 +31,11 @@ class XGrammarBackend:
 
     def new_matcher(self, compiled: Any, stop_token_ids: list[int] | None) -> Any:
         return self._xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+
+    @staticmethod
+    def validate_tokens(matcher: Any, token_ids: list[int]) -> int:
+        """How many leading tokens the matcher accepts, its state unchanged."""
+        return accepted_prefix(matcher, token_ids)
 
     def fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
         threads = fill_threads(len(rows), self.max_threads)

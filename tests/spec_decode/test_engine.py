@@ -203,9 +203,9 @@ def test_refused_at_start_up(tiny_path, spec, message):
 
 
 def test_guided_requests_beside_verify_steps(tmp_path, make_llm, monkeypatch):
-    """Guided requests get no drafts (their grammar masks one token a step); in a step where
-    other requests verify drafts their mask lands on their own logits row. Both kinds equal
-    their outputs without speculation."""
+    """Guided requests beside unguided ones in verify steps: the grammars' mask rows land on
+    the guided requests' own logits rows (tests/spec_decode/test_guided.py has guided requests
+    with drafts alone). Both kinds equal their outputs without speculation."""
     pytest.importorskip("xgrammar")
     from pagedserve.sampling_params import GuidedDecodingParams
     from tests.utils.paged import tiny_chat_model
@@ -218,7 +218,7 @@ def test_guided_requests_beside_verify_steps(tmp_path, make_llm, monkeypatch):
     params += [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 2
     from pagedserve.spec_decode import rejection_sampler
 
-    mixed = []  # verify steps that also masked a guided row
+    mixed = []  # verify steps that also masked guided rows
     expand = rejection_sampler.expand_metadata
 
     def spy(meta, layout):
