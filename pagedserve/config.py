@@ -28,6 +28,10 @@ DTYPES = {
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 
+# Items of one modality a prompt may carry unless limit_mm_per_prompt says otherwise.
+DEFAULT_MM_LIMIT = 2
+
+
 def setting(default: Any = None, help: str = "", **metadata: Any) -> Any:  # noqa: A002
     """A config field with its flag's help text (and `choices`, `flag=False`, `metavar`)."""
     if isinstance(default, list):
@@ -116,8 +120,20 @@ class ModelConfig:
     max_stop_token_ids: int = setting(1024, "most stop token ids a request may give")
     trust_remote_code: bool = setting(
         False, "refused: pagedserve runs only its own model code, never a checkpoint's")
+    # Images (or other items) one prompt may carry, per modality, as vLLM's
+    # limit_mm_per_prompt; a modality left out takes DEFAULT_MM_LIMIT. No flag here: the
+    # server parses its JSON form.
+    limit_mm_per_prompt: dict[str, int] | None = setting(
+        None, "most items of each modality one prompt may carry", flag=False)
+
+    def mm_limit(self, modality: str) -> int:
+        return (self.limit_mm_per_prompt or {}).get(modality, DEFAULT_MM_LIMIT)
 
     def __post_init__(self) -> None:
+        for modality, limit in (self.limit_mm_per_prompt or {}).items():
+            if not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an int >= 0, got "
+                                 f"{limit!r}")
         if self.trust_remote_code:
             raise ValueError("trust_remote_code: pagedserve runs only its own implementation of "
                              "each model family and never code shipped with a checkpoint; drop "
@@ -158,6 +174,16 @@ class SchedulerConfig:
         None, "most requests in one step (default: 256 on CUDA, 128 on the CPU)")
     max_num_batched_tokens: int = setting(2048, "most tokens in one step (longer prompts are "
                                                 "prefilled in chunks)")
+    # Images: the encoder's output rows kept between steps (a span prefilled in chunks reads
+    # them over several steps; a repeated image finds them), and the rows the encoder may
+    # produce in one step. None: max(max_num_batched_tokens, the largest image's rows), as
+    # vLLM sizes both.
+    encoder_cache_size: int | None = setting(
+        None, "image embedding rows kept between steps (default: max(max_num_batched_tokens, "
+              "the largest image's rows))")
+    max_num_encoder_input_tokens: int | None = setting(
+        None, "most image embedding rows the encoder computes in one step (default: as "
+              "encoder_cache_size)")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
@@ -165,6 +191,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("encoder_cache_size", "max_num_encoder_input_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 SECTIONS = ("model", "cache", "scheduler", "lora")

@@ -151,6 +151,8 @@ class _Add:
     prompt_text: str | None = None  # the text of a prompt tokenized by the caller
     pooling: PoolingParams | None = None  # an embedding request's (pooling/)
     lora_request: Any = None  # a pagedserve.lora.LoRARequest (None: the base model)
+    # {"image": [...]} or a MultiModalPrompt processed already (LLMEngine.add_request).
+    multi_modal_data: Any = None
 
 
 @dataclass
@@ -224,7 +226,8 @@ class AsyncLLM:
                           arrival_time: float | None = None,
                           prompt_text: str | None = None,
                           pooling: PoolingParams | None = None,
-                          lora_request: Any = None) -> RequestStream:
+                          lora_request: Any = None,
+                          multi_modal_data: Any = None) -> RequestStream:
         """Queue a request and wait until the engine thread accepted it (within one step).
         `prompt_text`: the text of `prompt` when the caller tokenized it (for echo).
         `pooling`: an embedding request of a pooling model (`params` then only counts it as one
@@ -232,7 +235,7 @@ class AsyncLLM:
 
         Raises ValueError for a request the engine refuses, QueueFullError when it would make
         more than `max_waiting_requests` sequences wait, and EngineDeadError when the engine is
-        not running."""
+        not running. `multi_modal_data`: the prompt's images (LLMEngine.add_request)."""
         self._check_alive()
         waiting = self.num_waiting()
         if waiting + params.n > self.max_waiting_requests:
@@ -247,7 +250,7 @@ class AsyncLLM:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._sent_seqs += params.n
         self._send(_Add(request_id, prompt, params, arrival, cache_salt, stream, ack,
-                        prompt_text, pooling, lora_request))
+                        prompt_text, pooling, lora_request, multi_modal_data))
         try:
             await ack
         except asyncio.CancelledError:
@@ -263,8 +266,10 @@ class AsyncLLM:
         return snap.stats.num_waiting + self._sent_seqs - snap.applied_seqs
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, cache_salt)
+                       cache_salt: str | None = None, multi_modal_data: Any = None
+                       ) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, cache_salt,
+                                        multi_modal_data=multi_modal_data)
         try:
             async for output in stream:
                 yield output
@@ -378,7 +383,8 @@ class AsyncLLM:
                 self.engine.add_request(command.request_id, command.prompt, command.params,
                                         command.arrival_time, command.cache_salt,
                                         prompt_text=command.prompt_text,
-                                        lora_request=command.lora_request)
+                                        lora_request=command.lora_request,
+                                        multi_modal_data=command.multi_modal_data)
         except Exception as exc:  # the caller's error; the other requests never see it
             return _resolve, (command.ack, exc)
         finally:

@@ -28,6 +28,7 @@ from pagedserve.engine.stats_log import maybe_log_stats
 from pagedserve.kv_cache import KVCacheManager
 from pagedserve.kv_cache.specs import bytes_per_slot
 from pagedserve.lora.step_cap import AdapterCap
+from pagedserve.multimodal.encoder_cache import encoder_cache_for
 from pagedserve.pooling.core_hooks import pooling_request, record_embeddings
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
@@ -75,6 +76,7 @@ class EngineCore:
                                    spec.disable_by_batch_size if spec else None)
         if config.lora.enable_lora:
             self.scheduler.lora_cap = AdapterCap(config.lora.max_loras)
+        self.scheduler.encoder_cache = encoder_cache_for(self.loaded, config.scheduler)
         self.async_scheduling = config.use_async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         # Live sequences whose sampling needs all earlier tokens on the host (see step()).
@@ -93,7 +95,7 @@ class EngineCore:
     def _start(self, config: EngineConfig, dtype: torch.dtype, device: torch.device,
                quantization: str | None, t0: float) -> None:
         """Load this rank's weights, start the runner, size and allocate the cache."""
-        from pagedserve.models.loader import load_model
+        from pagedserve.models.loader import load_model, text_config_of
 
         m = config.model
         loaded = load_model(m.model, dtype, device, m.max_model_len, m.tokenizer,
@@ -105,7 +107,7 @@ class EngineCore:
         logger.info("loaded %s (%s, %s) in %.1f s", loaded.name, dtype, device,
                     time.perf_counter() - t0)
 
-        self.runner.start_runner(loaded.model, loaded.hf_config.vocab_size,
+        self.runner.start_runner(loaded.model, text_config_of(loaded.hf_config).vocab_size,
                                  self.max_model_len, self.eos_token_id)
         self.structured_output = StructuredOutputManager(
             loaded.tokenizer, self.runner.vocab_size, device, config.scheduler.max_num_seqs,
@@ -201,7 +203,9 @@ class EngineCore:
         if r.lora is not None:  # read (and checked against the model) before it is queued
             self._lora_manager().add_request(r.lora)
         request = Request(r.request_id, r.prompt_token_ids, r.params, self.eos_token_id,
-                          r.arrival_time, r.cache_salt, lora_request=r.lora)
+                          r.arrival_time, r.cache_salt, lora_request=r.lora,
+                          mm_features=[f.feature() for f in r.mm_features or ()],
+                          mrope_positions=r.mrope_positions, mrope_delta=r.mrope_delta)
         if r.params.guided_decoding is not None:
             # One matcher per sequence; the grammar is compiled once (or found in the cache).
             request.grammar = self.structured_output.new_grammar(r.params.guided_decoding,

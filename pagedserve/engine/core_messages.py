@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from pagedserve.lora import LoRARequest
+from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
 from pagedserve.pooling.params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
@@ -43,6 +44,32 @@ class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     continuation: list[int] | None = None
     pooling: PoolingParams | None = None  # a pooling request's (pooling/)
     lora: LoRARequest | None = None  # the adapter (None: the base model)
+    mm_features: list[CoreFeature] | None = None  # the prompt's images, in order
+    mrope_positions: Any = None  # M-RoPE models: int64 numpy [3, P]
+    mrope_delta: int = 0
+
+
+class CoreFeature(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One image of a CoreRequest (multimodal.MultiModalFeature): its tensors cross the
+    socket as raw bytes with dtype and shape (core_process's tensor extension)."""
+
+    modality: str
+    identifier: str
+    offset: int
+    length: int
+    data: dict[str, Any]  # name -> torch.Tensor on the CPU
+    is_embed: Any = None  # numpy bool [length], or None: every token takes a row
+
+    @classmethod
+    def of(cls, feature: MultiModalFeature) -> CoreFeature:
+        p = feature.placeholder
+        return cls(feature.modality, feature.identifier, p.offset, p.length, feature.data,
+                   p.is_embed)
+
+    def feature(self) -> MultiModalFeature:
+        return MultiModalFeature(self.modality, self.identifier,
+                                 PlaceholderRange(self.offset, self.length, self.is_embed),
+                                 self.data)
 
 
 class CoreStats(msgspec.Struct, array_like=True):

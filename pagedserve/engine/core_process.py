@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 
 from pagedserve import envs
 from pagedserve.config import EngineConfig
@@ -41,6 +42,7 @@ from pagedserve.sampling_params import specs_parsed_by_sender
 logger = logging.getLogger(__name__)
 
 _NDARRAY_EXT = 1
+_TENSOR_EXT = 2
 # Steps the output thread may lag behind the loop before the loop waits (back-pressure).
 OUTPUT_QUEUE_STEPS = 8
 SOCKET_HWM = 64
@@ -65,6 +67,12 @@ class StepMessage(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):  # an image's processed inputs (CoreFeature.data)
+        t = obj.detach().cpu().contiguous()
+        header = msgspec.msgpack.encode((str(t.dtype).removeprefix("torch."), list(t.shape)))
+        body = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return msgspec.msgpack.Ext(_TENSOR_EXT, len(header).to_bytes(4, "little") + header
+                                   + body)
     if isinstance(obj, np.ndarray):
         arr = np.ascontiguousarray(obj)
         header = msgspec.msgpack.encode((arr.dtype.str, arr.shape))
@@ -76,10 +84,15 @@ def _enc_hook(obj: Any) -> Any:
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
-    if code != _NDARRAY_EXT:
+    if code not in (_NDARRAY_EXT, _TENSOR_EXT):
         raise NotImplementedError(f"unknown msgpack extension {code}")
     n = int.from_bytes(data[:4], "little")
     dtype, shape = msgspec.msgpack.decode(data[4:4 + n])
+    if code == _TENSOR_EXT:
+        body = bytearray(data[4 + n:])  # writable: the tensor owns a copy
+        flat = (torch.frombuffer(body, dtype=torch.uint8) if body
+                else torch.empty(0, dtype=torch.uint8))
+        return flat.view(getattr(torch, dtype)).reshape(shape)
     return np.frombuffer(data[4 + n:], dtype=np.dtype(dtype)).reshape(shape)
 
 

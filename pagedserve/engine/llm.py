@@ -15,6 +15,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.lora.request import LoRARequest, per_prompt
+from pagedserve.multimodal.chat import chat_images, render_with_images
 from pagedserve.pooling import PoolingParams, PoolingRequestOutput
 from pagedserve.pooling.classify import ClassificationRequestOutput, classification_output
 from pagedserve.pooling.front import tokenize_inputs
@@ -86,7 +87,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None]
                  | None = None) -> list[RequestOutput]:
-        """Prompts as strings, token-id lists or {"prompt_token_ids": [...]} dicts; one
+        """Prompts as strings, token-id lists or {"prompt_token_ids": [...]} dicts (or
+        {"prompt": text}), a dict with "multi_modal_data": {"image": image or [images]} for a
+        vision-language model (one placeholder, e.g. `<image>`, per image in the prompt); one
         SamplingParams for all or one per prompt; one LoRARequest for all or one per prompt
         (None: the base model). Outputs come back in prompt order."""
         if isinstance(prompts, str | dict) or (
@@ -105,7 +108,8 @@ class LLM:
             for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, _prompt_input(prompt), p, stream=False,
-                                        lora_request=lora)
+                                        lora_request=lora,
+                                        multi_modal_data=_multi_modal_data(prompt))
                 ids.append(request_id)
             return self.wait_for(ids, use_tqdm)
         except BaseException:
@@ -236,11 +240,28 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of them, rendered
-        with the model's chat template."""
+        with the model's chat template. Content may be a string or OpenAI-style parts: text,
+        and images as {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}
+        or {"type": "image_pil", "image_pil": PIL image} (vision-language models)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template)
+        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_prompt(self, messages: list[Message], add_generation_prompt: bool,
+                     chat_template: str | None) -> dict[str, Any]:
+        messages, images = chat_images(messages)
+        if not images:
+            return {"prompt_token_ids": self.apply_chat_template(messages, add_generation_prompt,
+                                                                 chat_template)}
+        processor = self.engine.mm_processor
+        if processor is None:
+            raise ValueError(f"{self.engine.model_name} takes no images: it is a text-only "
+                             "model")
+        ids = render_with_images(self.engine.tokenizer, messages, len(images),
+                                 processor.image_placeholder, add_generation_prompt,
+                                 chat_template or self.engine.chat_template)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
@@ -282,6 +303,10 @@ def _prompt_input(prompt: Prompt) -> str | list[int]:
             return prompt["prompt"]
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
     return prompt
+
+
+def _multi_modal_data(prompt: Prompt) -> Any:
+    return prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
 
 
 def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True,

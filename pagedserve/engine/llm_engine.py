@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,12 +19,15 @@ from typing import Any
 from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.core import SCORING_PARAMS
 from pagedserve.engine.core_client import InprocClient, MPClient
-from pagedserve.engine.core_messages import CoreRequest, CoreStats, StepOutput
+from pagedserve.engine.core_messages import CoreFeature, CoreRequest, CoreStats, StepOutput
 from pagedserve.engine.dp_client import DPClient
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.lora import LoRARequest
 from pagedserve.lora.adapter import check_adapter_dir
+from pagedserve.multimodal.encoder_cache import check_encoder_budget, encoder_budgets
+from pagedserve.multimodal.front import make_processor, process_prompt
+from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.pooling import PoolingParams, resolve_pooler
 from pagedserve.pooling.front import GENERATION_REFUSED, add_pooling_request
 from pagedserve.sampling_params import SamplingParams, default_sampling
@@ -82,6 +85,13 @@ class LLMEngine:
         if self.pooler_config is not None:
             logger.info("pooling model: %s", self.pooler_config.describe())
         self._structured_output: StructuredOutputManager | None = None
+        # Images in prompts: the model's processor (None: a text-only model), the limits on
+        # items per prompt, and the most embedding rows one image may take.
+        self.mm_processor = (make_processor(config.model.model, self.tokenizer)
+                             if self.pooler_config is None else None)
+        self.mm_limits = {"image": config.model.mm_limit("image")}
+        self.encoder_cache_size = encoder_budgets(
+            config.scheduler, self.mm_processor.max_image_tokens if self.mm_processor else 0)[0]
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
@@ -202,12 +212,17 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None, stream: bool = True,
-                    prompt_text: str | None = None, lora_request: LoRARequest | None = None
+                    prompt_text: str | None = None, lora_request: LoRARequest | None = None,
+                    multi_modal_data: Mapping[str, Any] | MultiModalPrompt | None = None
                     ) -> None:
         """Queue a request; `n` > 1 fans out into n sequences sharing the prompt (a seeded
         request's i-th sequence uses seed + i). With `stream=False` step() reports the request
         only when it finishes. `prompt_text`: the text of token-id `prompt` (its outputs'
-        `prompt`), when the caller tokenized it."""
+        `prompt`), when the caller tokenized it. `multi_modal_data`: the prompt's images,
+        {"image": PIL image, tensor of embeddings, or a list of them}, one placeholder each in
+        the prompt, expanded here (outputs' prompt_token_ids are the expanded ids); or a
+        MultiModalPrompt that `multimodal.front.process_prompt` made already (its ids are the
+        prompt, `prompt` only its text)."""
         self._check_new_id(request_id)
         if self.pooler_config is not None:
             raise ValueError(GENERATION_REFUSED)
@@ -216,6 +231,9 @@ class LLMEngine:
             cache_salt.encode("utf-8")  # hashed with the blocks: UnicodeEncodeError here, not there
         text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        mm = self.process_images(token_ids, multi_modal_data)
+        if mm is not None:
+            token_ids = mm.prompt_token_ids
         self.validate_prompt(token_ids, params)
         self.check_sampling(params)
         if params.guided_decoding is not None and not isinstance(self.client, InprocClient):
@@ -233,9 +251,30 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.check_lora(lora_request)
+        features = [CoreFeature.of(f) for f in mm.features] if mm and mm.features else None
+        mrope = dict(mrope_positions=mm.mrope_positions,
+                     mrope_delta=mm.mrope_delta) if mm and mm.mrope_positions is not None else {}
         self._add(state, [CoreRequest(seq_id, token_ids, child, arrival, cache_salt,
-                                      lora=lora_request)
+                                      lora=lora_request, mm_features=features, **mrope)
                           for seq_id, child in zip(ids, children, strict=True)])
+
+    def process_images(self, token_ids: list[int],
+                       multi_modal_data: Mapping[str, Any] | MultiModalPrompt | None
+                       ) -> MultiModalPrompt | None:
+        """A prompt's images processed and checked (None: it has none)."""
+        if multi_modal_data is None:
+            return None
+        if isinstance(multi_modal_data, MultiModalPrompt):
+            mm = multi_modal_data
+            if mm.features and self.mm_processor is None:
+                raise ValueError(f"{self.model_name} takes no images: it is a text-only model")
+        else:
+            mm = process_prompt(self.mm_processor, token_ids, multi_modal_data,
+                                self.mm_limits, self.model_name)
+        if not mm.features:
+            return None
+        check_encoder_budget(mm.features, self.encoder_cache_size)
+        return mm
 
     def add_scoring_request(self, request_id: str, prompt: list[int], continuation: list[int],
                             mode: str = "decode", stream: bool = False) -> None:

@@ -38,6 +38,7 @@ from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
 from pagedserve.kv_cache.specs import StateSpec
 from pagedserve.lora.manager import make_lora_manager
+from pagedserve.multimodal.runner import MultiModalRunner
 from pagedserve.pooling.config import resolve_pooler
 from pagedserve.pooling.step import StepPooler, host_rows
 from pagedserve.scheduler import Request, SchedulerOutput
@@ -90,6 +91,9 @@ class ModelRunner:
             self._bind_attention_layers()
         if self.speculator is not None:
             self.speculator.check_layout(self.kv_layout)
+        # Images in prompts (multimodal/): a vision-language model's encoders and the store of
+        # their rows; None for a text model, whose steps never look at images.
+        self.mm = MultiModalRunner.for_runner(self)
 
         self.num_kv_groups = len(self.kv_layout.groups) if self.kv_layout else 1
         self.input_batch = InputBatch(self.max_num_reqs, max_model_len, self.max_blocks_per_seq,
@@ -272,7 +276,8 @@ class ModelRunner:
         # A decode step whose every id is a sample still on the device needs no host ids.
         input_ids = (self.input_ids.upload(0, t) if num_patched < t
                      else self.input_ids.device[:t])
-        graph_size = self.decode_graphs.prepare(commons) if self.decode_graphs else None
+        graph_size = (self.decode_graphs.prepare(commons)
+                      if self.decode_graphs and not batch.embeds_images else None)
         attn_metadata = state_metadata = None
         if graph_size is None:
             group = self.builder_group
@@ -294,9 +299,12 @@ class ModelRunner:
         if graph_size is not None:
             self._ran_graph = True
             return self.decode_graphs.replay(graph_size, common.num_reqs)
+        embeds = (self.mm.step_embeds(batch, input_ids, common.query_start_loc_cpu)
+                  if self.mm is not None else None)
         with set_forward_context(attn_metadata, self.kv_caches, self.state_caches,
                                  state_metadata):
-            hidden = self.model(input_ids, common.positions)
+            hidden = (self.model(input_ids, common.positions) if embeds is None
+                      else self.model(input_ids, common.positions, inputs_embeds=embeds))
             if self.speculator is not None:
                 self.speculator.forward_step(input_ids, common.positions, hidden)
             return hidden

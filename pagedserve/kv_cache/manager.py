@@ -27,6 +27,7 @@ class CacheableRequest(Protocol):
     lora_int_id: int  # 0: the base model
     skip_prefix_cache: bool
     state_slot: int
+    mm_features: list  # multimodal.MultiModalFeature; [] for a text prompt
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: str | None) -> bytes:
@@ -44,6 +45,21 @@ def _lora_bytes(lora_int_id: int) -> bytes:
     """An adapter's blocks hash apart from the base's and each other's (K/V differ). Fixed
     width and a tag byte of its own, so no cache_salt can spell the same bytes."""
     return b"\x02lora:" + lora_int_id.to_bytes(8, "little") if lora_int_id else b""
+
+
+def _image_keys(features: list, first: int, end: int, block_size: int) -> list[bytes]:
+    """For blocks first..end-1, the identifiers of the images whose placeholder span touches
+    each one: the same tokens with another image must not share the block's K/V (an image's
+    tokens are all the same placeholder id)."""
+    keys = [b""] * (end - first)
+    for feature in features:
+        p = feature.placeholder
+        lo = max(p.offset // block_size, first)
+        hi = min((p.end - 1) // block_size + 1, end)
+        tag = b"\x03mm:" + feature.identifier.encode()
+        for block in range(lo, hi):
+            keys[block - first] += tag
+    return keys
 
 
 _sha256 = hashlib.sha256
@@ -179,8 +195,11 @@ class KVCacheManager:
         # then hash_block's digest per block.
         data = _pack_int64(request.all_token_ids[start * bs:num_full_blocks * bs])
         width = bs * 8
-        for offset in range(0, len(data), width):
-            parent = _sha256(parent + data[offset:offset + width] + salt).digest()
+        features = getattr(request, "mm_features", None)  # (test stand-ins may lack it)
+        images = _image_keys(features, start, num_full_blocks, bs) if features else None
+        for i, offset in enumerate(range(0, len(data), width)):
+            key = salt if images is None else salt + images[i]
+            parent = _sha256(parent + data[offset:offset + width] + key).digest()
             hashes.append(parent)
         return hashes
 

@@ -173,8 +173,11 @@ class LlamaModel(nn.Module):
         self.tap_layers: tuple[int, ...] = ()
         self.tapped: dict[int, torch.Tensor] = {}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds` [T, hidden]: the step's embeddings when a vision-language model
+        has written image rows over some of them (the ids are then not embedded)."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for i, layer in enumerate(self.layers):
             if i in self.tap_layers:

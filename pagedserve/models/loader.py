@@ -227,7 +227,7 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,
     # With tensor parallelism each rank reads only its slices of the sharded tensors.
     weights = safetensors_weights(path, lazy=tp_world_size() > 1)
     config, weights = as_causal_family(*text_decoder(AutoConfig.from_pretrained(path), weights))
-    max_len = resolve_max_model_len(max_model_len, config)
+    max_len = resolve_max_model_len(max_model_len, text_config_of(config))
     module = build_model(config, dtype, device, weights, quantization)
     tokenizer = None
     if any((path / f).is_file() for f in _TOKENIZER_FILES):
@@ -240,8 +240,14 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, device: torch.device,
     return LoadedModel(
         model=module, hf_config=config, tokenizer=tokenizer,
         generation_config=generation_config, max_model_len=max_len,
-        eos_token_ids=_eos_token_ids(generation_config, config, tokenizer),
+        eos_token_ids=_eos_token_ids(generation_config, text_config_of(config), tokenizer),
         chat_template=_chat_template(tokenizer), name=path.name)
+
+
+def text_config_of(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder's config: a vision-language model's `text_config`, else the config."""
+    text = getattr(config, "text_config", None)
+    return text if isinstance(text, PretrainedConfig) else config
 
 
 def safetensors_weights(path: Path, lazy: bool = False

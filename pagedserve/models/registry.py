@@ -33,6 +33,8 @@ _MODELS: dict[str, str] = {
     "Qwen3NextForCausalLM": "pagedserve.models.qwen3_next:Qwen3NextForCausalLM",
     "Lfm2ForCausalLM": "pagedserve.models.lfm2:Lfm2ForCausalLM",
     "MiniMaxForCausalLM": "pagedserve.models.minimax:MiniMaxForCausalLM",
+    # Vision-language models (images in prompts: pagedserve/multimodal).
+    "LlavaForConditionalGeneration": "pagedserve.models.llava:LlavaForConditionalGeneration",
     # Encoders (pooling only: encoder-only attention, no KV cache).
     "BertModel": "pagedserve.models.bert:BertModel",
     "BertForSequenceClassification": "pagedserve.models.bert:BertForSequenceClassification",

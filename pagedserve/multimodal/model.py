@@ -23,6 +23,12 @@ class SupportsMultiModal:
     # (processing.MultiModalProcessor subclass).
     processor_cls: ClassVar[Any] = None
 
+    @classmethod
+    def max_tokens_per_image(cls, hf_config: Any) -> int:
+        """The most embedding rows one image may take (the encoder cache's default size is at
+        least this); 0 when it has no bound known before requests come."""
+        return 0
+
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
         """The encoder (vision tower and projector) over several images at once: one
         [placeholder.num_embeds, hidden] tensor per feature, in the model's dtype."""

@@ -4,7 +4,10 @@ default image processors need torchvision, which the engine does not depend on).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
+
+import torch
 
 from pagedserve.multimodal.inputs import MultiModalPrompt
 
@@ -23,9 +26,26 @@ class MultiModalProcessor:
     # and what `LLM.generate`'s prompts carry): `<|vision_start|><|image_pad|><|vision_end|>`
     # for the Qwen family, `<image>` for LLaVA.
     image_placeholder: str = ""
+    # The most embedding rows one image may take (the model class's max_tokens_per_image;
+    # 0: unknown), set by front.make_processor.
+    max_image_tokens: int = 0
 
     def process(self, prompt_token_ids: list[int], images: list[Any]) -> MultiModalPrompt:
         """Expand each image's placeholder in `prompt_token_ids` (in order) to its tokens.
         `images`: PIL images, or precomputed embeddings (torch tensors [n, hidden]). Raises
         ValueError naming the problem when placeholders and images do not match."""
         raise NotImplementedError
+
+
+def tensors_identifier(data: dict[str, torch.Tensor], *extra: object) -> str:
+    """A hex digest of an item's processed tensors (names, dtypes, shapes, bytes) and any
+    settings passed in `extra`: equal digests mean equal encoder inputs, so the encoder's rows
+    and the K/V of the placeholders they fill may be shared."""
+    h = hashlib.sha256()
+    for name in sorted(data):
+        t = data[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    for item in extra:
+        h.update(repr(item).encode())
+    return h.hexdigest()

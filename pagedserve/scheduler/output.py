@@ -37,6 +37,13 @@ class SchedulerOutput:
     # with K drafts runs 1 + K new tokens.
     num_draft_tokens: np.ndarray | None = None
     draft_token_ids: list[list[int]] | None = None
+    # Images (multimodal/): request id -> indices into its mm_features of the images whose
+    # encoders run this step; whether any request's new tokens include image placeholders
+    # (the runner then builds inputs_embeds; a step without them runs as a text step); the
+    # identifiers whose rows the runner's store drops before this step's encoders run.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    embeds_images: bool = False
+    free_encoder_identifiers: list[str] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -68,13 +68,14 @@ class Request:
                  "state_slot", "forced_output_ids", "score_from", "skip_prefix_cache",
                  "needs_logits", "needs_host_history", "grammar", "max_tokens", "min_tokens",
                  "end_token_ids", "spec_token_ids", "pooling", "lora_request",
-                 "lora_int_id")
+                 "lora_int_id", "mm_features", "mrope_positions", "mrope_delta")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
                  arrival_time: float | None = None, cache_salt: str | None = None,
                  scoring: ScoringTask | None = None, pooling: Any = None,
-                 lora_request: Any = None) -> None:
+                 lora_request: Any = None, mm_features: list[Any] | None = None,
+                 mrope_positions: Any = None, mrope_delta: int = 0) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must have at least one token")
         self.request_id = request_id
@@ -97,6 +98,13 @@ class Request:
         # The adapter (a pagedserve.lora.LoRARequest; None and id 0: the base model).
         self.lora_request = lora_request
         self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
+        # Images (multimodal.MultiModalFeature, in prompt order; [] for a text prompt): where
+        # each one's placeholder tokens lie, its processed inputs and its identifier.
+        self.mm_features: list[Any] = mm_features or []
+        # M-RoPE models: int64 [3, num_prompt_tokens] prompt positions, and the offset of the
+        # positions after the prompt (token i at i + mrope_delta on every row).
+        self.mrope_positions = mrope_positions
+        self.mrope_delta = mrope_delta
         self.status = RequestStatus.WAITING
         # Tokens whose K/V is in the cache or being written by a step already scheduled (the
         # scheduler advances it when it schedules them).

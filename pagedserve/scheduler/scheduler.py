@@ -11,6 +11,7 @@ import numpy as np
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache import KVCacheManager
+from pagedserve.multimodal.encoder_cache import EncoderCacheManager, check_encoder_budget
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.spec_decode.metrics import SpecDecodeStats
@@ -42,6 +43,8 @@ class Scheduler:
         self._drafting = False  # this step's: decided once, as it starts
         # LoRA's cap on distinct adapters per step (pagedserve.lora.step_cap; None: LoRA off).
         self.lora_cap = None
+        # Images: the encoder cache's budget (multimodal.encoder_cache; None: a text model).
+        self.encoder_cache: EncoderCacheManager | None = None
 
     @property
     def speculating(self) -> bool:
@@ -66,6 +69,13 @@ class Scheduler:
                 f"request {request.request_id!r} may need {worst_case} tokens of KV cache"
                 f"{groups} but the pool holds only {self.kv.num_blocks * self.kv.block_size}: "
                 "raise the KV cache memory or lower max_tokens")
+        if request.mm_features:
+            if self.encoder_cache is None:
+                raise ValueError(f"request {request.request_id!r} has images, but this model "
+                                 "takes none")
+            ec = self.encoder_cache
+            check_encoder_budget(request.mm_features, ec.cache_size, ec.compute_budget,
+                                 ec.span_limit)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -87,6 +97,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if request.mm_features:
+            self.encoder_cache.release(request)
         self.kv.free(request)
         self.kv.forget(request)
         del self.requests[request.request_id]
@@ -122,6 +134,9 @@ class Scheduler:
         lora_cap = self.lora_cap
         if lora_cap is not None:
             lora_cap.begin()
+        encoder_cache = self.encoder_cache
+        if encoder_cache is not None:
+            encoder_cache.begin_step()
 
         # Running requests first (decodes and unfinished prompt chunks), in admission order.
         # The per-request work of a long batch of decodes lives here: kept flat on purpose.
@@ -138,6 +153,14 @@ class Scheduler:
                 i += 1  # its in-flight sample is its last: another step would be wasted
                 continue
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
+            to_encode = None
+            if request.mm_features and request.num_computed_tokens < request.mm_features[
+                    -1].placeholder.end:  # a prompt chunk that may reach an image
+                num_new, to_encode = encoder_cache.plan(request, request.num_computed_tokens,
+                                                        num_new)
+                if not num_new:
+                    i += 1  # its next image must wait for a step with room for its encoder
+                    continue
             drafts = request.spec_token_ids
             if drafts:  # its last verified token, then as many drafts as fit (used once)
                 request.spec_token_ids = []
@@ -155,6 +178,9 @@ class Scheduler:
                 blocks = kv.allocate_slots(request, slots)
             if blocks is None:
                 break
+            if to_encode is not None:
+                step.add_images(request, to_encode, request.num_computed_tokens, num_new,
+                                encoder_cache)
             # _StepPlan.add, inlined for the hot loop.
             computed = request.num_computed_tokens
             sample = computed + num_new >= request.num_tokens + pending
@@ -184,6 +210,11 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if request.pooling is not None and num_new < request.num_tokens:
                 break  # a pooling request runs whole: it waits for a step with room for it
+            to_encode = None
+            if request.mm_features:
+                num_new, to_encode = encoder_cache.plan(request, num_hit_tokens, num_new)
+                if not num_new:
+                    break  # FCFS: its first image waits for a step with room for its encoder
             slots = num_new + self._lookahead(num_hit_tokens + num_new) if self.lookahead \
                 else num_new
             blocks = kv.allocate_slots(request, slots, hits)
@@ -195,6 +226,8 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
+            if to_encode is not None:
+                step.add_images(request, to_encode, num_hit_tokens, num_new, encoder_cache)
             running.append(request)
             step.add(request, num_new, kv.group_block_ids(request.request_id), True)
             budget -= num_new
@@ -204,6 +237,8 @@ class Scheduler:
         freed: list[str] = []
         if step.requests:
             freed, self._freed_ids = self._freed_ids, []
+            if encoder_cache is not None:
+                step.free_encoder_identifiers = encoder_cache.take_freed()
         return step.output(freed, num_preempted, context_written_in_step)
 
     def _lookahead(self, end: int) -> int:
@@ -227,6 +262,8 @@ class Scheduler:
         """Recompute policy: drop the request's KV and put it back at the head of the queue; its
         output so far is kept and becomes part of the prompt it recomputes."""
         self.kv.free(request)
+        if request.mm_features:
+            self.encoder_cache.release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -353,6 +390,22 @@ class _StepPlan:
         self.block_ids: list[tuple[list[int], ...]] = []
         self.is_new: list[bool] = []
         self.drafts: dict[int, list[int]] = {}  # index in `requests` -> drafts scheduled
+        # Images: request id -> indices of its images encoded this step; whether the step's
+        # tokens include image placeholders; the encoder cache's evictions since the last step.
+        self.encoder_inputs: dict[str, list[int]] = {}
+        self.embeds_images = False
+        self.free_encoder_identifiers: list[str] = []
+
+    def add_images(self, request: Request, to_encode: list[int], start: int, num_new: int,
+                   encoder_cache: EncoderCacheManager) -> None:
+        """A request whose chunk start..start+num_new-1 may reach its images."""
+        encoder_cache.commit(request, to_encode, start, num_new)
+        if to_encode:
+            self.encoder_inputs[request.request_id] = to_encode
+        end = start + num_new
+        if not self.embeds_images:
+            self.embeds_images = any(f.placeholder.offset < end and f.placeholder.end > start
+                                     for f in request.mm_features)
 
     def add(self, request: Request, num_new: int, block_ids: tuple[list[int], ...],
             is_new: bool) -> None:
@@ -397,4 +450,6 @@ class _StepPlan:
             new_block_ids=block_ids, is_new=is_new, num_prefills=num_prefills,
             will_sample=will_sample, freed_request_ids=freed, num_preempted=num_preempted,
             context_written_in_step=context_written_in_step, num_draft_tokens=num_drafts,
-            draft_token_ids=draft_ids)
+            draft_token_ids=draft_ids, scheduled_encoder_inputs=self.encoder_inputs,
+            embeds_images=self.embeds_images,
+            free_encoder_identifiers=self.free_encoder_identifiers)

@@ -1,0 +1,372 @@
+"""LLaVA-1.5 (`LlavaForConditionalGeneration`): a CLIP vision tower, a two-layer projector and
+a Llama-family decoder (models/llama.py).
+
+An image is resized and cropped by CLIP's image processor (transformers' PIL variant: no
+torchvision), cut into patches, and run through the tower with a class token; the hidden states
+of `vision_feature_layer` (-2: the second to last layer's output), without the class token
+under the "default" strategy, go through the projector: one decoder embedding per patch. The
+prompt's `<image>` is expanded to that many image tokens, whose embeddings the runner replaces
+by the projector's rows (multimodal/runner.py). The tower's attention is bidirectional within
+each image, through the attention backend's encoder path (multimodal/encoder_attention.py).
+
+Weights load from transformers' `save_pretrained` layouts: `vision_tower.*`,
+`multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*` (published
+checkpoints, and transformers 5's saves, whose tower lacks the `vision_model.` level), or
+`model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`, `lm_head.*`
+(transformers 4.52 to 4.5x).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from pagedserve.attention.layer import Attention
+from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from pagedserve.multimodal.encoder_attention import EncoderAttention
+from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
+from pagedserve.multimodal.model import SupportsMultiModal
+from pagedserve.multimodal.processing import MultiModalProcessor, tensors_identifier
+
+# The decoder families a LLaVA checkpoint may carry, by text_config.model_type.
+_DECODERS: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
+# Checkpoint prefix -> ours (longest first: the 4.52+ names contain the older ones).
+_PREFIXES = (("model.language_model.", "language_model.model."),
+             ("language_model.model.", "language_model.model."),
+             ("language_model.lm_head.", "language_model.lm_head."),
+             ("lm_head.", "language_model.lm_head."),
+             ("model.vision_tower.", "vision_tower."),
+             ("vision_tower.", "vision_tower."),
+             ("model.multi_modal_projector.", "multi_modal_projector."),
+             ("multi_modal_projector.", "multi_modal_projector."))
+
+
+def feature_layers(config: PretrainedConfig) -> list[int]:
+    """The tower's hidden states the projector reads, as indices into (embeddings, layer 1
+    output, ..., layer L output)."""
+    layers = config.vision_feature_layer
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    n = config.vision_config.num_hidden_layers
+    return [i if i >= 0 else n + 1 + i for i in layers]
+
+
+def image_tokens(config: PretrainedConfig) -> int:
+    """Decoder tokens of one image: a patch each, and the class token under "full"."""
+    v = config.vision_config
+    patches = (v.image_size // v.patch_size) ** 2
+    return patches + (config.vision_feature_select_strategy == "full")
+
+
+def check_config(config: PretrainedConfig) -> None:
+    strategy = config.vision_feature_select_strategy
+    if strategy not in ("default", "full"):
+        raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported "
+                         "(default or full)")
+    vision_type = getattr(config.vision_config, "model_type", "")
+    if vision_type != "clip_vision_model":
+        raise ValueError(f"LLaVA with a {vision_type!r} vision tower is not supported (CLIP "
+                         "only)")
+    text_type = getattr(config.text_config, "model_type", "")
+    if text_type not in _DECODERS:
+        raise ValueError(f"LLaVA with a {text_type!r} decoder is not supported (supported: "
+                         f"{', '.join(_DECODERS)})")
+    if any(not -config.vision_config.num_hidden_layers - 1 <= i
+           <= config.vision_config.num_hidden_layers for i in (
+               [config.vision_feature_layer] if isinstance(config.vision_feature_layer, int)
+               else config.vision_feature_layer)):
+        raise ValueError(f"vision_feature_layer {config.vision_feature_layer} is out of range")
+
+
+# ---- the processor ---------------------------------------------------------------------------
+
+class LlavaProcessor(MultiModalProcessor):
+    """`<image>` -> one image token per embedding row; pixels by CLIP's image processor."""
+
+    image_placeholder = "<image>"
+
+    def __init__(self, hf_config: Any, tokenizer: Any, model_path: str | None) -> None:
+        super().__init__(hf_config, tokenizer, model_path)
+        from transformers import CLIPImageProcessorPil
+
+        check_config(hf_config)
+        self.image_token_id = int(hf_config.image_token_id)
+        self.num_image_tokens = image_tokens(hf_config)
+        if model_path is None or not (Path(model_path) / "preprocessor_config.json").is_file():
+            raise ValueError(f"{model_path}: a LLaVA checkpoint needs its "
+                             "preprocessor_config.json (the CLIP image processor's settings)")
+        self.image_processor = CLIPImageProcessorPil.from_pretrained(model_path)
+        if tokenizer is not None:
+            self.image_placeholder = tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def process(self, prompt_token_ids: list[int], images: list[Any]) -> MultiModalPrompt:
+        ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        where = np.flatnonzero(ids == self.image_token_id)
+        if len(where) != len(images):
+            raise ValueError(f"the prompt has {len(where)} {self.image_placeholder} "
+                             f"placeholders but {len(images)} images were given: put one "
+                             f"{self.image_placeholder} where each image goes")
+        datas = self._image_data(images)
+        n = self.num_image_tokens
+        hidden = self.hf_config.text_config.hidden_size
+        out: list[int] = []
+        features: list[MultiModalFeature] = []
+        start = 0
+        for i, (pos, data) in enumerate(zip(where.tolist(), datas, strict=True)):
+            rows = n
+            if "image_embeds" in data:
+                rows, width = data["image_embeds"].shape
+                if width != hidden:
+                    raise ValueError(f"image {i}: embeddings of width {width}, the model's "
+                                     f"hidden size is {hidden}")
+            out += prompt_token_ids[start:pos]
+            placeholder = PlaceholderRange(len(out), rows)
+            out += [self.image_token_id] * rows
+            start = pos + 1
+            features.append(MultiModalFeature("image", tensors_identifier(data, "llava"),
+                                              placeholder, data))
+        out += prompt_token_ids[start:]
+        return MultiModalPrompt(out, features)
+
+    def _image_data(self, images: list[Any]) -> list[dict[str, torch.Tensor]]:
+        pil = [i for i, im in enumerate(images) if not isinstance(im, torch.Tensor)]
+        datas: list[dict[str, torch.Tensor]] = [{} for _ in images]
+        if pil:
+            pixels = self.image_processor(images=[images[i] for i in pil],
+                                          return_tensors="pt")["pixel_values"]
+            for i, p in zip(pil, pixels, strict=True):
+                datas[i] = {"pixel_values": p.contiguous()}
+        for i, im in enumerate(images):
+            if isinstance(im, torch.Tensor):
+                datas[i] = {"image_embeds": im.detach().cpu().contiguous()}
+        return datas
+
+
+# ---- the vision tower ------------------------------------------------------------------------
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+class CLIPVisionEmbeddings(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        h, p = config.hidden_size, config.patch_size
+        self.class_embedding = nn.Parameter(torch.empty(h))
+        self.patch_embedding = nn.Conv2d(config.num_channels, h, p, stride=p, bias=False)
+        num_positions = (config.image_size // p) ** 2 + 1
+        self.position_embedding = nn.Embedding(num_positions, h)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> [N, 1 + patches, hidden]: the class token, then the patches."""
+        dtype = self.patch_embedding.weight.dtype
+        patches = self.patch_embedding(pixel_values.to(dtype)).flatten(2).transpose(1, 2)
+        cls = self.class_embedding.expand(patches.shape[0], 1, -1)
+        x = torch.cat([cls, patches], dim=1)
+        if x.shape[1] != self.position_embedding.num_embeddings:
+            raise ValueError(f"an image of {x.shape[1] - 1} patches; the tower was trained on "
+                             f"{self.position_embedding.num_embeddings - 1}")
+        return x + self.position_embedding.weight
+
+
+class CLIPAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        h, heads = config.hidden_size, config.num_attention_heads
+        head = h // heads
+        self.q_proj = nn.Linear(h, h)
+        self.k_proj = nn.Linear(h, h)
+        self.v_proj = nn.Linear(h, h)
+        self.out_proj = nn.Linear(h, h)
+        self.attn = EncoderAttention(heads, head, head ** -0.5)
+
+    def forward(self, x: torch.Tensor, md: Any) -> torch.Tensor:
+        return self.out_proj(self.attn(self.q_proj(x), self.k_proj(x), self.v_proj(x), md))
+
+
+class CLIPMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        act = config.hidden_act
+        self.act = quick_gelu if act == "quick_gelu" else ACT2FN[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class CLIPEncoderLayer(nn.Module):
+    """Pre-norm: x + attn(LN(x)), then x + mlp(LN(x))."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        eps = config.layer_norm_eps
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.self_attn = CLIPAttention(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.mlp = CLIPMLP(config)
+
+    def forward(self, x: torch.Tensor, md: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), md)
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class CLIPEncoder(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CLIPEncoderLayer(config)
+                                    for _ in range(config.num_hidden_layers))
+
+
+class CLIPVisionTransformer(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.embeddings = CLIPVisionEmbeddings(config)
+        self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.encoder = CLIPEncoder(config)
+        # In the checkpoint; LLaVA reads hidden states before it, so it is never run.
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def hidden_states(self, pixel_values: torch.Tensor, wanted: list[int]
+                      ) -> list[torch.Tensor]:
+        """The hidden states `wanted` (0: the embeddings after pre_layrnorm, i: layer i's
+        output), each [N, 1 + patches, hidden]; layers past the last wanted are not run."""
+        x = self.pre_layrnorm(self.embeddings(pixel_values))
+        n, length, h = x.shape
+        layer0 = self.encoder.layers[0].self_attn.attn
+        md = layer0.binding.metadata(np.full(n, length, dtype=np.int32))
+        x = x.reshape(n * length, h)  # packed: image i is rows i*length..(i+1)*length-1
+        out = {0: x} if 0 in wanted else {}
+        for i, layer in enumerate(self.encoder.layers[:max(wanted)], start=1):
+            x = layer(x, md)
+            if i in wanted:
+                out[i] = x
+        return [out[i].view(n, length, h) for i in wanted]
+
+
+class CLIPVisionModel(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.vision_model = CLIPVisionTransformer(config)
+
+
+class LlavaMultiModalProjector(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        width = config.vision_config.hidden_size * len(feature_layers(config))
+        hidden = config.text_config.hidden_size
+        bias = getattr(config, "multimodal_projector_bias", True)
+        self.linear_1 = nn.Linear(width, hidden, bias=bias)
+        self.act = ACT2FN[config.projector_hidden_act]
+        self.linear_2 = nn.Linear(hidden, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+# ---- the model -------------------------------------------------------------------------------
+
+class LlavaForConditionalGeneration(SupportsMultiModal, nn.Module):
+    processor_cls = LlavaProcessor
+    supports_int8 = False
+    supports_quantized_checkpoints = False
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        check_config(config)
+        self.config = config
+        text = config.text_config
+        if getattr(config, "tie_word_embeddings", False):
+            text.tie_word_embeddings = True
+        self.vision_tower = CLIPVisionModel(config.vision_config)
+        self.multi_modal_projector = LlavaMultiModalProjector(config)
+        self.language_model = _DECODERS[text.model_type](text)
+        self.feature_layers = feature_layers(config)
+        self.drop_cls = config.vision_feature_select_strategy == "default"
+
+    @classmethod
+    def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
+        return image_tokens(hf_config)
+
+    # ---- what the runner calls ---------------------------------------------------------------
+
+    def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(features)
+        dtype = self.multi_modal_projector.linear_1.weight.dtype
+        device = self.multi_modal_projector.linear_1.weight.device
+        pixels = [i for i, f in enumerate(features) if "pixel_values" in f.data]
+        if pixels:
+            batch = torch.stack([features[i].data["pixel_values"] for i in pixels]).to(device)
+            states = self.vision_tower.vision_model.hidden_states(batch, self.feature_layers)
+            if self.drop_cls:
+                states = [s[:, 1:] for s in states]
+            rows = self.multi_modal_projector(torch.cat(states, dim=-1))
+            for j, i in enumerate(pixels):
+                out[i] = rows[j]
+        for i, f in enumerate(features):
+            if "image_embeds" in f.data:
+                out[i] = f.data["image_embeds"].to(device=device, dtype=dtype)
+        return out
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return self.language_model.attention_layers()
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The decoder's tensors through its own loader (fused q/k/v and gate/up, coverage
+        check, rope caches); the tower's and projector's copied one to one. Every parameter
+        must be given."""
+        decoder: list[tuple[str, torch.Tensor]] = []
+        params = {n: p for n, p in self.named_parameters()
+                  if not n.startswith("language_model.")}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            ours = _our_name(name)
+            if ours.startswith("language_model."):
+                decoder.append((ours[len("language_model."):], tensor))
+                continue
+            if ours not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
+                                 f"{type(self).__name__}")
+            param = params[ours]
+            if param.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape "
+                                 f"{tuple(tensor.shape)}, the model expects "
+                                 f"{tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(ours)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        self.language_model.load_weights(decoder)
+
+
+def _our_name(name: str) -> str:
+    for prefix, ours in _PREFIXES:
+        if name.startswith(prefix):
+            name = ours + name[len(prefix):]
+            # The tower's own prefix: `vision_model.` in published checkpoints, none in
+            # transformers 5's saves.
+            if ours == "vision_tower." and not name.startswith("vision_tower.vision_model."):
+                name = "vision_tower.vision_model." + name[len(ours):]
+            return name
+    raise ValueError(f"checkpoint tensor {name!r} is not part of a LLaVA checkpoint")

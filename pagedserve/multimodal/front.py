@@ -1,0 +1,99 @@
+"""What the front does with a prompt's images before the engine sees them: checks them
+against the model and the engine's limits, and runs the model's processor (placeholders
+expanded, pixels preprocessed, each image's identifier). `process_prompt` is a pure function
+of its arguments, so a server may run it on a worker pool off its event loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedserve.multimodal.inputs import MultiModalPrompt
+from pagedserve.multimodal.processing import MultiModalProcessor
+
+logger = logging.getLogger(__name__)
+
+MODALITIES = ("image",)
+
+
+def make_processor(model: str | None, tokenizer: Any) -> MultiModalProcessor | None:
+    """The processor of the model at `model` (a Hugging Face directory) when its class takes
+    images; None for text-only models (and GGUF files or random weights)."""
+    if model is None or model.startswith("random:"):
+        return None
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    from pagedserve.models.registry import get_model_cls
+
+    config = AutoConfig.from_pretrained(path)
+    try:
+        cls = get_model_cls(config)
+    except ValueError:
+        return None
+    if not getattr(cls, "supports_multimodal", False):
+        return None
+    processor = cls.processor_cls(config, tokenizer, str(path))
+    processor.max_image_tokens = cls.max_tokens_per_image(config)
+    return processor
+
+
+def image_items(multi_modal_data: Mapping[str, Any] | None) -> list[Any]:
+    """The images of vLLM's `multi_modal_data` ({"image": item or [item, ...]}), in order; an
+    unknown modality is refused by name."""
+    if not multi_modal_data:
+        return []
+    if not isinstance(multi_modal_data, Mapping):
+        raise ValueError(f"multi_modal_data must be a dict such as {{'image': [...]}}, got "
+                         f"{type(multi_modal_data).__name__}")
+    unknown = [k for k in multi_modal_data if k not in MODALITIES]
+    if unknown:
+        raise ValueError(f"multi_modal_data modality {unknown[0]!r} is not supported "
+                         f"(supported: {', '.join(MODALITIES)})")
+    items = multi_modal_data.get("image")
+    if items is None:
+        return []
+    return list(items) if isinstance(items, list | tuple) else [items]
+
+
+def check_image(item: Any, index: int) -> None:
+    """A PIL image, or precomputed embeddings (a 2-D float tensor)."""
+    from PIL import Image
+
+    if isinstance(item, Image.Image):
+        return
+    if isinstance(item, torch.Tensor):
+        if item.ndim != 2 or not item.is_floating_point():
+            raise ValueError(f"image {index}: embeddings must be a 2-D float tensor "
+                             f"[tokens, hidden], got {tuple(item.shape)} {item.dtype}")
+        return
+    raise ValueError(f"image {index} must be a PIL.Image.Image or a tensor of embeddings, got "
+                     f"{type(item).__name__}")
+
+
+def process_prompt(processor: MultiModalProcessor | None, prompt_token_ids: list[int],
+                   multi_modal_data: Mapping[str, Any] | None,
+                   limits: Mapping[str, int] | None = None,
+                   model_name: str = "this model") -> MultiModalPrompt:
+    """The prompt with its images processed: placeholders expanded, one MultiModalFeature per
+    image. `limits`: most items per modality (the engine's limit_mm_per_prompt). Raises
+    ValueError naming the problem: images for a text-only model, too many images, a bad item,
+    placeholders that do not match the images."""
+    images = image_items(multi_modal_data)
+    if not images:
+        return MultiModalPrompt(list(prompt_token_ids), [])
+    if processor is None:
+        raise ValueError(f"{model_name} takes no images: it is a text-only model")
+    limit = (limits or {}).get("image")
+    if limit is not None and len(images) > limit:
+        raise ValueError(f"the prompt has {len(images)} images, more than the limit of {limit} "
+                         "per prompt (limit_mm_per_prompt)")
+    for i, item in enumerate(images):
+        check_image(item, i)
+    return processor.process(list(prompt_token_ids), images)

@@ -1,0 +1,151 @@
+"""The model runner's side of images: the encoder outputs kept by image identifier, the
+step's encoders run in one call, and the step's input embeddings with the images' rows written
+over their placeholder tokens.
+
+The model runner creates a `MultiModalRunner` only for a model with `supports_multimodal`,
+and asks it for `inputs_embeds` only in a step whose tokens include image placeholders
+(`SchedulerOutput.embeds_images`); every other step, decode CUDA graphs included, runs as a
+text step. Which images to encode and which rows to drop is the scheduler's decision
+(encoder_cache.py); this store follows it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.multimodal.encoder_attention import bind_encoder_attention
+from pagedserve.multimodal.inputs import MultiModalFeature
+
+logger = logging.getLogger(__name__)
+
+
+class MultiModalRunner:
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        # identifier -> the encoder's rows [num_embeds, hidden] on the device
+        self.store: dict[str, torch.Tensor] = {}
+        # Counters the tests and metrics read: images encoded, and encoder calls (steps).
+        self.num_encoded = 0
+        self.num_encoder_calls = 0
+
+    @classmethod
+    def for_runner(cls, runner: Any) -> MultiModalRunner | None:
+        """For the model runner of a model that takes images (None otherwise): binds the
+        vision tower's attention to an encoder-capable backend."""
+        model = runner.model
+        if not getattr(model, "supports_multimodal", False):
+            return None
+        if runner.tp_size > 1:
+            raise ValueError(f"{type(model).__name__} runs at tensor_parallel_size 1 only (its "
+                             "vision tower is not split across ranks)")
+        backend = bind_encoder_attention(model, runner.backend, runner.config.attention_backend,
+                                         runner.device, runner.dtype, runner.max_num_tokens)
+        if backend is not None:
+            logger.info("vision encoder attention: backend %s", backend.get_name())
+        return cls(model, runner.device, runner.dtype)
+
+    def step_embeds(self, batch: Any, input_ids: torch.Tensor,
+                    query_start_loc: np.ndarray) -> torch.Tensor | None:
+        """What the model runner calls each step: the scheduled encoders, then the step's
+        inputs_embeds when its tokens include image placeholders (None: a text step)."""
+        if batch.free_encoder_identifiers or batch.scheduled_encoder_inputs:
+            self.run_encoders(batch)
+        if not batch.embeds_images:
+            return None
+        return self.inputs_embeds(batch, input_ids, query_start_loc)
+
+    # ---- the encoders ------------------------------------------------------------------
+
+    def run_encoders(self, batch: Any) -> None:
+        """Drop the rows the scheduler evicted, then encode the step's scheduled images in
+        one `embed_multimodal` call."""
+        for ident in batch.free_encoder_identifiers:
+            self.store.pop(ident, None)
+        if not batch.scheduled_encoder_inputs:
+            return
+        by_id = {r.request_id: r for r in batch.requests}
+        features: list[MultiModalFeature] = []
+        seen: set[str] = set()
+        for request_id, indices in batch.scheduled_encoder_inputs.items():
+            for index in indices:
+                feature = by_id[request_id].mm_features[index]
+                if feature.identifier not in seen and feature.identifier not in self.store:
+                    seen.add(feature.identifier)
+                    features.append(feature)
+        if not features:
+            return
+        outputs = self.model.embed_multimodal(features)
+        for feature, rows in zip(features, outputs, strict=True):
+            expected = feature.placeholder.num_embeds
+            if rows.shape[0] != expected:
+                raise RuntimeError(f"the encoder gave {rows.shape[0]} rows for an image of "
+                                   f"{expected} placeholder tokens")
+            self.store[feature.identifier] = rows
+        self.num_encoded += len(features)
+        self.num_encoder_calls += 1
+
+    # ---- the step's embeddings ---------------------------------------------------------
+
+    def inputs_embeds(self, batch: Any, input_ids: torch.Tensor,
+                      query_start_loc: np.ndarray) -> torch.Tensor:
+        """The decoder's embeddings of the step's tokens, with each image's rows over the
+        placeholders this step computes (a chunk may cover part of a span)."""
+        embeds = self.model.embed_input_ids(input_ids)
+        dst, src = self._placements(batch, query_start_loc)
+        if dst:
+            rows = torch.cat(src) if len(src) > 1 else src[0]
+            index = torch.from_numpy(np.concatenate(dst)).to(self.device, non_blocking=True)
+            embeds.index_copy_(0, index, rows.to(embeds.dtype))
+        return embeds
+
+    def _placements(self, batch: Any, query_start_loc: np.ndarray
+                    ) -> tuple[list[np.ndarray], list[torch.Tensor]]:
+        """Per image span the step reaches: the step rows it fills and the encoder rows that
+        fill them (views of the store)."""
+        dst: list[np.ndarray] = []
+        src: list[torch.Tensor] = []
+        computed = batch.num_computed_tokens
+        scheduled = batch.num_scheduled_tokens
+        for i, request in enumerate(batch.requests):
+            if not request.mm_features:
+                continue
+            start = int(computed[i])
+            end = start + int(scheduled[i])
+            row0 = int(query_start_loc[i]) - start  # step row of the request's token 0
+            for feature in request.mm_features:
+                p = feature.placeholder
+                if p.offset >= end:
+                    break
+                if p.end <= start:
+                    continue
+                lo, hi = max(p.offset, start), min(p.end, end)
+                rows = self.store.get(feature.identifier)
+                if rows is None:
+                    raise RuntimeError(f"request {request.request_id}: image "
+                                       f"{feature.identifier[:12]} has no encoder rows")
+                positions = np.arange(lo, hi)
+                if p.is_embed is None:
+                    dst.append(positions + row0)
+                    src.append(rows[lo - p.offset:hi - p.offset])
+                    continue
+                mask = p.is_embed[lo - p.offset:hi - p.offset]
+                # An embedding token's row: how many embedding tokens precede it in the span.
+                before = int(p.is_embed[:lo - p.offset].sum())
+                dst.append(positions[mask] + row0)
+                src.append(rows[before:before + int(mask.sum())])
+        return dst, src
+
+    # ---- positions ---------------------------------------------------------------------
+
+    def mrope_positions(self, batch: Any, positions: torch.Tensor) -> torch.Tensor:
+        """M-RoPE models (`uses_mrope`): the step's positions [3, T] from each request's
+        `mrope_positions` (prompt) and `mrope_delta` (later tokens). The model runner calls
+        this hook instead of passing the [T] positions; the Qwen2-VL family implements it."""
+        raise NotImplementedError("M-RoPE positions are not implemented yet")

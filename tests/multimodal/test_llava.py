@@ -1,0 +1,172 @@
+"""LLaVA-1.5 with images in prompts against transformers' own LlavaForConditionalGeneration
+(float32, eager attention): greedy tokens equal and top-5 logprobs within 1e-4, with one and
+two images per prompt, image spans split by chunked prefill (also by a token budget smaller
+than one image), preemption, the encoder run once per distinct image, and the prefix cache
+keyed by the images."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from tests.multimodal.llava_models import (
+    IMAGE_TOKEN_ID,
+    NUM_IMAGE_TOKENS,
+    image,
+    tiny_llava,
+)
+
+NUM_NEW = 6
+# USER : w4 <image> w5 w6 ... ASSISTANT :  (ids: see llava_models.tiny_tokenizer)
+ONE = [1, 3, 5, 10, IMAGE_TOKEN_ID, 11, 12, 13, 4, 5]
+TWO = [1, 3, 5, IMAGE_TOKEN_ID, 20, 21, IMAGE_TOKEN_ID, 22, 23, 24, 25, 26, 27, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llava")
+    return path, tiny_llava(path)
+
+
+@pytest.fixture(scope="module")
+def images():
+    return [image(0), image(1, (64, 48)), image(2)]
+
+
+def _llm(path, **kwargs) -> LLM:
+    args = dict(model=str(path), dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    args.update(kwargs)
+    return LLM(**args)
+
+
+def _expanded(prompt: list[int], num_images: int) -> list[int]:
+    out = []
+    for t in prompt:
+        out += [t] * (NUM_IMAGE_TOKENS if t == IMAGE_TOKEN_ID else 1)
+    assert out.count(IMAGE_TOKEN_ID) == num_images * NUM_IMAGE_TOKENS
+    return out
+
+
+@torch.no_grad()
+def _reference(hf, llm: LLM, prompt: list[int], imgs: list) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens, and its log-distributions at each of them."""
+    pixels = llm.engine.mm_processor.image_processor(images=imgs,
+                                                     return_tensors="pt")["pixel_values"]
+    ids = torch.tensor([_expanded(prompt, len(imgs))])
+    hf.generation_config.eos_token_id = None
+    out = hf.generate(ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
+                      max_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0)
+    logits = hf(input_ids=out, pixel_values=pixels).logits[0].float()
+    n = ids.shape[1]
+    return out[0, n:].tolist(), torch.log_softmax(logits[n - 1:-1], dim=-1)
+
+
+def _requests(images):
+    return [{"prompt_token_ids": ONE, "multi_modal_data": {"image": images[0]}},
+            {"prompt_token_ids": TWO, "multi_modal_data": {"image": [images[1], images[2]]}},
+            {"prompt_token_ids": ONE, "multi_modal_data": {"image": [images[2]]}}]
+
+
+def _check_against_transformers(hf, llm, outputs, requests, logprobs: bool = False) -> None:
+    for out, req in zip(outputs, requests, strict=True):
+        imgs = req["multi_modal_data"]["image"]
+        imgs = imgs if isinstance(imgs, list) else [imgs]
+        assert out.prompt_token_ids == _expanded(req["prompt_token_ids"], len(imgs))
+        tokens, ref = _reference(hf, llm, req["prompt_token_ids"], imgs)
+        assert out.outputs[0].token_ids == tokens
+        if not logprobs:
+            continue
+        for position, lp in enumerate(out.outputs[0].logprobs):
+            top = torch.topk(ref[position], 5)
+            ours = {t: v.logprob for t, v in lp.items()}
+            assert set(top.indices.tolist()) <= set(ours)
+            for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+                assert abs(ours[t] - v) < 1e-4, (position, t, ours[t], v)
+
+
+def test_greedy_and_logprobs_equal_transformers(llava, images):
+    """One and two images per prompt, the same image in two requests (encoded once)."""
+    path, hf = llava
+    llm = _llm(path)
+    requests = _requests(images)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    _check_against_transformers(hf, llm, outputs, requests, logprobs=True)
+    assert llm.engine.runner.mm.num_encoded == 3  # images[2] twice, encoded once
+    assert llm.engine.check_blocks_free()
+
+
+@pytest.mark.parametrize("budget", [4, 12])
+def test_chunked_prefill_splits_image_spans(llava, images, budget):
+    """Steps of 4 tokens (fewer than one image's 9) and of 12: spans split across steps, each
+    image encoded once, in the step that first reaches it."""
+    path, hf = llava
+    llm = _llm(path, max_num_batched_tokens=budget, max_num_seqs=2)
+    requests = _requests(images)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    _check_against_transformers(hf, llm, outputs, requests)
+    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.check_blocks_free()
+
+
+def test_preemption_reuses_encoder_rows(llava, images):
+    """A KV pool too small for both requests: one is preempted and recomputes its prompt,
+    images included, from the encoder rows still cached (no encoder runs again)."""
+    path, hf = llava
+    # 2 KiB per block of 4 tokens: 12 blocks hold either request (6 and 10 blocks), not both
+    llm = _llm(path, kv_cache_memory="24KiB", block_size=4, max_num_batched_tokens=16)
+    requests = _requests(images)[:2]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    _check_against_transformers(hf, llm, outputs, requests)
+    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.check_blocks_free()
+
+
+def test_prefix_cache_is_keyed_by_the_image(llava, images):
+    """The same request again hits every full block before its last token; the same text with
+    another image hits only the blocks before the first image's span."""
+    path, _ = llava
+    llm = _llm(path, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def run(img):
+        req = {"prompt_token_ids": TWO, "multi_modal_data": {"image": [img, images[2]]}}
+        return llm.generate(req, params, use_tqdm=False)[0]
+
+    first = run(images[0])
+    again = run(images[0])
+    other = run(images[1])
+    n = len(first.prompt_token_ids)
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == (n - 1) // 4 * 4
+    assert other.num_cached_tokens == 3 // 4 * 4  # the span starts at token 3: block 0 only
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.engine.runner.mm.num_encoded == 3
+
+
+def test_chat_with_an_image_part(llava, images):
+    """LLM.chat: an image_url part (a data: URL) rendered by the model's template from list
+    content equals LLM.generate with the same image."""
+    import base64
+    import io
+
+    path, _ = llava
+    llm = _llm(path)
+    buf = io.BytesIO()
+    images[0].save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "w4"}, {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "w5 w6"}]}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    chat = llm.chat(messages, params, use_tqdm=False)[0]
+    # The template: "USER : w4 <image> w5 w6  ASSISTANT : "
+    prompt = [3, 5, 10, IMAGE_TOKEN_ID, 11, 12, 4, 5]
+    ref = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": images[0]}},
+                       params, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == ref.prompt_token_ids
+    assert chat.outputs[0].token_ids == ref.outputs[0].token_ids
