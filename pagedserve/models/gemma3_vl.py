@@ -85,17 +85,28 @@ class Gemma3Processor(MultiModalProcessor):
         self.eoi_id = int(hf_config.eoi_token_index)
         self.image_id = int(hf_config.image_token_index)
         self.num_image_tokens = int(hf_config.mm_tokens_per_image)
+        # What images need beyond the model: without it the checkpoint still serves text, and
+        # a prompt with images is refused by name (`missing`).
+        self.missing: list[str] = []
         self.newlines_id = double_newline_id(tokenizer)
+        if self.newlines_id is None:
+            self.missing.append("a tokenizer with Gemma's '\\n\\n' token, which frames every "
+                                "image")
+        self.image_processor = None
         if model_path is None or not (Path(model_path) / "preprocessor_config.json").is_file():
-            raise ValueError(f"{model_path}: a Gemma 3 checkpoint needs its "
-                             "preprocessor_config.json (the image processor's settings)")
-        self.image_processor = Gemma3ImageProcessorPil.from_pretrained(model_path)
-        if self.image_processor.do_pan_and_scan:
-            raise ValueError(f"{model_path}: the image processor's do_pan_and_scan (extra "
-                             "crops of an image) is not supported; set it to false")
-        self.image_placeholder = tokenizer.convert_ids_to_tokens(self.boi_id)
+            self.missing.append("its preprocessor_config.json (the image processor's settings)")
+        else:
+            self.image_processor = Gemma3ImageProcessorPil.from_pretrained(model_path)
+            if self.image_processor.do_pan_and_scan:
+                raise ValueError(f"{model_path}: the image processor's do_pan_and_scan (extra "
+                                 "crops of an image) is not supported; set it to false")
+        if tokenizer is not None:
+            self.image_placeholder = tokenizer.convert_ids_to_tokens(self.boi_id)
 
     def process(self, prompt_token_ids: list[int], images: list[Any]) -> MultiModalPrompt:
+        if images and self.missing:
+            raise ValueError("this Gemma 3 checkpoint cannot take images: it lacks "
+                             + " and ".join(self.missing))
         ids = np.asarray(prompt_token_ids, dtype=np.int64)
         where = np.flatnonzero(ids == self.boi_id)
         if len(where) != len(images):
@@ -139,12 +150,12 @@ class Gemma3Processor(MultiModalProcessor):
         return datas
 
 
-def double_newline_id(tokenizer: Any) -> int:
-    """The id of Gemma's "\\n\\n" token, which frames every image sequence."""
+def double_newline_id(tokenizer: Any) -> int | None:
+    """The id of Gemma's "\\n\\n" token, which frames every image sequence (None: the
+    tokenizer has none)."""
     token_id = None if tokenizer is None else tokenizer.convert_tokens_to_ids("\n\n")
     if token_id is None or token_id == getattr(tokenizer, "unk_token_id", None):
-        raise ValueError("Gemma 3's image sequence needs a tokenizer with a '\\n\\n' token "
-                         "(the checkpoint's tokenizer)")
+        return None
     return int(token_id)
 
 

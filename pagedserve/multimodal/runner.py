@@ -19,6 +19,7 @@ import torch
 
 from pagedserve.multimodal.encoder_attention import bind_encoder_attention
 from pagedserve.multimodal.inputs import MultiModalFeature
+from pagedserve.multimodal.spans import BidirectionalSpans, step_spans
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ class MultiModalRunner:
         self.device = device
         self.dtype = dtype
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        # Image tokens attend to each other both ways (Gemma 3): steps with images carry
+        # their spans into the attention metadata (spans.py).
+        self.bidirectional = bool(getattr(model, "bidirectional_image_spans", False))
         # identifier -> the encoder's rows [num_embeds, hidden] on the device
         self.store: dict[str, torch.Tensor] = {}
         # Counters the tests and metrics read: images encoded, and encoder calls (steps).
@@ -50,6 +54,13 @@ class MultiModalRunner:
         if backend is not None:
             logger.info("vision encoder attention: backend %s", backend.get_name())
         return cls(model, runner.device, runner.dtype)
+
+    def step_spans(self, batch: Any) -> BidirectionalSpans | None:
+        """The step's bidirectional image spans (None: the model has none, or the step's
+        tokens reach no image)."""
+        if not (self.bidirectional and batch.embeds_images):
+            return None
+        return step_spans(batch)
 
     def step_embeds(self, batch: Any, input_ids: torch.Tensor,
                     query_start_loc: np.ndarray) -> torch.Tensor | None:
