@@ -168,7 +168,10 @@ def test_greedy_and_logprobs_equal_transformers(gemma3, images):
     assert llm.engine.check_blocks_free()
 
 
-@pytest.mark.parametrize("backend", ["TRITON", "FLEX_ATTENTION"])
+# FLEX's mask is checked against the plain-torch mask in tests/attention (and its tower above):
+# the whole model through it repeats that, slowly.
+@pytest.mark.parametrize("backend", ["TRITON", pytest.param("FLEX_ATTENTION",
+                                                            marks=pytest.mark.slow)])
 def test_greedy_equals_transformers_on_other_backends(gemma3, images, backend):
     """The Triton kernels (interpreted) and flex's mask_mod, decoder and tower."""
     path, hf = gemma3
