@@ -153,10 +153,14 @@ class Gemma3Processor(MultiModalProcessor):
 def double_newline_id(tokenizer: Any) -> int | None:
     """The id of Gemma's "\\n\\n" token, which frames every image sequence (None: the
     tokenizer has none)."""
-    token_id = None if tokenizer is None else tokenizer.convert_tokens_to_ids("\n\n")
-    if token_id is None or token_id == getattr(tokenizer, "unk_token_id", None):
+    if tokenizer is None:
         return None
-    return int(token_id)
+    token_id = tokenizer.convert_tokens_to_ids("\n\n")
+    if token_id is None or token_id == getattr(tokenizer, "unk_token_id", None):
+        # A vocabulary that spells the token otherwise: what the text encodes to, if one id.
+        ids = tokenizer.encode("\n\n", add_special_tokens=False)
+        token_id = ids[0] if len(ids) == 1 else None
+    return None if token_id is None else int(token_id)
 
 
 # ---- the vision tower ------------------------------------------------------------------------
