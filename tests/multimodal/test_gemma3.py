@@ -210,3 +210,19 @@ def test_backend_without_bidirectional_spans_is_refused(gemma3):
     with pytest.raises(ValueError, match="ROCM cannot run this model: all 3 layers: "
                                          "bidirectional image spans"):
         _llm(path, attention_backend="ROCM")
+
+
+def test_prefix_cache_hit_ending_inside_an_image(gemma3, images):
+    """The same request again, blocks of 4: its cache hit (8 tokens) ends inside the image's
+    span (positions 6-9), so the step that finishes the span reads the first half's keys from
+    the cache (computed, in the first run, with the whole image visible) and its own tokens
+    see to the span's end. Both runs equal transformers."""
+    path, hf = gemma3
+    llm = _llm(path, block_size=4)
+    prompt = [2, 6, 7, 8, BOI_ID]  # -> 2 6 7 8 \n\n <boi> <img> x 4 <eoi> \n\n
+    request = {"prompt_token_ids": prompt, "multi_modal_data": {"image": images[0]}}
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+    first = llm.generate(request, params, use_tqdm=False)
+    again = llm.generate(request, params, use_tqdm=False)
+    assert first[0].num_cached_tokens == 0 and again[0].num_cached_tokens == 8
+    _check_against_transformers(hf, llm, first + again, [request, request])
