@@ -226,3 +226,25 @@ def test_prefix_cache_hit_ending_inside_an_image(gemma3, images):
     again = llm.generate(request, params, use_tqdm=False)
     assert first[0].num_cached_tokens == 0 and again[0].num_cached_tokens == 8
     _check_against_transformers(hf, llm, first + again, [request, request])
+
+
+def test_checkpoint_names_of_each_transformers_layout():
+    """Published checkpoints (4.50: `vision_tower.vision_model.*`), 4.52+ (`model.*` beside
+    `lm_head.*`) and transformers 5's saves (the tower without `vision_model.`) map to the
+    same parameters; the tower's unused pooling head is skipped; anything else is refused."""
+    from pagedserve.models.gemma3_vl import _our_name
+
+    tower = "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight"
+    for name in ("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+                 "model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+                 "vision_tower.encoder.layers.0.mlp.fc1.weight"):
+        assert _our_name(name) == tower
+    for name in ("language_model.model.norm.weight", "model.language_model.norm.weight"):
+        assert _our_name(name) == "language_model.model.norm.weight"
+    assert _our_name("lm_head.weight") == "language_model.lm_head.weight"
+    assert _our_name("model.multi_modal_projector.mm_soft_emb_norm.weight") == \
+        "multi_modal_projector.mm_soft_emb_norm.weight"
+    assert _our_name("vision_tower.head.probe") is None
+    assert _our_name("model.vision_tower.vision_model.head.mlp.fc1.bias") is None
+    with pytest.raises(ValueError, match="not part of a Gemma 3 checkpoint"):
+        _our_name("text_model.embeddings.weight")
