@@ -81,7 +81,9 @@ def test_processor_matches_transformers(gemma3, images):
         ours.process(ONE, images[:2])
 
 
-@pytest.mark.parametrize("backend", ["CPU", "TRITON", "FLEX_ATTENTION"])
+# FLEX's encoder path has its own tests (tests/attention/test_encoder_attention.py).
+@pytest.mark.parametrize("backend", ["CPU", "TRITON", pytest.param("FLEX_ATTENTION",
+                                                                   marks=pytest.mark.slow)])
 def test_vision_tower_and_projector_equal_transformers(gemma3, images, backend):
     path, hf = gemma3
     cls = get_backend_cls(backend)
