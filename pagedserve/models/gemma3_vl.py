@@ -122,9 +122,9 @@ class Gemma3Processor(MultiModalProcessor):
             rows = self.num_image_tokens
             if "image_embeds" in data:
                 rows, width = data["image_embeds"].shape
-                if width != hidden:
-                    raise ValueError(f"image {i}: embeddings of width {width}, the model's "
-                                     f"hidden size is {hidden}")
+                if width != hidden or rows < 1:
+                    raise ValueError(f"image {i}: embeddings of shape {(rows, width)}; the "
+                                     f"model takes [rows >= 1, {hidden}]")
             out += prompt_token_ids[start:pos]
             out += [self.newlines_id, self.boi_id]
             placeholder = PlaceholderRange(len(out), rows)
