@@ -250,3 +250,18 @@ def test_checkpoint_names_of_each_transformers_layout():
     assert _our_name("model.vision_tower.vision_model.head.mlp.fc1.bias") is None
     with pytest.raises(ValueError, match="not part of a Gemma 3 checkpoint"):
         _our_name("text_model.embeddings.weight")
+
+
+def test_image_embeddings_in_place_of_pixels(gemma3, images):
+    """An image given as its projector rows (transformers' get_image_features) runs as the
+    image itself: the same span, the same greedy tokens and logprobs."""
+    path, hf = gemma3
+    llm = _llm(path)
+    pixels = llm.engine.mm_processor.image_processor(images=images[:1],
+                                                     return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        rows = hf.get_image_features(pixel_values=pixels).pooler_output[0]
+    request = {"prompt_token_ids": ONE, "multi_modal_data": {"image": rows}}
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(request, params, use_tqdm=False)
+    _check_against_transformers(hf, llm, outputs, [_requests(images)[0]])
