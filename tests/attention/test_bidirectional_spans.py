@@ -132,3 +132,17 @@ def test_backends_without_the_capability_refuse_it_by_name():
                        match="ROCM cannot run this model: layer 0: bidirectional image spans"):
         select_backend("ROCM", CPU, [layer.__class__(4, 2, 64, torch.float32,
                                                      bidirectional_spans=True)], 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["TRITON", "FLEX_ATTENTION"])
+@pytest.mark.parametrize("window", [None, 8])
+def test_compiled_kernels_on_cuda(name, window):
+    """TRITON's compiled kernel (tensor-core dots in bf16) and compiled flex (which visits only
+    the listed tiles of its physical plan) against the same reference."""
+    if name == "FLEX_ATTENTION":
+        from pagedserve.attention.backends.flex_attention import FlexAttentionImpl
+
+        FlexAttentionImpl.compile_flex()
+    run_case(get_backend_cls(name), Case(SPAN_BATCH, 16, 8, 2, 128, torch.bfloat16, window,
+                                         spans=SPANS), torch.device("cuda"))
