@@ -111,7 +111,7 @@ class LlavaProcessor(MultiModalProcessor):
         where = np.flatnonzero(ids == self.image_token_id)
         if len(where) != len(images):
             raise ValueError(f"the prompt has {len(where)} {self.image_placeholder} "
-                             f"placeholders but {len(images)} images were given: put one "
+                             f"placeholders but {len(images)} image(s) were given: put one "
                              f"{self.image_placeholder} where each image goes")
         datas = self._image_data(images)
         n = self.num_image_tokens

@@ -97,31 +97,43 @@ class EncoderCacheManager:
         and the indices of its images whose encoders must run for them. Nothing is
         reserved until `commit`."""
         end = start + num_new
-        touched = [(i, f) for i, f in enumerate(request.mm_features)
-                   if f.placeholder.end > start and f.placeholder.offset < end]
-        # Rows this request finds in the store are not room for its other images.
-        hits = {f.identifier for _, f in touched if f.identifier in self.rows}
-        free = self.num_free_rows + sum(self.rows[i] for i in self.unreferenced
-                                        if i not in hits)
         budget = self._step_budget
         to_encode: list[int] = []
         planned: set[str] = set()
-        for index, feature in touched:
+        planned_rows = 0
+        kept: set[str] = set()  # cached images the chunk reads: not room for new ones
+        for index, feature in enumerate(request.mm_features):
             p = feature.placeholder
+            if p.offset >= end:
+                break
+            if p.end <= start:
+                continue
             stop = max(p.offset - start, 0)  # the chunk cut before this span
             if self.bidirectional_spans and end < p.end:
                 return stop, to_encode  # a span is never split across steps
             ident = feature.identifier
-            if ident in hits or ident in planned:
+            if ident in planned or ident in kept:
                 continue
-            rows = p.num_embeds
-            if rows > budget or rows > free:
+            if ident in self.rows:
+                rows = 0
+                kept.add(ident)
+            else:
+                rows = p.num_embeds
+                if rows > budget:
+                    return stop, to_encode
+            if planned_rows + rows > self._room(kept):
                 return stop, to_encode
-            budget -= rows
-            free -= rows
-            planned.add(ident)
-            to_encode.append(index)
+            if rows:
+                budget -= rows
+                planned_rows += rows
+                planned.add(ident)
+                to_encode.append(index)
         return num_new, to_encode
+
+    def _room(self, kept: set[str]) -> int:
+        """Rows free, or held by images no request references (evictable), except `kept`."""
+        return self.num_free_rows + sum(self.rows[i] for i in self.unreferenced
+                                        if i not in kept)
 
     def commit(self, request: Any, to_encode: list[int], start: int, num_new: int) -> None:
         """The request runs tokens start..start+num_new-1 this step: hold a reference on

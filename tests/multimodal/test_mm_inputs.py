@@ -1,0 +1,111 @@
+"""Images refused before the engine loop with a message naming the problem, images given as
+embeddings, and a request's images across the engine core process's socket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.core_messages import CoreFeature, CoreRequest
+from pagedserve.engine.core_process import decoder, encoder
+from tests.multimodal.llava_models import IMAGE_TOKEN_ID, image, tiny_llava
+
+PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llava")
+    hf = tiny_llava(path)
+    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    yield llm, hf
+    assert not llm.engine.has_unfinished_requests()
+    llm.close()
+
+
+def _req(ids, images):
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+
+
+@pytest.mark.parametrize(("prompt", "match"), [
+    (_req([3, IMAGE_TOKEN_ID, IMAGE_TOKEN_ID, 4], [image(0)]),
+     r"2 <image> placeholders but 1 image\(s\)"),
+    (_req([3, 4], [image(0)]), r"0 <image> placeholders but 1 image\(s\)"),
+    (_req([3, IMAGE_TOKEN_ID] * 3, [image(0)] * 3), r"3 images, more than the limit of 2"),
+    (_req([3, IMAGE_TOKEN_ID], ["not an image"]), r"image 0 must be a PIL.Image.Image"),
+    (_req([3, IMAGE_TOKEN_ID], [torch.zeros(4, 7)]), r"embeddings of width 7"),
+    ({"prompt_token_ids": [3, 4], "multi_modal_data": {"audio": [b""]}},
+     r"modality 'audio' is not supported"),
+])
+def test_bad_images_are_refused_before_the_engine(llava, prompt, match):
+    llm, _ = llava
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, PARAMS, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.core.scheduler.requests
+
+
+def test_bad_chat_image_parts(llava):
+    llm, _ = llava
+    bad = [({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            "only data: URLs"),
+           ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            "not an image PIL can read"),
+           ({"type": "audio_url", "audio_url": {"url": "data:,"}}, "'audio_url' is not supported")]
+    for part, match in bad:
+        with pytest.raises(ValueError, match=match):
+            llm.chat([{"role": "user", "content": [part]}], PARAMS, use_tqdm=False)
+
+
+def test_images_to_a_text_model_are_refused(make_llm):
+    llm = make_llm(model="random:tiny", dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    with pytest.raises(ValueError, match="takes no images: it is a text-only model"):
+        llm.generate(_req([3, 4], [image(0)]), PARAMS, use_tqdm=False)
+    part = {"type": "image_pil", "image_pil": image(0)}
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.chat([{"role": "user", "content": [part]}], PARAMS, use_tqdm=False)
+
+
+def test_images_given_as_embeddings(llava):
+    """An image as its projector rows (a [tokens, hidden] tensor) gives the tokens its
+    pixels give."""
+    llm, hf = llava
+    img = image(3)
+    pixels = llm.engine.mm_processor.image_processor(images=[img],
+                                                     return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        rows = hf.get_image_features(pixel_values=pixels)
+    rows = rows.pooler_output if hasattr(rows, "pooler_output") else rows
+    rows = rows[0] if isinstance(rows, list | tuple) else rows[0]
+    ids = [3, 5, IMAGE_TOKEN_ID, 11, 4, 5]
+    a, b = llm.generate([_req(ids, [img]), _req(ids, [rows])], PARAMS, use_tqdm=False)
+    assert a.prompt_token_ids == b.prompt_token_ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_features_cross_the_core_socket():
+    """A CoreRequest's image tensors (float32 pixels, bfloat16 embeddings) and is_embed mask
+    come back from msgpack bytes equal."""
+    import numpy as np
+
+    from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
+
+    pixels = torch.randn(3, 4, 5)
+    embeds = torch.randn(6, 8).to(torch.bfloat16)
+    mask = np.array([0, 1, 1, 1, 1, 1, 1, 0], dtype=bool)
+    features = [MultiModalFeature("image", "ab", PlaceholderRange(2, 3), {"pixel_values": pixels}),
+                MultiModalFeature("image", "cd", PlaceholderRange(9, 8, mask),
+                                  {"image_embeds": embeds})]
+    request = CoreRequest("r", [1, 2, 3], SamplingParams(), 0.0,
+                          mm_features=[CoreFeature.of(f) for f in features],
+                          mrope_positions=np.arange(9).reshape(3, 3), mrope_delta=-2)
+    back = decoder(CoreRequest).decode(encoder().encode(request))
+    got = [f.feature() for f in back.mm_features]
+    assert torch.equal(got[0].data["pixel_values"], pixels)
+    assert got[1].data["image_embeds"].dtype == torch.bfloat16
+    assert torch.equal(got[1].data["image_embeds"], embeds)
+    assert got[0].placeholder == PlaceholderRange(2, 3)
+    assert (got[1].placeholder.is_embed == mask).all() and got[1].placeholder.num_embeds == 6
+    assert (back.mrope_positions == request.mrope_positions).all()
+    assert back.mrope_delta == -2
