@@ -137,8 +137,10 @@ def profile_peak_memory(runner: Any) -> int:
     spec = runner.config.speculative
     head_rows = runner.max_num_reqs * (1 + (spec.num_speculative_tokens if spec else 0))
     runner.model.compute_logits(hidden[-head_rows:])
+    # A vision-language model's encoder over one step's images, and its store of rows.
+    store = runner.mm.profile() if runner.mm is not None else 0
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device) + store
     runner.kv_caches, runner.state_caches = [], []
     torch.cuda.empty_cache()
     # The cache we just used counts against the peak but will be allocated anew.

@@ -90,8 +90,8 @@ class LLMEngine:
         self.mm_processor = (make_processor(config.model.model, self.tokenizer)
                              if self.pooler_config is None else None)
         self.mm_limits = {"image": config.model.mm_limit("image")}
-        self.encoder_cache_size = encoder_budgets(
-            config.scheduler, self.mm_processor.max_image_tokens if self.mm_processor else 0)[0]
+        self.encoder_budgets = encoder_budgets(
+            config.scheduler, self.mm_processor.max_image_tokens if self.mm_processor else 0)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
@@ -273,7 +273,10 @@ class LLMEngine:
                                 self.mm_limits, self.model_name)
         if not mm.features:
             return None
-        check_encoder_budget(mm.features, self.encoder_cache_size)
+        whole_spans = self.mm_processor is not None and self.mm_processor.whole_spans
+        check_encoder_budget(mm.features, *self.encoder_budgets,
+                             self.config.scheduler.max_num_batched_tokens if whole_spans
+                             else None)
         return mm
 
     def add_scoring_request(self, request_id: str, prompt: list[int], continuation: list[int],

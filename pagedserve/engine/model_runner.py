@@ -300,12 +300,16 @@ class ModelRunner:
         if graph_size is not None:
             self._ran_graph = True
             return self.decode_graphs.replay(graph_size, common.num_reqs)
-        embeds = (self.mm.step_embeds(batch, input_ids, common.query_start_loc_cpu)
-                  if self.mm is not None else None)
+        positions, embeds = common.positions, None
+        if self.mm is not None:  # images' rows over their placeholders; M-RoPE's [3, T]
+            embeds = self.mm.step_embeds(batch, input_ids, common.query_start_loc_cpu)
+            if self.mm.uses_mrope:
+                positions = self.mm.mrope_positions(batch, self.common_builder.np["positions"][
+                    :t], common.query_start_loc_cpu)
         with set_forward_context(attn_metadata, self.kv_caches, self.state_caches,
                                  state_metadata):
-            hidden = (self.model(input_ids, common.positions) if embeds is None
-                      else self.model(input_ids, common.positions, inputs_embeds=embeds))
+            hidden = (self.model(input_ids, positions) if embeds is None
+                      else self.model(input_ids, positions, inputs_embeds=embeds))
             if self.speculator is not None:
                 self.speculator.forward_step(input_ids, common.positions, hidden)
             return hidden
@@ -468,8 +472,10 @@ class ModelRunner:
         runner_warmup.run_warmup_steps(self)
         # Steps of models with state layers run eagerly (a graph would need a scratch slot for
         # its padding rows), and a draft model's (the graphs hold the target's forward only);
-        # a pooling model never decodes.
+        # a pooling model never decodes; an M-RoPE model's run eagerly too (its [3, T]
+        # positions are not among the graphs' inputs).
         if (not self.state_layers and self.pooler is None
+                and not (self.mm is not None and self.mm.uses_mrope)
                 and not (self.speculator and self.speculator.uses_kv_cache)):
             self.decode_graphs = setup_decode_graphs(self.graph_inputs(), self.backend,
                                                      self.config, self.max_model_len)

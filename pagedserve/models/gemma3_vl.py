@@ -325,6 +325,10 @@ class Gemma3ForConditionalGeneration(SupportsMultiModal, nn.Module):
                 out[i] = f.data["image_embeds"].to(device=weight.device, dtype=weight.dtype)
         return out
 
+    def dummy_image_data(self) -> dict[str, torch.Tensor]:
+        v = self.config.vision_config
+        return {"pixel_values": torch.zeros(v.num_channels, v.image_size, v.image_size)}
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.image_token_id >= self.vocab_size:
             input_ids = torch.where(input_ids == self.image_token_id, 0, input_ids)

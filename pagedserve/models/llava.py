@@ -316,6 +316,10 @@ class LlavaForConditionalGeneration(SupportsMultiModal, nn.Module):
                 out[i] = f.data["image_embeds"].to(device=device, dtype=dtype)
         return out
 
+    def dummy_image_data(self) -> dict[str, torch.Tensor]:
+        v = self.config.vision_config
+        return {"pixel_values": torch.zeros(v.num_channels, v.image_size, v.image_size)}
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed_tokens(input_ids)
 

@@ -41,6 +41,7 @@ def make_processor(model: str | None, tokenizer: Any) -> MultiModalProcessor | N
         return None
     processor = cls.processor_cls(config, tokenizer, str(path))
     processor.max_image_tokens = cls.max_tokens_per_image(config)
+    processor.whole_spans = bool(cls.bidirectional_image_spans)
     return processor
 
 

@@ -29,6 +29,11 @@ class SupportsMultiModal:
         least this); 0 when it has no bound known before requests come."""
         return 0
 
+    def dummy_image_data(self) -> dict[str, torch.Tensor] | None:
+        """The processed inputs of one image of the largest size, on the CPU: what the memory
+        profile runs the encoder on before the KV cache is sized. None: not profiled."""
+        return None
+
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
         """The encoder (vision tower and projector) over several images at once: one
         [placeholder.num_embeds, hidden] tensor per feature, in the model's dtype."""

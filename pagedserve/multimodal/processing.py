@@ -29,6 +29,8 @@ class MultiModalProcessor:
     # The most embedding rows one image may take (the model class's max_tokens_per_image;
     # 0: unknown), set by front.make_processor.
     max_image_tokens: int = 0
+    # Whether the model computes each image span in one step (`bidirectional_image_spans`).
+    whole_spans: bool = False
 
     def process(self, prompt_token_ids: list[int], images: list[Any]) -> MultiModalPrompt:
         """Expand each image's placeholder in `prompt_token_ids` (in order) to its tokens.

@@ -18,15 +18,19 @@ import numpy as np
 import torch
 
 from pagedserve.multimodal.encoder_attention import bind_encoder_attention
-from pagedserve.multimodal.inputs import MultiModalFeature
+from pagedserve.multimodal.encoder_cache import encoder_budgets
+from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
 from pagedserve.multimodal.spans import BidirectionalSpans, step_spans
 
 logger = logging.getLogger(__name__)
 
 
 class MultiModalRunner:
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype,
+                 budgets: tuple[int, int] = (0, 0)) -> None:
         self.model = model
+        # The scheduler's encoder_cache_size and per-step encoder rows (encoder_cache.py).
+        self.cache_size, self.compute_budget = budgets
         self.device = device
         self.dtype = dtype
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
@@ -53,7 +57,9 @@ class MultiModalRunner:
                                          runner.device, runner.dtype, runner.max_num_tokens)
         if backend is not None:
             logger.info("vision encoder attention: backend %s", backend.get_name())
-        return cls(model, runner.device, runner.dtype)
+        budgets = encoder_budgets(runner.config.scheduler,
+                                  model.max_tokens_per_image(model.config))
+        return cls(model, runner.device, runner.dtype, budgets)
 
     def step_spans(self, batch: Any) -> BidirectionalSpans | None:
         """The step's bidirectional image spans (None: the model has none, or the step's
@@ -71,6 +77,22 @@ class MultiModalRunner:
         if not batch.embeds_images:
             return None
         return self.inputs_embeds(batch, input_ids, query_start_loc)
+
+    def profile(self) -> int:
+        """Before the KV cache is sized: run the encoder over as many of the largest images as
+        one step may encode (its activations count in the peak), and return the bytes the
+        store may hold, which the peak does not include."""
+        data = self.model.dummy_image_data()
+        rows = self.model.max_tokens_per_image(self.model.config)
+        if data is None or not rows:
+            return 0
+        count = max(self.compute_budget // rows, 1)
+        features = [MultiModalFeature("image", f"profile-{i}", PlaceholderRange(0, rows), data)
+                    for i in range(count)]
+        out = self.model.embed_multimodal(features)
+        row_bytes = out[0].shape[-1] * out[0].element_size()
+        del out
+        return self.cache_size * row_bytes
 
     # ---- the encoders ------------------------------------------------------------------
 
@@ -155,8 +177,21 @@ class MultiModalRunner:
 
     # ---- positions ---------------------------------------------------------------------
 
-    def mrope_positions(self, batch: Any, positions: torch.Tensor) -> torch.Tensor:
-        """M-RoPE models (`uses_mrope`): the step's positions [3, T] from each request's
-        `mrope_positions` (prompt) and `mrope_delta` (later tokens). The model runner calls
-        this hook instead of passing the [T] positions; the Qwen2-VL family implements it."""
-        raise NotImplementedError("M-RoPE positions are not implemented yet")
+    def mrope_positions(self, batch: Any, positions: np.ndarray,
+                        query_start_loc: np.ndarray) -> torch.Tensor:
+        """M-RoPE models (`uses_mrope`): the step's positions int64 [3, T] on the device, what
+        the model runner passes such a model instead of the [T] positions (attention still
+        reads the [T] ones). A prompt token's are its request's `mrope_positions` column, a
+        later token's its position + `mrope_delta` on all three rows; a request without
+        mrope_positions has its positions on all three. `positions`: the step's host [T]."""
+        out = np.repeat(positions[None].astype(np.int64), 3, axis=0)
+        for i, request in enumerate(batch.requests):
+            if request.mrope_positions is None:
+                continue
+            s, e = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            pos = positions[s:e]
+            in_prompt = pos < request.num_prompt_tokens
+            rows = out[:, s:e]  # a view: written in place
+            rows[:, in_prompt] = request.mrope_positions[:, pos[in_prompt]]
+            rows[:, ~in_prompt] = pos[~in_prompt] + request.mrope_delta
+        return torch.from_numpy(out).to(self.device, non_blocking=True)

@@ -1,14 +1,11 @@
 """The scheduler's encoder cache: when an image's encoder runs, how a chunk stops before a
-span it cannot fill, references and eviction, the rule for spans that may not be split; and
-an engine whose encoder cache holds one image at a time against transformers."""
+span it cannot fill, references and eviction, the rule for spans that may not be split (an
+engine whose encoder cache holds one image: tests/multimodal/test_llava.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
-from pagedserve import SamplingParams
 from pagedserve.multimodal.encoder_cache import EncoderCacheManager
 from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
 
@@ -83,29 +80,3 @@ def test_bidirectional_spans_are_never_split():
     assert _run(cache, r, 8) == (3, [])  # would end inside the span: stops before it
     assert _run(cache, r, 8) == (0, [])  # the span (9) does not fit in 8 tokens
     assert _run(cache, r, 12) == (12, [0])  # the whole span in one step
-
-
-@pytest.mark.parametrize("cache_size", [9])
-def test_engine_with_room_for_one_image(tmp_path, make_llm, cache_size):
-    """encoder_cache_size of one image: a two-image prompt encodes its second image after the
-    first span is done, a repeated image after eviction is encoded again, and the tokens
-    still equal transformers'."""
-    from tests.multimodal.llava_models import IMAGE_TOKEN_ID, image, tiny_llava
-    from tests.multimodal.test_llava import _reference
-
-    hf = tiny_llava(tmp_path)
-    llm = make_llm(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="4MiB",
-                   encoder_cache_size=cache_size, max_num_batched_tokens=32, max_num_seqs=1,
-                   enable_prefix_caching=False)
-    prompt = [1, 3, IMAGE_TOKEN_ID, 20, IMAGE_TOKEN_ID, 4, 5]
-    imgs = [image(0), image(1)]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    reqs = [{"prompt_token_ids": prompt, "multi_modal_data": {"image": imgs}}] * 2
-    outputs = llm.generate(reqs, params, use_tqdm=False)
-    tokens, _ = _reference(hf, llm, prompt, imgs)
-    assert [o.outputs[0].token_ids for o in outputs] == [tokens, tokens]
-    # Each image evicts the other: the second request encodes both again (without prefix
-    # caching, which would have kept the first span's K/V).
-    mm = llm.engine.runner.mm
-    assert mm.num_encoded == 4
-    assert sum(rows.shape[0] for rows in mm.store.values()) <= cache_size

@@ -102,6 +102,8 @@ def test_vision_tower_and_projector_equal_transformers(gemma3, images, backend):
         ref = hf.get_image_features(pixel_values=pixels).pooler_output
     assert ours.shape == (len(images), NUM_IMAGE_TOKENS, 64)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    # The memory profile's stand-in image has the processor's shape.
+    assert model.dummy_image_data()["pixel_values"].shape == pixels[0].shape
 
 
 _REFERENCES: dict[tuple, tuple[list[int], torch.Tensor]] = {}

@@ -99,10 +99,12 @@ def test_greedy_and_logprobs_equal_transformers(llava, images):
 
 @pytest.mark.parametrize("budget", [4, 12])
 def test_chunked_prefill_splits_image_spans(llava, images, budget):
-    """Steps of 4 tokens (fewer than one image's 9) and of 12: spans split across steps, each
-    image encoded once, in the step that first reaches it."""
+    """Steps of 4 tokens (fewer than one image's 9; with async scheduling) and of 12: spans
+    split across steps, each image encoded once, in the step that first reaches it."""
     path, hf = llava
-    llm = _llm(path, max_num_batched_tokens=budget, max_num_seqs=2)
+    llm = _llm(path, max_num_batched_tokens=budget, max_num_seqs=2,
+               async_scheduling=budget == 4)
+    assert llm.engine.async_scheduling == (budget == 4)
     requests = _requests(images)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate(requests, params, use_tqdm=False)
@@ -170,3 +172,67 @@ def test_chat_with_an_image_part(llava, images):
                        params, use_tqdm=False)[0]
     assert chat.prompt_token_ids == ref.prompt_token_ids
     assert chat.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_full_strategy_and_several_feature_layers(tmp_path, images):
+    """vision_feature_select_strategy "full" (the class token kept: 10 tokens per image) and
+    vision_feature_layer a list (hidden states concatenated)."""
+    hf = tiny_llava(tmp_path, strategy="full", feature_layer=[-1, -3], seed=1)
+    llm = _llm(tmp_path)
+    req = {"prompt_token_ids": TWO, "multi_modal_data": {"image": images[:2]}}
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    out = llm.generate(req, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids.count(IMAGE_TOKEN_ID) == 2 * (NUM_IMAGE_TOKENS + 1)
+    pixels = llm.engine.mm_processor.image_processor(images=images[:2],
+                                                     return_tensors="pt")["pixel_values"]
+    ids = torch.tensor([out.prompt_token_ids])
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = hf.generate(ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
+                          max_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0)
+    assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+    llm.close()
+
+
+def test_checkpoint_names_of_each_layout():
+    from pagedserve.models.llava import _our_name
+
+    ours = {
+        "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight":
+            "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+        "vision_tower.encoder.layers.0.mlp.fc1.weight":
+            "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+        "model.vision_tower.vision_model.pre_layrnorm.bias":
+            "vision_tower.vision_model.pre_layrnorm.bias",
+        "model.language_model.layers.0.mlp.up_proj.weight":
+            "language_model.model.layers.0.mlp.up_proj.weight",
+        "language_model.model.norm.weight": "language_model.model.norm.weight",
+        "lm_head.weight": "language_model.lm_head.weight",
+        "language_model.lm_head.weight": "language_model.lm_head.weight",
+        "model.multi_modal_projector.linear_1.bias": "multi_modal_projector.linear_1.bias",
+    }
+    for name, expected in ours.items():
+        assert _our_name(name) == expected
+    with pytest.raises(ValueError, match="not part of a LLaVA checkpoint"):
+        _our_name("image_newline")
+
+
+def test_encoder_cache_of_one_image(llava, make_llm):
+    """encoder_cache_size of one image: a two-image prompt encodes its second image once the
+    first span is done; without prefix caching a repeated request encodes both again (each
+    evicted the other); the tokens still equal transformers'."""
+    path, hf = llava
+    llm = make_llm(model=str(path), dtype="float32", device="cpu", kv_cache_memory="4MiB",
+                   encoder_cache_size=NUM_IMAGE_TOKENS, max_num_batched_tokens=32,
+                   max_num_seqs=1, enable_prefix_caching=False)
+    prompt = [1, 3, IMAGE_TOKEN_ID, 20, IMAGE_TOKEN_ID, 4, 5]
+    imgs = [image(0), image(1)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    reqs = [{"prompt_token_ids": prompt, "multi_modal_data": {"image": imgs}}] * 2
+    outputs = llm.generate(reqs, params, use_tqdm=False)
+    tokens, _ = _reference(hf, llm, prompt, imgs)
+    assert [o.outputs[0].token_ids for o in outputs] == [tokens, tokens]
+    mm = llm.engine.runner.mm
+    assert mm.num_encoded == 4
+    assert sum(rows.shape[0] for rows in mm.store.values()) <= NUM_IMAGE_TOKENS
+

@@ -109,3 +109,62 @@ def test_features_cross_the_core_socket():
     assert (got[1].placeholder.is_embed == mask).all() and got[1].placeholder.num_embeds == 6
     assert (back.mrope_positions == request.mrope_positions).all()
     assert back.mrope_delta == -2
+
+
+def test_memory_profile_runs_the_encoder(llava):
+    """The profile before the KV cache is sized runs the encoder over one step's worth of the
+    largest images and counts the store: encoder_cache_size rows of the decoder's width."""
+    llm, _ = llava
+    mm = llm.engine.runner.mm
+    budget, mm.compute_budget = mm.compute_budget, 20  # two images (default 2048 rows: 227)
+    before = mm.num_encoded
+    width = llm.engine.core.loaded.hf_config.text_config.hidden_size
+    try:
+        assert mm.profile() == mm.cache_size * width * 4  # float32
+    finally:
+        mm.compute_budget = budget
+    assert mm.num_encoded == before  # a profile is not an encoder run of a request
+
+
+def test_an_image_over_the_encoder_budget_is_refused_in_the_front(tmp_path, make_llm):
+    path = tmp_path / "m"
+    tiny_llava(path)
+    llm = make_llm(model=str(path), dtype="float32", device="cpu", kv_cache_memory="4MiB",
+                   encoder_cache_size=8)
+    with pytest.raises(ValueError, match="9 embedding rows, more than the engine's "
+                                         "encoder_cache_size of 8"):
+        llm.generate(_req([3, IMAGE_TOKEN_ID], [image(0)]), PARAMS, use_tqdm=False)
+    assert not llm.engine.core.scheduler.requests
+
+
+def _async_tokens(path: str, req: dict, core_process: bool) -> list[int]:
+    import asyncio
+
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    async def run() -> list[int]:
+        engine = AsyncLLM(LLMEngine.from_kwargs(model=path, dtype="float32",
+                                                kv_cache_memory="4MiB",
+                                                engine_core_process=core_process))
+        try:
+            final = None
+            async for out in engine.generate(req["prompt_token_ids"], PARAMS, "r",
+                                             multi_modal_data=req["multi_modal_data"]):
+                final = out
+            return final.outputs[0].token_ids
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("core_process", [
+    False, pytest.param(True, marks=pytest.mark.slow)])  # (test_features_cross_the_core_socket)
+def test_async_llm_generate_with_images(llava, core_process):
+    """AsyncLLM.generate(multi_modal_data=), also with the engine core in its own process
+    (the image's tensors cross the socket): the tokens are LLM.generate's."""
+    llm, _ = llava
+    req = _req([3, 5, IMAGE_TOKEN_ID, 11, IMAGE_TOKEN_ID, 4, 5], [image(4), image(5)])
+    expected = llm.generate(req, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    assert _async_tokens(llm.engine.config.model.model, req, core_process) == expected

@@ -1,0 +1,58 @@
+"""The runner's per-step work for images without a model: placeholder rows written over the
+token embeddings (partial spans, is_embed masks), and M-RoPE step positions."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
+from pagedserve.multimodal.runner import MultiModalRunner
+
+
+class _Embedder:
+    """Token id t embeds as a row of t's; images' rows come from the store."""
+
+    uses_mrope = True
+
+    def embed_input_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids.float()[:, None].repeat(1, 2)
+
+
+def _batch(requests, computed, scheduled):
+    return SimpleNamespace(requests=requests, num_computed_tokens=np.array(computed),
+                           num_scheduled_tokens=np.array(scheduled), embeds_images=True,
+                           free_encoder_identifiers=[], scheduled_encoder_inputs={})
+
+
+def test_rows_over_partial_spans_and_masks():
+    mm = MultiModalRunner(_Embedder(), torch.device("cpu"), torch.float32)
+    mask = np.array([False, True, True, False])  # a marker token at each end keeps its id
+    a = SimpleNamespace(request_id="a", mm_features=[
+        MultiModalFeature("image", "x", PlaceholderRange(2, 5), {}),
+        MultiModalFeature("image", "y", PlaceholderRange(9, 4, mask), {})])
+    b = SimpleNamespace(request_id="b", mm_features=[])
+    mm.store["x"] = -torch.arange(1, 6).float()[:, None].repeat(1, 2)  # rows -1..-5
+    mm.store["y"] = torch.tensor([[100.0, 100.0], [200.0, 200.0]])
+    # a computes tokens 4..10 (x's rows 2..4, y's marker and first row), b 3 tokens
+    batch = _batch([a, b], [4, 0], [7, 3])
+    ids = torch.arange(10)
+    out = mm.inputs_embeds(batch, ids, np.array([0, 7, 10]))
+    expected = ids.float()
+    expected[0:3] = torch.tensor([-3.0, -4.0, -5.0])  # tokens 4, 5, 6 of a
+    expected[6] = 100.0  # token 10: y's first embedding row (token 9 is its marker)
+    assert torch.equal(out[:, 0], expected)
+
+
+def test_mrope_positions():
+    mm = MultiModalRunner(_Embedder(), torch.device("cpu"), torch.float32)
+    prompt = np.array([[0, 1, 2, 2, 2, 5], [0, 1, 2, 3, 3, 5], [0, 1, 2, 3, 4, 5]])
+    a = SimpleNamespace(mrope_positions=prompt, mrope_delta=-2, num_prompt_tokens=6)
+    b = SimpleNamespace(mrope_positions=None, mrope_delta=0, num_prompt_tokens=3)
+    # a: tokens 4..7 (two prompt tokens, two outputs); b: a decode at position 9
+    positions = np.array([4, 5, 6, 7, 9])
+    out = mm.mrope_positions(_batch([a, b], [4, 9], [4, 1]), positions, np.array([0, 4, 5]))
+    expected = np.array([[2, 5, 4, 5, 9], [3, 5, 4, 5, 9], [4, 5, 4, 5, 9]])
+    assert out.dtype == torch.int64 and (out.numpy() == expected).all()
