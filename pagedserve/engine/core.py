@@ -389,7 +389,15 @@ class EngineCore:
                          kv.num_free_blocks, kv.all_free(), self.num_steps, self.step_seconds,
                          self.runner.wait_seconds,
                          timer.total_seconds() if timer is not None else 0.0,
-                         **(spec.counters() if spec is not None else {}))
+                         **(spec.counters() if spec is not None else {}),
+                         **self._mm_counters())
+
+    def _mm_counters(self) -> dict[str, int]:
+        mm = getattr(self.runner, "mm", None)
+        if mm is None:
+            return {}
+        return {"mm_images_encoded": mm.num_encoded, "mm_encoder_calls": mm.num_encoder_calls,
+                "mm_encoder_seconds": mm.encoder_seconds}
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (nothing done) while a request holds blocks."""

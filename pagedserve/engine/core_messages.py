@@ -96,6 +96,11 @@ class CoreStats(msgspec.Struct, array_like=True):
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
     spec_decode_propose_seconds: float = 0.0  # of step_seconds: the proposer's
+    # Images (multimodal/): images encoded, and the encoder's calls (one per step that
+    # encoded any); an image whose rows were stored already is not encoded again.
+    mm_images_encoded: int = 0
+    mm_encoder_calls: int = 0
+    mm_encoder_seconds: float = 0.0  # the encoder's (device) time over those calls
 
 
 class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):

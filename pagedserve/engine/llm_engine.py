@@ -26,7 +26,7 @@ from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.lora import LoRARequest
 from pagedserve.lora.adapter import check_adapter_dir
 from pagedserve.multimodal.encoder_cache import check_encoder_budget, encoder_budgets
-from pagedserve.multimodal.front import make_processor, process_prompt
+from pagedserve.multimodal.front import check_item_limits, make_processor, process_prompt
 from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.pooling import PoolingParams, resolve_pooler
 from pagedserve.pooling.front import GENERATION_REFUSED, add_pooling_request
@@ -90,6 +90,9 @@ class LLMEngine:
         self.mm_processor = (make_processor(config.model.model, self.tokenizer)
                              if self.pooler_config is None else None)
         self.mm_limits = {"image": config.model.mm_limit("image")}
+        # Images this front preprocessed (decoded, resized, normalised) and the time it took.
+        self.mm_images_preprocessed = 0
+        self.mm_preprocess_seconds = 0.0
         self.encoder_budgets = encoder_budgets(
             config.scheduler, self.mm_processor.max_image_tokens if self.mm_processor else 0)
 
@@ -268,9 +271,13 @@ class LLMEngine:
             mm = multi_modal_data
             if mm.features and self.mm_processor is None:
                 raise ValueError(f"{self.model_name} takes no images: it is a text-only model")
+            check_item_limits(mm.features, self.mm_limits)
         else:
+            t0 = time.perf_counter()
             mm = process_prompt(self.mm_processor, token_ids, multi_modal_data,
                                 self.mm_limits, self.model_name)
+            self.mm_preprocess_seconds += time.perf_counter() - t0
+            self.mm_images_preprocessed += len(mm.features)
         if not mm.features:
             return None
         whole_spans = self.mm_processor is not None and self.mm_processor.whole_spans

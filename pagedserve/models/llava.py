@@ -78,11 +78,10 @@ def check_config(config: PretrainedConfig) -> None:
     if text_type not in _DECODERS:
         raise ValueError(f"LLaVA with a {text_type!r} decoder is not supported (supported: "
                          f"{', '.join(_DECODERS)})")
-    if any(not -config.vision_config.num_hidden_layers - 1 <= i
-           <= config.vision_config.num_hidden_layers for i in (
-               [config.vision_feature_layer] if isinstance(config.vision_feature_layer, int)
-               else config.vision_feature_layer)):
-        raise ValueError(f"vision_feature_layer {config.vision_feature_layer} is out of range")
+    n = config.vision_config.num_hidden_layers
+    if not all(0 <= i <= n for i in feature_layers(config)):
+        raise ValueError(f"vision_feature_layer {config.vision_feature_layer} is out of range "
+                         f"for a tower of {n} layers")
 
 
 # ---- the processor ---------------------------------------------------------------------------
@@ -103,8 +102,10 @@ class LlavaProcessor(MultiModalProcessor):
             raise ValueError(f"{model_path}: a LLaVA checkpoint needs its "
                              "preprocessor_config.json (the CLIP image processor's settings)")
         self.image_processor = CLIPImageProcessorPil.from_pretrained(model_path)
-        if tokenizer is not None:
-            self.image_placeholder = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        token = (tokenizer.convert_ids_to_tokens(self.image_token_id) if tokenizer is not None
+                 else None)
+        if isinstance(token, str):  # the checkpoint's own spelling of its image token
+            self.image_placeholder = token
 
     def process(self, prompt_token_ids: list[int], images: list[Any]) -> MultiModalPrompt:
         ids = np.asarray(prompt_token_ids, dtype=np.int64)
@@ -141,6 +142,11 @@ class LlavaProcessor(MultiModalProcessor):
         if pil:
             pixels = self.image_processor(images=[images[i] for i in pil],
                                           return_tensors="pt")["pixel_values"]
+            size = self.hf_config.vision_config.image_size
+            if tuple(pixels.shape[-2:]) != (size, size):
+                raise ValueError(f"the image processor made {tuple(pixels.shape[-2:])} pixel "
+                                 f"images; the vision tower takes {size}x{size}: the "
+                                 "checkpoint's preprocessor_config.json does not match it")
             for i, p in zip(pil, pixels, strict=True):
                 datas[i] = {"pixel_values": p.contiguous()}
         for i, im in enumerate(images):

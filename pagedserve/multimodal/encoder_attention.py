@@ -45,6 +45,8 @@ class EncoderAttentionBinding:
         self.backend = backend
         self.device = device
         self.impl = backend.get_impl_cls()(layer)
+        # Block size, requests and blocks per request size a builder's paged buffers, which
+        # an encoder layer never reads: the least each may be.
         self.builder = backend.get_builder_cls()(BuilderConfig.for_layer(
             layer, 16, 1, max_tokens, 1, device))
 
@@ -80,9 +82,8 @@ class EncoderAttention(nn.Module):
         return out.reshape(t, h * d)
 
 
-def bind_encoder_attention(model: nn.Module, decoder_backend: Any, requested: str | None,
-                           device: torch.device, dtype: torch.dtype,
-                           max_tokens: int) -> Any | None:
+def bind_encoder_attention(model: nn.Module, decoder_backend: Any, device: torch.device,
+                           dtype: torch.dtype, max_tokens: int) -> Any | None:
     """Bind every EncoderAttention of `model`: through the decoder's backend when it has an
     encoder path, else through the backend the selector picks for encoder layers (logged).
     Returns the backend used (None: the model has no such layers)."""

@@ -5,7 +5,6 @@ of its arguments, so a server may run it on a worker pool off its event loop."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,6 @@ import torch
 
 from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.multimodal.processing import MultiModalProcessor
-
-logger = logging.getLogger(__name__)
 
 MODALITIES = ("image",)
 
@@ -76,6 +73,15 @@ def check_image(item: Any, index: int) -> None:
         return
     raise ValueError(f"image {index} must be a PIL.Image.Image or a tensor of embeddings, got "
                      f"{type(item).__name__}")
+
+
+def check_item_limits(features: list[Any], limits: Mapping[str, int] | None) -> None:
+    """A prompt processed already (a server's worker pool) within the engine's limits."""
+    for modality, limit in (limits or {}).items():
+        count = sum(f.modality == modality for f in features)
+        if count > limit:
+            raise ValueError(f"the prompt has {count} {modality}s, more than the limit of "
+                             f"{limit} per prompt (limit_mm_per_prompt)")
 
 
 def process_prompt(processor: MultiModalProcessor | None, prompt_token_ids: list[int],

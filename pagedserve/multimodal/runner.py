@@ -12,6 +12,7 @@ text step. Which images to encode and which rows to drop is the scheduler's deci
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -39,9 +40,12 @@ class MultiModalRunner:
         self.bidirectional = bool(getattr(model, "bidirectional_image_spans", False))
         # identifier -> the encoder's rows [num_embeds, hidden] on the device
         self.store: dict[str, torch.Tensor] = {}
-        # Counters the tests and metrics read: images encoded, and encoder calls (steps).
+        # Counters the tests and metrics read: images encoded, encoder calls (steps), and the
+        # encoder's time (on CUDA from events, summed once they have completed).
         self.num_encoded = 0
         self.num_encoder_calls = 0
+        self._encoder_seconds = 0.0
+        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @classmethod
     def for_runner(cls, runner: Any) -> MultiModalRunner | None:
@@ -53,8 +57,11 @@ class MultiModalRunner:
         if runner.tp_size > 1:
             raise ValueError(f"{type(model).__name__} runs at tensor_parallel_size 1 only (its "
                              "vision tower is not split across ranks)")
-        backend = bind_encoder_attention(model, runner.backend, runner.config.attention_backend,
-                                         runner.device, runner.dtype, runner.max_num_tokens)
+        if runner.config.lora.enable_lora:
+            raise ValueError(f"{type(model).__name__}: LoRA adapters over a vision-language "
+                             "model are not supported yet; drop --enable-lora")
+        backend = bind_encoder_attention(model, runner.backend, runner.device, runner.dtype,
+                                         runner.max_num_tokens)
         if backend is not None:
             logger.info("vision encoder attention: backend %s", backend.get_name())
         budgets = encoder_budgets(runner.config.scheduler,
@@ -78,6 +85,7 @@ class MultiModalRunner:
             return None
         return self.inputs_embeds(batch, input_ids, query_start_loc)
 
+    @torch.inference_mode()
     def profile(self) -> int:
         """Before the KV cache is sized: run the encoder over as many of the largest images as
         one step may encode (its activations count in the peak), and return the bytes the
@@ -114,7 +122,7 @@ class MultiModalRunner:
                     features.append(feature)
         if not features:
             return
-        outputs = self.model.embed_multimodal(features)
+        outputs = self._timed_encoder(features)
         for feature, rows in zip(features, outputs, strict=True):
             expected = feature.placeholder.num_embeds
             if rows.shape[0] != expected:
@@ -123,6 +131,27 @@ class MultiModalRunner:
             self.store[feature.identifier] = rows
         self.num_encoded += len(features)
         self.num_encoder_calls += 1
+
+    def _timed_encoder(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            outputs = self.model.embed_multimodal(features)
+            self._encoder_seconds += time.perf_counter() - t0
+            return outputs
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        outputs = self.model.embed_multimodal(features)
+        end.record()
+        self._timing.append((start, end))
+        return outputs
+
+    @property
+    def encoder_seconds(self) -> float:
+        """The encoder's time over every call so far (on CUDA: the calls completed)."""
+        while self._timing and self._timing[0][1].query():
+            start, end = self._timing.pop(0)
+            self._encoder_seconds += start.elapsed_time(end) / 1000
+        return self._encoder_seconds
 
     # ---- the step's embeddings ---------------------------------------------------------
 

@@ -38,15 +38,16 @@ def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def tiny_llava(path: Path, strategy: str = "default", feature_layer: int | list[int] = -2,
-               seed: int = 0) -> transformers.LlavaForConditionalGeneration:
-    """Save a tiny LLaVA-1.5 in `path` and return transformers' model of it (float32)."""
+               seed: int = 0, head_dim: int = 16) -> transformers.LlavaForConditionalGeneration:
+    """Save a tiny LLaVA-1.5 in `path` and return transformers' model of it (float32).
+    `head_dim`: of the decoder's 4 heads and the tower's 2 (GPU kernels want 64)."""
     text = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=300, hidden_size=4 * head_dim, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         eos_token_id=2, bos_token_id=1)
     vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-        image_size=IMAGE_SIZE, patch_size=14, projection_dim=32)
+        hidden_size=2 * head_dim, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=14, projection_dim=32)
     config = transformers.LlavaConfig(
         vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID,
         vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,

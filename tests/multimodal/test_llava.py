@@ -94,6 +94,10 @@ def test_greedy_and_logprobs_equal_transformers(llava, images):
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check_against_transformers(hf, llm, outputs, requests, logprobs=True)
     assert llm.engine.runner.mm.num_encoded == 3  # images[2] twice, encoded once
+    stats = llm.engine.core_stats()
+    assert (stats.mm_images_encoded, stats.mm_encoder_calls) == (3, 1)  # one step, one call
+    assert stats.mm_encoder_seconds > 0
+    assert llm.engine.mm_images_preprocessed == 4 and llm.engine.mm_preprocess_seconds > 0
     assert llm.engine.check_blocks_free()
 
 
@@ -118,7 +122,9 @@ def test_preemption_reuses_encoder_rows(llava, images):
     images included, from the encoder rows still cached (no encoder runs again)."""
     path, hf = llava
     # 2 KiB per block of 4 tokens: 12 blocks hold either request (6 and 10 blocks), not both
-    llm = _llm(path, kv_cache_memory="24KiB", block_size=4, max_num_batched_tokens=16)
+    # (prefix caching off: the recomputation goes through the image spans again)
+    llm = _llm(path, kv_cache_memory="24KiB", block_size=4, max_num_batched_tokens=16,
+               enable_prefix_caching=False)
     requests = _requests(images)[:2]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate(requests, params, use_tqdm=False)
@@ -130,24 +136,49 @@ def test_preemption_reuses_encoder_rows(llava, images):
 
 def test_prefix_cache_is_keyed_by_the_image(llava, images):
     """The same request again hits every full block before its last token; the same text with
-    another image hits only the blocks before the first image's span."""
+    another first image hits only the blocks before that image's span, with another second
+    image the blocks before the second span."""
     path, _ = llava
     llm = _llm(path, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    # expanded: tokens 0-5 text, 6-14 the first image, 15 text, 16-24 the second, 25-27 text
+    prompt = [1, 3, 5, 10, 11, 12, IMAGE_TOKEN_ID, 20, IMAGE_TOKEN_ID, 21, 4, 5]
 
-    def run(img):
-        req = {"prompt_token_ids": TWO, "multi_modal_data": {"image": [img, images[2]]}}
+    def run(*imgs):
+        req = {"prompt_token_ids": prompt, "multi_modal_data": {"image": list(imgs)}}
         return llm.generate(req, params, use_tqdm=False)[0]
 
-    first = run(images[0])
-    again = run(images[0])
-    other = run(images[1])
+    first = run(images[0], images[1])
+    again = run(images[0], images[1])
+    other_first = run(images[2], images[1])
+    other_second = run(images[0], images[2])
     n = len(first.prompt_token_ids)
+    assert n == 28
     assert first.num_cached_tokens == 0
-    assert again.num_cached_tokens == (n - 1) // 4 * 4
-    assert other.num_cached_tokens == 3 // 4 * 4  # the span starts at token 3: block 0 only
+    assert again.num_cached_tokens == (n - 1) // 4 * 4  # 24
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert other_first.num_cached_tokens == 4  # block 1 (tokens 4-7) holds image tokens
+    assert other_second.num_cached_tokens == 16  # blocks 0-3: up to the second span
+    assert llm.engine.runner.mm.num_encoded == 3  # images 0, 1, 2: each once
+
+
+def test_text_prompt_with_prompt_logprobs_and_n(llava, images):
+    """A text prompt holding `<image>`, two samples, prompt logprobs over chunks of 8 (the
+    image's positions included) within 1e-4 of transformers'."""
+    path, hf = llava
+    llm = _llm(path, max_num_batched_tokens=8)
+    req = {"prompt": "USER : w4 <image> w5 ASSISTANT :", "multi_modal_data": {"image": images[0]}}
+    params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=3, prompt_logprobs=1)
+    out = llm.generate(req, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == _expanded([3, 5, 10, IMAGE_TOKEN_ID, 11, 4, 5], 1)
+    assert len(out.outputs) == 2
+    pixels = llm.engine.mm_processor.image_processor(images=[images[0]],
+                                                     return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([out.prompt_token_ids]), pixel_values=pixels).logits
+    ref = torch.log_softmax(logits[0].float(), dim=-1)
+    for i, token in enumerate(out.prompt_token_ids[1:], start=1):
+        assert abs(out.prompt_logprobs[i][token].logprob - ref[i - 1, token].item()) < 1e-4
 
 
 def test_chat_with_an_image_part(llava, images):
@@ -217,6 +248,28 @@ def test_checkpoint_names_of_each_layout():
         _our_name("image_newline")
 
 
+def test_checkpoints_we_cannot_run_are_refused_by_name():
+    import transformers
+
+    from pagedserve.models.llava import check_config
+
+    def config(**kwargs):
+        return transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(
+            num_hidden_layers=2), text_config=transformers.LlamaConfig(), **kwargs)
+
+    # transformers' constructor refuses this strategy; a config.json may still hold it
+    padded = config()
+    object.__setattr__(padded, "vision_feature_select_strategy", "pad")
+    with pytest.raises(ValueError, match="vision_feature_select_strategy 'pad'"):
+        check_config(padded)
+    with pytest.raises(ValueError, match="vision_feature_layer -4 is out of range"):
+        check_config(config(vision_feature_layer=-4))
+    siglip = transformers.LlavaConfig(vision_config=transformers.SiglipVisionConfig(),
+                                      text_config=transformers.LlamaConfig())
+    with pytest.raises(ValueError, match="'siglip_vision_model' vision tower"):
+        check_config(siglip)
+
+
 def test_encoder_cache_of_one_image(llava, make_llm):
     """encoder_cache_size of one image: a two-image prompt encodes its second image once the
     first span is done; without prefix caching a repeated request encodes both again (each
@@ -236,3 +289,21 @@ def test_encoder_cache_of_one_image(llava, make_llm):
     assert mm.num_encoded == 4
     assert sum(rows.shape[0] for rows in mm.store.values()) <= NUM_IMAGE_TOKENS
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "TRITON"])
+def test_greedy_on_cuda_matches_transformers(tmp_path, images, backend):
+    """The CUDA path in float32 (the default backend's or TRITON's decoder attention, the
+    tower's encoder attention on the first backend with an encoder path, decode CUDA graphs
+    between image steps, chunks splitting spans) against transformers' float32 tokens on the
+    CPU; heads of 64."""
+    hf = tiny_llava(tmp_path, head_dim=64, seed=3)
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", attention_backend=backend,
+              gpu_memory_utilization=0.2, max_num_batched_tokens=16)
+    requests = _requests(images)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    _check_against_transformers(hf, llm, outputs, requests)
+    assert llm.engine.runner.mm.num_encoded == 3
+    llm.close()

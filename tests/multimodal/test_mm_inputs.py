@@ -152,6 +152,8 @@ def _async_tokens(path: str, req: dict, core_process: bool) -> list[int]:
             async for out in engine.generate(req["prompt_token_ids"], PARAMS, "r",
                                              multi_modal_data=req["multi_modal_data"]):
                 final = out
+            stats = await engine.call_utility("stats")
+            assert (stats.mm_images_encoded, stats.mm_encoder_calls) == (2, 1)
             return final.outputs[0].token_ids
         finally:
             await asyncio.to_thread(engine.shutdown)
@@ -168,3 +170,46 @@ def test_async_llm_generate_with_images(llava, core_process):
     req = _req([3, 5, IMAGE_TOKEN_ID, 11, IMAGE_TOKEN_ID, 4, 5], [image(4), image(5)])
     expected = llm.generate(req, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
     assert _async_tokens(llm.engine.config.model.model, req, core_process) == expected
+
+
+def test_a_prompt_processed_already(llava):
+    """add_request takes process_prompt's result (what a server makes on a worker pool): the
+    same tokens as the raw images, and the same limit."""
+    from pagedserve.multimodal.front import process_prompt
+
+    llm, _ = llava
+    engine = llm.engine
+    ids = [3, 5, IMAGE_TOKEN_ID, 11, 4, 5]
+    mm = process_prompt(engine.mm_processor, ids, {"image": image(6)}, engine.mm_limits)
+    engine.add_request("pre", ids, PARAMS, multi_modal_data=mm)
+    done = llm.wait_for(["pre"], use_tqdm=False)[0]
+    ref = llm.generate(_req(ids, [image(6)]), PARAMS, use_tqdm=False)[0]
+    assert done.prompt_token_ids == ref.prompt_token_ids
+    assert done.outputs[0].token_ids == ref.outputs[0].token_ids
+    three = process_prompt(engine.mm_processor, [3, IMAGE_TOKEN_ID] * 3, {"image": [image(6)] * 3})
+    with pytest.raises(ValueError, match="3 images, more than the limit of 2"):
+        engine.add_request("three", [3], PARAMS, multi_modal_data=three)
+
+
+def test_lora_over_a_vision_language_model_is_refused(llava):
+    llm, _ = llava
+    with pytest.raises(ValueError, match="LoRA adapters over a vision-language model"):
+        LLM(model=llm.engine.config.model.model, dtype="float32", device="cpu",
+            kv_cache_memory="4MiB", enable_lora=True)
+
+
+def test_a_template_of_string_content_gets_the_placeholders_before_the_text():
+    """A chat template that renders content as a string (no image parts of its own): each
+    image's placeholder goes before its message's text."""
+    from pagedserve.multimodal.chat import chat_images, render_with_images
+    from tests.multimodal.llava_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    template = "{% for m in messages %}{{ m['role'] | upper }} : {{ m['content'] }} {% endfor %}"
+    messages, imgs = chat_images([{"role": "user", "content": [
+        {"type": "text", "text": "w1"}, {"type": "image_pil", "image_pil": image(0)},
+        {"type": "image_pil", "image_pil": image(1)}]}])
+    assert len(imgs) == 2
+    ids = render_with_images(tok, messages, 2, "<image>", False, template)
+    assert ids == tok.encode("USER : <image>\n<image>\nw1 ", add_special_tokens=False)
+    assert ids.count(IMAGE_TOKEN_ID) == 2

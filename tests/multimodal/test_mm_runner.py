@@ -56,3 +56,36 @@ def test_mrope_positions():
     out = mm.mrope_positions(_batch([a, b], [4, 9], [4, 1]), positions, np.array([0, 4, 5]))
     expected = np.array([[2, 5, 4, 5, 9], [3, 5, 4, 5, 9], [4, 5, 4, 5, 9]])
     assert out.dtype == torch.int64 and (out.numpy() == expected).all()
+
+
+def test_encoder_attention_falls_back_to_a_backend_with_an_encoder_path():
+    """A decoder backend without an encoder path: the tower's layers go through the one the
+    selector picks for encoder layers, and attend within each packed image only."""
+    from torch import nn
+
+    from pagedserve.attention.encoder import EncoderMetadata, torch_varlen_attention
+    from pagedserve.multimodal.encoder_attention import EncoderAttention, bind_encoder_attention
+
+    class NoEncoder:
+        supports_encoder_only = False
+
+        @staticmethod
+        def get_name() -> str:
+            return "NO_ENCODER"
+
+    tower = nn.Module()
+    tower.attn = EncoderAttention(2, 8, 8 ** -0.5)
+    backend = bind_encoder_attention(tower, NoEncoder, torch.device("cpu"), torch.float32, 64)
+    assert backend.get_name() == "CPU"
+    q, k, v = (torch.randn(7, 16) for _ in range(3))
+    md = tower.attn.binding.metadata([3, 4])
+    out = tower.attn(q, k, v, md)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    ref_md = EncoderMetadata(cu, cu.numpy(), 4, 2, 7)
+    ref = torch_varlen_attention(q.view(7, 2, 8), k.view(7, 2, 8), v.view(7, 2, 8), ref_md,
+                                 8 ** -0.5)
+    # and by hand: the first image's rows see only its own 3 keys
+    first = torch.softmax(q.view(7, 2, 8)[:3].transpose(0, 1) @ k.view(7, 2, 8)[:3].permute(
+        1, 2, 0) * 8 ** -0.5, dim=-1) @ v.view(7, 2, 8)[:3].transpose(0, 1)
+    assert torch.allclose(out, ref.reshape(7, 16), atol=1e-6)
+    assert torch.allclose(out[:3], first.transpose(0, 1).reshape(3, 16), atol=1e-5)
