@@ -90,7 +90,7 @@ def test_vision_tower_and_projector_equal_transformers(gemma3, images, backend):
     if not cls.is_available()[0]:
         pytest.skip(cls.is_available()[1])
     model = load_model(str(path), torch.float32, CPU).model
-    assert bind_encoder_attention(model, cls, backend, CPU, torch.float32, 256) is cls
+    assert bind_encoder_attention(model, cls, CPU, torch.float32, 256) is cls
     pixels = hf_processor(path).image_processor(images=images,
                                                 return_tensors="pt")["pixel_values"]
     from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
