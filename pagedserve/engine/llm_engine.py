@@ -25,8 +25,7 @@ from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.lora import LoRARequest
 from pagedserve.lora.adapter import check_adapter_dir
-from pagedserve.multimodal.encoder_cache import check_encoder_budget, encoder_budgets
-from pagedserve.multimodal.front import check_item_limits, make_processor, process_prompt
+from pagedserve.multimodal.front import ImageFront
 from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.pooling import PoolingParams, resolve_pooler
 from pagedserve.pooling.front import GENERATION_REFUSED, add_pooling_request
@@ -85,16 +84,12 @@ class LLMEngine:
         if self.pooler_config is not None:
             logger.info("pooling model: %s", self.pooler_config.describe())
         self._structured_output: StructuredOutputManager | None = None
-        # Images in prompts: the model's processor (None: a text-only model), the limits on
-        # items per prompt, and the most embedding rows one image may take.
-        self.mm_processor = (make_processor(config.model.model, self.tokenizer)
-                             if self.pooler_config is None else None)
-        self.mm_limits = {"image": config.model.mm_limit("image")}
-        # Images this front preprocessed (decoded, resized, normalised) and the time it took.
-        self.mm_images_preprocessed = 0
-        self.mm_preprocess_seconds = 0.0
-        self.encoder_budgets = encoder_budgets(
-            config.scheduler, self.mm_processor.max_image_tokens if self.mm_processor else 0)
+        # Images in prompts (multimodal/front.py): the model's processor (None: a text-only
+        # model; a server renders chats with its placeholder) and the limits per prompt.
+        self.images = ImageFront(config, self.tokenizer, self.model_name,
+                                 generating=self.pooler_config is None)
+        self.mm_processor = self.images.processor
+        self.mm_limits = self.images.limits
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
@@ -234,7 +229,7 @@ class LLMEngine:
             cache_salt.encode("utf-8")  # hashed with the blocks: UnicodeEncodeError here, not there
         text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        mm = self.process_images(token_ids, multi_modal_data)
+        mm = self.images.prepare(token_ids, multi_modal_data)
         if mm is not None:
             token_ids = mm.prompt_token_ids
         self.validate_prompt(token_ids, params)
@@ -260,31 +255,6 @@ class LLMEngine:
         self._add(state, [CoreRequest(seq_id, token_ids, child, arrival, cache_salt,
                                       lora=lora_request, mm_features=features, **mrope)
                           for seq_id, child in zip(ids, children, strict=True)])
-
-    def process_images(self, token_ids: list[int],
-                       multi_modal_data: Mapping[str, Any] | MultiModalPrompt | None
-                       ) -> MultiModalPrompt | None:
-        """A prompt's images processed and checked (None: it has none)."""
-        if multi_modal_data is None:
-            return None
-        if isinstance(multi_modal_data, MultiModalPrompt):
-            mm = multi_modal_data
-            if mm.features and self.mm_processor is None:
-                raise ValueError(f"{self.model_name} takes no images: it is a text-only model")
-            check_item_limits(mm.features, self.mm_limits)
-        else:
-            t0 = time.perf_counter()
-            mm = process_prompt(self.mm_processor, token_ids, multi_modal_data,
-                                self.mm_limits, self.model_name)
-            self.mm_preprocess_seconds += time.perf_counter() - t0
-            self.mm_images_preprocessed += len(mm.features)
-        if not mm.features:
-            return None
-        whole_spans = self.mm_processor is not None and self.mm_processor.whole_spans
-        check_encoder_budget(mm.features, *self.encoder_budgets,
-                             self.config.scheduler.max_num_batched_tokens if whole_spans
-                             else None)
-        return mm
 
     def add_scoring_request(self, request_id: str, prompt: list[int], continuation: list[int],
                             mode: str = "decode", stream: bool = False) -> None:

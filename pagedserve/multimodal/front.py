@@ -5,12 +5,14 @@ of its arguments, so a server may run it on a worker pool off its event loop."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagedserve.multimodal.encoder_cache import check_encoder_budget, encoder_budgets
 from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.multimodal.processing import MultiModalProcessor
 
@@ -104,3 +106,45 @@ def process_prompt(processor: MultiModalProcessor | None, prompt_token_ids: list
     for i, item in enumerate(images):
         check_image(item, i)
     return processor.process(list(prompt_token_ids), images)
+
+
+class ImageFront:
+    """The engine front's part of images: the model's processor, the engine's limits and
+    encoder budgets, and what it preprocessed (images, seconds)."""
+
+    def __init__(self, config: Any, tokenizer: Any, model_name: str,
+                 generating: bool = True) -> None:
+        self.processor = make_processor(config.model.model, tokenizer) if generating else None
+        self.model_name = model_name
+        self.limits = {"image": config.model.mm_limit("image")}
+        processor = self.processor
+        self.budgets = encoder_budgets(config.scheduler,
+                                       processor.max_image_tokens if processor else 0)
+        # A model that computes each span in one step: a span must fit one step's tokens.
+        self.span_limit = (config.scheduler.max_num_batched_tokens
+                           if processor is not None and processor.whole_spans else None)
+        self.num_preprocessed = 0
+        self.preprocess_seconds = 0.0
+
+    def prepare(self, token_ids: list[int],
+                multi_modal_data: Mapping[str, Any] | MultiModalPrompt | None
+                ) -> MultiModalPrompt | None:
+        """A prompt's images processed (or a MultiModalPrompt that process_prompt made
+        already, e.g. on a server's worker pool) and checked; None: it has none."""
+        if multi_modal_data is None:
+            return None
+        if isinstance(multi_modal_data, MultiModalPrompt):
+            mm = multi_modal_data
+            if mm.features and self.processor is None:
+                raise ValueError(f"{self.model_name} takes no images: it is a text-only model")
+            check_item_limits(mm.features, self.limits)
+        else:
+            t0 = time.perf_counter()
+            mm = process_prompt(self.processor, token_ids, multi_modal_data, self.limits,
+                                self.model_name)
+            self.preprocess_seconds += time.perf_counter() - t0
+            self.num_preprocessed += len(mm.features)
+        if not mm.features:
+            return None
+        check_encoder_budget(mm.features, *self.budgets, self.span_limit)
+        return mm

@@ -97,7 +97,7 @@ def test_greedy_and_logprobs_equal_transformers(llava, images):
     stats = llm.engine.core_stats()
     assert (stats.mm_images_encoded, stats.mm_encoder_calls) == (3, 1)  # one step, one call
     assert stats.mm_encoder_seconds > 0
-    assert llm.engine.mm_images_preprocessed == 4 and llm.engine.mm_preprocess_seconds > 0
+    assert llm.engine.images.num_preprocessed == 4 and llm.engine.images.preprocess_seconds > 0
     assert llm.engine.check_blocks_free()
 
 
