@@ -3,7 +3,7 @@ print what ptxas reports: registers, spills, shared memory. Occupancy follows fr
 H100/H200 SM has 64K registers and 227 KB of shared memory for its programs.
 
     python scripts/kernel_resources.py [--arch 90] [--head-size 128] [--heads 32:8]
-        [--tiles 16/64/2/4,128/32/4/4] [--unfused] [--window 64]
+        [--tiles 16/64/2/4,128/32/4/4] [--unfused] [--window 64] [--attend-limit]
 
 Each tile shape is compiled as a decode (block_m 16: one query token per program) when its
 block_m is 16, else as a prefill; by default with the fused K/V write, as the backend runs it.
@@ -82,6 +82,8 @@ def main() -> None:
                         help="block_m/block_n/warps/stages, comma-separated")
     parser.add_argument("--unfused", action="store_true", help="the kernel without its write")
     parser.add_argument("--window", type=int, default=None)
+    parser.add_argument("--attend-limit", action="store_true",
+                        help="prefills with a per-token attend limit (bidirectional spans)")
     args = parser.parse_args()
     heads, kv_heads = map(int, args.heads.split(":"))
     d, dtype, i32 = args.head_size, torch.bfloat16, torch.int32
@@ -100,6 +102,8 @@ def main() -> None:
         cache = torch.zeros(8, 16, kv_heads, d, dtype=dtype)
         new_kv = {} if args.unfused else dict(key=key, value=key,
                                               slot_mapping=torch.zeros(t, dtype=torch.int64))
+        if args.attend_limit and not decode:
+            new_kv["attend_limit"] = torch.zeros(t, dtype=i32)
         ua.unified_attention(query, cache, cache.clone(), torch.empty_like(query),
                              torch.zeros(2, 4, dtype=i32), torch.tensor([0, 2, 4], dtype=i32),
                              torch.tensor([10, 10], dtype=i32), torch.zeros(2, dtype=i32),

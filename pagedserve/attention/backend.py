@@ -33,6 +33,8 @@ CUDA_WARMUP_STEPS = ((1, 17, 0), (2, 8, 0), (1, 17, 32), (3, 5, 21), (3, 1, 40),
 
 
 ENCODER_REASON = "encoder-only (bidirectional, no KV cache) attention not supported"
+BIDIRECTIONAL_REASON = ("bidirectional image spans (each image's tokens attend both ways, as "
+                        "Gemma 3's do) not supported")
 
 
 def normalized_head_size_v(head_size: int, head_size_v: int | None) -> int | None:
@@ -86,6 +88,10 @@ class AttentionLayerConfig(_ValueHeadSize):
     # DECODER (causal over the cached context) or ENCODER_ONLY (bidirectional over the
     # request's own tokens, no cache kept): attention/encoder.py.
     attn_type: str = DECODER
+    # The model's image tokens attend to each other both ways (Gemma 3): its steps may carry
+    # `CommonAttentionMetadata.attend_limit`, which only backends with
+    # `supports_bidirectional_spans` honour.
+    bidirectional_spans: bool = False
 
     @property
     def softmax_scale(self) -> float:
@@ -284,6 +290,12 @@ class AttentionBackend(ABC):
     supports_encoder_only: ClassVar[bool] = False
     # Runs encoder-only layers with a (two-sided) sliding window (ModernBERT's local layers).
     supports_encoder_window: ClassVar[bool] = False
+    # Its encoder path pads the head to a power of two, so encoder-only layers take any head
+    # size, not only `supported_head_sizes` (vision towers: SigLIP's and Qwen3-VL's 72).
+    encoder_takes_any_head_size: ClassVar[bool] = False
+    # Honours `CommonAttentionMetadata.attend_limit` (a query sees keys up to its limit, not
+    # its own position): runs layers with `bidirectional_spans` (Gemma 3's images).
+    supports_bidirectional_spans: ClassVar[bool] = False
     # Reads the CSR page table's indices (`paged_kv_indices`); without it the engine does not
     # build them (a boolean gather and a copy a step).
     reads_paged_kv_indices: ClassVar[bool] = False
@@ -371,7 +383,9 @@ class AttentionBackend(ABC):
                                device: torch.device) -> list[str]:
         """Reasons this backend cannot run the layer; empty when it can."""
         reasons = []
-        if cls.supported_head_sizes and layer.head_size not in cls.supported_head_sizes:
+        any_head = layer.attn_type == ENCODER_ONLY and cls.encoder_takes_any_head_size
+        if (cls.supported_head_sizes and layer.head_size not in cls.supported_head_sizes
+                and not any_head):
             reasons.append(f"head size {layer.head_size} not in {list(cls.supported_head_sizes)}")
         if layer.dtype not in cls.supported_dtypes:
             reasons.append(f"dtype {layer.dtype} not supported")
@@ -381,6 +395,8 @@ class AttentionBackend(ABC):
             reasons.append("logits soft-cap not supported")
         if layer.has_sinks and not cls.supports_sinks:
             reasons.append("attention sinks not supported")
+        if layer.bidirectional_spans and not cls.supports_bidirectional_spans:
+            reasons.append(BIDIRECTIONAL_REASON)
         reasons += cls._value_head_size_reasons(layer)
         reasons += cls._encoder_reasons(layer)
         if layer.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
@@ -447,6 +463,8 @@ class AttentionBackend(ABC):
             out.append("diff-kv")
         if cls.supports_encoder_only:
             out.append("encoder-only")
+        if cls.supports_bidirectional_spans:
+            out.append("bidirectional-spans")
         if cls.supported_kv_cache_dtypes != ("auto",):
             quant = [d for d in cls.supported_kv_cache_dtypes if d != "auto"]
             out.append("quantized-kv(" + ",".join(quant) + ")")

@@ -20,7 +20,10 @@ class Attention(nn.Module):
     head_size_v: the values' head size D_v when it differs from head_size (DeepSeek's expanded
     MLA prefill, MiMo-V2-Flash); None: D_v = head_size.
     attn_type: DECODER (causal, K/V into the paged cache) or ENCODER_ONLY (bidirectional over
-    the request's own tokens; no cache: attention/encoder.py)."""
+    the request's own tokens; no cache: attention/encoder.py).
+    bidirectional_spans: the model's image tokens attend to each other both ways (Gemma 3; set
+    by the model after construction): only backends that honour the step's `attend_limit` run
+    the layer."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  layer_idx: int, sliding_window: int | None = None,
@@ -47,12 +50,14 @@ class Attention(nn.Module):
         # Where the layer finds its metadata in the forward context: its configuration, or
         # (cache group, configuration) when the model's layers form several KV cache groups.
         self.metadata_key: object = None
+        self.bidirectional_spans = False
 
     def config(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> AttentionLayerConfig:
         return AttentionLayerConfig(self.num_heads, self.num_kv_heads, self.head_size, dtype,
                                     self.sliding_window, self.logits_soft_cap, kv_cache_dtype,
                                     self.scale, has_sinks=self.sinks is not None,
-                                    head_size_v=self.head_size_v, attn_type=self.attn_type)
+                                    head_size_v=self.head_size_v, attn_type=self.attn_type,
+                                    bidirectional_spans=self.bidirectional_spans)
 
     def bind(self, impl: AttentionImpl, layer_config: AttentionLayerConfig,
              metadata_key: object = None) -> None:

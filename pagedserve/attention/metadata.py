@@ -60,6 +60,48 @@ class CommonAttentionMetadata:
     # The new tokens' positions on the host (a second cache group's slot mapping is built
     # from them).
     positions_cpu: np.ndarray | None = None
+    # [T] int32, the last key position each new token sees, for models whose image tokens
+    # attend to each other both ways (Gemma 3: `AttentionLayerConfig.bidirectional_spans`): a
+    # token inside an image span sees up to the span's last token, every other token its own
+    # position. None in every step without a token that sees past itself (steps without
+    # images, every pure-decode step): other models and decodes pay nothing. The scheduler
+    # never splits such a span across steps, so the keys up to every limit are in the step.
+    attend_limit: torch.Tensor | None = None
+    attend_limit_cpu: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class BidirectionalSpans:
+    """A step's image spans whose tokens attend to each other both ways: span i covers
+    positions [start[i], end[i]) of the step's request `req[i]` (its index in the batch)."""
+
+    req: np.ndarray  # [S] int
+    start: np.ndarray  # [S] int
+    end: np.ndarray  # [S] int
+
+
+def attend_limits(token_req: np.ndarray, positions: np.ndarray,
+                  spans: BidirectionalSpans) -> np.ndarray | None:
+    """The last key position each token sees (`CommonAttentionMetadata.attend_limit`): a span's
+    last position for its tokens, the token's own elsewhere; None when that is every token's
+    own. Spans of one request must not overlap."""
+    if not len(spans.req) or not len(positions):
+        return None
+    # One sorted key per (request, position) pair, so one search finds each token's span.
+    stride = int(max(positions.max(), spans.end.max())) + 1
+    span_key = spans.req.astype(np.int64) * stride + spans.start
+    order = np.argsort(span_key, kind="stable")
+    span_key, span_last = span_key[order], spans.end[order].astype(np.int64) - 1
+    span_req, span_start = spans.req[order], spans.start[order]
+    token_key = token_req.astype(np.int64) * stride + positions
+    idx = np.searchsorted(span_key, token_key, side="right") - 1
+    found = np.maximum(idx, 0)
+    inside = ((idx >= 0) & (span_req[found] == token_req) & (positions >= span_start[found])
+              & (positions <= span_last[found]))
+    if not inside.any():
+        return None
+    limits = np.where(inside, span_last[found], positions).astype(np.int32)
+    return None if np.array_equal(limits, positions) else limits
 
 
 # Padding of a running sum: each padding request adds one (one token, one page).
@@ -142,6 +184,10 @@ class CommonMetadataBuilder:
             self.dev = self._carve(self._dev_block, capacity)
         self._arange = np.arange(max(capacity.values()) + 1, dtype=np.int64)
         self._dev_views: dict[tuple[str, int], torch.Tensor] = {}
+        self._max_num_tokens = max_num_tokens
+        # (host, device) buffers of `attend_limit`, allocated by the first step that has one:
+        # outside BUFFERS, so models without bidirectional spans neither hold nor copy them.
+        self._limit_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _carve(self, block: torch.Tensor, capacity: dict[str, int]) -> dict[str, torch.Tensor]:
         """Every buffer, at its largest, as a typed view of `block`."""
@@ -155,9 +201,11 @@ class CommonMetadataBuilder:
 
     def build(self, rows: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray,
               num_prefills: int, block_table: np.ndarray,
-              context_written_in_step: bool = False) -> CommonAttentionMetadata:
+              context_written_in_step: bool = False,
+              spans: BidirectionalSpans | None = None) -> CommonAttentionMetadata:
         """`rows`: each request's row of `block_table` ([rows, max_blocks_per_seq] int32, the
-        engine's persistent table); `num_computed` / `num_scheduled`: its cached and new tokens."""
+        engine's persistent table); `num_computed` / `num_scheduled`: its cached and new tokens;
+        `spans`: the step's bidirectional image spans, if the model has them."""
         bs = self.block_size
         b = len(rows)
         t = int(num_scheduled.sum())
@@ -180,8 +228,12 @@ class CommonMetadataBuilder:
         lengths = _lengths(b, t, total_pages)
         self._copy_to_device(None, lengths)
         num_prefill_tokens = int(qsl[num_prefills])
+        limit, limit_cpu = (None, None) if spans is None else self._limits(
+            token_req, positions, seq_lens, spans)
         return CommonAttentionMetadata(
             **self._views(lengths),
+            attend_limit=limit,
+            attend_limit_cpu=limit_cpu,
             num_reqs=b,
             num_actual_tokens=t,
             max_query_len=int(num_scheduled.max()) if b else 0,
@@ -193,6 +245,33 @@ class CommonMetadataBuilder:
             block_size=bs,
             context_written_in_step=context_written_in_step,
         )
+
+    def _limits(self, token_req: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray,
+                spans: BidirectionalSpans) -> tuple[torch.Tensor | None, np.ndarray | None]:
+        """The step's `attend_limit` (device view, host view), or (None, None)."""
+        limits = attend_limits(token_req, positions, spans)
+        if limits is None:
+            return None, None
+        past = limits >= seq_lens[token_req]
+        if past.any():
+            i = int(np.argmax(past))
+            raise ValueError(
+                f"request {int(token_req[i])} of the step: the bidirectional image span of its "
+                f"position {int(positions[i])} ends at {int(limits[i])}, past the step's last "
+                f"token {int(seq_lens[token_req[i]]) - 1}: such a span must be scheduled whole")
+        if self._limit_bufs is None:
+            pin = self.device.type == "cuda"
+            host = torch.zeros(self._max_num_tokens, dtype=torch.int32, pin_memory=pin)
+            dev = host if self.device.type == "cpu" else torch.zeros_like(host,
+                                                                          device=self.device)
+            self._limit_bufs = (host, dev)
+        host, dev = self._limit_bufs
+        t = len(limits)
+        host_view = host.numpy()[:t]
+        host_view[:] = limits
+        if dev is not host:
+            dev[:t].copy_(host[:t], non_blocking=True)
+        return dev[:t], host_view
 
     def _fill_table(self, rows: np.ndarray, block_table: np.ndarray, token_req: np.ndarray,
                     positions: np.ndarray, seq_lens: np.ndarray) -> int:

@@ -260,7 +260,8 @@ class ModelRunner:
             self.wait_seconds += time.perf_counter() - t0
         self._common = common = self.common_builder.build(
             rows, batch.num_computed_tokens, batch.num_scheduled_tokens, batch.num_prefills,
-            self.input_batch.block_table.table, batch.context_written_in_step)
+            self.input_batch.block_table.table, batch.context_written_in_step,
+            self.mm.step_spans(batch) if self.mm is not None else None)
         commons = [common]
         for builder, table in zip(self.group_builders[1:], self.input_batch.block_tables[1:],
                                   strict=True):

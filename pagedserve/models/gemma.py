@@ -59,10 +59,17 @@ class GemmaModel(nn.Module):
             {str(kind): RotaryEmbedding(config, head_dim, kind) for kind in set(rope_types)})
         self._rope_of_layer = [str(kind) for kind in rope_types]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, scaled; as transformers, the scale is rounded to the model
+        dtype first."""
         hidden = self.embed_tokens(input_ids)
-        # As transformers: the scale is rounded to the model dtype first.
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds` [T, hidden]: the step's embeddings with image rows written over
+        some of them (Gemma 3's vision model: the ids are then not embedded)."""
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for layer, rope in zip(self.layers, self._rope_of_layer, strict=True):
             hidden = layer(positions, hidden, self.rotary_embs[rope])
         return self.norm(hidden)

@@ -19,6 +19,9 @@ _MODELS: dict[str, str] = {
     "MixtralForCausalLM": "pagedserve.models.llama:MixtralForCausalLM",
     "Gemma2ForCausalLM": "pagedserve.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "pagedserve.models.gemma:Gemma3ForCausalLM",
+    # Gemma 3 with images (a SigLIP tower; image tokens attend both ways within each image).
+    "Gemma3ForConditionalGeneration":
+        "pagedserve.models.gemma3_vl:Gemma3ForConditionalGeneration",
     "Phi3ForCausalLM": "pagedserve.models.phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "pagedserve.models.olmo2:Olmo2ForCausalLM",
     "DeepseekV2ForCausalLM": "pagedserve.models.deepseek:DeepseekV2ForCausalLM",
@@ -59,11 +62,9 @@ ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "XLMRober
 # Multimodal checkpoints whose text decoder is served on its own (text in, text out): the text
 # model's architecture, and how the checkpoint prefixes its weights -> the text model's prefix
 # (transformers 4.50 saved `language_model.model.*`, 4.52 and later `model.language_model.*`
-# beside `lm_head.*`); other tensors (vision tower, projector) are skipped.
-TEXT_DECODERS: dict[str, tuple[str, dict[str, str]]] = {
-    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", {
-        "language_model.": "", "model.language_model.": "model.", "lm_head.": "lm_head."}),
-}
+# beside `lm_head.*`); other tensors (vision tower, projector) are skipped. Gemma 3's
+# (Gemma3ForConditionalGeneration) now runs whole, images included (models/gemma3_vl.py).
+TEXT_DECODERS: dict[str, tuple[str, dict[str, str]]] = {}
 
 
 def register_model(architecture: str, target: str) -> None:

@@ -22,6 +22,7 @@ from pagedserve.multimodal.encoder_attention import bind_encoder_attention
 from pagedserve.multimodal.encoder_cache import encoder_budgets
 from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
 from pagedserve.multimodal.mrope import MRopeStepPositions
+from pagedserve.multimodal.spans import BidirectionalSpans, step_spans
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ class MultiModalRunner:
         # M-RoPE models: the step's [3, T] positions (mrope.py); None for the others.
         self.mrope = (MRopeStepPositions(max_num_tokens, device) if self.uses_mrope
                       else None)
+        # Image tokens attend to each other both ways (Gemma 3): steps with images carry
+        # their spans into the attention metadata (spans.py).
+        self.bidirectional = bool(getattr(model, "bidirectional_image_spans", False))
         # identifier -> the encoder's rows [num_embeds, hidden] on the device
         self.store: dict[str, torch.Tensor] = {}
         # Counters the tests and metrics read: images encoded, encoder calls (steps), and the
@@ -73,6 +77,13 @@ class MultiModalRunner:
         budgets = encoder_budgets(runner.config.scheduler,
                                   model.max_tokens_per_image(hf_config(model)))
         return cls(model, runner.device, runner.dtype, budgets, runner.max_num_tokens)
+
+    def step_spans(self, batch: Any) -> BidirectionalSpans | None:
+        """The step's bidirectional image spans (None: the model has none, or the step's
+        tokens reach no image)."""
+        if not (self.bidirectional and batch.embeds_images):
+            return None
+        return step_spans(batch)
 
     def step_embeds(self, batch: Any, input_ids: torch.Tensor,
                     query_start_loc: np.ndarray) -> torch.Tensor | None:

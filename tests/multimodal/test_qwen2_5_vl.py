@@ -92,9 +92,10 @@ def test_every_block_attends_under_the_latest_plan(ours, processor, monkeypatch)
     assert [md.num_reqs for md in built] == [4, 1, 4]  # 4 windows, 1 image, 4 windows
 
 
-def test_tower_leaves_a_decoder_backend_that_cannot_run_it(model_dir) -> None:
-    """The tower's heads (16 here; Qwen3-VL's 72) on TRITON, whose kernels take 64, 80, ...:
-    its attention is bound to a backend that runs it instead."""
+def test_triton_keeps_a_tower_of_any_head_size(model_dir) -> None:
+    """The tower's heads (16 here; Qwen3-VL's and SigLIP's 72) are not among TRITON's paged
+    kernels' sizes, but its encoder path pads the head: the tower stays on TRITON. (A decoder
+    backend that cannot run the tower at all: tests/multimodal/test_mm_runner.py.)"""
     from transformers import AutoConfig
 
     from pagedserve.attention.registry import get_backend_cls
@@ -103,13 +104,11 @@ def test_tower_leaves_a_decoder_backend_that_cannot_run_it(model_dir) -> None:
 
     model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(model_dir))
     triton = get_backend_cls("TRITON")
-    assert triton.validate_configuration(
-        model.visual.blocks[0].attn.attn.layer_config(torch.float32), 16, torch.device("cpu"))
-    chosen = bind_encoder_attention(model, triton, torch.device("cpu"), torch.float32,
-                                    4096)
-    assert chosen is not triton
-    assert not chosen.validate_configuration(
-        model.visual.blocks[0].attn.attn.layer_config(torch.float32), 16, torch.device("cpu"))
+    layer = model.visual.blocks[0].attn.attn.layer_config(torch.float32)
+    assert layer.head_size not in triton.supported_head_sizes
+    assert not triton.validate_configuration(layer, 16, torch.device("cpu"))
+    assert bind_encoder_attention(model, triton, torch.device("cpu"), torch.float32,
+                                  4096) is triton
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention import AttentionBackend, AttentionLayerConfig, BuilderConfig
-from pagedserve.attention.metadata import CommonMetadataBuilder
+from pagedserve.attention.metadata import BidirectionalSpans, CommonMetadataBuilder
 from pagedserve.engine.input_batch import BlockTable
 
 # (context_len, query_len) per request; a decode has query_len 1. Prefills come first.
@@ -44,6 +44,9 @@ class Case:
     # the reference attends over the same rounded values times the scales.
     kv_cache_dtype: str = "auto"
     kv_scales: tuple[float, float] = (1.0, 1.0)
+    # Bidirectional image spans (Gemma 3): per request, (start, end) position ranges whose
+    # tokens see each other both ways; the layer is configured with bidirectional_spans.
+    spans: list[list[tuple[int, int]]] | None = None
 
     @property
     def value_head_size(self) -> int:
@@ -53,7 +56,8 @@ class Case:
         return AttentionLayerConfig(self.num_heads, self.num_kv_heads, self.head_size, self.dtype,
                                     self.sliding_window, self.logits_soft_cap,
                                     self.kv_cache_dtype, scale=scale, has_sinks=self.sinks,
-                                    head_size_v=self.head_size_v)
+                                    head_size_v=self.head_size_v,
+                                    bidirectional_spans=self.spans is not None)
 
 
 def value_size_kwargs(case: Case) -> dict[str, int]:
@@ -64,11 +68,13 @@ def value_size_kwargs(case: Case) -> dict[str, int]:
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
                         scale: float, sliding_window: int | None,
-                        soft_cap: float | None, sinks: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+                        soft_cap: float | None, sinks: torch.Tensor | None = None,
+                        spans: list[tuple[int, int]] = ()) -> torch.Tensor:
     """One request in float32: q [Lq, H, D] for positions context_len.., k [Lk, Hkv, D],
     v [Lk, Hkv, D_v]; returns [Lq, H, D_v]. sinks [H]: each head's softmax gets one more column
-    with that logit, dropped after (as transformers' gpt-oss eager attention)."""
+    with that logit, dropped after (as transformers' gpt-oss eager attention). spans: position
+    ranges [start, end) whose tokens also see each other's later tokens (as transformers'
+    Gemma 3 mask: causal or same span, and then the window)."""
     lq, h, _ = q.shape
     lk, hkv, _ = k.shape
     k = k.float().repeat_interleave(h // hkv, dim=1)
@@ -79,6 +85,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conte
     q_pos = torch.arange(lq)[:, None] + context_len
     k_pos = torch.arange(lk)[None, :]
     allowed = k_pos <= q_pos
+    for start, end in spans:
+        allowed |= ((q_pos >= start) & (q_pos < end)) & ((k_pos >= start) & (k_pos < end))
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
     scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
@@ -135,7 +143,9 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
         rows=np.arange(len(batch)),
         num_computed=np.array([c for c, _ in batch], dtype=np.int32),
         num_scheduled=np.array([q for _, q in batch], dtype=np.int32),
-        num_prefills=num_prefills, block_table=table.table)
+        num_prefills=num_prefills, block_table=table.table, spans=_spans(case))
+    if case.spans is not None:
+        assert common.attend_limit is not None, "the case's spans change no token's limit"
     scale = d ** -0.5
     layer = case.layer(scale)
     config = BuilderConfig.for_layer(layer, bs, len(batch), common.num_actual_tokens,
@@ -158,8 +168,16 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
     start = 0
     sinks_matter = []
     for i, (c, q) in enumerate(batch):
+        spans = case.spans[i] if case.spans is not None else ()
         ref = reference_attention(queries[i], read_k[i], read_v[i], c, scale,
-                                  case.sliding_window, case.logits_soft_cap, sinks)
+                                  case.sliding_window, case.logits_soft_cap, sinks, spans)
+        # A span that reaches past one of the request's new tokens must change its output, else
+        # a backend that ignored the spans could pass.
+        if any(s <= p < e - 1 for s, e in spans for p in range(c, c + q)):
+            causal = reference_attention(queries[i], read_k[i], read_v[i], c, scale,
+                                         case.sliding_window, case.logits_soft_cap, sinks)
+            assert not torch.allclose(causal, ref, rtol=tol, atol=tol), \
+                f"request {i}: its spans change nothing: the case proves nothing"
         if sinks is not None:
             sinks_matter.append(_sinks_matter(ref, queries[i], read_k[i], read_v[i], c, scale,
                                               case, tol))
@@ -182,6 +200,14 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device) 
                                        rtol=0, atol=0)
             torch.testing.assert_close(v_view[blk, off].float().cpu(), v[t].float(),
                                        rtol=0, atol=0)
+
+
+def _spans(case: Case) -> BidirectionalSpans | None:
+    if case.spans is None:
+        return None
+    flat = [(i, s, e) for i, spans in enumerate(case.spans) for s, e in spans]
+    req, start, end = (np.array(col, dtype=np.int64) for col in zip(*flat, strict=True))
+    return BidirectionalSpans(req, start, end)
 
 
 def _stored(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:

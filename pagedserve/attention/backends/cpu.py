@@ -3,9 +3,10 @@
 The builder does the per-step work once for all layers: for the prefill group and the decode
 group it builds the page-gather index, the scatter of packed query tokens into a padded
 [requests, max_query_len] grid and the boolean mask (causal from each request's cached length,
-sequence end, sliding window). Decodes form their own group so a long prompt in the same step
-does not pad them. Values may have their own head size (head_size_v): the cache is then the
-base class's side-by-side layout.
+or to the end of a query's image span where the step has `attend_limit`; sequence end, sliding
+window). Decodes form their own group so a long prompt in the same step does not pad them.
+Values may have their own head size (head_size_v): the cache is then the base class's
+side-by-side layout.
 
 Each layer gathers its K/V pages once per group as one matrix per request and KV head
 ([B * Hkv, keys, D]), and attends with two batched matmuls around a float32 softmax: the
@@ -96,7 +97,11 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
 
         q_pos = ctx_lens[:, None] + torch.arange(max_q, device=device)  # [B, max_q]
         k_pos = torch.arange(max_k, device=device)
-        mask = (k_pos <= q_pos[:, :, None]) & (k_pos < seq_lens[:, None, None])
+        limit = q_pos  # the last key each query sees: itself, or its image span's end
+        if common.attend_limit is not None:
+            limit = q_pos.clone()
+            limit.view(-1)[token_index] = common.attend_limit[token_start:token_end].long()
+        mask = (k_pos <= limit[:, :, None]) & (k_pos < seq_lens[:, None, None])
         if self.config.sliding_window is not None:
             mask &= k_pos > q_pos[:, :, None] - self.config.sliding_window
         # Padding query rows see key 0 so softmax stays finite; their outputs are dropped.
@@ -226,6 +231,7 @@ class CPUAttentionBackend(AttentionBackend):
     supports_diff_kv = True
     supports_encoder_only = True
     supports_encoder_window = True
+    supports_bidirectional_spans = True
     description = "batched torch matmuls over gathered pages (batch-invariant)"
 
     impl_cls = CPUAttentionImpl

@@ -141,7 +141,7 @@ def plan_kv_tiles(row_start: np.ndarray, query_lens: np.ndarray, context_lens: n
                   page_ids: np.ndarray, page_indptr: np.ndarray, block_size: int,
                   window: int | None, q_tile: int, pages_per_kv_tile: int,
                   num_rows: int, one_request_per_tile: bool = False,
-                  rows_per_token: int = 1) -> KVTilePlan:
+                  rows_per_token: int = 1, limits: np.ndarray | None = None) -> KVTilePlan:
     """The physical layout's tiles. Request r's queries are flex rows [row_start[r],
     row_start[r] + query_lens[r] * rows_per_token), rows_per_token consecutive rows a token,
     at positions context_lens[r] + i; its pages are
@@ -149,7 +149,9 @@ def plan_kv_tiles(row_start: np.ndarray, query_lens: np.ndarray, context_lens: n
     (p - window, p] (all of [0, p] without a window). Query tile t is rows
     [t * q_tile, (t + 1) * q_tile); KV tile j is pages [j * pages_per_kv_tile, ...).
     `one_request_per_tile` (rows aligned to tiles) with one page a KV tile lists each tile's
-    pages as they come: a request's visible pages are distinct."""
+    pages as they come: a request's visible pages are distinct. `limits` [tokens] (the step's
+    `attend_limit`): a query sees up to its limit rather than its own position (the window
+    still counts from the position); limits never decrease along a request."""
     bs = block_size
     num_tiles = -(-num_rows // q_tile)
     b = len(query_lens)
@@ -167,8 +169,14 @@ def plan_kv_tiles(row_start: np.ndarray, query_lens: np.ndarray, context_lens: n
     starts, ends, seg_req, tile = starts[keep], ends[keep], seg_req[keep], tile[keep]
     first = context_lens[seg_req] + (starts - row_start[seg_req]) // g
     last = context_lens[seg_req] + (ends - 1 - row_start[seg_req]) // g
+    if limits is not None:  # a segment's last row has its largest limit
+        token_start = np.cumsum(query_lens) - query_lens
+        last_token = token_start[seg_req] + (ends - 1 - row_start[seg_req]) // g
+        last_seen = np.maximum(last, limits[last_token])
+    else:
+        last_seen = last
     lo = np.zeros_like(first) if window is None else np.maximum(first - window + 1, 0) // bs
-    hi = last // bs
+    hi = last_seen // bs
     count = hi - lo + 1
     seg = np.repeat(np.arange(len(starts)), count)
     logical = lo[seg] + np.arange(int(count.sum())) - (np.cumsum(count) - count)[seg]
@@ -203,6 +211,9 @@ class FlexAttentionMetadata:
     q_req: torch.Tensor  # [num_rows] int64 request of each row (padding: 0)
     q_pos: torch.Tensor  # [num_rows] int64 absolute position of each row (padding: -1)
     block_size: int
+    # [num_rows] int64 the last key position each row sees, when the step has an
+    # `attend_limit` (bidirectional image spans); None: its own position.
+    q_limit: torch.Tensor | None = None
     gqa_fold: int = 1  # query heads per KV head folded into rows (1: flex's enable_gqa)
     # Gathered layout: [K] int64 physical slot, request and position of each packed key.
     kv_slot: torch.Tensor | None = None
@@ -316,7 +327,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         kv_slot = blocks * bs + kv_pos % bs
         q_req = torch.repeat_interleave(reqs, qsl[1:] - qsl[:-1], output_size=n)
         q_pos = common.positions[:n].long()
-        return FlexAttentionMetadata(common, n, False, n, None, q_req, q_pos, bs,
+        q_limit = None if common.attend_limit is None else common.attend_limit[:n].long()
+        return FlexAttentionMetadata(common, n, False, n, None, q_req, q_pos, bs, q_limit,
                                      kv_slot=kv_slot, kv_req=kv_req, kv_pos=kv_pos)
 
     def q_tile(self, common: CommonAttentionMetadata) -> int:
@@ -340,10 +352,12 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
             row_start[1:] = qsl[1:] * g
         num_rows = int(row_start[b])
         pages_per_kv_tile = -(-_MIN_KV_TILE // bs)
+        limits = common.attend_limit_cpu
         plan = plan_kv_tiles(row_start, query_lens, context_lens,
                              common.paged_kv_indices_cpu, common.paged_kv_indptr_cpu, bs,
                              self.config.sliding_window, q_tile, pages_per_kv_tile, num_rows,
-                             one_request_per_tile=self.ALIGN_REQUESTS, rows_per_token=g)
+                             one_request_per_tile=self.ALIGN_REQUESTS, rows_per_token=g,
+                             limits=limits)
         # Every token's g rows, token-major; their request and position.
         token_req = np.repeat(np.arange(b), query_lens)
         token_rows = row_start[token_req] + (np.arange(n) - qsl[token_req]) * g
@@ -352,7 +366,12 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         q_req[rows] = np.repeat(token_req, g)
         q_pos = np.full(num_rows, -1, dtype=np.int64)
         q_pos[rows] = np.repeat(common.positions_cpu[:n], g)
-        dev = _to_device({"kv_num_blocks": plan.kv_num_blocks[None, None],
+        host = {}
+        if limits is not None:
+            q_limit = np.full(num_rows, -1, dtype=np.int64)
+            q_limit[rows] = np.repeat(limits[:n], g)
+            host["q_limit"] = q_limit
+        dev = _to_device({**host,"kv_num_blocks": plan.kv_num_blocks[None, None],
                           "kv_indices": plan.kv_indices[None, None],
                           "full_num_blocks": plan.full_num_blocks[None, None],
                           "full_indices": plan.full_indices[None, None],
@@ -360,28 +379,31 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
                           "q_rows": rows, "q_req": q_req, "q_pos": q_pos},
                          common.query_start_loc.device)
         q_rows, q_req_t, q_pos_t = dev.pop("q_rows"), dev.pop("q_req"), dev.pop("q_pos")
+        q_limit_t = dev.pop("q_limit", None)
         kv_tile = pages_per_kv_tile * bs
         options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": min(q_tile, 64),
                    "BLOCK_N": min(kv_tile, 64)}
         return FlexAttentionMetadata(common, n, True, num_rows, q_rows, q_req_t, q_pos_t, bs,
-                                     gqa_fold=g, plan=dev, tiles=(q_tile, kv_tile),
+                                     q_limit_t, gqa_fold=g, plan=dev, tiles=(q_tile, kv_tile),
                                      kernel_options=options)
 
     def mask_mod(self, md: FlexAttentionMetadata) -> Callable[..., torch.Tensor]:
         """True where query row q_idx may see key kv_idx: a key of its own request, causal on
-        absolute positions, inside the sliding window (which counts the query itself)."""
+        absolute positions (up to the row's `q_limit` where the step has one: the end of its
+        image span), inside the sliding window (which counts back from the query itself)."""
         window = self.config.sliding_window
+        limit = md.q_pos if md.q_limit is None else md.q_limit
 
         def causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                    kv_idx: torch.Tensor) -> torch.Tensor:
             kv_pos = md.key_position(q_idx, kv_idx)
-            return (kv_pos >= 0) & (kv_pos <= md.q_pos[q_idx])
+            return (kv_pos >= 0) & (kv_pos <= limit[q_idx])
 
         def windowed(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                      kv_idx: torch.Tensor) -> torch.Tensor:
             kv_pos = md.key_position(q_idx, kv_idx)
             q_pos = md.q_pos[q_idx]
-            return (kv_pos >= 0) & (kv_pos <= q_pos) & (kv_pos > q_pos - window)
+            return (kv_pos >= 0) & (kv_pos <= limit[q_idx]) & (kv_pos > q_pos - window)
 
         return causal if window is None else windowed
 
@@ -501,6 +523,7 @@ class FlexAttentionBackend(AttentionBackend):
     supports_diff_kv = True
     supports_encoder_only = True
     supports_encoder_window = True
+    supports_bidirectional_spans = True  # the mask_mod and the plan read attend_limit
     description = ("torch flex_attention (block mask from the page table over the cache "
                    "itself on CUDA; gathered pages, eager, on CPU)")
 

@@ -112,6 +112,8 @@ class RocmAttentionBackend(TritonAttentionBackend):
     name = "ROCM"
     supports_sinks = False  # see RocmAttentionImpl
     supports_diff_kv = False  # see RocmAttentionImpl
+    # The Triton path honours attend_limit, but it has not run on AMD hardware with it.
+    supports_bidirectional_spans = False
     description = "aiter paged attention for decodes on ROCm, Triton kernels otherwise"
 
     impl_cls = RocmAttentionImpl

@@ -161,7 +161,7 @@ class TritonAttentionImpl(AttentionImpl):
                           common.query_start_loc, common.seq_lens, md.qblock_req,
                           md.qblock_start, md.num_qblocks, md.block_q, md.block_m, scale,
                           md.tiles, self.sliding_window, self.logits_soft_cap, sinks=sinks,
-                          v_scale=v_scale, **new_kv)
+                          v_scale=v_scale, attend_limit=common.attend_limit, **new_kv)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -178,6 +178,9 @@ class TritonAttentionBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "fp8")
     supports_encoder_only = True
     supports_encoder_window = True
+    encoder_takes_any_head_size = True  # ops/varlen_attention pads and masks the head
+    # Image spans that attend both ways: the prefill mask reads the step's attend_limit.
+    supports_bidirectional_spans = True
     description = "Triton unified paged attention (one launch per step) + split-KV decode"
 
     impl_cls = TritonAttentionImpl

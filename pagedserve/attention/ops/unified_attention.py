@@ -26,7 +26,10 @@ Kernel `_unified_attention_kernel`
            query_start_loc [B+1]; seq_lens [B]. Q/K tiles hold D_PAD channels, V tiles and the
            accumulator DV_PAD (each a padded power of two, masked), so D_v may differ from D.
   masks:   query i of a request with context c sits at position c + i and sees keys k with
-           k <= c + i and, with a sliding window W, k > c + i - W.
+           k <= c + i and, with a sliding window W, k > c + i - W. With USE_LIMIT a per-token
+           limit replaces c + i in the first test (the last key of the query's image span, for
+           models whose image tokens attend both ways), and the block's keys run to its rows'
+           largest limit; the window still counts from c + i.
   sinks:   USE_SINKS adds one column per query head with logit sinks[h] that carries no value
            (gpt-oss): the running max of each row starts at the sink (in base 2) and the
            running sum at exp2(sink - sink) = 1, so it costs no pass of its own. Split programs
@@ -114,7 +117,8 @@ def _tanh(x):
 
 @triton.jit
 def _attend_tiles(
-    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+    acc, l_i, m_i, q, q_pos, q_lim, k_base, v_base, table_row, new_k_base, new_v_base,
+    new_first,
     tile_start, tile_end, sm_scale, soft_cap, window,
     stride_cb, stride_cs, stride_cd, stride_kt, stride_kd, stride_vt, stride_vd,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
@@ -126,7 +130,8 @@ def _attend_tiles(
     """Keys [tile_start, tile_end) in BLOCK_N tiles, from the pages (or, FROM_INPUT, from the
     step's key/value inputs: position k is token new_first + k). MASKED tiles check
     k < tile_end, the causal mask (CAUSAL) and the window; the others must be whole tiles
-    that every row sees."""
+    that every row sees. Row r's causal limit is key q_lim[r] (q_pos[r], or the end of its
+    image span), its window counts back from q_pos[r]."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_SIZE
@@ -173,7 +178,7 @@ def _attend_tiles(
         if MASKED:
             seen = k_ok[None, :]
             if CAUSAL:
-                seen = seen & (k_pos[None, :] <= q_pos[:, None])
+                seen = seen & (k_pos[None, :] <= q_lim[:, None])
             if USE_WINDOW:
                 seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(seen, s, float("-inf"))
@@ -218,7 +223,8 @@ def _attend_one(acc, l_i, m_i, q, k, v, take, sm_scale, soft_cap, USE_SOFT_CAP: 
 
 @triton.jit
 def _attend_part(
-    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+    acc, l_i, m_i, q, q_pos, q_lim, k_base, v_base, table_row, new_k_base, new_v_base,
+    new_first,
     start, front_end, mid_end, end, part_lo, part_hi, sm_scale, soft_cap, window,
     stride_cb, stride_cs, stride_cd, stride_kt, stride_kd, stride_vt, stride_vd,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
@@ -231,21 +237,24 @@ def _attend_part(
     unmasked tiles [front_end, mid_end) and a masked tail [mid_end, end), each clipped to this
     program's split [part_lo, part_hi)."""
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        acc, l_i, m_i, q, q_pos, q_lim, k_base, v_base, table_row, new_k_base, new_v_base,
+        new_first,
         tl.maximum(start, part_lo), tl.minimum(front_end, part_hi),
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
         stride_kt, stride_kd, stride_vt, stride_vd,
         HEAD_SIZE, D_PAD, HEAD_SIZE_V, DV_PAD, BLOCK_SIZE, BLOCK_N, True, CAUSAL, FROM_INPUT,
         USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        acc, l_i, m_i, q, q_pos, q_lim, k_base, v_base, table_row, new_k_base, new_v_base,
+        new_first,
         tl.maximum(front_end, part_lo), tl.minimum(mid_end, part_hi),
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
         stride_kt, stride_kd, stride_vt, stride_vd,
         HEAD_SIZE, D_PAD, HEAD_SIZE_V, DV_PAD, BLOCK_SIZE, BLOCK_N, False, CAUSAL, FROM_INPUT,
         USE_WINDOW, USE_SOFT_CAP, UPCAST, DOT_PRECISION)
     return _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        acc, l_i, m_i, q, q_pos, q_lim, k_base, v_base, table_row, new_k_base, new_v_base,
+        new_first,
         tl.maximum(mid_end, part_lo), tl.minimum(end, part_hi),
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
         stride_kt, stride_kd, stride_vt, stride_vd,
@@ -257,7 +266,7 @@ def _attend_part(
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, key_ptr, value_ptr, slot_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, qblock_req_ptr, qblock_start_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, lse_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, lse_ptr, limit_ptr,
     sm_scale, v_scale, soft_cap, window,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -270,7 +279,7 @@ def _unified_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FUSED_WRITE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     USE_SINKS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    STORE_LSE: tl.constexpr, USE_LIMIT: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     qblock = tl.program_id(1)  # the map lists blocks heaviest first (query_block_map)
@@ -327,6 +336,10 @@ def _unified_attention_kernel(
     q_first = context + q_off
     q_last = tl.minimum(q_first + BLOCK_Q, seq_len) - 1
     hi = q_last + 1
+    q_lim = q_pos
+    if USE_LIMIT:  # rows of an image span see the whole span: the new keys end further on
+        q_lim = tl.load(limit_ptr + token, mask=row_ok, other=0)
+        hi = tl.minimum(tl.maximum(tl.max(q_lim, 0) + 1, hi), seq_len)
     if USE_WINDOW:
         lo = tl.maximum(q_first - window + 1, 0)
     else:
@@ -364,7 +377,8 @@ def _unified_attention_kernel(
     new_first = q_start - context
     # The cached context (whole tiles end at its last tile boundary), from the pages.
     acc, l_i, m_i = _attend_part(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base, new_first,
+        acc, l_i, m_i, q, q_pos, q_pos, k_base, v_base, table_row, new_k_base, new_v_base,
+        new_first,
         tile_lo, front_end, mid_end, context, part_lo, part_hi,
         sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
         stride_kt, stride_kd, stride_vt, stride_vd,
@@ -391,7 +405,7 @@ def _unified_attention_kernel(
         # The step's new keys (whole tiles end at the block's first row; the rest is its
         # causal diagonal), from the key/value inputs when FUSED_WRITE.
         acc, l_i, m_i = _attend_part(
-            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, new_k_base, new_v_base,
+            acc, l_i, m_i, q, q_pos, q_lim, k_base, v_base, table_row, new_k_base, new_v_base,
             new_first, context, new_front_end, new_mid_end, hi, part_lo, part_hi,
             sm_scale, soft_cap, window, stride_cb, stride_cs, stride_cd,
             stride_kt, stride_kd, stride_vt, stride_vd,
@@ -426,6 +440,7 @@ def unified_attention(
     key: torch.Tensor | None = None, value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
     lse: torch.Tensor | None = None, v_scale: float = 1.0,
+    attend_limit: torch.Tensor | None = None,
 ) -> None:
     """Attention of query [T, H, D] over the paged cache (k_cache [..., D], v_cache [..., D_v])
     into `out` [T, H, D_v].
@@ -442,7 +457,9 @@ def unified_attention(
     with splits): also store each row's log-sum-exp in base 2 (scores times scale x log2(e)),
     for a caller that merges this softmax with another. v_scale multiplies the output (an fp8
     cache holds V / v_scale; its k_scale rides on `scale`); a split launch leaves it to
-    `reduce_split_kv`. All sizes are host ints: no sync."""
+    `reduce_split_kv`. attend_limit [T] int32 (not with splits): the last key position each
+    query sees, in place of its own (bidirectional image spans: `CommonAttentionMetadata.
+    attend_limit`); the step must hold every key up to it. All sizes are host ints: no sync."""
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads, head_size_v = k_cache.shape[2], v_cache.shape[3]
     if num_qblocks == 0:
@@ -453,6 +470,8 @@ def unified_attention(
         raise ValueError("the split-KV path is for decode batches and needs partial buffers")
     if num_splits > 1 and lse is not None:
         raise ValueError("a split launch writes partials, not a log-sum-exp")
+    if num_splits > 1 and attend_limit is not None:
+        raise ValueError("the split-KV path is for decodes, which see no key past their own")
     if num_splits > 1 and sinks is not None:
         raise ValueError("split partials leave the sinks out: reduce_split_kv adds them")
     fused = key is not None
@@ -473,7 +492,7 @@ def unified_attention(
         query, k_cache, v_cache, out, key, value, slot_mapping,
         block_table, query_start_loc, seq_lens, qblock_req, qblock_start,
         part_m, part_l, part_acc, query if sinks is None else sinks,
-        out if lse is None else lse,
+        out if lse is None else lse, seq_lens if attend_limit is None else attend_limit,
         scale, float(v_scale), soft_cap or 0.0, sliding_window or 0,
         *query.stride(), *out.stride(), *k_cache.stride(), *key.stride(), *value.stride(),
         block_table.stride(0),
@@ -484,6 +503,6 @@ def unified_attention(
         BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits, FUSED_WRITE=fused,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
         USE_SINKS=sinks is not None, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else None,
-        STORE_LSE=lse is not None,
+        STORE_LSE=lse is not None, USE_LIMIT=attend_limit is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

@@ -1,0 +1,395 @@
+"""Gemma 3 with images (`Gemma3ForConditionalGeneration`): a SigLIP vision tower, a projector
+(average pool to `mm_tokens_per_image` rows, RMSNorm, one matrix) and Gemma 3's text decoder
+(models/gemma.py).
+
+An image is resized to the tower's square by Gemma 3's image processor (transformers' PIL
+variant: no torchvision), cut into patches and run through the tower (bidirectional within the
+image, through the attention backend's encoder path: multimodal/encoder_attention.py); the
+projector pools the patch grid to `mm_tokens_per_image` rows. As transformers' Gemma3Processor
+does with text, the prompt's `<start_of_image>` becomes, at the token level,
+`\\n\\n <start_of_image> <image_soft_token> x mm_tokens_per_image <end_of_image> \\n\\n`; the
+soft tokens are the image's placeholder span, whose embeddings the runner replaces by the
+projector's rows (unscaled, where text embeddings are scaled by sqrt(hidden)).
+
+Inside the decoder the soft tokens of one image attend to each other both ways, every other
+token causally, and sliding-window layers keep their window (transformers' Gemma 3 mask:
+(causal or same image) and window). The model declares `bidirectional_image_spans`: its
+decoder layers run only on attention backends that honour the step's per-token attend limit
+(attention/metadata.py), and the scheduler never splits a span across steps.
+
+Weights load from transformers' `save_pretrained` layouts: `language_model.model.*`,
+`vision_tower.vision_model.*` (published checkpoints, 4.50; transformers 5 saves the tower
+without its `vision_model.` level) and `multi_modal_projector.*`, or `model.language_model.*`,
+`model.vision_tower.*`, `model.multi_modal_projector.*` and `lm_head.*` (4.52 and later). The
+SigLIP pooling head some towers carry is not used by Gemma 3 and is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from pagedserve.attention.layer import Attention
+from pagedserve.models.gemma import Gemma3ForCausalLM
+from pagedserve.models.layers import GemmaRMSNorm
+from pagedserve.multimodal.encoder_attention import EncoderAttention
+from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
+from pagedserve.multimodal.model import SupportsMultiModal
+from pagedserve.multimodal.processing import MultiModalProcessor, tensors_identifier
+
+# Checkpoint prefix -> ours (longest first: the 4.52+ names contain the older ones).
+_PREFIXES = (("model.language_model.", "language_model.model."),
+             ("language_model.model.", "language_model.model."),
+             ("language_model.lm_head.", "language_model.lm_head."),
+             ("lm_head.", "language_model.lm_head."),
+             ("model.vision_tower.", "vision_tower."),
+             ("vision_tower.", "vision_tower."),
+             ("model.multi_modal_projector.", "multi_modal_projector."),
+             ("multi_modal_projector.", "multi_modal_projector."))
+
+
+def check_config(config: PretrainedConfig) -> None:
+    vision = config.vision_config
+    vision_type = getattr(vision, "model_type", "")
+    if vision_type != "siglip_vision_model":
+        raise ValueError(f"Gemma 3 with a {vision_type!r} vision tower is not supported "
+                         "(SigLIP only)")
+    side = vision.image_size // vision.patch_size
+    per_side = int(round(config.mm_tokens_per_image ** 0.5))
+    if per_side * per_side != config.mm_tokens_per_image or side % per_side:
+        raise ValueError(f"mm_tokens_per_image {config.mm_tokens_per_image} does not pool a "
+                         f"{side} x {side} patch grid evenly")
+
+
+# ---- the processor ---------------------------------------------------------------------------
+
+class Gemma3Processor(MultiModalProcessor):
+    """`<start_of_image>` -> Gemma 3's image sequence; pixels by its image processor."""
+
+    image_placeholder = "<start_of_image>"
+
+    def __init__(self, hf_config: Any, tokenizer: Any, model_path: str | None) -> None:
+        super().__init__(hf_config, tokenizer, model_path)
+        from transformers import Gemma3ImageProcessorPil
+
+        check_config(hf_config)
+        self.boi_id = int(hf_config.boi_token_index)
+        self.eoi_id = int(hf_config.eoi_token_index)
+        self.image_id = int(hf_config.image_token_index)
+        self.num_image_tokens = int(hf_config.mm_tokens_per_image)
+        # What images need beyond the model: without it the checkpoint still serves text, and
+        # a prompt with images is refused by name (`missing`).
+        self.missing: list[str] = []
+        self.newlines_id = double_newline_id(tokenizer)
+        if self.newlines_id is None:
+            self.missing.append("a tokenizer with Gemma's '\\n\\n' token, which frames every "
+                                "image")
+        self.image_processor = None
+        if model_path is None or not (Path(model_path) / "preprocessor_config.json").is_file():
+            self.missing.append("its preprocessor_config.json (the image processor's settings)")
+        else:
+            self.image_processor = Gemma3ImageProcessorPil.from_pretrained(model_path)
+            if self.image_processor.do_pan_and_scan:
+                raise ValueError(f"{model_path}: the image processor's do_pan_and_scan (extra "
+                                 "crops of an image) is not supported; set it to false")
+        if tokenizer is not None:
+            self.image_placeholder = tokenizer.convert_ids_to_tokens(self.boi_id)
+
+    def process(self, prompt_token_ids: list[int], images: list[Any]) -> MultiModalPrompt:
+        if images and self.missing:
+            raise ValueError("this Gemma 3 checkpoint cannot take images: it lacks "
+                             + " and ".join(self.missing))
+        ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        where = np.flatnonzero(ids == self.boi_id)
+        if len(where) != len(images):
+            raise ValueError(f"the prompt has {len(where)} {self.image_placeholder} "
+                             f"placeholders but {len(images)} images were given: put one "
+                             f"{self.image_placeholder} where each image goes")
+        datas = self._image_data(images)
+        hidden = self.hf_config.text_config.hidden_size
+        out: list[int] = []
+        features: list[MultiModalFeature] = []
+        start = 0
+        for i, (pos, data) in enumerate(zip(where.tolist(), datas, strict=True)):
+            rows = self.num_image_tokens
+            if "image_embeds" in data:
+                rows, width = data["image_embeds"].shape
+                if width != hidden or rows < 1:
+                    raise ValueError(f"image {i}: embeddings of shape {(rows, width)}; the "
+                                     f"model takes [rows >= 1, {hidden}]")
+            out += prompt_token_ids[start:pos]
+            out += [self.newlines_id, self.boi_id]
+            placeholder = PlaceholderRange(len(out), rows)
+            out += [self.image_id] * rows
+            out += [self.eoi_id, self.newlines_id]
+            start = pos + 1
+            features.append(MultiModalFeature("image", tensors_identifier(data, "gemma3"),
+                                              placeholder, data))
+        out += prompt_token_ids[start:]
+        return MultiModalPrompt(out, features)
+
+    def _image_data(self, images: list[Any]) -> list[dict[str, torch.Tensor]]:
+        pil = [i for i, im in enumerate(images) if not isinstance(im, torch.Tensor)]
+        datas: list[dict[str, torch.Tensor]] = [{} for _ in images]
+        if pil:
+            pixels = self.image_processor(images=[images[i] for i in pil], do_pan_and_scan=False,
+                                          return_tensors="pt")["pixel_values"]
+            for i, p in zip(pil, pixels, strict=True):
+                datas[i] = {"pixel_values": p.contiguous()}
+        for i, im in enumerate(images):
+            if isinstance(im, torch.Tensor):
+                datas[i] = {"image_embeds": im.detach().cpu().contiguous()}
+        return datas
+
+
+def double_newline_id(tokenizer: Any) -> int | None:
+    """The id of Gemma's "\\n\\n" token, which frames every image sequence (None: the
+    tokenizer has none)."""
+    if tokenizer is None:
+        return None
+    token_id = tokenizer.convert_tokens_to_ids("\n\n")
+    if token_id is None or token_id == getattr(tokenizer, "unk_token_id", None):
+        # A vocabulary that spells the token otherwise: what the text encodes to, if one id.
+        ids = tokenizer.encode("\n\n", add_special_tokens=False)
+        token_id = ids[0] if len(ids) == 1 else None
+    return None if token_id is None else int(token_id)
+
+
+# ---- the vision tower ------------------------------------------------------------------------
+
+class SiglipVisionEmbeddings(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        h, p = config.hidden_size, config.patch_size
+        self.patch_embedding = nn.Conv2d(config.num_channels, h, p, stride=p)
+        self.position_embedding = nn.Embedding((config.image_size // p) ** 2, h)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> [N, patches, hidden]."""
+        dtype = self.patch_embedding.weight.dtype
+        x = self.patch_embedding(pixel_values.to(dtype)).flatten(2).transpose(1, 2)
+        if x.shape[1] != self.position_embedding.num_embeddings:
+            raise ValueError(f"an image of {x.shape[1]} patches; the tower was trained on "
+                             f"{self.position_embedding.num_embeddings}")
+        return x + self.position_embedding.weight
+
+
+class SiglipAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        h, heads = config.hidden_size, config.num_attention_heads
+        head = h // heads
+        self.q_proj = nn.Linear(h, h)
+        self.k_proj = nn.Linear(h, h)
+        self.v_proj = nn.Linear(h, h)
+        self.out_proj = nn.Linear(h, h)
+        self.attn = EncoderAttention(heads, head, head ** -0.5)
+
+    def forward(self, x: torch.Tensor, md: Any) -> torch.Tensor:
+        return self.out_proj(self.attn(self.q_proj(x), self.k_proj(x), self.v_proj(x), md))
+
+
+class SiglipMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class SiglipEncoderLayer(nn.Module):
+    """Pre-norm: x + attn(LN(x)), then x + mlp(LN(x))."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        eps = config.layer_norm_eps
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.self_attn = SiglipAttention(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.mlp = SiglipMLP(config)
+
+    def forward(self, x: torch.Tensor, md: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), md)
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class SiglipEncoder(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(SiglipEncoderLayer(config)
+                                    for _ in range(config.num_hidden_layers))
+
+
+class SiglipVisionTransformer(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.embeddings = SiglipVisionEmbeddings(config)
+        self.encoder = SiglipEncoder(config)
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> the last hidden states [N, patches, hidden], post-normed. The
+        images are packed into one varlen sequence batch: image i is its own sequence."""
+        x = self.embeddings(pixel_values)
+        n, length, h = x.shape
+        md = self.encoder.layers[0].self_attn.attn.binding.metadata(
+            np.full(n, length, dtype=np.int32))
+        x = x.reshape(n * length, h)
+        for layer in self.encoder.layers:
+            x = layer(x, md)
+        return self.post_layernorm(x).view(n, length, h)
+
+
+class SiglipVisionModel(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.vision_model = SiglipVisionTransformer(config)
+
+
+class Gemma3MultiModalProjector(nn.Module):
+    """The patch grid average-pooled to mm_tokens_per_image rows, RMSNorm'd (Gemma's, weight
+    + 1) and projected to the decoder's width by one matrix [vision hidden, text hidden]."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        vision = config.vision_config
+        self.mm_input_projection_weight = nn.Parameter(
+            torch.zeros(vision.hidden_size, config.text_config.hidden_size))
+        self.mm_soft_emb_norm = GemmaRMSNorm(vision.hidden_size, vision.layer_norm_eps)
+        self.patches_per_side = vision.image_size // vision.patch_size
+        self.kernel = self.patches_per_side // int(round(config.mm_tokens_per_image ** 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, patches, vision hidden] -> [N, mm_tokens_per_image, text hidden]."""
+        n, _, h = x.shape
+        side = self.patches_per_side
+        grid = x.transpose(1, 2).reshape(n, h, side, side)
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
+        return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight)
+
+
+# ---- the model -------------------------------------------------------------------------------
+
+class Gemma3ForConditionalGeneration(SupportsMultiModal, nn.Module):
+    processor_cls = Gemma3Processor
+    bidirectional_image_spans = True
+    supports_int8 = False
+    supports_quantized_checkpoints = False
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        check_config(config)
+        self.config = config
+        text = config.text_config
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings",
+                                                text.tie_word_embeddings))
+        self.vision_tower = SiglipVisionModel(config.vision_config)
+        self.multi_modal_projector = Gemma3MultiModalProjector(config)
+        self.language_model = Gemma3ForCausalLM(text)
+        for attn in self.language_model.attention_layers():
+            attn.bidirectional_spans = True
+        # transformers embeds an image token past the vocabulary as id 0 (its rows are replaced
+        # by the image's anyway).
+        self.image_token_id = int(config.image_token_index)
+        self.vocab_size = int(text.vocab_size)
+
+    @classmethod
+    def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
+        return int(hf_config.mm_tokens_per_image)
+
+    # ---- what the runner calls ---------------------------------------------------------------
+
+    def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(features)
+        weight = self.multi_modal_projector.mm_input_projection_weight
+        pixels = [i for i, f in enumerate(features) if "pixel_values" in f.data]
+        if pixels:
+            batch = torch.stack([features[i].data["pixel_values"] for i in pixels])
+            rows = self.multi_modal_projector(self.vision_tower.vision_model(
+                batch.to(weight.device)))
+            for j, i in enumerate(pixels):
+                out[i] = rows[j]
+        for i, f in enumerate(features):
+            if "image_embeds" in f.data:
+                out[i] = f.data["image_embeds"].to(device=weight.device, dtype=weight.dtype)
+        return out
+
+    def dummy_image_data(self) -> dict[str, torch.Tensor]:
+        v = self.config.vision_config
+        return {"pixel_values": torch.zeros(v.num_channels, v.image_size, v.image_size)}
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.image_token_id >= self.vocab_size:
+            input_ids = torch.where(input_ids == self.image_token_id, 0, input_ids)
+        return self.language_model.model.embed(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        return self.language_model.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return self.language_model.attention_layers()
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The decoder's tensors through its own loader (fused q/k/v and gate/up, coverage
+        check, rope caches); the tower's and projector's copied one to one. Every parameter
+        must be given."""
+        decoder: list[tuple[str, torch.Tensor]] = []
+        params = {n: p for n, p in self.named_parameters()
+                  if not n.startswith("language_model.")}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            ours = _our_name(name)
+            if ours is None:
+                continue
+            if ours.startswith("language_model."):
+                decoder.append((ours[len("language_model."):], tensor))
+                continue
+            if ours not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
+                                 f"{type(self).__name__}")
+            param = params[ours]
+            if param.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape "
+                                 f"{tuple(tensor.shape)}, the model expects "
+                                 f"{tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(ours)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        self.language_model.load_weights(decoder)
+
+
+def _our_name(name: str) -> str | None:
+    """Our parameter's name for a checkpoint tensor; None for the tower's unused pooling head."""
+    for prefix, ours in _PREFIXES:
+        if not name.startswith(prefix):
+            continue
+        name = ours + name[len(prefix):]
+        if ours == "vision_tower.":
+            rest = name[len(ours):]
+            rest = rest[len("vision_model."):] if rest.startswith("vision_model.") else rest
+            if rest.startswith("head."):
+                return None
+            name = "vision_tower.vision_model." + rest
+        return name
+    raise ValueError(f"checkpoint tensor {name!r} is not part of a Gemma 3 checkpoint")

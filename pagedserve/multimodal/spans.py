@@ -1,0 +1,41 @@
+"""The step's bidirectional image spans, for models whose image tokens attend to each other
+both ways (Gemma 3: `SupportsMultiModal.bidirectional_image_spans`): the placeholder ranges of
+the images the step's tokens reach, which the common metadata builder turns into each token's
+`attend_limit` (attention/metadata.py). The scheduler never splits such a span across steps
+(encoder_cache.py), so every span the step reaches ends inside it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pagedserve.attention.metadata import BidirectionalSpans
+
+
+def step_spans(batch: Any) -> BidirectionalSpans | None:
+    """The spans of `batch` (a SchedulerOutput) its new tokens reach, by request index in the
+    batch; None when there are none. A loop over the step's requests with images and their
+    images (not over tokens); the per-token work is the builder's, vectorised."""
+    req: list[int] = []
+    start: list[int] = []
+    end: list[int] = []
+    computed = batch.num_computed_tokens
+    scheduled = batch.num_scheduled_tokens
+    for i, request in enumerate(batch.requests):
+        if not request.mm_features or scheduled[i] < 2:  # one token sees no later one
+            continue
+        lo = int(computed[i])
+        hi = lo + int(scheduled[i])
+        for feature in request.mm_features:
+            p = feature.placeholder
+            if p.offset >= hi:
+                break
+            if p.end > lo and p.length > 1:
+                req.append(i)
+                start.append(p.offset)
+                end.append(p.end)
+    if not req:
+        return None
+    return BidirectionalSpans(np.array(req, dtype=np.int64), np.array(start, dtype=np.int64),
+                              np.array(end, dtype=np.int64))
