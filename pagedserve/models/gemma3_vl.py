@@ -35,12 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.activations import ACT2FN
 
 from pagedserve.attention.layer import Attention
 from pagedserve.models.gemma import Gemma3ForCausalLM
 from pagedserve.models.layers import GemmaRMSNorm
-from pagedserve.multimodal.encoder_attention import EncoderAttention
+from pagedserve.models.vit_layers import ViTEncoder
 from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
 from pagedserve.multimodal.model import SupportsMultiModal
 from pagedserve.multimodal.processing import MultiModalProcessor, tensors_identifier
@@ -182,60 +181,11 @@ class SiglipVisionEmbeddings(nn.Module):
         return x + self.position_embedding.weight
 
 
-class SiglipAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        h, heads = config.hidden_size, config.num_attention_heads
-        head = h // heads
-        self.q_proj = nn.Linear(h, h)
-        self.k_proj = nn.Linear(h, h)
-        self.v_proj = nn.Linear(h, h)
-        self.out_proj = nn.Linear(h, h)
-        self.attn = EncoderAttention(heads, head, head ** -0.5)
-
-    def forward(self, x: torch.Tensor, md: Any) -> torch.Tensor:
-        return self.out_proj(self.attn(self.q_proj(x), self.k_proj(x), self.v_proj(x), md))
-
-
-class SiglipMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.act = ACT2FN[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class SiglipEncoderLayer(nn.Module):
-    """Pre-norm: x + attn(LN(x)), then x + mlp(LN(x))."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        eps = config.layer_norm_eps
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.self_attn = SiglipAttention(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.mlp = SiglipMLP(config)
-
-    def forward(self, x: torch.Tensor, md: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), md)
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class SiglipEncoder(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(SiglipEncoderLayer(config)
-                                    for _ in range(config.num_hidden_layers))
-
-
 class SiglipVisionTransformer(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.embeddings = SiglipVisionEmbeddings(config)
-        self.encoder = SiglipEncoder(config)
+        self.encoder = ViTEncoder(config)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from transformers.activations import ACT2FN
 
 from pagedserve.attention.layer import Attention
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-from pagedserve.multimodal.encoder_attention import EncoderAttention
+from pagedserve.models.vit_layers import ViTEncoder
 from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
 from pagedserve.multimodal.model import SupportsMultiModal
 from pagedserve.multimodal.processing import MultiModalProcessor, tensors_identifier
@@ -157,10 +157,6 @@ class LlavaProcessor(MultiModalProcessor):
 
 # ---- the vision tower ------------------------------------------------------------------------
 
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
 class CLIPVisionEmbeddings(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -182,62 +178,12 @@ class CLIPVisionEmbeddings(nn.Module):
         return x + self.position_embedding.weight
 
 
-class CLIPAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        h, heads = config.hidden_size, config.num_attention_heads
-        head = h // heads
-        self.q_proj = nn.Linear(h, h)
-        self.k_proj = nn.Linear(h, h)
-        self.v_proj = nn.Linear(h, h)
-        self.out_proj = nn.Linear(h, h)
-        self.attn = EncoderAttention(heads, head, head ** -0.5)
-
-    def forward(self, x: torch.Tensor, md: Any) -> torch.Tensor:
-        return self.out_proj(self.attn(self.q_proj(x), self.k_proj(x), self.v_proj(x), md))
-
-
-class CLIPMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-        act = config.hidden_act
-        self.act = quick_gelu if act == "quick_gelu" else ACT2FN[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class CLIPEncoderLayer(nn.Module):
-    """Pre-norm: x + attn(LN(x)), then x + mlp(LN(x))."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        eps = config.layer_norm_eps
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.self_attn = CLIPAttention(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.mlp = CLIPMLP(config)
-
-    def forward(self, x: torch.Tensor, md: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), md)
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class CLIPEncoder(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(CLIPEncoderLayer(config)
-                                    for _ in range(config.num_hidden_layers))
-
-
 class CLIPVisionTransformer(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.embeddings = CLIPVisionEmbeddings(config)
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.encoder = CLIPEncoder(config)
+        self.encoder = ViTEncoder(config)
         # In the checkpoint; LLaVA reads hidden states before it, so it is never run.
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
