@@ -235,26 +235,12 @@ class Qwen2_5_VisionTransformer(nn.Module):
         return vision_rotary(rows, cols, self.head_dim, self.rope_theta)
 
 
-class Qwen2_5_VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
-    """The vision tower beside the Qwen2 decoder. `config` is the checkpoint's whole
-    config; the decoder's layers are built from its text_config."""
+class QwenVisionHooks(SupportsMultiModal):
+    """The multimodal hooks Qwen2.5-VL and Qwen3-VL share: images through `self.visual` (a
+    tower taking packed pixels and their grids), merged rows split per image."""
 
     uses_mrope = True
     processor_cls = QwenVLProcessor
-    supports_int8 = False
-    supports_quantized_checkpoints = False
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        text = config.text_config
-        check_decoder_config(text)
-        super().__init__(text)
-        self.hf_config = config
-        tie_head(self, config)
-        head_dim = self.model.layers[0].self_attn.head_dim
-        self.model.rotary_emb = MRotaryEmbedding(text, head_dim)
-        self.visual = Qwen2_5_VisionTransformer(config.vision_config)
-
-    # ---- the multimodal hooks ---------------------------------------------------------
 
     @classmethod
     def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
@@ -271,8 +257,26 @@ class Qwen2_5_VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
         pixels = to_device_async(torch.cat([f.data["pixel_values"] for f in features]), device)
         grids = np.concatenate([f.data["image_grid_thw"].reshape(-1, 3).numpy()
                                 for f in features])
-        merged = self.visual(pixels, grids).to(self.model.embed_tokens.weight.dtype)
-        return list(merged.split((grids.prod(axis=1) // self.visual.merge ** 2).tolist()))
+        rows = self.visual(pixels, grids).to(self.model.embed_tokens.weight.dtype)
+        return list(rows.split((grids.prod(axis=1) // self.visual.merge ** 2).tolist()))
+
+
+class Qwen2_5_VLForConditionalGeneration(QwenVisionHooks, Qwen2ForCausalLM):
+    """The vision tower beside the Qwen2 decoder. `config` is the checkpoint's whole
+    config; the decoder's layers are built from its text_config."""
+
+    supports_int8 = False
+    supports_quantized_checkpoints = False
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        text = config.text_config
+        check_decoder_config(text)
+        super().__init__(text)
+        self.hf_config = config
+        tie_head(self, config)
+        head_dim = self.model.layers[0].self_attn.head_dim
+        self.model.rotary_emb = MRotaryEmbedding(text, head_dim)
+        self.visual = Qwen2_5_VisionTransformer(config.vision_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

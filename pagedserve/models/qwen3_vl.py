@@ -31,6 +31,7 @@ from pagedserve.device import to_device_async
 from pagedserve.models.llama import LlamaModel, Qwen3ForCausalLM
 from pagedserve.models.mrope_rotary import MRotaryEmbedding
 from pagedserve.models.qwen2_5_vl import (
+    QwenVisionHooks,
     VisionSelfAttention,
     image_cu_seqlens,
     our_name,
@@ -38,13 +39,6 @@ from pagedserve.models.qwen2_5_vl import (
     tie_head,
     tower_metadata,
     vision_rotary,
-)
-from pagedserve.multimodal.inputs import MultiModalFeature
-from pagedserve.multimodal.model import SupportsMultiModal
-from pagedserve.multimodal.qwen_vl_processing import (
-    QwenVLProcessor,
-    largest_image_data,
-    max_image_tokens,
 )
 
 _EPS = 1e-6  # the tower's LayerNorms
@@ -174,10 +168,8 @@ class Qwen3VLTextModel(LlamaModel):
         return hidden
 
 
-class Qwen3VLForConditionalGeneration(SupportsMultiModal, Qwen3ForCausalLM):
+class Qwen3VLForConditionalGeneration(QwenVisionHooks, Qwen3ForCausalLM):
     model_cls = Qwen3VLTextModel
-    uses_mrope = True
-    processor_cls = QwenVLProcessor
     supports_int8 = False
     supports_quantized_checkpoints = False
 
@@ -190,23 +182,6 @@ class Qwen3VLForConditionalGeneration(SupportsMultiModal, Qwen3ForCausalLM):
         self.model.rotary_emb = MRotaryEmbedding(text, head_dim, interleaved=True)
         self.visual = Qwen3VisionTransformer(config.vision_config)
         self.num_stacked = len(self.visual.deepstack_indexes)
-
-    @classmethod
-    def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
-        return max_image_tokens(hf_config)
-
-    def dummy_image_data(self) -> dict[str, torch.Tensor]:
-        return largest_image_data(self.hf_config)
-
-    def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
-        if not features:
-            return []
-        device = self.visual.patch_embed.proj.weight.device
-        pixels = to_device_async(torch.cat([f.data["pixel_values"] for f in features]), device)
-        grids = np.concatenate([f.data["image_grid_thw"].reshape(-1, 3).numpy()
-                                for f in features])
-        rows = self.visual(pixels, grids).to(self.model.embed_tokens.weight.dtype)
-        return list(rows.split((grids.prod(axis=1) // self.visual.merge ** 2).tolist()))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T, (1 + k) * hidden]: the token embeddings, zeros where DeepStack rows go."""
