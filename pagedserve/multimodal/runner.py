@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedserve.device import to_device_async
 from pagedserve.multimodal.encoder_attention import bind_encoder_attention
 from pagedserve.multimodal.encoder_cache import encoder_budgets
 from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
@@ -173,7 +174,8 @@ class MultiModalRunner:
         dst, src = self._placements(batch, query_start_loc)
         if dst:
             rows = torch.cat(src) if len(src) > 1 else src[0]
-            index = torch.from_numpy(np.concatenate(dst)).to(self.device, non_blocking=True)
+            # Pinned: a copy from pageable memory would wait for the step in flight.
+            index = to_device_async(torch.from_numpy(np.concatenate(dst)), self.device)
             embeds.index_copy_(0, index, rows.to(embeds.dtype))
         return embeds
 
