@@ -401,7 +401,7 @@ class EngineCore:
                          **self._mm_counters())
 
     def _mm_counters(self) -> dict[str, int]:
-        mm = getattr(self.runner, "mm", None)
+        mm = getattr(self.runner, "multimodal", None)
         if mm is None:
             return {}
         return {"mm_images_encoded": mm.num_encoded, "mm_encoder_calls": mm.num_encoder_calls,

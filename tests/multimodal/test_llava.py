@@ -93,7 +93,7 @@ def test_greedy_and_logprobs_equal_transformers(llava, images):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check_against_transformers(hf, llm, outputs, requests, logprobs=True)
-    assert llm.engine.runner.mm.num_encoded == 3  # images[2] twice, encoded once
+    assert llm.engine.runner.multimodal.num_encoded == 3  # images[2] twice, encoded once
     stats = llm.engine.core_stats()
     assert (stats.mm_images_encoded, stats.mm_encoder_calls) == (3, 1)  # one step, one call
     assert stats.mm_encoder_seconds > 0
@@ -113,7 +113,7 @@ def test_chunked_prefill_splits_image_spans(llava, images, budget):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check_against_transformers(hf, llm, outputs, requests)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     assert llm.engine.check_blocks_free()
 
 
@@ -130,7 +130,7 @@ def test_preemption_reuses_encoder_rows(llava, images):
     outputs = llm.generate(requests, params, use_tqdm=False)
     assert llm.engine.core.scheduler.num_preemptions > 0
     _check_against_transformers(hf, llm, outputs, requests)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     assert llm.engine.check_blocks_free()
 
 
@@ -159,7 +159,7 @@ def test_prefix_cache_is_keyed_by_the_image(llava, images):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert other_first.num_cached_tokens == 4  # block 1 (tokens 4-7) holds image tokens
     assert other_second.num_cached_tokens == 16  # blocks 0-3: up to the second span
-    assert llm.engine.runner.mm.num_encoded == 3  # images 0, 1, 2: each once
+    assert llm.engine.runner.multimodal.num_encoded == 3  # images 0, 1, 2: each once
 
 
 def test_text_prompt_with_prompt_logprobs_and_n(llava, images):
@@ -285,7 +285,7 @@ def test_encoder_cache_of_one_image(llava, make_llm):
     outputs = llm.generate(reqs, params, use_tqdm=False)
     tokens, _ = _reference(hf, llm, prompt, imgs)
     assert [o.outputs[0].token_ids for o in outputs] == [tokens, tokens]
-    mm = llm.engine.runner.mm
+    mm = llm.engine.runner.multimodal
     assert mm.num_encoded == 4
     assert sum(rows.shape[0] for rows in mm.store.values()) <= NUM_IMAGE_TOKENS
 
@@ -305,5 +305,5 @@ def test_greedy_on_cuda_matches_transformers(tmp_path, images, backend):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check_against_transformers(hf, llm, outputs, requests)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     llm.close()

@@ -117,7 +117,7 @@ def test_memory_profile_runs_the_encoder(llava):
     """The profile before the KV cache is sized runs the encoder over one step's worth of the
     largest images and counts the store: encoder_cache_size rows of the decoder's width."""
     llm, _ = llava
-    mm = llm.engine.runner.mm
+    mm = llm.engine.runner.multimodal
     budget, mm.compute_budget = mm.compute_budget, 20  # two images (default 2048 rows: 227)
     before = mm.num_encoded
     width = llm.engine.core.loaded.hf_config.text_config.hidden_size

@@ -114,7 +114,7 @@ def test_qwen2_5_vl_greedy_and_logprobs_equal_transformers(qwen2_5_vl):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check(hf, llm, outputs, requests, logprobs=True)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     _chat_equals_generate(llm)
     assert llm.engine.check_blocks_free()
 
@@ -128,7 +128,7 @@ def test_qwen2_5_vl_prefill_chunks_split_image_spans(qwen2_5_vl):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check(hf, llm, outputs, requests, logprobs=True)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     assert llm.engine.check_blocks_free()
 
 
@@ -144,7 +144,7 @@ def test_qwen2_5_vl_preemption_and_prefix_cache_hits(qwen2_5_vl):
     outputs = llm.generate(requests, params, use_tqdm=False)
     assert llm.engine.core.scheduler.num_preemptions > 0
     _check(hf, llm, outputs, requests)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     again = llm.generate(requests[:1], params, use_tqdm=False)
     assert again[0].num_cached_tokens > 0
     _check(hf, llm, again, requests[:1])
