@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -56,7 +57,9 @@ class MultiModalRunner:
         self.num_encoded = 0
         self.num_encoder_calls = 0
         self._encoder_seconds = 0.0
-        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # CUDA: the calls' (start, end) events not read yet, oldest first (a few at most: each
+        # call reads those that have completed).
+        self._timing: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
 
     @classmethod
     def for_runner(cls, runner: Any) -> MultiModalRunner | None:
@@ -154,15 +157,20 @@ class MultiModalRunner:
         outputs = self.model.embed_multimodal(features)
         end.record()
         self._timing.append((start, end))
+        self._read_timing()
         return outputs
 
     @property
     def encoder_seconds(self) -> float:
         """The encoder's time over every call so far (on CUDA: the calls completed)."""
-        while self._timing and self._timing[0][1].query():
-            start, end = self._timing.pop(0)
-            self._encoder_seconds += start.elapsed_time(end) / 1000
+        self._read_timing()
         return self._encoder_seconds
+
+    def _read_timing(self) -> None:
+        """Add the completed calls' times (`Event.query` does not wait)."""
+        while self._timing and self._timing[0][1].query():
+            start, end = self._timing.popleft()
+            self._encoder_seconds += start.elapsed_time(end) / 1000
 
     # ---- the step's embeddings ---------------------------------------------------------
 
