@@ -41,14 +41,15 @@ from pagedserve.models.gemma import Gemma3ForCausalLM
 from pagedserve.models.layers import GemmaRMSNorm
 from pagedserve.models.square_image_vlm import (
     embed_images,
+    expand_images,
     image_inputs,
     load_tower_and_decoder,
     square_pixels,
 )
 from pagedserve.models.vit_layers import ViTEncoder
-from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
+from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt
 from pagedserve.multimodal.model import SupportsMultiModal
-from pagedserve.multimodal.processing import MultiModalProcessor, tensors_identifier
+from pagedserve.multimodal.processing import MultiModalProcessor
 
 # Checkpoint prefix -> ours (longest first: the 4.52+ names contain the older ones).
 _PREFIXES = (("model.language_model.", "language_model.model."),
@@ -112,38 +113,17 @@ class Gemma3Processor(MultiModalProcessor):
         if images and self.missing:
             raise ValueError("this Gemma 3 checkpoint cannot take images: it lacks "
                              + " and ".join(self.missing))
-        ids = np.asarray(prompt_token_ids, dtype=np.int64)
-        where = np.flatnonzero(ids == self.boi_id)
-        if len(where) != len(images):
-            raise ValueError(f"the prompt has {len(where)} {self.image_placeholder} "
-                             f"placeholders but {len(images)} images were given: put one "
-                             f"{self.image_placeholder} where each image goes")
-        datas = self._image_data(images)
-        hidden = self.hf_config.text_config.hidden_size
-        out: list[int] = []
-        features: list[MultiModalFeature] = []
-        start = 0
-        for i, (pos, data) in enumerate(zip(where.tolist(), datas, strict=True)):
-            rows = self.num_image_tokens
-            if "image_embeds" in data:
-                rows, width = data["image_embeds"].shape
-                if width != hidden or rows < 1:
-                    raise ValueError(f"image {i}: embeddings of shape {(rows, width)}; the "
-                                     f"model takes [rows >= 1, {hidden}]")
-            out += prompt_token_ids[start:pos]
-            out += [self.newlines_id, self.boi_id]
-            placeholder = PlaceholderRange(len(out), rows)
-            out += [self.image_id] * rows
-            out += [self.eoi_id, self.newlines_id]
-            start = pos + 1
-            features.append(MultiModalFeature("image", tensors_identifier(data, "gemma3"),
-                                              placeholder, data))
-        out += prompt_token_ids[start:]
-        return MultiModalPrompt(out, features)
+        return expand_images(
+            prompt_token_ids, images, self._image_data, marker=self.boi_id,
+            marker_text=self.image_placeholder, image_token=self.image_id,
+            rows=self.num_image_tokens, hidden=self.hf_config.text_config.hidden_size,
+            tag="gemma3", before=(self.newlines_id, self.boi_id),
+            after=(self.eoi_id, self.newlines_id))
 
     def _image_data(self, images: list[Any]) -> list[dict[str, torch.Tensor]]:
         return image_inputs(images, lambda pil: self.image_processor(
             images=pil, do_pan_and_scan=False, return_tensors="pt")["pixel_values"])
+
 
 def double_newline_id(tokenizer: Any) -> int | None:
     """The id of Gemma's "\\n\\n" token, which frames every image sequence (None: the

@@ -32,14 +32,15 @@ from pagedserve.attention.layer import Attention
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from pagedserve.models.square_image_vlm import (
     embed_images,
+    expand_images,
     image_inputs,
     load_tower_and_decoder,
     square_pixels,
 )
 from pagedserve.models.vit_layers import ViTEncoder
-from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
+from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt
 from pagedserve.multimodal.model import SupportsMultiModal
-from pagedserve.multimodal.processing import MultiModalProcessor, tensors_identifier
+from pagedserve.multimodal.processing import MultiModalProcessor
 
 # The decoder families a LLaVA checkpoint may carry, by text_config.model_type.
 _DECODERS: dict[str, type[LlamaForCausalLM]] = {
@@ -114,33 +115,11 @@ class LlavaProcessor(MultiModalProcessor):
             self.image_placeholder = token
 
     def process(self, prompt_token_ids: list[int], images: list[Any]) -> MultiModalPrompt:
-        ids = np.asarray(prompt_token_ids, dtype=np.int64)
-        where = np.flatnonzero(ids == self.image_token_id)
-        if len(where) != len(images):
-            raise ValueError(f"the prompt has {len(where)} {self.image_placeholder} "
-                             f"placeholders but {len(images)} image(s) were given: put one "
-                             f"{self.image_placeholder} where each image goes")
-        datas = self._image_data(images)
-        n = self.num_image_tokens
-        hidden = self.hf_config.text_config.hidden_size
-        out: list[int] = []
-        features: list[MultiModalFeature] = []
-        start = 0
-        for i, (pos, data) in enumerate(zip(where.tolist(), datas, strict=True)):
-            rows = n
-            if "image_embeds" in data:
-                rows, width = data["image_embeds"].shape
-                if width != hidden:
-                    raise ValueError(f"image {i}: embeddings of width {width}, the model's "
-                                     f"hidden size is {hidden}")
-            out += prompt_token_ids[start:pos]
-            placeholder = PlaceholderRange(len(out), rows)
-            out += [self.image_token_id] * rows
-            start = pos + 1
-            features.append(MultiModalFeature("image", tensors_identifier(data, "llava"),
-                                              placeholder, data))
-        out += prompt_token_ids[start:]
-        return MultiModalPrompt(out, features)
+        return expand_images(
+            prompt_token_ids, images, self._image_data, marker=self.image_token_id,
+            marker_text=self.image_placeholder, image_token=self.image_token_id,
+            rows=self.num_image_tokens, hidden=self.hf_config.text_config.hidden_size,
+            tag="llava")
 
     def _image_data(self, images: list[Any]) -> list[dict[str, torch.Tensor]]:
         return image_inputs(images, self._pixels)

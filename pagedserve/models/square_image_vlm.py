@@ -1,19 +1,59 @@
 """What LLaVA and Gemma 3 share as vision-language models whose every image is one square of
 the tower's size, encoded to a fixed number of rows by a ViT tower and a projector beside a
-decoder: the split of a call's images into a pixel batch and precomputed embeddings, the
-stand-in image of the memory profile, and the loading of the tower's and projector's tensors
-one to one beside the decoder's own loader."""
+decoder: the expansion of each image's placeholder, the split of a call's images into a pixel
+batch and precomputed embeddings, the stand-in image of the memory profile, and the loading of
+the tower's and projector's tensors one to one beside the decoder's own loader."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from pagedserve.device import to_device_async
-from pagedserve.multimodal.inputs import MultiModalFeature
+from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
+from pagedserve.multimodal.processing import tensors_identifier
+
+
+def expand_images(prompt_token_ids: list[int], images: list[Any],
+                  image_data: Callable[[list[Any]], list[dict[str, torch.Tensor]]], *,
+                  marker: int, marker_text: str, image_token: int, rows: int, hidden: int,
+                  tag: str, before: tuple[int, ...] = (), after: tuple[int, ...] = ()
+                  ) -> MultiModalPrompt:
+    """Each `marker` token of the prompt, in order, becomes `before`, the image's span of
+    `image_token`s and `after`: `rows` tokens, or one per row of precomputed embeddings
+    (which must be `hidden` wide). `image_data` makes the images' inputs (`image_inputs`),
+    once the markers are known to match them; `tag` goes into each identifier (the family and
+    its settings)."""
+    where = np.flatnonzero(np.asarray(prompt_token_ids, dtype=np.int64) == marker)
+    if len(where) != len(images):
+        raise ValueError(f"the prompt has {len(where)} {marker_text} placeholders but "
+                         f"{len(images)} image(s) were given: put one {marker_text} where "
+                         "each image goes")
+    datas = image_data(images)
+    out: list[int] = []
+    features: list[MultiModalFeature] = []
+    start = 0
+    for i, (pos, data) in enumerate(zip(where.tolist(), datas, strict=True)):
+        span = rows
+        if "image_embeds" in data:
+            span, width = data["image_embeds"].shape
+            if width != hidden or span < 1:
+                raise ValueError(f"image {i}: embeddings of width {width} and {span} rows; the "
+                                 f"model takes [rows >= 1, {hidden}]")
+        out += prompt_token_ids[start:pos]
+        out += before
+        placeholder = PlaceholderRange(len(out), span)
+        out += [image_token] * span
+        out += after
+        start = pos + 1
+        features.append(MultiModalFeature("image", tensors_identifier(data, tag), placeholder,
+                                          data))
+    out += prompt_token_ids[start:]
+    return MultiModalPrompt(out, features)
 
 
 def image_inputs(images: list[Any], preprocess: Callable[[list[Any]], torch.Tensor]

@@ -77,7 +77,7 @@ def test_processor_matches_transformers(gemma3, images):
     np.testing.assert_array_equal(bidirectional, ref["token_type_ids"][0].numpy())
     pixels = torch.stack([f.data["pixel_values"] for f in got.features])
     torch.testing.assert_close(pixels, ref["pixel_values"], rtol=0, atol=0)
-    with pytest.raises(ValueError, match="1 <start_of_image> placeholders but 2 images"):
+    with pytest.raises(ValueError, match=r"1 <start_of_image> placeholders but 2 image\(s\)"):
         ours.process(ONE, images[:2])
 
 
