@@ -25,6 +25,7 @@ from tests.multimodal.gemma3_models import (
     tiny_gemma3,
 )
 from tests.multimodal.llava_models import image
+from tests.utils.paged import check_top_logprobs
 
 CPU = torch.device("cpu")
 NUM_NEW = 6
@@ -148,12 +149,7 @@ def _check_against_transformers(hf, llm, outputs, requests) -> None:
         assert out.prompt_token_ids == _expanded(req["prompt_token_ids"])
         tokens, ref = _reference(hf, llm, req["prompt_token_ids"], imgs)
         assert out.outputs[0].token_ids == tokens
-        for position, lp in enumerate(out.outputs[0].logprobs):
-            top = torch.topk(ref[position], 5)
-            ours = {t: v.logprob for t, v in lp.items()}
-            assert set(top.indices.tolist()) <= set(ours)
-            for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
-                assert abs(ours[t] - v) < 1e-4, (position, t, ours[t], v)
+        check_top_logprobs(out.outputs[0].logprobs, ref)
 
 
 def test_greedy_and_logprobs_equal_transformers(gemma3, images):

@@ -16,6 +16,7 @@ from tests.multimodal.llava_models import (
     image,
     tiny_llava,
 )
+from tests.utils.paged import check_top_logprobs
 
 NUM_NEW = 6
 # USER : w4 <image> w5 w6 ... ASSISTANT :  (ids: see llava_models.tiny_tokenizer)
@@ -77,12 +78,7 @@ def _check_against_transformers(hf, llm, outputs, requests, logprobs: bool = Fal
         assert out.outputs[0].token_ids == tokens
         if not logprobs:
             continue
-        for position, lp in enumerate(out.outputs[0].logprobs):
-            top = torch.topk(ref[position], 5)
-            ours = {t: v.logprob for t, v in lp.items()}
-            assert set(top.indices.tolist()) <= set(ours)
-            for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
-                assert abs(ours[t] - v) < 1e-4, (position, t, ours[t], v)
+        check_top_logprobs(out.outputs[0].logprobs, ref)
 
 
 def test_greedy_and_logprobs_equal_transformers(llava, images):

@@ -17,6 +17,7 @@ from tests.multimodal.qwen_vl_fixtures import (
     save_tiny_qwen2_5_vl,
     save_tiny_qwen3_vl,
 )
+from tests.utils.paged import check_top_logprobs
 
 NUM_NEW = 5
 
@@ -76,11 +77,7 @@ def _check(hf, llm: LLM, outputs, requests, logprobs: bool = True) -> None:
         assert out.outputs[0].token_ids == tokens
         if not logprobs:
             continue
-        for position, lp in enumerate(out.outputs[0].logprobs):
-            top = torch.topk(ref[position], 5)
-            ours = {t: v.logprob for t, v in lp.items()}
-            for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
-                assert abs(ours[t] - v) < 1e-4, (position, t, ours[t], v)
+        check_top_logprobs(out.outputs[0].logprobs, ref)
 
 
 def _chat_equals_generate(llm: LLM) -> None:
