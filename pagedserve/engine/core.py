@@ -20,7 +20,13 @@ import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig, resolve_dtype
-from pagedserve.engine.core_messages import CoreInfo, CoreRequest, CoreStats, StepOutput
+from pagedserve.engine.core_messages import (
+    CoreInfo,
+    CoreRequest,
+    CoreStats,
+    StepOutput,
+    share_feature_data,
+)
 from pagedserve.engine.cpu_threads import configure_cpu_threads
 from pagedserve.engine.logprob_rows import logprob_rows, merge_rows
 from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
@@ -178,6 +184,7 @@ class EngineCore:
                     out.failed[request.request_id] = f"{type(exc).__name__}: {text}"
 
     def _add_now(self, requests: list[CoreRequest]) -> None:
+        share_feature_data(requests)  # n > 1: the images' tensors came with the first only
         built = [self._build(r) for r in requests]
         added: list[str] = []
         try:
@@ -394,7 +401,7 @@ class EngineCore:
                          **self._mm_counters())
 
     def _mm_counters(self) -> dict[str, int]:
-        mm = getattr(self.runner, "mm", None)
+        mm = getattr(self.runner, "multimodal", None)
         if mm is None:
             return {}
         return {"mm_images_encoded": mm.num_encoded, "mm_encoder_calls": mm.num_encoder_calls,

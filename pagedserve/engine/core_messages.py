@@ -51,25 +51,48 @@ class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class CoreFeature(msgspec.Struct, array_like=True, omit_defaults=True):
     """One image of a CoreRequest (multimodal.MultiModalFeature): its tensors cross the
-    socket as raw bytes with dtype and shape (core_process's tensor extension)."""
+    socket as raw bytes with dtype and shape (core_process's tensor extension). The sequences
+    of one request (n > 1) share their prompt's images: only the first carries the tensors,
+    the others `data=None` (`sequence_features`, `share_feature_data`)."""
 
     modality: str
     identifier: str
     offset: int
     length: int
-    data: dict[str, Any]  # name -> torch.Tensor on the CPU
+    data: dict[str, Any] | None  # name -> torch.Tensor on the CPU; None: the first sequence's
     is_embed: Any = None  # numpy bool [length], or None: every token takes a row
 
     @classmethod
-    def of(cls, feature: MultiModalFeature) -> CoreFeature:
+    def of(cls, feature: MultiModalFeature, with_data: bool = True) -> CoreFeature:
         p = feature.placeholder
-        return cls(feature.modality, feature.identifier, p.offset, p.length, feature.data,
-                   p.is_embed)
+        return cls(feature.modality, feature.identifier, p.offset, p.length,
+                   feature.data if with_data else None, p.is_embed)
 
     def feature(self) -> MultiModalFeature:
         return MultiModalFeature(self.modality, self.identifier,
                                  PlaceholderRange(self.offset, self.length, self.is_embed),
                                  self.data)
+
+
+def sequence_features(features: list[MultiModalFeature] | None, n: int
+                      ) -> list[list[CoreFeature] | None]:
+    """Each of a request's n sequences' CoreFeatures: the first with the images' tensors, the
+    others without (a group crosses the socket with each image once)."""
+    if not features:
+        return [None] * n
+    return [[CoreFeature.of(f, with_data=i == 0) for f in features] for i in range(n)]
+
+
+def share_feature_data(requests: list[CoreRequest]) -> None:
+    """Give the features sent without tensors (`data=None`) those of the group's first
+    sequence with the same image, in place."""
+    data: dict[str, dict[str, Any]] = {}
+    for request in requests:
+        for feature in request.mm_features or ():
+            if feature.data is None:
+                feature.data = data[feature.identifier]
+            else:
+                data.setdefault(feature.identifier, feature.data)
 
 
 class CoreStats(msgspec.Struct, array_like=True):

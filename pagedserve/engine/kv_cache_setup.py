@@ -138,7 +138,7 @@ def profile_peak_memory(runner: Any) -> int:
     head_rows = runner.max_num_reqs * (1 + (spec.num_speculative_tokens if spec else 0))
     runner.model.compute_logits(hidden[-head_rows:])
     # A vision-language model's encoder over one step's images, and its store of rows.
-    store = runner.mm.profile() if runner.mm is not None else 0
+    store = runner.multimodal.profile() if runner.multimodal is not None else 0
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) + store
     runner.kv_caches, runner.state_caches = [], []

@@ -19,7 +19,12 @@ from typing import Any
 from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.core import SCORING_PARAMS
 from pagedserve.engine.core_client import InprocClient, MPClient
-from pagedserve.engine.core_messages import CoreFeature, CoreRequest, CoreStats, StepOutput
+from pagedserve.engine.core_messages import (
+    CoreRequest,
+    CoreStats,
+    StepOutput,
+    sequence_features,
+)
 from pagedserve.engine.dp_client import DPClient
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
@@ -249,12 +254,13 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.check_lora(lora_request)
-        features = [CoreFeature.of(f) for f in mm.features] if mm and mm.features else None
+        features = sequence_features(mm.features if mm else None, len(ids))
         mrope = dict(mrope_positions=mm.mrope_positions,
                      mrope_delta=mm.mrope_delta) if mm and mm.mrope_positions is not None else {}
         self._add(state, [CoreRequest(seq_id, token_ids, child, arrival, cache_salt,
-                                      lora=lora_request, mm_features=features, **mrope)
-                          for seq_id, child in zip(ids, children, strict=True)])
+                                      lora=lora_request, mm_features=seq_features, **mrope)
+                          for seq_id, child, seq_features in zip(ids, children, features,
+                                                                 strict=True)])
 
     def add_scoring_request(self, request_id: str, prompt: list[int], continuation: list[int],
                             mode: str = "decode", stream: bool = False) -> None:

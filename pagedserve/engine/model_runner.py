@@ -93,7 +93,7 @@ class ModelRunner:
             self.speculator.check_layout(self.kv_layout)
         # Images in prompts (multimodal/): a vision-language model's encoders and the store of
         # their rows; None for a text model, whose steps never look at images.
-        self.mm = MultiModalRunner.for_runner(self)
+        self.multimodal = MultiModalRunner.for_runner(self)
 
         self.num_kv_groups = len(self.kv_layout.groups) if self.kv_layout else 1
         self.input_batch = InputBatch(self.max_num_reqs, max_model_len, self.max_blocks_per_seq,
@@ -261,7 +261,7 @@ class ModelRunner:
         self._common = common = self.common_builder.build(
             rows, batch.num_computed_tokens, batch.num_scheduled_tokens, batch.num_prefills,
             self.input_batch.block_table.table, batch.context_written_in_step,
-            self.mm.step_spans(batch) if self.mm is not None else None)
+            self.multimodal.step_spans(batch) if self.multimodal is not None else None)
         commons = [common]
         for builder, table in zip(self.group_builders[1:], self.input_batch.block_tables[1:],
                                   strict=True):
@@ -278,8 +278,9 @@ class ModelRunner:
         input_ids = (self.input_ids.upload(0, t) if num_patched < t
                      else self.input_ids.device[:t])
         # The positions the model turns by (M-RoPE's [3, T] rows; the metadata keeps its own).
-        positions = (self.mm.step_positions(batch, common, self.common_builder.np["positions"])
-                     if self.mm is not None else common.positions)
+        positions = (common.positions if self.multimodal is None else
+                     self.multimodal.step_positions(batch, common,
+                                                    self.common_builder.np["positions"]))
         graph_size = (self.decode_graphs.prepare(commons)
                       if self.decode_graphs and not batch.embeds_images else None)
         attn_metadata = state_metadata = None
@@ -303,8 +304,8 @@ class ModelRunner:
         if graph_size is not None:
             self._ran_graph = True
             return self.decode_graphs.replay(graph_size, common.num_reqs)
-        embeds = (self.mm.step_embeds(batch, input_ids, common.query_start_loc_cpu)
-                  if self.mm is not None else None)
+        embeds = (self.multimodal.step_embeds(batch, input_ids, common.query_start_loc_cpu)
+                  if self.multimodal is not None else None)
         with set_forward_context(attn_metadata, self.kv_caches, self.state_caches,
                                  state_metadata):
             hidden = (self.model(input_ids, positions) if embeds is None
@@ -317,8 +318,8 @@ class ModelRunner:
         """The model over the first `num_tokens` of the persistent input ids and positions,
         under `attn_metadata` (what a CUDA graph captures and the padding path runs)."""
         positions = self.common_builder.dev["positions"][:num_tokens]
-        if self.mm is not None:
-            positions = self.mm.graph_positions(positions)
+        if self.multimodal is not None:
+            positions = self.multimodal.graph_positions(positions)
         with set_forward_context(attn_metadata, self.kv_caches):
             return self.model(self.input_ids.device[:num_tokens], positions)
 

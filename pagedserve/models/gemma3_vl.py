@@ -39,10 +39,17 @@ from transformers import PretrainedConfig
 from pagedserve.attention.layer import Attention
 from pagedserve.models.gemma import Gemma3ForCausalLM
 from pagedserve.models.layers import GemmaRMSNorm
+from pagedserve.models.square_image_vlm import (
+    embed_images,
+    expand_images,
+    image_inputs,
+    load_tower_and_decoder,
+    square_pixels,
+)
 from pagedserve.models.vit_layers import ViTEncoder
-from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
+from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt
 from pagedserve.multimodal.model import SupportsMultiModal
-from pagedserve.multimodal.processing import MultiModalProcessor, tensors_identifier
+from pagedserve.multimodal.processing import MultiModalProcessor
 
 # Checkpoint prefix -> ours (longest first: the 4.52+ names contain the older ones).
 _PREFIXES = (("model.language_model.", "language_model.model."),
@@ -106,47 +113,16 @@ class Gemma3Processor(MultiModalProcessor):
         if images and self.missing:
             raise ValueError("this Gemma 3 checkpoint cannot take images: it lacks "
                              + " and ".join(self.missing))
-        ids = np.asarray(prompt_token_ids, dtype=np.int64)
-        where = np.flatnonzero(ids == self.boi_id)
-        if len(where) != len(images):
-            raise ValueError(f"the prompt has {len(where)} {self.image_placeholder} "
-                             f"placeholders but {len(images)} images were given: put one "
-                             f"{self.image_placeholder} where each image goes")
-        datas = self._image_data(images)
-        hidden = self.hf_config.text_config.hidden_size
-        out: list[int] = []
-        features: list[MultiModalFeature] = []
-        start = 0
-        for i, (pos, data) in enumerate(zip(where.tolist(), datas, strict=True)):
-            rows = self.num_image_tokens
-            if "image_embeds" in data:
-                rows, width = data["image_embeds"].shape
-                if width != hidden or rows < 1:
-                    raise ValueError(f"image {i}: embeddings of shape {(rows, width)}; the "
-                                     f"model takes [rows >= 1, {hidden}]")
-            out += prompt_token_ids[start:pos]
-            out += [self.newlines_id, self.boi_id]
-            placeholder = PlaceholderRange(len(out), rows)
-            out += [self.image_id] * rows
-            out += [self.eoi_id, self.newlines_id]
-            start = pos + 1
-            features.append(MultiModalFeature("image", tensors_identifier(data, "gemma3"),
-                                              placeholder, data))
-        out += prompt_token_ids[start:]
-        return MultiModalPrompt(out, features)
+        return expand_images(
+            prompt_token_ids, images, self._image_data, marker=self.boi_id,
+            marker_text=self.image_placeholder, image_token=self.image_id,
+            rows=self.num_image_tokens, hidden=self.hf_config.text_config.hidden_size,
+            tag="gemma3", before=(self.newlines_id, self.boi_id),
+            after=(self.eoi_id, self.newlines_id))
 
     def _image_data(self, images: list[Any]) -> list[dict[str, torch.Tensor]]:
-        pil = [i for i, im in enumerate(images) if not isinstance(im, torch.Tensor)]
-        datas: list[dict[str, torch.Tensor]] = [{} for _ in images]
-        if pil:
-            pixels = self.image_processor(images=[images[i] for i in pil], do_pan_and_scan=False,
-                                          return_tensors="pt")["pixel_values"]
-            for i, p in zip(pil, pixels, strict=True):
-                datas[i] = {"pixel_values": p.contiguous()}
-        for i, im in enumerate(images):
-            if isinstance(im, torch.Tensor):
-                datas[i] = {"image_embeds": im.detach().cpu().contiguous()}
-        return datas
+        return image_inputs(images, lambda pil: self.image_processor(
+            images=pil, do_pan_and_scan=False, return_tensors="pt")["pixel_values"])
 
 
 def double_newline_id(tokenizer: Any) -> int | None:
@@ -261,23 +237,13 @@ class Gemma3ForConditionalGeneration(SupportsMultiModal, nn.Module):
     # ---- what the runner calls ---------------------------------------------------------------
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(features)
-        weight = self.multi_modal_projector.mm_input_projection_weight
-        pixels = [i for i, f in enumerate(features) if "pixel_values" in f.data]
-        if pixels:
-            batch = torch.stack([features[i].data["pixel_values"] for i in pixels])
-            rows = self.multi_modal_projector(self.vision_tower.vision_model(
-                batch.to(weight.device)))
-            for j, i in enumerate(pixels):
-                out[i] = rows[j]
-        for i, f in enumerate(features):
-            if "image_embeds" in f.data:
-                out[i] = f.data["image_embeds"].to(device=weight.device, dtype=weight.dtype)
-        return out
+        return embed_images(
+            features, lambda pixels: self.multi_modal_projector(
+                self.vision_tower.vision_model(pixels)),
+            self.multi_modal_projector.mm_input_projection_weight)
 
     def dummy_image_data(self) -> dict[str, torch.Tensor]:
-        v = self.config.vision_config
-        return {"pixel_values": torch.zeros(v.num_channels, v.image_size, v.image_size)}
+        return square_pixels(self.config.vision_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.image_token_id >= self.vocab_size:
@@ -299,35 +265,7 @@ class Gemma3ForConditionalGeneration(SupportsMultiModal, nn.Module):
     # ---- weights ------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The decoder's tensors through its own loader (fused q/k/v and gate/up, coverage
-        check, rope caches); the tower's and projector's copied one to one. Every parameter
-        must be given."""
-        decoder: list[tuple[str, torch.Tensor]] = []
-        params = {n: p for n, p in self.named_parameters()
-                  if not n.startswith("language_model.")}
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            ours = _our_name(name)
-            if ours is None:
-                continue
-            if ours.startswith("language_model."):
-                decoder.append((ours[len("language_model."):], tensor))
-                continue
-            if ours not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
-                                 f"{type(self).__name__}")
-            param = params[ours]
-            if param.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape "
-                                 f"{tuple(tensor.shape)}, the model expects "
-                                 f"{tuple(param.shape)}")
-            param.data.copy_(tensor)
-            loaded.add(ours)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
-        self.language_model.load_weights(decoder)
-
+        load_tower_and_decoder(self, weights, _our_name)
 
 def _our_name(name: str) -> str | None:
     """Our parameter's name for a checkpoint tensor; None for the tower's unused pooling head."""

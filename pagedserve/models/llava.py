@@ -30,10 +30,17 @@ from transformers.activations import ACT2FN
 
 from pagedserve.attention.layer import Attention
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from pagedserve.models.square_image_vlm import (
+    embed_images,
+    expand_images,
+    image_inputs,
+    load_tower_and_decoder,
+    square_pixels,
+)
 from pagedserve.models.vit_layers import ViTEncoder
-from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
+from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt
 from pagedserve.multimodal.model import SupportsMultiModal
-from pagedserve.multimodal.processing import MultiModalProcessor, tensors_identifier
+from pagedserve.multimodal.processing import MultiModalProcessor
 
 # The decoder families a LLaVA checkpoint may carry, by text_config.model_type.
 _DECODERS: dict[str, type[LlamaForCausalLM]] = {
@@ -108,51 +115,23 @@ class LlavaProcessor(MultiModalProcessor):
             self.image_placeholder = token
 
     def process(self, prompt_token_ids: list[int], images: list[Any]) -> MultiModalPrompt:
-        ids = np.asarray(prompt_token_ids, dtype=np.int64)
-        where = np.flatnonzero(ids == self.image_token_id)
-        if len(where) != len(images):
-            raise ValueError(f"the prompt has {len(where)} {self.image_placeholder} "
-                             f"placeholders but {len(images)} image(s) were given: put one "
-                             f"{self.image_placeholder} where each image goes")
-        datas = self._image_data(images)
-        n = self.num_image_tokens
-        hidden = self.hf_config.text_config.hidden_size
-        out: list[int] = []
-        features: list[MultiModalFeature] = []
-        start = 0
-        for i, (pos, data) in enumerate(zip(where.tolist(), datas, strict=True)):
-            rows = n
-            if "image_embeds" in data:
-                rows, width = data["image_embeds"].shape
-                if width != hidden:
-                    raise ValueError(f"image {i}: embeddings of width {width}, the model's "
-                                     f"hidden size is {hidden}")
-            out += prompt_token_ids[start:pos]
-            placeholder = PlaceholderRange(len(out), rows)
-            out += [self.image_token_id] * rows
-            start = pos + 1
-            features.append(MultiModalFeature("image", tensors_identifier(data, "llava"),
-                                              placeholder, data))
-        out += prompt_token_ids[start:]
-        return MultiModalPrompt(out, features)
+        return expand_images(
+            prompt_token_ids, images, self._image_data, marker=self.image_token_id,
+            marker_text=self.image_placeholder, image_token=self.image_token_id,
+            rows=self.num_image_tokens, hidden=self.hf_config.text_config.hidden_size,
+            tag="llava")
 
     def _image_data(self, images: list[Any]) -> list[dict[str, torch.Tensor]]:
-        pil = [i for i, im in enumerate(images) if not isinstance(im, torch.Tensor)]
-        datas: list[dict[str, torch.Tensor]] = [{} for _ in images]
-        if pil:
-            pixels = self.image_processor(images=[images[i] for i in pil],
-                                          return_tensors="pt")["pixel_values"]
-            size = self.hf_config.vision_config.image_size
-            if tuple(pixels.shape[-2:]) != (size, size):
-                raise ValueError(f"the image processor made {tuple(pixels.shape[-2:])} pixel "
-                                 f"images; the vision tower takes {size}x{size}: the "
-                                 "checkpoint's preprocessor_config.json does not match it")
-            for i, p in zip(pil, pixels, strict=True):
-                datas[i] = {"pixel_values": p.contiguous()}
-        for i, im in enumerate(images):
-            if isinstance(im, torch.Tensor):
-                datas[i] = {"image_embeds": im.detach().cpu().contiguous()}
-        return datas
+        return image_inputs(images, self._pixels)
+
+    def _pixels(self, images: list[Any]) -> torch.Tensor:
+        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        size = self.hf_config.vision_config.image_size
+        if tuple(pixels.shape[-2:]) != (size, size):
+            raise ValueError(f"the image processor made {tuple(pixels.shape[-2:])} pixel "
+                             f"images; the vision tower takes {size}x{size}: the "
+                             "checkpoint's preprocessor_config.json does not match it")
+        return pixels
 
 
 # ---- the vision tower ------------------------------------------------------------------------
@@ -251,26 +230,16 @@ class LlavaForConditionalGeneration(SupportsMultiModal, nn.Module):
     # ---- what the runner calls ---------------------------------------------------------------
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(features)
-        dtype = self.multi_modal_projector.linear_1.weight.dtype
-        device = self.multi_modal_projector.linear_1.weight.device
-        pixels = [i for i, f in enumerate(features) if "pixel_values" in f.data]
-        if pixels:
-            batch = torch.stack([features[i].data["pixel_values"] for i in pixels]).to(device)
-            states = self.vision_tower.vision_model.hidden_states(batch, self.feature_layers)
-            if self.drop_cls:
-                states = [s[:, 1:] for s in states]
-            rows = self.multi_modal_projector(torch.cat(states, dim=-1))
-            for j, i in enumerate(pixels):
-                out[i] = rows[j]
-        for i, f in enumerate(features):
-            if "image_embeds" in f.data:
-                out[i] = f.data["image_embeds"].to(device=device, dtype=dtype)
-        return out
+        return embed_images(features, self._encode, self.multi_modal_projector.linear_1.weight)
+
+    def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        states = self.vision_tower.vision_model.hidden_states(pixels, self.feature_layers)
+        if self.drop_cls:
+            states = [s[:, 1:] for s in states]
+        return self.multi_modal_projector(torch.cat(states, dim=-1))
 
     def dummy_image_data(self) -> dict[str, torch.Tensor]:
-        v = self.config.vision_config
-        return {"pixel_values": torch.zeros(v.num_channels, v.image_size, v.image_size)}
+        return square_pixels(self.config.vision_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed_tokens(input_ids)
@@ -288,33 +257,7 @@ class LlavaForConditionalGeneration(SupportsMultiModal, nn.Module):
     # ---- weights ------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The decoder's tensors through its own loader (fused q/k/v and gate/up, coverage
-        check, rope caches); the tower's and projector's copied one to one. Every parameter
-        must be given."""
-        decoder: list[tuple[str, torch.Tensor]] = []
-        params = {n: p for n, p in self.named_parameters()
-                  if not n.startswith("language_model.")}
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            ours = _our_name(name)
-            if ours.startswith("language_model."):
-                decoder.append((ours[len("language_model."):], tensor))
-                continue
-            if ours not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
-                                 f"{type(self).__name__}")
-            param = params[ours]
-            if param.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape "
-                                 f"{tuple(tensor.shape)}, the model expects "
-                                 f"{tuple(param.shape)}")
-            param.data.copy_(tensor)
-            loaded.add(ours)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
-        self.language_model.load_weights(decoder)
-
+        load_tower_and_decoder(self, weights, _our_name)
 
 def _our_name(name: str) -> str:
     for prefix, ours in _PREFIXES:

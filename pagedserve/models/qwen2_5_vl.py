@@ -236,8 +236,9 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
 
 class QwenVisionHooks(SupportsMultiModal):
-    """The multimodal hooks Qwen2.5-VL and Qwen3-VL share: images through `self.visual` (a
-    tower taking packed pixels and their grids), merged rows split per image."""
+    """What Qwen2.5-VL and Qwen3-VL share: the multimodal hooks (images through `self.visual`,
+    a tower taking packed pixels and their grids, merged rows split per image) and the
+    checkpoint's names mapped onto the decoder's loader."""
 
     uses_mrope = True
     processor_cls = QwenVLProcessor
@@ -248,6 +249,20 @@ class QwenVisionHooks(SupportsMultiModal):
 
     def dummy_image_data(self) -> dict[str, torch.Tensor]:
         return largest_image_data(self.hf_config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """transformers' layout: `model.language_model.*`, `model.visual.*`, `lm_head.*`
+        (and transformers 4.x's `model.*` / `visual.*`), through the decoder's loader."""
+        patch = self.visual.patch_embed.proj.weight
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                name = our_name(name)
+                if name == "visual.patch_embed.proj.weight":
+                    tensor = tensor.reshape(patch.shape[0], -1)  # the Conv3d as a linear
+                yield name, tensor
+
+        super().load_weights(renamed())
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
         """All the features' images through the tower in one call, split per image."""
@@ -285,22 +300,6 @@ class Qwen2_5_VLForConditionalGeneration(QwenVisionHooks, Qwen2ForCausalLM):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """positions: int64 [3, T] (M-RoPE rows), or [T] meaning all three rows equal."""
         return self.model(input_ids, positions, inputs_embeds)
-
-    # ---- weights ----------------------------------------------------------------------
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """transformers' layout: `model.language_model.*`, `model.visual.*`, `lm_head.*`
-        (and transformers 4.x's `model.*` / `visual.*`)."""
-        patch = self.visual.patch_embed.proj.weight
-
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = our_name(name)
-                if name == "visual.patch_embed.proj.weight":
-                    tensor = tensor.reshape(patch.shape[0], -1)  # the Conv3d as a linear
-                yield name, tensor
-
-        super().load_weights(renamed())
 
 
 def tie_head(model: nn.Module, config: PretrainedConfig) -> None:

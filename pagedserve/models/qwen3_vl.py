@@ -18,7 +18,6 @@ CUDA graphs) carry the plain [T, hidden] or none.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,6 @@ from pagedserve.models.qwen2_5_vl import (
     QwenVisionHooks,
     VisionSelfAttention,
     image_cu_seqlens,
-    our_name,
     patch_coordinates,
     tie_head,
     tower_metadata,
@@ -192,15 +190,3 @@ class Qwen3VLForConditionalGeneration(QwenVisionHooks, Qwen3ForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, inputs_embeds)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        patch = self.visual.patch_embed.proj.weight
-
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = our_name(name)
-                if name == "visual.patch_embed.proj.weight":
-                    tensor = tensor.reshape(patch.shape[0], -1)  # the Conv3d as a linear
-                yield name, tensor
-
-        super().load_weights(renamed())

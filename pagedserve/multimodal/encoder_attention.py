@@ -17,6 +17,7 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionLayerConfig, BuilderConfig
 from pagedserve.attention.encoder import ENCODER_ONLY
+from pagedserve.device import to_device_async
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class _PackedSequences:
         cu = np.zeros(len(seq_lens) + 1, dtype=np.int32)
         np.cumsum(seq_lens, out=cu[1:])
         self.query_start_loc_cpu = cu
-        self.query_start_loc = torch.from_numpy(cu).to(device)
+        self.query_start_loc = to_device_async(torch.from_numpy(cu), device)
         self.num_reqs = len(seq_lens)
         self.num_actual_tokens = int(cu[-1])
         self.max_query_len = int(seq_lens.max()) if len(seq_lens) else 0

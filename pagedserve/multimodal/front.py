@@ -14,9 +14,8 @@ import torch
 
 from pagedserve.multimodal.encoder_cache import check_encoder_budget, encoder_budgets
 from pagedserve.multimodal.inputs import MultiModalPrompt
+from pagedserve.multimodal.limits import MODALITIES
 from pagedserve.multimodal.processing import MultiModalProcessor
-
-MODALITIES = ("image",)
 
 
 def make_processor(model: str | None, tokenizer: Any) -> MultiModalProcessor | None:

@@ -88,7 +88,7 @@ class QwenVLProcessor(MultiModalProcessor):
                              f"({self.image_placeholder}) for {len(images)} images")
         for image in images:
             if isinstance(image, torch.Tensor):
-                raise ValueError("Qwen2.5-VL takes images, not precomputed embeddings (their "
+                raise ValueError("Qwen-VL models take images, not precomputed embeddings (their "
                                  "grid, which places their tokens, is not known)")
         if not images:
             positions, delta = prompt_positions(len(ids), pads, np.zeros((0, 3)))

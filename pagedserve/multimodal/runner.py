@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
 import torch
 
+from pagedserve.device import to_device_async
 from pagedserve.multimodal.encoder_attention import bind_encoder_attention
 from pagedserve.multimodal.encoder_cache import encoder_budgets
 from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
@@ -55,7 +57,9 @@ class MultiModalRunner:
         self.num_encoded = 0
         self.num_encoder_calls = 0
         self._encoder_seconds = 0.0
-        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # CUDA: the calls' (start, end) events not read yet, oldest first (a few at most: each
+        # call reads those that have completed).
+        self._timing: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
 
     @classmethod
     def for_runner(cls, runner: Any) -> MultiModalRunner | None:
@@ -153,15 +157,20 @@ class MultiModalRunner:
         outputs = self.model.embed_multimodal(features)
         end.record()
         self._timing.append((start, end))
+        self._read_timing()
         return outputs
 
     @property
     def encoder_seconds(self) -> float:
         """The encoder's time over every call so far (on CUDA: the calls completed)."""
-        while self._timing and self._timing[0][1].query():
-            start, end = self._timing.pop(0)
-            self._encoder_seconds += start.elapsed_time(end) / 1000
+        self._read_timing()
         return self._encoder_seconds
+
+    def _read_timing(self) -> None:
+        """Add the completed calls' times (`Event.query` does not wait)."""
+        while self._timing and self._timing[0][1].query():
+            start, end = self._timing.popleft()
+            self._encoder_seconds += start.elapsed_time(end) / 1000
 
     # ---- the step's embeddings ---------------------------------------------------------
 
@@ -173,7 +182,8 @@ class MultiModalRunner:
         dst, src = self._placements(batch, query_start_loc)
         if dst:
             rows = torch.cat(src) if len(src) > 1 else src[0]
-            index = torch.from_numpy(np.concatenate(dst)).to(self.device, non_blocking=True)
+            # Pinned: a copy from pageable memory would wait for the step in flight.
+            index = to_device_async(torch.from_numpy(np.concatenate(dst)), self.device)
             embeds.index_copy_(0, index, rows.to(embeds.dtype))
         return embeds
 

@@ -154,8 +154,9 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             to_encode = None
-            if request.mm_features and request.num_computed_tokens < request.mm_features[
-                    -1].placeholder.end:  # a prompt chunk that may reach an image
+            if (encoder_cache is not None and request.mm_features  # (text models: no look)
+                    and request.num_computed_tokens < request.mm_features[-1].placeholder.end):
+                # a prompt chunk that may reach an image
                 num_new, to_encode = encoder_cache.plan(request, request.num_computed_tokens,
                                                         num_new)
                 if not num_new:
@@ -211,7 +212,7 @@ class Scheduler:
             if request.pooling is not None and num_new < request.num_tokens:
                 break  # a pooling request runs whole: it waits for a step with room for it
             to_encode = None
-            if request.mm_features:
+            if encoder_cache is not None and request.mm_features:
                 num_new, to_encode = encoder_cache.plan(request, num_hit_tokens, num_new)
                 if not num_new:
                     break  # FCFS: its first image waits for a step with room for its encoder

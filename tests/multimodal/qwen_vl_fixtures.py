@@ -156,3 +156,29 @@ def save_tiny_qwen3_vl(path: Path) -> Path:
     Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32,
                              max_pixels=128 * 96).save_pretrained(path)
     return path
+
+
+@torch.no_grad()
+def prefill_logits(ours: torch.nn.Module, prompt, rows: list[torch.Tensor] | None = None
+                   ) -> torch.Tensor:
+    """The decoder over a whole prompt (image rows, the encoder's unless given, written over
+    the placeholders' token embeddings; [3, T] positions) through the paged CPU backend:
+    every position's logits."""
+    from pagedserve.attention.forward_context import set_forward_context
+    from tests.utils.paged import PagedHarness
+
+    ids = torch.tensor(prompt.prompt_token_ids)
+    n = len(ids)
+    embeds = ours.embed_input_ids(ids)
+    if rows is None:
+        rows = ours.embed_multimodal(prompt.features)
+    for feature, image_rows in zip(prompt.features, rows, strict=True):
+        embeds[feature.placeholder.offset:feature.placeholder.end] = image_rows
+    harness = PagedHarness(ours, [n])
+    common = harness.common_builder.build(np.array([0]), np.array([0], np.int32),
+                                          np.array([n], np.int32), 1,
+                                          harness.block_table.table)
+    metadata = {cfg: b.build(common) for cfg, b in harness.builders.items()}
+    with set_forward_context(metadata, harness.kv_caches):
+        hidden = ours(ids, torch.from_numpy(prompt.mrope_positions), embeds)
+    return ours.compute_logits(hidden)

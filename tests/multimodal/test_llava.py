@@ -16,6 +16,7 @@ from tests.multimodal.llava_models import (
     image,
     tiny_llava,
 )
+from tests.utils.paged import check_top_logprobs
 
 NUM_NEW = 6
 # USER : w4 <image> w5 w6 ... ASSISTANT :  (ids: see llava_models.tiny_tokenizer)
@@ -77,12 +78,7 @@ def _check_against_transformers(hf, llm, outputs, requests, logprobs: bool = Fal
         assert out.outputs[0].token_ids == tokens
         if not logprobs:
             continue
-        for position, lp in enumerate(out.outputs[0].logprobs):
-            top = torch.topk(ref[position], 5)
-            ours = {t: v.logprob for t, v in lp.items()}
-            assert set(top.indices.tolist()) <= set(ours)
-            for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
-                assert abs(ours[t] - v) < 1e-4, (position, t, ours[t], v)
+        check_top_logprobs(out.outputs[0].logprobs, ref)
 
 
 def test_greedy_and_logprobs_equal_transformers(llava, images):
@@ -93,7 +89,7 @@ def test_greedy_and_logprobs_equal_transformers(llava, images):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check_against_transformers(hf, llm, outputs, requests, logprobs=True)
-    assert llm.engine.runner.mm.num_encoded == 3  # images[2] twice, encoded once
+    assert llm.engine.runner.multimodal.num_encoded == 3  # images[2] twice, encoded once
     stats = llm.engine.core_stats()
     assert (stats.mm_images_encoded, stats.mm_encoder_calls) == (3, 1)  # one step, one call
     assert stats.mm_encoder_seconds > 0
@@ -113,7 +109,7 @@ def test_chunked_prefill_splits_image_spans(llava, images, budget):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check_against_transformers(hf, llm, outputs, requests)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     assert llm.engine.check_blocks_free()
 
 
@@ -130,7 +126,7 @@ def test_preemption_reuses_encoder_rows(llava, images):
     outputs = llm.generate(requests, params, use_tqdm=False)
     assert llm.engine.core.scheduler.num_preemptions > 0
     _check_against_transformers(hf, llm, outputs, requests)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     assert llm.engine.check_blocks_free()
 
 
@@ -159,7 +155,7 @@ def test_prefix_cache_is_keyed_by_the_image(llava, images):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert other_first.num_cached_tokens == 4  # block 1 (tokens 4-7) holds image tokens
     assert other_second.num_cached_tokens == 16  # blocks 0-3: up to the second span
-    assert llm.engine.runner.mm.num_encoded == 3  # images 0, 1, 2: each once
+    assert llm.engine.runner.multimodal.num_encoded == 3  # images 0, 1, 2: each once
 
 
 def test_text_prompt_with_prompt_logprobs_and_n(llava, images):
@@ -285,7 +281,7 @@ def test_encoder_cache_of_one_image(llava, make_llm):
     outputs = llm.generate(reqs, params, use_tqdm=False)
     tokens, _ = _reference(hf, llm, prompt, imgs)
     assert [o.outputs[0].token_ids for o in outputs] == [tokens, tokens]
-    mm = llm.engine.runner.mm
+    mm = llm.engine.runner.multimodal
     assert mm.num_encoded == 4
     assert sum(rows.shape[0] for rows in mm.store.values()) <= NUM_IMAGE_TOKENS
 
@@ -305,5 +301,5 @@ def test_greedy_on_cuda_matches_transformers(tmp_path, images, backend):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check_against_transformers(hf, llm, outputs, requests)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     llm.close()

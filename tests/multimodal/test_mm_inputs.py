@@ -9,7 +9,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.core_messages import CoreFeature, CoreRequest
 from pagedserve.engine.core_process import decoder, encoder
-from tests.multimodal.llava_models import IMAGE_TOKEN_ID, image, tiny_llava
+from tests.multimodal.llava_models import IMAGE_SIZE, IMAGE_TOKEN_ID, image, tiny_llava
 
 PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
@@ -117,7 +117,7 @@ def test_memory_profile_runs_the_encoder(llava):
     """The profile before the KV cache is sized runs the encoder over one step's worth of the
     largest images and counts the store: encoder_cache_size rows of the decoder's width."""
     llm, _ = llava
-    mm = llm.engine.runner.mm
+    mm = llm.engine.runner.multimodal
     budget, mm.compute_budget = mm.compute_budget, 20  # two images (default 2048 rows: 227)
     before = mm.num_encoded
     width = llm.engine.core.loaded.hf_config.text_config.hidden_size
@@ -215,3 +215,45 @@ def test_a_template_of_string_content_gets_the_placeholders_before_the_text():
     ids = render_with_images(tok, messages, 2, "<image>", False, template)
     assert ids == tok.encode("USER : <image>\n<image>\nw1 ", add_special_tokens=False)
     assert ids.count(IMAGE_TOKEN_ID) == 2
+
+
+def test_n_sequences_send_an_image_once(llava):
+    """A request of n sequences crosses the core's socket with each image's tensors once (the
+    later sequences name the first one's), and every sequence still reads the image."""
+    llm, _ = llava
+    client = llm.engine.client
+    sent = []
+    add = client.add_requests
+
+    def capture(requests):
+        sent.append(encoder().encode(requests))
+        add(requests)
+
+    client.add_requests = capture
+    try:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, n=3)
+        [out] = llm.generate([_req([3, IMAGE_TOKEN_ID, 4], [image(0)])], params)
+        [one] = llm.generate([_req([3, IMAGE_TOKEN_ID, 4], [image(0)])], PARAMS)
+    finally:
+        client.add_requests = add
+    pixels = 3 * IMAGE_SIZE * IMAGE_SIZE * 4  # tiny_llava's image, float32
+    assert pixels < len(sent[1]) < len(sent[0]) < 2 * pixels
+    assert [o.token_ids for o in out.outputs] == [one.outputs[0].token_ids] * 3
+
+
+def test_a_group_of_sequences_crosses_the_core_socket():
+    """The core process's side of n > 1: the later sequences' features, sent without tensors,
+    read the first sequence's once decoded."""
+    from pagedserve.engine.core_messages import sequence_features, share_feature_data
+    from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
+
+    pixels = torch.randn(3, 4, 5)
+    feature = MultiModalFeature("image", "ab", PlaceholderRange(1, 3), {"pixel_values": pixels})
+    group = [CoreRequest(f"r#{i}", [1, 2, 3, 4], SamplingParams(), 0.0, mm_features=features)
+             for i, features in enumerate(sequence_features([feature, feature], 3))]
+    back = decoder(list[CoreRequest]).decode(encoder().encode(group))
+    assert all(f.data is None for r in back[1:] for f in r.mm_features)
+    share_feature_data(back)
+    for request in back:
+        assert [torch.equal(f.feature().data["pixel_values"], pixels)
+                for f in request.mm_features] == [True, True]

@@ -96,3 +96,31 @@ def test_encoder_attention_falls_back_to_a_backend_with_an_encoder_path():
         1, 2, 0) * 8 ** -0.5, dim=-1) @ v.view(7, 2, 8)[:3].transpose(0, 1)
     assert torch.allclose(out, ref.reshape(7, 16), atol=1e-6)
     assert torch.allclose(out[:3], first.transpose(0, 1).reshape(3, 16), atol=1e-5)
+
+
+class _CompletedEvent:
+    """A CUDA event that has completed, 2 ms after the one before it."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: object) -> float:
+        return 2.0
+
+
+def test_encoder_timing_events_are_read_as_they_complete(monkeypatch):
+    """On CUDA each encoder call's events are read once they have completed, also when no one
+    asks for the encoder's time (a server without stats logging kept every call's events)."""
+    monkeypatch.setattr(torch.cuda, "Event", _CompletedEvent)
+    model = SimpleNamespace(uses_mrope=False, embed_multimodal=lambda features: [])
+    mm = MultiModalRunner(model, torch.device("cuda"), torch.float32)
+    for _ in range(50):
+        mm._timed_encoder([])
+    assert len(mm._timing) <= 1
+    assert abs(mm.encoder_seconds - 0.1) < 1e-9

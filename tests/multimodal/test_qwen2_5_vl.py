@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.multimodal.qwen_vl_fixtures import IMAGE, image_prompt, images, save_tiny_qwen2_5_vl
+from tests.multimodal.qwen_vl_fixtures import (
+    IMAGE,
+    image_prompt,
+    images,
+    prefill_logits,
+    save_tiny_qwen2_5_vl,
+)
 
 
 @pytest.fixture(scope="module")
@@ -193,29 +199,6 @@ def test_step_positions_prefill_chunks_and_decodes(reference, processor) -> None
 
 
 @torch.no_grad()
-def _prefill_logits(ours, prompt) -> torch.Tensor:
-    """The decoder over a whole prompt (image rows written over the placeholders' token
-    embeddings, [3, T] positions) through the paged CPU backend: every position's logits."""
-    from pagedserve.attention.forward_context import set_forward_context
-    from tests.utils.paged import PagedHarness
-
-    ids = torch.tensor(prompt.prompt_token_ids)
-    n = len(ids)
-    embeds = ours.embed_input_ids(ids)
-    for feature, rows in zip(prompt.features, ours.embed_multimodal(prompt.features),
-                             strict=True):
-        embeds[feature.placeholder.offset:feature.placeholder.end] = rows
-    harness = PagedHarness(ours, [n])
-    common = harness.common_builder.build(np.array([0]), np.array([0], np.int32),
-                                          np.array([n], np.int32), 1,
-                                          harness.block_table.table)
-    metadata = {cfg: b.build(common) for cfg, b in harness.builders.items()}
-    with set_forward_context(metadata, harness.kv_caches):
-        hidden = ours(ids, torch.from_numpy(prompt.mrope_positions), embeds)
-    return ours.compute_logits(hidden)
-
-
-@torch.no_grad()
 def _reference_logits(reference, prompt) -> torch.Tensor:
     ids = torch.tensor([prompt.prompt_token_ids])
     pixels = torch.cat([f.data["pixel_values"] for f in prompt.features])
@@ -227,7 +210,7 @@ def _reference_logits(reference, prompt) -> torch.Tensor:
 def test_prefill_logits_match_transformers(reference, ours, processor) -> None:
     ims = images()
     prompt = processor.process(image_prompt([3, 4], [5], [6, 7]), [ims[2], ims[1]])
-    torch.testing.assert_close(_prefill_logits(ours, prompt),
+    torch.testing.assert_close(prefill_logits(ours, prompt),
                                _reference_logits(reference, prompt), rtol=0, atol=1e-5)
 
 
@@ -249,5 +232,5 @@ def test_flat_config_with_tied_head(tmp_path) -> None:
         path, attn_implementation="eager").eval()
     prompt = QwenVLProcessor(config, None, str(path)).process(image_prompt([3], [4, 5]),
                                                               images()[1:2])
-    torch.testing.assert_close(_prefill_logits(ours, prompt),
+    torch.testing.assert_close(prefill_logits(ours, prompt),
                                _reference_logits(reference, prompt), rtol=0, atol=1e-5)

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.multimodal.qwen_vl_fixtures import IMAGE, image_prompt, images, save_tiny_qwen3_vl
+from tests.multimodal.qwen_vl_fixtures import (
+    IMAGE,
+    image_prompt,
+    images,
+    prefill_logits,
+    save_tiny_qwen3_vl,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +37,6 @@ def parts(tmp_path_factory: pytest.TempPathFactory):
 
 @torch.no_grad()
 def test_qwen3_vl_tower_prompt_and_prefill_match_transformers(parts) -> None:
-    from pagedserve.attention.forward_context import set_forward_context
-    from tests.utils.paged import PagedHarness
-
     reference, ours, processor = parts
     ims = images()
     prompt = processor.process(image_prompt([3, 4], [5], [6, 7]), [ims[2], ims[1]])
@@ -55,17 +58,6 @@ def test_qwen3_vl_tower_prompt_and_prefill_match_transformers(parts) -> None:
     np.testing.assert_array_equal(prompt.mrope_positions, pos[:, 0].numpy())
     assert prompt.mrope_delta == int(delta)
 
-    n = len(ids)
-    embeds = ours.embed_input_ids(ids)
-    for feature, r in zip(feats, rows, strict=True):
-        embeds[feature.placeholder.offset:feature.placeholder.end] = r
-    harness = PagedHarness(ours, [n])
-    common = harness.common_builder.build(np.array([0]), np.array([0], np.int32),
-                                          np.array([n], np.int32), 1,
-                                          harness.block_table.table)
-    metadata = {cfg: b.build(common) for cfg, b in harness.builders.items()}
-    with set_forward_context(metadata, harness.kv_caches):
-        hidden = ours(ids, torch.from_numpy(prompt.mrope_positions), embeds)
     logits = reference(input_ids=ids[None], pixel_values=pixels, image_grid_thw=grids,
                        mm_token_type_ids=(ids[None] == IMAGE).int()).logits[0]
-    torch.testing.assert_close(ours.compute_logits(hidden), logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(prefill_logits(ours, prompt, rows), logits, rtol=0, atol=1e-5)

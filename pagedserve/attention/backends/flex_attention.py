@@ -371,7 +371,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
             q_limit = np.full(num_rows, -1, dtype=np.int64)
             q_limit[rows] = np.repeat(limits[:n], g)
             host["q_limit"] = q_limit
-        dev = _to_device({**host,"kv_num_blocks": plan.kv_num_blocks[None, None],
+        dev = _to_device({**host, "kv_num_blocks": plan.kv_num_blocks[None, None],
                           "kv_indices": plan.kv_indices[None, None],
                           "full_num_blocks": plan.full_num_blocks[None, None],
                           "full_indices": plan.full_indices[None, None],

@@ -1,0 +1,130 @@
+"""What LLaVA and Gemma 3 share as vision-language models whose every image is one square of
+the tower's size, encoded to a fixed number of rows by a ViT tower and a projector beside a
+decoder: the expansion of each image's placeholder, the split of a call's images into a pixel
+batch and precomputed embeddings, the stand-in image of the memory profile, and the loading of
+the tower's and projector's tensors one to one beside the decoder's own loader."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.device import to_device_async
+from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
+from pagedserve.multimodal.processing import tensors_identifier
+
+
+def expand_images(prompt_token_ids: list[int], images: list[Any],
+                  image_data: Callable[[list[Any]], list[dict[str, torch.Tensor]]], *,
+                  marker: int, marker_text: str, image_token: int, rows: int, hidden: int,
+                  tag: str, before: tuple[int, ...] = (), after: tuple[int, ...] = ()
+                  ) -> MultiModalPrompt:
+    """Each `marker` token of the prompt, in order, becomes `before`, the image's span of
+    `image_token`s and `after`: `rows` tokens, or one per row of precomputed embeddings
+    (which must be `hidden` wide). `image_data` makes the images' inputs (`image_inputs`),
+    once the markers are known to match them; `tag` goes into each identifier (the family and
+    its settings)."""
+    where = np.flatnonzero(np.asarray(prompt_token_ids, dtype=np.int64) == marker)
+    if len(where) != len(images):
+        raise ValueError(f"the prompt has {len(where)} {marker_text} placeholders but "
+                         f"{len(images)} image(s) were given: put one {marker_text} where "
+                         "each image goes")
+    datas = image_data(images)
+    out: list[int] = []
+    features: list[MultiModalFeature] = []
+    start = 0
+    for i, (pos, data) in enumerate(zip(where.tolist(), datas, strict=True)):
+        span = rows
+        if "image_embeds" in data:
+            span, width = data["image_embeds"].shape
+            if width != hidden or span < 1:
+                raise ValueError(f"image {i}: embeddings of width {width} and {span} rows; the "
+                                 f"model takes [rows >= 1, {hidden}]")
+        out += prompt_token_ids[start:pos]
+        out += before
+        placeholder = PlaceholderRange(len(out), span)
+        out += [image_token] * span
+        out += after
+        start = pos + 1
+        features.append(MultiModalFeature("image", tensors_identifier(data, tag), placeholder,
+                                          data))
+    out += prompt_token_ids[start:]
+    return MultiModalPrompt(out, features)
+
+
+def image_inputs(images: list[Any], preprocess: Callable[[list[Any]], torch.Tensor]
+                 ) -> list[dict[str, torch.Tensor]]:
+    """Each image's processed inputs: {"pixel_values": [C, H, W]} for a PIL image (all of them
+    through one `preprocess` call, which returns [n, C, H, W]), {"image_embeds": [rows, hidden]}
+    for a tensor of precomputed embeddings."""
+    pil = [i for i, im in enumerate(images) if not isinstance(im, torch.Tensor)]
+    datas: list[dict[str, torch.Tensor]] = [{} for _ in images]
+    if pil:
+        pixels = preprocess([images[i] for i in pil])
+        for i, p in zip(pil, pixels, strict=True):
+            datas[i] = {"pixel_values": p.contiguous()}
+    for i, im in enumerate(images):
+        if isinstance(im, torch.Tensor):
+            datas[i] = {"image_embeds": im.detach().cpu().contiguous()}
+    return datas
+
+
+def embed_images(features: list[MultiModalFeature],
+                 encode: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor
+                 ) -> list[torch.Tensor]:
+    """One [rows, hidden] tensor per feature, in `weight`'s device and dtype: the pixel images
+    stacked through `encode` ([n, C, H, W] -> [n, rows, hidden]) in one call, precomputed
+    embeddings as given. Host tensors go over pinned (a pageable copy would wait for the step
+    in flight)."""
+    out: list[torch.Tensor | None] = [None] * len(features)
+    pixels = [i for i, f in enumerate(features) if "pixel_values" in f.data]
+    if pixels:
+        batch = torch.stack([features[i].data["pixel_values"] for i in pixels])
+        rows = encode(to_device_async(batch, weight.device))
+        for j, i in enumerate(pixels):
+            out[i] = rows[j]
+    for i, f in enumerate(features):
+        if "image_embeds" in f.data:
+            out[i] = to_device_async(f.data["image_embeds"], weight.device).to(weight.dtype)
+    return out
+
+
+def square_pixels(vision_config: Any) -> dict[str, torch.Tensor]:
+    """The memory profile's stand-in image: zeros of the tower's input size, on the CPU."""
+    v = vision_config
+    return {"pixel_values": torch.zeros(v.num_channels, v.image_size, v.image_size)}
+
+
+def load_tower_and_decoder(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                           our_name: Callable[[str], str | None]) -> None:
+    """The decoder's tensors (`language_model.*` after `our_name`) through its own loader
+    (fused q/k/v and gate/up, coverage check, rope caches); every other parameter copied one
+    to one, each of which must be given. `our_name` maps a checkpoint name to ours (None: a
+    tensor the model does not use)."""
+    decoder: list[tuple[str, torch.Tensor]] = []
+    params = {n: p for n, p in model.named_parameters() if not n.startswith("language_model.")}
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        ours = our_name(name)
+        if ours is None:
+            continue
+        if ours.startswith("language_model."):
+            decoder.append((ours[len("language_model."):], tensor))
+            continue
+        if ours not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
+                             f"{type(model).__name__}")
+        param = params[ours]
+        if param.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(param.shape)}")
+        param.data.copy_(tensor)
+        loaded.add(ours)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    model.language_model.load_weights(decoder)
