@@ -243,6 +243,9 @@ class QwenVisionHooks(SupportsMultiModal):
     uses_mrope = True
     processor_cls = QwenVLProcessor
 
+    def checkpoint_config(self) -> PretrainedConfig:
+        return self.hf_config  # `config` is the decoder's text_config
+
     @classmethod
     def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
         return max_image_tokens(hf_config)

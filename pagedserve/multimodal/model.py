@@ -23,6 +23,12 @@ class SupportsMultiModal:
     # (processing.MultiModalProcessor subclass).
     processor_cls: ClassVar[Any] = None
 
+    def checkpoint_config(self) -> Any:
+        """The checkpoint's whole config (vision and text parts), which `max_tokens_per_image`
+        reads. Default: the model's `config`; a model built on a decoder family whose `config`
+        is the decoder's (Qwen-VL) returns the whole one."""
+        return self.config
+
     @classmethod
     def max_tokens_per_image(cls, hf_config: Any) -> int:
         """The most embedding rows one image may take (the encoder cache's default size is at

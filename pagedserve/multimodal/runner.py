@@ -29,12 +29,6 @@ from pagedserve.multimodal.spans import BidirectionalSpans, step_spans
 logger = logging.getLogger(__name__)
 
 
-def hf_config(model: Any) -> Any:
-    """The checkpoint's whole config (`max_tokens_per_image` reads it): a model built on a
-    decoder family keeps it as `hf_config`, its `config` being the decoder's (Qwen-VL)."""
-    return getattr(model, "hf_config", model.config)
-
-
 class MultiModalRunner:
     def __init__(self, model: Any, device: torch.device, dtype: torch.dtype,
                  budgets: tuple[int, int] = (0, 0), max_num_tokens: int = 0) -> None:
@@ -79,7 +73,7 @@ class MultiModalRunner:
         if backend is not None:
             logger.info("vision encoder attention: backend %s", backend.get_name())
         budgets = encoder_budgets(runner.config.scheduler,
-                                  model.max_tokens_per_image(hf_config(model)))
+                                  model.max_tokens_per_image(model.checkpoint_config()))
         return cls(model, runner.device, runner.dtype, budgets, runner.max_num_tokens)
 
     def step_spans(self, batch: Any) -> BidirectionalSpans | None:
@@ -105,7 +99,7 @@ class MultiModalRunner:
         one step may encode (its activations count in the peak), and return the bytes the
         store may hold, which the peak does not include."""
         data = self.model.dummy_image_data()
-        rows = self.model.max_tokens_per_image(hf_config(self.model))
+        rows = self.model.max_tokens_per_image(self.model.checkpoint_config())
         if data is None or not rows:
             return 0
         count = max(self.compute_budget // rows, 1)
