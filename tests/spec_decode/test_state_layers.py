@@ -2,7 +2,8 @@
 random Qwen3-Next (gated delta nets beside gated full attention), float32 on the CPU, n-gram
 drafts. Greedy outputs equal the same engine's without speculation token for token (which
 tests/models/test_qwen3_next.py holds to transformers), with drafts both kept and rejected,
-over plain steps, chunked prefill and preemption; every slot and block free after."""
+over plain steps, chunked prefill, preemption and async scheduling; every slot and block free
+after. The same for Mamba-2, Mamba-1, LFM2 short convs and MiniMax lightning attention."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ CASES = {
     "plain": dict(),
     "chunked": dict(max_num_batched_tokens=16),
     "preempting": dict(num_gpu_blocks_override=24, block_size=4, kv_cache_memory=None),
+    "async": dict(async_scheduling=True),
 }
 
 
@@ -89,3 +91,38 @@ def test_ngram_over_gated_delta_net_equals_no_speculation(qwen3_next_path, make_
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     if case == "preempting":
         assert stats.num_preemptions > 0
+
+
+# The other state layer kinds, through the same mechanism: Mamba-2 (conv + SSD, no attention
+# layer at all), Mamba-1 (conv + selective scan), LFM2 (short conv beside attention), MiniMax
+# (lightning attention beside attention).
+OTHER_KINDS = {
+    "mamba2": lambda: transformers.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=32, num_heads=4, head_dim=16, n_groups=2, state_size=8,
+        num_hidden_layers=2, conv_kernel=4, chunk_size=8, max_position_embeddings=256,
+        initializer_range=0.3),
+    "mamba": lambda: transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, conv_kernel=4,
+        expand=2, initializer_range=0.3),
+    "lfm2": lambda: transformers.Lfm2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        block_multiple_of=16, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
+        initializer_range=0.3),
+    "minimax": lambda: transformers.MiniMaxConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2,
+        num_experts_per_tok=1, block_size=16, max_position_embeddings=256,
+        layer_types=["linear_attention", "full_attention"], initializer_range=0.3),
+}
+
+
+@pytest.mark.parametrize("kind", list(OTHER_KINDS))
+def test_ngram_over_other_state_layers_equals_no_speculation(tmp_path, make_llm, kind):
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(
+        OTHER_KINDS[kind](), dtype=torch.float32).eval().save_pretrained(tmp_path)
+    want, _ = run(make_llm, str(tmp_path), None)
+    got, stats = run(make_llm, str(tmp_path), NGRAM)
+    assert got == want
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
