@@ -22,7 +22,8 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 IMPLEMENTED = METHODS
 REJECTION_METHODS = ("strict", "synthetic")
 # Methods tested over a target with state layers (verify steps keep each draft's state,
-# attention/state_verify.py); a draft model or EAGLE head beside one is not yet.
+# attention/state_verify.py; mtp: Qwen3-Next's block); a draft model or EAGLE head beside one
+# is not yet.
 STATE_LAYER_METHODS = ("ngram", "mtp")
 # vLLM's defaults for n-gram sizes when neither is given.
 DEFAULT_LOOKUP = 5

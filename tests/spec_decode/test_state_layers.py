@@ -26,11 +26,14 @@ QWEN3_NEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hi
                                "linear_attention"])
 
 
-def save_qwen3_next(path, seed: int = 0) -> transformers.PreTrainedModel:
-    """A random Qwen3-Next whose norms and decays are away from their initial values."""
+def save_qwen3_next(path, seed: int = 0, config: transformers.Qwen3NextConfig | None = None
+                    ) -> transformers.PreTrainedModel:
+    """A random Qwen3-Next (QWEN3_NEXT unless `config`) whose norms and decays are away from
+    their initial values."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        transformers.Qwen3NextConfig(**QWEN3_NEXT), dtype=torch.float32)
+        config or transformers.Qwen3NextConfig(**QWEN3_NEXT), attn_implementation="eager",
+        dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "linear_attn.norm" in name:
