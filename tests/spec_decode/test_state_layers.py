@@ -129,3 +129,29 @@ def test_ngram_over_other_state_layers_equals_no_speculation(tmp_path, make_llm,
     got, stats = run(make_llm, str(tmp_path), NGRAM)
     assert got == want
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_ngram_on_the_triton_path_in_the_interpreter(qwen3_next_path, make_llm, monkeypatch):
+    """The verify positions run through GDN_ATTN's Triton decode kernels (the conv kernel and
+    the recurrent delta rule; the interpreter on the CPU): three prompts, a few tokens."""
+    pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    from pagedserve.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "state_kernels_enabled", lambda device: True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = {}
+    for spec in (None, NGRAM):
+        llm = make_llm(model=qwen3_next_path, dtype="float32", device="cpu",
+                       kv_cache_memory="8MiB", speculative_config=spec)
+        assert llm.engine.runner.state_layers[0].impl.use_triton
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts()[:3]], params,
+                           use_tqdm=False)
+        outs[spec is None] = ([o.outputs[0].token_ids for o in got],
+                              llm.engine.call_utility("stats"))
+    assert outs[False][0] == outs[True][0]
+    assert 0 < outs[False][1].spec_decode_num_accepted_tokens < \
+        outs[False][1].spec_decode_num_draft_tokens
