@@ -60,10 +60,12 @@ def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype
     config = target.config
     arch = type(target).__name__
     if arch == "Qwen3NextForCausalLM":  # its own block and names (qwen3_next_mtp.py)
-        from pagedserve.spec_decode.qwen3_next_mtp import load_qwen3_next_mtp
+        from pagedserve.spec_decode import qwen3_next_mtp
 
+        if target_path is not None and target_path.startswith(RANDOM_PREFIX):
+            return qwen3_next_mtp.random_head(config, dtype, device)
         own = _read_prefixed(_checkpoint_dir(target_path), "mtp.")
-        return load_qwen3_next_mtp(own, target, dtype, device)
+        return qwen3_next_mtp.load_qwen3_next_mtp(own, target, dtype, device)
     if arch not in _MTP_FAMILIES:
         raise ValueError(f"speculative_config: method 'mtp' is implemented for "
                          f"{', '.join(_MTP_FAMILIES + ('Qwen3NextForCausalLM',))}; the target "

@@ -84,6 +84,24 @@ def load_qwen3_next_mtp(own: dict[str, torch.Tensor], target: nn.Module, dtype: 
     return head.to(device).eval()
 
 
+def random_head(config: PretrainedConfig, dtype: torch.dtype,
+                device: torch.device) -> Qwen3NextMtpHead:
+    """A random-weight block (its own embedding and head) over a `random:` target, to time the
+    path under synthetic acceptance."""
+    from pagedserve.models.layers import build_rope_caches
+    from pagedserve.models.loader import init_random_weights
+    from pagedserve.models.registry import get_model_cls
+
+    stack_config = _stack_config(config)
+    with torch.device("meta"):
+        head = Qwen3NextMtpHead(get_model_cls(stack_config)(stack_config), config.hidden_size,
+                                config.rms_norm_eps)
+    head = head.to(dtype).to_empty(device=device)
+    init_random_weights(head, seed=1)
+    build_rope_caches(head, device, dtype)
+    return head.eval()
+
+
 def _stack_config(config: PretrainedConfig) -> PretrainedConfig:
     """One full-attention layer; its MLP sparse or dense as the target's layer 0 (vLLM numbers
     the MTP layer 0 when it decides)."""

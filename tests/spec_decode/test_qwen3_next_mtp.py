@@ -145,3 +145,21 @@ def test_a_checkpoint_without_the_block_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no MTP block"):
         LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
             speculative_config=MTP)
+
+
+def test_a_random_block_over_a_random_target(tmp_path, make_llm):
+    """The timing path: a `random:` Qwen3-Next target gets a random MTP block; under synthetic
+    acceptance at rate 1 every step after the prompt's keeps its K drafts."""
+    import json
+
+    fields = {k: v for k, v in CONFIG.items() if k != "initializer_range"}
+    (tmp_path / "q.json").write_text(json.dumps(dict(
+        fields, model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"])))
+    spec = dict(MTP, rejection_sample_method="synthetic", synthetic_acceptance_rate=1.0)
+    llm = make_llm(model=f"random:{tmp_path / 'q.json'}", dtype="float32", device="cpu",
+                   kv_cache_memory="8MiB", speculative_config=spec)
+    llm.generate([{"prompt_token_ids": p} for p in prompts()[:3]],
+                 SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.call_utility("stats")
+    assert stats.spec_decode_num_drafts == 3 * 2
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens == 12
