@@ -73,7 +73,8 @@ def run(make_llm, path, spec, **kwargs):
     llm = make_llm(model=path, dtype="float32", device="cpu", speculative_config=spec,
                    **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], PARAMS, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm.engine.call_utility("stats")
+    return ([o.outputs[0].token_ids for o in outs], llm.engine.call_utility("stats"),
+            llm.engine.runner)
 
 
 CASES = {
@@ -86,9 +87,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_ngram_over_gated_delta_net_equals_no_speculation(qwen3_next_path, make_llm, case):
-    want, _ = run(make_llm, qwen3_next_path, None, **CASES[case])
-    got, stats = run(make_llm, qwen3_next_path, NGRAM, **CASES[case])
+    want, _, _ = run(make_llm, qwen3_next_path, None, **CASES[case])
+    got, stats, runner = run(make_llm, qwen3_next_path, NGRAM, **CASES[case])
     assert got == want
+    # Each state slot with its K scratch slots.
+    assert runner.state_caches[0]["recurrent"].shape[0] == 4 * runner.num_state_slots
     # Verify steps ran, and kept some drafts and rejected others.
     assert stats.spec_decode_num_drafts > 0
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
@@ -125,8 +128,8 @@ def test_ngram_over_other_state_layers_equals_no_speculation(tmp_path, make_llm,
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(
         OTHER_KINDS[kind](), dtype=torch.float32).eval().save_pretrained(tmp_path)
-    want, _ = run(make_llm, str(tmp_path), None)
-    got, stats = run(make_llm, str(tmp_path), NGRAM)
+    want, _, _ = run(make_llm, str(tmp_path), None)
+    got, stats, _ = run(make_llm, str(tmp_path), NGRAM)
     assert got == want
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
@@ -155,3 +158,12 @@ def test_ngram_on_the_triton_path_in_the_interpreter(qwen3_next_path, make_llm, 
     assert outs[False][0] == outs[True][0]
     assert 0 < outs[False][1].spec_decode_num_accepted_tokens < \
         outs[False][1].spec_decode_num_draft_tokens
+
+
+def test_the_memory_split_counts_the_scratch_slots():
+    """A slot costs 1 + K slots' bytes under speculation: fewer slots, as many blocks."""
+    from pagedserve.kv_cache.specs import StateSpec, StateTensor, split_budget
+
+    specs = [StateSpec("GDN_ATTN", (StateTensor("recurrent", (10,), torch.float32),))]
+    assert split_budget(10, specs, 1000, 100) == (20, 20)  # 20 * (40 + 10) bytes
+    assert split_budget(10, specs, 1000, 100, slot_copies=4) == (20, 5)  # 5 * (160 + 10)
