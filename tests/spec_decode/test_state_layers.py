@@ -167,3 +167,24 @@ def test_the_memory_split_counts_the_scratch_slots():
     specs = [StateSpec("GDN_ATTN", (StateTensor("recurrent", (10,), torch.float32),))]
     assert split_budget(10, specs, 1000, 100) == (20, 20)  # 20 * (40 + 10) bytes
     assert split_budget(10, specs, 1000, 100, slot_copies=4) == (20, 5)  # 5 * (160 + 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [NGRAM, {"method": "mtp", "num_speculative_tokens": 2}],
+                         ids=["ngram", "mtp"])
+def test_on_cuda_equals_no_speculation(tmp_path, make_llm, spec):
+    """The Triton state kernels and a GPU attention backend under verification (float32)."""
+    if spec["method"] == "mtp":
+        from tests.spec_decode.test_qwen3_next_mtp import write_target_with_mtp
+
+        write_target_with_mtp(tmp_path)
+    else:
+        save_qwen3_next(tmp_path)
+    outs = []
+    for s in (None, spec):
+        llm = make_llm(model=str(tmp_path), dtype="float32", device="cuda",
+                       speculative_config=s, gpu_memory_utilization=0.3)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts()], PARAMS,
+                           use_tqdm=False)
+        outs.append([o.outputs[0].token_ids for o in got])
+    assert outs[0] == outs[1]
