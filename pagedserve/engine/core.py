@@ -139,8 +139,10 @@ class EngineCore:
             logger.info("encoder-only model: no KV cache; each request runs whole in one step "
                         "(backend %s)", self.runner.backend.get_name())
         if num_slots:
-            logger.info("state layers: %d slots (one per running request), %d bytes per slot",
-                        num_slots, bytes_per_slot(self.runner.state_specs))
+            logger.info("state layers: %d slots (one per running request), %d bytes per slot"
+                        "%s", num_slots, bytes_per_slot(self.runner.state_specs),
+                        f", each with {self.runner.state_slot_copies - 1} verify scratch slots"
+                        if self.runner.state_slot_copies > 1 else "")
             if config.cache.enable_prefix_caching:
                 logger.info("prefix caching is off: state layers keep one state per request, "
                             "not one per block")

@@ -71,12 +71,14 @@ def _value_size(head_size_v: int | None) -> dict[str, int]:
 
 def determine_cache_size(cache: CacheConfig, block_bytes: int,
                          state: list[StateSpec], max_num_seqs: int, device: torch.device,
-                         profile_peak_memory: Callable[[], int]) -> tuple[int, int]:
+                         profile_peak_memory: Callable[[], int],
+                         slot_copies: int = 1) -> tuple[int, int]:
     """(attention blocks, state slots) the budget holds (`split_budget`; `block_bytes`: one
     block id's cost, 0 without attention layers); `profile_peak_memory`
     runs the profiling forward on CUDA and returns its peak bytes, the cache it used excluded.
     `num_gpu_blocks_override` sets the blocks (with state layers: max_num_seqs slots beside
-    them), or for a model without attention layers the slots."""
+    them), or for a model without attention layers the slots. `slot_copies`: slots allocated per
+    request's slot (1 + K under speculative decoding, attention/state_verify.py)."""
     if not block_bytes and not state:  # encoder-only: nothing is cached
         return 0, 0
     override = cache.num_gpu_blocks_override
@@ -85,11 +87,12 @@ def determine_cache_size(cache: CacheConfig, block_bytes: int,
             return 0, min(override, max_num_seqs)
         return override, max_num_seqs if state else 0
     if device.type != "cuda":
-        return split_budget(block_bytes, state, int(cache.kv_cache_memory), max_num_seqs)
+        return split_budget(block_bytes, state, int(cache.kv_cache_memory), max_num_seqs,
+                            slot_copies)
     peak = profile_peak_memory()
     total = torch.cuda.get_device_properties(device).total_memory
     budget = gpu_kv_cache_budget(total, peak, cache.gpu_memory_utilization)
-    return split_budget(block_bytes, state, budget, max_num_seqs)
+    return split_budget(block_bytes, state, budget, max_num_seqs, slot_copies)
 
 
 def allocate_kv_caches(backend: type[AttentionBackend], specs: list[KVCacheSpec],
@@ -145,7 +148,8 @@ def profile_peak_memory(runner: Any) -> int:
     torch.cuda.empty_cache()
     # The cache we just used counts against the peak but will be allocated anew.
     used = needed * runner.bytes_per_block
-    return peak - used - (bytes_per_slot(runner.state_specs) if runner.state_layers else 0)
+    slots = bytes_per_slot(runner.state_specs) * runner.state_slot_copies
+    return peak - used - (slots if runner.state_layers else 0)
 
 
 def indexed_layers(model: torch.nn.Module, kind: type) -> list[Any]:

@@ -25,6 +25,7 @@ from pagedserve.attention.metadata import CommonAttentionMetadata, CommonMetadat
 from pagedserve.attention.ops import state_kernels_enabled
 from pagedserve.attention.registry import get_backend_cls
 from pagedserve.attention.state import StateLayer, StateMetadataBuilder
+from pagedserve.attention.state_verify import StateVerify, commit_accepted
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import broadcast_, tp_rank, tp_world_size
 from pagedserve.engine import guided, kv_cache_setup, runner_warmup, scoring
@@ -109,7 +110,9 @@ class ModelRunner:
         self.common_builder = self.group_builders[0]
         pin = self.device.type == "cuda"
         self.sampler = Sampler()
-        width = 1 + (self.speculator.num_speculative_tokens if self.speculator else 0)
+        # Rows one request can sample; state slots allocated per request (state_verify.py).
+        width = self.state_slot_copies = 1 + (self.speculator.num_speculative_tokens
+                                              if self.speculator else 0)
         self.pooler = StepPooler.for_engine(config, model)  # a pooling model's, not the sampler
         # The launched step not yet collected, and where steps' samples go to the host.
         self._in_flight: PendingStep | None = None
@@ -130,14 +133,10 @@ class ModelRunner:
         self.state_caches: list[dict[str, torch.Tensor]] = []
         self.num_blocks = 0
         self.num_state_slots = 0
-        # The step's state slots, host (pinned on CUDA, rewritten only after the last step's
-        # input copies, as the other step inputs) and device.
-        self._slots_host = torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=pin)
-        self._slots_dev = self._slots_host if not pin else torch.zeros_like(
-            self._slots_host, device=self.device)
         self.decode_graphs: DecodeGraphs | None = None  # once captured
         self._ran_graph = False
         self._common: CommonAttentionMetadata | None = None  # the last step's
+        self._state_verify: StateVerify | None = None
         # Set to a list to record every step's (num_computed, num_scheduled, num_prefills,
         # ran as a graph) for benchmarks' floors.
         self.step_log: list[tuple[np.ndarray, np.ndarray, int, bool]] | None = None
@@ -196,7 +195,7 @@ class ModelRunner:
                 logger.info("state layers %s: backend %s (%s)", spec.backend,
                             backend.get_name(), backend.is_available()[1])
             layer.bind(impls[spec.backend], spec)
-        self.state_builder = StateMetadataBuilder(self.device, use_triton)
+        self.state_builder = StateMetadataBuilder(self.device, use_triton, self.max_num_reqs)
         if not self.attn_layers:
             self.kv_cache_dtype = self.dtype
             if self.config.attention_backend not in (None, self.backend.get_name()):
@@ -210,7 +209,8 @@ class ModelRunner:
         """(attention blocks, state slots) the memory budget holds."""
         return kv_cache_setup.determine_cache_size(self.config.cache, self.bytes_per_block,
                                                    self.state_specs, self.max_num_reqs,
-                                                   self.device, self.profile_peak_memory)
+                                                   self.device, self.profile_peak_memory,
+                                                   self.state_slot_copies)
 
     @property
     def bytes_per_block(self) -> int:
@@ -229,8 +229,10 @@ class ModelRunner:
         if self.attn_layers and not self.encoder_only:
             self.kv_caches = kv_cache_setup.allocate_layer_caches(
                 self.backend, self.kv_layout, num_blocks, self.kv_cache_dtype, self.device)
-        self.state_caches = kv_cache_setup.allocate_state_slots(self.state_specs,
-                                                                num_state_slots, self.device)
+        self.state_caches = kv_cache_setup.allocate_state_slots(
+            self.state_specs, num_state_slots * self.state_slot_copies, self.device)
+        if self.state_builder is not None:  # verify scratch after the slots (state_verify.py)
+            self.state_builder.set_verify_slots(num_state_slots, self.state_slot_copies - 1)
         self.num_blocks = num_blocks
         self.num_state_slots = num_state_slots
 
@@ -289,12 +291,9 @@ class ModelRunner:
             attn_metadata = {key: b.build_step(commons[group[key]])
                              for key, b in self.builders.items()}
         if self.state_builder is not None:
-            n = len(rows)
-            np.take(self.input_batch.state_slot, rows, out=self._slots_host.numpy()[:n])
-            common.state_slots = self._slots_dev[:n]
-            if self._slots_dev is not self._slots_host:
-                common.state_slots.copy_(self._slots_host[:n], non_blocking=True)
-            state_metadata = self.state_builder.build(common)
+            state_metadata = self.state_builder.build_step(
+                common, self.input_batch.state_slot[rows], batch.num_draft_tokens)
+            self._state_verify = state_metadata.verify
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         if self.device_timer is not None:
@@ -381,7 +380,7 @@ class ModelRunner:
                               sampling=None if greedy is not None else (logits, meta),
                               fill=fill, verify=verify,
                               captured=self.speculator.take_captured() if self.speculator
-                              else None)
+                              else None, state_verify=self._state_verify)
         if self._wants_logits:
             index = [i for i, r in enumerate(batch.requests)
                      if r.request_id in self._wants_logits]
@@ -424,6 +423,8 @@ class ModelRunner:
         if self.tp_size > 1:
             broadcast_(out.sampled_token_ids, src=0)
         pending.out = out
+        if pending.state_verify is not None:  # before the next step's forward reads the slots
+            commit_accepted(self.state_caches, pending.state_verify, out.sampled_token_ids)
         pending.host_copy, pending.logprobs = self._samples_to_host.start(out)
         if self.device_timer is not None:
             self.device_timer.stop()

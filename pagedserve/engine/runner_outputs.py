@@ -64,3 +64,6 @@ class PendingStep:
     drafts: Drafts | None = None  # the proposer's, once the samples are recorded
     captured: Any = None  # what the proposer read of the step's forward (a head's)
     pooled: Any = None  # a pooling model's step: its embeddings (pooling/step.py's PooledRows)
+    # A verify step over state layers: which slots hold each draft's state, for the sampler's
+    # accepted counts to pick from (attention/state_verify.py).
+    state_verify: Any = None

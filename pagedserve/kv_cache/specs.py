@@ -118,15 +118,16 @@ def num_blocks_for_budget(specs: list[KVCacheSpec], budget_bytes: int,
 
 
 def split_budget(block_bytes: int, state: list[StateSpec], budget_bytes: int,
-                 max_num_seqs: int) -> tuple[int, int]:
+                 max_num_seqs: int, slot_copies: int = 1) -> tuple[int, int]:
     """(attention blocks, state slots) one memory budget holds; `block_bytes`: what one block id
     costs (0 without attention layers). A state slot serves one running request, so there are
     at most max_num_seqs of them (more would sit idle); each is counted with one attention
     block beside it, so a small budget is not all spent on slots whose requests could not hold
-    a block. The rest holds attention blocks."""
+    a block. The rest holds attention blocks. Each slot costs `slot_copies` slots' bytes (its
+    verify scratch under speculative decoding)."""
     if not state:
         return num_blocks_for_budget([], budget_bytes, block_bytes), 0
-    slot_bytes = bytes_per_slot(state)
+    slot_bytes = bytes_per_slot(state) * slot_copies
     num_slots = min(max_num_seqs, budget_bytes // (slot_bytes + block_bytes))
     if num_slots < 1:
         raise ValueError(

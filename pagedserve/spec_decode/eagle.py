@@ -38,7 +38,9 @@ class EagleProposer(Proposer):
                  max_model_len: int) -> None:
         super().__init__(num_speculative_tokens)
         decoder = getattr(target, "model", None)
-        if not hasattr(decoder, "tap_layers") or not hasattr(decoder, "embed_tokens"):
+        # An MTP layer reads the final hidden state only; EAGLE heads tap layers.
+        if not hasattr(decoder, "embed_tokens") or (method != "mtp"
+                                                    and not hasattr(decoder, "tap_layers")):
             raise ValueError(f"speculative_config: method {method!r} needs a Llama-style "
                              f"target whose hidden states it can tap; "
                              f"{type(target).__name__} exposes none")

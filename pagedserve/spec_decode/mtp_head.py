@@ -54,26 +54,29 @@ class MtpHead(EagleHead):
 
 
 def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype,
-                  device: torch.device) -> MtpHead:
+                  device: torch.device) -> EagleHead:
     from pagedserve.models.loader import RANDOM_PREFIX, build_model
 
     config = target.config
     arch = type(target).__name__
+    if arch == "Qwen3NextForCausalLM":  # its own block and names (qwen3_next_mtp.py)
+        from pagedserve.spec_decode import qwen3_next_mtp
+
+        if target_path is not None and target_path.startswith(RANDOM_PREFIX):
+            return qwen3_next_mtp.random_head(config, dtype, device)
+        own = _read_prefixed(_checkpoint_dir(target_path), "mtp.")
+        return qwen3_next_mtp.load_qwen3_next_mtp(own, target, dtype, device)
     if arch not in _MTP_FAMILIES:
         raise ValueError(f"speculative_config: method 'mtp' is implemented for "
-                         f"{', '.join(_MTP_FAMILIES)}; the target is {arch}")
+                         f"{', '.join(_MTP_FAMILIES + ('Qwen3NextForCausalLM',))}; the target "
+                         f"is {arch}")
     if target_path is not None and target_path.startswith(RANDOM_PREFIX):
         return _random_head(config, dtype, device)
     if not getattr(config, "num_nextn_predict_layers", 0):
         raise ValueError("speculative_config: method 'mtp': the target's config has no "
                          "num_nextn_predict_layers (its checkpoint carries no MTP layer)")
-    n = config.num_hidden_layers
-    path = Path(target_path) if target_path else None
-    if path is None or not path.is_dir():
-        raise ValueError("speculative_config: method 'mtp' loads its layer from the target's "
-                         f"checkpoint directory; {target_path!r} is none")
-    prefix = f"model.layers.{n}."
-    own = _read_prefixed(path, prefix)
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    own = _read_prefixed(_checkpoint_dir(target_path), prefix)
     for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
                  "shared_head.norm.weight", "shared_head.head.weight"):
         if name not in own:
@@ -90,6 +93,14 @@ def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype
             getattr(head, name).weight = nn.Parameter(own[f"{name}.weight"].to(dtype),
                                                       requires_grad=False)
     return head.to(device).eval()
+
+
+def _checkpoint_dir(target_path: str | None) -> Path:
+    path = Path(target_path) if target_path else None
+    if path is None or not path.is_dir():
+        raise ValueError("speculative_config: method 'mtp' loads its layer from the target's "
+                         f"checkpoint directory; {target_path!r} is none")
+    return path
 
 
 def _stack_config(config: PretrainedConfig) -> PretrainedConfig:

@@ -189,8 +189,8 @@ def test_synthetic_acceptance_rate_one_keeps_every_draft(tiny_path, make_llm):
 
 @pytest.mark.parametrize("spec, message", [
     ({"method": "mtp", "num_speculative_tokens": 2},
-     "'mtp' is implemented for DeepseekV3ForCausalLM, DeepseekV2ForCausalLM; the target is "
-     "LlamaForCausalLM"),
+     "'mtp' is implemented for DeepseekV3ForCausalLM, DeepseekV2ForCausalLM, "
+     "Qwen3NextForCausalLM; the target is LlamaForCausalLM"),
     (dict(NGRAM, draft_tensor_parallel_size=2), "draft_tensor_parallel_size 2"),
 ])
 def test_refused_at_start_up(tiny_path, spec, message):

@@ -44,8 +44,8 @@ class GDNLayer(StateLayer):
     def conv(self, mixed_qkv: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv (weight [conv_dim, K], no bias) + SiLU of mixed_qkv
         [T, conv_dim], continuing each request's saved inputs."""
-        states, metadata = self.states()
-        return self.impl.conv(mixed_qkv, weight, states["conv"], metadata)
+        return self.run(lambda s, md, x: self.impl.conv(x, weight, s["conv"], md),
+                        (mixed_qkv,), "conv")
 
     def delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor) -> torch.Tensor:
@@ -56,5 +56,5 @@ class GDNLayer(StateLayer):
         if group > 1:
             q = q.repeat_interleave(group, dim=1)
             k = k.repeat_interleave(group, dim=1)
-        states, metadata = self.states()
-        return self.impl.delta_rule(q, k, v, g, beta, states["recurrent"], metadata)
+        return self.run(lambda s, md, *xs: self.impl.delta_rule(*xs, s["recurrent"], md),
+                        (q, k, v, g, beta), "recurrent")

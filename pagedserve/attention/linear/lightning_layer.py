@@ -42,5 +42,5 @@ class LightningAttentionLayer(StateLayer):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """o [T, H, D] = each token's q against its request's decayed kv state, which the step
         advances."""
-        states, metadata = self.states()
-        return self.impl.attend(q, k, v, self.slope, states["kv"], metadata)
+        return self.run(lambda s, md, q, k, v: self.impl.attend(q, k, v, self.slope, s["kv"], md),
+                        (q, k, v), "kv")

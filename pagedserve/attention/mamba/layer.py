@@ -33,15 +33,17 @@ class MambaLayer(StateLayer):
              bias: torch.Tensor | None) -> torch.Tensor:
         """Depthwise causal conv (weight [d_inner, K]) + SiLU, continuing each request's
         saved inputs."""
-        states, metadata = self.states()
-        return self.impl.conv(x, weight, bias, states["conv"], metadata)
+        return self.run(lambda s, md, x: self.impl.conv(x, weight, bias, s["conv"], md),
+                        (x,), "conv")
 
     def scan(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              C: torch.Tensor, D: torch.Tensor, z: torch.Tensor,
              dt_bias: torch.Tensor) -> torch.Tensor:
         """Selective scan from each request's saved SSM state, gated by SiLU(z): y [T, d]."""
-        states, metadata = self.states()
-        return self.impl.scan(x, dt, A, B, C, D, z, dt_bias, states["ssm"], metadata)
+        return self.run(
+            lambda s, md, x, dt, B, C, z: self.impl.scan(x, dt, A, B, C, D, z, dt_bias,
+                                                         s["ssm"], md),
+            (x, dt, B, C, z), "ssm")
 
 
 class Mamba2Layer(StateLayer):
@@ -72,13 +74,14 @@ class Mamba2Layer(StateLayer):
              bias: torch.Tensor | None) -> torch.Tensor:
         """Depthwise causal conv (weight [conv_dim, K]) + SiLU, continuing each request's saved
         inputs: [T, conv_dim]."""
-        states, metadata = self.states()
-        return self.impl.conv(xbc, weight, bias, states["conv"], metadata)
+        return self.run(lambda s, md, x: self.impl.conv(x, weight, bias, s["conv"], md),
+                        (xbc,), "conv")
 
     def ssd(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
             C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
         """SSD from each request's saved state: x [T, H, P], dt [T, H], B and C [T, G, N]
         (A float32, D, dt_bias [H]) -> y [T, H, P] with the D skip, before gate and norm."""
-        states, metadata = self.states()
-        return self.impl.ssd(x, dt, A, B, C, D, dt_bias, states["ssm"], metadata,
-                             self.chunk_size, self.dt_limit)
+        return self.run(
+            lambda s, md, x, dt, B, C: self.impl.ssd(x, dt, A, B, C, D, dt_bias, s["ssm"], md,
+                                                     self.chunk_size, self.dt_limit),
+            (x, dt, B, C), "ssm")

@@ -31,5 +31,5 @@ class ShortConvLayer(StateLayer):
              bias: torch.Tensor | None) -> torch.Tensor:
         """Depthwise causal conv (weight [hidden, L]) without activation, continuing each
         request's saved inputs: [T, hidden]."""
-        states, metadata = self.states()
-        return self.impl.conv(x, weight, bias, states["conv"], metadata)
+        return self.run(lambda s, md, x: self.impl.conv(x, weight, bias, s["conv"], md),
+                        (x,), "conv")
