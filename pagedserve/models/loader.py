@@ -391,6 +391,20 @@ _ARCHITECTURE_OF = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
                     "deepseek_v3": "DeepseekV3ForCausalLM", "mamba": "MambaForCausalLM"}
 
 
+
+def _read_fields(path: Path) -> Any:
+    """A JSON or YAML file's fields. JSON goes through json: YAML 1.1 reads `1e-05` (no dot)
+    as a string, which transformers' configs then refuse."""
+    import json
+
+    text = path.read_text()
+    try:
+        return json.loads(text) or {}
+    except json.JSONDecodeError:
+        import yaml
+
+        return yaml.safe_load(text) or {}
+
 def random_model_config(spec: str) -> PretrainedConfig:
     """`spec` is a preset name or a JSON/YAML file of config fields (`model_type` defaults to
     llama; `base` names a preset to override)."""
@@ -401,9 +415,7 @@ def random_model_config(spec: str) -> PretrainedConfig:
         if not path.is_file():
             raise ValueError(f"random model {spec!r} is neither a preset "
                              f"({', '.join(RANDOM_PRESETS)}) nor a config file")
-        import yaml  # reads JSON too
-
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _read_fields(path)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of model config fields")
         base = data.pop("base", None)

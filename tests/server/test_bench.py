@@ -92,6 +92,14 @@ def test_random_yaml_model_matches_transformers(tmp_path) -> None:
         assert list(tokens) == ref
 
 
+def test_random_json_model_reads_exponents_as_numbers(tmp_path) -> None:
+    """A JSON config's `1e-05` is a float (YAML 1.1 would read it as a string)."""
+    spec = tmp_path / "shape.json"
+    spec.write_text('{"base": "tiny", "num_hidden_layers": 1, "rms_norm_eps": 1e-05}')
+    cfg = load_random_model(str(spec), torch.float32, torch.device("cpu")).hf_config
+    assert cfg.rms_norm_eps == 1e-05 and isinstance(cfg.rms_norm_eps, float)
+
+
 def test_graph_sizes_and_padding_choice() -> None:
     assert graph_batch_sizes(32, 2048) == [1, 2, 4, 8, 16, 24, 32]
     assert graph_batch_sizes(12, 2048) == [1, 2, 4, 8, 12]
