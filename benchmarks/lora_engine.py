@@ -26,7 +26,7 @@ import torch
 from pagedserve.bench import random_prompts, run_throughput
 from pagedserve.engine.llm import LLM
 from pagedserve.lora.request import LoRARequest
-from pagedserve.models.loader import RANDOM_PRESETS
+from pagedserve.models.random_models import RANDOM_PRESETS
 
 # Every linear of a Llama decoder layer, with its (in, out) features from the config.
 TARGETS = {"self_attn.q_proj": ("hidden", "q"), "self_attn.k_proj": ("hidden", "kv"),

@@ -28,7 +28,7 @@ from gpu_engine import Shape  # noqa: E402
 
 from pagedserve.config import SchedulerConfig  # noqa: E402
 from pagedserve.kv_cache import KVCacheManager  # noqa: E402
-from pagedserve.models.loader import random_model_config  # noqa: E402
+from pagedserve.models.random_models import random_model_config  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.scheduler.request import Request  # noqa: E402
 from pagedserve.scheduler.scheduler import Scheduler  # noqa: E402

@@ -102,7 +102,7 @@ def random_head(model: str | None, draft_vocab: int) -> str:
 
     from transformers import AutoConfig
 
-    from pagedserve.models.loader import RANDOM_PREFIX, random_model_config
+    from pagedserve.models.random_models import RANDOM_PREFIX, random_model_config
     from pagedserve.spec_decode.random_head import write_random_eagle3_head
 
     if model is None or not (model.startswith(RANDOM_PREFIX) or Path(model).is_dir()):

@@ -85,7 +85,7 @@ def main() -> None:
 def _vocab_size(model: str) -> int:
     """The vocabulary to draw prompt ids from (random models: their preset's)."""
     if model.startswith("random:"):
-        from pagedserve.models.loader import random_model_config
+        from pagedserve.models.random_models import random_model_config
 
         return int(random_model_config(model.split(":", 1)[1]).vocab_size)
     from transformers import AutoConfig

@@ -153,7 +153,7 @@ def _hidden_size(model: str | None, hf: dict[str, Any]) -> int:
     if "hidden_size" in hf:
         return int(hf["hidden_size"])
     if model is not None and model.startswith("random:"):
-        from pagedserve.models.loader import random_model_config
+        from pagedserve.models.random_models import random_model_config
 
         return int(random_model_config(model[len("random:"):]).hidden_size)
     raise ValueError(f"model {model!r}: a pooling model must be a Hugging Face directory with "

@@ -39,7 +39,7 @@ class RandomFp8Config(Fp8Config):
 def random_fp8_model(module: nn.Module, dtype: torch.dtype, device: torch.device, seed: int,
                      std: float) -> nn.Module:
     """`module` (on the meta device, already in `dtype`) with FP8 projections, materialised on
-    `device` and filled as `loader.init_random_weights` fills the float model."""
+    `device` and filled as `random_models.init_random_weights` fills the float model."""
     config = RandomFp8Config()
     attach_methods(module, config, dtype)
     module = module.to_empty(device=device)

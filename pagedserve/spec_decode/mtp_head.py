@@ -55,7 +55,8 @@ class MtpHead(EagleHead):
 
 def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype,
                   device: torch.device) -> EagleHead:
-    from pagedserve.models.loader import RANDOM_PREFIX, build_model
+    from pagedserve.models.loader import build_model
+    from pagedserve.models.random_models import RANDOM_PREFIX
 
     config = target.config
     arch = type(target).__name__
@@ -119,7 +120,7 @@ def _random_head(config: PretrainedConfig, dtype: torch.dtype, device: torch.dev
     """A random-weight MTP layer over a `random:` target, to time the path under synthetic
     acceptance (as `random:` targets are drawn: norms 1, the rest normal)."""
     from pagedserve.models.layers import build_rope_caches
-    from pagedserve.models.loader import init_random_weights
+    from pagedserve.models.random_models import init_random_weights
     from pagedserve.models.registry import get_model_cls
 
     stack_config = _stack_config(config)

@@ -89,7 +89,7 @@ def random_head(config: PretrainedConfig, dtype: torch.dtype,
     """A random-weight block (its own embedding and head) over a `random:` target, to time the
     path under synthetic acceptance."""
     from pagedserve.models.layers import build_rope_caches
-    from pagedserve.models.loader import init_random_weights
+    from pagedserve.models.random_models import init_random_weights
     from pagedserve.models.registry import get_model_cls
 
     stack_config = _stack_config(config)
