@@ -5,7 +5,9 @@ Its parts live beside it: the persistent request rows and input ids (`input_batc
 cache's sizing and allocation (`kv_cache_setup`), the stand-in forwards before the first
 request (`runner_warmup`), what a step keeps beyond samples for scoring and prompt logprobs
 (`scoring`), decode steps replayed from CUDA graphs (`cuda_graphs`), and the packages it calls
-for drafts (`spec_decode`) and embeddings (`pooling`).
+for drafts (`spec_decode`, `attention/state_verify`), embeddings (`pooling`) and images
+(`multimodal`). It is near 500 lines because it holds a step's whole order of calls, one or
+two lines per package; a package's own work goes into that package, not here.
 """
 
 from __future__ import annotations
