@@ -28,7 +28,8 @@
 # and ITL at several request rates), mlatests (TRITON_MLA's GPU tests, left running for a later
 # stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
-# Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep).
+# Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
+# wave25 / wave25bench / wave25embed / vlm (the last sessions' GPU tests and rows; see each).
 #
 # The whole GPU suite: three calls back to back on one machine (10 minutes each at most):
 #   1. carry .gpu .gpu-deps .gpu-smol-a:  install tests1   (Triton, FLASH_ATTN, models, graphs)
@@ -664,6 +665,13 @@ stage_wave25embed() {  # issue #52's rows: bge-base and Qwen3-Embedding-0.6B sha
             --serve-batch 16 >"$OUT/embed-$shape.log" 2>&1
         echo "exit $?" >>"$OUT/embed-$shape.log"; grep -E "texts/s|exit" "$OUT/embed-$shape.log"
     done
+}
+
+stage_vlm() {  # issue #53's row: the Qwen2.5-VL-7B shape beside transformers' generate
+    setup_env
+    timeout 420 python3 benchmarks/vlm_throughput.py --json "$OUT/vlm.json" \
+        >"$OUT/vlm.log" 2>&1
+    echo "exit $?" >>"$OUT/vlm.log"; grep -v " INFO " "$OUT/vlm.log" | tail -14
 }
 
 for stage in "$@"; do
