@@ -268,15 +268,24 @@ class QwenVisionHooks(SupportsMultiModal):
         super().load_weights(renamed())
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
-        """All the features' images through the tower in one call, split per image."""
-        if not features:
-            return []
+        """All the features' images through the tower in one call, split per image;
+        precomputed embeddings as given."""
+        weight = self.model.embed_tokens.weight
+        out = [to_device_async(f.data["image_embeds"], weight.device).to(weight.dtype)
+               if "image_embeds" in f.data else None for f in features]
+        pixel = [i for i, f in enumerate(features) if "pixel_values" in f.data]
+        if not pixel:
+            return out  # type: ignore[return-value]
         device = self.visual.patch_embed.proj.weight.device
-        pixels = to_device_async(torch.cat([f.data["pixel_values"] for f in features]), device)
-        grids = np.concatenate([f.data["image_grid_thw"].reshape(-1, 3).numpy()
-                                for f in features])
-        rows = self.visual(pixels, grids).to(self.model.embed_tokens.weight.dtype)
-        return list(rows.split((grids.prod(axis=1) // self.visual.merge ** 2).tolist()))
+        pixels = to_device_async(torch.cat([features[i].data["pixel_values"] for i in pixel]),
+                                 device)
+        grids = np.concatenate([features[i].data["image_grid_thw"].reshape(-1, 3).numpy()
+                                for i in pixel])
+        rows = self.visual(pixels, grids).to(weight.dtype)
+        for i, r in zip(pixel, rows.split((grids.prod(axis=1) // self.visual.merge ** 2)
+                                          .tolist()), strict=True):
+            out[i] = r
+        return out  # type: ignore[return-value]
 
 
 class Qwen2_5_VLForConditionalGeneration(QwenVisionHooks, Qwen2ForCausalLM):

@@ -61,6 +61,10 @@ def image_inputs(images: list[Any], preprocess: Callable[[list[Any]], torch.Tens
     """Each image's processed inputs: {"pixel_values": [C, H, W]} for a PIL image (all of them
     through one `preprocess` call, which returns [n, C, H, W]), {"image_embeds": [rows, hidden]}
     for a tensor of precomputed embeddings."""
+    for i, im in enumerate(images):
+        if isinstance(im, dict):  # check_image made a grid-less dict its tensor
+            raise ValueError(f"image {i}: this model places an image's embeddings without a "
+                             "grid: send image_embeds alone, without image_grid_thw")
     pil = [i for i, im in enumerate(images) if not isinstance(im, torch.Tensor)]
     datas: list[dict[str, torch.Tensor]] = [{} for _ in images]
     if pil:

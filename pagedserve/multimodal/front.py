@@ -61,19 +61,49 @@ def image_items(multi_modal_data: Mapping[str, Any] | None) -> list[Any]:
     return list(items) if isinstance(items, list | tuple) else [items]
 
 
-def check_image(item: Any, index: int) -> None:
-    """A PIL image, or precomputed embeddings (a 2-D float tensor)."""
+def check_image(item: Any, index: int) -> Any:
+    """A PIL image, precomputed embeddings (a 2-D float tensor), or vLLM's dict form of them
+    {"image_embeds": [n, hidden], "image_grid_thw": (t, h, w)} (the Qwen-VL family, whose
+    grid places the tokens). Returns the item as processors take it: the dict without a grid
+    becomes its tensor, the grid an int64 tensor [3]."""
     from PIL import Image
 
     if isinstance(item, Image.Image):
-        return
+        return item
+    if isinstance(item, Mapping):
+        unknown = sorted(set(item) - {"image_embeds", "image_grid_thw"})
+        if unknown or "image_embeds" not in item:
+            raise ValueError(f"image {index}: an embeddings dict takes image_embeds and "
+                             f"image_grid_thw, got keys {sorted(item)}")
+        embeds = check_image(item["image_embeds"], index)
+        if not isinstance(embeds, torch.Tensor):
+            raise ValueError(f"image {index}: image_embeds must be a tensor, got "
+                             f"{type(embeds).__name__}")
+        if "image_grid_thw" not in item:
+            return embeds
+        return {"image_embeds": embeds, "image_grid_thw": _grid(item["image_grid_thw"], index)}
     if isinstance(item, torch.Tensor):
         if item.ndim != 2 or not item.is_floating_point():
             raise ValueError(f"image {index}: embeddings must be a 2-D float tensor "
                              f"[tokens, hidden], got {tuple(item.shape)} {item.dtype}")
-        return
+        return item
     raise ValueError(f"image {index} must be a PIL.Image.Image or a tensor of embeddings, got "
                      f"{type(item).__name__}")
+
+
+def _grid(grid: Any, index: int) -> torch.Tensor:
+    """One image's (t, h, w) patch grid as int64 [3] (a [1, 3] tensor or a list taken)."""
+    try:
+        t = torch.as_tensor(grid)
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if t is not None and t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t is None or t.shape != (3,) or t.is_floating_point() or t.dtype == torch.bool \
+            or not bool((t > 0).all()):
+        raise ValueError(f"image {index}: image_grid_thw must be one image's (t, h, w) "
+                         f"positive integers, got {grid!r:.80}")
+    return t.to(torch.int64)
 
 
 def check_item_limits(features: list[Any], limits: Mapping[str, int] | None) -> None:
@@ -102,8 +132,7 @@ def process_prompt(processor: MultiModalProcessor | None, prompt_token_ids: list
     if limit is not None and len(images) > limit:
         raise ValueError(f"the prompt has {len(images)} images, more than the limit of {limit} "
                          "per prompt (limit_mm_per_prompt)")
-    for i, item in enumerate(images):
-        check_image(item, i)
+    images = [check_image(item, i) for i, item in enumerate(images)]
     return processor.process(list(prompt_token_ids), images)
 
 

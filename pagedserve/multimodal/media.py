@@ -38,6 +38,9 @@ class MediaSource:
     kind: str  # "image" or "embeds"
     base64: str | None = None
     path: Path | None = None
+    # Embeddings of the Qwen-VL family also carry their image's patch grid (t, h, w): base64
+    # of a saved int tensor, as vLLM's `image_grid_thw` field.
+    grid_base64: str | None = None
 
 
 def parse_image_url(url: str, allowed_local_path: str | Path | None) -> MediaSource:
@@ -61,8 +64,8 @@ def parse_image_url(url: str, allowed_local_path: str | Path | None) -> MediaSou
     return MediaSource("image", path=_allowed_file(url, allowed_local_path))
 
 
-def parse_image_embeds(data: str) -> MediaSource:
-    return MediaSource("embeds", base64=data)
+def parse_image_embeds(data: str, grid: str | None = None) -> MediaSource:
+    return MediaSource("embeds", base64=data, grid_base64=grid)
 
 
 def _data_url_payload(url: str) -> str:
@@ -104,8 +107,9 @@ def _allowed_file(path_text: str, allowed_local_path: str | Path | None) -> Path
 
 
 def load(source: MediaSource, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-         ) -> Image.Image | torch.Tensor:
-    """The item itself: an RGB PIL image, or an embeddings tensor [n, hidden]."""
+         ) -> Image.Image | torch.Tensor | dict[str, torch.Tensor]:
+    """The item itself: an RGB PIL image, an embeddings tensor [n, hidden], or with a grid
+    {"image_embeds": [n, hidden], "image_grid_thw": [3]}."""
     if source.path is not None:
         try:
             size = source.path.stat().st_size
@@ -121,9 +125,12 @@ def load(source: MediaSource, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
                              f"{exc.strerror}") from None
     else:
         raw = _b64decode(source.base64 or "")
-    if source.kind == "embeds":
+    if source.kind != "embeds":
+        return decode_image(raw, max_pixels)
+    if source.grid_base64 is None:
         return decode_embeds(raw)
-    return decode_image(raw, max_pixels)
+    return {"image_embeds": decode_embeds(raw),
+            "image_grid_thw": decode_grid(_b64decode(source.grid_base64))}
 
 
 def _b64decode(text: str) -> bytes:
@@ -180,18 +187,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def decode_embeds(raw: bytes) -> torch.Tensor:
     """vLLM's image_embeds: `torch.save` of one image's embeddings [n, hidden] (or [1, n,
-    hidden]). Loaded with weights_only (no code runs) and sparse tensors' invariants checked,
-    then made dense."""
-    try:
-        with torch.sparse.check_sparse_tensor_invariants():
-            tensor: Any = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-            if isinstance(tensor, torch.Tensor):
-                tensor = tensor.to_dense()
-    except Exception as exc:  # any unpickling failure is the payload's fault
-        raise MediaError(f"image_embeds is not a tensor saved with torch.save: "
-                         f"{type(exc).__name__}: {str(exc)[:200]}") from None
-    if not isinstance(tensor, torch.Tensor):
-        raise MediaError(f"image_embeds holds a {type(tensor).__name__}, not a tensor")
+    hidden])."""
+    tensor = _saved_tensor(raw, "image_embeds")
     if tensor.dim() == 3 and tensor.shape[0] == 1:
         tensor = tensor[0]
     if tensor.dim() != 2 or tensor.shape[0] == 0:
@@ -201,4 +198,33 @@ def decode_embeds(raw: bytes) -> torch.Tensor:
         raise MediaError(f"image_embeds must be floating point, got {tensor.dtype}")
     if not bool(torch.isfinite(tensor).all()):
         raise MediaError("image_embeds holds NaN or infinite values")
+    return tensor
+
+
+def decode_grid(raw: bytes) -> torch.Tensor:
+    """vLLM's image_grid_thw: `torch.save` of one image's (t, h, w) patch grid, shape [3] or
+    [1, 3], positive integers; int64 [3]."""
+    grid = _saved_tensor(raw, "image_grid_thw")
+    if grid.dim() == 2 and grid.shape[0] == 1:
+        grid = grid[0]
+    if grid.shape != (3,) or grid.is_floating_point() or grid.is_complex() \
+            or grid.dtype == torch.bool or not bool((grid > 0).all()):
+        raise MediaError(f"image_grid_thw must be one image's (t, h, w) positive integers, "
+                         f"got shape {list(grid.shape)} {grid.dtype}")
+    return grid.to(torch.int64)
+
+
+def _saved_tensor(raw: bytes, name: str) -> torch.Tensor:
+    """A tensor from `torch.save`'s bytes, loaded with weights_only (no code runs) and sparse
+    tensors' invariants checked, then made dense."""
+    try:
+        with torch.sparse.check_sparse_tensor_invariants():
+            tensor: Any = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+            if isinstance(tensor, torch.Tensor):
+                tensor = tensor.to_dense()
+    except Exception as exc:  # any unpickling failure is the payload's fault
+        raise MediaError(f"{name} is not a tensor saved with torch.save: "
+                         f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    if not isinstance(tensor, torch.Tensor):
+        raise MediaError(f"{name} holds a {type(tensor).__name__}, not a tensor")
     return tensor

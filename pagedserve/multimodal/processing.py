@@ -32,9 +32,17 @@ class MultiModalProcessor:
     # Whether the model computes each image span in one step (`bidirectional_image_spans`).
     whole_spans: bool = False
 
+    @property
+    def embeds_width(self) -> int:
+        """How wide a row of precomputed image embeddings is (what the encoder returns per
+        token). Default: the decoder's hidden size."""
+        text = getattr(self.hf_config, "text_config", None) or self.hf_config
+        return int(text.hidden_size)
+
     def process(self, prompt_token_ids: list[int], images: list[Any]) -> MultiModalPrompt:
         """Expand each image's placeholder in `prompt_token_ids` (in order) to its tokens.
-        `images`: PIL images, or precomputed embeddings (torch tensors [n, hidden]). Raises
+        `images`: PIL images, precomputed embeddings (torch tensors [n, hidden]) or, for a
+        family whose grid places the tokens, {"image_embeds", "image_grid_thw"} dicts. Raises
         ValueError naming the problem when placeholders and images do not match."""
         raise NotImplementedError
 

@@ -86,16 +86,11 @@ class QwenVLProcessor(MultiModalProcessor):
         if len(pads) != len(images):
             raise ValueError(f"the prompt has {len(pads)} image placeholders "
                              f"({self.image_placeholder}) for {len(images)} images")
-        for image in images:
-            if isinstance(image, torch.Tensor):
-                raise ValueError("Qwen-VL models take images, not precomputed embeddings (their "
-                                 "grid, which places their tokens, is not known)")
         if not images:
             positions, delta = prompt_positions(len(ids), pads, np.zeros((0, 3)))
             return MultiModalPrompt(list(prompt_token_ids), [], positions, delta)
-        out = self.images(images=list(images), return_tensors="pt")
-        grids = out["image_grid_thw"].numpy().astype(np.int64)
-        pixels = out["pixel_values"].split(grids.prod(axis=1).tolist())
+        datas = self._image_data(images)
+        grids = np.stack([d["image_grid_thw"].numpy() for d in datas]).astype(np.int64)
         llm_grids = grids // np.array([1, self.merge, self.merge])
         sizes = llm_grids.prod(axis=1)
         # Each placeholder token repeated to its image's size, the others once.
@@ -105,10 +100,47 @@ class QwenVLProcessor(MultiModalProcessor):
         # Where each image's tokens start now: each image before it added size - 1 tokens.
         offsets = pads + np.cumsum(sizes - 1) - (sizes - 1)
         positions, delta = prompt_positions(len(expanded), offsets, llm_grids)
-        features = []
-        for pix, grid, offset, size in zip(pixels, grids, offsets, sizes, strict=True):
-            data = {"pixel_values": pix, "image_grid_thw": torch.from_numpy(grid)}
-            features.append(MultiModalFeature(
-                "image", tensors_identifier(data, self._settings),
-                PlaceholderRange(int(offset), int(size)), data))
+        features = [MultiModalFeature("image", tensors_identifier(data, self._settings),
+                                      PlaceholderRange(int(offset), int(size)), data)
+                    for data, offset, size in zip(datas, offsets, sizes, strict=True)]
         return MultiModalPrompt(expanded.tolist(), features, positions, delta)
+
+    @property
+    def embeds_width(self) -> int:
+        """Qwen3-VL's DeepStack rows ride beside the merger's: (1 + k) * hidden."""
+        stacked = getattr(self.hf_config.vision_config, "deepstack_visual_indexes", None) or []
+        return (1 + len(stacked)) * int(self.hf_config.text_config.hidden_size)
+
+    def _image_data(self, images: list[Any]) -> list[dict[str, torch.Tensor]]:
+        """Each image's encoder inputs, in order: pixel_values and image_grid_thw of the PIL
+        images (one processor call), image_embeds and the grid given of embeddings."""
+        datas: list[dict[str, torch.Tensor] | None] = [None] * len(images)
+        pil = []
+        for i, image in enumerate(images):
+            if isinstance(image, dict):
+                datas[i] = self._embeds_data(image, i)
+            elif isinstance(image, torch.Tensor):
+                raise ValueError(
+                    f"image {i}: Qwen-VL models take precomputed embeddings with their patch "
+                    "grid, which places their tokens: {'image_embeds': [tokens, hidden], "
+                    "'image_grid_thw': (t, h, w)}")
+            else:
+                pil.append(i)
+        if pil:
+            out = self.images(images=[images[i] for i in pil], return_tensors="pt")
+            grids = out["image_grid_thw"].reshape(-1, 3)
+            pixels = out["pixel_values"].split(grids.prod(dim=1).tolist())
+            for i, pix, grid in zip(pil, pixels, grids, strict=True):
+                datas[i] = {"pixel_values": pix, "image_grid_thw": grid.clone()}
+        return datas  # type: ignore[return-value]
+
+    def _embeds_data(self, item: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+        embeds, grid = item["image_embeds"], item["image_grid_thw"]
+        if int(grid[1]) % self.merge or int(grid[2]) % self.merge:
+            raise ValueError(f"image {index}: image_grid_thw {grid.tolist()} does not divide "
+                             f"into {self.merge}x{self.merge} merged patches")
+        rows = int(grid[0]) * int(grid[1]) * int(grid[2]) // self.merge ** 2
+        if embeds.shape != (rows, self.embeds_width):
+            raise ValueError(f"image {index}: image_embeds is {list(embeds.shape)}; a grid of "
+                             f"{grid.tolist()} patches takes [{rows}, {self.embeds_width}]")
+        return {"image_embeds": embeds.detach().cpu().contiguous(), "image_grid_thw": grid}

@@ -85,8 +85,9 @@ class MediaPool:
                 raise ApiError(400, f"{item.where}: {result}", param=item.where)
             if isinstance(result, BaseException):
                 raise result
-            if isinstance(result, torch.Tensor):
-                _check_embeds_width(processor, result, item.where)
+            embeds = result.get("image_embeds") if isinstance(result, dict) else result
+            if isinstance(embeds, torch.Tensor):
+                _check_embeds_width(processor, embeds, item.where)
         return list(loaded)
 
     async def process(self, processor: Any, token_ids: list[int], items: list[Any],
@@ -101,12 +102,10 @@ class MediaPool:
 
 
 def _check_embeds_width(processor: Any, embeds: torch.Tensor, where: str) -> None:
-    config = getattr(processor, "hf_config", None)
-    text = getattr(config, "text_config", None) or config
-    hidden = getattr(text, "hidden_size", None)
-    if isinstance(hidden, int) and embeds.shape[-1] != hidden:
+    width = processor.embeds_width
+    if embeds.shape[-1] != width:
         raise ApiError(400, f"{where}: image_embeds rows are {embeds.shape[-1]} wide, this "
-                            f"model's hidden size is {hidden}", param=where)
+                            f"model's image embeddings are {width} wide", param=where)
 
 
 # ---- content parts -> the template's messages -----------------------------------------------
@@ -178,17 +177,20 @@ def _source(part: p.ContentPart, where: str, settings: MediaSettings) -> MediaSo
         if not settings.enable_mm_embeds:
             raise MediaError("image_embeds parts are off: start the server with "
                              "--enable-mm-embeds (for trusted clients only)")
-        embeds = part.image_embeds
+        embeds, grid = part.image_embeds, None
         if isinstance(embeds, dict):
-            extra = sorted(set(embeds) - {"image_embeds"})
+            extra = sorted(set(embeds) - {"image_embeds", "image_grid_thw"})
             if extra:
                 raise MediaError(f"image_embeds fields {', '.join(extra)} are not supported "
-                                 "(give the embeddings alone)")
-            embeds = embeds.get("image_embeds")
-        if not embeds:
+                                 "(image_embeds, and image_grid_thw for the Qwen-VL family)")
+            embeds, grid = embeds.get("image_embeds"), embeds.get("image_grid_thw")
+            if grid is not None and (not isinstance(grid, str) or not grid):
+                raise MediaError("image_grid_thw must be base64 of a tensor saved with "
+                                 "torch.save")
+        if not embeds or not isinstance(embeds, str):
             raise MediaError("an image_embeds part needs image_embeds (base64 of a tensor "
                              "saved with torch.save)")
-        return parse_image_embeds(embeds)
+        return parse_image_embeds(embeds, grid)
     except MediaError as exc:
         raise ApiError(400, f"{where}: {exc}", param=where) from None
 

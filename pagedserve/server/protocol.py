@@ -219,7 +219,8 @@ class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
     image_url: ImageURL | str | None = None
-    # Base64 of `torch.save(tensor [tokens, hidden])`, or {"image_embeds": that}.
+    # Base64 of `torch.save(tensor [tokens, hidden])`, or {"image_embeds": that} with, for the
+    # Qwen-VL family, "image_grid_thw": base64 of the saved (t, h, w) patch grid.
     image_embeds: str | dict[str, str] | None = None
     uuid: str | None = None  # vLLM's: accepted; an image is known by its content's hash
 

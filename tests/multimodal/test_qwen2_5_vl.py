@@ -160,7 +160,7 @@ def test_positions_match_get_rope_index(reference, processor, texts, which) -> N
 def test_processor_refuses_mismatches(processor) -> None:
     with pytest.raises(ValueError, match="2 image placeholders .* for 1 images"):
         processor.process(image_prompt([1], [2], [3]), images()[:1])
-    with pytest.raises(ValueError, match="not precomputed embeddings"):
+    with pytest.raises(ValueError, match="precomputed embeddings with their patch grid"):
         processor.process(image_prompt([1], [2]), [torch.zeros(4, 64)])
 
 

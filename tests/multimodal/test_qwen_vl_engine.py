@@ -5,6 +5,8 @@ chunks that split image spans, preemption, a prefix-cache hit, and LLM.chat's im
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -184,3 +186,57 @@ def test_qwen2_5_vl_decode_graphs_read_the_mrope_buffer(tmp_path):
             assert sum(llm.engine.runner.decode_graphs.replays.values()) > 0
         del llm
     assert out[False] == out[True]
+
+
+@torch.no_grad()
+def _hf_image_embeds(hf, llm: LLM, image) -> dict:
+    """transformers' own tower output for one image (merger rows, DeepStack's beside them for
+    Qwen3-VL) with its grid: vLLM's embeddings form of a Qwen-VL image."""
+    data = llm.engine.mm_processor.process(image_prompt([3], [4]), [image]).features[0].data
+    grid = data["image_grid_thw"].reshape(1, 3)
+    out = hf.model.get_image_features(data["pixel_values"], grid)
+    rows = out.pooler_output if hasattr(out, "pooler_output") else out[0]
+    rows = torch.cat(list(rows)) if isinstance(rows, list | tuple) else rows
+    stacked = getattr(out, "deepstack_features", None) or []  # each split per image
+    if stacked:
+        rows = torch.cat([rows, *(torch.cat(list(s)) for s in stacked)], dim=-1)
+    return {"image_embeds": rows, "image_grid_thw": data["image_grid_thw"]}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen_vl_image_embeds_with_their_grid(family, qwen2_5_vl, tmp_path):
+    """vLLM's {"image_embeds", "image_grid_thw"} form: transformers' tower output for each
+    image stands in for it, beside a pixel image in the same prompt, and the tokens equal
+    transformers' generate on the pixels. The grid places the tokens (the M-RoPE rows); bare
+    embeddings, a grid that does not match the rows and rows of the wrong width are refused
+    by name."""
+    if family == "qwen2_5_vl":
+        path, hf = qwen2_5_vl
+    else:
+        from transformers import Qwen3VLForConditionalGeneration
+
+        path = save_tiny_qwen3_vl(tmp_path)
+        hf = Qwen3VLForConditionalGeneration.from_pretrained(
+            path, attn_implementation="eager").eval()
+    llm = _llm(path)
+    ims = images()
+    embeds = _hf_image_embeds(hf, llm, ims[2])
+    request = {"prompt_token_ids": image_prompt([8], [9], [10, 11]),
+               "multi_modal_data": {"image": [embeds, ims[1]]}}
+    pixels = {**request, "multi_modal_data": {"image": [ims[2], ims[1]]}}
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+    out = llm.generate([request], params, use_tqdm=False)
+    _check(hf, llm, out, [pixels], logprobs=True)
+    assert llm.engine.runner.multimodal.num_encoded == 2  # each item once
+    rows, grid = embeds["image_embeds"], embeds["image_grid_thw"]
+    bad = [(rows, "precomputed embeddings with their patch grid"),
+           ({"image_embeds": rows, "image_grid_thw": grid * torch.tensor([1, 2, 1])},
+            "takes ["),
+           ({"image_embeds": rows[:, :-1], "image_grid_thw": grid}, "takes ["),
+           ({"image_embeds": rows, "image_grid_thw": [1, 2]}, "image_grid_thw must be"),
+           ({"image_embeds": rows, "grid": grid}, "takes image_embeds and image_grid_thw")]
+    for item, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            llm.generate({**request, "multi_modal_data": {"image": [item, ims[1]]}}, params,
+                         use_tqdm=False)
+    assert llm.engine.check_blocks_free()

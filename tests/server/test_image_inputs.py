@@ -153,6 +153,26 @@ def test_image_embeds_as_vllm_sends_them() -> None:
             load(parse_image_embeds(bad))
 
 
+def test_image_embeds_with_a_grid() -> None:
+    """The Qwen-VL family's form: {"image_embeds", "image_grid_thw"}, each base64 of a saved
+    tensor; the grid is one image's (t, h, w) positive integers."""
+    from pagedserve.server.chat_media import MediaSettings, _source
+    from pagedserve.server.protocol import ContentPart
+
+    rows, grid = torch.randn(4, 16), torch.tensor([[1, 4, 4]])
+    part = ContentPart(type="image_embeds", image_embeds={"image_embeds": saved(rows),
+                                                          "image_grid_thw": saved(grid)})
+    got = load(_source(part, "m", MediaSettings(enable_mm_embeds=True)))
+    assert torch.equal(got["image_embeds"], rows)
+    assert got["image_grid_thw"].tolist() == [1, 4, 4]
+    assert got["image_grid_thw"].dtype == torch.int64
+    for bad, words in [(torch.tensor([1.0, 4.0, 4.0]), "positive integers"),
+                       (torch.tensor([1, 4]), r"shape \[2\]"),
+                       (torch.tensor([1, 0, 4]), "positive integers")]:
+        with pytest.raises(MediaError, match=words):
+            load(parse_image_embeds(saved(rows), saved(bad)))
+
+
 # ---- the server's refusals ----------------------------------------------------------------------
 
 

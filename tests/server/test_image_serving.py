@@ -196,8 +196,16 @@ def test_refusals_leave_the_server_serving(server, offline) -> None:
     torch.save(torch.zeros(NUM_IMAGE_TOKENS, 32), buf)
     narrow = [{"role": "user", "content": [
         {"type": "image_embeds", "image_embeds": base64.b64encode(buf.getvalue()).decode()}]}]
+    grid = io.BytesIO()
+    torch.save(torch.tensor([1, 2, 2]), grid)
+    buf.seek(0)
+    torch.save(torch.zeros(NUM_IMAGE_TOKENS, 64), buf)
+    gridded = [{"role": "user", "content": [{"type": "image_embeds", "image_embeds": {
+        "image_embeds": base64.b64encode(buf.getvalue()).decode(),
+        "image_grid_thw": base64.b64encode(grid.getvalue()).decode()}}]}]
     for messages, words in ((three, "more than the 2 per prompt"), (bad, "not an image"),
-                            (narrow, "32 wide, this model's hidden size is 64")):
+                            (narrow, "32 wide, this model's image embeddings are 64 wide"),
+                            (gridded, "without image_grid_thw")):
         with pytest.raises(openai.BadRequestError, match=words):
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     ref = offline.chat(ONE, GREEDY, use_tqdm=False)[0]
