@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,8 @@ def check_adapter_dir(path: str | Path, name: str, max_rank: int) -> dict:
 
 
 def load_adapter(path: str | Path, name: str, targets: dict[str, Any], max_rank: int,
-                 dtype: torch.dtype) -> LoRAAdapter:
+                 dtype: torch.dtype, rename: Callable[[str], str] | None = None
+                 ) -> LoRAAdapter:
     """The adapter at `path` mapped onto `targets` (HF module name -> `layers.LoRATarget`);
     every check names the tensor and the numbers. With tensor parallelism each rank keeps
     its share, as the layer's weight is split: a column-parallel layer's B rows, a
@@ -118,10 +120,10 @@ def load_adapter(path: str | Path, name: str, targets: dict[str, Any], max_rank:
     tensors = read_tensors(path)
     adapter = LoRAAdapter(name, int(config["r"]))
     for hf in sorted(hf_module_names(tensors, path)):
-        if hf not in targets:
+        target = targets.get(rename(hf) if rename is not None else hf)
+        if target is None:
             raise ValueError(f"LoRA adapter {name!r}: module {hf!r} is not a linear layer of "
-                             f"the base model")
-        target = targets[hf]
+                             f"the base model{_tower_hint(hf)}")
         if target.rows < 0:
             raise ValueError(f"LoRA adapter {name!r}: {hf} is stored fused in the checkpoint; "
                              f"its factors cannot be split over tensor-parallel ranks yet")
@@ -132,6 +134,13 @@ def load_adapter(path: str | Path, name: str, targets: dict[str, Any], max_rank:
         adapter.layers.setdefault(target.prefix, []).append(
             PartFactors(target.row_start, a.to(dtype), (b.float() * scale).to(dtype)))
     return adapter
+
+
+def _tower_hint(hf: str) -> str:
+    tower = ("visual.", "vision_tower.", "vision_model.", "multi_modal_projector.")
+    if any(part in f".{hf}" for part in (f".{t}" for t in tower)):
+        return "'s language model (adapters of vision towers are not supported)"
+    return ""
 
 
 def _rank_share(target: Any, a: torch.Tensor, b: torch.Tensor

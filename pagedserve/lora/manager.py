@@ -42,7 +42,7 @@ class LoRAManager:
 
     def _load(self, request: LoRARequest) -> LoRAAdapter:
         return load_adapter(request.lora_path, request.lora_name, self.targets, self.max_rank,
-                            self.dtype)
+                            self.dtype, getattr(self.model, "adapter_module_name", None))
 
     def add_adapter(self, request: LoRARequest) -> None:
         """Read the adapter now (errors surface here, not mid-step) and remember its path."""

@@ -35,6 +35,17 @@ class SupportsMultiModal:
         least this); 0 when it has no bound known before requests come."""
         return 0
 
+    def adapter_module_name(self, name: str) -> str:
+        """A LoRA adapter's module name (PEFT's, its `base_model.model.` prefix removed) as the
+        decoder's own checkpoint names it. Adapters are made on transformers' whole
+        vision-language class, which keeps the decoder under `model.language_model.` (4.x
+        LLaVA: `language_model.model.`); the decoder's loader names it `model.`. Default:
+        those two prefixes mapped, anything else as it is."""
+        for prefix in ("model.language_model.", "language_model.model."):
+            if name.startswith(prefix):
+                return "model." + name[len(prefix):]
+        return name
+
     def dummy_image_data(self) -> dict[str, torch.Tensor] | None:
         """The processed inputs of one image of the largest size, on the CPU: what the memory
         profile runs the encoder on before the KV cache is sized. None: not profiled."""

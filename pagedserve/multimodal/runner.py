@@ -65,9 +65,6 @@ class MultiModalRunner:
         if runner.tp_size > 1:
             raise ValueError(f"{type(model).__name__} runs at tensor_parallel_size 1 only (its "
                              "vision tower is not split across ranks)")
-        if runner.config.lora.enable_lora:
-            raise ValueError(f"{type(model).__name__}: LoRA adapters over a vision-language "
-                             "model are not supported yet; drop --enable-lora")
         backend = bind_encoder_attention(model, runner.backend, runner.device, runner.dtype,
                                          runner.max_num_tokens)
         if backend is not None:

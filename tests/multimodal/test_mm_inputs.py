@@ -193,13 +193,6 @@ def test_a_prompt_processed_already(llava):
         engine.add_request("three", [3], PARAMS, multi_modal_data=three)
 
 
-def test_lora_over_a_vision_language_model_is_refused(llava):
-    llm, _ = llava
-    with pytest.raises(ValueError, match="LoRA adapters over a vision-language model"):
-        LLM(model=llm.engine.config.model.model, dtype="float32", device="cpu",
-            kv_cache_memory="4MiB", enable_lora=True)
-
-
 def test_a_template_of_string_content_gets_the_placeholders_before_the_text():
     """A chat template that renders content as a string (no image parts of its own): each
     image's placeholder goes before its message's text."""
