@@ -47,6 +47,10 @@ class StepMessage:
     new_requests: list[Request]
     # Finished in the engine since the last step (the runner drops their generators).
     finished_request_ids: list[str] = field(default_factory=list)
+    # Images: every rank runs the whole vision tower on the same images (SchedulerOutput's).
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    embeds_images: bool = False
+    free_encoder_identifiers: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, batch: SchedulerOutput, finished: list[str]) -> StepMessage:
@@ -55,7 +59,9 @@ class StepMessage:
         return cls([r.request_id for r in batch.requests], batch.num_scheduled_tokens,
                    batch.num_computed_tokens, batch.new_block_ids, batch.is_new,
                    batch.num_prefills, batch.will_sample, batch.freed_request_ids,
-                   batch.context_written_in_step, new, finished)
+                   batch.context_written_in_step, new, finished,
+                   batch.scheduled_encoder_inputs, batch.embeds_images,
+                   batch.free_encoder_identifiers)
 
 
 def _portable(request: Request) -> Request:

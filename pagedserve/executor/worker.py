@@ -78,14 +78,15 @@ class Worker:
     def load(self) -> None:
         """Join the group and load this rank's shard. Ranks load at their own pace (no
         collective meanwhile); the engine waits for every rank's word before the next part."""
-        from pagedserve.models.loader import load_model
+        from pagedserve.models.loader import load_model, text_config_of
 
         spec, m = self.spec, self.config.model
         join_group(self.config, spec.rank, spec.world_size, spec.init_method)
         loaded = load_model(m.model, spec.dtype, self.config.torch_device, m.max_model_len,
                             m.tokenizer, m.generation_config, spec.quantization)
         eos = loaded.eos_token_ids[0] if loaded.eos_token_ids else None
-        self.runner = ModelRunner(self.config, loaded.model, loaded.hf_config.vocab_size,
+        self.runner = ModelRunner(self.config, loaded.model,
+                                  text_config_of(loaded.hf_config).vocab_size,
                                   loaded.max_model_len, eos)
 
     def finish_setup(self) -> None:
@@ -111,7 +112,10 @@ class Worker:
                                 msg.num_scheduled_tokens, msg.num_computed_tokens,
                                 msg.new_block_ids, msg.is_new, msg.num_prefills,
                                 msg.will_sample, msg.freed_request_ids,
-                                context_written_in_step=msg.context_written_in_step)
+                                context_written_in_step=msg.context_written_in_step,
+                                scheduled_encoder_inputs=msg.scheduled_encoder_inputs,
+                                embeds_images=msg.embeds_images,
+                                free_encoder_identifiers=msg.free_encoder_identifiers)
         if lora is not None:
             lora.set_batch(batch)
         self.pending.append(self.runner.launch(batch))

@@ -33,7 +33,7 @@ from pagedserve.device import to_device_async
 from pagedserve.models.layers import RMSNorm, silu_and_mul
 from pagedserve.models.llama import Qwen2ForCausalLM
 from pagedserve.models.mrope_rotary import MRotaryEmbedding
-from pagedserve.models.parallel import ParallelLMHead
+from pagedserve.models.parallel import ParallelLMHead, materialize
 from pagedserve.multimodal.encoder_attention import EncoderAttention
 from pagedserve.multimodal.inputs import MultiModalFeature
 from pagedserve.multimodal.model import SupportsMultiModal
@@ -262,7 +262,7 @@ class QwenVisionHooks(SupportsMultiModal):
             for name, tensor in weights:
                 name = our_name(name)
                 if name == "visual.patch_embed.proj.weight":
-                    tensor = tensor.reshape(patch.shape[0], -1)  # the Conv3d as a linear
+                    tensor = materialize(tensor).reshape(patch.shape[0], -1)  # Conv3d as linear
                 yield name, tensor
 
         super().load_weights(renamed())

@@ -62,9 +62,7 @@ class MultiModalRunner:
         model = runner.model
         if not getattr(model, "supports_multimodal", False):
             return None
-        if runner.tp_size > 1:
-            raise ValueError(f"{type(model).__name__} runs at tensor_parallel_size 1 only (its "
-                             "vision tower is not split across ranks)")
+        # Under tensor parallelism every rank runs the whole tower (its weights are not split).
         backend = bind_encoder_attention(model, runner.backend, runner.device, runner.dtype,
                                          runner.max_num_tokens)
         if backend is not None:

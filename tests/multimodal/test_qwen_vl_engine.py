@@ -240,3 +240,17 @@ def test_qwen_vl_image_embeds_with_their_grid(family, qwen2_5_vl, tmp_path):
             llm.generate({**request, "multi_modal_data": {"image": [item, ims[1]]}}, params,
                          use_tqdm=False)
     assert llm.engine.check_blocks_free()
+
+
+def test_qwen2_5_vl_under_two_tensor_parallel_ranks(qwen2_5_vl):
+    """Two gloo ranks: the decoder split, the tower whole on each rank, the images, the
+    step's encoder schedule and the M-RoPE rows on both; transformers' tokens and logprobs."""
+    path, hf = qwen2_5_vl
+    llm = _llm(path, tensor_parallel_size=2, max_model_len=128)
+    try:
+        requests = _requests()
+        params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        _check(hf, llm, outputs, requests, logprobs=True)
+    finally:
+        llm.close()
