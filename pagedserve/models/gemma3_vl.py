@@ -40,6 +40,7 @@ from pagedserve.attention.layer import Attention
 from pagedserve.models.gemma import Gemma3ForCausalLM
 from pagedserve.models.layers import GemmaRMSNorm
 from pagedserve.models.square_image_vlm import (
+    LanguageModelNames,
     embed_images,
     expand_images,
     image_inputs,
@@ -207,7 +208,7 @@ class Gemma3MultiModalProjector(nn.Module):
 
 # ---- the model -------------------------------------------------------------------------------
 
-class Gemma3ForConditionalGeneration(SupportsMultiModal, nn.Module):
+class Gemma3ForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.Module):
     processor_cls = Gemma3Processor
     bidirectional_image_spans = True
     supports_int8 = False

@@ -31,6 +31,7 @@ from transformers.activations import ACT2FN
 from pagedserve.attention.layer import Attention
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from pagedserve.models.square_image_vlm import (
+    LanguageModelNames,
     embed_images,
     expand_images,
     image_inputs,
@@ -205,10 +206,12 @@ class LlavaMultiModalProjector(nn.Module):
 
 # ---- the model -------------------------------------------------------------------------------
 
-class LlavaForConditionalGeneration(SupportsMultiModal, nn.Module):
+class LlavaForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.Module):
     processor_cls = LlavaProcessor
     supports_int8 = False
     supports_quantized_checkpoints = False
+    # Every decoder it takes (_DECODERS) splits under tensor parallelism.
+    splits_decoder = True
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()

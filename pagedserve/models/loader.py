@@ -219,8 +219,8 @@ def check_tensor_parallel(cls: type[nn.Module], quantization: Any = None) -> Non
     families = TENSOR_PARALLEL_FAMILIES | {GptOssForCausalLM}
     # A vision-language class built on one of them splits its decoder; its tower (plain
     # nn.Linear layers) runs whole on every rank.
-    on_split_decoder = getattr(cls, "supports_multimodal", False) and issubclass(
-        cls, tuple(families))
+    on_split_decoder = getattr(cls, "supports_multimodal", False) and (
+        issubclass(cls, tuple(families)) or cls.splits_decoder)
     if cls not in families and not on_split_decoder:
         names = ", ".join(sorted(c.__name__ for c in families))
         raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet "

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pagedserve.device import to_device_async
+from pagedserve.models.parallel import materialize
 from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
 from pagedserve.multimodal.processing import tensors_identifier
 
@@ -126,9 +127,32 @@ def load_tower_and_decoder(model: nn.Module, weights: Iterable[tuple[str, torch.
         if param.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"the model expects {tuple(param.shape)}")
-        param.data.copy_(tensor)
+        param.data.copy_(materialize(tensor))  # the tower is whole on every rank
         loaded.add(ours)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
     model.language_model.load_weights(decoder)
+
+
+class LanguageModelNames:
+    """The names of a decoder kept at `language_model` (a decoder family's whole model, as
+    LLaVA and Gemma 3 hold it), as checkpoints and LoRA adapters give them."""
+
+    language_model: nn.Module
+
+    def hf_names(self, prefix: str) -> list[str]:
+        """The checkpoint's module names of our module `prefix` (a fused layer's parts), by
+        the decoder's own `hf_names`."""
+        head = "language_model."
+        if not prefix.startswith(head):
+            return [prefix]
+        return [head + n for n in self.language_model.hf_names(prefix[len(head):])]
+
+    def adapter_module_name(self, name: str) -> str:
+        """transformers 5 puts the decoder's layers at `model.language_model.`, 4.x at
+        `language_model.model.`, which is where ours are."""
+        prefix = "model.language_model."
+        if name.startswith(prefix):
+            return "language_model.model." + name[len(prefix):]
+        return name

@@ -19,6 +19,9 @@ class SupportsMultiModal:
     # Tokens of one image span attend to each other both ways (Gemma 3): only backends whose
     # `supports_bidirectional_spans` is true run such a model.
     bidirectional_image_spans: ClassVar[bool] = False
+    # Its decoder splits under tensor parallelism (the tower runs whole on every rank). A
+    # class built on a split decoder family (Qwen-VL) counts without saying so.
+    splits_decoder: ClassVar[bool] = False
     # The class that expands placeholders and preprocesses images for this family
     # (processing.MultiModalProcessor subclass).
     processor_cls: ClassVar[Any] = None

@@ -303,3 +303,39 @@ def test_greedy_on_cuda_matches_transformers(tmp_path, images, backend):
     _check_against_transformers(hf, llm, outputs, requests)
     assert llm.engine.runner.multimodal.num_encoded == 3
     llm.close()
+
+
+def test_tensor_parallel_and_a_lora_adapter_of_the_decoder(llava, images, tmp_path):
+    """Two gloo ranks (the Llama decoder split, the CLIP tower whole on each) give
+    transformers' tokens and logprobs; then a PEFT adapter made on transformers' whole LLaVA
+    (its decoder at `model.language_model.`) beside the base in one batch gives the
+    PeftModel's."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from pagedserve.lora import LoRARequest
+
+    path, hf = llava
+    requests = _requests(images)[:2]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+    llm = _llm(path, tensor_parallel_size=2, max_model_len=128)
+    try:
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        _check_against_transformers(hf, llm, outputs, requests, logprobs=True)
+    finally:
+        llm.close()
+    torch.manual_seed(5)
+    peft = get_peft_model(copy.deepcopy(hf), LoraConfig(
+        r=8, lora_alpha=32, init_lora_weights=False,
+        target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|"
+                       r"down_proj)")).eval()
+    peft.save_pretrained(tmp_path / "adapter")
+    llm = _llm(path, enable_lora=True, max_lora_rank=8)
+    lora = LoRARequest("decoder", 1, str(tmp_path / "adapter"))
+    outputs = llm.generate(requests * 2, params, lora_request=[None, None, lora, lora],
+                           use_tqdm=False)
+    _check_against_transformers(hf, llm, outputs[:2], requests, logprobs=True)
+    _check_against_transformers(peft, llm, outputs[2:], requests, logprobs=True)
+    assert [o.outputs[0].token_ids for o in outputs[:2]] != \
+        [o.outputs[0].token_ids for o in outputs[2:]]  # the adapter was applied

@@ -242,6 +242,7 @@ def test_qwen_vl_image_embeds_with_their_grid(family, qwen2_5_vl, tmp_path):
     assert llm.engine.check_blocks_free()
 
 
+@pytest.mark.slow  # test_llava.py runs the same step message at TP=2 in the default suite
 def test_qwen2_5_vl_under_two_tensor_parallel_ranks(qwen2_5_vl):
     """Two gloo ranks: the decoder split, the tower whole on each rank, the images, the
     step's encoder schedule and the M-RoPE rows on both; transformers' tokens and logprobs."""
