@@ -101,17 +101,20 @@ CASES = {
     "chunked": dict(max_num_batched_tokens=16),
     "preempting": dict(num_gpu_blocks_override=24, block_size=4, kv_cache_memory=None),
     "async": dict(async_scheduling=True),
+    # Steps overlap without drafts while 4 or more requests run, and drafting resumes after.
+    "overlap": dict(async_scheduling=True),
 }
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param(c, marks=[pytest.mark.slow] if c in ("chunked", "async") else [])
+    pytest.param(c, marks=[pytest.mark.slow] if c in ("chunked", "async", "overlap") else [])
     for c in CASES])
 def test_draft_model_over_gated_delta_net_equals_no_speculation(qwen3_next_pair, make_llm,
                                                                 case):
     target, twin = qwen3_next_pair
+    spec = draft_spec(twin) | ({"disable_by_batch_size": 4} if case == "overlap" else {})
     want, _, _ = run(make_llm, target, None, **CASES[case])
-    got, stats, runner = run(make_llm, target, draft_spec(twin), **CASES[case])
+    got, stats, runner = run(make_llm, target, spec, **CASES[case])
     assert got == want
     # The draft's layers joined the target's one attention group; slots have K scratch each.
     assert len(runner.kv_layout.groups) == 1
@@ -236,6 +239,8 @@ def test_eagle3_over_gated_delta_net_equals_no_speculation(tmp_path, make_llm, c
     target = hybrid_target(tmp_path / "target", "qwen3_next")
     spec = {"method": "eagle3", "model": write_eagle3(tmp_path / "head", tap_ids=[1, 0, 2]),
             "num_speculative_tokens": K}
+    if case == "overlap":
+        spec["disable_by_batch_size"] = 4
     want, _, _ = run(make_llm, target, None, **CASES[case])
     got, stats, _ = run(make_llm, target, spec, **CASES[case])
     assert got == want
@@ -256,3 +261,25 @@ def test_eagle_over_a_decoder_without_taps_is_refused(tmp_path, kind):
         LLM(model=str(tmp_path / "target"), dtype="float32", device="cpu",
             kv_cache_memory="8MiB",
             speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 2})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_on_cuda_equals_no_speculation(tmp_path, make_llm, method):
+    """A GPU attention backend and the Triton state kernels under a draft model's or an
+    EAGLE-3 head's drafts over Qwen3-Next (float32)."""
+    if method == "draft_model":
+        target, twin = qwen3_next_and_twin(tmp_path, 0.03)
+        spec = draft_spec(twin)
+    else:
+        target = hybrid_target(tmp_path / "target", "qwen3_next")
+        spec = {"method": "eagle3", "model": write_eagle3(tmp_path / "head", tap_ids=[1, 0, 2]),
+                "num_speculative_tokens": K}
+    outs = []
+    for s in (None, spec):
+        llm = make_llm(model=target, dtype="float32", device="cuda", speculative_config=s,
+                       gpu_memory_utilization=0.3)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts()], PARAMS,
+                           use_tqdm=False)
+        outs.append([o.outputs[0].token_ids for o in got])
+    assert outs[0] == outs[1]
