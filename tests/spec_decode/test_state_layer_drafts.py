@@ -164,6 +164,14 @@ def test_a_draft_equal_to_the_target_keeps_every_draft(tmp_path, make_llm):
     assert stats.spec_decode_num_accepted_tokens_per_pos == [n * 5] * K
 
 
+def test_a_draft_with_state_layers_is_refused(qwen3_next_pair):
+    """Its states would need rolling back past rejected drafts: the target itself as a draft."""
+    target, _ = qwen3_next_pair
+    with pytest.raises(ValueError, match="has state layers, whose state cannot be rolled back"):
+        LLM(model=target, dtype="float32", device="cpu", kv_cache_memory="8MiB",
+            speculative_config=draft_spec(target))
+
+
 # ---- EAGLE heads (tests/spec_decode/test_eagle.py writes them; their vocabulary is 97) ----
 
 EAGLE_VOCAB = 97
