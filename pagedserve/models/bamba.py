@@ -73,10 +73,16 @@ class BambaModel(nn.Module):
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(config, getattr(config, "head_dim", None) or head_dim)
+        # An EAGLE-3 head's taps, as LlamaModel keeps them: the stream entering these layers,
+        # each step (none unless a head asks).
+        self.tap_layers: tuple[int, ...] = ()
+        self.tapped: dict[int, torch.Tensor] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.tap_layers:
+                self.tapped[i] = hidden
             hidden = layer(positions, hidden, self.rotary_emb)
         return self.final_layernorm(hidden)
 

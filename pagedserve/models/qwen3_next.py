@@ -230,11 +230,17 @@ class Qwen3NextModel(nn.Module):
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
         self.rotary_emb = RotaryEmbedding(config, head_dim)
+        # An EAGLE-3 head's taps, as LlamaModel keeps them: the residual stream entering
+        # these layers, each step (none unless a head asks).
+        self.tap_layers: tuple[int, ...] = ()
+        self.tapped: dict[int, torch.Tensor] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.tap_layers:
+                self.tapped[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, self.rotary_emb)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -21,10 +21,6 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # Methods whose proposer exists (all of them now; the check stays for new ones).
 IMPLEMENTED = METHODS
 REJECTION_METHODS = ("strict", "synthetic")
-# Methods tested over a target with state layers (verify steps keep each draft's state,
-# attention/state_verify.py; mtp: Qwen3-Next's block); a draft model or EAGLE head beside one
-# is not yet.
-STATE_LAYER_METHODS = ("ngram", "mtp")
 # vLLM's defaults for n-gram sizes when neither is given.
 DEFAULT_LOOKUP = 5
 
@@ -125,16 +121,14 @@ def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | N
     return SpeculativeConfig(**value)
 
 
-def check_supported(spec: SpeculativeConfig, *, has_state_layers: bool,
-                    tensor_parallel_size: int) -> None:
-    """Refuse at start-up, with the reason, what this engine cannot run."""
+def check_supported(spec: SpeculativeConfig, *, tensor_parallel_size: int) -> None:
+    """Refuse at start-up, with the reason, what this engine cannot run. (Every method runs
+    over a target with state layers: verify steps keep each draft position's state,
+    attention/state_verify.py; what a proposer cannot use of a target, a draft model with state
+    layers or a decoder an EAGLE head cannot tap, its proposer refuses by name.)"""
     if spec.method not in IMPLEMENTED:
         raise ValueError(f"speculative_config: method {spec.method!r} is not implemented yet "
                          f"(implemented: {', '.join(IMPLEMENTED)})")
-    if has_state_layers and spec.method not in STATE_LAYER_METHODS:
-        raise ValueError(f"speculative_config: method {spec.method!r} over a model with state "
-                         "layers (Mamba, gated delta net, ...) is not implemented yet (there: "
-                         f"{', '.join(STATE_LAYER_METHODS)})")
     if tensor_parallel_size > 1:
         raise ValueError("speculative_config: speculative decoding with tensor_parallel_size "
                          f"{tensor_parallel_size} is not implemented yet (one rank only)")

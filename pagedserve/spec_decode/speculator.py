@@ -33,8 +33,7 @@ def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
     spec = config.speculative
     if spec is None:
         return None
-    check_supported(spec, has_state_layers=bool(runner.state_layers),
-                    tensor_parallel_size=runner.tp_size)
+    check_supported(spec, tensor_parallel_size=runner.tp_size)
     proposer = make_proposer(spec, runner.model, runner.dtype, runner.device,
                              runner.max_model_len, runner.vocab_size, config.model.model)
     runner.attn_layers += proposer.attention_layers(len(runner.attn_layers))

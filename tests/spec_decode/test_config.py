@@ -58,12 +58,8 @@ def test_bad_values_are_refused(value, message):
         EngineConfig.from_kwargs(speculative_config=value)
 
 
-def test_state_layers_and_tensor_parallelism_are_refused():
+def test_tensor_parallelism_is_refused():
     spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
-    check_supported(spec, has_state_layers=True, tensor_parallel_size=1)  # n-gram runs there
-    eagle = parse_speculative_config({"method": "eagle", "model": "head",
-                                      "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="'eagle' over a model with state layers"):
-        check_supported(eagle, has_state_layers=True, tensor_parallel_size=1)
+    check_supported(spec, tensor_parallel_size=1)
     with pytest.raises(ValueError, match="tensor_parallel_size 2"):
-        check_supported(spec, has_state_layers=False, tensor_parallel_size=2)
+        check_supported(spec, tensor_parallel_size=2)
