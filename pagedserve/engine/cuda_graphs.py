@@ -398,7 +398,4 @@ def setup_decode_graphs(inputs: GraphInputs, backend: type[AttentionBackend],
         except Exception as sync_exc:  # a broken context is reported by the next step anyway
             logger.warning("after the failed capture: %s", sync_exc)
         return None
-    from pagedserve.engine.verify_graphs import setup_verify_graphs  # (it imports this module)
-
-    setup_verify_graphs(graphs, backend, config)  # verify steps' graphs, with speculation
     return graphs

@@ -41,12 +41,13 @@ def verify_batch_sizes(config: EngineConfig, query_len: int) -> list[int]:
                              config.cuda_graph_sizes)
 
 
-def setup_verify_graphs(decode: DecodeGraphs, backend: type[AttentionBackend],
+def setup_verify_graphs(decode: DecodeGraphs | None, backend: type[AttentionBackend],
                         config: EngineConfig) -> DecodeGraphs | None:
     """Capture and check the verify graphs next to the captured `decode` graphs (which then
-    dispatch verify steps to them: `decode.verify`); None, logged, when they are not made."""
+    dispatch verify steps to them: `decode.verify`); None, logged, when they are not made
+    (and when there are no decode graphs: the engine runs eagerly)."""
     q = verify_query_len(config)
-    if q is None:
+    if q is None or decode is None:
         return None
     block_size = decode.inputs.common_builder.block_size
     if not backend.can_capture_verify(block_size):
