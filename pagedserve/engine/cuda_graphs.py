@@ -148,14 +148,15 @@ class DecodeGraphs:
         size = self._prepare_size(commons) if self._prepare_own(commons[0]) else None
         if size is None and self.verify is not None:
             size = self.verify.prepare(commons)
-            self._replaying = self.verify
+            if size is not None:
+                self._replaying = self.verify
         return size
 
     def _prepare_own(self, common: CommonAttentionMetadata) -> bool:
         """Whether the step is one of this query length: every request exactly q new tokens
-        (q = 1: the scheduler's pure decodes). A q > 1 step whose context some request's K/V
-        written in the same step (a prefix-cache hit) or whose tokens see past themselves
-        (image spans) is not: the graph holds neither the write-first order nor the limits."""
+        (q = 1: the scheduler's pure decodes). Not a q > 1 step with a same-step prefix-cache
+        hit (a context block the step itself writes: backends then write first) or with
+        tokens that see past themselves (image spans): its graph holds neither."""
         q, b = self.query_len, common.num_reqs
         if q == 1:
             return bool(b) and not common.num_prefills and common.max_query_len == 1
