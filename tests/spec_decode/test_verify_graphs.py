@@ -48,18 +48,24 @@ def test_padded_verify_step_equals_the_unpadded_forward(tiny64_path, make_llm, b
     llm = make_llm(model=tiny64_path, dtype="float32", device="cpu", kv_cache_memory="8MiB",
                    attention_backend=backend, speculative_config=NGRAM)
     runner = llm.engine.runner
-    graphs = _graphs(runner).verify
-    commons = graphs.dummy_decode(3, [5, 37, 18])
+    graphs = _graphs(runner)
+    with torch.inference_mode():
+        graphs.run(graphs.dummy_decode(3))  # a decode step first: the head's rows are its
+        assert graphs.greedy_tokens(3) is not None
+    commons = graphs.verify.dummy_decode(3, [5, 37, 18])
     assert commons[0].num_actual_tokens == 3 * Q and commons[0].num_prefills == 3
     ids = torch.randint(0, runner.vocab_size, (3 * Q,), generator=torch.Generator().manual_seed(0))
     runner.input_ids.device[:3 * Q].copy_(ids)
     eager_md = {key: b.build(commons[0]) for key, b in runner.builders.items()}
     with torch.inference_mode():
         eager = runner.run_model(eager_md, 3 * Q).clone()
-        padded = graphs.run(commons)
+        padded = graphs.run(commons)  # handed to the verify graphs
         eager_logits = runner.model.compute_logits(eager)
         padded_logits = runner.model.compute_logits(padded)
-    assert graphs.replays == {4: 1}  # 3 requests pad to 4
+    assert graphs.replays == {4: 1} and graphs.verify.replays == {4: 1}  # 3 requests pad to 4
+    # A verify step samples from its logits rows (the rejection sampler), never from the
+    # decode head's: the runner reads none after it.
+    assert graphs.greedy_tokens(3) is None and graphs.head_logits(3) is None
     assert padded.shape == eager.shape
     torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(padded_logits, eager_logits, rtol=1e-4, atol=1e-4)
