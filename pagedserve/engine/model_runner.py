@@ -484,7 +484,7 @@ class ModelRunner:
                 and not (self.speculator and self.speculator.uses_kv_cache)):
             self.decode_graphs = setup_decode_graphs(self.graph_inputs(), self.backend,
                                                      self.config, self.max_model_len)
-            setup_verify_graphs(self.decode_graphs, self.backend, self.config)  # drafts' steps
+            setup_verify_graphs(self.decode_graphs, self.backend, self.config)  # 1+K tokens each
 
     def graph_inputs(self) -> GraphInputs:
         from pagedserve.models.moe import FusedMoE
