@@ -622,8 +622,8 @@ shard_any() {  # name, pytest args...: every test selected, gpu-marked or not (t
 }
 
 stage_wave25() {  # the twenty-fifth session's GPU tests (fp8 KV on TRITON, encoder attention,
-    # LoRA kernels and graphs, EAGLE/MTP, GGUF and 4-bit expert kernels), then the GGUF and
-    # int4 linear benchmarks; the images' GPU tests beside the graphs'
+    # LoRA kernels and graphs, EAGLE/MTP and verify graphs (shard spec), GGUF and 4-bit expert
+    # kernels), then the GGUF and int4 linear benchmarks; the images' GPU tests beside the graphs'
     setup_env
     SHARD_TIMEOUT=${WAVE_TIMEOUT:-330}
     shard_any fp8kv tests/attention/test_conformance.py tests/models/test_kv_scales.py -k fp8

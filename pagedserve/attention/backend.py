@@ -276,6 +276,10 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = False
     supports_soft_cap: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
+    # Its graph metadata stays right for uniform steps of several new tokens per request
+    # (speculative decoding's verify steps, 1+K each) padded as `pad_decode` pads them: its
+    # launch shapes follow the padded step, not a one-token decode's (`can_capture_verify`).
+    supports_uniform_query_graphs: ClassVar[bool] = False
     supports_sinks: ClassVar[bool] = False  # its impl's supports_sinks says the same
     # Layers whose values have another head size (head_size_v); its impl's flag says the same.
     supports_diff_kv: ClassVar[bool] = False
@@ -451,6 +455,13 @@ class AttentionBackend(ABC):
         return cls.supports_cuda_graphs
 
     @classmethod
+    def can_capture_verify(cls, block_size: int) -> bool:
+        """Whether verify steps (every request the same q > 1 new tokens) may be captured in
+        CUDA graphs too, beside decode steps. Default: `supports_uniform_query_graphs` where
+        decode steps may be."""
+        return cls.supports_uniform_query_graphs and cls.can_capture_cuda_graphs(block_size)
+
+    @classmethod
     def features(cls) -> list[str]:
         out = ["mla"] if cls.supports_mla else []
         if cls.supports_sliding_window:
@@ -470,4 +481,6 @@ class AttentionBackend(ABC):
             out.append("quantized-kv(" + ",".join(quant) + ")")
         if cls.supports_cuda_graphs:
             out.append("cuda-graphs")
+        if cls.supports_uniform_query_graphs:
+            out.append("verify-cuda-graphs")
         return out

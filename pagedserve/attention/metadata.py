@@ -104,8 +104,13 @@ def attend_limits(token_req: np.ndarray, positions: np.ndarray,
     return None if np.array_equal(limits, positions) else limits
 
 
-# Padding of a running sum: each padding request adds one (one token, one page).
-RUNNING_SUM = None
+# Entries of a padding request (see pad_decode) that follow its query length q: a running
+# sum to which it adds its q tokens or its one page, its sequence length q (also its one
+# page's fill), and its tokens' positions 0..q-1.
+SUM_TOKENS = "sum_tokens"
+SUM_PAGES = "sum_pages"
+QUERY_LEN = "query_len"
+TOKEN_OFFSET = "token_offset"
 
 
 @dataclass(frozen=True)
@@ -116,20 +121,21 @@ class Buffer:
     # The step quantity its length follows: "reqs" [B], "reqs+1" [B+1], "tokens" [T] or
     # "pages" [total_pages]. block_table has max_blocks_per_seq columns besides.
     length: str
-    # A padding request's entry (see pad_decode), or RUNNING_SUM.
-    pad: int | None
+    # A padding request's entry (see pad_decode): a constant, or one of the q-dependent kinds
+    # above.
+    pad: int | str
 
 
 BUFFERS: dict[str, Buffer] = {
-    "query_start_loc": Buffer(torch.int32, "reqs+1", RUNNING_SUM),
-    "seq_lens": Buffer(torch.int32, "reqs", 1),
+    "query_start_loc": Buffer(torch.int32, "reqs+1", SUM_TOKENS),
+    "seq_lens": Buffer(torch.int32, "reqs", QUERY_LEN),
     "context_lens": Buffer(torch.int32, "reqs", 0),
     "block_table": Buffer(torch.int32, "reqs", -1),
     "slot_mapping": Buffer(torch.int64, "tokens", -1),
-    "positions": Buffer(torch.int64, "tokens", 0),
-    "paged_kv_indptr": Buffer(torch.int32, "reqs+1", RUNNING_SUM),
+    "positions": Buffer(torch.int64, "tokens", TOKEN_OFFSET),
+    "paged_kv_indptr": Buffer(torch.int32, "reqs+1", SUM_PAGES),
     "paged_kv_indices": Buffer(torch.int32, "pages", 0),
-    "paged_kv_last_page_len": Buffer(torch.int32, "reqs", 1),
+    "paged_kv_last_page_len": Buffer(torch.int32, "reqs", QUERY_LEN),
 }
 HOST_MIRRORS = ("query_start_loc", "seq_lens", "context_lens", "paged_kv_indptr",
                 "paged_kv_last_page_len", "paged_kv_indices", "positions")
@@ -320,38 +326,56 @@ class CommonMetadataBuilder:
 
     def pad_decode(self, common: CommonAttentionMetadata, size: int,
                    onto: CommonAttentionMetadata | None = None) -> CommonAttentionMetadata:
-        """`common`, a pure-decode step of B requests this builder just built, padded in place to
-        `size` requests for a captured CUDA graph. Entries [B, size) of every buffer are
-        written on the host and copied over, so the copies `build` issued for [0, B) stand. A
-        padding request has one token at position 0 with slot -1 (no K/V write), seq_len 1 and
-        the one page 0, so it reads valid memory and touches nothing real."""
+        """`common`, a uniform step of B requests of q new tokens each (q = 1: a pure decode;
+        q = 1+K: a verify step) this builder just built, padded in place to `size` requests
+        for a captured CUDA graph. Entries [B, size) of every buffer are written on the host
+        and copied over, so the copies `build` issued for [0, B) stand. A padding request has
+        q tokens at positions 0..q-1 with slot -1 (no K/V write), seq_len q and the one page 0
+        (the caller keeps q <= block_size), so it reads valid memory and touches nothing real.
+        The padded step keeps the scheduler's classes: q = 1 all decodes, q > 1 all prefills."""
         b, t = common.num_reqs, common.num_actual_tokens
+        q = common.max_query_len
+        if t != b * q:
+            raise ValueError(f"pad_decode takes a uniform step: {b} requests, {t} tokens, "
+                             f"longest query {q}")
         extra = size - b
         if not extra and onto is None:  # a full graph: `common` is its step already
             return common
         pages = len(common.paged_kv_indices_cpu)  # 0 without the CSR indices
         before = _lengths(b, t, pages)
-        after = _lengths(size, t + extra, pages + extra)
-        steps = self._arange[1:extra + 1]
+        after = _lengths(size, t + extra * q, pages + extra)
         # Another group's tables (`onto`: the step already padded by the first group's builder)
         # pad only the page-dependent buffers.
         names = tuple(BUFFERS) if onto is None else TABLE_BUFFERS
         for name in names:
             buf = BUFFERS[name]
             lo, hi = before[buf.length], after[buf.length]
-            dst = self.np[name][lo:hi]
-            if buf.pad is RUNNING_SUM:
-                np.add(self.np[name][lo - 1], steps, out=dst)
-            else:
-                dst[...] = buf.pad
+            self._pad_entries(self.np[name], lo, hi, buf.pad, q)
         self.np["block_table"][b:size, 0] = 0  # a padding request's one page
         self._copy_to_device(before, after, names)
         if onto is not None:
             return dataclasses.replace(onto, **self._views(after, names))
+        prefills = size if q > 1 else 0
         return dataclasses.replace(
-            common, **self._views(after), num_reqs=size, num_actual_tokens=t + extra,
-            max_query_len=1, max_seq_len=max(common.max_seq_len, 1), num_decodes=size,
-            num_decode_tokens=t + extra)
+            common, **self._views(after), num_reqs=size, num_actual_tokens=t + extra * q,
+            max_query_len=q, max_seq_len=max(common.max_seq_len, q), num_prefills=prefills,
+            num_prefill_tokens=prefills * q, num_decodes=size - prefills,
+            num_decode_tokens=(size - prefills) * q)
+
+    def _pad_entries(self, array: np.ndarray, lo: int, hi: int, pad: int | str, q: int
+                     ) -> None:
+        """Entries [lo, hi) of a host buffer for padding requests of q tokens each."""
+        dst = array[lo:hi]
+        if pad in (SUM_TOKENS, SUM_PAGES):
+            step = q if pad == SUM_TOKENS else 1
+            np.multiply(self._arange[1:hi - lo + 1], step, out=dst)
+            dst += array[lo - 1]
+        elif pad == QUERY_LEN:
+            dst[...] = q
+        elif pad == TOKEN_OFFSET:
+            np.remainder(self._arange[:hi - lo], q, out=dst)
+        else:
+            dst[...] = pad
 
     def _copy_to_device(self, start: dict[str, int] | None, end: dict[str, int],
                         names: tuple[str, ...] | None = None) -> None:

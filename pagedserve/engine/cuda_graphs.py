@@ -1,4 +1,4 @@
-"""CUDA graphs for pure-decode steps: the model forward captured once per padded batch size.
+"""CUDA graphs for uniform steps: the model forward captured once per padded batch size.
 
 A decode step of B requests pads to the smallest captured size P >= B: the padding requests
 hold one token at position 0 whose K/V write is skipped (slot -1) and whose attention reads
@@ -6,6 +6,10 @@ page 0 of the cache, so they touch nothing real; their outputs are dropped. Back
 their own graph buffers (FlashInfer: `build_for_cudagraph`) pad their metadata themselves and
 take the real batch. Mixed and prefill steps, and decode batches larger than the largest size,
 run eagerly.
+
+The same class captures, with `query_len` q = 1+K, the verify steps of speculative decoding
+whose every request has q new tokens (engine/verify_graphs.py): a padding request then holds
+q tokens at positions 0..q-1, still in page 0.
 
 Pointer stability is what makes replay right: the graph reads the runner's persistent input
 ids, the common metadata builder's persistent device buffers and the backend builders' own,
@@ -101,20 +105,27 @@ def padded_batch_size(sizes: list[int], num_reqs: int) -> int | None:
 
 
 class DecodeGraphs:
-    """Captured decode forwards by padded size. `capture=False` keeps the padding and the
-    graph-mode metadata but runs the model eagerly instead of replaying (for testing the
-    padding on machines without CUDA)."""
+    """Captured forwards of uniform steps by padded size (in requests): `query_len` new tokens
+    per request, 1 for decode steps. `capture=False` keeps the padding and the graph-mode
+    metadata but runs the model eagerly instead of replaying (for testing the padding on
+    machines without CUDA). `verify`: the graphs of verify steps (query length 1+K), tried
+    for a step that is not a pure decode."""
 
-    def __init__(self, inputs: GraphInputs, sizes: list[int], capture: bool = True) -> None:
+    def __init__(self, inputs: GraphInputs, sizes: list[int], capture: bool = True,
+                 query_len: int = 1, verify: DecodeGraphs | None = None) -> None:
         self.inputs = inputs
         self.sizes = sorted(sizes)
         self.capture_graphs = capture
+        self.query_len = query_len
+        self.verify = verify
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # The head's graphs (GraphInputs' compute_logits; capture_heads), eager without capture.
+        # A verify step's logits rows are every token's: the eager head reads them.
         self.head: HeadGraphs | None = None
-        if inputs.compute_logits is not None and not capture:
+        if inputs.compute_logits is not None and not capture and query_len == 1:
             self.head = HeadGraphs(inputs.compute_logits, self.outputs, None, capture=False)
+        self._replaying: DecodeGraphs = self  # which graphs the prepared step replays
         self._last: tuple[int, torch.Tensor] | None = None  # the last replay's (size, hidden)
         self.replays: Counter[int] = Counter()
         self._arange = np.arange(max(self.sizes, default=0) + 1, dtype=np.int64)
@@ -124,19 +135,36 @@ class DecodeGraphs:
     # ---- per step -------------------------------------------------------------------------
 
     def run(self, commons: list[CommonAttentionMetadata]) -> torch.Tensor | None:
-        """Hidden states [num_reqs, hidden] of a pure-decode step through its graph (the
-        step's input ids are already in the runner's buffer), or None when the step is not
-        one to replay. `commons`: the step's metadata of each KV cache group."""
+        """Hidden states [num_reqs * query_len, hidden] of a uniform step through its graph
+        (the step's input ids are already in the runner's buffer), or None when the step is
+        not one to replay. `commons`: the step's metadata of each KV cache group."""
         size = self.prepare(commons)
         return None if size is None else self.replay(size, commons[0].num_reqs)
 
     def prepare(self, commons: list[CommonAttentionMetadata]) -> int | None:
         """Pad the step's metadata into the graph buffers (host work and copies only); the
         padded size to replay, or None when the step is not one to replay."""
-        common = commons[0]
-        if common.num_prefills or common.max_query_len != 1 or not common.num_reqs:
-            return None
-        size = padded_batch_size(self.sizes, common.num_reqs)
+        self._replaying = self
+        size = self._prepare_size(commons) if self._prepare_own(commons[0]) else None
+        if size is None and self.verify is not None:
+            size = self.verify.prepare(commons)
+            if size is not None:
+                self._replaying = self.verify
+        return size
+
+    def _prepare_own(self, common: CommonAttentionMetadata) -> bool:
+        """Whether the step is one of this query length: every request exactly q new tokens
+        (q = 1: the scheduler's pure decodes). Not a q > 1 step with a same-step prefix-cache
+        hit (a context block the step itself writes: backends then write first) or with
+        tokens that see past themselves (image spans): its graph holds neither."""
+        q, b = self.query_len, common.num_reqs
+        if q == 1:
+            return bool(b) and not common.num_prefills and common.max_query_len == 1
+        return (bool(b) and common.max_query_len == q and common.num_actual_tokens == b * q
+                and not common.context_written_in_step and common.attend_limit is None)
+
+    def _prepare_size(self, commons: list[CommonAttentionMetadata]) -> int | None:
+        size = padded_batch_size(self.sizes, commons[0].num_reqs)
         if size is None or (self.capture_graphs and size not in self.graphs):
             return None
         self._metadata = self._graph_metadata(commons, size)
@@ -144,7 +172,10 @@ class DecodeGraphs:
 
     def replay(self, size: int, num_reqs: int) -> torch.Tensor:
         """Queue the prepared step's forward: the graph, or the eager model on the padded
-        metadata when capture is off."""
+        metadata when capture is off. Returns the real requests' rows (q each)."""
+        if self._replaying is not self:
+            self._last = None  # no head graphs for a verify step: its logits are eager
+            return self._replaying.replay(size, num_reqs)
         metadata, self._metadata = self._metadata, None
         if self.capture_graphs:
             self.graphs[size].replay()
@@ -153,7 +184,7 @@ class DecodeGraphs:
             hidden = self._forward(metadata, size)
         self.replays[size] += 1
         self._last = (size, hidden)
-        return hidden[:num_reqs]
+        return hidden[:num_reqs * self.query_len]
 
     def greedy_tokens(self, num_reqs: int) -> torch.Tensor | None:
         """The argmax token of each of the first `num_reqs` rows of the step just replayed,
@@ -170,12 +201,13 @@ class DecodeGraphs:
         return self.head.head_logits(*self._last, num_reqs)
 
     def _forward(self, metadata: dict[Any, Any], size: int) -> torch.Tensor:
+        num_tokens = size * self.query_len
         lora = self.inputs.lora
         if lora is None:
-            return self.inputs.run_model(metadata, size)
+            return self.inputs.run_model(metadata, num_tokens)
         lora.graph_mode = True
         try:
-            return self.inputs.run_model(metadata, size)
+            return self.inputs.run_model(metadata, num_tokens)
         finally:
             lora.graph_mode = False
 
@@ -197,15 +229,26 @@ class DecodeGraphs:
     # ---- start-up ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def capture_all(self) -> None:
-        """Capture every size, largest first so the smaller ones reuse its memory pool."""
+    def capture_all(self, pool: Any = None) -> None:
+        """Capture every size, largest first so the smaller ones reuse its memory pool
+        (`pool`: another set's, shared; a new one by default)."""
         t0 = time.perf_counter()
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle() if pool is None else pool
         for size in sorted(self.sizes, reverse=True):
             self._capture(size)
         torch.cuda.synchronize(self.inputs.common_builder.device)
-        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes,
-                    time.perf_counter() - t0)
+        logger.info("captured CUDA graphs for %s batch sizes %s in %.1f s", self.kind,
+                    self.sizes, time.perf_counter() - t0)
+
+    @property
+    def memory_pool(self) -> Any:
+        """The graphs' memory pool (another set captured after them may share it)."""
+        return self._pool
+
+    @property
+    def kind(self) -> str:
+        """What the graphs run, for logs."""
+        return "decode" if self.query_len == 1 else f"verify ({self.query_len} tokens each)"
 
     def _capture(self, size: int) -> None:
         metadata = self._graph_metadata(self.dummy_decode(1), size)
@@ -242,23 +285,26 @@ class DecodeGraphs:
 
     def dummy_decode(self, num_reqs: int, context_lens: list[int] | None = None
                      ) -> list[CommonAttentionMetadata]:
-        """Common metadata of each KV cache group (and zero input ids) of a decode step over
-        requests of the given cached lengths, laid out over consecutive blocks from 0 (the same
-        blocks in every group). For start-up only: it writes the cache's first blocks, which
-        hold no request yet."""
+        """Common metadata of each KV cache group (and zero input ids) of a uniform step (q new
+        tokens each) over requests of the given cached lengths, laid out over consecutive
+        blocks from 0 (the same blocks in every group). For start-up only: it writes the
+        cache's first blocks, which hold no request yet."""
         cb = self.inputs.common_builder
+        q = self.query_len
         context = np.array(context_lens or [0] * num_reqs, dtype=np.int32)
-        if int((context // cb.block_size + 1).sum()) > self.inputs.num_blocks:
+        if int(((context + q - 1) // cb.block_size + 1).sum()) > self.inputs.num_blocks:
             context[:] = 0  # a tiny cache: every request in one block of its own
         table = np.full((num_reqs, cb.max_blocks_per_seq), -1, dtype=np.int32)
         next_block = 0
         for row, c in enumerate(context.tolist()):
-            n = c // cb.block_size + 1
+            n = (c + q - 1) // cb.block_size + 1
             table[row, :n] = np.arange(next_block, next_block + n)
             next_block += n
         rows = np.arange(num_reqs)
-        common = cb.build(rows, context, np.ones(num_reqs, dtype=np.int32), 0, table)
-        self.inputs.input_ids.pad(0, num_reqs)
+        # The scheduler's classes: a request of more than one new token is a prefill.
+        common = cb.build(rows, context, np.full(num_reqs, q, dtype=np.int32),
+                          num_reqs if q > 1 else 0, table)
+        self.inputs.input_ids.pad(0, num_reqs * q)
         groups = len(self.inputs.group_builders or [cb])
         return self.inputs.group_commons(common, rows, [table] * groups)
 
@@ -266,7 +312,7 @@ class DecodeGraphs:
     def check_against_eager(self, rtol: float = 0.05,
                             unpadded_rtol: float = UNPADDED_RTOL) -> float:
         """Replay the largest graph on a small real batch (3 requests of different contexts,
-        random input ids, the rest padding) and compare it with the same padded step run
+        q random input ids each, the rest padding) and compare it with the same padded step run
         eagerly, kernel for kernel what the graph captured: returns the max abs diff relative to
         the largest eager value, and raises when that exceeds `rtol` (a graph reading stale
         buffers is far above it).
@@ -281,11 +327,12 @@ class DecodeGraphs:
         b = min(3, max(self.sizes))
         commons = self.dummy_decode(b, [5, 37, 18][:b])
         # Fixed ids: the check's outcome does not change from one start to the next.
-        ids = torch.randint(0, inputs.vocab_size, (b,), dtype=torch.int64,
+        t = b * self.query_len
+        ids = torch.randint(0, inputs.vocab_size, (t,), dtype=torch.int64,
                             generator=torch.Generator().manual_seed(0))
-        inputs.input_ids.device[:b].copy_(ids)
+        inputs.input_ids.device[:t].copy_(ids)
         eager_md = inputs.group_metadata(commons, lambda builder, common: builder.build(common))
-        eager = inputs.run_model(eager_md, b).float()
+        eager = inputs.run_model(eager_md, t).float()
         # Force the largest size so the padding rows are exercised too.
         saved, size = self.sizes, max(self.sizes)
         self.sizes = [size]
@@ -294,9 +341,9 @@ class DecodeGraphs:
         finally:
             self.sizes = saved
         if graphed is None:
-            raise RuntimeError("the graph path refused a pure-decode batch")
+            raise RuntimeError(f"the graph path refused a {self.kind} batch")
         graphed = graphed.float().clone()
-        padded_eager = self._forward(self._graph_metadata(commons, size), size)[:b].float()
+        padded_eager = self._forward(self._graph_metadata(commons, size), size)[:t].float()
         diff = _relative_diff(graphed, padded_eager)
         if not diff <= rtol:  # also catches NaN
             raise RuntimeError(f"graph replay differs from the eager forward by {diff:.3g} "
@@ -304,12 +351,13 @@ class DecodeGraphs:
         unpadded = _relative_diff(padded_eager, eager)
         if not math.isfinite(unpadded) or (unpadded > unpadded_rtol
                                            and not inputs.routes_experts):
-            raise RuntimeError(f"the padded decode step's real rows differ from the unpadded "
-                               f"forward by {unpadded:.3g} (relative to the largest value)")
+            raise RuntimeError(f"the padded {self.kind} step's real rows differ from the "
+                               f"unpadded forward by {unpadded:.3g} (relative to the largest "
+                               "value)")
         if unpadded > unpadded_rtol:
-            logger.info("decode graphs: padded rows differ from the unpadded forward by %.3g "
+            logger.info("%s graphs: padded rows differ from the unpadded forward by %.3g "
                         "(batch-size-dependent rounding, amplified by expert routing)",
-                        unpadded)
+                        self.kind, unpadded)
         return diff
 
 

@@ -4,10 +4,11 @@ SchedulerOutput into one forward pass and samples the next tokens.
 Its parts live beside it: the persistent request rows and input ids (`input_batch`), the
 cache's sizing and allocation (`kv_cache_setup`), the stand-in forwards before the first
 request (`runner_warmup`), what a step keeps beyond samples for scoring and prompt logprobs
-(`scoring`), decode steps replayed from CUDA graphs (`cuda_graphs`), and the packages it calls
-for drafts (`spec_decode`, `attention/state_verify`), embeddings (`pooling`) and images
-(`multimodal`). It is near 500 lines because it holds a step's whole order of calls, one or
-two lines per package; a package's own work goes into that package, not here.
+(`scoring`), decode and verify steps replayed from CUDA graphs (`cuda_graphs`,
+`verify_graphs`), and the packages it calls for drafts (`spec_decode`,
+`attention/state_verify`), embeddings (`pooling`) and images (`multimodal`). It is near 500
+lines because it holds a step's whole order of calls, one or two lines per package; a
+package's own work goes into that package, not here.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pagedserve.engine.input_batch import InputBatch, InputIds
 from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
 from pagedserve.engine.sample_copy import SamplesToHost
 from pagedserve.engine.sampler import Sampler, SamplerOutput
+from pagedserve.engine.verify_graphs import setup_verify_graphs
 from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
 from pagedserve.kv_cache.specs import StateSpec
 from pagedserve.lora.manager import make_lora_manager
@@ -482,6 +484,7 @@ class ModelRunner:
                 and not (self.speculator and self.speculator.uses_kv_cache)):
             self.decode_graphs = setup_decode_graphs(self.graph_inputs(), self.backend,
                                                      self.config, self.max_model_len)
+            setup_verify_graphs(self.decode_graphs, self.backend, self.config)  # 1+K tokens each
 
     def graph_inputs(self) -> GraphInputs:
         from pagedserve.models.moe import FusedMoE

@@ -2,6 +2,7 @@
 contract"), and buffer reuse across steps."""
 
 import numpy as np
+import pytest
 import torch
 
 from pagedserve.attention.metadata import BUFFERS, CommonMetadataBuilder
@@ -106,7 +107,8 @@ def test_region_copies_carry_every_used_entry():
     _as_if_on_a_device(builder)
     for computed, scheduled, prefills, pad in [([0, 20], [30, 5], 1, None),
                                                ([39, 24, 49], [1, 1, 1], 0, 6),
-                                               ([3], [1], 0, 4)]:
+                                               ([3], [1], 0, 4),
+                                               ([39, 20], [3, 3], 2, 5)]:  # verify steps
         md = _build(builder, table, computed, scheduled, prefills)
         if pad is not None:
             md = builder.pad_decode(md, pad)
@@ -117,6 +119,43 @@ def test_region_copies_carry_every_used_entry():
             on_device = getattr(md, name)
             assert on_device.data_ptr() == builder.dev[name].data_ptr(), name
             assert torch.equal(on_device, builder.host[name][:lengths[buf.length]]), name
+
+
+def test_pad_decode_of_a_verify_step():
+    """A uniform step of q = 3 tokens a request (a verify step with 2 drafts) padded from 2 to
+    4 requests: each padding request holds 3 tokens at positions 0..2 with slot -1, seq_len 3
+    and the one page 0 filled to 3; the real entries stand, and every request stays a prefill
+    (the scheduler's class for several new tokens)."""
+    table = BlockTable(max_num_reqs=4, max_blocks_per_seq=6)
+    for row, ids in enumerate([[0, 1, 3], [2, 5]]):
+        table.add_row(row, ids)
+    builder = CommonMetadataBuilder(4, 64, 6, 16, torch.device("cpu"))
+    md = _build(builder, table, [37, 15], [3, 3], num_prefills=2)
+    real = {name: getattr(md, name).tolist() for name in BUFFERS if name != "block_table"}
+    padded = builder.pad_decode(md, 4)
+    assert (padded.num_reqs, padded.num_actual_tokens, padded.max_query_len) == (4, 12, 3)
+    assert (padded.num_prefills, padded.num_prefill_tokens, padded.num_decodes) == (4, 12, 0)
+    assert padded.query_start_loc.tolist() == [0, 3, 6, 9, 12]
+    assert padded.positions.tolist() == [37, 38, 39, 15, 16, 17, 0, 1, 2, 0, 1, 2]
+    assert padded.slot_mapping.tolist() == real["slot_mapping"] + [-1] * 6
+    assert padded.seq_lens.tolist() == [40, 18, 3, 3]
+    assert padded.context_lens.tolist() == [37, 15, 0, 0]
+    assert padded.paged_kv_indptr.tolist() == [0, 3, 5, 6, 7]
+    assert padded.paged_kv_indices.tolist() == [0, 1, 3, 2, 5, 0, 0]
+    assert padded.paged_kv_last_page_len.tolist() == [8, 2, 3, 3]
+    assert padded.block_table[2:, 0].tolist() == [0, 0]
+    for name, values in real.items():  # the real requests' entries are untouched
+        assert getattr(padded, name).tolist()[:len(values)] == values, name
+
+
+def test_pad_decode_refuses_a_step_of_unequal_queries():
+    table = BlockTable(max_num_reqs=4, max_blocks_per_seq=6)
+    table.add_row(0, [0, 1])
+    table.add_row(1, [2])
+    builder = CommonMetadataBuilder(4, 64, 6, 16, torch.device("cpu"))
+    md = _build(builder, table, [10, 4], [3, 2], num_prefills=2)
+    with pytest.raises(ValueError, match="uniform step: 2 requests, 5 tokens"):
+        builder.pad_decode(md, 4)
 
 
 def test_without_csr_indices_the_rest_is_the_same():

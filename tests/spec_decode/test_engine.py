@@ -337,8 +337,9 @@ def test_triton_backend_in_the_interpreter(tmp_path, make_llm, method):
 @pytest.mark.parametrize("backend", ["TRITON", "FLEX_ATTENTION"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_cuda_greedy_equals_no_speculation(tmp_path, make_llm, backend, method):
-    """On CUDA in float32 (backends that take it): verify steps run eagerly beside decode
-    steps replayed from graphs, and a draft model's engine eagerly."""
+    """On CUDA in float32 (backends that take it): verify steps beside decode steps replayed
+    from graphs (TRITON's uniform verify steps from verify graphs too), and a draft model's
+    engine eagerly."""
     path = _tiny(tmp_path, 0, 128, 2, heads=2)
     spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": path,
                                             "num_speculative_tokens": 3}

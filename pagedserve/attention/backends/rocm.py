@@ -114,6 +114,8 @@ class RocmAttentionBackend(TritonAttentionBackend):
     supports_diff_kv = False  # see RocmAttentionImpl
     # The Triton path honours attend_limit, but it has not run on AMD hardware with it.
     supports_bidirectional_spans = False
+    # Verify steps would run the Triton path, whose graphs have not run on AMD hardware.
+    supports_uniform_query_graphs = False
     description = "aiter paged attention for decodes on ROCm, Triton kernels otherwise"
 
     impl_cls = RocmAttentionImpl

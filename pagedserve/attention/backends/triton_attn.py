@@ -174,6 +174,10 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sinks = True
     supports_diff_kv = True
     supports_cuda_graphs = True
+    # A uniform step of q > 1 tokens a request builds prefill tiles, size x ceil(q / BLOCK_Q)
+    # query blocks (a fixed grid per padded size) and never splits KV (decodes only): its
+    # launches read nothing else of the step from the host.
+    supports_uniform_query_graphs = True
     # fp8: e4m3 pages with per-tensor scales, written before the kernel reads them back.
     supported_kv_cache_dtypes = ("auto", "fp8")
     supports_encoder_only = True
