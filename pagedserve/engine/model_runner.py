@@ -476,12 +476,14 @@ class ModelRunner:
         logger.debug("backend warm-up took %.1f s", time.perf_counter() - t0)
         runner_warmup.run_warmup_steps(self)
         # Steps of models with state layers run eagerly (a graph would need a scratch slot for
-        # its padding rows), and a draft model's (the graphs hold the target's forward only);
-        # a pooling model never decodes.
+        # its padding rows), and a draft model's (the graphs hold the target's forward only; the
+        # draft's one-token steps get their own); a pooling model never decodes.
         if (not self.state_layers and self.pooler is None
                 and not (self.speculator and self.speculator.uses_kv_cache)):
             self.decode_graphs = setup_decode_graphs(self.graph_inputs(), self.backend,
                                                      self.config, self.max_model_len)
+        elif self.speculator is not None and not self.state_layers:
+            self.speculator.proposer.setup_graphs(self)
 
     def graph_inputs(self) -> GraphInputs:
         from pagedserve.models.moe import FusedMoE
