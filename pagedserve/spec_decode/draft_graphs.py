@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from pagedserve.attention.forward_context import set_forward_context
+from pagedserve.attention.layer import Attention
 from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.engine.cuda_graphs import (
     DecodeGraphs,
@@ -49,26 +50,27 @@ class DraftGraphs:
 
     def __init__(self, runner: Any, module: torch.nn.Module, forward: DraftForward,
                  logits: Callable[[torch.Tensor], torch.Tensor],
-                 hidden_size: int | None = None, capture: bool = True,
-                 sizes: list[int] | None = None) -> None:
+                 hidden_size: int | None = None, capture: bool = True) -> None:
         from pagedserve.models.moe import FusedMoE
 
         n, device = runner.max_num_reqs, runner.device
         self._runner = runner
         self._forward = forward
         self.ids = InputIds(n, n, device)
-        dtype = next(module.parameters()).dtype
         self.hidden = (None if hidden_size is None
-                       else torch.zeros(n, hidden_size, dtype=dtype, device=device))
+                       else torch.zeros(n, hidden_size, dtype=runner.dtype, device=device))
+        # Only the draft's own layers' metadata (the target's builders may differ).
+        keys = {m.metadata_key for m in module.modules() if isinstance(m, Attention)}
+        builders = {key: b for key, b in runner.builders.items() if key in keys}
         self.inputs = GraphInputs(
-            self._run_model, runner.common_builder, self.ids, runner.builders,
+            self._run_model, runner.common_builder, self.ids, builders,
             runner.num_blocks, runner.vocab_size,
             routes_experts=any(isinstance(m, FusedMoE) for m in module.modules()),
             compute_logits=logits)
         config = runner.config
-        self.sizes = sizes or graph_batch_sizes(config.scheduler.max_num_seqs,
-                                                config.scheduler.max_num_batched_tokens,
-                                                config.cuda_graph_sizes)
+        self.sizes = graph_batch_sizes(config.scheduler.max_num_seqs,
+                                       config.scheduler.max_num_batched_tokens,
+                                       config.cuda_graph_sizes)
         # Without capture the padded path runs at once; with it, `capture` fills this in.
         self.decode = None if capture else DecodeGraphs(self.inputs, self.sizes, capture=False)
 
