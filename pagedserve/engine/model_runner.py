@@ -33,13 +33,12 @@ from pagedserve.config import EngineConfig
 from pagedserve.distributed import broadcast_, tp_rank, tp_world_size
 from pagedserve.engine import guided, kv_cache_setup, runner_warmup, scoring
 from pagedserve.engine.batch_sampling import BatchSampling
-from pagedserve.engine.cuda_graphs import DecodeGraphs, GraphInputs, setup_decode_graphs
+from pagedserve.engine.cuda_graphs import DecodeGraphs, GraphInputs
 from pagedserve.engine.device_timer import DeviceTimer
 from pagedserve.engine.input_batch import InputBatch, InputIds
 from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
 from pagedserve.engine.sample_copy import SamplesToHost
 from pagedserve.engine.sampler import Sampler, SamplerOutput
-from pagedserve.engine.verify_graphs import setup_verify_graphs
 from pagedserve.kv_cache.groups import KVCacheLayout, plan_kv_cache_groups
 from pagedserve.kv_cache.specs import StateSpec
 from pagedserve.lora.manager import make_lora_manager
@@ -477,14 +476,7 @@ class ModelRunner:
             builder.warmup()
         logger.debug("backend warm-up took %.1f s", time.perf_counter() - t0)
         runner_warmup.run_warmup_steps(self)
-        # Steps of models with state layers run eagerly (a graph would need a scratch slot for
-        # its padding rows), and a draft model's (the graphs hold the target's forward only);
-        # a pooling model never decodes.
-        if (not self.state_layers and self.pooler is None
-                and not (self.speculator and self.speculator.uses_kv_cache)):
-            self.decode_graphs = setup_decode_graphs(self.graph_inputs(), self.backend,
-                                                     self.config, self.max_model_len)
-            setup_verify_graphs(self.decode_graphs, self.backend, self.config)  # 1+K tokens each
+        runner_warmup.capture_graphs(self)
 
     def graph_inputs(self) -> GraphInputs:
         from pagedserve.models.moe import FusedMoE

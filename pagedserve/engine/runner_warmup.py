@@ -1,6 +1,7 @@
 """What a ModelRunner runs before its first request: forwards over stand-in requests (for the
 memory profile, `kv_cache_setup.profile_peak_memory`) and the backend's warm-up steps through
-the whole model, so that what the backend compiles per kind of step compiles at start-up.
+the whole model, so that what the backend compiles per kind of step compiles at start-up;
+then the CUDA graphs its steps replay (`capture_graphs`).
 `runner`: the ModelRunner (its forward, its row table and limits)."""
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedserve.engine.cuda_graphs import setup_decode_graphs
 from pagedserve.engine.input_batch import InputBatch
+from pagedserve.engine.verify_graphs import setup_verify_graphs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, SchedulerOutput
 
@@ -72,3 +75,20 @@ def run_warmup_steps(runner: Any) -> None:
             torch.cuda.synchronize(runner.device)
         logger.info("%s: %d warm-up steps in %.1f s", runner.backend.get_name(), ran,
                     time.perf_counter() - t0)
+
+
+def capture_graphs(runner: Any) -> None:
+    """The CUDA graphs the runner's steps may replay: the decode steps' and the uniform
+    verify steps' (1 + K tokens each), or with a draft model or head, its one-token draft
+    steps'. Steps of models with state layers run eagerly (a graph would need a scratch slot
+    for its padding rows), and so do a draft model's target steps (the graphs would hold the
+    target's forward only); a pooling model never decodes."""
+    if runner.state_layers or runner.pooler is not None:
+        return
+    speculator = runner.speculator
+    if speculator is not None and speculator.uses_kv_cache:
+        speculator.proposer.setup_graphs(runner)
+        return
+    runner.decode_graphs = setup_decode_graphs(runner.graph_inputs(), runner.backend,
+                                               runner.config, runner.max_model_len)
+    setup_verify_graphs(runner.decode_graphs, runner.backend, runner.config)

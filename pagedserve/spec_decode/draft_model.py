@@ -9,7 +9,7 @@ both). The draft runs over every step's tokens right after the target (its K/V f
 after the samples are back, K one-token steps from each request's newest token, which write
 up to K - 1 positions past the next verify step's first: the scheduler reserves K lookahead
 slots per request for them. A rejected draft's K/V is rewritten by the next step, as the
-target's is.
+target's is. On CUDA the K steps replay graphs per padded row count (draft_graphs.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.state import StateLayer
+from pagedserve.spec_decode.draft_graphs import DraftGraphs, make_draft_graphs
 from pagedserve.spec_decode.proposer import Drafts, Proposer, StepTokens
 
 
@@ -47,6 +48,12 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"speculative_config: the draft model {model!r} has state layers, "
                              "whose state cannot be rolled back past rejected drafts")
         self.device = device
+        self.graphs: DraftGraphs | None = None  # its steps' CUDA graphs (setup_graphs)
+
+    def setup_graphs(self, runner: Any, capture: bool = True) -> None:
+        self.graphs = make_draft_graphs(runner, self.model,
+                                        lambda ids, positions, _: self.model(ids, positions),
+                                        self.model.compute_logits, capture=capture)
 
     def attention_layers(self, first_index: int) -> list[Attention]:
         """The draft's attention layers, renumbered to follow the target's `first_index`
@@ -91,19 +98,29 @@ class DraftModelProposer(Proposer):
             if copied is not None and j:
                 copied.synchronize()
             live_dev = torch.from_numpy(live).to(self.device)
-            n = len(live)
             common = runner.common_builder.build(
-                rows[live], (start[live] + j).astype(np.int32), np.ones(n, dtype=np.int32), 0,
-                table.table)
-            metadata = {key: builder.build(common) for key, builder in runner.builders.items()}
-            if copied is not None:
-                copied.record()
-            with set_forward_context(metadata, runner.kv_caches):
-                hidden = self.model(ids[live_dev], common.positions)
-            token = self.model.compute_logits(hidden[:n]).argmax(dim=-1)
+                rows[live], (start[live] + j).astype(np.int32), np.ones(len(live), np.int32),
+                0, table.table)
+            token = self._step(runner, common, ids[live_dev], copied)
             out[live_dev, j] = token
             ids = ids.clone()
             ids[live_dev] = token
         drafts.token_ids = out.cpu().numpy()  # (waits for the steps: the buffers are free)
         drafts.counts = limit.astype(np.int32)
         return drafts
+
+    def _step(self, runner: Any, common: Any, ids: torch.Tensor,
+              copied: torch.cuda.Event | None) -> torch.Tensor:
+        """One draft step over `ids` at `common`'s positions: its greedy ids, from the step's
+        graph when it has one. `copied` is recorded once the step's copies are queued."""
+        size = self.graphs.prepare(common) if self.graphs is not None else None
+        metadata = (None if size is not None else
+                    {key: builder.build(common) for key, builder in runner.builders.items()})
+        if copied is not None:
+            copied.record()
+        if size is not None:
+            hidden, token = self.graphs.replay(size, ids)
+            return token if token is not None else self.model.compute_logits(hidden).argmax(-1)
+        with set_forward_context(metadata, runner.kv_caches):
+            hidden = self.model(ids, common.positions)
+        return self.model.compute_logits(hidden[:len(ids)]).argmax(dim=-1)

@@ -13,7 +13,8 @@ hidden state, at positions up to K - 2 past the newest token (the scheduler rese
 lookahead slots). A rejected draft's head K/V is rewritten by the next step's pass, as the
 target's is. A prefix-cache hit brings the head's K/V of the hit blocks; the last hit
 position's was computed from the cached sequence's next token, which may differ: only the
-drafts can change (acceptance), never the output.
+drafts can change (acceptance), never the output. On CUDA the K - 1 one-token steps replay
+graphs per padded row count (draft_graphs.py); the catch-up pass, of any shape, runs eagerly.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
+from pagedserve.spec_decode.draft_graphs import DraftGraphs, make_draft_graphs
 from pagedserve.spec_decode.eagle_head import load_head
 from pagedserve.spec_decode.mtp_head import load_mtp_head
 from pagedserve.spec_decode.proposer import Drafts, Proposer, StepTokens
@@ -53,6 +55,11 @@ class EagleProposer(Proposer):
         self.decoder = decoder
         self.device = device
         self.max_model_len = max_model_len
+        self.graphs: DraftGraphs | None = None  # its one-token steps' CUDA graphs
+
+    def setup_graphs(self, runner: Any, capture: bool = True) -> None:
+        self.graphs = make_draft_graphs(runner, self.head, self.head, self.head.logits,
+                                        self.head.hidden_size, capture)
 
     def attention_layers(self, first_index: int) -> list[Attention]:
         attn = self.head.layer.self_attn.attn
@@ -105,8 +112,7 @@ class EagleProposer(Proposer):
             common = runner.common_builder.build(
                 step.rows[rows], (start[rows] + j - 1).astype(np.int32),
                 np.ones(n, dtype=np.int32), 0, table.table)
-            hidden = self._run(runner, common, token, hidden, copied)
-            token = self.head.draft_ids(hidden)
+            hidden, token = self._step(runner, common, token, hidden, copied)
             out[torch.from_numpy(rows).to(self.device), j] = token
         drafts.token_ids = out.cpu().numpy()
         drafts.counts = limit.astype(np.int32)
@@ -143,6 +149,20 @@ class EagleProposer(Proposer):
         last = torch.from_numpy(np.cumsum(ml) - 1).to(self.device)
         out = out[last]
         return live, out, self.head.draft_ids(out)
+
+    def _step(self, runner: Any, common: Any, ids: torch.Tensor, hidden: torch.Tensor,
+              copied: torch.cuda.Event | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: the head's hidden states and draft ids, from the step's graph when
+        it has one (the graph's greedy ids are of the head's vocabulary)."""
+        size = self.graphs.prepare(common) if self.graphs is not None else None
+        if size is None:
+            hidden = self._run(runner, common, ids, hidden, copied)
+            return hidden, self.head.draft_ids(hidden)
+        if copied is not None:
+            copied.record()
+        hidden, greedy = self.graphs.replay(size, ids, hidden)
+        return hidden, (self.head.draft_ids(hidden) if greedy is None
+                        else self.head.target_ids(greedy))
 
     def _run(self, runner: Any, common: Any, ids: torch.Tensor, hidden: torch.Tensor,
              copied: torch.cuda.Event | None) -> torch.Tensor:

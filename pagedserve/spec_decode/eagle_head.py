@@ -36,7 +36,9 @@ _FUSED = {".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1),
 
 class EagleHead(nn.Module):
     """What the proposer needs of a head: the input it builds from the target's captured hidden
-    states (`combine`), one forward, and the greedy target ids of its hidden states."""
+    states (`combine`), one forward, and the greedy target ids of its hidden states (`logits`
+    over its own vocabulary, whose argmax `target_ids` maps to the target's: the draft steps'
+    CUDA graphs hold the logits and argmax, the mapping runs after them)."""
 
     # Where its hidden input comes from: "taps" (hidden states before the target's layers
     # `tap_layers`) or "final" (the target's final-normed hidden state).
@@ -46,6 +48,7 @@ class EagleHead(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
+        self.hidden_size = config.hidden_size  # of its hidden input and output
         self.layer = LlamaDecoderLayer(config, 0, LlamaForCausalLM)
         self.rotary = RotaryEmbedding(config, self.layer.self_attn.head_dim)
         self.embed_tokens: nn.Module | None = None  # the target's unless the head ships one
@@ -58,8 +61,16 @@ class EagleHead(nn.Module):
                 hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's own vocabulary of its output hidden states."""
         raise NotImplementedError
+
+    def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Ids of the head's vocabulary as the target's. Default: the same vocabulary."""
+        return ids
+
+    def draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target_ids(self.logits(hidden).argmax(dim=-1))
 
 
 class Eagle3Head(EagleHead):
@@ -94,8 +105,10 @@ class Eagle3Head(EagleHead):
         x, residual = layer.post_attention_layernorm(x, residual)
         return layer.mlp(x) + residual
 
-    def draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
-        ids = self.lm_head(self.norm(hidden)).argmax(dim=-1)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids + self.d2t[ids]
 
 
@@ -118,8 +131,8 @@ class Eagle1Head(EagleHead):
         x, residual = layer.post_attention_layernorm(x, residual)
         return layer.mlp(x) + residual
 
-    def draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target_head(hidden).argmax(dim=-1)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target_head(hidden)
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -33,6 +33,7 @@ class MtpHead(EagleHead):
     def __init__(self, stack: nn.Module, hidden_size: int, eps: float) -> None:
         nn.Module.__init__(self)
         self.stack = stack  # the one-layer model: layers.0, norm (shared_head.norm), lm_head
+        self.hidden_size = hidden_size
         self.layer = stack.model.layers[0]
         self.enorm = RMSNorm(hidden_size, eps)
         self.hnorm = RMSNorm(hidden_size, eps)
@@ -49,8 +50,8 @@ class MtpHead(EagleHead):
         out, residual = self.layer(positions, x, None, self.stack.model.rotary_emb)
         return out + residual
 
-    def draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.stack.compute_logits(self.stack.model.norm(hidden)).argmax(dim=-1)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.stack.compute_logits(self.stack.model.norm(hidden))
 
 
 def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype,

@@ -72,6 +72,12 @@ class Proposer:
         step and hands it back as `StepTokens.captured`."""
         return None
 
+    def setup_graphs(self, runner: Any, capture: bool = True) -> None:
+        """At start-up, where the runner could capture decode graphs: a proposer with K/V of
+        its own captures its one-token draft steps in CUDA graphs (spec_decode/draft_graphs.py;
+        left eager where that fails); `capture=False` keeps their padded path but runs it
+        eagerly (tests without CUDA). Default: nothing to capture."""
+
     def add_request(self, request_id: str) -> None:
         """A request the proposer will be asked about."""
 

@@ -37,6 +37,7 @@ class Qwen3NextMtpHead(EagleHead):
     def __init__(self, stack: nn.Module, hidden_size: int, eps: float) -> None:
         nn.Module.__init__(self)
         self.stack = stack  # the one-layer model: layers.0, norm, the target's head
+        self.hidden_size = hidden_size
         self.layer = stack.model.layers[0]
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden_size, eps)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden_size, eps)
@@ -52,8 +53,8 @@ class Qwen3NextMtpHead(EagleHead):
         out, residual = self.layer(positions, x, None, self.stack.model.rotary_emb)
         return self.stack.model.norm(out, residual)[0]
 
-    def draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.stack.compute_logits(hidden).argmax(dim=-1)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.stack.compute_logits(hidden)
 
 
 def load_qwen3_next_mtp(own: dict[str, torch.Tensor], target: nn.Module, dtype: torch.dtype,
