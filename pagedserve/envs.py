@@ -50,6 +50,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _lower("PAGEDSERVE_STATE_KERNELS", "auto"),
         "state layers' kernels on CUDA (Mamba, Mamba-2, gated delta net, short conv, linear "
         "attention): auto (Triton) or torch (the reference ops)"),
+    "PAGEDSERVE_REJECTION_SAMPLER": (
+        _lower("PAGEDSERVE_REJECTION_SAMPLER", "auto"),
+        "speculative decoding's rejection sampler on CUDA: auto (its Triton kernel for the "
+        "acceptance walk and the residual sample) or torch (the vectorised torch path)"),
     "PAGEDSERVE_DIST_TIMEOUT_S": (
         lambda: float(os.environ.get("PAGEDSERVE_DIST_TIMEOUT_S") or 120.0),
         "tensor parallelism: seconds a collective may wait for a rank (a rank that hangs) "
