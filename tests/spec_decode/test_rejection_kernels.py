@@ -168,3 +168,17 @@ def test_kernel_equals_torch_on_cuda_at_a_real_shape(kinds, draft_probs):
         batch = Batch(seed, b=64, kmax=4, vocab=128_256, kinds=kinds, draft_probs=draft_probs,
                       device=cuda)
         _assert_same(batch)
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_its_smoke_shapes():
+    """benchmarks/rejection_sampler.py --smoke: both paths' tokens agree on every row."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "benchmarks/rejection_sampler.py", "--smoke"],
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.count("True") == 18 and "False" not in out
