@@ -67,6 +67,23 @@ def _race(probs_ptr, noise_ptr, q_ptr, draft, vocab_size, SUBTRACT: tl.constexpr
 
 
 @triton.jit
+def _random_final(row_probs, row_noise, q_row, draft, rejected, vocab_size,
+                  HAS_DRAFT_PROBS: tl.constexpr, BLOCK: tl.constexpr):
+    """A random request's final token: a sample of max(p - q, 0) at its first rejected
+    position (of p where that has no mass left), of p after its last draft."""
+    if rejected:
+        final, mass = _race(row_probs, row_noise, q_row, draft, vocab_size, True,
+                            not HAS_DRAFT_PROBS, BLOCK)
+        if mass <= 0.0:  # p was q's up to rounding: nothing left to subtract from
+            final, mass = _race(row_probs, row_noise, q_row, draft, vocab_size, False, False,
+                                BLOCK)
+    else:  # every draft kept: the bonus token
+        final, mass = _race(row_probs, row_noise, q_row, draft, vocab_size, False, False,
+                            BLOCK)
+    return final.to(tl.int64)
+
+
+@triton.jit
 def _rejection_kernel(tokens_ptr, num_drafts_ptr, row_start_ptr, drafts_ptr, argmax_ptr,
                       is_greedy_ptr, probs_ptr, draft_probs_ptr, uniforms_ptr, noise_ptr,
                       vocab_size, kmax, dp_stride_b, dp_stride_k, noise_stride,
@@ -78,43 +95,33 @@ def _rejection_kernel(tokens_ptr, num_drafts_ptr, row_start_ptr, drafts_ptr, arg
     j = tl.arange(0, KBLOCK)
     valid = j < k
     drafts = tl.load(drafts_ptr + b * kmax + j, mask=valid, other=0)
-    if ALL_GREEDY:
-        greedy = True
-    else:
+    # Greedy's rule first; a random row replaces it. (ALL_GREEDY leaves the random code, and
+    # its float pointers, out of the compiled kernel.)
+    passed = tl.load(argmax_ptr + row_start + j, mask=valid, other=-1) == drafts
+    if not ALL_GREEDY:
         greedy = tl.load(is_greedy_ptr + b) != 0
-    if greedy:
-        passed = tl.load(argmax_ptr + row_start + j, mask=valid, other=-1) == drafts
-    else:
-        p = tl.load(probs_ptr + (row_start + j) * vocab_size + drafts, mask=valid, other=0.0)
-        u = tl.load(uniforms_ptr + b * kmax + j, mask=valid, other=1.0)
-        if HAS_DRAFT_PROBS:
-            q = tl.load(draft_probs_ptr + b * dp_stride_b + j * dp_stride_k + drafts,
-                        mask=valid, other=1.0)
-            passed = p >= u * q
-        else:
-            passed = p >= u
+        if not greedy:
+            p = tl.load(probs_ptr + (row_start + j) * vocab_size + drafts, mask=valid,
+                        other=0.0)
+            u = tl.load(uniforms_ptr + b * kmax + j, mask=valid, other=1.0)
+            if HAS_DRAFT_PROBS:
+                q = tl.load(draft_probs_ptr + b * dp_stride_b + j * dp_stride_k + drafts,
+                            mask=valid, other=1.0)
+                passed = p >= u * q
+            else:
+                passed = p >= u
     # The first lane that fails (or k): the drafts kept.
     accepted = tl.min(tl.where(passed & valid, KBLOCK, j), axis=0).to(tl.int64)
     accepted = tl.minimum(accepted, k)
     last = row_start + accepted
-    if greedy:
-        final = tl.load(argmax_ptr + last).to(tl.int64)
-    else:
-        rejected = accepted < k
-        draft = tl.sum(tl.where(j == accepted, drafts, 0), axis=0)  # 0 when none rejected
-        row_probs = probs_ptr + last * vocab_size
-        row_noise = noise_ptr + b * noise_stride
-        q_row = draft_probs_ptr + b * dp_stride_b + tl.minimum(accepted, kmax - 1) * dp_stride_k
-        if rejected:
-            final, mass = _race(row_probs, row_noise, q_row, draft, vocab_size, True,
-                                not HAS_DRAFT_PROBS, BLOCK)
-            if mass <= 0.0:  # p was q's up to rounding: nothing left to subtract from
-                final, mass = _race(row_probs, row_noise, q_row, draft, vocab_size, False,
-                                    False, BLOCK)
-        else:  # every draft kept: the bonus token, a sample of p
-            final, mass = _race(row_probs, row_noise, q_row, draft, vocab_size, False,
-                                False, BLOCK)
-        final = final.to(tl.int64)
+    final = tl.load(argmax_ptr + last).to(tl.int64)
+    if not ALL_GREEDY:
+        if not greedy:
+            final = _random_final(probs_ptr + last * vocab_size, noise_ptr + b * noise_stride,
+                                  draft_probs_ptr + b * dp_stride_b
+                                  + tl.minimum(accepted, kmax - 1) * dp_stride_k,
+                                  tl.sum(tl.where(j == accepted, drafts, 0), axis=0),
+                                  accepted < k, vocab_size, HAS_DRAFT_PROBS, BLOCK)
     w = kmax + 1
     jw = tl.arange(0, 2 * KBLOCK)
     kept = tl.load(drafts_ptr + b * kmax + jw, mask=jw < accepted, other=0)
