@@ -4,6 +4,9 @@
         [--vocab 128256] [--modes greedy,ngram,probs] [--iters 30] [--json FILE]
     python benchmarks/rejection_sampler.py --smoke   # tiny shapes on the CPU, Triton's
                                                      # interpreter: the check alone, no times
+    python benchmarks/rejection_sampler.py --compile 90 [--triton-path DIR]
+        # no GPU needed: compiles the kernel's variants for sm_90 with that triton (the
+        # device's may be older than this machine's)
 
 Every request of a row has K drafts, each the target's argmax at its position 70% of the time
 (else a random token), so walks stop at every depth. Modes: `greedy` (temperature 0), `ngram`
@@ -27,6 +30,10 @@ import sys
 
 if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
+if "--compile" in sys.argv:  # a real compile, with the triton asked for
+    os.environ.pop("TRITON_INTERPRET", None)
+    if "--triton-path" in sys.argv:
+        sys.path.insert(0, sys.argv[sys.argv.index("--triton-path") + 1])
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -120,6 +127,36 @@ def run_row(b: int, k: int, vocab: int, mode: str, iters: int, device: torch.dev
     }
 
 
+def compile_variants(arch: int) -> None:
+    """Compile every variant a launch can ask for (all greedy, random with and without draft
+    probabilities, K of 1 to 8) for sm_`arch` and print their cubin sizes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedserve.spec_decode import rejection_kernels as rk
+
+    ints = ("vocab_size", "kmax", "dp_stride_b", "dp_stride_k", "noise_stride")
+    ptrs = {"tokens_ptr": "*i64", "num_drafts_ptr": "*i64", "row_start_ptr": "*i64",
+            "drafts_ptr": "*i64", "argmax_ptr": "*i64", "is_greedy_ptr": "*i1"}
+    print(f"triton {triton.__version__}, target sm_{arch}")
+    for all_greedy, with_q in ((True, False), (False, False), (False, True)):
+        floats = "*i64" if all_greedy else "*fp32"  # an all-greedy launch passes argmax
+        sig = {**ptrs, "probs_ptr": floats, "draft_probs_ptr": "*fp32" if with_q else "*i64",
+               "uniforms_ptr": floats, "noise_ptr": floats, **dict.fromkeys(ints, "i32"),
+               **dict.fromkeys(("ALL_GREEDY", "HAS_DRAFT_PROBS", "KBLOCK", "BLOCK"),
+                               "constexpr")}
+        for kblock in (1, 2, 4, 8):
+            consts = {"ALL_GREEDY": all_greedy, "HAS_DRAFT_PROBS": with_q, "KBLOCK": kblock,
+                      "BLOCK": rk.BLOCK_V}
+            compiled = triton.compile(
+                ASTSource(rk._rejection_kernel, sig, constexprs=consts),
+                target=GPUTarget("cuda", arch, 32),
+                options={"num_warps": 1 if all_greedy else 8})
+            print(f"all_greedy={all_greedy!s:5} draft_probs={with_q!s:5} KBLOCK={kblock}: "
+                  f"{len(compiled.asm['cubin'])} bytes of cubin")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch-sizes", default="1,4,16,64,256")
@@ -130,7 +167,13 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--smoke", action="store_true",
                     help="B 1,3 / K 0..2 / V 64 on the CPU in the interpreter, no timing")
+    ap.add_argument("--compile", type=int, metavar="ARCH",
+                    help="compile the kernel for sm_ARCH without a GPU, then stop")
+    ap.add_argument("--triton-path", help="with --compile: a directory holding that triton")
     args = ap.parse_args()
+    if args.compile:
+        compile_variants(args.compile)
+        return
     if args.smoke:
         device = torch.device("cpu")
         args.batch_sizes, args.ks, args.vocab, args.iters = "1,3", "0,1,2", 64, 0
