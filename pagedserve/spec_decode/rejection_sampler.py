@@ -19,8 +19,9 @@ the only Python loop is over seeded requests, as in the sampler.
 
 On CUDA the acceptance walk, the output assembly and the residual / bonus sample run as one
 Triton kernel (rejection_kernels.py) after the same processing and the same random draws
-(`_draws`), so both paths give the same tokens; PAGEDSERVE_REJECTION_SAMPLER=torch keeps the
-torch path there. The synthetic acceptance mode (timing only) always runs in torch.
+(`_draws`), so both paths give the same tokens. PAGEDSERVE_REJECTION_SAMPLER=torch keeps the
+torch path there, =triton runs the kernel anywhere (Triton's interpreter on the CPU). The
+synthetic acceptance mode (timing only) always runs in torch.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ class RejectionSampler:
                  use_kernel: bool | None = None) -> None:
         # Testing only: drafts kept at this rate per position whatever the target says.
         self.synthetic_rate = synthetic_acceptance_rate
-        # None: the Triton kernel on CUDA (unless PAGEDSERVE_REJECTION_SAMPLER=torch), torch
-        # elsewhere. True forces it (CPU tensors need TRITON_INTERPRET=1), False forces torch.
+        # None: as PAGEDSERVE_REJECTION_SAMPLER says (auto: the Triton kernel on CUDA, torch
+        # elsewhere). True forces the kernel (CPU tensors need TRITON_INTERPRET=1), False
+        # forces torch.
         self.use_kernel = use_kernel
+        if use_kernel is None:
+            _path_asked()  # a bad value refused at start-up, not at the first verify step
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata, layout: VerifyLayout,
                  draft_probs: Tensor | None = None) -> SamplerOutput:
@@ -93,7 +97,10 @@ class RejectionSampler:
             return False
         if self.use_kernel is not None:
             return self.use_kernel
-        if device.type != "cuda" or envs.PAGEDSERVE_REJECTION_SAMPLER == "torch":
+        choice = _path_asked()
+        if choice == "triton":
+            return True
+        if device.type != "cuda" or choice == "torch":
             return False
         try:
             import triton  # noqa: F401
@@ -161,6 +168,13 @@ class RejectionSampler:
                                                            device=device)], dim=1)
         tokens = torch.where(j[None, :] < accepted[:, None], padded, -1)
         return tokens.scatter(1, accepted[:, None], final[:, None])
+
+
+def _path_asked() -> str:
+    choice = envs.PAGEDSERVE_REJECTION_SAMPLER
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"PAGEDSERVE_REJECTION_SAMPLER={choice!r}: use auto, torch or triton")
+    return choice
 
 
 def _remove_draft(residual: Tensor, rejected: Tensor, accepted: Tensor, layout: VerifyLayout,

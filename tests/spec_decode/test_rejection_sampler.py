@@ -152,3 +152,9 @@ def test_penalties_count_the_drafts_before_each_position():
     assert counts[:, [1, 3, 5, 7]].tolist() == [
         [0, 0, 0, 1], [0, 1, 0, 1], [0, 2, 0, 1], [0, 2, 1, 1],  # request 0's four rows
         [0, 0, 0, 2], [1, 0, 0, 2]]  # request 1's two rows
+
+
+def test_an_unknown_path_is_refused_at_start_up(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_REJECTION_SAMPLER", "fast")
+    with pytest.raises(ValueError, match="PAGEDSERVE_REJECTION_SAMPLER='fast': use auto, torch"):
+        RejectionSampler()
