@@ -171,6 +171,7 @@ def rejection_tokens_triton(argmax: torch.Tensor, probs: torch.Tensor | None,
         tokens, num_drafts, row_start, drafts, argmax, is_greedy, probs, dp, uniforms, noise,
         vocab_size, kmax, dp_stride_b, dp_stride_k, noise_stride, ALL_GREEDY=all_greedy,
         HAS_DRAFT_PROBS=draft_probs is not None,
-        KBLOCK=triton.next_power_of_2(max(kmax, 1)), BLOCK=BLOCK_V,
+        KBLOCK=triton.next_power_of_2(max(kmax, 1)),
+        BLOCK=min(BLOCK_V, triton.next_power_of_2(max(vocab_size, 1))),
         num_warps=1 if all_greedy else 8)
     return tokens

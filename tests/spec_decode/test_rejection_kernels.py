@@ -23,6 +23,9 @@ from pagedserve.spec_decode.verify import build_layout
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
+pytest.importorskip("triton")
+from pagedserve.spec_decode.rejection_kernels import rejection_tokens_triton  # noqa: E402
+
 CPU = torch.device("cpu")
 
 
@@ -111,6 +114,34 @@ def test_kernel_gives_the_torch_paths_tokens(kinds, draft_probs):
 def test_kernel_without_drafts_or_with_one(kmax):
     for kinds in ("greedy", "mixed"):
         _assert_same(Batch(5, b=6, kmax=kmax, vocab=40, kinds=kinds, draft_probs=False))
+
+
+def test_kernel_over_several_vocabulary_blocks():
+    """A vocabulary of 4,500: the race runs over three blocks of 2,048, the last partial."""
+    for kinds, draft_probs in (("mixed", True), ("random", False)):
+        _assert_same(Batch(9, b=5, kmax=3, vocab=4500, kinds=kinds, draft_probs=draft_probs))
+
+
+def test_equal_scores_go_to_the_lowest_token_as_torchs_argmax():
+    """Equal race scores within a block and across blocks: the lowest token id wins."""
+    vocab = 4500
+    probs = torch.zeros(1, vocab)
+    probs[0, [2100, 4200, 2200]] = torch.tensor([0.25, 0.25, 0.125])
+    probs[0, 0] = 0.375
+    noise = torch.ones(1, vocab)
+    noise[0, 0] = 2.0  # token 0 scores 0.1875: the tie at 0.25 is between 2100 and 4200
+    none = torch.zeros(1, dtype=torch.int64)
+    tokens = rejection_tokens_triton(
+        none.clone(), probs, none, none, torch.zeros(1, 0, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.bool), None, None, noise)
+    assert tokens.tolist() == [[2100]]
+    probs[0, 2201] = 0.125  # and within a block: 2200 and 2201 tie, 2100 and 4200 gone
+    probs[0, [2100, 4200]] = 0.0
+    noise[0, 0] = 4.0
+    tokens = rejection_tokens_triton(
+        none.clone(), probs, none, none, torch.zeros(1, 0, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.bool), None, None, noise)
+    assert tokens.tolist() == [[2200]]
 
 
 def test_kernel_falls_back_to_p_where_the_residual_is_empty():
