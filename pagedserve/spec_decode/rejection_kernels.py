@@ -21,8 +21,9 @@ Kernel `_rejection_kernel`
            every draft position in advance, K times the vocabulary reads.
   layout:  argmax [N] int64; probs [N, V] float32 contiguous; drafts [B, Kmax] int64
            contiguous; uniforms [B, Kmax] float32 contiguous; noise [B, V] float32 with unit
-           column stride; draft_probs [B, Kmax, V] float32 with unit vocabulary stride; the
-           output [B, Kmax + 1] int64.
+           column stride; draft_probs [B, Kmax, V] float32 with unit vocabulary stride;
+           is_greedy [B] bool; the output [B, Kmax + 1] int64. The race reads the vocabulary
+           in blocks of BLOCK_V (fewer for a smaller vocabulary).
   exact:   the same comparisons and correctly rounded divisions as torch (`div_rn`), and the
            lowest index among equal scores as torch's argmax: equal tokens for equal draws.
 """
@@ -147,10 +148,12 @@ def rejection_tokens_triton(argmax: torch.Tensor, probs: torch.Tensor | None,
         return tokens
     if all_greedy:
         probs = noise = uniforms = argmax  # never read
-        vocab_size, noise_stride = 0, 0
+        vocab_size, noise_stride, draft_probs = 0, 0, None
     else:
         assert probs.dtype == torch.float32 and probs.is_contiguous()
-        assert probs.shape[0] == argmax.shape[0] and is_greedy.shape == (b,)
+        assert probs.shape[0] == argmax.shape[0]
+        assert is_greedy.dtype == torch.bool and is_greedy.shape == (b,)
+        assert is_greedy.is_contiguous()
         vocab_size = probs.shape[1]
         assert noise.dtype == torch.float32 and noise.shape == (b, vocab_size)
         assert noise.stride(1) == 1

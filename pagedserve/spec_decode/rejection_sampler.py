@@ -61,6 +61,8 @@ class RejectionSampler:
         request's kept tokens, and (when asked) logprobs of the target's raw distribution
         for rows b * (Kmax + 1) + j."""
         logits = logits.to(torch.float32)
+        if draft_probs is not None:  # (both paths compare in float32)
+            draft_probs = draft_probs.to(torch.float32)
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if meta.max_num_logprobs is not None else None)
         rows = expand_metadata(meta, layout)

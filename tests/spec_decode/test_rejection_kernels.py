@@ -97,7 +97,8 @@ def _assert_same(batch: Batch, draft_probs: torch.Tensor | None = None) -> torch
 
 
 @pytest.mark.parametrize("kinds,draft_probs", [
-    ("greedy", False), ("random", False), ("random", True), ("mixed", False), ("mixed", True)])
+    ("greedy", False), ("greedy", True), ("random", False), ("random", True), ("mixed", False),
+    ("mixed", True)])
 def test_kernel_gives_the_torch_paths_tokens(kinds, draft_probs):
     kept_all = first_rejected = 0
     for seed in range(3):
