@@ -50,6 +50,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _lower("PAGEDSERVE_STATE_KERNELS", "auto"),
         "state layers' kernels on CUDA (Mamba, Mamba-2, gated delta net, short conv, linear "
         "attention): auto (Triton) or torch (the reference ops)"),
+    "PAGEDSERVE_REJECTION_SAMPLER": (
+        _lower("PAGEDSERVE_REJECTION_SAMPLER", "auto"),
+        "speculative decoding's rejection sampler: auto (on CUDA its Triton kernel for the "
+        "acceptance walk and the residual sample, elsewhere vectorised torch), torch, or "
+        "triton (the kernel on any device; CPU tensors need TRITON_INTERPRET=1)"),
     "PAGEDSERVE_DIST_TIMEOUT_S": (
         lambda: float(os.environ.get("PAGEDSERVE_DIST_TIMEOUT_S") or 120.0),
         "tensor parallelism: seconds a collective may wait for a rank (a rank that hangs) "

@@ -655,6 +655,14 @@ stage_wave25bench() {  # issue #54's LoRA rows and #49's EAGLE-3 row on the 8B s
     echo "exit $?" >>"$OUT/eagle3.log"; tail -8 "$OUT/eagle3.log"
 }
 
+stage_wave25rej() {  # issue #49's rejection sampler: torch against the Triton kernel, B
+    # 1..256, K 1..4, V 128,256 (both paths' tokens checked equal on every row)
+    setup_env
+    timeout 300 python3 benchmarks/rejection_sampler.py --json "$OUT/rejection.json" \
+        >"$OUT/rejection.log" 2>&1
+    echo "exit $?" >>"$OUT/rejection.log"; tail -64 "$OUT/rejection.log"
+}
+
 stage_wave25embed() {  # issue #52's rows: bge-base and Qwen3-Embedding-0.6B shapes beside
     # sentence-transformers, and /v1/embeddings at 16 texts a request
     setup_env

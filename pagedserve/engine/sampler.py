@@ -293,16 +293,23 @@ def _exponential_(noise: Tensor, generator: torch.Generator | None = None) -> Te
     return noise.exponential_(generator=generator)
 
 
-def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
-    """Sample one index per row: argmax(p / E) with E ~ Exp(1) is distributed as p."""
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
+def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Generator],
+                      device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Exp(1) draws [rows, V], clamped to >= tiny: row r from generators[r] where seeded
+    (V draws of its own), the others from the global generator."""
+    noise = torch.empty(shape, dtype=dtype, device=device)
+    if len(generators) < shape[0]:
         _exponential_(noise)
     for row, gen in generators.items():
         # A row's own V draws: its token depends only on its seed, never on the batch.
         _exponential_(noise[row], gen)
     # exponential_ may return exactly 0; 0/0 = nan would win argmax on a masked token.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
+    """Sample one index per row: argmax(p / E) with E ~ Exp(1) is distributed as p."""
+    noise = exponential_noise(probs.shape, generators, probs.device, probs.dtype)
     return probs.div_(noise).argmax(dim=-1)
 
 

@@ -16,6 +16,12 @@ it, temperature, top-k / top-p / min-p): one expanded SamplingMetadata over ever
 A seeded request draws its uniforms and noise from its own generator only, so its tokens
 depend on its seed and its own drafts, never on the batch. Vectorised torch over the batch;
 the only Python loop is over seeded requests, as in the sampler.
+
+On CUDA the acceptance walk, the output assembly and the residual / bonus sample run as one
+Triton kernel (rejection_kernels.py) after the same processing and the same random draws
+(`_draws`), so both paths give the same tokens. PAGEDSERVE_REJECTION_SAMPLER=torch keeps the
+torch path there, =triton runs the kernel anywhere (Triton's interpreter on the CPU). The
+synthetic acceptance mode (timing only) always runs in torch.
 """
 
 from __future__ import annotations
@@ -25,21 +31,29 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from pagedserve import envs
 from pagedserve.engine.sampler import (
     SamplerOutput,
     SamplingMetadata,
-    _exponential_race,
     _gather_logprobs,
     apply_penalties,
     apply_top_k_top_p_min_p,
+    exponential_noise,
 )
 from pagedserve.spec_decode.verify import VerifyLayout
 
 
 class RejectionSampler:
-    def __init__(self, synthetic_acceptance_rate: float | None = None) -> None:
+    def __init__(self, synthetic_acceptance_rate: float | None = None,
+                 use_kernel: bool | None = None) -> None:
         # Testing only: drafts kept at this rate per position whatever the target says.
         self.synthetic_rate = synthetic_acceptance_rate
+        # None: as PAGEDSERVE_REJECTION_SAMPLER says (auto: the Triton kernel on CUDA, torch
+        # elsewhere). True forces the kernel (CPU tensors need TRITON_INTERPRET=1), False
+        # forces torch.
+        self.use_kernel = use_kernel
+        if use_kernel is None:
+            _path_asked()  # a bad value refused at start-up, not at the first verify step
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata, layout: VerifyLayout,
                  draft_probs: Tensor | None = None) -> SamplerOutput:
@@ -47,6 +61,8 @@ class RejectionSampler:
         request's kept tokens, and (when asked) logprobs of the target's raw distribution
         for rows b * (Kmax + 1) + j."""
         logits = logits.to(torch.float32)
+        if draft_probs is not None:  # (both paths compare in float32)
+            draft_probs = draft_probs.to(torch.float32)
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if meta.max_num_logprobs is not None else None)
         rows = expand_metadata(meta, layout)
@@ -56,8 +72,17 @@ class RejectionSampler:
         if not meta.all_greedy:
             scaled = processed / rows.temperature.unsqueeze(1)
             probs = apply_top_k_top_p_min_p(scaled, rows).softmax(dim=-1)
-        accepted = self._accepted(argmax, probs, meta, layout, draft_probs)
-        tokens = self._tokens(accepted, argmax, probs, meta, layout, draft_probs)
+        uniforms, noise = self._draws(probs, meta, layout)
+        if self._kernel(logits.device):
+            from pagedserve.spec_decode.rejection_kernels import rejection_tokens_triton
+
+            tokens = rejection_tokens_triton(
+                argmax, probs, torch.from_numpy(layout.num_drafts).to(logits.device),
+                layout.row_start_dev, layout.drafts_dev, meta.is_greedy, draft_probs,
+                uniforms, noise)
+        else:
+            accepted = self._accepted(argmax, probs, meta, layout, draft_probs, uniforms)
+            tokens = self._tokens(accepted, argmax, probs, meta, layout, draft_probs, noise)
         if raw_logprobs is None:
             return SamplerOutput(tokens)
         width = layout.width
@@ -68,8 +93,42 @@ class RejectionSampler:
                               meta.max_num_logprobs or 0)
         return SamplerOutput(tokens, lp.logprobs, lp.token_ids, lp.ranks)
 
+    def _kernel(self, device: torch.device) -> bool:
+        """Whether this call runs the Triton kernel (never for synthetic acceptance)."""
+        if self.synthetic_rate is not None:
+            return False
+        if self.use_kernel is not None:
+            return self.use_kernel
+        choice = _path_asked()
+        if choice == "triton":
+            return True
+        if device.type != "cuda" or choice == "torch":
+            return False
+        try:
+            import triton  # noqa: F401
+        except ImportError:  # a CUDA install without triton: the torch path, same tokens
+            return False
+        return True
+
+    def _draws(self, probs: Tensor | None, meta: SamplingMetadata, layout: VerifyLayout
+               ) -> tuple[Tensor | None, Tensor | None]:
+        """The step's random draws, the same for both paths: uniforms [B, Kmax] (synthetic
+        acceptance's own draws when set), then Exp(1) noise [B, V] for the replacement or
+        bonus sample; None where not needed (greedy batches, no drafts)."""
+        b, kmax = layout.drafts.shape
+        device = layout.drafts_dev.device
+        uniforms = None
+        if kmax and self.synthetic_rate is not None:
+            uniforms = torch.rand(b, kmax, device=device)
+        elif kmax and probs is not None:
+            uniforms = _uniforms(layout, meta.generators, device)
+        noise = (None if probs is None else
+                 exponential_noise((b, probs.shape[1]), meta.generators, device))
+        return uniforms, noise
+
     def _accepted(self, argmax: Tensor, probs: Tensor | None, meta: SamplingMetadata,
-                  layout: VerifyLayout, draft_probs: Tensor | None) -> Tensor:
+                  layout: VerifyLayout, draft_probs: Tensor | None,
+                  u: Tensor | None) -> Tensor:
         """[B] drafts kept per request (leading positions that pass)."""
         b, kmax = layout.drafts.shape
         device = argmax.device
@@ -80,11 +139,10 @@ class RejectionSampler:
         valid = j[None, :] < torch.from_numpy(layout.num_drafts).to(device)[:, None]
         at = (layout.row_start_dev[:, None] + j[None, :]).clamp_max(argmax.shape[0] - 1)
         if self.synthetic_rate is not None:
-            passed = torch.rand(b, kmax, device=device) < self.synthetic_rate
+            passed = u < self.synthetic_rate
         else:
             passed = argmax[at] == drafts
             if probs is not None:
-                u = _uniforms(layout, meta.generators, device)
                 p = probs[at, drafts]
                 q = (torch.ones_like(p) if draft_probs is None
                      else draft_probs.gather(2, drafts[..., None])[..., 0])
@@ -93,8 +151,8 @@ class RejectionSampler:
         return passed.long().cumprod(dim=1).sum(dim=1)
 
     def _tokens(self, accepted: Tensor, argmax: Tensor, probs: Tensor | None,
-                meta: SamplingMetadata, layout: VerifyLayout,
-                draft_probs: Tensor | None) -> Tensor:
+                meta: SamplingMetadata, layout: VerifyLayout, draft_probs: Tensor | None,
+                noise: Tensor | None) -> Tensor:
         """[B, Kmax+1]: the kept drafts, then the replacement or bonus token, then -1."""
         b, kmax = layout.drafts.shape
         device = argmax.device
@@ -105,13 +163,20 @@ class RejectionSampler:
             rejected = accepted < torch.from_numpy(layout.num_drafts).to(device)
             if self.synthetic_rate is None and layout.drafts.shape[1]:  # (no sync on .any())
                 residual = _remove_draft(residual, rejected, accepted, layout, draft_probs)
-            sampled = _exponential_race(residual, meta.generators)
+            sampled = residual.div_(noise).argmax(dim=-1)  # argmax(r / E): a sample of r
             final = torch.where(meta.is_greedy, final, sampled)
         j = torch.arange(kmax + 1, device=device)
         padded = torch.cat([layout.drafts_dev, torch.zeros(b, 1, dtype=torch.int64,
                                                            device=device)], dim=1)
         tokens = torch.where(j[None, :] < accepted[:, None], padded, -1)
         return tokens.scatter(1, accepted[:, None], final[:, None])
+
+
+def _path_asked() -> str:
+    choice = envs.PAGEDSERVE_REJECTION_SAMPLER
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"PAGEDSERVE_REJECTION_SAMPLER={choice!r}: use auto, torch or triton")
+    return choice
 
 
 def _remove_draft(residual: Tensor, rejected: Tensor, accepted: Tensor, layout: VerifyLayout,

@@ -352,3 +352,29 @@ def test_cuda_greedy_equals_no_speculation(tmp_path, make_llm, backend, method):
                       **kwargs)
     _assert_same(got, want)
     assert stats.spec_decode_num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rejection_kernel_gives_the_torch_paths_tokens(tiny_path, make_llm, monkeypatch,
+                                                       device):
+    """Seeded random rows (filters, logprobs) beside greedy ones, n-gram drafts: the rejection
+    sampler's Triton kernel (the interpreter on the CPU) keeps and samples the tokens its
+    torch path does (a seeded request's draws are its own, whichever path runs)."""
+    import os
+
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel on the CPU needs TRITON_INTERPRET=1")
+    prompts = _prompts()[:6]
+    params = [SamplingParams(temperature=0.8, top_k=12, top_p=0.95, seed=s, max_tokens=20,
+                             ignore_eos=True, logprobs=1) for s in range(4)]
+    params += [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)] * 2
+    kwargs = {} if device == "cpu" else dict(device="cuda", attention_backend="TRITON",
+                                             engine_core_process=False)
+    monkeypatch.setenv("PAGEDSERVE_REJECTION_SAMPLER", "torch")
+    want, _ = _run(make_llm, tiny_path, prompts, params, NGRAM,
+                   **kwargs, **({} if device == "cpu" else {"gpu_memory_utilization": 0.25}))
+    monkeypatch.setenv("PAGEDSERVE_REJECTION_SAMPLER", "triton")
+    got, stats = _run(make_llm, tiny_path, prompts, params, NGRAM,
+                      **kwargs, **({} if device == "cpu" else {"gpu_memory_utilization": 0.6}))
+    _assert_same(got, want)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens

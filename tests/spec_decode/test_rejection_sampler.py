@@ -2,11 +2,15 @@
 (acceptance rate 1.0, mean acceptance length K+1), the kept-then-replaced token distributed
 as the target's own sample (chi-squared over 10^6 requests in one vectorised call), top-k and
 temperature honoured, seeded rows reproducible, penalties counting the drafts before each
-position."""
+position. The greedy rules and the distribution also through the Triton kernel (in the
+interpreter on the CPU; the million requests on CUDA, gpu)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import pytest
 import torch
 
 from pagedserve import SamplingParams
@@ -16,28 +20,33 @@ from pagedserve.spec_decode.rejection_sampler import RejectionSampler, expand_me
 from pagedserve.spec_decode.verify import build_layout
 
 CPU = torch.device("cpu")
+kernel = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernel needs CUDA or TRITON_INTERPRET=1")
 
 
-def _meta(params, vocab, generators=None, outputs=None):
+def _meta(params, vocab, generators=None, outputs=None, device=CPU):
     n = len(params)
     return SamplingMetadata.build(params, [[]] * n, outputs or [[]] * n, generators or {},
-                                  None, vocab, CPU)
+                                  None, vocab, device)
 
 
-def _layout(drafts: list[list[int]]):
+def _layout(drafts: list[list[int]], device=CPU):
     num = np.array([len(d) for d in drafts], dtype=np.int32)
     qsl = np.concatenate([[0], np.cumsum(num + 1)]).astype(np.int32)
-    return build_layout(num, drafts, qsl, CPU)
+    return build_layout(num, drafts, qsl, device)
 
 
-def test_greedy_keeps_drafts_until_the_first_mismatch_then_adds_the_target_token():
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=kernel)])
+def test_greedy_keeps_drafts_until_the_first_mismatch_then_adds_the_target_token(use_kernel):
     vocab = 6
     # Request 0: target argmaxes 1, 2, 3, 4; drafts 1, 2, 5 -> keeps 1, 2, then 3.
     # Request 1: no drafts -> argmax 0. Request 2: drafts 4, 4 all right -> bonus 5.
     argmax = [1, 2, 3, 4, 0, 4, 4, 5]
     logits = torch.nn.functional.one_hot(torch.tensor(argmax), vocab).float() * 5
     layout = _layout([[1, 2, 5], [], [4, 4]])
-    out = RejectionSampler()(logits, _meta([SamplingParams(temperature=0)] * 3, vocab), layout)
+    out = RejectionSampler(use_kernel=use_kernel)(
+        logits, _meta([SamplingParams(temperature=0)] * 3, vocab), layout)
     assert out.sampled_token_ids.tolist() == [[1, 2, 3, -1], [0, -1, -1, -1], [4, 4, 5, -1]]
 
 
@@ -81,20 +90,29 @@ def _chi2_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
                                          torch.tensor(chi2 / 2.0, dtype=torch.float64)))
 
 
-def test_random_rejection_sampling_follows_the_target_distribution():
+@pytest.mark.parametrize("path,b", [
+    ("torch", 1_000_000),
+    # The interpreter runs a program per request (~8 ms each): fewer requests, slow.
+    pytest.param("interpreted", 10_000, marks=[kernel, pytest.mark.slow]),
+    pytest.param("cuda", 1_000_000, marks=pytest.mark.gpu),
+])
+def test_random_rejection_sampling_follows_the_target_distribution(path, b):
     """10^6 requests with one n-gram draft each (one-hot q), from a fixed 8-token target under
     temperature 0.8 and top-k 6: the first token each keeps (the draft, or the replacement
     from max(p - q, 0)) is a sample of the processed target; the bonus after a kept draft is
-    a sample of the next position's target."""
+    a sample of the next position's target. `interpreted` and `cuda` run the Triton kernel."""
     torch.manual_seed(1)
-    b, vocab = 1_000_000, 8
+    device = torch.device("cuda") if path == "cuda" else CPU
+    vocab = 8
     base = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, 1.5, 0.2, -3.0],
                          [0.0, 0.3, -1.0, 2.0, 0.1, 0.0, 1.0, 0.5]])
-    logits = base.repeat(b, 1)
+    logits = base.repeat(b, 1).to(device)
     params = SamplingParams(temperature=0.8, top_k=6)
     drafts = torch.randint(0, vocab, (b, 1))  # drafts of every token, some outside the top-k
-    out = RejectionSampler()(logits, _meta([params] * b, vocab), _layout(drafts.tolist()))
-    tokens = out.sampled_token_ids
+    sampler = RejectionSampler(use_kernel=path != "torch")
+    out = sampler(logits, _meta([params] * b, vocab, device=device),
+                  _layout(drafts.tolist(), device))
+    tokens = out.sampled_token_ids.cpu()
     for position in range(2):
         target = base[position] / 0.8
         target = target.masked_fill(target < target.topk(6).values[-1], float("-inf"))
@@ -134,3 +152,9 @@ def test_penalties_count_the_drafts_before_each_position():
     assert counts[:, [1, 3, 5, 7]].tolist() == [
         [0, 0, 0, 1], [0, 1, 0, 1], [0, 2, 0, 1], [0, 2, 1, 1],  # request 0's four rows
         [0, 0, 0, 2], [1, 0, 0, 2]]  # request 1's two rows
+
+
+def test_an_unknown_path_is_refused_at_start_up(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_REJECTION_SAMPLER", "fast")
+    with pytest.raises(ValueError, match="PAGEDSERVE_REJECTION_SAMPLER='fast': use auto, torch"):
+        RejectionSampler()
