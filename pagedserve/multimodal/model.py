@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from pagedserve.multimodal.inputs import MultiModalFeature
+from pagedserve.multimodal.processing import ProcessorSettings
 
 
 class SupportsMultiModal:
@@ -33,9 +34,11 @@ class SupportsMultiModal:
         return self.config
 
     @classmethod
-    def max_tokens_per_image(cls, hf_config: Any) -> int:
+    def max_tokens_per_image(cls, hf_config: Any,
+                             settings: ProcessorSettings | None = None) -> int:
         """The most embedding rows one image may take (the encoder cache's default size is at
-        least this); 0 when it has no bound known before requests come."""
+        least this) under the engine's image settings (None: the config's alone); 0 when it
+        has no bound known before requests come."""
         return 0
 
     def adapter_module_name(self, name: str) -> str:
@@ -49,9 +52,11 @@ class SupportsMultiModal:
                 return "model." + name[len(prefix):]
         return name
 
-    def dummy_image_data(self) -> dict[str, torch.Tensor] | None:
-        """The processed inputs of one image of the largest size, on the CPU: what the memory
-        profile runs the encoder on before the KV cache is sized. None: not profiled."""
+    def dummy_image_data(self, settings: ProcessorSettings | None = None
+                         ) -> dict[str, torch.Tensor] | None:
+        """The processed inputs of one image of the largest size under the engine's image
+        settings, on the CPU: what the memory profile runs the encoder on before the KV cache
+        is sized. None: not profiled."""
         return None
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:

@@ -24,6 +24,7 @@ from pagedserve.multimodal.encoder_attention import bind_encoder_attention
 from pagedserve.multimodal.encoder_cache import encoder_budgets
 from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
 from pagedserve.multimodal.mrope import MRopeStepPositions
+from pagedserve.multimodal.processing import ProcessorSettings
 from pagedserve.multimodal.spans import BidirectionalSpans, step_spans
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,11 @@ logger = logging.getLogger(__name__)
 
 class MultiModalRunner:
     def __init__(self, model: Any, device: torch.device, dtype: torch.dtype,
-                 budgets: tuple[int, int] = (0, 0), max_num_tokens: int = 0) -> None:
+                 budgets: tuple[int, int] = (0, 0), max_num_tokens: int = 0,
+                 settings: ProcessorSettings | None = None) -> None:
         self.model = model
+        # The engine's image settings, which shape the largest image (the memory profile's).
+        self.settings = settings
         # The scheduler's encoder_cache_size and per-step encoder rows (encoder_cache.py).
         self.cache_size, self.compute_budget = budgets
         self.device = device
@@ -67,9 +71,10 @@ class MultiModalRunner:
                                          runner.max_num_tokens)
         if backend is not None:
             logger.info("vision encoder attention: backend %s", backend.get_name())
+        settings = ProcessorSettings.of(runner.config.model)
         budgets = encoder_budgets(runner.config.scheduler,
-                                  model.max_tokens_per_image(model.checkpoint_config()))
-        return cls(model, runner.device, runner.dtype, budgets, runner.max_num_tokens)
+                                  model.max_tokens_per_image(model.checkpoint_config(), settings))
+        return cls(model, runner.device, runner.dtype, budgets, runner.max_num_tokens, settings)
 
     def step_spans(self, batch: Any) -> BidirectionalSpans | None:
         """The step's bidirectional image spans (None: the model has none, or the step's
@@ -93,8 +98,8 @@ class MultiModalRunner:
         """Before the KV cache is sized: run the encoder over as many of the largest images as
         one step may encode (its activations count in the peak), and return the bytes the
         store may hold, which the peak does not include."""
-        data = self.model.dummy_image_data()
-        rows = self.model.max_tokens_per_image(self.model.checkpoint_config())
+        data = self.model.dummy_image_data(self.settings)
+        rows = self.model.max_tokens_per_image(self.model.checkpoint_config(), self.settings)
         if data is None or not rows:
             return 0
         count = max(self.compute_budget // rows, 1)
