@@ -165,13 +165,8 @@ class Gemma3ForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.
                 self.vision_tower.vision_model(pixels)),
             self.multi_modal_projector.mm_input_projection_weight)
 
-    def dummy_image_data(self, settings: ProcessorSettings | None = None
-                         ) -> dict[str, torch.Tensor]:
-        data = square_pixels(self.config.vision_config)
-        squares = _most_squares(settings)
-        if squares > 1:
-            data["pixel_values"] = data["pixel_values"].expand(squares, -1, -1, -1)
-        return data
+    def dummy_image_data(self) -> dict[str, torch.Tensor]:
+        return square_pixels(self.config.vision_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.image_token_id >= self.vocab_size:

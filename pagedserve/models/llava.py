@@ -243,8 +243,7 @@ class LlavaForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.M
             states = [s[:, 1:] for s in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))
 
-    def dummy_image_data(self, settings: ProcessorSettings | None = None
-                         ) -> dict[str, torch.Tensor]:
+    def dummy_image_data(self) -> dict[str, torch.Tensor]:
         return square_pixels(self.config.vision_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

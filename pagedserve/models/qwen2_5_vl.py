@@ -252,8 +252,7 @@ class QwenVisionHooks(SupportsMultiModal):
                              settings: ProcessorSettings | None = None) -> int:
         return max_image_tokens(hf_config)
 
-    def dummy_image_data(self, settings: ProcessorSettings | None = None
-                         ) -> dict[str, torch.Tensor]:
+    def dummy_image_data(self) -> dict[str, torch.Tensor]:
         return largest_image_data(self.hf_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -52,11 +52,12 @@ class SupportsMultiModal:
                 return "model." + name[len(prefix):]
         return name
 
-    def dummy_image_data(self, settings: ProcessorSettings | None = None
-                         ) -> dict[str, torch.Tensor] | None:
-        """The processed inputs of one image of the largest size under the engine's image
-        settings, on the CPU: what the memory profile runs the encoder on before the KV cache
-        is sized. None: not profiled."""
+    def dummy_image_data(self) -> dict[str, torch.Tensor] | None:
+        """The processed inputs of one image of the largest size under the config alone
+        (`max_tokens_per_image(config)` rows), on the CPU: what the memory profile runs the
+        encoder on, as many as one step's encoder budget holds, before the KV cache is sized.
+        (Gemma 3's pan-and-scan crops are more such squares: the budget's worth of squares is
+        the peak either way.) None: not profiled."""
         return None
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:

@@ -32,11 +32,8 @@ logger = logging.getLogger(__name__)
 
 class MultiModalRunner:
     def __init__(self, model: Any, device: torch.device, dtype: torch.dtype,
-                 budgets: tuple[int, int] = (0, 0), max_num_tokens: int = 0,
-                 settings: ProcessorSettings | None = None) -> None:
+                 budgets: tuple[int, int] = (0, 0), max_num_tokens: int = 0) -> None:
         self.model = model
-        # The engine's image settings, which shape the largest image (the memory profile's).
-        self.settings = settings
         # The scheduler's encoder_cache_size and per-step encoder rows (encoder_cache.py).
         self.cache_size, self.compute_budget = budgets
         self.device = device
@@ -74,7 +71,7 @@ class MultiModalRunner:
         settings = ProcessorSettings.of(runner.config.model)
         budgets = encoder_budgets(runner.config.scheduler,
                                   model.max_tokens_per_image(model.checkpoint_config(), settings))
-        return cls(model, runner.device, runner.dtype, budgets, runner.max_num_tokens, settings)
+        return cls(model, runner.device, runner.dtype, budgets, runner.max_num_tokens)
 
     def step_spans(self, batch: Any) -> BidirectionalSpans | None:
         """The step's bidirectional image spans (None: the model has none, or the step's
@@ -98,8 +95,11 @@ class MultiModalRunner:
         """Before the KV cache is sized: run the encoder over as many of the largest images as
         one step may encode (its activations count in the peak), and return the bytes the
         store may hold, which the peak does not include."""
-        data = self.model.dummy_image_data(self.settings)
-        rows = self.model.max_tokens_per_image(self.model.checkpoint_config(), self.settings)
+        data = self.model.dummy_image_data()
+        # The stand-in's rows: the largest image under the config alone. Settings that make
+        # an image several such squares (pan-and-scan crops) leave the peak one budget's
+        # worth of squares.
+        rows = self.model.max_tokens_per_image(self.model.checkpoint_config())
         if data is None or not rows:
             return 0
         count = max(self.compute_budget // rows, 1)

@@ -20,6 +20,7 @@ from pagedserve.arg_utils import add_engine_args, engine_config
 from pagedserve.config import EngineConfig
 from pagedserve.models.gemma3_processing import Gemma3Processor
 from pagedserve.models.gemma3_vl import Gemma3ForConditionalGeneration
+from pagedserve.multimodal.encoder_cache import check_encoder_budget
 from pagedserve.multimodal.processing import ProcessorSettings
 from tests.multimodal.gemma3_models import (
     IMAGE_TOKEN_ID,
@@ -90,6 +91,9 @@ def test_prompt_pixels_and_groups_equal_transformers(gemma3, llm, images):
     # The budgets count the crops: one image may take 1 + 4 squares' rows.
     assert ours.max_image_tokens == 5 * NUM_IMAGE_TOKENS
     assert wide.placeholder.num_embeds == 4 * NUM_IMAGE_TOKENS
+    with pytest.raises(ValueError, match="image 0 takes 16 embedding rows, more than the "
+                                         "engine's encoder_cache_size of 15"):
+        check_encoder_budget(got.features, 15)
 
 
 @torch.no_grad()
@@ -105,20 +109,42 @@ def _transformers_generate(hf, inputs) -> tuple[list[int], torch.Tensor]:
     return out[0, n:].tolist(), torch.log_softmax(logits[n - 1:-1].float(), dim=-1)
 
 
-def test_greedy_and_logprobs_equal_transformers(gemma3, llm, images):
-    """A prompt with a cropped and an uncropped image: greedy tokens equal, top-5 logprobs
-    within 1e-4 of transformers' generate on its processor's inputs."""
+@pytest.fixture(scope="module")
+def reference(gemma3, images):
+    """transformers' processor's inputs for TEXT, its greedy tokens and log-distributions."""
     path, hf = gemma3
+    inputs = hf_processor(path)(text=TEXT, images=[images], return_tensors="pt",
+                                **PAN_AND_SCAN)
+    return (inputs["input_ids"][0].tolist(), *_transformers_generate(hf, inputs))
+
+
+def _check(llm, images, reference) -> None:
     ids = llm.get_tokenizer()(TEXT)["input_ids"]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
                        params, use_tqdm=False)[0]
-    ref = hf_processor(path)(text=TEXT, images=[images], return_tensors="pt", **PAN_AND_SCAN)
-    assert out.prompt_token_ids == ref["input_ids"][0].tolist()
-    tokens, logprobs = _transformers_generate(hf, ref)
+    prompt, tokens, logprobs = reference
+    assert out.prompt_token_ids == prompt
     assert out.outputs[0].token_ids == tokens
     check_top_logprobs(out.outputs[0].logprobs, logprobs)
     assert llm.engine.check_blocks_free()
+
+
+def test_greedy_and_logprobs_equal_transformers(llm, images, reference):
+    """A prompt with a cropped and an uncropped image: greedy tokens equal, top-5 logprobs
+    within 1e-4 of transformers' generate on its processor's inputs."""
+    _check(llm, images, reference)
+
+
+def test_chunked_prefill_keeps_an_image_and_its_crops_in_one_step(gemma3, images, reference):
+    """Steps of 40 tokens: the cropped image's span (positions 9-46: its 4 squares and the
+    text between) does not fit the first chunk, which stops before it; the next holds it
+    whole. Equal to transformers still; each image encoded once."""
+    path, _ = gemma3
+    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_memory="4MiB",
+              mm_processor_kwargs=PAN_AND_SCAN, max_num_batched_tokens=40)
+    _check(llm, images, reference)
+    assert llm.engine.runner.multimodal.num_encoded == 2
 
 
 def test_setting_from_preprocessor_config(gemma3, tmp_path, images):
@@ -143,18 +169,10 @@ def test_setting_from_preprocessor_config(gemma3, tmp_path, images):
     default = Gemma3Processor(config, tokenizer, str(tmp_path))
     assert default.pan_and_scan.min_crop_size == 256
     assert [f.data["pixel_values"].dim() for f in default.process(ids, images).features] == [3, 3]
-    # The memory profile's stand-in image is the largest: the original and 4 crops.
+    # The budgets' largest image: the original and 4 crops.
     file_settings = ProcessorSettings(str(tmp_path))
     assert Gemma3ForConditionalGeneration.max_tokens_per_image(config, file_settings) == \
         5 * NUM_IMAGE_TOKENS
-    dummy = tiny_model_dummy(config, file_settings)
-    assert dummy.shape == (5, 3, 56, 56)
-
-
-def tiny_model_dummy(config, settings) -> torch.Tensor:
-    with torch.device("meta"):
-        model = Gemma3ForConditionalGeneration(config)
-    return model.dummy_image_data(settings)["pixel_values"]
 
 
 def test_flag_and_refusals(gemma3):
