@@ -114,7 +114,7 @@ class Gemma3Processor(MultiModalProcessor):
     pixels by its image processor."""
 
     image_placeholder = "<start_of_image>"
-    processor_kwargs = tuple(PAN_AND_SCAN_DEFAULTS)
+    accepted_kwargs = tuple(PAN_AND_SCAN_DEFAULTS)
 
     def __init__(self, hf_config: Any, tokenizer: Any, model_path: str | None,
                  processor_kwargs: Mapping[str, Any] | None = None) -> None:

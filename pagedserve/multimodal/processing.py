@@ -52,7 +52,7 @@ class MultiModalProcessor:
     and the step loop."""
 
     # The `mm_processor_kwargs` this family takes (any other is refused by name).
-    processor_kwargs: ClassVar[tuple[str, ...]] = ()
+    accepted_kwargs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, hf_config: Any, tokenizer: Any, model_path: str | None,
                  processor_kwargs: Mapping[str, Any] | None = None) -> None:
@@ -88,9 +88,10 @@ class MultiModalProcessor:
 
 
 def check_processor_kwargs(cls: type[MultiModalProcessor], kwargs: Mapping[str, Any]) -> None:
-    unknown = sorted(set(kwargs) - set(cls.processor_kwargs))
+    """Refuse by name a setting the processor `cls` does not take."""
+    unknown = sorted(set(kwargs) - set(cls.accepted_kwargs))
     if unknown:
-        known = ", ".join(cls.processor_kwargs) or "none"
+        known = ", ".join(cls.accepted_kwargs) or "none"
         raise ValueError(f"mm_processor_kwargs {unknown[0]!r} is not a setting of this model's "
                          f"image processing (it takes: {known})")
 
