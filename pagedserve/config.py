@@ -18,6 +18,7 @@ import torch
 
 from pagedserve.lora.config import LoRAConfig
 from pagedserve.multimodal.limits import parse_mm_limits
+from pagedserve.multimodal.processing import parse_processor_kwargs
 from pagedserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = {
@@ -128,6 +129,13 @@ class ModelConfig:
               f"'image=4'; 0 takes a vision-language model's text only (default: "
               f"{DEFAULT_MM_LIMIT})", metavar="LIMITS")
 
+    # vLLM's mm_processor_kwargs: settings of the model's image processing over its
+    # preprocessor_config.json's (Gemma 3: do_pan_and_scan and the pan_and_scan_* values).
+    mm_processor_kwargs: dict[str, Any] | str | None = setting(
+        None, "settings of the model's image processing, as vLLM spells them: a JSON object "
+              "over its preprocessor_config.json, e.g. '{\"do_pan_and_scan\": true}' for "
+              "Gemma 3's pan-and-scan crops", metavar="JSON")
+
     def mm_limit(self, modality: str) -> int:
         limits = self.limit_mm_per_prompt
         return (limits if isinstance(limits, dict) else {}).get(modality, DEFAULT_MM_LIMIT)
@@ -142,6 +150,7 @@ class ModelConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
+        self.mm_processor_kwargs = parse_processor_kwargs(self.mm_processor_kwargs)
 
 
 @dataclass

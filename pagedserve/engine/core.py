@@ -35,6 +35,7 @@ from pagedserve.kv_cache import KVCacheManager
 from pagedserve.kv_cache.specs import bytes_per_slot
 from pagedserve.lora.step_cap import AdapterCap
 from pagedserve.multimodal.encoder_cache import encoder_cache_for
+from pagedserve.multimodal.processing import ProcessorSettings
 from pagedserve.pooling.core_hooks import pooling_request, record_embeddings
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, ScoringTask
@@ -82,7 +83,8 @@ class EngineCore:
                                    spec.disable_by_batch_size if spec else None)
         if config.lora.enable_lora:
             self.scheduler.lora_cap = AdapterCap(config.lora.max_loras)
-        self.scheduler.encoder_cache = encoder_cache_for(self.loaded, config.scheduler)
+        self.scheduler.encoder_cache = encoder_cache_for(self.loaded, config.scheduler,
+                                                         ProcessorSettings.of(config.model))
         self.async_scheduling = config.use_async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         # Live sequences whose sampling needs all earlier tokens on the host (see step()).

@@ -5,13 +5,12 @@
 An image is resized to the tower's square by Gemma 3's image processor (transformers' PIL
 variant: no torchvision), cut into patches and run through the tower (bidirectional within the
 image, through the attention backend's encoder path: multimodal/encoder_attention.py); the
-projector pools the patch grid to `mm_tokens_per_image` rows. As transformers' Gemma3Processor
-does with text, the prompt's `<start_of_image>` becomes, at the token level,
-`\\n\\n <start_of_image> <image_soft_token> x mm_tokens_per_image <end_of_image> \\n\\n`; the
-soft tokens are the image's placeholder span, whose embeddings the runner replaces by the
-projector's rows (unscaled, where text embeddings are scaled by sqrt(hidden)).
+projector pools the patch grid to `mm_tokens_per_image` rows. The prompt side (the
+`<start_of_image>` expansion, pan-and-scan crops) is models/gemma3_processing.py: an image
+with crops is several squares through the tower in the same batch, its rows one square after
+another.
 
-Inside the decoder the soft tokens of one image attend to each other both ways, every other
+Inside the decoder the soft tokens of one square attend to each other both ways, every other
 token causally, and sliding-window layers keep their window (transformers' Gemma 3 mask:
 (causal or same image) and window). The model declares `bidirectional_image_spans`: its
 decoder layers run only on attention backends that honour the step's per-token attend limit
@@ -27,8 +26,6 @@ SigLIP pooling head some towers carry is not used by Gemma 3 and is skipped.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -38,19 +35,18 @@ from transformers import PretrainedConfig
 
 from pagedserve.attention.layer import Attention
 from pagedserve.models.gemma import Gemma3ForCausalLM
+from pagedserve.models.gemma3_processing import Gemma3Processor, check_config, pan_and_scan_of
 from pagedserve.models.layers import GemmaRMSNorm
 from pagedserve.models.square_image_vlm import (
     LanguageModelNames,
     embed_images,
-    expand_images,
-    image_inputs,
     load_tower_and_decoder,
     square_pixels,
 )
 from pagedserve.models.vit_layers import ViTEncoder
-from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt
+from pagedserve.multimodal.inputs import MultiModalFeature
 from pagedserve.multimodal.model import SupportsMultiModal
-from pagedserve.multimodal.processing import MultiModalProcessor
+from pagedserve.multimodal.processing import ProcessorSettings
 
 # Checkpoint prefix -> ours (longest first: the 4.52+ names contain the older ones).
 _PREFIXES = (("model.language_model.", "language_model.model."),
@@ -61,82 +57,6 @@ _PREFIXES = (("model.language_model.", "language_model.model."),
              ("vision_tower.", "vision_tower."),
              ("model.multi_modal_projector.", "multi_modal_projector."),
              ("multi_modal_projector.", "multi_modal_projector."))
-
-
-def check_config(config: PretrainedConfig) -> None:
-    vision = config.vision_config
-    vision_type = getattr(vision, "model_type", "")
-    if vision_type != "siglip_vision_model":
-        raise ValueError(f"Gemma 3 with a {vision_type!r} vision tower is not supported "
-                         "(SigLIP only)")
-    side = vision.image_size // vision.patch_size
-    per_side = int(round(config.mm_tokens_per_image ** 0.5))
-    if per_side * per_side != config.mm_tokens_per_image or side % per_side:
-        raise ValueError(f"mm_tokens_per_image {config.mm_tokens_per_image} does not pool a "
-                         f"{side} x {side} patch grid evenly")
-
-
-# ---- the processor ---------------------------------------------------------------------------
-
-class Gemma3Processor(MultiModalProcessor):
-    """`<start_of_image>` -> Gemma 3's image sequence; pixels by its image processor."""
-
-    image_placeholder = "<start_of_image>"
-
-    def __init__(self, hf_config: Any, tokenizer: Any, model_path: str | None) -> None:
-        super().__init__(hf_config, tokenizer, model_path)
-        from transformers import Gemma3ImageProcessorPil
-
-        check_config(hf_config)
-        self.boi_id = int(hf_config.boi_token_index)
-        self.eoi_id = int(hf_config.eoi_token_index)
-        self.image_id = int(hf_config.image_token_index)
-        self.num_image_tokens = int(hf_config.mm_tokens_per_image)
-        # What images need beyond the model: without it the checkpoint still serves text, and
-        # a prompt with images is refused by name (`missing`).
-        self.missing: list[str] = []
-        self.newlines_id = double_newline_id(tokenizer)
-        if self.newlines_id is None:
-            self.missing.append("a tokenizer with Gemma's '\\n\\n' token, which frames every "
-                                "image")
-        self.image_processor = None
-        if model_path is None or not (Path(model_path) / "preprocessor_config.json").is_file():
-            self.missing.append("its preprocessor_config.json (the image processor's settings)")
-        else:
-            self.image_processor = Gemma3ImageProcessorPil.from_pretrained(model_path)
-            if self.image_processor.do_pan_and_scan:
-                raise ValueError(f"{model_path}: the image processor's do_pan_and_scan (extra "
-                                 "crops of an image) is not supported; set it to false")
-        if tokenizer is not None:
-            self.image_placeholder = tokenizer.convert_ids_to_tokens(self.boi_id)
-
-    def process(self, prompt_token_ids: list[int], images: list[Any]) -> MultiModalPrompt:
-        if images and self.missing:
-            raise ValueError("this Gemma 3 checkpoint cannot take images: it lacks "
-                             + " and ".join(self.missing))
-        return expand_images(
-            prompt_token_ids, images, self._image_data, marker=self.boi_id,
-            marker_text=self.image_placeholder, image_token=self.image_id,
-            rows=self.num_image_tokens, hidden=self.hf_config.text_config.hidden_size,
-            tag="gemma3", before=(self.newlines_id, self.boi_id),
-            after=(self.eoi_id, self.newlines_id))
-
-    def _image_data(self, images: list[Any]) -> list[dict[str, torch.Tensor]]:
-        return image_inputs(images, lambda pil: self.image_processor(
-            images=pil, do_pan_and_scan=False, return_tensors="pt")["pixel_values"])
-
-
-def double_newline_id(tokenizer: Any) -> int | None:
-    """The id of Gemma's "\\n\\n" token, which frames every image sequence (None: the
-    tokenizer has none)."""
-    if tokenizer is None:
-        return None
-    token_id = tokenizer.convert_tokens_to_ids("\n\n")
-    if token_id is None or token_id == getattr(tokenizer, "unk_token_id", None):
-        # A vocabulary that spells the token otherwise: what the text encodes to, if one id.
-        ids = tokenizer.encode("\n\n", add_special_tokens=False)
-        token_id = ids[0] if len(ids) == 1 else None
-    return None if token_id is None else int(token_id)
 
 
 # ---- the vision tower ------------------------------------------------------------------------
@@ -232,8 +152,10 @@ class Gemma3ForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.
         self.vocab_size = int(text.vocab_size)
 
     @classmethod
-    def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
-        return int(hf_config.mm_tokens_per_image)
+    def max_tokens_per_image(cls, hf_config: PretrainedConfig,
+                             settings: ProcessorSettings | None = None) -> int:
+        """One square's rows, times 1 + the most crops under pan-and-scan."""
+        return int(hf_config.mm_tokens_per_image) * _most_squares(settings)
 
     # ---- what the runner calls ---------------------------------------------------------------
 
@@ -267,6 +189,12 @@ class Gemma3ForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_tower_and_decoder(self, weights, _our_name)
+
+def _most_squares(settings: ProcessorSettings | None) -> int:
+    """The most squares one image becomes: the original and, under pan-and-scan, its crops."""
+    pan_and_scan = pan_and_scan_of(settings)
+    return 1 if pan_and_scan is None else 1 + pan_and_scan.max_num_crops
+
 
 def _our_name(name: str) -> str | None:
     """Our parameter's name for a checkpoint tensor; None for the tower's unused pooling head."""

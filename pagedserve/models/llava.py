@@ -18,7 +18,7 @@ checkpoints, and transformers 5's saves, whose tower lacks the `vision_model.` l
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from pagedserve.models.square_image_vlm import (
 from pagedserve.models.vit_layers import ViTEncoder
 from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt
 from pagedserve.multimodal.model import SupportsMultiModal
-from pagedserve.multimodal.processing import MultiModalProcessor
+from pagedserve.multimodal.processing import MultiModalProcessor, ProcessorSettings
 
 # The decoder families a LLaVA checkpoint may carry, by text_config.model_type.
 _DECODERS: dict[str, type[LlamaForCausalLM]] = {
@@ -99,8 +99,9 @@ class LlavaProcessor(MultiModalProcessor):
 
     image_placeholder = "<image>"
 
-    def __init__(self, hf_config: Any, tokenizer: Any, model_path: str | None) -> None:
-        super().__init__(hf_config, tokenizer, model_path)
+    def __init__(self, hf_config: Any, tokenizer: Any, model_path: str | None,
+                 processor_kwargs: Mapping[str, Any] | None = None) -> None:
+        super().__init__(hf_config, tokenizer, model_path, processor_kwargs)
         from transformers import CLIPImageProcessorPil
 
         check_config(hf_config)
@@ -227,7 +228,8 @@ class LlavaForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.M
         self.drop_cls = config.vision_feature_select_strategy == "default"
 
     @classmethod
-    def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
+    def max_tokens_per_image(cls, hf_config: PretrainedConfig,
+                             settings: ProcessorSettings | None = None) -> int:
         return image_tokens(hf_config)
 
     # ---- what the runner calls ---------------------------------------------------------------

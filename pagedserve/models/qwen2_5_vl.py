@@ -37,6 +37,7 @@ from pagedserve.models.parallel import ParallelLMHead, materialize
 from pagedserve.multimodal.encoder_attention import EncoderAttention
 from pagedserve.multimodal.inputs import MultiModalFeature
 from pagedserve.multimodal.model import SupportsMultiModal
+from pagedserve.multimodal.processing import ProcessorSettings
 from pagedserve.multimodal.qwen_vl_processing import (
     QwenVLProcessor,
     largest_image_data,
@@ -247,7 +248,8 @@ class QwenVisionHooks(SupportsMultiModal):
         return self.hf_config  # `config` is the decoder's text_config
 
     @classmethod
-    def max_tokens_per_image(cls, hf_config: PretrainedConfig) -> int:
+    def max_tokens_per_image(cls, hf_config: PretrainedConfig,
+                             settings: ProcessorSettings | None = None) -> int:
         return max_image_tokens(hf_config)
 
     def dummy_image_data(self) -> dict[str, torch.Tensor]:

@@ -22,13 +22,16 @@ from pagedserve.multimodal.processing import tensors_identifier
 def expand_images(prompt_token_ids: list[int], images: list[Any],
                   image_data: Callable[[list[Any]], list[dict[str, torch.Tensor]]], *,
                   marker: int, marker_text: str, image_token: int, rows: int, hidden: int,
-                  tag: str, before: tuple[int, ...] = (), after: tuple[int, ...] = ()
-                  ) -> MultiModalPrompt:
+                  tag: str, before: tuple[int, ...] = (), after: tuple[int, ...] = (),
+                  several: Callable[[int], list[int]] | None = None) -> MultiModalPrompt:
     """Each `marker` token of the prompt, in order, becomes `before`, the image's span of
     `image_token`s and `after`: `rows` tokens, or one per row of precomputed embeddings
-    (which must be `hidden` wide). `image_data` makes the images' inputs (`image_inputs`),
-    once the markers are known to match them; `tag` goes into each identifier (the family and
-    its settings)."""
+    (which must be `hidden` wide). An image the processor made into n > 1 squares
+    (pixel_values [n, C, H, W]: Gemma 3's original and its pan-and-scan crops) becomes
+    `several(n)`'s tokens instead, its span running from the first `image_token` to the
+    last, with the text between marked as not taking rows. `image_data` makes the images'
+    inputs (`image_inputs`), once the markers are known to match them; `tag` goes into each
+    identifier (the family and its settings)."""
     where = np.flatnonzero(np.asarray(prompt_token_ids, dtype=np.int64) == marker)
     if len(where) != len(images):
         raise ValueError(f"the prompt has {len(where)} {marker_text} placeholders but "
@@ -46,10 +49,19 @@ def expand_images(prompt_token_ids: list[int], images: list[Any],
                 raise ValueError(f"image {i}: embeddings of width {width} and {span} rows; the "
                                  f"model takes [rows >= 1, {hidden}]")
         out += prompt_token_ids[start:pos]
-        out += before
-        placeholder = PlaceholderRange(len(out), span)
-        out += [image_token] * span
-        out += after
+        squares = squares_of(data)
+        if squares > 1 and several is not None:
+            tokens = np.asarray(several(squares), dtype=np.int64)
+            embed = tokens == image_token
+            first, last = (int(j) for j in np.flatnonzero(embed)[[0, -1]])
+            placeholder = PlaceholderRange(len(out) + first, last + 1 - first,
+                                           embed[first:last + 1].copy())
+            out += tokens.tolist()
+        else:
+            out += before
+            placeholder = PlaceholderRange(len(out), span)
+            out += [image_token] * span
+            out += after
         start = pos + 1
         features.append(MultiModalFeature("image", tensors_identifier(data, tag), placeholder,
                                           data))
@@ -57,11 +69,21 @@ def expand_images(prompt_token_ids: list[int], images: list[Any],
     return MultiModalPrompt(out, features)
 
 
-def image_inputs(images: list[Any], preprocess: Callable[[list[Any]], torch.Tensor]
+def squares_of(data: dict[str, torch.Tensor]) -> int:
+    """How many squares of the tower's size an image's inputs hold (0: embeddings)."""
+    pixels = data.get("pixel_values")
+    if pixels is None:
+        return 0
+    return 1 if pixels.dim() == 3 else int(pixels.shape[0])
+
+
+def image_inputs(images: list[Any],
+                 preprocess: Callable[[list[Any]], torch.Tensor | list[torch.Tensor]]
                  ) -> list[dict[str, torch.Tensor]]:
     """Each image's processed inputs: {"pixel_values": [C, H, W]} for a PIL image (all of them
-    through one `preprocess` call, which returns [n, C, H, W]), {"image_embeds": [rows, hidden]}
-    for a tensor of precomputed embeddings."""
+    through one `preprocess` call, which returns [n, C, H, W], or per image [C, H, W] or
+    [squares, C, H, W] where an image became several squares), {"image_embeds": [rows,
+    hidden]} for a tensor of precomputed embeddings."""
     for i, im in enumerate(images):
         if isinstance(im, dict):  # check_image made a grid-less dict its tensor
             raise ValueError(f"image {i}: this model places an image's embeddings without a "
@@ -82,16 +104,17 @@ def embed_images(features: list[MultiModalFeature],
                  encode: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor
                  ) -> list[torch.Tensor]:
     """One [rows, hidden] tensor per feature, in `weight`'s device and dtype: the pixel images
-    stacked through `encode` ([n, C, H, W] -> [n, rows, hidden]) in one call, precomputed
-    embeddings as given. Host tensors go over pinned (a pageable copy would wait for the step
-    in flight)."""
+    stacked through `encode` ([n, C, H, W] -> [n, rows, hidden]) in one call (an image of
+    several squares gives their rows one after another), precomputed embeddings as given.
+    Host tensors go over pinned (a pageable copy would wait for the step in flight)."""
     out: list[torch.Tensor | None] = [None] * len(features)
     pixels = [i for i, f in enumerate(features) if "pixel_values" in f.data]
     if pixels:
-        batch = torch.stack([features[i].data["pixel_values"] for i in pixels])
-        rows = encode(to_device_async(batch, weight.device))
-        for j, i in enumerate(pixels):
-            out[i] = rows[j]
+        squares = [features[i].data["pixel_values"].reshape(
+            -1, *features[i].data["pixel_values"].shape[-3:]) for i in pixels]
+        rows = encode(to_device_async(torch.cat(squares), weight.device))
+        for i, part in zip(pixels, rows.split([len(sq) for sq in squares]), strict=True):
+            out[i] = part.reshape(-1, part.shape[-1])
     for i, f in enumerate(features):
         if "image_embeds" in f.data:
             out[i] = to_device_async(f.data["image_embeds"], weight.device).to(weight.dtype)

@@ -31,13 +31,16 @@ def encoder_budgets(scheduler_config: Any, max_image_tokens: int) -> tuple[int, 
     return size, compute
 
 
-def encoder_cache_for(loaded: Any, scheduler_config: Any) -> EncoderCacheManager | None:
-    """The scheduler's encoder cache for a loaded model that takes images (None otherwise)."""
+def encoder_cache_for(loaded: Any, scheduler_config: Any, settings: Any = None
+                      ) -> EncoderCacheManager | None:
+    """The scheduler's encoder cache for a loaded model that takes images (None otherwise);
+    `settings`: the engine's image settings (processing.ProcessorSettings), which may make an
+    image larger (Gemma 3's pan-and-scan crops)."""
     model = loaded.model
     if not getattr(model, "supports_multimodal", False):
         return None
     size, compute = encoder_budgets(scheduler_config,
-                                    model.max_tokens_per_image(loaded.hf_config))
+                                    model.max_tokens_per_image(loaded.hf_config, settings))
     bidirectional = bool(model.bidirectional_image_spans)
     return EncoderCacheManager(size, compute, bidirectional,
                                scheduler_config.max_num_batched_tokens if bidirectional

@@ -15,17 +15,20 @@ import torch
 from pagedserve.multimodal.encoder_cache import check_encoder_budget, encoder_budgets
 from pagedserve.multimodal.inputs import MultiModalPrompt
 from pagedserve.multimodal.limits import MODALITIES
-from pagedserve.multimodal.processing import MultiModalProcessor
+from pagedserve.multimodal.processing import MultiModalProcessor, ProcessorSettings
 
 
-def make_processor(model: str | None, tokenizer: Any) -> MultiModalProcessor | None:
+def make_processor(model: str | None, tokenizer: Any,
+                   processor_kwargs: Mapping[str, Any] | None = None
+                   ) -> MultiModalProcessor | None:
     """The processor of the model at `model` (a Hugging Face directory) when its class takes
-    images; None for text-only models (and GGUF files or random weights)."""
+    images, with the engine's `mm_processor_kwargs`; None for text-only models (and GGUF
+    files or random weights), which refuse `processor_kwargs` by name."""
     if model is None or model.startswith("random:"):
-        return None
+        return _no_processor(processor_kwargs)
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
-        return None
+        return _no_processor(processor_kwargs)
     from transformers import AutoConfig
 
     from pagedserve.models.registry import get_model_cls
@@ -34,13 +37,21 @@ def make_processor(model: str | None, tokenizer: Any) -> MultiModalProcessor | N
     try:
         cls = get_model_cls(config)
     except ValueError:
-        return None
+        return _no_processor(processor_kwargs)
     if not getattr(cls, "supports_multimodal", False):
-        return None
-    processor = cls.processor_cls(config, tokenizer, str(path))
-    processor.max_image_tokens = cls.max_tokens_per_image(config)
+        return _no_processor(processor_kwargs)
+    processor = cls.processor_cls(config, tokenizer, str(path), processor_kwargs)
+    processor.max_image_tokens = cls.max_tokens_per_image(
+        config, ProcessorSettings(str(path), dict(processor_kwargs or {})))
     processor.whole_spans = bool(cls.bidirectional_image_spans)
     return processor
+
+
+def _no_processor(processor_kwargs: Mapping[str, Any] | None) -> None:
+    if processor_kwargs:
+        raise ValueError(f"mm_processor_kwargs {sorted(processor_kwargs)} given, but the model "
+                         "takes no images")
+    return None
 
 
 def image_items(multi_modal_data: Mapping[str, Any] | None) -> list[Any]:
@@ -142,7 +153,9 @@ class ImageFront:
 
     def __init__(self, config: Any, tokenizer: Any, model_name: str,
                  generating: bool = True) -> None:
-        self.processor = make_processor(config.model.model, tokenizer) if generating else None
+        self.processor = (make_processor(config.model.model, tokenizer,
+                                         config.model.mm_processor_kwargs)
+                          if generating else None)
         self.model_name = model_name
         self.limits = {"image": config.model.mm_limit("image")}
         processor = self.processor

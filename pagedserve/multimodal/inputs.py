@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -25,6 +26,16 @@ class PlaceholderRange:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @cached_property
+    def embed_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(start, end) int64 arrays: the prompt positions [start, end) of each run of
+        consecutive embedding tokens, in order (the whole range when every token takes a row).
+        Gemma 3's pan-and-scan image is one run per crop, framed by text tokens."""
+        if self.is_embed is None:
+            return np.array([self.offset]), np.array([self.end])
+        edges = np.diff(np.concatenate(([0], self.is_embed.astype(np.int8), [0])))
+        return np.flatnonzero(edges == 1) + self.offset, np.flatnonzero(edges == -1) + self.offset
 
 
 @dataclass

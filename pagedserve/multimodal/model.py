@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from pagedserve.multimodal.inputs import MultiModalFeature
+from pagedserve.multimodal.processing import ProcessorSettings
 
 
 class SupportsMultiModal:
@@ -33,9 +34,11 @@ class SupportsMultiModal:
         return self.config
 
     @classmethod
-    def max_tokens_per_image(cls, hf_config: Any) -> int:
+    def max_tokens_per_image(cls, hf_config: Any,
+                             settings: ProcessorSettings | None = None) -> int:
         """The most embedding rows one image may take (the encoder cache's default size is at
-        least this); 0 when it has no bound known before requests come."""
+        least this) under the engine's image settings (None: the config's alone); 0 when it
+        has no bound known before requests come."""
         return 0
 
     def adapter_module_name(self, name: str) -> str:
@@ -50,8 +53,11 @@ class SupportsMultiModal:
         return name
 
     def dummy_image_data(self) -> dict[str, torch.Tensor] | None:
-        """The processed inputs of one image of the largest size, on the CPU: what the memory
-        profile runs the encoder on before the KV cache is sized. None: not profiled."""
+        """The processed inputs of one image of the largest size under the config alone
+        (`max_tokens_per_image(config)` rows), on the CPU: what the memory profile runs the
+        encoder on, as many as one step's encoder budget holds, before the KV cache is sized.
+        (Gemma 3's pan-and-scan crops are more such squares: the budget's worth of squares is
+        the peak either way.) None: not profiled."""
         return None
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:

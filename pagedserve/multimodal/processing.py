@@ -5,22 +5,62 @@ default image processors need torchvision, which the engine does not depend on).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from pagedserve.multimodal.inputs import MultiModalPrompt
 
 
+@dataclass(frozen=True)
+class ProcessorSettings:
+    """What shapes a model's images beyond its config.json: its directory (the image
+    processor's preprocessor_config.json) and the engine's `mm_processor_kwargs`, which
+    override that file's settings as vLLM's do."""
+
+    model_path: str | None = None
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model_config: Any) -> ProcessorSettings:
+        """From a ModelConfig (its `model` and `mm_processor_kwargs`)."""
+        return cls(model_config.model, dict(model_config.mm_processor_kwargs or {}))
+
+
+def parse_processor_kwargs(value: Mapping[str, Any] | str | None) -> dict[str, Any]:
+    """vLLM's `mm_processor_kwargs`: a dict, or its JSON text (the command line's)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"mm_processor_kwargs is not valid JSON: {exc}") from None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"mm_processor_kwargs must be a JSON object of settings, e.g. "
+                         f'\'{{"do_pan_and_scan": true}}\', got {value!r:.80}')
+    return dict(value)
+
+
 class MultiModalProcessor:
     """One per vision-language family (the model class's `processor_cls`). Built once per
-    engine from the model's Hugging Face config and its directory (preprocessor_config.json);
-    `process` runs on a worker pool, off the event loop and the step loop."""
+    engine from the model's Hugging Face config, its directory (preprocessor_config.json) and
+    the engine's `mm_processor_kwargs`; `process` runs on a worker pool, off the event loop
+    and the step loop."""
 
-    def __init__(self, hf_config: Any, tokenizer: Any, model_path: str | None) -> None:
+    # The `mm_processor_kwargs` this family takes (any other is refused by name).
+    accepted_kwargs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, hf_config: Any, tokenizer: Any, model_path: str | None,
+                 processor_kwargs: Mapping[str, Any] | None = None) -> None:
         self.hf_config = hf_config
         self.tokenizer = tokenizer
         self.model_path = model_path
+        self.kwargs = dict(processor_kwargs or {})
+        check_processor_kwargs(type(self), self.kwargs)
 
     # The text a prompt holds for one image (what a chat template renders for an image part,
     # and what `LLM.generate`'s prompts carry): `<|vision_start|><|image_pad|><|vision_end|>`
@@ -45,6 +85,15 @@ class MultiModalProcessor:
         family whose grid places the tokens, {"image_embeds", "image_grid_thw"} dicts. Raises
         ValueError naming the problem when placeholders and images do not match."""
         raise NotImplementedError
+
+
+def check_processor_kwargs(cls: type[MultiModalProcessor], kwargs: Mapping[str, Any]) -> None:
+    """Refuse by name a setting the processor `cls` does not take."""
+    unknown = sorted(set(kwargs) - set(cls.accepted_kwargs))
+    if unknown:
+        known = ", ".join(cls.accepted_kwargs) or "none"
+        raise ValueError(f"mm_processor_kwargs {unknown[0]!r} is not a setting of this model's "
+                         f"image processing (it takes: {known})")
 
 
 def tensors_identifier(data: dict[str, torch.Tensor], *extra: object) -> str:

@@ -12,6 +12,7 @@ pixel_values and t*h*w / merge_size**2 tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,9 @@ def largest_image_data(hf_config: Any) -> dict[str, torch.Tensor]:
 class QwenVLProcessor(MultiModalProcessor):
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
 
-    def __init__(self, hf_config: Any, tokenizer: Any, model_path: str | None) -> None:
-        super().__init__(hf_config, tokenizer, model_path)
+    def __init__(self, hf_config: Any, tokenizer: Any, model_path: str | None,
+                 processor_kwargs: Mapping[str, Any] | None = None) -> None:
+        super().__init__(hf_config, tokenizer, model_path, processor_kwargs)
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
         self.images = image_processor(model_path, hf_config.vision_config)

@@ -24,6 +24,7 @@ from pagedserve.multimodal.encoder_attention import bind_encoder_attention
 from pagedserve.multimodal.encoder_cache import encoder_budgets
 from pagedserve.multimodal.inputs import MultiModalFeature, PlaceholderRange
 from pagedserve.multimodal.mrope import MRopeStepPositions
+from pagedserve.multimodal.processing import ProcessorSettings
 from pagedserve.multimodal.spans import BidirectionalSpans, step_spans
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,9 @@ class MultiModalRunner:
                                          runner.max_num_tokens)
         if backend is not None:
             logger.info("vision encoder attention: backend %s", backend.get_name())
+        settings = ProcessorSettings.of(runner.config.model)
         budgets = encoder_budgets(runner.config.scheduler,
-                                  model.max_tokens_per_image(model.checkpoint_config()))
+                                  model.max_tokens_per_image(model.checkpoint_config(), settings))
         return cls(model, runner.device, runner.dtype, budgets, runner.max_num_tokens)
 
     def step_spans(self, batch: Any) -> BidirectionalSpans | None:
@@ -94,6 +96,9 @@ class MultiModalRunner:
         one step may encode (its activations count in the peak), and return the bytes the
         store may hold, which the peak does not include."""
         data = self.model.dummy_image_data()
+        # The stand-in's rows: the largest image under the config alone. Settings that make
+        # an image several such squares (pan-and-scan crops) leave the peak one budget's
+        # worth of squares.
         rows = self.model.max_tokens_per_image(self.model.checkpoint_config())
         if data is None or not rows:
             return 0

@@ -1,6 +1,7 @@
 """The step's bidirectional image spans, for models whose image tokens attend to each other
-both ways (Gemma 3: `SupportsMultiModal.bidirectional_image_spans`): the placeholder ranges of
-the images the step's tokens reach, which the common metadata builder turns into each token's
+both ways (Gemma 3: `SupportsMultiModal.bidirectional_image_spans`): the runs of embedding
+tokens of the images the step's tokens reach (an image's whole placeholder range, or one run
+per pan-and-scan crop), which the common metadata builder turns into each token's
 `attend_limit` (attention/metadata.py). The scheduler never splits such a span across steps
 (encoder_cache.py), so every span the step reaches ends inside it."""
 
@@ -17,9 +18,9 @@ def step_spans(batch: Any) -> BidirectionalSpans | None:
     """The spans of `batch` (a SchedulerOutput) its new tokens reach, by request index in the
     batch; None when there are none. A loop over the step's requests with images and their
     images (not over tokens); the per-token work is the builder's, vectorised."""
-    req: list[int] = []
-    start: list[int] = []
-    end: list[int] = []
+    req: list[np.ndarray] = []
+    start: list[np.ndarray] = []
+    end: list[np.ndarray] = []
     computed = batch.num_computed_tokens
     scheduled = batch.num_scheduled_tokens
     for i, request in enumerate(batch.requests):
@@ -32,10 +33,12 @@ def step_spans(batch: Any) -> BidirectionalSpans | None:
             if p.offset >= hi:
                 break
             if p.end > lo and p.length > 1:
-                req.append(i)
-                start.append(p.offset)
-                end.append(p.end)
+                # One span per run of embedding tokens: a pan-and-scan image's crops each
+                # attend within themselves, and the text between them causally.
+                starts, ends = p.embed_runs
+                req.append(np.full(len(starts), i, dtype=np.int64))
+                start.append(starts)
+                end.append(ends)
     if not req:
         return None
-    return BidirectionalSpans(np.array(req, dtype=np.int64), np.array(start, dtype=np.int64),
-                              np.array(end, dtype=np.int64))
+    return BidirectionalSpans(np.concatenate(req), np.concatenate(start), np.concatenate(end))

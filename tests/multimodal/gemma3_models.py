@@ -16,6 +16,9 @@ NUM_WORDS = 200
 # Smaller than one image's span: the window still cuts inside an image (transformers' mask:
 # (causal or same image) and window).
 SLIDING_WINDOW = 3
+# The words of transformers' pan-and-scan text ("Here is the original image ... and here are
+# some crops to help you see better ..."), so the tokenizer gives them ids of their own.
+CROPS_WORDS = "Here is the original image and here are some crops to help you see better"
 SPECIAL = {"\n\n": NEWLINES_ID, "<start_of_image>": BOI_ID, "<end_of_image>": EOI_ID,
            "<image_soft_token>": IMAGE_TOKEN_ID}
 
@@ -25,6 +28,8 @@ def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
     vocab.update({f"w{i}": i + 6 for i in range(NUM_WORDS)})
+    for word in CROPS_WORDS.split():
+        vocab.setdefault(word, len(vocab) + 2)  # after w199 (205)
     vocab.update(SPECIAL)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
