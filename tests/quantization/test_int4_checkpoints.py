@@ -251,10 +251,13 @@ def test_the_engine_serves_an_int4_checkpoint(float_models, tmp_path, make_llm):
 
 @pytest.mark.parametrize("family,case", [("gpt_oss", "mxfp4"), ("qwen3_moe", "awq-g64"),
                                          pytest.param("qwen3_moe", "ct-asym-channel",
+                                                      marks=pytest.mark.slow),
+                                         pytest.param("qwen3_moe", "ct-asym-g32-actorder",
                                                       marks=pytest.mark.slow)])
 def test_moe_kernel_runs_a_whole_model(float_models, tmp_path, monkeypatch, family, case):
     """The CUDA layout of 4-bit experts on the CPU (the grouped expert GEMMs in the
-    interpreter): MXFP4 (gpt-oss: clamped SwiGLU, biases) and int4 experts keep their codes, no
+    interpreter): MXFP4 (gpt-oss: clamped SwiGLU, biases) and int4 experts (compressed-tensors'
+    group act-order too; GPTQ's in test_kernel_layout_runs_a_whole_model) keep their codes, no
     float experts are allocated, and the logits equal the dequantized path's."""
     from pagedserve.quantization import packed
     from tests.quantization.test_fp8_checkpoints import _prompts
