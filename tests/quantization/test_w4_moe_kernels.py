@@ -38,10 +38,11 @@ def _act_order(n: int, k: int, group: int, symmetric: bool, parts: int, g: torch
     group's inputs scattered by a permutation), and the float32 weights [E, n, k] they stand
     for, dequantized here from the integer codes."""
     groups = k // group
-    codes = torch.randint(0, 16, (experts, n, k), generator=g, device=device)
+    small = dict(generator=g, device=device, dtype=torch.int16)  # the Qwen3 shape's memory
+    codes = torch.randint(0, 16, (experts, n, k), **small)
     scales = (torch.rand(experts, n, groups, generator=g, device=device) * 0.02 + 1e-3).half()
-    zeros = (torch.full_like(scales, 8, dtype=torch.long) if symmetric else
-             torch.randint(0, 17, scales.shape, generator=g, device=device))
+    zeros = (torch.full_like(scales, 8, dtype=torch.int16) if symmetric else
+             torch.randint(0, 17, scales.shape, **small))
     in_order = torch.arange(k, device=device) // group
     g_idx = torch.stack([torch.stack([in_order[torch.randperm(k, generator=g, device=device)]
                                       for _ in range(parts)]) for _ in range(experts)])
