@@ -56,11 +56,12 @@ def _act_order(n: int, k: int, group: int, symmetric: bool, parts: int, g: torch
 
 # (group, hidden, intermediate, maps per expert's gate_up): groups of 32 with gate and up
 # apart, of 128 with them shared (GPTQ's, whose gate and up read one input).
-ACT_ORDER = [(32, 128, 64, 2, sym, dt) for sym in (True, False)
-             for dt in (torch.float32, torch.float16)] + [
-    (128, 256, 256, 1, False, torch.float32), (128, 256, 256, 1, False, torch.float16),
-    pytest.param(128, 256, 256, 1, True, torch.float32, marks=pytest.mark.slow),
-    pytest.param(128, 256, 256, 1, True, torch.float16, marks=pytest.mark.slow)]
+ACT_ORDER = [
+    pytest.param(group, hidden, inter, parts, sym, dt,
+                 marks=[pytest.mark.slow] if group == 128 and sym else [],
+                 id=f"g{group}-{'sym' if sym else 'asym'}-{str(dt)[6:]}")
+    for group, hidden, inter, parts in ((32, 128, 64, 2), (128, 256, 256, 1))
+    for sym in (True, False) for dt in (torch.float32, torch.float16)]
 
 
 @pytest.mark.parametrize("group,hidden,inter,parts,symmetric,dtype", ACT_ORDER)
