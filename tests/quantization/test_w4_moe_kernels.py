@@ -53,7 +53,6 @@ def _act_order(n: int, k: int, group: int, symmetric: bool, parts: int, g: torch
                      g_idx.to(torch.int32)), want
 
 
-
 # (group, hidden, intermediate, maps per expert's gate_up): groups of 32 with gate and up
 # apart, of 128 with them shared (GPTQ's, whose gate and up read one input).
 ACT_ORDER = [
