@@ -47,13 +47,19 @@ def use_moe_kernel(layer: nn.Module, packed: Any, staged: dict[tuple[int, str], 
     """Lay the staged experts out for the kernel (True); False only where the dequantizing
     path names what is wrong with a tensor (a malformed MXFP4 block)."""
     prefix = getattr(layer, "prefix", "experts")
+    _, hidden, inter = shapes["down_proj"]
     parts: dict[tuple[int, str], _Codes] = {}
     for (expert, shard), tensors in staged.items():
         what = f"{prefix}.{expert}.{shard}"
         part = _codes(packed, tensors, what)
         if part is None:
             return False
-        parts[expert, shard] = _rank_part(layer, part, shard, what)
+        part = _rank_part(layer, part, shard, what)
+        want = (hidden, inter) if shard == "down" else (inter, hidden)
+        if (part.codes.shape[0], part.group.numel()) != want:
+            raise ValueError(f"{what} has shape {(part.codes.shape[0], part.group.numel())} "
+                             f"in 4 bits (this rank's part); the model expects {want}")
+        parts[expert, shard] = part
     device = layer.gate_up_proj.device
     stacked = []
     for name, shards in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):

@@ -140,3 +140,22 @@ def test_a_slice_that_splits_a_byte_is_refused_by_name():
     with pytest.raises(ValueError, match=r"experts\.0\.down: this rank's inputs 5\.\.10 split "
                                          r"a byte of two 4-bit codes"):
         w4_moe._rank_part(layer, part, "down", "experts.0.down")
+
+
+def test_an_expert_of_the_wrong_shape_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(packed, "KERNELS_ON_CPU", True)
+    _as_rank(monkeypatch, 0, world=1)
+    layer = FusedMoE(2, 32, 48)
+    layer.prefix = "model.layers.0.mlp.experts"
+    method = PackedMoEMethod(GptqFormat(16, act_order=True, zero_offset=1))
+    method.create_weights(layer, torch.float32)
+    for expert in range(2):
+        for shard, shape in (("gate", (48, 32)), ("up", (40 if expert else 48, 32)),
+                             ("down", (32, 48))):
+            tensors, _ = w.gptq_tensors(torch.randn(*shape), 16, sym=False, act_order=True,
+                                        v1=True, seed=expert)
+            for name, t in tensors.items():
+                method.load_expert(layer, expert, shard, name, t)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.1\.up has shape "
+                                         r"\(40, 32\) in 4 bits .* expects \(48, 32\)"):
+        method.process_after_loading(layer)
