@@ -1,8 +1,8 @@
 """Compile the GGUF block GEMMs (`ops/gguf_gemm.py`) for a GPU architecture on any machine (no
 GPU needed), one per block type, as the GEMM (bf16 activations, the device tiles) and as the
 whole-weight decode, and the 4-bit expert GEMMs (`ops/w4_moe_kernels.py`, MXFP4 with clamped
-SwiGLU and biases, int4 with SiLU, at decode and prefill tiles), and print what ptxas
-reports: registers, spills, shared memory.
+SwiGLU and biases, int4 with SiLU, int4 act-order (group maps, gate's and up's apart) with SiLU,
+at decode and prefill tiles), and print what ptxas reports: registers, spills, shared memory.
 
     python scripts/gguf_kernel_resources.py [--arch 90]
 
@@ -78,14 +78,16 @@ def compile_moe(target: GPUTarget, arch: int) -> int:
     real = wm._w4_gate_up_kernel, wm._w4_down_kernel, wm.align_by_expert, wm.select_w4_tiles
     wm.align_by_expert = aligned
     failed = 0
-    for fmt in ("mxfp4", "int4"):
-        def experts(n: int, kk: int):
+    for fmt in ("mxfp4", "int4", "int4-act-order"):
+        def experts(n: int, kk: int, parts: int = 1):
             codes = torch.zeros(e, n, kk // 2, dtype=torch.uint8)
             if fmt == "mxfp4":  # noqa: B023
                 return wm.W4Experts(codes, torch.zeros(e, n, kk // 32, dtype=torch.uint8),
                                     None, 32)
+            g_idx = (torch.zeros(e, parts, kk, dtype=torch.int32)
+                     if fmt == "int4-act-order" else None)  # noqa: B023
             return wm.W4Experts(codes, torch.zeros(e, n, kk // 128), torch.zeros(
-                e, n, kk // 128, dtype=torch.uint8), 128)
+                e, n, kk // 128, dtype=torch.uint8), 128, g_idx)
         swiglu = fmt == "mxfp4"
         for rows in (1.0, 64.0):
             tiles = real[3](rows, torch.device("cuda"))
@@ -95,7 +97,7 @@ def compile_moe(target: GPUTarget, arch: int) -> int:
             bias = (torch.zeros(e, 2 * i, dtype=torch.bfloat16),
                     torch.zeros(e, h, dtype=torch.bfloat16)) if swiglu else (None, None)
             try:
-                wm.w4_fused_experts(torch.zeros(t, h, dtype=torch.bfloat16), experts(2 * i, h),
+                wm.w4_fused_experts(torch.zeros(t, h, dtype=torch.bfloat16), experts(2 * i, h, 2),
                                     experts(h, i), torch.zeros(t, k),
                                     torch.zeros(t, k, dtype=torch.int64),
                                     ExpertActivation("swiglu_clamped" if swiglu else "silu"),

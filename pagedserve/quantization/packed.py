@@ -5,9 +5,10 @@ zero points, a group index) and how they become a float32 [out, in] weight. The 
 here stage those tensors as they arrive, part by part (q, k, v; gate, up) and expert by expert,
 and once every tensor is in, dequantize each whole checkpoint weight and copy this rank's part
 of it into the layer's float weight, in the model's dtype. The product is then the float
-layer's: the CPU runs every format this way, exactly (see int4_format.py). On CUDA an integer
-format's linears instead keep their codes for the W4A16 kernel (`w4a16.py`); experts, MXFP4
-and what the kernel cannot take are dequantized there too.
+layer's: the CPU runs every format this way, exactly (see int4_format.py). On CUDA, with
+`PAGEDSERVE_W4A16_KERNEL=1`, an integer format's linears instead keep their codes for the
+W4A16 kernel (`w4a16.py`; a fused layer whose parts' groups differ is dequantized), and every
+format's experts, act-order ones too, theirs for the 4-bit MoE kernel (`w4_moe.py`).
 
 A float `weight` where the config says packed, a tensor of another format, a missing one (the
 loader's coverage check) or a shape that does not fit are refused naming the tensor.

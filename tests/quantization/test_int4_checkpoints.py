@@ -202,10 +202,11 @@ def test_packers_agree_with_the_formats_descriptions():
                                          ("qwen3_moe", "gptq-v1-asym-g32-actorder"),
                                          ("llama", "ct-asym-channel")])
 def test_kernel_layout_runs_a_whole_model(float_models, tmp_path, monkeypatch, family, case):
-    """The CUDA layout on the CPU (the Triton W4A16 GEMM in the interpreter): every linear
-    keeps its codes (act-order parts share their input's order), the experts are dequantized,
-    and the logits equal the dequantized path's to float32 rounding (a code, zero or group in
-    the wrong place moves them by as much as the logits themselves)."""
+    """The CUDA layout on the CPU (the Triton W4A16 GEMM and the grouped expert GEMMs in the
+    interpreter): every linear keeps its codes (act-order parts share their input's order),
+    Qwen3-MoE's act-order experts theirs with a group map per expert, and the logits equal the
+    dequantized path's to float32 rounding (a code, zero or group in the wrong place moves them
+    by as much as the logits themselves)."""
     from pagedserve.quantization import packed
     from tests.quantization.test_fp8_checkpoints import _prompts
     from tests.utils.paged import run_prefill
@@ -218,6 +219,10 @@ def test_kernel_layout_runs_a_whole_model(float_models, tmp_path, monkeypatch, f
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.weight is None and layer.self_attn.o_proj.weight is None
     assert "W4A16 kernel" in layer.self_attn.qkv_proj.quant_method.name
+    if family == "qwen3_moe":
+        experts = layer.mlp.experts
+        assert experts.quant_method.name.endswith("experts -> 4-bit MoE kernel")
+        assert all(p.g_idx is not None for p in experts.w4_experts)  # act-order: maps
     for got, want in zip(run_prefill(model, prompts), exact, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
@@ -246,10 +251,13 @@ def test_the_engine_serves_an_int4_checkpoint(float_models, tmp_path, make_llm):
 
 @pytest.mark.parametrize("family,case", [("gpt_oss", "mxfp4"), ("qwen3_moe", "awq-g64"),
                                          pytest.param("qwen3_moe", "ct-asym-channel",
+                                                      marks=pytest.mark.slow),
+                                         pytest.param("qwen3_moe", "ct-asym-g32-actorder",
                                                       marks=pytest.mark.slow)])
 def test_moe_kernel_runs_a_whole_model(float_models, tmp_path, monkeypatch, family, case):
     """The CUDA layout of 4-bit experts on the CPU (the grouped expert GEMMs in the
-    interpreter): MXFP4 (gpt-oss: clamped SwiGLU, biases) and int4 experts keep their codes, no
+    interpreter): MXFP4 (gpt-oss: clamped SwiGLU, biases) and int4 experts (compressed-tensors'
+    group act-order too; GPTQ's in test_kernel_layout_runs_a_whole_model) keep their codes, no
     float experts are allocated, and the logits equal the dequantized path's."""
     from pagedserve.quantization import packed
     from tests.quantization.test_fp8_checkpoints import _prompts
