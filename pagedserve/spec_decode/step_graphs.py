@@ -1,6 +1,7 @@
 """The proposer's part of the target's steps replayed from CUDA graphs (engine/cuda_graphs.py,
 engine/verify_graphs.py), for a proposer with K/V of its own (a draft model, an EAGLE head, an
-MTP layer), as vLLM captures its drafter's per-step work with the target.
+MTP layer); vLLM's graphed target forward likewise hands out an EAGLE-3 head's tapped hidden
+states from persistent buffers.
 
 An eager step runs `Proposer.forward_step` after the target, under the step's forward context:
 a draft model's forward over the step's tokens (its K/V), or a head's capture of the target's
@@ -8,13 +9,13 @@ hidden states, which the runner keeps with the step (`PendingStep.captured`). A 
 must hold the same work, so the runner's graphed forward (`ModelRunner.run_model`) calls
 `ProposerStep.run` after the target: the draft runs over the same padded input ids, positions
 and metadata (its layers' metadata comes from the same builders), and what a head captures is
-copied into a persistent buffer, sized for the largest graph's tokens, that the graph writes and
-the step reads after the replay (its real rows) as `captured`. Padding rows write nothing real:
-their K/V slots are -1 and their buffer rows are never read.
+copied into a persistent buffer, sized for the largest graph's tokens, that the graph writes
+and the step reads after the replay (a copy of its real rows) as `captured`. Padding rows
+write nothing real: their K/V slots are -1 and their buffer rows are never read.
 
 The start-up check (`DecodeGraphs.check_against_eager`) compares what this part leaves behind
-too (`ProposerStep.clear` / `read`): the captured rows and the proposer's K/V at the real tokens'
-slots, cleared before each run so that a graph that writes none of them fails.
+too (`ProposerStep.clear` / `read`): the captured rows and the proposer's K/V at the real
+tokens' slots, cleared before each run so that a graph that writes none of them fails.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ class ProposerStep:
         self.buffer[:len(out)].copy_(out)
 
     def captured(self, num_tokens: int) -> torch.Tensor | None:
-        """The real rows the last graphed step captured (a view: the next one rewrites it)."""
-        return None if self.buffer is None else self.buffer[:num_tokens]
+        """The real rows the last graphed step captured, copied out of the buffer: a step is
+        proposed from after its samples, and with steps overlapping (async scheduling while
+        `disable_by_batch_size` holds drafts back) the next step's replay may come first."""
+        return None if self.buffer is None else self.buffer[:num_tokens].clone()
 
     # ---- the start-up check (engine/cuda_graphs.py's `StepOutputs`) --------------------------
 
@@ -92,8 +95,9 @@ class ProposerStep:
             self.buffer[:len(slots)].zero_()
         for k, v in self._views():
             block_size = k.shape[1]
-            k[slots // block_size, slots % block_size] = 0
-            v[slots // block_size, slots % block_size] = 0
+            for part in (k, v):  # (bytes: a float8 cache has no index_put)
+                raw = part.view(torch.uint8) if part.element_size() == 1 else part
+                raw[slots // block_size, slots % block_size] = 0
 
     def read(self, slots: torch.Tensor) -> torch.Tensor | None:
         """What a step left at the real tokens `slots`, flattened in float32 (None: nothing)."""
