@@ -320,14 +320,13 @@ class ModelRunner:
         """The model over the first `num_tokens` of the persistent input ids and positions,
         under `attn_metadata` (what a CUDA graph captures and the padding path runs), then a
         draft model's or head's part of the step (spec_decode/step_graphs.py)."""
-        positions = self.common_builder.dev["positions"][:num_tokens]
-        if self.multimodal is not None:
-            positions = self.multimodal.graph_positions(positions)
-        input_ids = self.input_ids.device[:num_tokens]
+        ids, positions = self.input_ids.device[:num_tokens], self.common_builder.dev["positions"]
+        positions = positions[:num_tokens]  # (as the eager step, the proposer's are 1-D)
         with set_forward_context(attn_metadata, self.kv_caches):
-            hidden = self.model(input_ids, positions)
+            hidden = self.model(ids, positions if self.multimodal is None
+                                else self.multimodal.graph_positions(positions))
             if self.speculator is not None and self.speculator.uses_kv_cache:
-                self.speculator.forward_in_graph(input_ids, positions, hidden)
+                self.speculator.forward_in_graph(ids, positions, hidden)
             return hidden
 
     @torch.inference_mode()
