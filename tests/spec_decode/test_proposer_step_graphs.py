@@ -97,6 +97,33 @@ def test_padded_target_steps_with_a_proposer(tmp_path_factory, make_llm, monkeyp
         assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_padded_target_steps_in_the_triton_interpreter(tmp_path, make_llm, monkeypatch, method):
+    """TRITON's kernels (the interpreter, head sizes 64) over the padded target steps with the
+    proposer's part: outputs equal no speculation, drafts the eager engine's."""
+    pytest.importorskip("triton")
+    from pagedserve.spec_decode.random_head import write_random_eagle3_head
+
+    target = _tiny(tmp_path / "target", 0, 128, 1 if method == "draft_model" else 4, heads=2)
+    model = (target if method == "draft_model" else write_random_eagle3_head(
+        tmp_path / "head", transformers.AutoConfig.from_pretrained(target), 60,
+        dtype=torch.float32))
+    spec = {"method": method, "model": model, "num_speculative_tokens": 2}
+    prompts, params = _prompts()[:3], SamplingParams(temperature=0, max_tokens=8,
+                                                     ignore_eos=True)
+    kwargs = dict(attention_backend="TRITON", max_num_seqs=4)
+    want, _ = _run(make_llm, target, prompts, params, None, **kwargs)
+    drafts = _record_drafts(monkeypatch)
+    _run(make_llm, target, prompts, params, spec, **kwargs)
+    eager_drafts = list(drafts)
+    drafts.clear()
+    made = _padded_target_steps(monkeypatch)
+    got, _ = _run(make_llm, target, prompts, params, spec, **kwargs)
+    _assert_same(got, want)
+    assert drafts == eager_drafts and made[0].verify.replays[4] > 0
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_the_start_up_check_covers_the_proposer(tmp_path_factory, make_llm, monkeypatch,
                                                 method):
