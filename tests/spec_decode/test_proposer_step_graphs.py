@@ -135,6 +135,7 @@ def test_the_start_up_check_covers_the_proposer(tmp_path_factory, make_llm, monk
     llm = make_llm(model=target, dtype="float32", device="cpu", kv_cache_memory="8MiB",
                    speculative_config=spec, max_num_seqs=8, block_size=8)
     graphs = made[0]
+    assert llm.engine.runner.decode_graphs is graphs
     with torch.inference_mode():
         graphs.check_against_eager()
         graphs.verify.check_against_eager()
@@ -148,7 +149,6 @@ def test_the_start_up_check_covers_the_proposer(tmp_path_factory, make_llm, monk
     for g in (graphs, graphs.verify):
         with torch.inference_mode(), pytest.raises(RuntimeError, match="proposer's part"):
             g.check_against_eager()
-    del llm
 
 
 @pytest.mark.gpu
