@@ -67,7 +67,8 @@ def _mtp_spec(tmp_path_factory) -> tuple[str, dict]:
     return str(path), {"method": "mtp", "num_speculative_tokens": K}
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle3",
+                                    pytest.param("mtp", marks=pytest.mark.slow)])
 def test_padded_target_steps_with_a_proposer(tmp_path_factory, make_llm, monkeypatch, method):
     """CPU backend: every request of a step has K drafts (a draft per step, no cut), so its
     verify steps are uniform and pad to 4 or 8; decode steps (the first after the prompts)
