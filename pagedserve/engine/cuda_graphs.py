@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -38,6 +38,20 @@ from pagedserve.engine.head_graphs import HeadGraphs
 from pagedserve.engine.input_batch import InputIds
 
 logger = logging.getLogger(__name__)
+
+
+class StepOutputs(Protocol):
+    """What a graphed forward writes besides its hidden states (a proposer's captured rows
+    and K/V: spec_decode/step_graphs.py), for the start-up check to compare."""
+
+    def clear(self, slots: torch.Tensor) -> None:
+        """Zero what a step leaves at the real tokens' cache `slots`."""
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """What a step left there, flattened in float32 (None: nothing)."""
+
+    def reference(self, forward: Callable[[], Any]) -> Any:
+        """`forward()` with the extra work done as the eager step does it (the reference)."""
 
 
 @dataclass
@@ -65,6 +79,11 @@ class GraphInputs:
     # in its graph mode: the LoRA products per row, reading the slot of each row from its
     # fixed buffer (-1 on padding rows), whatever the step at capture.
     lora: Any = None
+    # A proposer with K/V of its own runs its per-step work inside run_model (after the
+    # target): `after_replay(real tokens)` hands what it captured to the step, and the
+    # start-up check compares `step_outputs` too. None: the forward writes nothing else.
+    after_replay: Callable[[int], None] | None = None
+    step_outputs: StepOutputs | None = None
 
     def group_metadata(self, commons: list[CommonAttentionMetadata],
                        build: Callable[[Any, CommonAttentionMetadata], Any]) -> dict[Any, Any]:
@@ -184,6 +203,8 @@ class DecodeGraphs:
             hidden = self._forward(metadata, size)
         self.replays[size] += 1
         self._last = (size, hidden)
+        if self.inputs.after_replay is not None:
+            self.inputs.after_replay(num_reqs * self.query_len)
         return hidden[:num_reqs * self.query_len]
 
     def greedy_tokens(self, num_reqs: int) -> torch.Tensor | None:
@@ -331,34 +352,65 @@ class DecodeGraphs:
         ids = torch.randint(0, inputs.vocab_size, (t,), dtype=torch.int64,
                             generator=torch.Generator().manual_seed(0))
         inputs.input_ids.device[:t].copy_(ids)
+        extra = _ExtraOutputs(inputs.step_outputs, commons[0].slot_mapping[:t].clone())
         eager_md = inputs.group_metadata(commons, lambda builder, common: builder.build(common))
-        eager = inputs.run_model(eager_md, t).float()
+        eager = extra.around(lambda: inputs.run_model(eager_md, t).float(), reference=True)
         # Force the largest size so the padding rows are exercised too.
         saved, size = self.sizes, max(self.sizes)
         self.sizes = [size]
         try:
-            graphed = self.run(commons)
+            graphed = extra.around(lambda: self.run(commons))
         finally:
             self.sizes = saved
         if graphed is None:
             raise RuntimeError(f"the graph path refused a {self.kind} batch")
         graphed = graphed.float().clone()
-        padded_eager = self._forward(self._graph_metadata(commons, size), size)[:t].float()
-        diff = _relative_diff(graphed, padded_eager)
+        padded_eager = extra.around(lambda: self._forward(
+            self._graph_metadata(commons, size), size)[:t].float())
+        diff = max(_relative_diff(graphed, padded_eager), extra.diff(1, 2))
         if not diff <= rtol:  # also catches NaN
             raise RuntimeError(f"graph replay differs from the eager forward by {diff:.3g} "
-                               "(relative to the largest value)")
-        unpadded = _relative_diff(padded_eager, eager)
+                               "(relative to the largest value; the proposer's part "
+                               "included)")
+        unpadded = max(_relative_diff(padded_eager, eager), extra.diff(2, 0))
         if not math.isfinite(unpadded) or (unpadded > unpadded_rtol
                                            and not inputs.routes_experts):
             raise RuntimeError(f"the padded {self.kind} step's real rows differ from the "
                                f"unpadded forward by {unpadded:.3g} (relative to the largest "
-                               "value)")
+                               "value; the proposer's part included)")
         if unpadded > unpadded_rtol:
             logger.info("%s graphs: padded rows differ from the unpadded forward by %.3g "
                         "(batch-size-dependent rounding, amplified by expert routing)",
                         self.kind, unpadded)
         return diff
+
+
+class _ExtraOutputs:
+    """The check's reads of what each of its forwards wrote besides its hidden states
+    (`GraphInputs.step_outputs` at the real tokens' `slots`), cleared before each forward so
+    that one that writes nothing there differs."""
+
+    def __init__(self, outputs: StepOutputs | None, slots: torch.Tensor) -> None:
+        self.outputs, self.slots = outputs, slots
+        self.reads: list[torch.Tensor | None] = []
+
+    def around(self, forward: Callable[[], Any], reference: bool = False) -> Any:
+        """`forward()` between a clear and a read (`reference`: as the eager step)."""
+        if self.outputs is None:
+            self.reads.append(None)
+            return forward()
+        self.outputs.clear(self.slots)
+        result = self.outputs.reference(forward) if reference else forward()
+        self.reads.append(self.outputs.read(self.slots))
+        return result
+
+    def diff(self, got: int, ref: int) -> float:
+        """Relative difference of read `got` from read `ref`: 0 when neither left anything,
+        infinite when only one did (or another amount)."""
+        a, b = self.reads[got], self.reads[ref]
+        if a is None or b is None or a.shape != b.shape:
+            return 0.0 if a is None and b is None else math.inf
+        return _relative_diff(a, b)
 
 
 def _relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -318,12 +318,16 @@ class ModelRunner:
 
     def run_model(self, attn_metadata: dict[Any, Any], num_tokens: int) -> torch.Tensor:
         """The model over the first `num_tokens` of the persistent input ids and positions,
-        under `attn_metadata` (what a CUDA graph captures and the padding path runs)."""
-        positions = self.common_builder.dev["positions"][:num_tokens]
-        if self.multimodal is not None:
-            positions = self.multimodal.graph_positions(positions)
+        under `attn_metadata` (what a CUDA graph captures and the padding path runs), then a
+        draft model's or head's part of the step (spec_decode/step_graphs.py)."""
+        ids, positions = self.input_ids.device[:num_tokens], self.common_builder.dev["positions"]
+        positions = positions[:num_tokens]  # (as the eager step, the proposer's are 1-D)
         with set_forward_context(attn_metadata, self.kv_caches):
-            return self.model(self.input_ids.device[:num_tokens], positions)
+            hidden = self.model(ids, positions if self.multimodal is None
+                                else self.multimodal.graph_positions(positions))
+            if self.speculator is not None and self.speculator.uses_kv_cache:
+                self.speculator.forward_in_graph(ids, positions, hidden)
+            return hidden
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
@@ -483,9 +487,12 @@ class ModelRunner:
 
         routes = any(isinstance(m, FusedMoE) for m in self.model.modules())
         head = self.model.compute_logits if self.tp_size == 1 else None
+        spec = self.speculator if self.speculator and self.speculator.uses_kv_cache else None
         return GraphInputs(self.run_model, self.common_builder, self.input_ids, self.builders,
                            self.num_blocks, self.vocab_size, routes_experts=routes,
                            group_builders=self.group_builders,
                            builder_group=self.builder_group, compute_logits=head,
-                           lora=self.lora.batch if self.lora is not None else None)
+                           lora=self.lora.batch if self.lora is not None else None,
+                           after_replay=spec.replayed if spec else None,
+                           step_outputs=spec.graph_step if spec else None)
 

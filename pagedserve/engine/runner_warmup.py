@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.engine.cuda_graphs import setup_decode_graphs
 from pagedserve.engine.input_batch import InputBatch
-from pagedserve.engine.verify_graphs import setup_verify_graphs
+from pagedserve.engine.verify_graphs import largest_graph_tokens, setup_verify_graphs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, SchedulerOutput
 
@@ -79,16 +79,17 @@ def run_warmup_steps(runner: Any) -> None:
 
 def capture_graphs(runner: Any) -> None:
     """The CUDA graphs the runner's steps may replay: the decode steps' and the uniform
-    verify steps' (1 + K tokens each), or with a draft model or head, its one-token draft
-    steps'. Steps of models with state layers run eagerly (a graph would need a scratch slot
-    for its padding rows), and so do a draft model's target steps (the graphs would hold the
-    target's forward only); a pooling model never decodes."""
+    verify steps' (1 + K tokens each), and with a draft model or head its one-token draft
+    steps' too; the target's graphed steps then also hold the proposer's part of the step
+    (spec_decode/step_graphs.py). Steps of models with state layers run eagerly (a graph
+    would need a scratch slot for its padding rows); a pooling model never decodes."""
     if runner.state_layers or runner.pooler is not None:
         return
     speculator = runner.speculator
     if speculator is not None and speculator.uses_kv_cache:
         speculator.proposer.setup_graphs(runner)
-        return
+        speculator.graph_step.bind(runner.backend, runner.kv_caches,
+                                   largest_graph_tokens(runner.config))
     runner.decode_graphs = setup_decode_graphs(runner.graph_inputs(), runner.backend,
                                                runner.config, runner.max_model_len)
     setup_verify_graphs(runner.decode_graphs, runner.backend, runner.config)

@@ -41,6 +41,17 @@ def verify_batch_sizes(config: EngineConfig, query_len: int) -> list[int]:
                              config.cuda_graph_sizes)
 
 
+def largest_graph_tokens(config: EngineConfig) -> int:
+    """Tokens of the largest decode or verify graph the engine may capture (what a buffer
+    that such graphs write must hold)."""
+    sched = config.scheduler
+    decode = graph_batch_sizes(sched.max_num_seqs, sched.max_num_batched_tokens,
+                               config.cuda_graph_sizes)
+    q = verify_query_len(config)
+    verify = verify_batch_sizes(config, q) if q is not None else []
+    return max([0, *decode[-1:], *(q * s for s in verify[-1:])])
+
+
 def setup_verify_graphs(decode: DecodeGraphs | None, backend: type[AttentionBackend],
                         config: EngineConfig) -> DecodeGraphs | None:
     """Capture and check the verify graphs next to the captured `decode` graphs (which then

@@ -69,7 +69,10 @@ class Proposer:
         """Under a step's forward context, after the target (whose final hidden states are
         `hidden`): the proposer's own K/V for the step's tokens (a draft model), or what it
         reads from the step (a head's hidden states), returned: the runner keeps it with the
-        step and hands it back as `StepTokens.captured`."""
+        step and hands it back as `StepTokens.captured`. The target's CUDA graphs capture this
+        call too (spec_decode/step_graphs.py: padded input ids, positions and metadata, the
+        result copied into a persistent buffer), so it must queue device work only, of a
+        shape set by the step's token count."""
         return None
 
     def setup_graphs(self, runner: Any, capture: bool = True) -> None:

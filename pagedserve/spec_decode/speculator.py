@@ -17,6 +17,7 @@ from pagedserve.spec_decode.eagle import EagleProposer
 from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.spec_decode.proposer import Drafts, Proposer, StepTokens
 from pagedserve.spec_decode.rejection_sampler import RejectionSampler
+from pagedserve.spec_decode.step_graphs import ProposerStep
 from pagedserve.spec_decode.verify import VerifyLayout, build_layout
 
 if TYPE_CHECKING:
@@ -36,8 +37,10 @@ def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
     check_supported(spec, tensor_parallel_size=runner.tp_size)
     proposer = make_proposer(spec, runner.model, runner.dtype, runner.device,
                              runner.max_model_len, runner.vocab_size, config.model.model)
-    runner.attn_layers += proposer.attention_layers(len(runner.attn_layers))
-    return Speculator(spec, proposer, runner.device)
+    layers = proposer.attention_layers(len(runner.attn_layers))
+    runner.attn_layers += layers
+    return Speculator(spec, proposer, runner.device,
+                      ProposerStep(proposer, layers, runner.max_num_tokens))
 
 
 def make_proposer(spec: SpeculativeConfig, target: torch.nn.Module, dtype: torch.dtype,
@@ -57,11 +60,13 @@ def make_proposer(spec: SpeculativeConfig, target: torch.nn.Module, dtype: torch
 
 
 class Speculator:
-    def __init__(self, spec: SpeculativeConfig, proposer: Proposer,
-                 device: torch.device) -> None:
+    def __init__(self, spec: SpeculativeConfig, proposer: Proposer, device: torch.device,
+                 graph_step: ProposerStep | None = None) -> None:
         self.spec = spec
         self.device = device
         self.proposer = proposer
+        # The proposer's part of the target's graphed steps (step_graphs.py).
+        self.graph_step = graph_step or ProposerStep(proposer, [], 0)
         self._captured: Any = None
         self.rejection_sampler = RejectionSampler(
             spec.synthetic_acceptance_rate if spec.synthetic else None)
@@ -86,6 +91,17 @@ class Speculator:
         """Under a step's forward context, after the target: a draft model's K/V for the
         step's tokens, or what a head reads of the step (kept until `take_captured`)."""
         self._captured = self.proposer.forward_step(input_ids, positions, hidden)
+
+    def forward_in_graph(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                         hidden: torch.Tensor) -> None:
+        """`forward_step` inside the target's graphed forward (what its CUDA graph holds):
+        what it captures goes to a persistent buffer, read after the replay (`replayed`)."""
+        self.graph_step.run(input_ids, positions, hidden)
+
+    def replayed(self, num_tokens: int) -> None:
+        """After a graphed step of `num_tokens` real tokens: its captured rows are the step's
+        (kept until `take_captured`)."""
+        self._captured = self.graph_step.captured(num_tokens)
 
     def take_captured(self) -> Any:
         """What the last forward captured for the proposer, for the runner to keep with its
