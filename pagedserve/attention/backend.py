@@ -170,6 +170,12 @@ class AttentionMetadataBuilder(ABC):
             raise ValueError(f"{type(self).__name__} builds graph metadata from the padded step")
         return self.build(padded)
 
+    def verify_graph_reason(self) -> str | None:
+        """Why this configuration's verify steps (q > 1 tokens a request) may not be captured
+        although its backend declares them (`AttentionBackend.can_capture_verify`), for the
+        start-up log; None when they may. Default: None."""
+        return None
+
     def prepare_for_cudagraphs(self, max_seq_len: int) -> None:
         """Called once before graphs are captured: launch bounds that depend on the step (a
         grid over the longest sequence, a split count) must then stay fixed across replays,

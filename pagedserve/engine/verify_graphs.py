@@ -10,8 +10,9 @@ alone, which needs q <= block_size. The logits rows of a verify step are every r
 hidden state, read by the eager head (no head graphs for them).
 
 Only backends that declare their graph metadata right for several tokens a request
-(`AttentionBackend.can_capture_verify`) get them; a failed capture or start-up check drops the
-verify graphs alone (the decode graphs stay).
+(`AttentionBackend.can_capture_verify`) get them, and only when no layer configuration's
+builder declines them (`AttentionMetadataBuilder.verify_graph_reason`); a failed capture or
+start-up check drops the verify graphs alone (the decode graphs stay).
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def setup_verify_graphs(decode: DecodeGraphs | None, backend: type[AttentionBack
     if not backend.can_capture_verify(block_size):
         logger.info("verify steps run eagerly: the %s backend captures decode steps only",
                     backend.get_name())
+        return None
+    reasons = sorted({r for b in decode.inputs.builders.values()
+                      if (r := b.verify_graph_reason()) is not None})
+    if reasons:
+        logger.info("verify steps run eagerly: %s", "; ".join(reasons))
         return None
     if q > block_size:
         logger.info("verify steps run eagerly: %d tokens a request exceed the block size %d "

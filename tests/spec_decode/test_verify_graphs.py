@@ -138,8 +138,9 @@ def test_a_step_of_unequal_queries_is_not_replayed(tiny64_path, make_llm):
 
 
 def test_failed_verify_check_keeps_decode_graphs(tiny64_path, make_llm, monkeypatch, caplog):
-    """setup_verify_graphs: a backend that declares no verify graphs, or q past the block
-    size, gets none (logged); a failing start-up check drops them, the decode graphs stay."""
+    """setup_verify_graphs: a backend that declares no verify graphs, a layer configuration
+    whose builder declines them, or q past the block size, gets none (logged); a failing
+    start-up check drops them, the decode graphs stay."""
     from pagedserve.attention.registry import get_backend_cls
     from pagedserve.engine import verify_graphs
 
@@ -147,11 +148,17 @@ def test_failed_verify_check_keeps_decode_graphs(tiny64_path, make_llm, monkeypa
                    speculative_config=NGRAM, block_size=16)
     runner = llm.engine.runner
     decode = DecodeGraphs(runner.graph_inputs(), [1, 2], capture=False)
-    triton, flashinfer = get_backend_cls("TRITON"), get_backend_cls("FLASHINFER")
-    assert triton.can_capture_verify(16) and not flashinfer.can_capture_verify(16)
+    triton, flash_attn = get_backend_cls("TRITON"), get_backend_cls("FLASH_ATTN")
+    assert triton.can_capture_verify(16) and not flash_attn.can_capture_verify(16)
+    assert get_backend_cls("FLASHINFER").can_capture_verify(16)
     with caplog.at_level("INFO", logger=verify_graphs.__name__):
-        assert verify_graphs.setup_verify_graphs(decode, flashinfer, llm.engine.config) is None
+        assert verify_graphs.setup_verify_graphs(decode, flash_attn, llm.engine.config) is None
         assert "captures decode steps only" in caplog.text
+        (builder, *_) = runner.builders.values()
+        monkeypatch.setattr(builder, "verify_graph_reason", lambda: "a declining layer")
+        assert verify_graphs.setup_verify_graphs(decode, triton, llm.engine.config) is None
+        assert "verify steps run eagerly: a declining layer" in caplog.text
+        monkeypatch.undo()
         config = llm.engine.config
         monkeypatch.setattr(config.speculative, "num_speculative_tokens", 16)
         assert verify_graphs.setup_verify_graphs(decode, triton, config) is None
@@ -194,5 +201,37 @@ def test_cuda_verify_graphs_replay_and_match_eager(tiny64_path, make_llm):
     _assert_same(got, eager)
     assert graphs.verify.replays[4] > 0, f"no verify step replayed a graph: {graphs.verify.replays}"
     assert graphs.replays[4] > 0
+    del llm, graphs
+    gc.collect()
+
+
+@pytest.mark.gpu
+def test_cuda_flashinfer_verify_graphs_replay_and_match_eager(tiny64_path, make_llm):
+    """On CUDA with FLASHINFER in bf16 (head size 64): the verify graphs (graph-mode prefill
+    wrappers, one per padded size) are captured and replayed, and the greedy tokens equal the
+    eager engine's with the same speculation (one prompt at a time, three greedy sequences:
+    uniform verify steps of 3 requests padded to 4)."""
+    pytest.importorskip("flashinfer")
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, n=3, max_tokens=24, ignore_eos=True)
+    kwargs = dict(model=tiny64_path, dtype="bfloat16", device="cuda", max_num_seqs=4,
+                  attention_backend="FLASHINFER", engine_core_process=False,
+                  speculative_config=NGRAM)
+
+    def tokens(llm):
+        return [[c.token_ids for c in llm.generate([{"prompt_token_ids": p}], params,
+                                                   use_tqdm=False)[0].outputs]
+                for p in prompts]
+
+    eager_llm = make_llm(enforce_eager=True, gpu_memory_utilization=0.3, **kwargs)
+    want = tokens(eager_llm)
+    del eager_llm
+    gc.collect()
+    llm = make_llm(gpu_memory_utilization=0.6, **kwargs)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and graphs.verify is not None, "verify graphs were not captured"
+    assert graphs.verify.query_len == Q and sorted(graphs.verify.graphs) == graphs.verify.sizes
+    assert tokens(llm) == want
+    assert graphs.verify.replays[4] > 0, f"no verify step replayed a graph: {graphs.verify.replays}"
     del llm, graphs
     gc.collect()

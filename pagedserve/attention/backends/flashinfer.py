@@ -41,6 +41,8 @@ from pagedserve.attention.backend import (
     diff_kv_reason,
 )
 from pagedserve.attention.backends import encoder_gpu
+from pagedserve.attention.backends.flashinfer_metadata import FlashInferMetadata
+from pagedserve.attention.backends.flashinfer_verify import FlashInferVerifyBuilder
 from pagedserve.attention.metadata import CommonAttentionMetadata, CommonMetadataBuilder
 
 logger = logging.getLogger(__name__)
@@ -157,29 +159,17 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 # ---- metadata and builder ---------------------------------------------------------------------
 
 @dataclass
-class FlashInferMetadata:
-    """What every layer of one configuration needs for one step (or one CUDA-graph size)."""
-
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    # Where each token's K/V goes; in a graph, padded to the captured size with -1 (not written).
-    slot_mapping: torch.Tensor
-    prefill: Any  # flashinfer.BatchPrefillWithPagedKVCacheWrapper, planned, or None
-    decode: Any  # flashinfer.BatchDecodeWithPagedKVCacheWrapper, planned, or None
-    # The wrappers are the attention-sink variants, whose run() takes the sinks.
-    has_sinks: bool = False
-
-
-@dataclass
 class _GraphDecode:
     wrapper: Any
     metadata: FlashInferMetadata
 
 
-class FlashInferMetadataBuilder(encoder_gpu.FlashInferEncoderBuilder, AttentionMetadataBuilder):
+class FlashInferMetadataBuilder(encoder_gpu.FlashInferEncoderBuilder, FlashInferVerifyBuilder,
+                                AttentionMetadataBuilder):
     """Plans FlashInfer's wrappers once per step for one layer configuration. Eager steps:
     `build(common)`. CUDA-graph decode steps (pure decode, padded to a captured batch size):
-    `build_for_cudagraph(common, num_reqs_padded)`; encoder-only layers: `build_encoder`."""
+    `build_for_cudagraph(common, num_reqs_padded)`; uniform verify steps (q > 1 tokens each):
+    the same call, through `flashinfer_verify`; encoder-only layers: `build_encoder`."""
 
     def __init__(self, config: BuilderConfig) -> None:
         super().__init__(config)
@@ -203,6 +193,7 @@ class FlashInferMetadataBuilder(encoder_gpu.FlashInferEncoderBuilder, AttentionM
         self._kv_indptr_host = torch.zeros(n, dtype=torch.int32, pin_memory=pin).numpy()
         self._graphs: dict[int, _GraphDecode] = {}
         self._graph_buffers: dict[str, torch.Tensor] | None = None
+        self._init_verify_graphs()
 
     def _prefill_wrapper(self) -> Any:
         if self.config.has_sinks:
@@ -263,6 +254,8 @@ class FlashInferMetadataBuilder(encoder_gpu.FlashInferEncoderBuilder, AttentionM
                             ) -> FlashInferMetadata:
         """Metadata for a pure-decode step run as a CUDA graph of `num_reqs_padded` requests,
         planned from the real step `common` (FlashInfer pads its own CSR; `padded` is unused).
+        A uniform step of q > 1 tokens a request (a verify step) goes to `build_verify_graph`,
+        planned from `padded`.
 
         Returns the same object, over the same persistent buffers, every time for a given
         padded size. The model runner uses it twice:
@@ -279,6 +272,8 @@ class FlashInferMetadataBuilder(encoder_gpu.FlashInferEncoderBuilder, AttentionM
         Padding requests attend over one token of block 0 and write no K/V (slot -1); their
         outputs are to be dropped.
         """
+        if common.max_query_len > 1:
+            return self.build_verify_graph(common, num_reqs_padded, padded)
         c = self.config
         n, bp = common.num_decodes, num_reqs_padded
         if common.num_prefills or not 0 < n <= bp:
@@ -444,6 +439,9 @@ class FlashInferBackend(AttentionBackend):
     supports_soft_cap = True
     supports_sinks = True  # through FlashInfer's attention-sink variant (module docstring)
     supports_cuda_graphs = True
+    # Verify steps through per-size graph prefill wrappers (flashinfer_verify.py); a sink
+    # layer's builder declines them (verify_graph_reason).
+    supports_uniform_query_graphs = True
     supports_encoder_only = True  # the ragged prefill wrapper, causal=False (encoder_gpu.py)
     description = "FlashInfer paged prefill (fa2/fa3) and tensor-core decode, NHD cache"
 
