@@ -29,7 +29,8 @@
 # stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
-# wave25 / wave25bench / wave25embed / vlm (the last sessions' GPU tests and rows; see each).
+# wave25 / wave25bench / wave25eagle / wave25embed / vlm (the last sessions' GPU tests and rows;
+# see each).
 #
 # The whole GPU suite: three calls back to back on one machine (10 minutes each at most):
 #   1. carry .gpu .gpu-deps .gpu-smol-a:  install tests1   (Triton, FLASH_ATTN, models, graphs)
@@ -630,7 +631,7 @@ stage_wave25() {  # the twenty-fifth session's GPU tests (fp8 KV on TRITON, enco
     shard encoder tests/attention/test_encoder_attention.py tests/pooling/test_cross_encoders.py \
         tests/pooling/test_embed.py
     shard_any lora tests/lora/test_lora_kernels.py tests/lora/test_lora_cuda_graphs.py
-    shard spec tests/spec_decode
+    shard spec tests/spec_decode tests/attention/test_flashinfer_verify.py
     shard quant tests/quantization/test_gguf_kernels.py tests/quantization/test_w4_moe_kernels.py \
         tests/quantization/test_w4a16_kernel.py tests/quantization/test_random_fp8.py
     shard graphs tests/engine/test_cuda_graphs.py tests/multimodal
@@ -642,17 +643,30 @@ stage_wave25() {  # the twenty-fifth session's GPU tests (fp8 KV on TRITON, enco
     echo "exit $?" >>"$OUT/int4_linear.log"; tail -20 "$OUT/int4_linear.log"
 }
 
-stage_wave25bench() {  # issue #54's LoRA rows and #49's EAGLE-3 row on the 8B shape
+stage_wave25bench() {  # issue #54's LoRA rows on the 8B shape (EAGLE-3's: wave25eagle)
     setup_env
     timeout 330 python3 benchmarks/lora_engine.py --json "$OUT/lora.json" \
         >"$OUT/lora_engine.log" 2>&1
     echo "exit $?" >>"$OUT/lora_engine.log"; tail -6 "$OUT/lora_engine.log"
-    timeout 200 python3 benchmarks/spec_decode.py --model random:llama3-8b --random-prompts 128 \
-        --random-eagle3-head 32000 --batch-sizes 1 32 --output-len 128 --repeats 1 \
-        --speculative-config '{"method": "eagle3", "num_speculative_tokens": 3, "model": "-",
-            "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.8}' \
-        >"$OUT/eagle3.log" 2>&1
-    echo "exit $?" >>"$OUT/eagle3.log"; tail -8 "$OUT/eagle3.log"
+}
+
+stage_wave25eagle() {  # issue #49's EAGLE-3 row on the 8B shape twice: the default backend
+    # (FLASHINFER on CUDA, verify graphs through its graph prefill wrappers) and TRITON
+    setup_env
+    local backend args
+    for backend in default TRITON; do
+        args='{}'
+        [ "$backend" = default ] || args="{\"attention_backend\": \"$backend\"}"
+        timeout 250 python3 benchmarks/spec_decode.py --model random:llama3-8b \
+            --random-prompts 128 --random-eagle3-head 32000 --batch-sizes 1 32 \
+            --output-len 128 --repeats 1 --engine-args "$args" \
+            --speculative-config '{"method": "eagle3", "num_speculative_tokens": 3, "model": "-",
+                "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.8}' \
+            >"$OUT/eagle3-$backend.log" 2>&1
+        echo "exit $?" >>"$OUT/eagle3-$backend.log"
+        grep -E "verify|graphs|backend" "$OUT/eagle3-$backend.log" | grep -v " DEBUG " | head -4
+        tail -8 "$OUT/eagle3-$backend.log"
+    done
 }
 
 stage_wave25rej() {  # issue #49's rejection sampler: torch against the Triton kernel, B
