@@ -175,7 +175,7 @@ def test_verify_graph_metadata_against_eager_and_reference(fake_graph_flashinfer
         md = v.builder.build_for_cudagraph(common, v.bp, padded)
         assert (md.num_prefill_tokens, md.num_decode_tokens, md.decode) == (v.bp * q, 0, None)
         v.check(common, contexts, queries, full_k, full_v, lambda md=md: v.forward(md), 1e-5)
-    (wrapper,) = [g.wrapper for g in v.builder._verify_graphs.values()]
+    (wrapper,) = v.builder._verify_graphs.values()
     assert wrapper.graph_mode and wrapper.plans == 2 and wrapper.planned["causal"]
 
 

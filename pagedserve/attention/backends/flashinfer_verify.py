@@ -53,11 +53,6 @@ def uniform_csr(padded: CommonAttentionMetadata, num_reqs_padded: int) -> Unifor
                       padded.paged_kv_last_page_len_cpu[:bp], int(kv[bp]))
 
 
-@dataclass
-class _GraphVerify:
-    wrapper: Any  # flashinfer.BatchPrefillWithPagedKVCacheWrapper in CUDA-graph mode
-
-
 class FlashInferVerifyBuilder:
     """Mixed into FlashInfer's builder (which supplies config, device, workspace, _flashinfer,
     _plan_kwargs, and calls _init_verify_graphs): graph metadata of uniform steps of q > 1
@@ -82,19 +77,20 @@ class FlashInferVerifyBuilder:
                              f"its padded step, got {n} requests and "
                              f"{common.num_actual_tokens} tokens")
         csr = uniform_csr(padded, bp)
-        graph = self._verify_graphs.get((bp, q)) or self._new_verify_graph(bp, q)
+        wrapper = self._verify_graphs.get((bp, q)) or self._new_verify_graph(bp, q)
         # plan() copies the host arrays and the page ids into the wrapper's fixed buffers.
-        graph.wrapper.plan(
+        wrapper.plan(
             torch.from_numpy(csr.qo_indptr), torch.from_numpy(csr.kv_indptr),
             padded.paged_kv_indices[:csr.num_pages], torch.from_numpy(csr.kv_last_page_len),
             c.num_heads, c.num_kv_heads, c.head_size, c.block_size, causal=True,
             **self._plan_kwargs())
         return FlashInferMetadata(
             num_prefill_tokens=bp * q, num_decode_tokens=0,
-            slot_mapping=padded.slot_mapping[:bp * q], prefill=graph.wrapper, decode=None)
+            slot_mapping=padded.slot_mapping[:bp * q], prefill=wrapper, decode=None)
 
     def _init_verify_graphs(self) -> None:
-        self._verify_graphs: dict[tuple[int, int], _GraphVerify] = {}  # by (size, q)
+        # flashinfer.BatchPrefillWithPagedKVCacheWrapper in CUDA-graph mode, by (size, q)
+        self._verify_graphs: dict[tuple[int, int], Any] = {}
         self._verify_graph_buffers: dict[str, torch.Tensor] | None = None
 
     def _verify_buffers(self) -> dict[str, torch.Tensor]:
@@ -110,12 +106,12 @@ class FlashInferVerifyBuilder:
                 for name, n in sizes.items()}
         return self._verify_graph_buffers
 
-    def _new_verify_graph(self, bp: int, q: int) -> _GraphVerify:
+    def _new_verify_graph(self, bp: int, q: int) -> Any:
         bufs = self._verify_buffers()
         wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs["qo_indptr"][:bp + 1],
             paged_kv_indptr_buf=bufs["kv_indptr"][:bp + 1],
             paged_kv_indices_buf=bufs["kv_indices"],
             paged_kv_last_page_len_buf=bufs["last_page_len"][:bp])
-        self._verify_graphs[(bp, q)] = _GraphVerify(wrapper)
-        return self._verify_graphs[(bp, q)]
+        self._verify_graphs[(bp, q)] = wrapper
+        return wrapper
