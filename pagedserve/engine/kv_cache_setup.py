@@ -90,8 +90,16 @@ def determine_cache_size(cache: CacheConfig, block_bytes: int,
         return split_budget(block_bytes, state, int(cache.kv_cache_memory), max_num_seqs,
                             slot_copies)
     peak = profile_peak_memory()
-    total = torch.cuda.get_device_properties(device).total_memory
+    free, total = torch.cuda.mem_get_info(device)
     budget = gpu_kv_cache_budget(total, peak, cache.gpu_memory_utilization)
+    # gpu_memory_utilization is this engine's share of the device; other processes (or other
+    # engines of this one) may hold part of the rest, as vLLM checks.
+    if budget > free:
+        raise ValueError(
+            f"only {free / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB is free, "
+            f"less than the {budget / 2**30:.1f} GiB KV cache that gpu_memory_utilization="
+            f"{cache.gpu_memory_utilization:.2f} leaves after this engine's "
+            f"{peak / 2**30:.1f} GiB peak; lower gpu_memory_utilization or free the device")
     return split_budget(block_bytes, state, budget, max_num_seqs, slot_copies)
 
 
@@ -143,13 +151,25 @@ def profile_peak_memory(runner: Any) -> int:
     # A vision-language model's encoder over one step's images, and its store of rows.
     store = runner.multimodal.profile() if runner.multimodal is not None else 0
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) + store
+    peak = torch.cuda.max_memory_allocated(device) - runner.memory_baseline + store
     runner.kv_caches, runner.state_caches = [], []
     torch.cuda.empty_cache()
     # The cache we just used counts against the peak but will be allocated anew.
     used = needed * runner.bytes_per_block
     slots = bytes_per_slot(runner.state_specs) * runner.state_slot_copies
     return peak - used - (slots if runner.state_layers else 0)
+
+
+def memory_baseline(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes this process holds on `device` that are not this engine's (another engine's in
+    the same process, a caller's tensors): what is allocated now, less the model's weights.
+    The memory profile's peak counts from here, so two engines in one process (tests,
+    notebooks) size their caches as each would alone."""
+    if device.type != "cuda":
+        return 0
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.device == device}
+    own = sum(t.numel() * t.element_size() for t in tensors.values())
+    return max(torch.cuda.memory_allocated(device) - own, 0)
 
 
 def indexed_layers(model: torch.nn.Module, kind: type) -> list[Any]:

@@ -62,6 +62,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.dtype = next(model.parameters()).dtype
+        self.memory_baseline = kv_cache_setup.memory_baseline(model, self.device)
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_tokens = config.scheduler.max_num_batched_tokens

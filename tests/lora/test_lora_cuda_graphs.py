@@ -21,7 +21,7 @@ NAMES = [None, "r8", "r16", "r32", "r16"]  # five requests: a decode graph of si
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_graphs")
-    base = save_base(root / "base")
+    base = save_base(root / "base", hidden_size=256)  # heads of 64 for TRITON on CUDA
     refs = {name: save_adapter(base, root / name, rank, alpha, rslora, seed=i + 1)
             for i, (name, (rank, alpha, rslora)) in enumerate(ADAPTERS.items())}
     return root, base, refs

@@ -30,12 +30,13 @@ def tiny_tokenizer():
 
 
 def tiny_qwen3_embedder(path: Path, pooling: str = "lasttoken", normalize: bool = True,
-                        max_positions: int = 256) -> Path:
+                        max_positions: int = 256, head_dim: int = 16) -> Path:
+    """`head_dim`: 64 for CUDA's kernels (16 runs on the CPU's only)."""
     from transformers import Qwen3Config, Qwen3Model
 
     config = Qwen3Config(vocab_size=NUM_WORDS + 3, hidden_size=HIDDEN, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=max_positions,
+                         head_dim=head_dim, max_position_embeddings=max_positions,
                          initializer_range=0.2, eos_token_id=2, pad_token_id=0,
                          tie_word_embeddings=True)
     torch.manual_seed(0)

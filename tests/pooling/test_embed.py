@@ -142,11 +142,13 @@ def test_other_pooling_modes(tmp_path, texts, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_equals_sentence_transformers_on_cuda(model_dir, texts, reference, async_scheduling):
+def test_equals_sentence_transformers_on_cuda(tmp_path, texts, async_scheduling):
     """The device path: embeddings copied to pinned host memory behind the step, every backend
-    the selector picks for the tiny model (float32)."""
+    the selector picks for the tiny model (float32, heads of 64 for CUDA's kernels)."""
+    model_dir = tiny_qwen3_embedder(tmp_path, head_dim=64)
+    reference = st_encode(model_dir, texts)
     with LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=128,
-             gpu_memory_utilization=0.3, max_num_batched_tokens=256,
+             gpu_memory_utilization=0.05, max_num_batched_tokens=256,
              async_scheduling=async_scheduling) as llm:
         np.testing.assert_allclose(embed(llm, texts), reference, atol=1e-4, rtol=0)
         np.testing.assert_allclose(embed(llm, texts[:5], PoolingParams(dimensions=16)),

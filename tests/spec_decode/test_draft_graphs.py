@@ -170,10 +170,10 @@ def test_cuda_draft_graphs_replay_the_eager_drafts(tmp_path_factory, make_llm, m
                   max_num_seqs=8)
     prompts, params = _prompts(), SamplingParams(temperature=0, max_tokens=16,
                                                  ignore_eos=True)
-    want, _ = _run(make_llm, target, prompts, params, None, gpu_memory_utilization=0.25,
+    want, _ = _run(make_llm, target, prompts, params, None, gpu_memory_utilization=0.05,
                    enforce_eager=True, **kwargs)
     seen = _check_against_eager(monkeypatch, method)
-    got, stats = _run(make_llm, target, prompts, params, spec, gpu_memory_utilization=0.6,
+    got, stats = _run(make_llm, target, prompts, params, spec, gpu_memory_utilization=0.05,
                       **kwargs)
     _assert_same(got, want)
     assert len(captured) == 1 and isinstance(captured[0], DraftGraphs)

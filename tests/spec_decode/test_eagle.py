@@ -346,9 +346,9 @@ def test_cuda_greedy_equals_no_speculation(tmp_path, make_llm, backend):
     kwargs = dict(device="cuda", attention_backend=backend, engine_core_process=False)
     prompts = _prompts()
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
-    want, _ = _run(make_llm, path, prompts, params, None, gpu_memory_utilization=0.25,
+    want, _ = _run(make_llm, path, prompts, params, None, gpu_memory_utilization=0.05,
                    **kwargs)
-    got, stats = _run(make_llm, path, prompts, params, spec, gpu_memory_utilization=0.6,
+    got, stats = _run(make_llm, path, prompts, params, spec, gpu_memory_utilization=0.05,
                       **kwargs)
     _assert_same(got, want)
     assert stats.spec_decode_num_draft_tokens > 0

@@ -251,7 +251,7 @@ def test_cuda_greedy_equals_no_speculation(tmp_path, make_llm):
     _char_tokenizer().save_pretrained(path)
     kwargs = dict(device="cuda", engine_core_process=False)
     want, _ = _run(make_llm, path, _prompt_ids(), _requests(), None,
-                   gpu_memory_utilization=0.25, **kwargs)
+                   gpu_memory_utilization=0.05, **kwargs)
     got, stats = _run(make_llm, path, _prompt_ids(), _requests(), NGRAM,
-                      gpu_memory_utilization=0.6, **kwargs)
+                      gpu_memory_utilization=0.05, **kwargs)
     _check(got, want, stats)

@@ -172,15 +172,15 @@ def test_cuda_target_graphs_with_a_proposer(tmp_path_factory, make_llm, monkeypa
                   max_num_seqs=4)
     prompts = _prompts()[:3]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
-    want, _ = _run(make_llm, target, prompts, params, None, gpu_memory_utilization=0.2,
+    want, _ = _run(make_llm, target, prompts, params, None, gpu_memory_utilization=0.05,
                    enforce_eager=True, **kwargs)
     drafts = _record_drafts(monkeypatch)
     _, eager_stats = _run(make_llm, target, prompts, params, spec,
-                          gpu_memory_utilization=0.4, enforce_eager=True, **kwargs)
+                          gpu_memory_utilization=0.05, enforce_eager=True, **kwargs)
     eager_drafts = list(drafts)
     drafts.clear()
     llm = make_llm(model=target, dtype="float32", speculative_config=spec,
-                   gpu_memory_utilization=0.6, **kwargs)
+                   gpu_memory_utilization=0.05, **kwargs)
     runner = llm.engine.runner
     graphs = runner.decode_graphs
     assert graphs is not None and graphs.verify is not None, "target graphs were not captured"

@@ -186,12 +186,12 @@ def test_cuda_verify_graphs_replay_and_match_eager(tiny64_path, make_llm):
     kwargs = dict(device="cuda", attention_backend="TRITON", engine_core_process=False,
                   max_num_seqs=4)
     # Each engine's budget is the device's fraction less what the process holds already.
-    want, _ = _run(make_llm, tiny64_path, prompts, params, None, gpu_memory_utilization=0.2,
+    want, _ = _run(make_llm, tiny64_path, prompts, params, None, gpu_memory_utilization=0.05,
                    **kwargs)
-    eager, _ = _run(make_llm, tiny64_path, prompts, params, NGRAM, gpu_memory_utilization=0.4,
+    eager, _ = _run(make_llm, tiny64_path, prompts, params, NGRAM, gpu_memory_utilization=0.05,
                     enforce_eager=True, **kwargs)
     llm = make_llm(model=tiny64_path, dtype="float32", speculative_config=NGRAM,
-                   gpu_memory_utilization=0.6, **kwargs)
+                   gpu_memory_utilization=0.05, **kwargs)
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and graphs.verify is not None, "verify graphs were not captured"
     assert graphs.verify.query_len == Q and sorted(graphs.verify.graphs) == graphs.verify.sizes
@@ -223,11 +223,11 @@ def test_cuda_flashinfer_verify_graphs_replay_and_match_eager(tiny64_path, make_
                                                    use_tqdm=False)[0].outputs]
                 for p in prompts]
 
-    eager_llm = make_llm(enforce_eager=True, gpu_memory_utilization=0.3, **kwargs)
+    eager_llm = make_llm(enforce_eager=True, gpu_memory_utilization=0.05, **kwargs)
     want = tokens(eager_llm)
     del eager_llm
     gc.collect()
-    llm = make_llm(gpu_memory_utilization=0.6, **kwargs)
+    llm = make_llm(gpu_memory_utilization=0.05, **kwargs)
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and graphs.verify is not None, "verify graphs were not captured"
     assert graphs.verify.query_len == Q and sorted(graphs.verify.graphs) == graphs.verify.sizes
