@@ -2,7 +2,8 @@
 one rank's for a Llama with one K/V head (replicated over the ranks), a Qwen3 (q/k norms,
 heads split) and a Qwen3-MoE (experts split inside), saved as sharded safetensors and read a
 slice per rank; with chunked prefill, and preemption forced for Qwen3. gpt-oss in MXFP4 (sinks,
-experts with biases) likewise. A worker killed
+experts with biases) likewise. Gemma 3 (and Gemma 2, slow) at two ranks give transformers'
+tokens and top-5 logprobs. A worker killed
 mid-generation is a WorkerError within seconds and leaves no process behind; a start-up error
 comes back as itself; an engine dropped without close() frees the process for another."""
 

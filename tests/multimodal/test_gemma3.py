@@ -3,7 +3,8 @@ attention): the processor's expansion and bidirectional ranges equal transformer
 the vision tower and projector equal `get_image_features` through each backend's encoder path,
 greedy tokens equal `generate` and top-5 logprobs are within 1e-4 with one and two images per
 prompt (image tokens attending both ways, a sliding window smaller than an image), chunked
-prefill never splits an image, and a backend without bidirectional spans is refused by name."""
+prefill never splits an image, a backend without bidirectional spans is refused by name, and
+two tensor-parallel ranks give transformers' tokens and logprobs."""
 
 from __future__ import annotations
 
