@@ -19,6 +19,7 @@ from pagedserve.models.llama import (
     LlamaMLP,
     window_by_layer_type,
 )
+from pagedserve.models.parallel import VocabParallelEmbedding, gather_vocab
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -48,7 +49,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, family: type[Gemma2ForCausalLM]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size ** 0.5
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, i, family)
                                     for i in range(config.num_hidden_layers))
@@ -87,9 +88,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's logits soft-capped (cap * tanh(logits / cap)) in the model dtype, as
-        transformers does, then float32."""
-        if self.lm_head is None:
-            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        transformers does, then float32. Under tensor parallelism the cap applies to the
+        gathered logits (it is per element, so before or after the gather is the same)."""
+        if self.lm_head is None:  # tied: this rank's vocabulary rows, gathered
+            logits = gather_vocab(F.linear(hidden, self.model.embed_tokens.weight),
+                                  self.config.vocab_size)
         else:
             logits = self.lm_head(hidden)
         cap = getattr(self.config, "final_logit_softcapping", None)

@@ -131,6 +131,8 @@ class Gemma3MultiModalProjector(nn.Module):
 class Gemma3ForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.Module):
     processor_cls = Gemma3Processor
     bidirectional_image_spans = True
+    # Gemma 3's decoder splits under tensor parallelism; the tower runs whole on every rank.
+    splits_decoder = True
     supports_int8 = False
     supports_quantized_checkpoints = False
 

@@ -212,11 +212,15 @@ def check_tensor_parallel(cls: type[nn.Module], quantization: Any = None) -> Non
     """With more than one tensor-parallel rank, the model's family must split its layers."""
     if tp_world_size() == 1:
         return
+    from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
     from pagedserve.models.gpt_oss import GptOssForCausalLM
     from pagedserve.models.llama import TENSOR_PARALLEL_FAMILIES
 
     # gpt-oss: its sinks split with the heads, its experts' biases as moe.FusedMoE says.
-    families = TENSOR_PARALLEL_FAMILIES | {GptOssForCausalLM}
+    # Gemma: Llama's attention and MLP (q/k norms and soft-caps per head) in its own layer
+    # layout; its scaled embedding and (tied, soft-capped) head split over the vocabulary.
+    families = TENSOR_PARALLEL_FAMILIES | {GptOssForCausalLM, Gemma2ForCausalLM,
+                                          Gemma3ForCausalLM}
     # A vision-language class built on one of them splits its decoder; its tower (plain
     # nn.Linear layers) runs whole on every rank.
     on_split_decoder = getattr(cls, "supports_multimodal", False) and (

@@ -2,7 +2,8 @@
 one rank's for a Llama with one K/V head (replicated over the ranks), a Qwen3 (q/k norms,
 heads split) and a Qwen3-MoE (experts split inside), saved as sharded safetensors and read a
 slice per rank; with chunked prefill, and preemption forced for Qwen3. gpt-oss in MXFP4 (sinks,
-experts with biases) likewise. A worker killed
+experts with biases) likewise. Gemma 3 (and Gemma 2, slow) at two ranks give transformers'
+tokens and top-5 logprobs. A worker killed
 mid-generation is a WorkerError within seconds and leaves no process behind; a start-up error
 comes back as itself; an engine dropped without close() frees the process for another."""
 
@@ -208,15 +209,62 @@ def test_killed_worker_is_a_clear_error(models):
     engine.shutdown()  # again: nothing left to do
 
 
+# Gemma: sliding-window and global layers (a KV cache group each), the scaled embedding and
+# the head split over an odd vocabulary (rank 1's last row is padding), soft-caps low enough to
+# bite. Gemma 3 ties its head and norms q/k per head; Gemma 2 has a head of its own.
+GEMMA = dict(COMMON, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh",
+             num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, sliding_window=5,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             final_logit_softcapping=3.0)
+GEMMA_CONFIGS = {
+    "gemma3": lambda: transformers.Gemma3TextConfig(**{**GEMMA, "tie_word_embeddings": True}),
+    "gemma2": lambda: transformers.Gemma2Config(**GEMMA, attn_logit_softcapping=2.0),
+}
+
+
+@torch.no_grad()
+def _transformers_greedy(path: str, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' (eager) greedy tokens and its log-distributions at each of them."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    logits = hf(out).logits[0, len(prompt) - 1:-1]
+    return out[0, len(prompt):].tolist(), torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("name", ["gemma3", pytest.param("gemma2", marks=pytest.mark.slow)])
+def test_gemma_two_ranks_equal_transformers(tmp_path, name):
+    """Greedy tokens and top-5 logprobs of two ranks equal transformers' (a wrong split of
+    the heads, the vocabulary or the KV groups moves the logprobs past 1e-4)."""
+    from tests.utils.paged import check_top_logprobs
+
+    path = save_model(GEMMA_CONFIGS[name](), tmp_path / name)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    prompts = [PROMPTS[0], PROMPTS[2]]  # 7 and 40 tokens: the window of 5 cuts both
+    llm = LLM(model=path, tensor_parallel_size=2, **ENGINE)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.check_blocks_free()
+    finally:
+        llm.engine.shutdown()
+    for prompt, out in zip(prompts, outputs, strict=True):
+        tokens, ref = _transformers_greedy(path, prompt, 6)
+        assert out.outputs[0].token_ids == tokens
+        check_top_logprobs(out.outputs[0].logprobs, ref)
+    _no_workers_left()
+
+
 def test_families_without_tensor_parallel_refuse_by_name(monkeypatch):
-    from pagedserve.models.gemma import Gemma2ForCausalLM
+    from pagedserve.models.lfm2 import Lfm2ForCausalLM
     from pagedserve.models.llama import Qwen3ForCausalLM
 
     monkeypatch.setattr(parallel_state, "_world_size", 2)
     check_tensor_parallel(Qwen3ForCausalLM)
-    with pytest.raises(ValueError, match="Gemma2ForCausalLM does not support "
+    with pytest.raises(ValueError, match="Lfm2ForCausalLM does not support "
                                          "tensor_parallel_size > 1"):
-        check_tensor_parallel(Gemma2ForCausalLM)
+        check_tensor_parallel(Lfm2ForCausalLM)
     with pytest.raises(ValueError, match="int8 quantization"):
         check_tensor_parallel(Qwen3ForCausalLM, "int8")
 

@@ -3,7 +3,8 @@ attention): the processor's expansion and bidirectional ranges equal transformer
 the vision tower and projector equal `get_image_features` through each backend's encoder path,
 greedy tokens equal `generate` and top-5 logprobs are within 1e-4 with one and two images per
 prompt (image tokens attending both ways, a sliding window smaller than an image), chunked
-prefill never splits an image, and a backend without bidirectional spans is refused by name."""
+prefill never splits an image, a backend without bidirectional spans is refused by name, and
+two tensor-parallel ranks give transformers' tokens and logprobs."""
 
 from __future__ import annotations
 
@@ -263,3 +264,20 @@ def test_image_embeddings_in_place_of_pixels(gemma3, images):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     outputs = llm.generate(request, params, use_tqdm=False)
     _check_against_transformers(hf, llm, outputs, [_requests(images)[0]])
+
+
+def test_two_tensor_parallel_ranks_equal_transformers(gemma3, images):
+    """Two gloo ranks: the decoder split (a KV head per rank in each of the sliding and global
+    layers' cache groups, the tied head over half the vocabulary each), the tower whole on
+    each rank, the image spans both ways on both; transformers' tokens and logprobs."""
+    path, hf = gemma3
+    llm = _llm(path, tensor_parallel_size=2, max_model_len=128)
+    try:
+        assert llm.engine.runner.world_size == 2
+        requests = _requests(images)
+        params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        _check_against_transformers(hf, llm, outputs, requests)
+        assert llm.engine.check_blocks_free()
+    finally:
+        llm.close()
