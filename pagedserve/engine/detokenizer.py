@@ -90,14 +90,13 @@ class IncrementalDetokenizer:
         if self._stream is not None and not self._stop and len(new_token_ids) == 1:
             # The common step: one token, no stop strings to look for.
             self._num_output_tokens += 1
-            piece = self._stream.step(self._backend, new_token_ids[0])
+            piece = self._stream_step(new_token_ids[0])
             if piece:
                 self._text += piece
             return None
         old_len = len(self._text)
         if self._stream is not None:
-            step, backend = self._stream.step, self._backend
-            pieces = [step(backend, token_id) or "" for token_id in new_token_ids]
+            pieces = [self._stream_step(token_id) or "" for token_id in new_token_ids]
         else:
             pieces = []
             for token_id in new_token_ids:
@@ -109,6 +108,22 @@ class IncrementalDetokenizer:
         if self._stop and self._num_output_tokens > self.params.min_tokens:
             self._check_stop(old_len)
         return self._stop_reason
+
+    def _stream_step(self, token_id: int) -> str | None:
+        """`DecodeStream.step`, which raises on ids whose bytes cannot continue the text it
+        has emitted (a byte-fallback piece that completes no character, then one that changes
+        the prefix: random or badly trained models sample them). That request's stream then
+        starts over from this token, as vLLM's does; its text so far stands."""
+        try:
+            return self._stream.step(self._backend, token_id)
+        except Exception:  # tokenizers raises a bare Exception ("Invalid prefix ...")
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=[], skip_special_tokens=self.params.skip_special_tokens)
+            try:
+                return self._stream.step(self._backend, token_id)
+            except Exception:
+                return None
 
     def get_next_delta(self, finished: bool = False) -> str:
         """Text not returned yet.

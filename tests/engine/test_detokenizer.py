@@ -222,3 +222,28 @@ def test_stop_search_reads_only_the_tail_of_the_text(smollm_tokenizer: Any, monk
     assert len(windows) == len(ids)
     assert all(w <= b for w, b in zip(windows, bounds, strict=True))
     assert len(detok.output_text) > 50 * max(windows)
+
+
+def _byte_fallback_tokenizer() -> Any:
+    """A SentencePiece-style tokenizer whose bytes come as <0xNN> pieces (Gemma's, Llama 2's)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": b + 1 for b in range(256)}, "▁a": 257, "b": 258}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_bytes_that_complete_no_character_do_not_end_the_request(chunk: int) -> None:
+    """Random byte pieces, then one whose decode changes the text already streamed: tokenizers'
+    DecodeStream raises ("Invalid prefix encountered") there; the request goes on, its text
+    so far kept, and the tokens after it are decoded."""
+    tok = _byte_fallback_tokenizer()
+    ids = [21, 249, 131, 14, 111, 118, 48, 258, 257, 258]
+    detok = IncrementalDetokenizer(tok, [257], SamplingParams(max_tokens=16))
+    for i in range(0, len(ids), chunk):
+        assert detok.update(ids[i:i + chunk]) is None
+    assert detok.output_text.endswith("b ab")
