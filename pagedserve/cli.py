@@ -39,8 +39,10 @@ def _cmd_backends(args: argparse.Namespace) -> int:
           f"--kv-cache-dtype, the backends that store it (quantized-kv)")
     print("speculative decoding (--speculative-config): every backend above verifies a "
           "request's 1+K drafted tokens as a chunked prefill over its cached context; "
-          "verify steps run without CUDA graphs, and a draft model's or head's own steps "
-          "(draft_model, eagle, eagle3, mtp) run eagerly on the same backend")
+          "backends with the verify-cuda-graphs feature replay uniform verify steps (every "
+          "request 1+K tokens) from CUDA graphs, and a draft model's or head's one-token "
+          "steps (draft_model, eagle, eagle3, mtp) replay graphs of their own where the "
+          "backend captures decode steps")
     return 0
 
 
