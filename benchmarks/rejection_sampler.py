@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Callable
 
 if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
@@ -39,20 +40,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from pagedserve import SamplingParams  # noqa: E402
-from pagedserve.engine.sampler import (  # noqa: E402
-    SamplingMetadata,
-    apply_penalties,
-    apply_top_k_top_p_min_p,
-)
+from pagedserve.engine.sampler import SamplingMetadata  # noqa: E402
 from pagedserve.spec_decode.rejection_kernels import rejection_tokens_triton  # noqa: E402
-from pagedserve.spec_decode.rejection_sampler import (  # noqa: E402
-    RejectionSampler,
-    expand_metadata,
-)
-from pagedserve.spec_decode.verify import build_layout  # noqa: E402
+from pagedserve.spec_decode.rejection_sampler import RejectionSampler  # noqa: E402
+from pagedserve.spec_decode.verify import VerifyLayout, build_layout  # noqa: E402
 
 
-def time_us(fn, iters: int, warmup: int = 3) -> float | None:
+def time_us(fn: Callable[[], object], iters: int, warmup: int = 3) -> float | None:
     if not iters:  # --smoke: no timing on the CPU
         return None
     for _ in range(warmup):
@@ -69,7 +63,7 @@ def time_us(fn, iters: int, warmup: int = 3) -> float | None:
     return statistics.median(times)
 
 
-def make_step(b: int, k: int, vocab: int, mode: str, device: torch.device):
+def make_step(b: int, k: int, vocab: int, mode: str, device: torch.device) -> tuple:
     """Logits, metadata, layout and draft probabilities of one verify step."""
     gen = torch.Generator(device).manual_seed(b * 10 + k)
     logits = torch.randn(b * (k + 1), vocab, device=device, generator=gen) * 3
@@ -88,15 +82,10 @@ def make_step(b: int, k: int, vocab: int, mode: str, device: torch.device):
     return logits, meta, layout, draft_probs
 
 
-def walk_inputs(sampler: RejectionSampler, logits, meta, layout):
+def walk_inputs(sampler: RejectionSampler, logits: torch.Tensor, meta: SamplingMetadata,
+                layout: VerifyLayout) -> tuple:
     """The processed target and the draws, as the sampler computes them before the walk."""
-    rows = expand_metadata(meta, layout)
-    processed = apply_penalties(logits, rows)
-    argmax = processed.argmax(-1)
-    probs = None
-    if not meta.all_greedy:
-        scaled = processed / rows.temperature.unsqueeze(1)
-        probs = apply_top_k_top_p_min_p(scaled, rows).softmax(-1)
+    argmax, probs = sampler._target(logits, meta, layout)
     uniforms, noise = sampler._draws(probs, meta, layout)
     return argmax, probs, uniforms, noise
 

@@ -89,7 +89,9 @@ def pan_and_scan_of(settings: ProcessorSettings | None) -> PanAndScan | None:
 
 
 def _file_settings(model_path: str) -> dict[str, Any]:
-    path = Path(model_path) / "preprocessor_config.json"
+    # Expanded as the front's processor expands it: the engine's budgets get the path as
+    # configured (`~/...` included) and must read the same file.
+    path = Path(model_path).expanduser() / "preprocessor_config.json"
     if not path.is_file():
         return {}
     return json.loads(path.read_text())

@@ -65,13 +65,7 @@ class RejectionSampler:
             draft_probs = draft_probs.to(torch.float32)
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if meta.max_num_logprobs is not None else None)
-        rows = expand_metadata(meta, layout)
-        processed = apply_penalties(logits, rows)
-        argmax = processed.argmax(dim=-1)
-        probs = None
-        if not meta.all_greedy:
-            scaled = processed / rows.temperature.unsqueeze(1)
-            probs = apply_top_k_top_p_min_p(scaled, rows).softmax(dim=-1)
+        argmax, probs = self._target(logits, meta, layout)
         uniforms, noise = self._draws(probs, meta, layout)
         if self._kernel(logits.device):
             from pagedserve.spec_decode.rejection_kernels import rejection_tokens_triton
@@ -92,6 +86,19 @@ class RejectionSampler:
         lp = _gather_logprobs(raw_logprobs[at.reshape(-1)], tokens.reshape(-1).clamp_min(0),
                               meta.max_num_logprobs or 0)
         return SamplerOutput(tokens, lp.logprobs, lp.token_ids, lp.ranks)
+
+    def _target(self, logits: Tensor, meta: SamplingMetadata, layout: VerifyLayout
+                ) -> tuple[Tensor, Tensor | None]:
+        """Every row's processed argmax [N] and, unless all requests are greedy, its sampling
+        distribution [N, V] (penalties, temperature, top-k / top-p / min-p): what both paths
+        walk."""
+        rows = expand_metadata(meta, layout)
+        processed = apply_penalties(logits, rows)
+        argmax = processed.argmax(dim=-1)
+        if meta.all_greedy:
+            return argmax, None
+        scaled = processed / rows.temperature.unsqueeze(1)
+        return argmax, apply_top_k_top_p_min_p(scaled, rows).softmax(dim=-1)
 
     def _kernel(self, device: torch.device) -> bool:
         """Whether this call runs the Triton kernel (never for synthetic acceptance)."""

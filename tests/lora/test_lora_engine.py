@@ -61,6 +61,45 @@ def test_padded_decode_steps_run_the_kernels_per_row(make_llm, saved):
     assert graphs.replays[8] >= NEW - 1  # the 4 requests' decodes, padded to 8
 
 
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_padded_verify_steps_route_every_token(make_llm, saved, kernels):
+    """A verify step (3 requests of 1+K tokens: an adapter, the base, another adapter) padded
+    to 4 requests as its CUDA graph runs it (capture off): graph-mode LoRA reads one slot per
+    token row, so the real rows equal the unpadded eager step's, which the adapters move."""
+    import numpy as np
+
+    from pagedserve.engine.cuda_graphs import DecodeGraphs
+
+    if kernels:
+        pytest.importorskip("triton")
+    root, base, refs = saved
+    q = 4
+    llm = _engine(make_llm, root, max_loras=3, max_num_seqs=8,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": q - 1})
+    runner = llm.engine.runner
+    runner.lora.batch.use_kernels = kernels
+    inputs = runner.graph_inputs()
+    verify = DecodeGraphs(inputs, [4, 8], capture=False, query_len=q)
+    graphs = DecodeGraphs(inputs, [1, 2, 4, 8], capture=False, verify=verify)
+    for i, name in enumerate(("r8", "r16"), start=1):
+        runner.lora.add_adapter(LoRARequest(name, i, str(root / name)))
+    commons = verify.dummy_decode(3, [5, 37, 18])
+    ids = torch.randint(0, runner.vocab_size, (3 * q,), generator=torch.Generator().manual_seed(0))
+    runner.input_ids.device[:3 * q].copy_(ids)
+    eager_md = {key: b.build(commons[0]) for key, b in runner.builders.items()}
+    out = {}
+    with torch.inference_mode():
+        for adapters in ([0, 0, 0], [1, 0, 2]):
+            runner.lora.set_step(adapters, np.full(3, q))
+            out[tuple(adapters)] = runner.run_model(eager_md, 3 * q).clone()
+        padded = graphs.run(commons).clone()
+    assert verify.replays == {4: 1}
+    eager, plain = out[1, 0, 2], out[0, 0, 0]
+    moved = (eager - plain).abs().amax(dim=-1).reshape(3, q) > 1e-3
+    assert moved[[0, 2]].all() and not moved[1].any()
+    torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
+
+
 def test_two_tensor_parallel_ranks_shard_the_adapters(saved):
     """Tensor parallelism (two gloo ranks on the CPU): each rank holds its share of A and B
     (column-parallel layers B's rows, row-parallel ones A's columns, their partial terms

@@ -167,6 +167,32 @@ def test_padded_decode_steps_with_groups(models, make_llm):
     assert graphs.replays[4] > 0  # the 3 requests' decodes, padded to 4
 
 
+def test_padded_verify_step_with_groups(models, make_llm):
+    """A verify step (3 requests of 1+K tokens over contexts of 5, 37 and 18) padded to 4
+    requests as its CUDA graph runs it (capture off): every group's tables padded onto the
+    first's, the real rows equal to the unpadded eager step's."""
+    from pagedserve.engine.cuda_graphs import DecodeGraphs
+
+    path, _, _ = models["gemma3"]
+    q = 3
+    llm = _llm(make_llm, path, max_num_batched_tokens=64, max_num_seqs=8,
+               speculative_config={"method": "ngram", "num_speculative_tokens": q - 1})
+    runner = llm.engine.runner
+    inputs = runner.graph_inputs()
+    verify = DecodeGraphs(inputs, [4, 8], capture=False, query_len=q)
+    graphs = DecodeGraphs(inputs, [4, 8], capture=False, verify=verify)
+    commons = verify.dummy_decode(3, [5, 37, 18])
+    assert len(commons) == NUM_GROUPS["gemma3"]
+    ids = torch.randint(0, runner.vocab_size, (3 * q,), generator=torch.Generator().manual_seed(0))
+    runner.input_ids.device[:3 * q].copy_(ids)
+    eager_md = inputs.group_metadata(commons, lambda builder, common: builder.build(common))
+    with torch.inference_mode():
+        eager = runner.run_model(eager_md, 3 * q).clone()
+        padded = graphs.run(commons).clone()
+    assert verify.replays == {4: 1}
+    torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
+
+
 def _plain_layout(monkeypatch) -> None:
     """Engines built from here on keep every layer in one group (no block freed early): the
     layout before cache groups, as a reference."""

@@ -199,3 +199,27 @@ def test_flag_and_refusals(gemma3):
     with pytest.raises(ValueError, match="takes no images"):
         LLM(model="random:tiny", dtype="float32", device="cpu", kv_cache_memory="4MiB",
             mm_processor_kwargs={"do_pan_and_scan": True})
+
+
+def test_setting_from_a_home_relative_model_path(gemma3, tmp_path, monkeypatch):
+    """A model given as `~/...`: the engine's budgets (ProcessorSettings.of the config, as
+    written) read the same preprocessor_config.json as the front's processor (whose path is
+    expanded), so both size an image as the original and its crops."""
+    import shutil
+
+    from pagedserve.multimodal.front import make_processor
+
+    path, _ = gemma3
+    home = tmp_path / "home"
+    shutil.copytree(path, home / "g3")
+    settings = json.loads((path / "preprocessor_config.json").read_text())
+    (home / "g3" / "preprocessor_config.json").write_text(json.dumps(
+        {**settings, "do_pan_and_scan": True}))
+    monkeypatch.setenv("HOME", str(home))
+    model_config = EngineConfig.from_kwargs(model="~/g3").model
+    config = transformers.AutoConfig.from_pretrained(home / "g3")
+    engine_rows = Gemma3ForConditionalGeneration.max_tokens_per_image(
+        config, ProcessorSettings.of(model_config))
+    front = make_processor(model_config.model, transformers.AutoTokenizer.from_pretrained(
+        home / "g3"))
+    assert engine_rows == front.max_image_tokens == 5 * NUM_IMAGE_TOKENS

@@ -188,6 +188,30 @@ def test_qwen2_5_vl_decode_graphs_read_the_mrope_buffer(tmp_path):
     assert out[False] == out[True]
 
 
+def test_qwen2_5_vl_padded_verify_steps_read_the_mrope_buffer(qwen2_5_vl):
+    """n-gram speculation with the runner's graph path on (capture off: padded steps run
+    eagerly): three greedy sequences of one image prompt make uniform verify steps of 1+K
+    tokens a request, padded to 4 and reading the M-RoPE buffer (delta-shifted rows past the
+    image); their tokens equal the engine's without speculation."""
+    from pagedserve.engine.cuda_graphs import DecodeGraphs
+
+    path, _ = qwen2_5_vl
+    request = _requests()[0]
+    params = SamplingParams(temperature=0, n=3, max_tokens=16, ignore_eos=True)
+    want = [c.token_ids for c in _llm(path, max_num_seqs=4).generate(
+        [request], params, use_tqdm=False)[0].outputs]
+    llm = _llm(path, max_num_seqs=4, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2})
+    runner = llm.engine.runner
+    inputs = runner.graph_inputs()
+    verify = DecodeGraphs(inputs, [2, 4], capture=False, query_len=3)
+    runner.decode_graphs = DecodeGraphs(inputs, [1, 2, 4], capture=False, verify=verify)
+    got = [c.token_ids for c in llm.generate([request], params, use_tqdm=False)[0].outputs]
+    assert got == want
+    assert verify.replays[4] > 0, "no uniform verify step was padded"
+
+
 @torch.no_grad()
 def _hf_image_embeds(hf, llm: LLM, image) -> dict:
     """transformers' own tower output for one image (merger rows, DeepStack's beside them for

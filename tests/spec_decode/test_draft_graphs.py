@@ -80,6 +80,18 @@ def _spec(method: str, tmp_path_factory, k: int = 3) -> tuple[str, dict]:
         "num_speculative_tokens": k}
 
 
+def triton_spec(method: str, tmp_path) -> tuple[str, dict]:
+    """A target with head sizes of 64 (TRITON's smallest) and the speculative config (K=2) of
+    itself as the draft model or of a random EAGLE-3 head, which taps three of its layers."""
+    from pagedserve.spec_decode.random_head import write_random_eagle3_head
+
+    target = _tiny(tmp_path / "target", 0, 128, 1 if method == "draft_model" else 4, heads=2)
+    model = (target if method == "draft_model" else write_random_eagle3_head(
+        tmp_path / "head", transformers.AutoConfig.from_pretrained(target), 60,
+        dtype=torch.float32))
+    return target, {"method": method, "model": model, "num_speculative_tokens": 2}
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_padded_draft_steps_equal_eager_ones(tmp_path_factory, make_llm, monkeypatch, method):
     """CPU backend: drafts, outputs and acceptance through the padded path (rows padded up to
@@ -108,14 +120,7 @@ def test_padded_draft_steps_equal_eager_ones(tmp_path_factory, make_llm, monkeyp
 def test_padded_draft_steps_in_the_triton_interpreter(tmp_path, make_llm, monkeypatch, method):
     """TRITON's kernels (the interpreter) over padded draft steps; head sizes of 64."""
     pytest.importorskip("triton")
-    from pagedserve.spec_decode.random_head import write_random_eagle3_head
-
-    # (an EAGLE-3 head taps three of the target's layers)
-    target = _tiny(tmp_path / "target", 0, 128, 1 if method == "draft_model" else 4, heads=2)
-    model = (target if method == "draft_model" else write_random_eagle3_head(
-        tmp_path / "head", transformers.AutoConfig.from_pretrained(target), 60,
-        dtype=torch.float32))
-    spec = {"method": method, "model": model, "num_speculative_tokens": 2}
+    target, spec = triton_spec(method, tmp_path)
     prompts, params = _prompts()[:3], SamplingParams(temperature=0, max_tokens=8,
                                                      ignore_eos=True)
     want, _ = _run(make_llm, target, prompts, params, None, attention_backend="TRITON")

@@ -17,7 +17,7 @@ from pagedserve.engine import runner_warmup
 from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.spec_decode.speculator import Speculator
 from pagedserve.spec_decode.step_graphs import ProposerStep
-from tests.spec_decode.test_draft_graphs import _spec
+from tests.spec_decode.test_draft_graphs import _spec, triton_spec
 from tests.spec_decode.test_engine import _assert_same, _prompts, _run, _tiny
 
 K = 3
@@ -104,13 +104,7 @@ def test_padded_target_steps_in_the_triton_interpreter(tmp_path, make_llm, monke
     """TRITON's kernels (the interpreter, head sizes 64) over the padded target steps with the
     proposer's part: outputs equal no speculation, drafts the eager engine's."""
     pytest.importorskip("triton")
-    from pagedserve.spec_decode.random_head import write_random_eagle3_head
-
-    target = _tiny(tmp_path / "target", 0, 128, 1 if method == "draft_model" else 4, heads=2)
-    model = (target if method == "draft_model" else write_random_eagle3_head(
-        tmp_path / "head", transformers.AutoConfig.from_pretrained(target), 60,
-        dtype=torch.float32))
-    spec = {"method": method, "model": model, "num_speculative_tokens": 2}
+    target, spec = triton_spec(method, tmp_path)
     prompts, params = _prompts()[:3], SamplingParams(temperature=0, max_tokens=8,
                                                      ignore_eos=True)
     kwargs = dict(attention_backend="TRITON", max_num_seqs=4)
