@@ -9,7 +9,8 @@ mrope_delta = (last prompt position + 1) - prompt length (<= 0).
 
 `prompt_positions` computes a prompt's [3, P] at processing time, vectorised over its tokens;
 `MRopeStepPositions` is the runner's: each step's [3, T] from the requests' prompt positions
-and deltas, in a persistent buffer a decode CUDA graph reads (its replays see each step's).
+and deltas, in a persistent buffer a decode CUDA graph reads (its replays see each step's);
+an EAGLE head over an M-RoPE target keeps one of its own (spec_decode/eagle.py).
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ class MRopeStepPositions:
             n = min(int(num_scheduled[i]), int(prompt_lens[i]) - c)
             q = int(query_start_loc[i])
             out[:, q:q + n] = requests[i].mrope_positions[:, c:c + n]
+        return self._upload(t)
+
+    def build_past_prompts(self, positions: np.ndarray, deltas: np.ndarray) -> torch.Tensor:
+        """[3, T] of tokens all past their prompts (an EAGLE head's one-token draft steps):
+        index + their request's delta on every row."""
+        t = len(positions)
+        self.host.numpy()[:, :t] = positions + deltas
+        return self._upload(t)
+
+    def _upload(self, t: int) -> torch.Tensor:
         if self.device is not self.host:
             for row in range(3):  # contiguous rows: async copies from pinned memory
                 self.device[row, :t].copy_(self.host[row, :t], non_blocking=True)

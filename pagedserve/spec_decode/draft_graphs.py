@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # The draft's forward over (input ids, positions, hidden input or None): its hidden states.
 DraftForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# What the draft turns by, given the graph's [T] positions (an M-RoPE head: its [3, T] buffer).
+GraphPositions = Callable[[torch.Tensor], torch.Tensor]
 
 
 class DraftGraphs:
@@ -50,12 +52,14 @@ class DraftGraphs:
 
     def __init__(self, runner: Any, module: torch.nn.Module, forward: DraftForward,
                  logits: Callable[[torch.Tensor], torch.Tensor],
-                 hidden_size: int | None = None, capture: bool = True) -> None:
+                 hidden_size: int | None = None, capture: bool = True,
+                 positions: GraphPositions | None = None) -> None:
         from pagedserve.models.moe import FusedMoE
 
         n, device = runner.max_num_reqs, runner.device
         self._runner = runner
         self._forward = forward
+        self._positions = positions
         self.ids = InputIds(n, n, device)
         self.hidden = (None if hidden_size is None
                        else torch.zeros(n, hidden_size, dtype=runner.dtype, device=device))
@@ -78,6 +82,8 @@ class DraftGraphs:
         """The draft over the first `num_tokens` persistent ids, positions (the common
         builder's) and hidden inputs: what a graph captures."""
         positions = self._runner.common_builder.dev["positions"][:num_tokens]
+        if self._positions is not None:
+            positions = self._positions(positions)
         hidden = None if self.hidden is None else self.hidden[:num_tokens]
         with set_forward_context(metadata, self._runner.kv_caches):
             return self._forward(self.ids.device[:num_tokens], positions, hidden)
@@ -121,12 +127,12 @@ class DraftGraphs:
 
 def make_draft_graphs(runner: Any, module: torch.nn.Module, forward: DraftForward,
                       logits: Callable[[torch.Tensor], torch.Tensor],
-                      hidden_size: int | None = None, capture: bool = True
-                      ) -> DraftGraphs | None:
+                      hidden_size: int | None = None, capture: bool = True,
+                      positions: GraphPositions | None = None) -> DraftGraphs | None:
     """The proposer's draft graphs, or None where its steps run eagerly: on the CPU (unless
     `capture` is off, for tests), with --enforce-eager, a backend without graphs, or a failed
     capture or check (logged)."""
-    graphs = DraftGraphs(runner, module, forward, logits, hidden_size, capture)
+    graphs = DraftGraphs(runner, module, forward, logits, hidden_size, capture, positions)
     if not capture:
         return graphs
     if not graphs.capture():

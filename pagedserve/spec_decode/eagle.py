@@ -15,6 +15,13 @@ target's is. A prefix-cache hit brings the head's K/V of the hit blocks; the las
 position's was computed from the cached sequence's next token, which may differ: only the
 drafts can change (acceptance), never the output. On CUDA the K - 1 one-token steps replay
 graphs per padded row count (draft_graphs.py); the catch-up pass, of any shape, runs eagerly.
+
+A head whose rotary is M-RoPE (`EagleHead.uses_mrope`, over Qwen2.5-VL / Qwen3-VL) turns by
+the positions the target gives the same tokens: the catch-up pass's [3, T] from each
+request's prompt rows (`mrope_positions`) and past its prompt index + `mrope_delta` on every
+row, the one-token steps (always past the prompt) by index + delta, in a buffer of the
+proposer's own that the draft graphs read. A head without M-RoPE turns by the token index, as
+over a text target.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
+from pagedserve.multimodal.mrope import MRopeStepPositions
 from pagedserve.spec_decode.draft_graphs import DraftGraphs, make_draft_graphs
 from pagedserve.spec_decode.eagle_head import load_head
 from pagedserve.spec_decode.mtp_head import load_mtp_head
@@ -56,10 +64,20 @@ class EagleProposer(Proposer):
         self.device = device
         self.max_model_len = max_model_len
         self.graphs: DraftGraphs | None = None  # its one-token steps' CUDA graphs
+        self.mrope: MRopeStepPositions | None = None  # an M-RoPE head's positions (lazily)
 
     def setup_graphs(self, runner: Any, capture: bool = True) -> None:
+        positions = None
+        if self.head.uses_mrope:  # the graphs read the M-RoPE buffer's first columns
+            buffer = self._mrope(runner)
+            positions = lambda flat: buffer.device[:, :flat.shape[0]]  # noqa: E731
         self.graphs = make_draft_graphs(runner, self.head, self.head, self.head.logits,
-                                        self.head.hidden_size, capture)
+                                        self.head.hidden_size, capture, positions)
+
+    def _mrope(self, runner: Any) -> MRopeStepPositions:
+        if self.mrope is None:
+            self.mrope = MRopeStepPositions(runner.max_num_tokens, self.device)
+        return self.mrope
 
     def attention_layers(self, first_index: int) -> list[Attention]:
         attn = self.head.layer.self_attn.attn
@@ -100,6 +118,8 @@ class EagleProposer(Proposer):
         token, hidden = token[act_dev], hidden[act_dev]
         rows = live[act]
         out[torch.from_numpy(rows).to(self.device), 0] = token
+        deltas = (np.fromiter((r.mrope_delta for r in step.requests), np.int64, b)
+                  if self.head.uses_mrope else None)
         for j in range(1, self.k):
             keep = np.flatnonzero(limit[rows] > j)
             if not keep.size:
@@ -112,7 +132,9 @@ class EagleProposer(Proposer):
             common = runner.common_builder.build(
                 step.rows[rows], (start[rows] + j - 1).astype(np.int32),
                 np.ones(n, dtype=np.int32), 0, table.table)
-            hidden, token = self._step(runner, common, token, hidden, copied)
+            turn_by = (None if deltas is None else  # past the prompt: index + delta, all rows
+                       self._mrope(runner).build_past_prompts(start[rows] + j - 1, deltas[rows]))
+            hidden, token = self._step(runner, common, token, hidden, copied, turn_by)
             out[torch.from_numpy(rows).to(self.device), j] = token
         drafts.token_ids = out.cpu().numpy()
         drafts.counts = limit.astype(np.int32)
@@ -143,20 +165,26 @@ class EagleProposer(Proposer):
         common = runner.common_builder.build(step.rows[live], c[live].astype(np.int32),
                                              ml.astype(np.int32), num_prefills,
                                              runner.input_batch.block_table.table)
+        turn_by = None  # the metadata keeps its [T] positions; an M-RoPE head turns by these
+        if self.head.uses_mrope:  # the target's rows for these tokens
+            turn_by = self._mrope(runner).build([step.requests[i] for i in live], c[live], ml,
+                                                np.cumsum(ml) - ml, positions)
         hidden = self.head.combine(step.captured[rows_hidden])
         ids_dev = torch.from_numpy(ids).to(self.device)
-        out = self._run(runner, common, ids_dev, hidden, copied)
+        out = self._run(runner, common, ids_dev, hidden, copied, turn_by)
         last = torch.from_numpy(np.cumsum(ml) - 1).to(self.device)
         out = out[last]
         return live, out, self.head.draft_ids(out)
 
     def _step(self, runner: Any, common: Any, ids: torch.Tensor, hidden: torch.Tensor,
-              copied: torch.cuda.Event | None) -> tuple[torch.Tensor, torch.Tensor]:
+              copied: torch.cuda.Event | None, turn_by: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: the head's hidden states and draft ids, from the step's graph when
-        it has one (the graph's greedy ids are of the head's vocabulary)."""
+        it has one (the graph's greedy ids are of the head's vocabulary; an M-RoPE head's
+        graph reads `turn_by`'s buffer)."""
         size = self.graphs.prepare(common) if self.graphs is not None else None
         if size is None:
-            hidden = self._run(runner, common, ids, hidden, copied)
+            hidden = self._run(runner, common, ids, hidden, copied, turn_by)
             return hidden, self.head.draft_ids(hidden)
         if copied is not None:
             copied.record()
@@ -165,9 +193,12 @@ class EagleProposer(Proposer):
                         else self.head.target_ids(greedy))
 
     def _run(self, runner: Any, common: Any, ids: torch.Tensor, hidden: torch.Tensor,
-             copied: torch.cuda.Event | None) -> torch.Tensor:
+             copied: torch.cuda.Event | None, turn_by: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """The head eagerly at `common`'s tokens, turned by `turn_by` (an M-RoPE head's
+        [3, T]) or the metadata's positions."""
         metadata = {key: builder.build(common) for key, builder in runner.builders.items()}
         if copied is not None:
             copied.record()
         with set_forward_context(metadata, runner.kv_caches):
-            return self.head(ids, common.positions, hidden)
+            return self.head(ids, common.positions if turn_by is None else turn_by, hidden)

@@ -12,6 +12,11 @@
 
 Both use the target's token embedding unless the head ships its own. `forward` returns the
 layer's output before any final norm: the hidden state fed back for the next draft.
+
+A head trained over an M-RoPE target (Qwen2.5-VL, Qwen3-VL) declares it in its rope settings
+(`rope_scaling: {type: mrope, mrope_section}`, or `mrope_section` with `mrope_interleaved`
+for Qwen3-VL's layout): its layer then turns by the target's three position rows
+(`MRotaryEmbedding`, `uses_mrope`), which the proposer gives it (eagle.py).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from pagedserve.models.layers import RMSNorm, RotaryEmbedding
+from pagedserve.models.layers import RMSNorm, RotaryEmbedding, rope_parameters
 from pagedserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pagedserve.models.mrope_rotary import MRotaryEmbedding
 from pagedserve.models.parallel import QKVParallelLinear
 
 # Checkpoint part -> (our fused parameter, its part), as the decoder families load them.
@@ -44,6 +50,9 @@ class EagleHead(nn.Module):
     # `tap_layers`) or "final" (the target's final-normed hidden state).
     reads = "final"
     tap_layers: tuple[int, ...] = ()
+    # Its rotary turns by M-RoPE's [3, T] positions (its config's mrope_section), which the
+    # proposer builds as the target's (`head_rotary`).
+    uses_mrope = False
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -161,6 +170,7 @@ def load_head(method: str, model: str, target: nn.Module, dtype: torch.dtype,
     raw = json.loads((path / "config.json").read_text())
     raw.pop("architectures", None)
     config = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    _rename_mrope_type(config)
     # Its rope table covers every position the target serves (heads often ship a shorter
     # max_position_embeddings than their target's; the rotation itself does not depend on it).
     config.max_position_embeddings = max(config.max_position_embeddings,
@@ -184,6 +194,8 @@ def load_head(method: str, model: str, target: nn.Module, dtype: torch.dtype,
         weights = {k.replace("layers.0.", "layer.", 1): v for k, v in weights.items()}
         head.target_head = target.compute_logits
     _check_sizes(head, config, target_config, weights, model)
+    head.rotary = head_rotary(config, head.layer.self_attn.head_dim, target, model)
+    head.uses_mrope = isinstance(head.rotary, MRotaryEmbedding)
     embed = weights.pop("embed_tokens.weight", None)
     weights.pop("t2d", None)
     head = head.to(dtype)
@@ -197,6 +209,38 @@ def load_head(method: str, model: str, target: nn.Module, dtype: torch.dtype,
     else:
         head.embed_tokens = target.model.embed_tokens
     return head.eval()
+
+
+def _rename_mrope_type(config: LlamaConfig) -> None:
+    """Rope type "mrope" (how Qwen2.5-VL heads name it: default frequencies turned by three
+    rows) as "default", in place, so the rotary tables are built as the target's."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "mrope":
+        return
+    params = {k: v for k, v in params.items() if k != "type"} | {"rope_type": "default"}
+    if getattr(config, "rope_parameters", None) is not None:  # transformers 5
+        config.rope_parameters = params
+    else:
+        config.rope_scaling = params
+
+
+def head_rotary(config: LlamaConfig, head_dim: int, target: nn.Module,
+                model: str) -> RotaryEmbedding:
+    """The head's rotary embedding: M-RoPE where its rope settings give an `mrope_section`
+    (over a target that places tokens by M-RoPE: a head's three rows must be the target's),
+    else the ordinary one."""
+    params = rope_parameters(config)
+    section = params.get("mrope_section")
+    if section is None:
+        return RotaryEmbedding(config, head_dim)
+    if not getattr(target, "uses_mrope", False):
+        raise ValueError(f"speculative_config: the head {model!r} turns by M-RoPE positions "
+                         f"(mrope_section {section}); the target {type(target).__name__} "
+                         "places its tokens by one position row")
+    try:
+        return MRotaryEmbedding(config, head_dim, bool(params.get("mrope_interleaved")))
+    except ValueError as exc:  # a section that does not cover the head's rotary dims
+        raise ValueError(f"speculative_config: the head {model!r}: {exc}") from None
 
 
 def _tap_layers(config: LlamaConfig, num_layers: int, model: str) -> tuple[int, ...]:

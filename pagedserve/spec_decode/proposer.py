@@ -28,9 +28,10 @@ class StepTokens:
     """A collected step as a proposer with K/V of its own sees it, per batch row: the
     runner's table `rows`, the tokens cached before the step and scheduled in it, the verified
     tokens after it, whether it sampled, whether its row is still its request's (`current`),
-    whether it may get drafts, its newest token (at position num_tokens - 1), and what the
+    whether it may get drafts, its newest token (at position num_tokens - 1), what the
     proposer's `forward_step` captured from the step's forward (a head's hidden states, one
-    row per scheduled token in batch order)."""
+    row per scheduled token in batch order), and the step's requests in batch order (an
+    M-RoPE head reads their prompt positions and deltas)."""
 
     rows: np.ndarray
     num_computed: np.ndarray
@@ -41,6 +42,7 @@ class StepTokens:
     eligible: np.ndarray
     newest: np.ndarray
     captured: Any = None
+    requests: Any = None
 
 
 class Proposer:

@@ -152,6 +152,6 @@ class Speculator:
                 sampled, np.maximum((sampled >= 0).sum(axis=1) - 1, 0)[:, None], axis=1)[:, 0])
             drafts = self.proposer.propose_from(runner, StepTokens(
                 rows, batch.num_computed_tokens, batch.num_scheduled_tokens, num_tokens,
-                batch.will_sample, current, eligible, newest, captured))
+                batch.will_sample, current, eligible, newest, captured, batch.requests))
         drafts.seconds = time.perf_counter() - start
         return drafts

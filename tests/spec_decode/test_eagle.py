@@ -22,50 +22,56 @@ H, HEADS, KV_HEADS, INTER = 32, 4, 2, 64
 DRAFT_VOCAB = 50
 
 
-def _head_config(**extra) -> dict:
-    return dict(hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS,
-                num_key_value_heads=KV_HEADS, num_hidden_layers=1, vocab_size=VOCAB,
+def _head_config(h=H, heads=HEADS, kv_heads=KV_HEADS, **extra) -> dict:
+    return dict(hidden_size=h, intermediate_size=INTER, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, num_hidden_layers=1, vocab_size=VOCAB,
                 rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
                 hidden_act="silu", tie_word_embeddings=False, **extra)
 
 
-def _layer(g: torch.Generator, prefix: str, qkv_in: int, input_norm: bool) -> dict:
+def _layer(g: torch.Generator, prefix: str, qkv_in: int, input_norm: bool, h=H, heads=HEADS,
+           kv_heads=KV_HEADS) -> dict:
     def w(*shape):
         return torch.randn(*shape, generator=g) * 0.3
 
-    d = H // HEADS
-    out = {f"{prefix}.self_attn.q_proj.weight": w(HEADS * d, qkv_in),
-           f"{prefix}.self_attn.k_proj.weight": w(KV_HEADS * d, qkv_in),
-           f"{prefix}.self_attn.v_proj.weight": w(KV_HEADS * d, qkv_in),
-           f"{prefix}.self_attn.o_proj.weight": w(H, HEADS * d),
-           f"{prefix}.mlp.gate_proj.weight": w(INTER, H),
-           f"{prefix}.mlp.up_proj.weight": w(INTER, H),
-           f"{prefix}.mlp.down_proj.weight": w(H, INTER),
-           f"{prefix}.post_attention_layernorm.weight": 1 + w(H)}
+    d = h // heads
+    out = {f"{prefix}.self_attn.q_proj.weight": w(heads * d, qkv_in),
+           f"{prefix}.self_attn.k_proj.weight": w(kv_heads * d, qkv_in),
+           f"{prefix}.self_attn.v_proj.weight": w(kv_heads * d, qkv_in),
+           f"{prefix}.self_attn.o_proj.weight": w(h, heads * d),
+           f"{prefix}.mlp.gate_proj.weight": w(INTER, h),
+           f"{prefix}.mlp.up_proj.weight": w(INTER, h),
+           f"{prefix}.mlp.down_proj.weight": w(h, INTER),
+           f"{prefix}.post_attention_layernorm.weight": 1 + w(h)}
     if input_norm:
-        out[f"{prefix}.input_layernorm.weight"] = 1 + w(H)
+        out[f"{prefix}.input_layernorm.weight"] = 1 + w(h)
     return out
 
 
-def write_eagle3(path, tap_ids=None, seed=5, fc_in=3 * H, max_positions=256) -> str:
+def write_eagle3(path, tap_ids=None, seed=5, fc_in=None, max_positions=256, h=H, heads=HEADS,
+                 kv_heads=KV_HEADS, vocab=VOCAB, **config_extra) -> str:
     """An EAGLE-3 head (pytorch_model.bin, as the published one): fc, midlayer with its
-    hidden_norm, norm, a draft vocabulary of DRAFT_VOCAB ids mapped by d2t; no embedding."""
+    hidden_norm, norm, a draft vocabulary of DRAFT_VOCAB ids mapped by d2t; no embedding.
+    `config_extra`: more config.json fields (an M-RoPE head's rope_scaling)."""
     g = torch.Generator().manual_seed(seed)
-    weights = _layer(g, "midlayer", 2 * H, input_norm=True)
-    weights["midlayer.hidden_norm.weight"] = 1 + torch.randn(H, generator=g) * 0.3
-    weights["fc.weight"] = torch.randn(H, fc_in, generator=g) * 0.3
-    weights["norm.weight"] = 1 + torch.randn(H, generator=g) * 0.3
-    weights["lm_head.weight"] = torch.randn(DRAFT_VOCAB, H, generator=g)
-    target_ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+    weights = _layer(g, "midlayer", 2 * h, input_norm=True, h=h, heads=heads,
+                     kv_heads=kv_heads)
+    weights["midlayer.hidden_norm.weight"] = 1 + torch.randn(h, generator=g) * 0.3
+    weights["fc.weight"] = torch.randn(h, fc_in or 3 * h, generator=g) * 0.3
+    weights["norm.weight"] = 1 + torch.randn(h, generator=g) * 0.3
+    weights["lm_head.weight"] = torch.randn(DRAFT_VOCAB, h, generator=g)
+    target_ids = torch.randperm(vocab, generator=g)[:DRAFT_VOCAB].sort().values
     weights["d2t"] = target_ids - torch.arange(DRAFT_VOCAB)
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[target_ids] = True
     weights["t2d"] = t2d
-    extra = {"draft_vocab_size": DRAFT_VOCAB, "architectures": ["LlamaForCausalLMEagle3"]}
+    extra = {"draft_vocab_size": DRAFT_VOCAB, "architectures": ["LlamaForCausalLMEagle3"],
+             **config_extra}
     if tap_ids is not None:
         extra["eagle_aux_hidden_state_layer_ids"] = tap_ids
     path.mkdir(parents=True, exist_ok=True)
-    config = dict(_head_config(**extra), max_position_embeddings=max_positions)
+    config = dict(_head_config(h, heads, kv_heads, **extra), max_position_embeddings=max_positions,
+                  vocab_size=vocab)
     (path / "config.json").write_text(json.dumps(config))
     torch.save(weights, path / "pytorch_model.bin")
     return str(path)

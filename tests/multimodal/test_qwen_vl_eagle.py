@@ -1,0 +1,165 @@
+"""An EAGLE-3 head over a tiny Qwen2.5-VL whose config declares M-RoPE (as heads trained for
+Qwen2.5-VL do: `rope_scaling: {type: mrope, mrope_section}`): its drafts equal a plain-torch
+float32 reference of the published head forward turned by transformers' own M-RoPE positions
+(`get_rope_index` over the sequence; past it, index + delta on every row), over prompts with
+one and two images split by chunked prefill and with the one-token steps on the padded draft
+graph path; greedy outputs equal those without speculation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedserve import SamplingParams
+from tests.multimodal.qwen_vl_fixtures import (
+    IMAGE,
+    VOCAB,
+    image_prompt,
+    images,
+    save_qwen_tokenizer,
+    save_tiny_qwen2_5_vl,
+)
+from tests.spec_decode.test_draft_graphs import _install
+from tests.spec_decode.test_eagle import _mlp, _record_drafts, _rms, write_eagle3
+
+H, HEADS, KV_HEADS = 64, 4, 2  # the tiny Qwen2.5-VL's decoder: head_dim 16
+SECTION = [2, 3, 3]  # of its 8 rotary frequencies: temporal, height, width
+TAPS = [1, 0, 1]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    root = tmp_path_factory.mktemp("qwen_vl_eagle")
+    path = save_tiny_qwen2_5_vl(root / "target")
+    save_qwen_tokenizer(path)
+    head = write_eagle3(root / "head", tap_ids=TAPS, h=H, heads=HEADS, kv_heads=KV_HEADS,
+                        vocab=VOCAB, rope_scaling={"type": "mrope", "mrope_section": SECTION})
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        path, attn_implementation="eager").eval()
+    return str(path), head, hf
+
+
+def _requests() -> list[dict]:
+    ims = images()
+    return [
+        {"prompt_token_ids": image_prompt([3, 4], [5, 6, 7]),
+         "multi_modal_data": {"image": ims[0]}},
+        {"prompt_token_ids": image_prompt([8], [9], [10, 11]),
+         "multi_modal_data": {"image": [ims[2], ims[1]]}},
+        {"prompt_token_ids": [12, 13, 14, 15, 16]},  # text only
+    ]
+
+
+def _llm(make_llm, path, spec=None, **kwargs):
+    return make_llm(model=path, dtype="float32", device="cpu", kv_cache_memory="4MiB",
+                    speculative_config=spec, **kwargs)
+
+
+# ---- the reference: the published head's forward turned by M-RoPE positions ---------------
+
+def _mrope(x, positions):
+    """x [n, heads, 16] turned by positions [3, n]: frequency j by the row of its section."""
+    d = x.shape[-1]
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    row = torch.repeat_interleave(torch.arange(3), torch.tensor(SECTION))
+    ang = positions[row].T.float() * inv  # [n, d/2]: each frequency at its row's position
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _attention(w, x, positions):
+    n, d = x.shape[0], H // HEADS
+    q = _mrope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, d), positions)
+    k = _mrope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, d), positions)
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, KV_HEADS, d)
+    k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, HEADS * d)
+    return out @ w["midlayer.self_attn.o_proj.weight"].T
+
+
+@torch.no_grad()
+def _reference_drafts(hf, head_path, tokens, extra, k):
+    """K greedy drafts after `tokens` (prompt and outputs so far): position i reads the
+    target's tapped states at i and token i + 1, turned by transformers' M-RoPE rows of
+    position i; drafts past the sequence at index + delta on every row."""
+    w = torch.load(f"{head_path}/pytorch_model.bin")
+    ids = torch.tensor([tokens])
+    types = (ids == IMAGE).int()
+    states = hf(input_ids=ids, mm_token_type_ids=types, output_hidden_states=True,
+                **extra).hidden_states  # [i]: the input of decoder layer i
+    rows, delta = hf.model.get_rope_index(ids, types, extra.get("image_grid_thw"))
+    rows, delta = rows[:, 0], int(delta.reshape(-1)[0])
+    n = len(tokens)
+    past = torch.arange(n, n + k) + delta  # where drafts go: index + delta, all rows
+    positions = torch.cat([rows, past.expand(3, -1)], dim=1)
+    hidden = torch.cat([states[i][0] for i in TAPS], -1)[:-1] @ w["fc.weight"].T
+    embed = hf.model.language_model.embed_tokens.weight
+    inputs, drafts = list(tokens[1:]), []
+    for _ in range(k):
+        m = len(inputs)
+        x = torch.cat([_rms(embed[torch.tensor(inputs)], w["midlayer.input_layernorm.weight"]),
+                       _rms(hidden, w["midlayer.hidden_norm.weight"])], -1)
+        h = hidden + _attention(w, x, positions[:, :m])
+        g = h + _mlp(w, "midlayer", _rms(h, w["midlayer.post_attention_layernorm.weight"]))
+        last = g[-1]
+        d = int((_rms(last, w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
+        token = d + int(w["d2t"][d])
+        drafts.append(token)
+        inputs.append(token)
+        hidden = torch.cat([hidden, last[None]], 0)
+    return drafts
+
+
+def test_mrope_head_drafts_equal_the_published_forward(target, make_llm, monkeypatch):
+    """Drafts kept at rate 0.5 whatever the target says (synthetic), so the head's pass after
+    a step covers prompt chunks (8-token steps split the image spans), kept drafts and single
+    tokens past the prompt; its one-token steps go through the padded draft-graph path, which
+    reads the proposer's M-RoPE buffer."""
+    path, head, hf = target
+    made = _install(monkeypatch, "eagle3", capture=False)
+    seen = _record_drafts(monkeypatch)
+    llm = _llm(make_llm, path, {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
+                                "rejection_sample_method": "synthetic",
+                                "synthetic_acceptance_rate": 0.5},
+               max_num_batched_tokens=8, max_num_seqs=4)
+    requests = _requests()
+    llm.generate(requests, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                 use_tqdm=False)
+    assert made[0].replays > 0
+    # Each recorded sequence's request: the one whose expanded prompt it starts with.
+    prompts = []
+    for req in requests:
+        imgs = req.get("multi_modal_data", {}).get("image", [])
+        imgs = imgs if isinstance(imgs, list) else [imgs]
+        processed = llm.engine.mm_processor.process(req["prompt_token_ids"], imgs)
+        extra = {}
+        if imgs:
+            feats = processed.features
+            extra = dict(pixel_values=torch.cat([f.data["pixel_values"] for f in feats]),
+                         image_grid_thw=torch.stack([f.data["image_grid_thw"] for f in feats]))
+        prompts.append((processed.prompt_token_ids, extra))
+    checked = set()
+    for tokens, drafts in seen:
+        (i, (prompt, extra)), = [(i, p) for i, p in enumerate(prompts)
+                                 if tokens[:len(p[0])] == p[0]]
+        assert drafts == _reference_drafts(hf, head, tokens, extra, len(drafts)), (i, tokens)
+        checked.add(i)
+    assert checked == {0, 1, 2}
+
+
+def test_mrope_head_greedy_equals_no_speculation(target, make_llm):
+    path, head, _ = target
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _llm(make_llm, path).generate(
+        _requests(), params, use_tqdm=False)]
+    llm = _llm(make_llm, path, {"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    got = [o.outputs[0].token_ids for o in llm.generate(_requests(), params, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.call_utility("stats").spec_decode_num_draft_tokens > 0
