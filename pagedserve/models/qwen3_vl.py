@@ -157,6 +157,8 @@ class Qwen3VLTextModel(LlamaModel):
                 stacked = inputs_embeds[:, width:].unflatten(1, (-1, width))  # [T, k, hidden]
         residual = None
         for i, layer in enumerate(self.layers):
+            if i in self.tap_layers:  # an EAGLE-3 head's taps (LlamaModel's)
+                self.tapped[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, self.rotary_emb)
             if stacked is not None and i < stacked.shape[1]:
                 # The stream, then the rows added, as transformers rounds; the next norm

@@ -1,9 +1,11 @@
-"""An EAGLE-3 head over a tiny Qwen2.5-VL whose config declares M-RoPE (as heads trained for
-Qwen2.5-VL do: `rope_scaling: {type: mrope, mrope_section}`): its drafts equal a plain-torch
-float32 reference of the published head forward turned by transformers' own M-RoPE positions
-(`get_rope_index` over the sequence; past it, index + delta on every row), over prompts with
-one and two images split by chunked prefill and with the one-token steps on the padded draft
-graph path; greedy outputs equal those without speculation."""
+"""An EAGLE-3 head over a tiny Qwen2.5-VL (or Qwen3-VL) whose config declares M-RoPE as heads
+trained for them do (`rope_scaling: {type: mrope, mrope_section}`; Qwen3-VL's with
+`mrope_interleaved`): its drafts equal a plain-torch float32 reference of the published head
+forward over the target's tapped layer inputs (forward pre-hooks on transformers' decoder
+layers; Qwen3-VL's include the DeepStack rows added before them), turned by transformers' own
+M-RoPE positions (`get_rope_index` over the sequence; past it, index + delta on every row),
+over prompts with one and two images split by chunked prefill and with the one-token steps
+on the padded draft-graph path; greedy outputs equal those without speculation."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from tests.multimodal.qwen_vl_fixtures import (
     images,
     save_qwen_tokenizer,
     save_tiny_qwen2_5_vl,
+    save_tiny_qwen3_vl,
 )
 from tests.spec_decode.test_draft_graphs import _install
 from tests.spec_decode.test_eagle import _mlp, _record_drafts, _rms, write_eagle3
@@ -27,20 +30,28 @@ from tests.spec_decode.test_eagle import _mlp, _record_drafts, _rms, write_eagle
 H, HEADS, KV_HEADS = 64, 4, 2  # the tiny Qwen2.5-VL's decoder: head_dim 16
 SECTION = [2, 3, 3]  # of its 8 rotary frequencies: temporal, height, width
 TAPS = [1, 0, 1]
+ROPE = {"qwen2_5_vl": {"type": "mrope", "mrope_section": SECTION},  # published heads' forms
+        "qwen3_vl": {"rope_type": "default", "mrope_section": SECTION,
+                     "mrope_interleaved": True}}
+
+
+def _target(root, family: str):
+    import transformers
+
+    save = save_tiny_qwen2_5_vl if family == "qwen2_5_vl" else save_tiny_qwen3_vl
+    path = save(root / "target")
+    save_qwen_tokenizer(path)
+    head = write_eagle3(root / "head", tap_ids=TAPS, h=H, heads=HEADS, kv_heads=KV_HEADS,
+                        vocab=VOCAB, rope_scaling=ROPE[family])
+    cls = (transformers.Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl"
+           else transformers.Qwen3VLForConditionalGeneration)
+    hf = cls.from_pretrained(path, attn_implementation="eager").eval()
+    return str(path), head, hf
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    root = tmp_path_factory.mktemp("qwen_vl_eagle")
-    path = save_tiny_qwen2_5_vl(root / "target")
-    save_qwen_tokenizer(path)
-    head = write_eagle3(root / "head", tap_ids=TAPS, h=H, heads=HEADS, kv_heads=KV_HEADS,
-                        vocab=VOCAB, rope_scaling={"type": "mrope", "mrope_section": SECTION})
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        path, attn_implementation="eager").eval()
-    return str(path), head, hf
+    return _target(tmp_path_factory.mktemp("qwen2_5_vl_eagle"), "qwen2_5_vl")
 
 
 def _requests() -> list[dict]:
@@ -61,21 +72,27 @@ def _llm(make_llm, path, spec=None, **kwargs):
 
 # ---- the reference: the published head's forward turned by M-RoPE positions ---------------
 
-def _mrope(x, positions):
-    """x [n, heads, 16] turned by positions [3, n]: frequency j by the row of its section."""
+def _mrope(x, positions, interleaved):
+    """x [n, heads, 16] turned by positions [3, n]: frequency j by the row of its section
+    (Qwen2.5-VL: three blocks; Qwen3-VL: j % 3 within the first 3 * section[row])."""
     d = x.shape[-1]
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
     row = torch.repeat_interleave(torch.arange(3), torch.tensor(SECTION))
+    if interleaved:
+        j = torch.arange(d // 2)
+        row = torch.where((j % 3 > 0) & (j < 3 * torch.tensor(SECTION)[j % 3]), j % 3, 0)
     ang = positions[row].T.float() * inv  # [n, d/2]: each frequency at its row's position
     cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def _attention(w, x, positions):
+def _attention(w, x, positions, interleaved):
     n, d = x.shape[0], H // HEADS
-    q = _mrope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, d), positions)
-    k = _mrope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, d), positions)
+    q = _mrope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, d), positions,
+               interleaved)
+    k = _mrope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, d), positions,
+               interleaved)
     v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, KV_HEADS, d)
     k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
@@ -90,10 +107,15 @@ def _reference_drafts(hf, head_path, tokens, extra, k):
     target's tapped states at i and token i + 1, turned by transformers' M-RoPE rows of
     position i; drafts past the sequence at index + delta on every row."""
     w = torch.load(f"{head_path}/pytorch_model.bin")
+    interleaved = "Qwen3" in type(hf).__name__
     ids = torch.tensor([tokens])
     types = (ids == IMAGE).int()
-    states = hf(input_ids=ids, mm_token_type_ids=types, output_hidden_states=True,
-                **extra).hidden_states  # [i]: the input of decoder layer i
+    states = {}  # [i]: the input of decoder layer i
+    hooks = [layer.register_forward_pre_hook(lambda _, args, i=i: states.setdefault(i, args[0]))
+             for i, layer in enumerate(hf.model.language_model.layers)]
+    hf(input_ids=ids, mm_token_type_ids=types, **extra)
+    for hook in hooks:
+        hook.remove()
     rows, delta = hf.model.get_rope_index(ids, types, extra.get("image_grid_thw"))
     rows, delta = rows[:, 0], int(delta.reshape(-1)[0])
     n = len(tokens)
@@ -106,7 +128,7 @@ def _reference_drafts(hf, head_path, tokens, extra, k):
         m = len(inputs)
         x = torch.cat([_rms(embed[torch.tensor(inputs)], w["midlayer.input_layernorm.weight"]),
                        _rms(hidden, w["midlayer.hidden_norm.weight"])], -1)
-        h = hidden + _attention(w, x, positions[:, :m])
+        h = hidden + _attention(w, x, positions[:, :m], interleaved)
         g = h + _mlp(w, "midlayer", _rms(h, w["midlayer.post_attention_layernorm.weight"]))
         last = g[-1]
         d = int((_rms(last, w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
@@ -117,12 +139,14 @@ def _reference_drafts(hf, head_path, tokens, extra, k):
     return drafts
 
 
-def test_mrope_head_drafts_equal_the_published_forward(target, make_llm, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_mrope_head_drafts_equal_the_published_forward(target, tmp_path, make_llm, monkeypatch,
+                                                       family):
     """Drafts kept at rate 0.5 whatever the target says (synthetic), so the head's pass after
     a step covers prompt chunks (8-token steps split the image spans), kept drafts and single
     tokens past the prompt; its one-token steps go through the padded draft-graph path, which
     reads the proposer's M-RoPE buffer."""
-    path, head, hf = target
+    path, head, hf = target if family == "qwen2_5_vl" else _target(tmp_path, family)
     made = _install(monkeypatch, "eagle3", capture=False)
     seen = _record_drafts(monkeypatch)
     llm = _llm(make_llm, path, {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
