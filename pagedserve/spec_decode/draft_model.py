@@ -10,6 +10,7 @@ after the samples are back, K one-token steps from each request's newest token, 
 up to K - 1 positions past the next verify step's first: the scheduler reserves K lookahead
 slots per request for them. A rejected draft's K/V is rewritten by the next step, as the
 target's is. On CUDA the K steps replay graphs per padded row count (draft_graphs.py).
+A vision-language draft model is refused: it would be given no images (nor M-RoPE rows).
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ class DraftModelProposer(Proposer):
             loaded = load_model(model, dtype, device, max_model_len, generation_config="vllm")
         except ValueError as exc:  # e.g. a shorter context than the target's
             raise ValueError(f"speculative_config: the draft model {model!r}: {exc}") from None
+        if getattr(loaded.model, "supports_multimodal", False):
+            # Its steps would embed the image placeholders' ids, never its own tower's rows,
+            # and turn by [T] positions where it places tokens by M-RoPE.
+            raise ValueError(f"speculative_config: the draft model {model!r} "
+                             f"({type(loaded.model).__name__}) takes images, which a draft model "
+                             "is not given; use a text model with the target's vocabulary or "
+                             "an EAGLE head")
         draft_vocab = loaded.hf_config.vocab_size
         if draft_vocab != vocab_size:
             raise ValueError(f"speculative_config: the draft model {model!r} has a vocabulary "

@@ -187,3 +187,30 @@ def test_mrope_head_greedy_equals_no_speculation(target, make_llm):
     got = [o.outputs[0].token_ids for o in llm.generate(_requests(), params, use_tqdm=False)]
     assert got == want
     assert llm.engine.call_utility("stats").spec_decode_num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("text-target", r"turns by M-RoPE positions \(mrope_section \[2, 3, 3\]\); the target "
+                    "LlamaForCausalLM places its tokens by one position row"),
+    ("section", r"mrope_section \[2, 3, 2\] covers 14 rotary dims, the heads turn 16"),
+    ("vl-draft-model", r"\(Qwen2_5_VLForConditionalGeneration\) takes images"),
+])
+def test_what_cannot_draft_right_is_refused(target, tmp_path, kind, message):
+    from pagedserve import LLM
+    from tests.spec_decode.test_engine import VOCAB as TEXT_VOCAB
+    from tests.spec_decode.test_engine import _tiny
+
+    path, _, _ = target
+    if kind == "vl-draft-model":
+        spec = {"method": "draft_model", "model": path}
+    else:
+        section = SECTION if kind == "text-target" else [2, 3, 2]
+        spec = {"method": "eagle3", "model": write_eagle3(
+            tmp_path / "head", tap_ids=TAPS, h=H, heads=HEADS, kv_heads=KV_HEADS,
+            vocab=TEXT_VOCAB if kind == "text-target" else VOCAB,
+            rope_scaling={"type": "mrope", "mrope_section": section})}
+    if kind == "text-target":
+        path = _tiny(tmp_path / "text", 0, H, 2)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=path, dtype="float32", device="cpu", kv_cache_memory="4MiB",
+            speculative_config=dict(spec, num_speculative_tokens=2))
