@@ -75,8 +75,9 @@ class EagleProposer(Proposer):
                                         self.head.hidden_size, capture, positions)
 
     def _mrope(self, runner: Any) -> MRopeStepPositions:
-        if self.mrope is None:
-            self.mrope = MRopeStepPositions(runner.max_num_tokens, self.device)
+        if self.mrope is None:  # a step's tokens (catch-up pass) or rows (one-token steps)
+            self.mrope = MRopeStepPositions(max(runner.max_num_tokens, runner.max_num_reqs),
+                                            self.device)
         return self.mrope
 
     def attention_layers(self, first_index: int) -> list[Attention]:
