@@ -20,6 +20,10 @@ from typing import Any
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # Methods whose proposer exists (all of them now; the check stays for new ones).
 IMPLEMENTED = METHODS
+# Under tensor parallelism every rank verifies the same drafts (the scheduler's, sent each
+# step) and runs a draft model split like the target; an EAGLE/MTP head is not split yet.
+TP_METHODS = ("ngram", "draft_model")
+SINGLE_RANK_METHODS = tuple(m for m in METHODS if m not in TP_METHODS)
 REJECTION_METHODS = ("strict", "synthetic")
 # vLLM's defaults for n-gram sizes when neither is given.
 DEFAULT_LOOKUP = 5
@@ -129,9 +133,12 @@ def check_supported(spec: SpeculativeConfig, *, tensor_parallel_size: int) -> No
     if spec.method not in IMPLEMENTED:
         raise ValueError(f"speculative_config: method {spec.method!r} is not implemented yet "
                          f"(implemented: {', '.join(IMPLEMENTED)})")
-    if tensor_parallel_size > 1:
-        raise ValueError("speculative_config: speculative decoding with tensor_parallel_size "
-                         f"{tensor_parallel_size} is not implemented yet (one rank only)")
-    if spec.draft_tensor_parallel_size not in (None, 1):
-        raise ValueError(f"speculative_config: draft_tensor_parallel_size "
-                         f"{spec.draft_tensor_parallel_size} is not implemented yet (1 only)")
+    if tensor_parallel_size > 1 and spec.method in SINGLE_RANK_METHODS:
+        raise ValueError(f"speculative_config: method {spec.method!r} with "
+                         f"tensor_parallel_size {tensor_parallel_size} is not implemented yet "
+                         f"(under tensor parallelism: {', '.join(TP_METHODS)})")
+    draft_tp = spec.draft_tensor_parallel_size
+    if draft_tp not in (None, tensor_parallel_size):
+        raise ValueError(f"speculative_config: draft_tensor_parallel_size {draft_tp} is not "
+                         f"implemented yet (the draft is split like the target: "
+                         f"{tensor_parallel_size})")

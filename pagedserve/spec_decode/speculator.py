@@ -128,11 +128,17 @@ class Speculator:
 
     def propose(self, runner: Any, batch: SchedulerOutput, rows: np.ndarray,
                 sampled: np.ndarray, current: np.ndarray,
-                ineligible: Collection[str], captured: Any = None) -> Drafts:
+                ineligible: Collection[str], captured: Any = None) -> Drafts | None:
         """Drafts for the requests of a collected step whose tokens are in the token table
         (`current`: their rows still theirs), but for `ineligible` ones (scoring, prompt
         logprobs: their steps keep one token's logits). A guided request's drafts are
-        proposed as any other's; the scheduler keeps those its grammar accepts."""
+        proposed as any other's; the scheduler keeps those its grammar accepts.
+
+        Under tensor parallelism rank 0's drafts are the scheduler's (every rank verifies
+        them, sent with the step): another rank proposes only to run a draft model's steps,
+        whose collectives meet rank 0's, and a model-free proposer not at all (None)."""
+        if runner.tp_rank > 0 and not self.uses_kv_cache:
+            return None
         seq_lens = (batch.num_computed_tokens + batch.num_scheduled_tokens).astype(np.int64)
         if sampled.ndim == 2:
             num_tokens = seq_lens - batch.num_draft_tokens + (sampled >= 0).sum(axis=1)

@@ -1,0 +1,114 @@
+"""Speculative decoding under tensor parallelism on the CPU (gloo, float32, two ranks): every
+rank verifies the scheduler's drafts and keeps rank 0's accepted tokens. Greedy outputs with
+n-gram drafts at two ranks equal one rank's without speculation token for token, with drafts
+both kept and rejected; seeded sampling with drafts reproduces one rank's; a draft model split
+like the target (slow) likewise; what cannot run split is refused by name."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+import transformers
+
+from pagedserve import LLM, SamplingParams
+
+VOCAB = 97
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory="8MiB", max_model_len=128)
+
+
+def _tiny(path, seed: int, hidden: int, layers: int) -> str:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return _tiny(tmp_path_factory.mktemp("tp_spec_target"), 0, 32, 2)
+
+
+def _prompts() -> list[list[int]]:
+    """Prompts that repeat themselves, so that lookups find matches."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for length, repeats in ((5, 4), (9, 2), (3, 6), (6, 3), (2, 9), (17, 1)):
+        out.append(torch.randint(3, VOCAB, (length,), generator=g).tolist() * repeats)
+    return out
+
+
+GREEDY = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (20, 7, 24)]
+SEEDED = [SamplingParams(temperature=t, top_k=k, top_p=0.9, seed=s, max_tokens=20,
+                         ignore_eos=True) for s, (t, k) in enumerate([(0.5, 5), (1.0, 0),
+                                                                      (0.3, 20)])]
+
+
+def _generate(path: str, spec, params, tp: int = 1, **kwargs):
+    llm = LLM(model=path, tensor_parallel_size=tp, speculative_config=spec, **ENGINE, **kwargs)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params,
+                            use_tqdm=False)
+        assert llm.engine.check_blocks_free()
+        return [o.outputs[0].token_ids for o in outs], llm.engine.call_utility("stats")
+    finally:
+        llm.engine.shutdown()
+        _no_workers_left()
+
+
+def _no_workers_left() -> None:
+    deadline = time.monotonic() + 5
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
+
+
+def _kept_and_rejected(stats) -> None:
+    assert stats.spec_decode_num_drafts > 0
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_ngram_two_ranks_equal_one_rank(target):
+    """Greedy requests (against one rank without drafts) beside seeded ones (against one rank
+    with the same drafts: a seeded request's draws follow its drafts) in one batch."""
+    params = GREEDY + SEEDED
+    plain, _ = _generate(target, None, GREEDY * 2)
+    one, _ = _generate(target, NGRAM, params)
+    two, stats = _generate(target, NGRAM, params, tp=2)
+    assert two[:3] == plain[:3] and two[3:] == one[3:]
+    assert one[:3] == plain[:3]
+    _kept_and_rejected(stats)
+
+
+@pytest.mark.slow
+def test_draft_model_two_ranks_equal_one_rank(target, tmp_path):
+    """A draft model of other weights and sizes, loaded split like the target on each rank
+    (its K/V in each rank's cache, its steps' collectives beside the target's)."""
+    draft = _tiny(tmp_path / "draft", 3, 16, 1)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    params = GREEDY + SEEDED
+    plain, _ = _generate(target, None, GREEDY * 2)
+    one, _ = _generate(target, spec, params)
+    two, stats = _generate(target, spec, params, tp=2)
+    assert two[:3] == plain[:3] and two[3:] == one[3:]
+    _kept_and_rejected(stats)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "eagle", "model": "unused", "num_speculative_tokens": 2},
+     "method 'eagle' with tensor_parallel_size 2 is not implemented yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2},
+     "method 'mtp' with tensor_parallel_size 2 is not implemented yet"),
+    (dict(NGRAM, draft_tensor_parallel_size=1), "draft_tensor_parallel_size 1 is not"),
+])
+def test_refused_before_any_rank_starts(target, spec, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=target, tensor_parallel_size=2, speculative_config=spec, **ENGINE)
+    assert not multiprocessing.active_children()
