@@ -1,8 +1,9 @@
 """Speculative decoding under tensor parallelism on the CPU (gloo, float32, two ranks): every
 rank verifies the scheduler's drafts and keeps rank 0's accepted tokens. Greedy outputs with
 n-gram drafts at two ranks equal one rank's without speculation token for token, with drafts
-both kept and rejected; seeded sampling with drafts reproduces one rank's; a draft model split
-like the target (slow) likewise; what cannot run split is refused by name."""
+both kept and rejected; seeded sampling with drafts reproduces one rank's; a draft model and
+EAGLE heads split like the target likewise, with the same drafts as one rank's; what cannot
+run split is refused by name."""
 
 from __future__ import annotations
 
@@ -75,35 +76,61 @@ def _kept_and_rejected(stats) -> None:
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
-def test_ngram_two_ranks_equal_one_rank(target):
+@pytest.fixture(scope="module")
+def plain(target) -> list[list[int]]:
+    """One rank's greedy tokens without speculation."""
+    return _generate(target, None, GREEDY * 2)[0][:3]
+
+
+def _two_ranks_equal_one(target: str, plain: list[list[int]], spec: dict,
+                         drafts: list | None = None) -> None:
     """Greedy requests (against one rank without drafts) beside seeded ones (against one rank
-    with the same drafts: a seeded request's draws follow its drafts) in one batch."""
+    with the same drafts: a seeded request's draws follow its drafts) in one batch; the same
+    drafts proposed and kept as at one rank."""
     params = GREEDY + SEEDED
-    plain, _ = _generate(target, None, GREEDY * 2)
-    one, _ = _generate(target, NGRAM, params)
-    two, stats = _generate(target, NGRAM, params, tp=2)
-    assert two[:3] == plain[:3] and two[3:] == one[3:]
-    assert one[:3] == plain[:3]
-    _kept_and_rejected(stats)
+    one, one_stats = _generate(target, spec, params)
+    one_drafts = list(drafts or [])
+    if drafts is not None:
+        drafts.clear()
+    two, stats = _generate(target, spec, params, tp=2)
+    assert two[:3] == plain and two[3:] == one[3:]
+    assert one[:3] == plain
+    if drafts is None:
+        _kept_and_rejected(stats)
+    else:  # (a random head's drafts are rarely the target's choice): rank 0's drafts
+        assert one_drafts and sorted(drafts) == sorted(one_drafts)
+    assert ((stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens)
+            == (one_stats.spec_decode_num_draft_tokens, one_stats.spec_decode_num_accepted_tokens))
 
 
-@pytest.mark.slow
-def test_draft_model_two_ranks_equal_one_rank(target, tmp_path):
+def test_ngram_two_ranks_equal_one_rank(target, plain):
+    _two_ranks_equal_one(target, plain, NGRAM)
+
+
+def test_draft_model_two_ranks_equal_one_rank(target, plain, tmp_path):
     """A draft model of other weights and sizes, loaded split like the target on each rank
     (its K/V in each rank's cache, its steps' collectives beside the target's)."""
     draft = _tiny(tmp_path / "draft", 3, 16, 1)
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
-    params = GREEDY + SEEDED
-    plain, _ = _generate(target, None, GREEDY * 2)
-    one, _ = _generate(target, spec, params)
-    two, stats = _generate(target, spec, params, tp=2)
-    assert two[:3] == plain[:3] and two[3:] == one[3:]
-    _kept_and_rejected(stats)
+    _two_ranks_equal_one(target, plain, {"method": "draft_model", "model": draft,
+                                         "num_speculative_tokens": 3})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_eagle_head_two_ranks_equal_one_rank(target, plain, tmp_path, monkeypatch, method):
+    """An EAGLE head's decoder layer split like the target's (fc, norms, lm_head whole):
+    the same drafts as at one rank (tests/spec_decode/test_eagle.py checks them against the
+    published forward)."""
+    from tests.spec_decode.test_eagle import _record_drafts, write_eagle1, write_eagle3
+
+    head = (write_eagle3(tmp_path / "head", tap_ids=[1, 0, 1]) if method == "eagle3"
+            else write_eagle1(tmp_path / "head"))
+    _two_ranks_equal_one(target, plain, {"method": method, "model": head,
+                                         "num_speculative_tokens": 3},
+                         _record_drafts(monkeypatch))
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"method": "eagle", "model": "unused", "num_speculative_tokens": 2},
-     "method 'eagle' with tensor_parallel_size 2 is not implemented yet"),
     ({"method": "mtp", "num_speculative_tokens": 2},
      "method 'mtp' with tensor_parallel_size 2 is not implemented yet"),
     (dict(NGRAM, draft_tensor_parallel_size=1), "draft_tensor_parallel_size 1 is not"),

@@ -59,17 +59,18 @@ def test_bad_values_are_refused(value, message):
 
 
 def test_tensor_parallelism_checks():
-    """n-gram and draft models run split; a head does not yet, nor a draft split otherwise
-    than the target (refused by EngineConfig, before any rank starts)."""
+    """n-gram, draft models and EAGLE heads run split; an MTP layer does not yet, nor a
+    draft split otherwise than the target (refused by EngineConfig, before any rank
+    starts)."""
     ngram = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
     for tp in (1, 2, 4):
         check_supported(ngram, tensor_parallel_size=tp)
     check_supported(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
                                               "draft_tensor_parallel_size": 2}),
                     tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="method 'eagle3' with tensor_parallel_size 2"):
+    with pytest.raises(ValueError, match="method 'mtp' with tensor_parallel_size 2"):
         EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_config={
-            "method": "eagle3", "model": "x", "num_speculative_tokens": 2})
+            "method": "mtp", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="draft_tensor_parallel_size 1 is not implemented"):
         EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_config={
             "method": "draft_model", "model": "x", "num_speculative_tokens": 2,
