@@ -21,7 +21,8 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # Methods whose proposer exists (all of them now; the check stays for new ones).
 IMPLEMENTED = METHODS
 # Under tensor parallelism every rank verifies the same drafts (the scheduler's, sent each
-# step) and runs a draft model or EAGLE head split like the target; an MTP layer is not yet.
+# step) and runs a draft model or EAGLE head split like the target; MTP is not split yet (nor
+# are its targets, DeepSeek and Qwen3-Next).
 TP_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 SINGLE_RANK_METHODS = tuple(m for m in METHODS if m not in TP_METHODS)
 REJECTION_METHODS = ("strict", "synthetic")
