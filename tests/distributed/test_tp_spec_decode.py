@@ -130,6 +130,43 @@ def test_eagle_head_two_ranks_equal_one_rank(target, plain, tmp_path, monkeypatc
                          _record_drafts(monkeypatch))
 
 
+@pytest.mark.slow
+def test_guided_requests_with_drafts_at_two_ranks(tmp_path):
+    """Rank 0 alone masks each draft position (the other ranks' requests have no matchers):
+    a JSON schema and a choice beside a plain request, drafted by the target itself (every
+    draft the grammar allows is kept), give one rank's tokens without speculation."""
+    import json
+
+    from pagedserve.sampling_params import GuidedDecodingParams
+    from tests.utils.paged import tiny_chat_model
+
+    model = str(tiny_chat_model(tmp_path / "tiny", init_std=0.2))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0, max_tokens=40,
+                             guided_decoding=GuidedDecodingParams(json=schema)),
+              SamplingParams(temperature=0, max_tokens=8,
+                             guided_decoding=GuidedDecodingParams(choice=["left", "right"])),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    outputs, stats = {}, None
+    for tp, spec in ((1, None), (2, {"method": "draft_model", "model": model,
+                                     "num_speculative_tokens": 3})):
+        llm = LLM(model=model, dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
+                  tensor_parallel_size=tp, speculative_config=spec)
+        try:
+            outs = llm.generate(["Answer:"] * 3, params, use_tqdm=False)
+            outputs[tp] = [o.outputs[0].token_ids for o in outs]
+            stats = llm.engine.call_utility("stats")
+            assert llm.engine.check_blocks_free()
+        finally:
+            llm.engine.shutdown()
+    assert outputs[2] == outputs[1]
+    assert set(json.loads(outs[0].outputs[0].text)) == {"ok", "n"}
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    _no_workers_left()
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"method": "mtp", "num_speculative_tokens": 2},
      "method 'mtp' with tensor_parallel_size 2 is not implemented yet"),
