@@ -2,7 +2,8 @@
 
 The fields and their meaning are vLLM's: `method` (ngram, draft_model, eagle, eagle3, mtp),
 `model` (the draft or head), `num_speculative_tokens` (K, drafts per step),
-`prompt_lookup_min` / `prompt_lookup_max` (n-gram sizes), `draft_tensor_parallel_size`,
+`prompt_lookup_min` / `prompt_lookup_max` (n-gram sizes), `draft_tensor_parallel_size` (the
+target's, or 1 for a draft model whole on every rank),
 `disable_by_batch_size` (no drafts while this many requests run: at a large batch a step is
 bound by its compute, not by reading the weights, and verifying drafts costs more than it
 saves; the steps overlap again under async scheduling), and
@@ -138,8 +139,14 @@ def check_supported(spec: SpeculativeConfig, *, tensor_parallel_size: int) -> No
         raise ValueError(f"speculative_config: method {spec.method!r} with "
                          f"tensor_parallel_size {tensor_parallel_size} is not implemented yet "
                          f"(under tensor parallelism: {', '.join(TP_METHODS)})")
+    # A draft model also runs whole on every rank (1); a head splits like the target only
+    # (n-gram has nothing to split).
     draft_tp = spec.draft_tensor_parallel_size
-    if draft_tp not in (None, tensor_parallel_size):
-        raise ValueError(f"speculative_config: draft_tensor_parallel_size {draft_tp} is not "
-                         f"implemented yet (the draft is split like the target: "
-                         f"{tensor_parallel_size})")
+    allowed = (None, tensor_parallel_size) + ((1,) if spec.method in ("draft_model", "ngram")
+                                              else ())
+    if draft_tp not in allowed:
+        raise ValueError(f"speculative_config: draft_tensor_parallel_size {draft_tp} with "
+                         f"method {spec.method!r} and tensor_parallel_size "
+                         f"{tensor_parallel_size} is not implemented yet (the target's size"
+                         + (", or 1 for a whole draft on every rank)" if spec.method ==
+                            "draft_model" else ")"))

@@ -36,7 +36,8 @@ def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
         return None
     check_supported(spec, tensor_parallel_size=runner.tp_size)
     proposer = make_proposer(spec, runner.model, runner.dtype, runner.device,
-                             runner.max_model_len, runner.vocab_size, config.model.model)
+                             runner.max_model_len, runner.vocab_size, config.model.model,
+                             runner.tp_size)
     layers = proposer.attention_layers(len(runner.attn_layers))
     runner.attn_layers += layers
     return Speculator(spec, proposer, runner.device,
@@ -45,13 +46,14 @@ def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
 
 def make_proposer(spec: SpeculativeConfig, target: torch.nn.Module, dtype: torch.dtype,
                   device: torch.device, max_model_len: int, vocab_size: int,
-                  target_path: str | None = None) -> Proposer:
+                  target_path: str | None = None, tp_size: int = 1) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                              spec.prompt_lookup_max)
     if spec.method == "draft_model":
+        whole = tp_size > 1 and spec.draft_tensor_parallel_size == 1
         return DraftModelProposer(spec.num_speculative_tokens, spec.model, dtype, device,
-                                  max_model_len, vocab_size)
+                                  max_model_len, vocab_size, whole)
     if spec.method in ("eagle", "eagle3", "mtp"):
         model = spec.model or target_path if spec.method == "mtp" else spec.model
         return EagleProposer(spec.num_speculative_tokens, spec.method, model, target,

@@ -22,11 +22,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory="8MiB", max_model_len=128)
 
 
-def _tiny(path, seed: int, hidden: int, layers: int) -> str:
+def _tiny(path, seed: int, hidden: int, layers: int, tied: bool = False) -> str:
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False)
+        max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return str(path)
@@ -116,6 +116,29 @@ def test_draft_model_two_ranks_equal_one_rank(target, plain, tmp_path):
 
 
 @pytest.mark.slow
+def test_whole_draft_on_every_rank(target, plain, tmp_path, monkeypatch):
+    """draft_tensor_parallel_size 1 beside a split target: the whole draft (tied embedding and
+    head, whose logits then need no gather) on every rank, no collectives in its steps; rank 0
+    proposes what one rank does."""
+    from pagedserve.spec_decode.draft_model import DraftModelProposer
+
+    seen, propose = [], DraftModelProposer.propose_from
+
+    def spy(self, runner, step):
+        assert self.model.model.embed_tokens.weight.shape[0] == VOCAB  # not a rank's rows
+        drafts = propose(self, runner, step)
+        seen.extend((int(step.num_tokens[i]), int(step.newest[i]), drafts.row(i))
+                    for i in range(len(step.rows)) if drafts.counts[i])
+        return drafts
+
+    monkeypatch.setattr(DraftModelProposer, "propose_from", spy)
+    draft = _tiny(tmp_path / "draft", 3, 16, 1, tied=True)
+    _two_ranks_equal_one(target, plain, {"method": "draft_model", "model": draft,
+                                         "num_speculative_tokens": 3,
+                                         "draft_tensor_parallel_size": 1}, seen)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["eagle3", "eagle"])
 def test_eagle_head_two_ranks_equal_one_rank(target, plain, tmp_path, monkeypatch, method):
     """An EAGLE head's decoder layer split like the target's (fc, norms, lm_head whole):
@@ -170,7 +193,12 @@ def test_guided_requests_with_drafts_at_two_ranks(tmp_path):
 @pytest.mark.parametrize("spec, message", [
     ({"method": "mtp", "num_speculative_tokens": 2},
      "method 'mtp' with tensor_parallel_size 2 is not implemented yet"),
-    (dict(NGRAM, draft_tensor_parallel_size=1), "draft_tensor_parallel_size 1 is not"),
+    ({"method": "eagle3", "model": "unused", "num_speculative_tokens": 2,
+      "draft_tensor_parallel_size": 1},
+     "draft_tensor_parallel_size 1 with method 'eagle3' and tensor_parallel_size 2 is not"),
+    ({"method": "draft_model", "model": "unused", "num_speculative_tokens": 2,
+      "draft_tensor_parallel_size": 4},
+     r"draft_tensor_parallel_size 4 .* \(the target's size, or 1 for a whole draft"),
 ])
 def test_refused_before_any_rank_starts(target, spec, message):
     with pytest.raises(ValueError, match=message):
