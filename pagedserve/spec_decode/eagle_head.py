@@ -26,7 +26,7 @@ from transformers import LlamaConfig
 
 from pagedserve.models.layers import RMSNorm, RotaryEmbedding
 from pagedserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from pagedserve.models.parallel import LinearBase, QKVParallelLinear
+from pagedserve.models.parallel import QKVParallelLinear
 
 # Checkpoint part -> (our fused parameter, its part), as the decoder families load them.
 _FUSED = {".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1),
@@ -299,5 +299,5 @@ def _rank_part(head: EagleHead, name: str, tensor: torch.Tensor, shard: str | No
     layer is split like the target's (its attention heads and MLP rows); fc, norms and its
     lm_head stay whole on every rank."""
     module_name, _, param = name.rpartition(".")
-    module = dict(head.named_modules()).get(module_name)
-    return module.rank_part(tensor, param, shard) if isinstance(module, LinearBase) else tensor
+    part = getattr(dict(head.named_modules()).get(module_name), "rank_part", None)
+    return part(tensor, param, shard) if part is not None else tensor  # (a parallel layer's)
