@@ -19,7 +19,11 @@ import torch
 from pagedserve.lora.config import LoRAConfig
 from pagedserve.multimodal.limits import parse_mm_limits
 from pagedserve.multimodal.processing import parse_processor_kwargs
-from pagedserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from pagedserve.spec_decode.config import (
+    SpeculativeConfig,
+    check_supported,
+    parse_speculative_config,
+)
 
 DTYPES = {
     "float32": torch.float32,
@@ -279,6 +283,8 @@ class EngineConfig:
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend uni runs one rank: use mp or ray "
                              "with tensor_parallel_size > 1")
+        if self.speculative is not None:  # before any rank starts
+            check_supported(self.speculative, tensor_parallel_size=self.tensor_parallel_size)
         if self.device is not None:
             try:
                 device = torch.device(self.device)

@@ -421,8 +421,9 @@ class ModelRunner:
                        else self.speculator.sample(logits, meta, pending.verify))
             finally:
                 meta.token_bitmask = meta.bitmask_rows = None  # it may serve a next step
-        else:  # a rank > 0: rank 0's samples arrive below
-            out = SamplerOutput(torch.empty(pending.batch.num_reqs, dtype=torch.int64,
+        else:  # a rank > 0: rank 0's samples arrive below ([B, Kmax+1] for a verify step)
+            width = () if pending.verify is None else (pending.verify.width,)
+            out = SamplerOutput(torch.empty((pending.batch.num_reqs, *width), dtype=torch.int64,
                                             device=self.device))
         self._send_samples(pending, out)
 

@@ -51,6 +51,10 @@ class StepMessage:
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     embeds_images: bool = False
     free_encoder_identifiers: list[str] = field(default_factory=list)
+    # A verify step's drafts (speculative decoding): every rank writes them into its token
+    # table and input ids and gathers the same logits rows; None for a step without drafts.
+    num_draft_tokens: np.ndarray | None = None
+    draft_token_ids: list[list[int]] | None = None
 
     @classmethod
     def of(cls, batch: SchedulerOutput, finished: list[str]) -> StepMessage:
@@ -61,7 +65,8 @@ class StepMessage:
                    batch.num_prefills, batch.will_sample, batch.freed_request_ids,
                    batch.context_written_in_step, new, finished,
                    batch.scheduled_encoder_inputs, batch.embeds_images,
-                   batch.free_encoder_identifiers)
+                   batch.free_encoder_identifiers, batch.num_draft_tokens,
+                   batch.draft_token_ids)
 
 
 def _portable(request: Request) -> Request:

@@ -115,19 +115,25 @@ class Worker:
                                 context_written_in_step=msg.context_written_in_step,
                                 scheduled_encoder_inputs=msg.scheduled_encoder_inputs,
                                 embeds_images=msg.embeds_images,
-                                free_encoder_identifiers=msg.free_encoder_identifiers)
+                                free_encoder_identifiers=msg.free_encoder_identifiers,
+                                num_draft_tokens=msg.num_draft_tokens,
+                                draft_token_ids=msg.draft_token_ids)
         if lora is not None:
             lora.set_batch(batch)
         self.pending.append(self.runner.launch(batch))
 
     def collect(self) -> None:
         """The oldest launched step's samples (rank 0's) into the token table and into the
-        requests' outputs (a teacher-forced request reads how many it has)."""
+        requests' outputs (a teacher-forced request reads how many it has). A verify step's
+        are [B, Kmax+1], -1 past each request's kept tokens: a request gains every kept one
+        (its rejected drafts are rolled back by the engine's next num_computed_tokens)."""
         pending = self.pending.popleft()
         sampled = self.runner.collect(pending).sampled_token_ids
         requests = pending.batch.requests
+        rows = sampled if sampled.ndim == 2 else sampled[:, None]
         for i in np.flatnonzero(pending.batch.will_sample).tolist():
-            requests[i].append_output_token(int(sampled[i]))
+            for token in rows[i][rows[i] >= 0].tolist():
+                requests[i].append_output_token(token)
 
     def handle(self, kind: str, payload: Any = None) -> None:
         if kind == "launch":

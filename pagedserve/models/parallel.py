@@ -218,7 +218,7 @@ class VocabParallelEmbedding(nn.Embedding):
 def gather_vocab(local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Each rank's logits over its vocabulary rows -> every token's logits [N, vocab] on every
     rank (all ranks then run the same step code; only rank 0 samples)."""
-    if tp_world_size() == 1:
+    if tp_world_size() == 1 or local_logits.shape[-1] >= vocab_size:  # (a whole layer's)
         return local_logits
     return all_gather(local_logits, dim=-1)[..., :vocab_size]
 

@@ -2,7 +2,8 @@
 
 The fields and their meaning are vLLM's: `method` (ngram, draft_model, eagle, eagle3, mtp),
 `model` (the draft or head), `num_speculative_tokens` (K, drafts per step),
-`prompt_lookup_min` / `prompt_lookup_max` (n-gram sizes), `draft_tensor_parallel_size`,
+`prompt_lookup_min` / `prompt_lookup_max` (n-gram sizes), `draft_tensor_parallel_size` (the
+target's, or 1 for a draft model whole on every rank),
 `disable_by_batch_size` (no drafts while this many requests run: at a large batch a step is
 bound by its compute, not by reading the weights, and verifying drafts costs more than it
 saves; the steps overlap again under async scheduling), and
@@ -20,6 +21,11 @@ from typing import Any
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # Methods whose proposer exists (all of them now; the check stays for new ones).
 IMPLEMENTED = METHODS
+# Under tensor parallelism every rank verifies the same drafts (the scheduler's, sent each
+# step) and runs a draft model or EAGLE head split like the target; MTP is not split yet (nor
+# are its targets, DeepSeek and Qwen3-Next).
+TP_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SINGLE_RANK_METHODS = tuple(m for m in METHODS if m not in TP_METHODS)
 REJECTION_METHODS = ("strict", "synthetic")
 # vLLM's defaults for n-gram sizes when neither is given.
 DEFAULT_LOOKUP = 5
@@ -129,9 +135,18 @@ def check_supported(spec: SpeculativeConfig, *, tensor_parallel_size: int) -> No
     if spec.method not in IMPLEMENTED:
         raise ValueError(f"speculative_config: method {spec.method!r} is not implemented yet "
                          f"(implemented: {', '.join(IMPLEMENTED)})")
-    if tensor_parallel_size > 1:
-        raise ValueError("speculative_config: speculative decoding with tensor_parallel_size "
-                         f"{tensor_parallel_size} is not implemented yet (one rank only)")
-    if spec.draft_tensor_parallel_size not in (None, 1):
-        raise ValueError(f"speculative_config: draft_tensor_parallel_size "
-                         f"{spec.draft_tensor_parallel_size} is not implemented yet (1 only)")
+    if tensor_parallel_size > 1 and spec.method in SINGLE_RANK_METHODS:
+        raise ValueError(f"speculative_config: method {spec.method!r} with "
+                         f"tensor_parallel_size {tensor_parallel_size} is not implemented yet "
+                         f"(under tensor parallelism: {', '.join(TP_METHODS)})")
+    # A draft model also runs whole on every rank (1); a head splits like the target only
+    # (n-gram has nothing to split).
+    draft_tp = spec.draft_tensor_parallel_size
+    allowed = (None, tensor_parallel_size) + ((1,) if spec.method in ("draft_model", "ngram")
+                                              else ())
+    if draft_tp not in allowed:
+        raise ValueError(f"speculative_config: draft_tensor_parallel_size {draft_tp} with "
+                         f"method {spec.method!r} and tensor_parallel_size "
+                         f"{tensor_parallel_size} is not implemented yet (the target's size"
+                         + (", or 1 for a whole draft on every rank)" if spec.method ==
+                            "draft_model" else ")"))

@@ -15,6 +15,7 @@ A vision-language draft model is refused: it would be given no images (nor M-RoP
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.state import StateLayer
+from pagedserve.distributed.parallel_state import single_rank
 from pagedserve.spec_decode.draft_graphs import DraftGraphs, make_draft_graphs
 from pagedserve.spec_decode.proposer import Drafts, Proposer, StepTokens
 
@@ -31,12 +33,18 @@ class DraftModelProposer(Proposer):
     uses_kv_cache = True
 
     def __init__(self, num_speculative_tokens: int, model: str, dtype: torch.dtype,
-                 device: torch.device, max_model_len: int, vocab_size: int) -> None:
+                 device: torch.device, max_model_len: int, vocab_size: int,
+                 whole: bool = False) -> None:
+        """`whole`: under tensor parallelism, the whole draft on every rank
+        (`draft_tensor_parallel_size` 1): built and loaded as one rank's, its forwards run no
+        collectives, and every rank computes the same drafts."""
         from pagedserve.models.loader import load_model
 
         super().__init__(num_speculative_tokens)
         try:
-            loaded = load_model(model, dtype, device, max_model_len, generation_config="vllm")
+            with single_rank() if whole else nullcontext():
+                loaded = load_model(model, dtype, device, max_model_len,
+                                    generation_config="vllm")
         except ValueError as exc:  # e.g. a shorter context than the target's
             raise ValueError(f"speculative_config: the draft model {model!r}: {exc}") from None
         if getattr(loaded.model, "supports_multimodal", False):

@@ -318,9 +318,10 @@ def _load(head: EagleHead, weights: dict[str, torch.Tensor], model: str) -> None
 
 def _fused_parts(head: EagleHead, weights: dict[str, torch.Tensor]
                  ) -> Iterator[tuple[tuple[str, tuple[int, int] | None], torch.Tensor]]:
-    attn, mlp = head.layer.self_attn, head.layer.mlp
-    sizes = {".qkv_proj.": (attn.q_size, attn.kv_size, attn.kv_size),
-             ".gate_up_proj.": (mlp.intermediate_size, mlp.intermediate_size)}
+    qkv, gate_up = head.layer.self_attn.qkv_proj, head.layer.mlp.gate_up_proj
+    # This rank's rows of each part (all of them at one rank).
+    sizes = {".qkv_proj.": (qkv.q_size, qkv.kv_size, qkv.kv_size),
+             ".gate_up_proj.": (gate_up.out_features // 2,) * 2}
     for name, tensor in weights.items():
         if "rotary_emb" in name:
             continue
@@ -328,7 +329,19 @@ def _fused_parts(head: EagleHead, weights: dict[str, torch.Tensor]
             if part in name:
                 split = sizes[ours]
                 rows = (sum(split[:index]), split[index])
-                yield (name.replace(part, ours), rows), tensor
+                fused = name.replace(part, ours)
+                shard = "qkv"[index] if ours == ".qkv_proj." else None
+                yield (fused, rows), _rank_part(head, fused, tensor, shard)
                 break
         else:
-            yield (name, None), tensor
+            yield (name, None), _rank_part(head, name, tensor, None)
+
+
+def _rank_part(head: EagleHead, name: str, tensor: torch.Tensor, shard: str | None
+               ) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor: under tensor parallelism the head's decoder
+    layer is split like the target's (its attention heads and MLP rows); fc, norms and its
+    lm_head stay whole on every rank."""
+    module_name, _, param = name.rpartition(".")
+    part = getattr(dict(head.named_modules()).get(module_name), "rank_part", None)
+    return part(tensor, param, shard) if part is not None else tensor  # (a parallel layer's)

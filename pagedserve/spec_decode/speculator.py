@@ -36,7 +36,8 @@ def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
         return None
     check_supported(spec, tensor_parallel_size=runner.tp_size)
     proposer = make_proposer(spec, runner.model, runner.dtype, runner.device,
-                             runner.max_model_len, runner.vocab_size, config.model.model)
+                             runner.max_model_len, runner.vocab_size, config.model.model,
+                             runner.tp_size)
     layers = proposer.attention_layers(len(runner.attn_layers))
     runner.attn_layers += layers
     return Speculator(spec, proposer, runner.device,
@@ -45,13 +46,14 @@ def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
 
 def make_proposer(spec: SpeculativeConfig, target: torch.nn.Module, dtype: torch.dtype,
                   device: torch.device, max_model_len: int, vocab_size: int,
-                  target_path: str | None = None) -> Proposer:
+                  target_path: str | None = None, tp_size: int = 1) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                              spec.prompt_lookup_max)
     if spec.method == "draft_model":
+        whole = tp_size > 1 and spec.draft_tensor_parallel_size == 1
         return DraftModelProposer(spec.num_speculative_tokens, spec.model, dtype, device,
-                                  max_model_len, vocab_size)
+                                  max_model_len, vocab_size, whole)
     if spec.method in ("eagle", "eagle3", "mtp"):
         model = spec.model or target_path if spec.method == "mtp" else spec.model
         return EagleProposer(spec.num_speculative_tokens, spec.method, model, target,
@@ -128,11 +130,17 @@ class Speculator:
 
     def propose(self, runner: Any, batch: SchedulerOutput, rows: np.ndarray,
                 sampled: np.ndarray, current: np.ndarray,
-                ineligible: Collection[str], captured: Any = None) -> Drafts:
+                ineligible: Collection[str], captured: Any = None) -> Drafts | None:
         """Drafts for the requests of a collected step whose tokens are in the token table
         (`current`: their rows still theirs), but for `ineligible` ones (scoring, prompt
         logprobs: their steps keep one token's logits). A guided request's drafts are
-        proposed as any other's; the scheduler keeps those its grammar accepts."""
+        proposed as any other's; the scheduler keeps those its grammar accepts.
+
+        Under tensor parallelism rank 0's drafts are the scheduler's (every rank verifies
+        them, sent with the step): another rank proposes only to run a draft model's steps,
+        whose collectives meet rank 0's, and a model-free proposer not at all (None)."""
+        if runner.tp_rank > 0 and not self.uses_kv_cache:
+            return None
         seq_lens = (batch.num_computed_tokens + batch.num_scheduled_tokens).astype(np.int64)
         if sampled.ndim == 2:
             num_tokens = seq_lens - batch.num_draft_tokens + (sampled >= 0).sum(axis=1)

@@ -58,8 +58,27 @@ def test_bad_values_are_refused(value, message):
         EngineConfig.from_kwargs(speculative_config=value)
 
 
-def test_tensor_parallelism_is_refused():
-    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
-    check_supported(spec, tensor_parallel_size=1)
-    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
-        check_supported(spec, tensor_parallel_size=2)
+def test_tensor_parallelism_checks():
+    """n-gram, draft models and EAGLE heads run split; an MTP layer does not yet. A draft
+    model splits like the target or runs whole on every rank; a head only splits (refused
+    by EngineConfig, before any rank starts)."""
+    ngram = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    for tp in (1, 2, 4):
+        check_supported(ngram, tensor_parallel_size=tp)
+    check_supported(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                              "draft_tensor_parallel_size": 2}),
+                    tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="method 'mtp' with tensor_parallel_size 2"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_config={
+            "method": "mtp", "num_speculative_tokens": 2})
+    for method, draft_tp, ok in (("draft_model", 1, True), ("draft_model", 2, True),
+                                 ("draft_model", 4, False), ("eagle", 1, False),
+                                 ("eagle", 2, True)):
+        spec = parse_speculative_config({"method": method, "model": "x",
+                                         "num_speculative_tokens": 2,
+                                         "draft_tensor_parallel_size": draft_tp})
+        if ok:
+            check_supported(spec, tensor_parallel_size=2)
+            continue
+        with pytest.raises(ValueError, match=f"draft_tensor_parallel_size {draft_tp} with "):
+            EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_config=spec)
