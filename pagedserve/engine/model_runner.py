@@ -443,6 +443,12 @@ class ModelRunner:
         """The samples (and logprobs) of a launched step, waiting for them if need be."""
         self.queue_sampling(pending)
         self._record_samples(pending)
+        if self.speculator is not None:  # here on every rank, never in a guided launch (rank
+            pending.drafts = self.speculator.propose(  # 0's alone): a draft's collectives meet
+                self, pending.batch, pending.rows, pending.sampled,
+                self.input_batch.generation[pending.rows] == pending.generations,
+                self._wants_logits, pending.captured)
+            pending.captured = None  # (a head's hidden states: freed once read)
         if self._in_flight is pending:
             self._in_flight = None
         return ModelRunnerOutput(pending.sampled, pending.logprobs, pending.prompt_logprobs,
@@ -467,12 +473,6 @@ class ModelRunner:
         batch, rows = pending.batch, pending.rows
         self.input_batch.record_samples(batch, rows, pending.generations, sampled)
         pending.sampled = sampled
-        if self.speculator is not None:
-            pending.drafts = self.speculator.propose(
-                self, batch, rows, sampled,
-                self.input_batch.generation[rows] == pending.generations,
-                self._wants_logits, pending.captured)
-            pending.captured = None  # (a head's hidden states: freed once read)
 
     def warmup(self) -> None:
         """Compile/JIT whatever the backend needs before the first request, then capture the

@@ -204,3 +204,30 @@ def test_refused_before_any_rank_starts(target, spec, message):
     with pytest.raises(ValueError, match=message):
         LLM(model=target, tensor_parallel_size=2, speculative_config=spec, **ENGINE)
     assert not multiprocessing.active_children()
+
+
+def test_guided_request_async_steps_with_a_draft_model_at_two_ranks(tmp_path, monkeypatch):
+    """Async scheduling while drafts are off (disable_by_batch_size) with a guided request in
+    the batch: rank 0 records a step's samples inside the next launch (its mask needs them),
+    but proposes at collect as every other rank does, so the draft model's collectives meet
+    (they met the next step's broadcast before: a hang). One rank's tokens without drafts."""
+    from pagedserve.sampling_params import GuidedDecodingParams
+    from tests.utils.paged import tiny_chat_model
+
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "30")
+    model = str(tiny_chat_model(tmp_path / "tiny", init_std=0.2))
+    params = [SamplingParams(temperature=0, max_tokens=8,
+                             guided_decoding=GuidedDecodingParams(choice=["left", "right"]))]
+    params += [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 2
+    outputs = {}
+    for tp, spec in ((1, None), (2, {"method": "draft_model", "model": model,
+                                     "num_speculative_tokens": 3, "disable_by_batch_size": 2})):
+        llm = LLM(model=model, dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
+                  tensor_parallel_size=tp, speculative_config=spec, async_scheduling=True)
+        try:
+            outs = llm.generate(["Answer:"] * 3, params, use_tqdm=False)
+            outputs[tp] = [o.outputs[0].token_ids for o in outs]
+        finally:
+            llm.engine.shutdown()
+    assert outputs[2] == outputs[1]
+    _no_workers_left()
