@@ -329,23 +329,29 @@ def test_gguf_two_ranks_match_one(tmp_path, monkeypatch):
         llm.engine.shutdown()
 
 
+def guided_params(plain_tokens: int) -> list[SamplingParams]:
+    """A JSON schema and a choice under greedy decoding, beside a plain greedy request."""
+    from pagedserve.sampling_params import GuidedDecodingParams
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    return [SamplingParams(temperature=0, max_tokens=40,
+                           guided_decoding=GuidedDecodingParams(json=schema)),
+            SamplingParams(temperature=0, max_tokens=8,
+                           guided_decoding=GuidedDecodingParams(choice=["left", "right"])),
+            SamplingParams(temperature=0, max_tokens=plain_tokens, ignore_eos=True)]
+
+
 def test_guided_decoding_with_two_ranks(tmp_path):
     """Rank 0 alone masks and samples (the others get requests without their matchers): a
     JSON schema and a choice under greedy decoding give TP=1's tokens, beside a plain request.
     TP=1 runs through the multiprocess executor too, whose collect waits on a guided step's
     samples, sampled only once its bitmask's fill is done."""
-    from pagedserve.sampling_params import GuidedDecodingParams
     from tests.utils.paged import tiny_chat_model
 
     model = str(tiny_chat_model(tmp_path / "tiny", init_std=0.2))
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                               "n": {"type": "integer", "enum": [1, 2, 3]}},
-              "required": ["ok", "n"], "additionalProperties": False}
-    params = [SamplingParams(temperature=0, max_tokens=40,
-                             guided_decoding=GuidedDecodingParams(json=schema)),
-              SamplingParams(temperature=0, max_tokens=8,
-                             guided_decoding=GuidedDecodingParams(choice=["left", "right"])),
-              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+    params = guided_params(plain_tokens=10)
     outputs = {}
     for tp in (1, 2):
         llm = LLM(model=model, dtype="float32", kv_cache_memory="16MiB", max_model_len=128,

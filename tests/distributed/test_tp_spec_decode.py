@@ -160,18 +160,11 @@ def test_guided_requests_with_drafts_at_two_ranks(tmp_path):
     draft the grammar allows is kept), give one rank's tokens without speculation."""
     import json
 
-    from pagedserve.sampling_params import GuidedDecodingParams
+    from tests.distributed.test_tensor_parallel import guided_params
     from tests.utils.paged import tiny_chat_model
 
     model = str(tiny_chat_model(tmp_path / "tiny", init_std=0.2))
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                               "n": {"type": "integer", "enum": [1, 2, 3]}},
-              "required": ["ok", "n"], "additionalProperties": False}
-    params = [SamplingParams(temperature=0, max_tokens=40,
-                             guided_decoding=GuidedDecodingParams(json=schema)),
-              SamplingParams(temperature=0, max_tokens=8,
-                             guided_decoding=GuidedDecodingParams(choice=["left", "right"])),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    params = guided_params(plain_tokens=30)
     outputs, stats = {}, None
     for tp, spec in ((1, None), (2, {"method": "draft_model", "model": model,
                                      "num_speculative_tokens": 3})):
