@@ -167,7 +167,10 @@ def memory_baseline(model: torch.nn.Module, device: torch.device) -> int:
     notebooks) size their caches as each would alone."""
     if device.type != "cuda":
         return 0
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.device == device}
+    # "cuda" is the current device, whose tensors say "cuda:N": compare indices, not devices.
+    index = torch.cuda.current_device() if device.index is None else device.index
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())
+               if t.device.type == "cuda" and t.device.index == index}
     own = sum(t.numel() * t.element_size() for t in tensors.values())
     return max(torch.cuda.memory_allocated(device) - own, 0)
 
