@@ -148,5 +148,5 @@ def check_supported(spec: SpeculativeConfig, *, tensor_parallel_size: int) -> No
         raise ValueError(f"speculative_config: draft_tensor_parallel_size {draft_tp} with "
                          f"method {spec.method!r} and tensor_parallel_size "
                          f"{tensor_parallel_size} is not implemented yet (the target's size"
-                         + (", or 1 for a whole draft on every rank)" if spec.method ==
-                            "draft_model" else ")"))
+                         + {"draft_model": ", or 1 for a whole draft on every rank)",
+                            "ngram": ", or 1)"}.get(spec.method, ")"))

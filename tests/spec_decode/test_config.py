@@ -68,6 +68,10 @@ def test_tensor_parallelism_checks():
     check_supported(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
                                               "draft_tensor_parallel_size": 2}),
                     tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"\(the target's size, or 1\)"):
+        check_supported(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                                  "draft_tensor_parallel_size": 4}),
+                        tensor_parallel_size=2)
     with pytest.raises(ValueError, match="method 'mtp' with tensor_parallel_size 2"):
         EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_config={
             "method": "mtp", "num_speculative_tokens": 2})
