@@ -1,0 +1,59 @@
+"""Qwen3-Next at two tensor-parallel ranks (gloo, float32, CPU) against transformers' eager
+forward: greedy tokens equal and top-5 logprobs within 1e-4. Its gated delta nets split by
+key-head groups (the fused in_proj rows of a rank's groups, conv1d's q/k/v channels, dt_bias,
+A_log, out_proj's columns; each rank's state slots of its own heads), the gated attention with
+each query head's gate on the rank of its head, the experts inside FusedMoE, the shared expert
+whole; an odd vocabulary (rank 1's last head row is padding). Prompts of 7 and 70 tokens in
+chunks of 16 (prefill continues each rank's conv window and recurrent state across chunks; 70
+passes the delta rule's chunk of 64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pagedserve import LLM, SamplingParams
+from tests.distributed.test_tensor_parallel import ENGINE, _no_workers_left, _transformers_greedy
+from tests.models.test_qwen3_next import COMMON, _save
+from tests.utils.paged import check_top_logprobs
+
+# Layers: attention, then gated delta nets; layer 1 dense, the others sparse with the shared
+# expert; two key heads of two value heads each, one per rank.
+CONFIGS = {
+    "moe": lambda: transformers.Qwen3NextConfig(
+        **COMMON, mlp_only_layers=[1], norm_topk_prob=True,
+        layer_types=["full_attention", "linear_attention", "linear_attention",
+                     "full_attention"]),
+    # A tied head (the embedding's rows per rank, the logits gathered), one K/V head (on
+    # both ranks), four key heads (two per rank): slow, the first covers the split.
+    "tied_one_kv_head": lambda: transformers.Qwen3NextConfig(
+        **{**COMMON, "tie_word_embeddings": True, "num_key_value_heads": 1,
+           "linear_num_key_heads": 4, "linear_num_value_heads": 8}, decoder_sparse_step=2),
+}
+NUM_NEW = 6
+
+
+@pytest.mark.parametrize("name", ["moe", pytest.param("tied_one_kv_head",
+                                                      marks=pytest.mark.slow)])
+def test_two_ranks_equal_transformers(tmp_path, name):
+    _save(CONFIGS[name](), tmp_path, seed=0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 211, (n,), generator=g).tolist() for n in (7, 70)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+    llm = LLM(model=str(tmp_path), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert llm.engine.runner.world_size == 2
+        # Each rank's state slot holds its half of the heads.
+        recurrent = llm.engine.runner.state_specs[0].tensors[1]
+        assert recurrent.shape[0] == CONFIGS[name]().linear_num_value_heads // 2
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        assert llm.engine.check_blocks_free()
+    finally:
+        llm.engine.shutdown()
+    for prompt, out in zip(prompts, outputs, strict=True):
+        tokens, ref = _transformers_greedy(str(tmp_path), prompt, NUM_NEW)
+        assert out.outputs[0].token_ids == tokens
+        check_top_logprobs(out.outputs[0].logprobs, ref)
+    _no_workers_left()
