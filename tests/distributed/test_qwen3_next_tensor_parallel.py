@@ -57,3 +57,32 @@ def test_two_ranks_equal_transformers(tmp_path, name):
         assert out.outputs[0].token_ids == tokens
         check_top_logprobs(out.outputs[0].logprobs, ref)
     _no_workers_left()
+
+
+@pytest.mark.slow
+def test_ngram_at_two_ranks_equals_no_speculation(tmp_path):
+    """Verify steps over split gated delta nets: each rank keeps its heads' scratch states per
+    draft position and copies the kept one back; tokens equal the same ranks' without drafts,
+    with drafts both kept and rejected."""
+    from tests.spec_decode.test_state_layers import NGRAM
+
+    _save(CONFIGS["moe"](), tmp_path, seed=0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 211, (n,), generator=g).tolist() * r}
+               for n, r in ((5, 4), (9, 2), (3, 6))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for spec in (None, NGRAM):
+        llm = LLM(model=str(tmp_path), tensor_parallel_size=2, speculative_config=spec,
+                  **ENGINE)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            tokens[spec is None] = [o.outputs[0].token_ids for o in outs]
+            stats = llm.engine.call_utility("stats")
+            assert llm.engine.check_blocks_free()
+        finally:
+            llm.engine.shutdown()
+        if spec is not None:
+            assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert tokens[False] == tokens[True]
+    _no_workers_left()
