@@ -28,7 +28,7 @@ shared expert and the routers run whole on every rank.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +177,18 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             parts = tensor.reshape(nk, 2 * group, -1).split([group, group], dim=1)
             start = self.qkvz_size
         return start, torch.cat([p.reshape(-1, tensor.shape[-1]) for p in parts])
+
+    def checkpoint_tensors(self, in_proj: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inverse of `checkpoint_rows` at one rank: in_proj's q | k | v | z | b | a rows
+        as the checkpoint's in_proj_qkvz and in_proj_ba, grouped per key head."""
+        nk, group = self.num_k_heads, self.num_v_heads // self.num_k_heads
+        dk, vz = self.head_k_dim, group * self.head_v_dim
+        q, k, v, z, b, a = in_proj.split([self.key_dim, self.key_dim, self.value_dim,
+                                          self.value_dim, self.num_v_heads, self.num_v_heads])
+        per_head = [t.reshape(nk, n, -1) for t, n in ((q, dk), (k, dk), (v, vz), (z, vz))]
+        return {"qkvz": torch.cat(per_head, dim=1).reshape(-1, in_proj.shape[-1]),
+                "ba": torch.cat([b.reshape(nk, group, -1), a.reshape(nk, group, -1)],
+                                dim=1).reshape(-1, in_proj.shape[-1])}
 
     def rank_part(self, tensor: Weight, name: str, shard: str | None = None) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor `name` (relative to this module) other
@@ -404,6 +416,28 @@ class Qwen3NextForCausalLM(nn.Module):
             return self.get_submodule(prefix + ".linear_attn").rank_part(tensor, rest)
         module_name, _, leaf = target.rpartition(".")
         return rank_part(self.get_submodule(module_name), tensor, leaf)
+
+    def hf_parts(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameter `name` of a one-rank model (`tensor`) as checkpoint tensors: the fused
+        projections split back into their parts (so `random:` weights load at N ranks as one
+        rank draws them)."""
+        for hf_part, (ours, shard) in _FUSED.items():
+            if ours not in name:
+                continue
+            module_name = name.rpartition(".")[0].rsplit(".", 1)[0]
+            module = self.get_submodule(module_name)
+            if isinstance(module, Qwen3NextGatedDeltaNet):
+                part = module.checkpoint_tensors(tensor)[shard]
+            elif isinstance(module, Qwen3NextAttention):
+                start, _ = module.shard_rows(shard)
+                size = {"q": 2 * module.q_size}.get(shard, module.kv_size)
+                part = tensor.narrow(0, start, size)
+            else:
+                n = tensor.shape[0] // 2
+                part = tensor.narrow(0, 0 if shard == "gate" else n, n)
+            yield name.replace(ours, hf_part), part
+        if not any(part in name for part in _SHARDS):
+            yield name, tensor
 
     def _coverage_keys(self, name: str) -> list[str]:
         """What a complete checkpoint fills of parameter `name`: each fused shard, each expert's

@@ -9,6 +9,8 @@ passes the delta rule's chunk of 64)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -85,4 +87,28 @@ def test_ngram_at_two_ranks_equals_no_speculation(tmp_path):
         if spec is not None:
             assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert tokens[False] == tokens[True]
+    _no_workers_left()
+
+
+def test_random_weights_at_two_ranks_equal_one(tmp_path):
+    """`random:` at N ranks draws the one-rank model's weights and hands each rank its part
+    through the checkpoint's layout (the fused projections split back out, in_proj_qkvz and
+    in_proj_ba regrouped per key head): tokens of two ranks equal one rank's."""
+    fields = {**COMMON, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+              "mlp_only_layers": [1], "layer_types": ["linear_attention", "full_attention",
+                                                      "linear_attention", "linear_attention"]}
+    spec = tmp_path / "qwen3_next.json"
+    spec.write_text(json.dumps(fields))
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (9, 30)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for tp in (1, 2):
+        llm = LLM(model=f"random:{spec}", tensor_parallel_size=tp, **ENGINE)
+        try:
+            tokens[tp] = [o.outputs[0].token_ids
+                          for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+    assert tokens[1] == tokens[2]
+    assert len(set(tokens[1][0])) > 1  # not a degenerate repeat of one token
     _no_workers_left()
