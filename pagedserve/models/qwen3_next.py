@@ -21,8 +21,9 @@ modeling code op for op (float32 where it upcasts) so greedy outputs agree.
 Tensor parallelism splits both mixers by heads: the attention as Llama's (each query head with
 its gate), the gated delta net by key-head groups (a rank holds whole groups: its key heads
 and the value heads they serve, their rows of in_proj, conv1d, dt_bias and A_log, its columns
-of out_proj, and so a state slot of its heads only); the experts split inside `FusedMoE`; the
-shared expert and the routers run whole on every rank.
+of out_proj, and so a state slot of its heads only); the experts split inside `FusedMoE`, the
+shared expert as a dense MLP; the routers and the shared expert's gate run whole on every
+rank.
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ from pagedserve.models.layers import (
     GemmaRMSNorm,
     RotaryEmbedding,
     build_rope_caches,
+    silu_and_mul,
 )
 from pagedserve.models.llama import LlamaMLP
-from pagedserve.models.moe import FusedMoE, SwiGLUMLP, TopKRouter
+from pagedserve.models.moe import FusedMoE, TopKRouter
 from pagedserve.models.parallel import (
+    MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
@@ -224,6 +227,20 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(t, self.value_dim))
 
 
+class SharedExpert(nn.Module):
+    """down(silu(gate(x)) * up(x)), its intermediate features split over the ranks like a dense
+    MLP's (gate/up column-parallel, down row-parallel: the all-reduce makes it whole before
+    the sigmoid gate scales it)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, intermediate_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
 class Qwen3NextSparseMoeBlock(nn.Module):
     """Softmax top-k routed SiLU experts plus a shared expert every token passes through, scaled
     by sigmoid(shared_expert_gate(x)); both in the model dtype, added as transformers adds
@@ -235,7 +252,7 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         self.gate = TopKRouter(hidden, config.num_experts, config.num_experts_per_tok,
                                renormalize=bool(config.norm_topk_prob), float32_weights=False)
         self.experts = FusedMoE(config.num_experts, hidden, config.moe_intermediate_size)
-        self.shared_expert = SwiGLUMLP(hidden, config.shared_expert_intermediate_size)
+        self.shared_expert = SharedExpert(hidden, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
