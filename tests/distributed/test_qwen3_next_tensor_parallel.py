@@ -112,3 +112,43 @@ def test_random_weights_at_two_ranks_equal_one(tmp_path):
     assert tokens[1] == tokens[2]
     assert len(set(tokens[1][0])) > 1  # not a degenerate repeat of one token
     _no_workers_left()
+
+
+def test_heads_that_do_not_split_are_refused_by_name(monkeypatch):
+    from pagedserve.distributed import parallel_state
+    from pagedserve.models.qwen3_next import Qwen3NextAttention, Qwen3NextGatedDeltaNet
+
+    monkeypatch.setattr(parallel_state, "_world_size", 2)
+    config = transformers.Qwen3NextConfig(**{**COMMON, "linear_num_key_heads": 1,
+                                             "num_attention_heads": 3})
+    with torch.device("meta"):
+        with pytest.raises(ValueError, match="linear-attention key heads divisible by 2, got 1"):
+            Qwen3NextGatedDeltaNet(config, 0)
+        with pytest.raises(ValueError, match="attention heads divisible by 2, got 3"):
+            Qwen3NextAttention(config, 0)
+
+
+@pytest.mark.gpu
+def test_two_gpus_match_one(tmp_path):
+    """On CUDA (the GDN_ATTN Triton kernels over each rank's heads, decode graphs of the
+    attention layers): greedy tokens of two ranks equal one rank's in float32."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    _save(CONFIGS["moe"](), tmp_path, seed=0)
+    engine = dict(dtype="float32", device="cuda", gpu_memory_utilization=0.3, max_model_len=128,
+                  max_num_batched_tokens=32)
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(3, 211, (n,), generator=g).tolist()}
+               for n in (7, 70)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for tp in (1, 2):
+        llm = LLM(model=str(tmp_path), tensor_parallel_size=tp, **engine)
+        try:
+            tokens[tp] = [o.outputs[0].token_ids
+                          for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens[1] == tokens[2]
