@@ -204,7 +204,12 @@ def _scale_hint(name: str) -> str:
 def hf_parts(module: nn.Module, name: str, tensor: torch.Tensor
               ) -> Iterator[tuple[str, torch.Tensor]]:
     """Parameter `name` of a Llama-family module as Hugging Face tensors (a fused q/k/v or
-    gate/up split back into its parts; views)."""
+    gate/up split back into its parts; views); a family with other fused layouts splits its
+    own (`hf_parts` on the module)."""
+    own = getattr(module, "hf_parts", None)
+    if own is not None:
+        yield from own(name, tensor)
+        return
     split = {".self_attn.qkv_proj.": ("q", "k", "v"), ".mlp.gate_up_proj.": ("gate", "up")}
     hf_name = {shard: hf.split(".")[-2] for hf, (_, shard) in _FUSED.items()}
     for fused, shards in split.items():

@@ -215,12 +215,14 @@ def check_tensor_parallel(cls: type[nn.Module], quantization: Any = None) -> Non
     from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
     from pagedserve.models.gpt_oss import GptOssForCausalLM
     from pagedserve.models.llama import TENSOR_PARALLEL_FAMILIES
+    from pagedserve.models.qwen3_next import Qwen3NextForCausalLM
 
     # gpt-oss: its sinks split with the heads, its experts' biases as moe.FusedMoE says.
     # Gemma: Llama's attention and MLP (q/k norms and soft-caps per head) in its own layer
     # layout; its scaled embedding and (tied, soft-capped) head split over the vocabulary.
+    # Qwen3-Next: its gated delta nets by key-head groups, each rank a state of its heads.
     families = TENSOR_PARALLEL_FAMILIES | {GptOssForCausalLM, Gemma2ForCausalLM,
-                                          Gemma3ForCausalLM}
+                                          Gemma3ForCausalLM, Qwen3NextForCausalLM}
     # A vision-language class built on one of them splits its decoder; its tower (plain
     # nn.Linear layers) runs whole on every rank.
     on_split_decoder = getattr(cls, "supports_multimodal", False) and (

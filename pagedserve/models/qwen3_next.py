@@ -17,12 +17,19 @@ output is RMS-normed per value head and gated by SiLU(z) (weight not zero-centre
 `load_weights` reorders the grouped projection rows once, so the forward splits one fused
 projection into contiguous q | k | v | z | b | a. The arithmetic follows transformers'
 modeling code op for op (float32 where it upcasts) so greedy outputs agree.
+
+Tensor parallelism splits both mixers by heads: the attention as Llama's (each query head with
+its gate), the gated delta net by key-head groups (a rank holds whole groups: its key heads
+and the value heads they serve, their rows of in_proj, conv1d, dt_bias and A_log, its columns
+of out_proj, and so a state slot of its heads only); the experts split inside `FusedMoE`, the
+shared expert as a dense MLP; the routers and the shared expert's gate run whole on every
+rank.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +38,28 @@ from transformers import PretrainedConfig
 
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.linear.gdn_layer import GDNLayer
+from pagedserve.distributed import tp_rank, tp_world_size
 from pagedserve.models.layers import (
     GemmaRMSNorm,
     RotaryEmbedding,
     build_rope_caches,
+    silu_and_mul,
 )
 from pagedserve.models.llama import LlamaMLP
-from pagedserve.models.moe import FusedMoE, SwiGLUMLP, TopKRouter
+from pagedserve.models.moe import FusedMoE, TopKRouter
+from pagedserve.models.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    Weight,
+    divide,
+    gather_vocab,
+    materialize,
+    narrow,
+    rank_part,
+)
 
 # Zero-centred: checkpoints store weight - 1, the norm scales by (1 + weight) in float32,
 # Gemma's rounding exactly.
@@ -66,26 +88,38 @@ class Qwen3NextAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig, attn_idx: int) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        num_heads = config.num_attention_heads
+        divide(num_heads, tp_world_size(), "attention heads")
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        # Rows: [query, gate] of each head (2 * q_size), then k, then v: as a projection of
+        # twice the heads, so a rank's share of the query rows is whole (query, gate) heads.
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, 2 * num_heads,
+                                          config.num_key_value_heads, bias=bias)
+        self.num_heads = self.qkv_proj.num_heads // 2
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False))
-        # Rows: [query, gate] of each head (2 * q_size), then k, then v.
-        self.qkv_proj = nn.Linear(config.hidden_size, 2 * self.q_size + 2 * self.kv_size,
-                                  bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size,
+                                        bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, attn_idx)
 
     def shard_rows(self, shard: str) -> tuple[int, int]:
-        """(first row, rows) of a checkpoint projection in the fused qkv_proj."""
+        """(first row, rows) of a checkpoint projection (this rank's part) in the fused
+        qkv_proj."""
         q2 = 2 * self.q_size
         return {"q": (0, q2), "k": (q2, self.kv_size), "v": (q2 + self.kv_size, self.kv_size)}[
             shard]
+
+    def checkpoint_rows(self, shard: str, tensor: Weight, name: str
+                        ) -> tuple[int, torch.Tensor]:
+        """(first row in qkv_proj, this rank's rows) of a checkpoint's q_proj, k_proj or
+        v_proj weight or bias (`name`)."""
+        start, _ = self.shard_rows(shard)
+        return start, self.qkv_proj.rank_part(tensor, name, shard)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 rotary: RotaryEmbedding) -> torch.Tensor:
@@ -109,7 +143,10 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         super().__init__()
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"Qwen3-Next's conv activation {config.hidden_act!r}: only silu")
-        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        # This rank's key heads and the value heads they serve (all of them at one rank).
+        self.tp_size, self.tp_rank = tp_world_size(), tp_rank()
+        nk = divide(config.linear_num_key_heads, self.tp_size, "linear-attention key heads")
+        nv = config.linear_num_value_heads // self.tp_size
         dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
         kernel = config.linear_conv_kernel_dim
         self.gdn = GDNLayer(nk, nv, dk, dv, kernel, state_idx)
@@ -124,13 +161,17 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(nv))
         self.A_log = nn.Parameter(torch.zeros(nv))
         self.norm = GatedRMSNorm(dv, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(config.linear_num_value_heads * dv,
+                                          config.hidden_size, bias=False)
 
-    def checkpoint_rows(self, shard: str, tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def checkpoint_rows(self, shard: str, tensor: Weight) -> tuple[int, torch.Tensor]:
         """A checkpoint's in_proj_qkvz or in_proj_ba (`shard` "qkvz" or "ba"; rows grouped per
         key head: q, k, v, z of the head's value heads / b, a) as (first row in in_proj, rows
-        reordered to q | k | v | z / b | a)."""
+        reordered to q | k | v | z / b | a). A rank reads its key heads' groups, contiguous in
+        the checkpoint."""
         nk, group = self.num_k_heads, self.num_v_heads // self.num_k_heads
+        rows = tensor.shape[0] // (nk * self.tp_size)  # one key head's group
+        tensor = narrow(tensor, 0, self.tp_rank * nk * rows, nk * rows)
         if shard == "qkvz":
             dk, vz = self.head_k_dim, group * self.head_v_dim
             parts = tensor.reshape(nk, 2 * dk + 2 * vz, -1).split([dk, dk, vz, vz], dim=1)
@@ -139,6 +180,36 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             parts = tensor.reshape(nk, 2 * group, -1).split([group, group], dim=1)
             start = self.qkvz_size
         return start, torch.cat([p.reshape(-1, tensor.shape[-1]) for p in parts])
+
+    def checkpoint_tensors(self, in_proj: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inverse of `checkpoint_rows` at one rank: in_proj's q | k | v | z | b | a rows
+        as the checkpoint's in_proj_qkvz and in_proj_ba, grouped per key head."""
+        nk, group = self.num_k_heads, self.num_v_heads // self.num_k_heads
+        dk, vz = self.head_k_dim, group * self.head_v_dim
+        q, k, v, z, b, a = in_proj.split([self.key_dim, self.key_dim, self.value_dim,
+                                          self.value_dim, self.num_v_heads, self.num_v_heads])
+        per_head = [t.reshape(nk, n, -1) for t, n in ((q, dk), (k, dk), (v, vz), (z, vz))]
+        return {"qkvz": torch.cat(per_head, dim=1).reshape(-1, in_proj.shape[-1]),
+                "ba": torch.cat([b.reshape(nk, group, -1), a.reshape(nk, group, -1)],
+                                dim=1).reshape(-1, in_proj.shape[-1])}
+
+    def rank_part(self, tensor: Weight, name: str, shard: str | None = None) -> torch.Tensor:
+        """This rank's part of a full checkpoint tensor `name` (relative to this module) other
+        than the fused projections: conv1d's rows of its q, k and v channels, its value heads'
+        dt_bias and A_log, its columns of out_proj; the norm (per value head) whole."""
+        if self.tp_size == 1:
+            return materialize(tensor)
+        if name == "conv1d.weight":
+            key, value, r = self.key_dim, self.value_dim, self.tp_rank
+            full_key = key * self.tp_size
+            return torch.cat([narrow(tensor, 0, r * key, key),
+                              narrow(tensor, 0, full_key + r * key, key),
+                              narrow(tensor, 0, 2 * full_key + r * value, value)])
+        if name in ("dt_bias", "A_log"):
+            return narrow(tensor, 0, self.tp_rank * self.num_v_heads, self.num_v_heads)
+        if name == "out_proj.weight":
+            return self.out_proj.rank_part(tensor, "weight")
+        return materialize(tensor)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         t, nv = hidden.shape[0], self.num_v_heads
@@ -156,6 +227,20 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(t, self.value_dim))
 
 
+class SharedExpert(nn.Module):
+    """down(silu(gate(x)) * up(x)), its intermediate features split over the ranks like a dense
+    MLP's (gate/up column-parallel, down row-parallel: the all-reduce makes it whole before
+    the sigmoid gate scales it)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, intermediate_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
 class Qwen3NextSparseMoeBlock(nn.Module):
     """Softmax top-k routed SiLU experts plus a shared expert every token passes through, scaled
     by sigmoid(shared_expert_gate(x)); both in the model dtype, added as transformers adds
@@ -167,7 +252,7 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         self.gate = TopKRouter(hidden, config.num_experts, config.num_experts_per_tok,
                                renormalize=bool(config.norm_topk_prob), float32_weights=False)
         self.experts = FusedMoE(config.num_experts, hidden, config.moe_intermediate_size)
-        self.shared_expert = SwiGLUMLP(hidden, config.shared_expert_intermediate_size)
+        self.shared_expert = SharedExpert(hidden, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +304,7 @@ class Qwen3NextDecoderLayer(nn.Module):
 class Qwen3NextModel(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         counts = {"linear_attention": 0, "full_attention": 0}
         layers = []
         for i, kind in enumerate(config.layer_types[:config.num_hidden_layers]):
@@ -271,16 +356,19 @@ class Qwen3NextForCausalLM(nn.Module):
         self.model = Qwen3NextModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (None if self.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                        else ParallelLMHead(config.hidden_size, config.vocab_size))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32 (the matmul in the model dtype)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """hidden [N, hidden] -> logits [N, vocab] float32 (the matmul in the model dtype;
+        with tensor parallelism each rank's vocabulary rows, gathered)."""
+        if self.lm_head is None:  # tied
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+            return gather_vocab(logits, self.config.vocab_size).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused, reordered) parameters; experts one
@@ -309,7 +397,7 @@ class Qwen3NextForCausalLM(nn.Module):
                                  f"{type(self).__name__}")
             param = params[target]
             if shard is None:
-                dst = param.data
+                dst, tensor = param.data, self._rank_part(target, tensor)
             else:
                 dst, tensor = self._shard(target, param, shard, tensor)
             if dst.shape != tensor.shape:
@@ -325,17 +413,48 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def _shard(self, target: str, param: torch.Tensor, shard: str,
                tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the rows of `param` a checkpoint shard fills, the tensor as they hold it)."""
-        module = self.get_submodule(target.rsplit(".", 2)[0])
+        """(the rows of `param` a checkpoint shard fills, this rank's part of the tensor as they
+        hold it)."""
+        module_name, _, leaf = target.rpartition(".")
+        module = self.get_submodule(module_name.rsplit(".", 1)[0])
         if isinstance(module, Qwen3NextAttention):
-            start, size = module.shard_rows(shard)
+            start, tensor = module.checkpoint_rows(shard, tensor, leaf)
         elif isinstance(module, Qwen3NextGatedDeltaNet):
             start, tensor = module.checkpoint_rows(shard, tensor)
-            size = tensor.shape[0]
         else:  # gate rows, then up rows, of a dense MLP or the shared expert
-            n = param.shape[0] // 2
-            start, size = (0, n) if shard == "gate" else (n, n)
-        return param.data.narrow(0, start, size), tensor
+            tensor = rank_part(self.get_submodule(module_name), tensor, leaf, shard)
+            start = 0 if shard == "gate" else param.shape[0] // 2
+        return param.data.narrow(0, start, tensor.shape[0]), tensor
+
+    def _rank_part(self, target: str, tensor: Weight) -> torch.Tensor:
+        """This rank's part of the full checkpoint tensor of parameter `target` (not fused)."""
+        if ".linear_attn." in target:
+            prefix, _, rest = target.partition(".linear_attn.")
+            return self.get_submodule(prefix + ".linear_attn").rank_part(tensor, rest)
+        module_name, _, leaf = target.rpartition(".")
+        return rank_part(self.get_submodule(module_name), tensor, leaf)
+
+    def hf_parts(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameter `name` of a one-rank model (`tensor`) as checkpoint tensors: the fused
+        projections split back into their parts (so `random:` weights load at N ranks as one
+        rank draws them)."""
+        for hf_part, (ours, shard) in _FUSED.items():
+            if ours not in name:
+                continue
+            module_name = name.rpartition(".")[0].rsplit(".", 1)[0]
+            module = self.get_submodule(module_name)
+            if isinstance(module, Qwen3NextGatedDeltaNet):
+                part = module.checkpoint_tensors(tensor)[shard]
+            elif isinstance(module, Qwen3NextAttention):
+                start, _ = module.shard_rows(shard)
+                size = {"q": 2 * module.q_size}.get(shard, module.kv_size)
+                part = tensor.narrow(0, start, size)
+            else:
+                n = tensor.shape[0] // 2
+                part = tensor.narrow(0, 0 if shard == "gate" else n, n)
+            yield name.replace(ours, hf_part), part
+        if not any(part in name for part in _SHARDS):
+            yield name, tensor
 
     def _coverage_keys(self, name: str) -> list[str]:
         """What a complete checkpoint fills of parameter `name`: each fused shard, each expert's
