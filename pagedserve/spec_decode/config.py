@@ -22,9 +22,10 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # Methods whose proposer exists (all of them now; the check stays for new ones).
 IMPLEMENTED = METHODS
 # Under tensor parallelism every rank verifies the same drafts (the scheduler's, sent each
-# step) and runs a draft model or EAGLE head split like the target; MTP is not split yet (nor
-# are its targets, DeepSeek and Qwen3-Next).
-TP_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# step) and runs a draft model, EAGLE head or Qwen3-Next MTP block split like the target
+# (DeepSeek's MTP layer, whose target does not split, is refused where it loads: mtp_head.py).
+# The refusal below stays for a method that cannot split.
+TP_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 SINGLE_RANK_METHODS = tuple(m for m in METHODS if m not in TP_METHODS)
 REJECTION_METHODS = ("strict", "synthetic")
 # vLLM's defaults for n-gram sizes when neither is given.

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedserve.distributed.parallel_state import tp_world_size
 from pagedserve.models.layers import RMSNorm
 from pagedserve.spec_decode.eagle_head import EagleHead
 
@@ -68,6 +69,10 @@ def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype
             return qwen3_next_mtp.random_head(config, dtype, device)
         own = _read_prefixed(_checkpoint_dir(target_path), "mtp.")
         return qwen3_next_mtp.load_qwen3_next_mtp(own, target, dtype, device)
+    if tp_world_size() > 1:  # (Qwen3-Next's block splits like its target, above)
+        raise ValueError(f"speculative_config: method 'mtp' over {arch} with "
+                         f"tensor_parallel_size {tp_world_size()} is not implemented yet (its "
+                         "latent-attention layer does not split; Qwen3-Next's block does)")
     if arch not in _MTP_FAMILIES:
         raise ValueError(f"speculative_config: method 'mtp' is implemented for "
                          f"{', '.join(_MTP_FAMILIES + ('Qwen3NextForCausalLM',))}; the target "

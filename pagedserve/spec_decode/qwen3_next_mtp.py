@@ -7,7 +7,11 @@ checkpoint (`mtp.*`, which the target's loader skips):
                               # dense as layer 0 of the target would have it (as vLLM builds it)
     draft = argmax(lm_head(h))
 
-The norms are the model's zero-centred RMSNorms; the embedding and the head are the target's.
+The norms are the model's zero-centred RMSNorms; the embedding and the head are the target's
+own modules. Under tensor parallelism the block's layer splits like the target's (the one-layer
+model is built at the ranks' size: q/k/v heads and experts per rank), its fc and norms stay
+whole on every rank, and the embedding and head are the target's, already split over the
+vocabulary; every rank runs the draft steps, their collectives meeting.
 Later drafts feed back h (after `norm`, unlike DeepSeek's layer, whose head norm comes after the
 feedback), and no position's embedding is masked. The decoder layer, its norm and the head are
 built as a one-layer Qwen3-Next of full attention, so they load through the family's own names
@@ -74,9 +78,12 @@ def load_qwen3_next_mtp(own: dict[str, torch.Tensor], target: nn.Module, dtype: 
         raise ValueError(f"speculative_config: method 'mtp': MTP layers {', '.join(deeper)} "
                          "past the first are not implemented (one layer only)")
     config = target.config
-    head_weight = None if target.lm_head is None else target.lm_head.weight.detach().cpu()
-    stack = build_model(_stack_config(config), dtype, device, _stack_weights(
-        own, target.model.embed_tokens.weight.detach().cpu(), head_weight))
+    stack = build_model(_stack_config(config), dtype, device,
+                        _stack_weights(own, config, tied=target.lm_head is None))
+    # The target's embedding and head in place of the placeholders: one copy, split as the
+    # target's under tensor parallelism.
+    stack.model.embed_tokens = target.model.embed_tokens
+    stack.lm_head = target.lm_head
     head = Qwen3NextMtpHead(stack, config.hidden_size, config.rms_norm_eps)
     with torch.no_grad():
         for name in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
@@ -112,13 +119,15 @@ def _stack_config(config: PretrainedConfig) -> PretrainedConfig:
     return stack_config
 
 
-def _stack_weights(own: dict[str, torch.Tensor], embed: torch.Tensor,
-                   head: torch.Tensor | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The block's tensors under the one-layer model's names, with the target's embedding and
-    head (none when tied to the embedding)."""
-    yield "model.embed_tokens.weight", embed
-    if head is not None:
-        yield "lm_head.weight", head
+def _stack_weights(own: dict[str, torch.Tensor], config: PretrainedConfig, tied: bool
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The block's tensors under the one-layer model's names. The embedding and head get
+    placeholders (a broadcast zero, no memory; the target's modules replace them), since the
+    target's own are one rank's rows under tensor parallelism, not the checkpoint's whole."""
+    placeholder = torch.zeros(()).expand(config.vocab_size, config.hidden_size)
+    yield "model.embed_tokens.weight", placeholder
+    if not tied:
+        yield "lm_head.weight", placeholder
     yield "model.norm.weight", own["norm.weight"]
     for name, tensor in own.items():
         if name.startswith("layers.0."):

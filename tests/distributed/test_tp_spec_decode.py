@@ -52,10 +52,10 @@ SEEDED = [SamplingParams(temperature=t, top_k=k, top_p=0.9, seed=s, max_tokens=2
                                                                       (0.3, 20)])]
 
 
-def _generate(path: str, spec, params, tp: int = 1, **kwargs):
+def _generate(path: str, spec, params, tp: int = 1, prompts=None, **kwargs):
     llm = LLM(model=path, tensor_parallel_size=tp, speculative_config=spec, **ENGINE, **kwargs)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params,
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts or _prompts()], params,
                             use_tqdm=False)
         assert llm.engine.check_blocks_free()
         return [o.outputs[0].token_ids for o in outs], llm.engine.call_utility("stats")
@@ -153,6 +153,33 @@ def test_eagle_head_two_ranks_equal_one_rank(target, plain, tmp_path, monkeypatc
                          _record_drafts(monkeypatch))
 
 
+def test_qwen3_next_mtp_block_two_ranks_equal_one_rank(tmp_path, monkeypatch):
+    """Qwen3-Next's MTP block split like its target (q/k/v heads and experts per rank; fc and
+    norms whole; the target's split embedding and head): greedy tokens equal one rank's
+    without speculation, rank 0 proposes the very drafts one rank does, as many kept.
+    (tests/spec_decode/test_qwen3_next_mtp.py checks one rank's drafts against the published
+    forward.)"""
+    from tests.spec_decode.test_eagle import _record_drafts
+    from tests.spec_decode.test_qwen3_next_mtp import MTP, write_target_with_mtp
+    from tests.spec_decode.test_state_layers import prompts
+
+    write_target_with_mtp(tmp_path)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 17, 6)]
+    run = lambda spec, tp=1: _generate(str(tmp_path), spec, params, tp,  # noqa: E731
+                                       prompts()[:3])
+    plain, _ = run(None)
+    drafts = _record_drafts(monkeypatch)
+    one, one_stats = run(MTP)
+    one_drafts = list(drafts)
+    drafts.clear()
+    two, stats = run(MTP, tp=2)
+    assert one == plain and two == plain
+    assert one_drafts and sorted(drafts) == sorted(one_drafts)
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert ((stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens)
+            == (one_stats.spec_decode_num_draft_tokens, one_stats.spec_decode_num_accepted_tokens))
+
+
 @pytest.mark.slow
 def test_guided_requests_with_drafts_at_two_ranks(tmp_path):
     """Rank 0 alone masks each draft position (the other ranks' requests have no matchers):
@@ -184,8 +211,6 @@ def test_guided_requests_with_drafts_at_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"method": "mtp", "num_speculative_tokens": 2},
-     "method 'mtp' with tensor_parallel_size 2 is not implemented yet"),
     ({"method": "eagle3", "model": "unused", "num_speculative_tokens": 2,
       "draft_tensor_parallel_size": 1},
      "draft_tensor_parallel_size 1 with method 'eagle3' and tensor_parallel_size 2 is not"),
