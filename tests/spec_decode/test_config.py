@@ -59,9 +59,9 @@ def test_bad_values_are_refused(value, message):
 
 
 def test_tensor_parallelism_checks():
-    """n-gram, draft models and EAGLE heads run split; an MTP layer does not yet. A draft
-    model splits like the target or runs whole on every rank; a head only splits (refused
-    by EngineConfig, before any rank starts)."""
+    """Every method runs split (DeepSeek's MTP layer is refused where it loads: test_mtp.py).
+    A draft model splits like the target or runs whole on every rank; a head or MTP block
+    only splits (refused by EngineConfig, before any rank starts)."""
     ngram = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
     for tp in (1, 2, 4):
         check_supported(ngram, tensor_parallel_size=tp)
@@ -72,9 +72,11 @@ def test_tensor_parallelism_checks():
         check_supported(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
                                                   "draft_tensor_parallel_size": 4}),
                         tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="method 'mtp' with tensor_parallel_size 2"):
-        EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_config={
-            "method": "mtp", "num_speculative_tokens": 2})
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    check_supported(parse_speculative_config(mtp), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size 1 with method 'mtp'"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_config=dict(
+            mtp, draft_tensor_parallel_size=1))
     for method, draft_tp, ok in (("draft_model", 1, True), ("draft_model", 2, True),
                                  ("draft_model", 4, False), ("eagle", 1, False),
                                  ("eagle", 2, True)):
