@@ -11,10 +11,9 @@ the ranks meet inside the forward in the layers' collectives.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import all_reduce_min
@@ -30,43 +29,30 @@ class WorkerError(RuntimeError):
 
 @dataclass
 class StepMessage:
-    """One step, as the other ranks need it: the batch's rows and counts, and the requests
-    they have not seen in this form (just admitted or resumed: a copy of the request as the
-    scheduler has it, which carries its tokens and sampling settings). Ranks > 0 never
-    sample, so nothing else of a request is sent."""
+    """One step, as the other ranks need it: the scheduler's output with its requests named by
+    id (`step`: every other field of SchedulerOutput, so what the scheduler adds to a step,
+    an image's encoder schedule or a verify step's drafts, reaches every rank without being
+    named here), and the requests they have not seen in this form (just admitted or resumed:
+    a copy of the request as the scheduler has it, which carries its tokens and sampling
+    settings). Ranks > 0 never sample, so nothing else of a request is sent."""
 
     request_ids: list[str]
-    num_scheduled_tokens: np.ndarray
-    num_computed_tokens: np.ndarray
-    new_block_ids: list[list[int]]
-    is_new: list[bool]
-    num_prefills: int
-    will_sample: np.ndarray
-    freed_request_ids: list[str]
-    context_written_in_step: bool
+    step: dict[str, Any]
     new_requests: list[Request]
     # Finished in the engine since the last step (the runner drops their generators).
     finished_request_ids: list[str] = field(default_factory=list)
-    # Images: every rank runs the whole vision tower on the same images (SchedulerOutput's).
-    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
-    embeds_images: bool = False
-    free_encoder_identifiers: list[str] = field(default_factory=list)
-    # A verify step's drafts (speculative decoding): every rank writes them into its token
-    # table and input ids and gathers the same logits rows; None for a step without drafts.
-    num_draft_tokens: np.ndarray | None = None
-    draft_token_ids: list[list[int]] | None = None
 
     @classmethod
     def of(cls, batch: SchedulerOutput, finished: list[str]) -> StepMessage:
         new = [_portable(r) for r, is_new in zip(batch.requests, batch.is_new, strict=True)
                if is_new]
-        return cls([r.request_id for r in batch.requests], batch.num_scheduled_tokens,
-                   batch.num_computed_tokens, batch.new_block_ids, batch.is_new,
-                   batch.num_prefills, batch.will_sample, batch.freed_request_ids,
-                   batch.context_written_in_step, new, finished,
-                   batch.scheduled_encoder_inputs, batch.embeds_images,
-                   batch.free_encoder_identifiers, batch.num_draft_tokens,
-                   batch.draft_token_ids)
+        step = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
+                if f.name != "requests"}
+        return cls([r.request_id for r in batch.requests], step, new, finished)
+
+    def output(self, requests: dict[str, Request]) -> SchedulerOutput:
+        """The step over a worker's copies of the requests (by id)."""
+        return SchedulerOutput([requests[i] for i in self.request_ids], **self.step)
 
 
 def _portable(request: Request) -> Request:

@@ -23,7 +23,7 @@ from pagedserve.engine.cpu_threads import cpu_threads
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.runner_outputs import PendingStep
 from pagedserve.executor.base import StepMessage
-from pagedserve.scheduler import Request, SchedulerOutput
+from pagedserve.scheduler import Request
 
 logger = logging.getLogger(__name__)
 
@@ -108,16 +108,7 @@ class Worker:
                 if lora is not None and request.lora_request is not None:
                     lora.add_request(request.lora_request)
             self.requests[request.request_id] = request
-        batch = SchedulerOutput([self.requests[i] for i in msg.request_ids],
-                                msg.num_scheduled_tokens, msg.num_computed_tokens,
-                                msg.new_block_ids, msg.is_new, msg.num_prefills,
-                                msg.will_sample, msg.freed_request_ids,
-                                context_written_in_step=msg.context_written_in_step,
-                                scheduled_encoder_inputs=msg.scheduled_encoder_inputs,
-                                embeds_images=msg.embeds_images,
-                                free_encoder_identifiers=msg.free_encoder_identifiers,
-                                num_draft_tokens=msg.num_draft_tokens,
-                                draft_token_ids=msg.draft_token_ids)
+        batch = msg.output(self.requests)
         if lora is not None:
             lora.set_batch(batch)
         self.pending.append(self.runner.launch(batch))
