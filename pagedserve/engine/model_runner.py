@@ -443,12 +443,8 @@ class ModelRunner:
         """The samples (and logprobs) of a launched step, waiting for them if need be."""
         self.queue_sampling(pending)
         self._record_samples(pending)
-        if self.speculator is not None:  # here on every rank, never in a guided launch (rank
-            pending.drafts = self.speculator.propose(  # 0's alone): a draft's collectives meet
-                self, pending.batch, pending.rows, pending.sampled,
-                self.input_batch.generation[pending.rows] == pending.generations,
-                self._wants_logits, pending.captured)
-            pending.captured = None  # (a head's hidden states: freed once read)
+        if self.speculator is not None:
+            self.speculator.propose_after(self, pending, self._wants_logits)
         if self._in_flight is pending:
             self._in_flight = None
         return ModelRunnerOutput(pending.sampled, pending.logprobs, pending.prompt_logprobs,

@@ -128,6 +128,16 @@ class Speculator:
                ) -> SamplerOutput:
         return self.rejection_sampler(logits, meta, layout)
 
+    def propose_after(self, runner: Any, pending: Any, ineligible: Collection[str]) -> None:
+        """The collected step `pending`'s drafts into `pending.drafts`. The runner calls it at
+        collect on every rank, never inside a later launch (a guided launch records the step
+        before on rank 0 alone): a draft model's collectives meet there on every rank. A
+        head's captured hidden states are freed once read."""
+        current = runner.input_batch.generation[pending.rows] == pending.generations
+        pending.drafts = self.propose(runner, pending.batch, pending.rows, pending.sampled,
+                                      current, ineligible, pending.captured)
+        pending.captured = None
+
     def propose(self, runner: Any, batch: SchedulerOutput, rows: np.ndarray,
                 sampled: np.ndarray, current: np.ndarray,
                 ineligible: Collection[str], captured: Any = None) -> Drafts | None:
