@@ -25,39 +25,24 @@ SigLIP pooling head some towers carry is not used by Gemma 3 and is skipped.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedserve.attention.layer import Attention
 from pagedserve.models.gemma import Gemma3ForCausalLM
 from pagedserve.models.gemma3_processing import Gemma3Processor, check_config, pan_and_scan_of
 from pagedserve.models.layers import GemmaRMSNorm
 from pagedserve.models.square_image_vlm import (
-    LanguageModelNames,
+    DecoderAtLanguageModel,
     embed_images,
-    load_tower_and_decoder,
     square_pixels,
 )
 from pagedserve.models.vit_layers import ViTEncoder
 from pagedserve.multimodal.inputs import MultiModalFeature
 from pagedserve.multimodal.model import SupportsMultiModal
 from pagedserve.multimodal.processing import ProcessorSettings
-
-# Checkpoint prefix -> ours (longest first: the 4.52+ names contain the older ones).
-_PREFIXES = (("model.language_model.", "language_model.model."),
-             ("language_model.model.", "language_model.model."),
-             ("language_model.lm_head.", "language_model.lm_head."),
-             ("lm_head.", "language_model.lm_head."),
-             ("model.vision_tower.", "vision_tower."),
-             ("vision_tower.", "vision_tower."),
-             ("model.multi_modal_projector.", "multi_modal_projector."),
-             ("multi_modal_projector.", "multi_modal_projector."))
-
 
 # ---- the vision tower ------------------------------------------------------------------------
 
@@ -128,7 +113,9 @@ class Gemma3MultiModalProjector(nn.Module):
 
 # ---- the model -------------------------------------------------------------------------------
 
-class Gemma3ForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.Module):
+class Gemma3ForConditionalGeneration(DecoderAtLanguageModel, SupportsMultiModal, nn.Module):
+    checkpoint_family = "Gemma 3"
+    unused_tower_tensors = ("head.",)  # SigLIP's pooling head
     processor_cls = Gemma3Processor
     bidirectional_image_spans = True
     # Gemma 3's decoder splits under tensor parallelism; the tower runs whole on every rank.
@@ -181,34 +168,8 @@ class Gemma3ForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.
             inputs_embeds = self.embed_input_ids(input_ids)
         return self.language_model.model(input_ids, positions, inputs_embeds)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return self.language_model.attention_layers()
-
-    # ---- weights ------------------------------------------------------------------------------
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_tower_and_decoder(self, weights, _our_name)
 
 def _most_squares(settings: ProcessorSettings | None) -> int:
     """The most squares one image becomes: the original and, under pan-and-scan, its crops."""
     pan_and_scan = pan_and_scan_of(settings)
     return 1 if pan_and_scan is None else 1 + pan_and_scan.max_num_crops
-
-
-def _our_name(name: str) -> str | None:
-    """Our parameter's name for a checkpoint tensor; None for the tower's unused pooling head."""
-    for prefix, ours in _PREFIXES:
-        if not name.startswith(prefix):
-            continue
-        name = ours + name[len(prefix):]
-        if ours == "vision_tower.":
-            rest = name[len(ours):]
-            rest = rest[len("vision_model."):] if rest.startswith("vision_model.") else rest
-            if rest.startswith("head."):
-                return None
-            name = "vision_tower.vision_model." + rest
-        return name
-    raise ValueError(f"checkpoint tensor {name!r} is not part of a Gemma 3 checkpoint")

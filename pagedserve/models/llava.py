@@ -18,7 +18,7 @@ checkpoints, and transformers 5's saves, whose tower lacks the `vision_model.` l
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +28,12 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from pagedserve.attention.layer import Attention
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from pagedserve.models.square_image_vlm import (
-    LanguageModelNames,
+    DecoderAtLanguageModel,
     embed_images,
     expand_images,
     image_inputs,
-    load_tower_and_decoder,
     square_pixels,
 )
 from pagedserve.models.vit_layers import ViTEncoder
@@ -46,15 +44,6 @@ from pagedserve.multimodal.processing import MultiModalProcessor, ProcessorSetti
 # The decoder families a LLaVA checkpoint may carry, by text_config.model_type.
 _DECODERS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
-# Checkpoint prefix -> ours (longest first: the 4.52+ names contain the older ones).
-_PREFIXES = (("model.language_model.", "language_model.model."),
-             ("language_model.model.", "language_model.model."),
-             ("language_model.lm_head.", "language_model.lm_head."),
-             ("lm_head.", "language_model.lm_head."),
-             ("model.vision_tower.", "vision_tower."),
-             ("vision_tower.", "vision_tower."),
-             ("model.multi_modal_projector.", "multi_modal_projector."),
-             ("multi_modal_projector.", "multi_modal_projector."))
 
 
 def feature_layers(config: PretrainedConfig) -> list[int]:
@@ -207,7 +196,8 @@ class LlavaMultiModalProjector(nn.Module):
 
 # ---- the model -------------------------------------------------------------------------------
 
-class LlavaForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.Module):
+class LlavaForConditionalGeneration(DecoderAtLanguageModel, SupportsMultiModal, nn.Module):
+    checkpoint_family = "LLaVA"
     processor_cls = LlavaProcessor
     supports_int8 = False
     supports_quantized_checkpoints = False
@@ -252,25 +242,3 @@ class LlavaForConditionalGeneration(LanguageModelNames, SupportsMultiModal, nn.M
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         return self.language_model.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return self.language_model.attention_layers()
-
-    # ---- weights ------------------------------------------------------------------------------
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_tower_and_decoder(self, weights, _our_name)
-
-def _our_name(name: str) -> str:
-    for prefix, ours in _PREFIXES:
-        if name.startswith(prefix):
-            name = ours + name[len(prefix):]
-            # The tower's own prefix: `vision_model.` in published checkpoints, none in
-            # transformers 5's saves.
-            if ours == "vision_tower." and not name.startswith("vision_tower.vision_model."):
-                name = "vision_tower.vision_model." + name[len(ours):]
-            return name
-    raise ValueError(f"checkpoint tensor {name!r} is not part of a LLaVA checkpoint")

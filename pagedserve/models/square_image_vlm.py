@@ -1,13 +1,14 @@
 """What LLaVA and Gemma 3 share as vision-language models whose every image is one square of
 the tower's size, encoded to a fixed number of rows by a ViT tower and a projector beside a
 decoder: the expansion of each image's placeholder, the split of a call's images into a pixel
-batch and precomputed embeddings, the stand-in image of the memory profile, and the loading of
-the tower's and projector's tensors one to one beside the decoder's own loader."""
+batch and precomputed embeddings, the stand-in image of the memory profile, the loading of the
+tower's and projector's tensors one to one beside the decoder's own loader, and the decoder's
+head, layers and names (`DecoderAtLanguageModel`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -17,6 +18,16 @@ from pagedserve.device import to_device_async
 from pagedserve.models.parallel import materialize
 from pagedserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt, PlaceholderRange
 from pagedserve.multimodal.processing import tensors_identifier
+
+# Checkpoint prefix -> ours (longest first: the 4.52+ names contain the older ones).
+_PREFIXES = (("model.language_model.", "language_model.model."),
+             ("language_model.model.", "language_model.model."),
+             ("language_model.lm_head.", "language_model.lm_head."),
+             ("lm_head.", "language_model.lm_head."),
+             ("model.vision_tower.", "vision_tower."),
+             ("vision_tower.", "vision_tower."),
+             ("model.multi_modal_projector.", "multi_modal_projector."),
+             ("multi_modal_projector.", "multi_modal_projector."))
 
 
 def expand_images(prompt_token_ids: list[int], images: list[Any],
@@ -158,11 +169,43 @@ def load_tower_and_decoder(model: nn.Module, weights: Iterable[tuple[str, torch.
     model.language_model.load_weights(decoder)
 
 
-class LanguageModelNames:
-    """The names of a decoder kept at `language_model` (a decoder family's whole model, as
-    LLaVA and Gemma 3 hold it), as checkpoints and LoRA adapters give them."""
+class DecoderAtLanguageModel:
+    """What LLaVA and Gemma 3 share as classes holding a decoder family's whole model at
+    `language_model` beside a tower and a projector: the head and attention layers are the
+    decoder's, and checkpoint and LoRA adapter names map onto ours. A class names its
+    `checkpoint_family` (for errors) and the tower tensors it does not use."""
 
     language_model: nn.Module
+    checkpoint_family: ClassVar[str] = ""
+    unused_tower_tensors: ClassVar[tuple[str, ...]] = ()  # after `vision_model.`
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Any]:
+        return self.language_model.attention_layers()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_tower_and_decoder(self, weights, self.checkpoint_name)
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str | None:
+        """Our parameter's name for a checkpoint tensor, from transformers 4.50's layout
+        (`language_model.model.*`, `vision_tower.vision_model.*`), 4.52+'s (`model.*` beside
+        `lm_head.*`) or transformers 5's saves (the tower without `vision_model.`); None for
+        an unused tower tensor; anything else refused by name."""
+        for prefix, ours in _PREFIXES:
+            if not name.startswith(prefix):
+                continue
+            name = ours + name[len(prefix):]
+            if ours != "vision_tower.":
+                return name
+            rest = name[len(ours):].removeprefix("vision_model.")
+            if rest.startswith(cls.unused_tower_tensors):
+                return None
+            return "vision_tower.vision_model." + rest
+        raise ValueError(f"checkpoint tensor {name!r} is not part of a {cls.checkpoint_family} "
+                         "checkpoint")
 
     def hf_names(self, prefix: str) -> list[str]:
         """The checkpoint's module names of our module `prefix` (a fused layer's parts), by

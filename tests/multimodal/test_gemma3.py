@@ -233,7 +233,9 @@ def test_checkpoint_names_of_each_transformers_layout():
     """Published checkpoints (4.50: `vision_tower.vision_model.*`), 4.52+ (`model.*` beside
     `lm_head.*`) and transformers 5's saves (the tower without `vision_model.`) map to the
     same parameters; the tower's unused pooling head is skipped; anything else is refused."""
-    from pagedserve.models.gemma3_vl import _our_name
+    from pagedserve.models.gemma3_vl import Gemma3ForConditionalGeneration
+
+    _our_name = Gemma3ForConditionalGeneration.checkpoint_name
 
     tower = "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight"
     for name in ("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",

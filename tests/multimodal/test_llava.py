@@ -227,7 +227,9 @@ def test_full_strategy_and_several_feature_layers(tmp_path, images):
 
 
 def test_checkpoint_names_of_each_layout():
-    from pagedserve.models.llava import _our_name
+    from pagedserve.models.llava import LlavaForConditionalGeneration
+
+    _our_name = LlavaForConditionalGeneration.checkpoint_name
 
     ours = {
         "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight":
