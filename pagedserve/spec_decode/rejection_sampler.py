@@ -71,7 +71,7 @@ class RejectionSampler:
             from pagedserve.spec_decode.rejection_kernels import rejection_tokens_triton
 
             tokens = rejection_tokens_triton(
-                argmax, probs, torch.from_numpy(layout.num_drafts).to(logits.device),
+                argmax, probs, layout.num_drafts_dev,
                 layout.row_start_dev, layout.drafts_dev, meta.is_greedy, draft_probs,
                 uniforms, noise)
         else:
@@ -82,7 +82,7 @@ class RejectionSampler:
         width = layout.width
         j = torch.arange(width, device=logits.device)
         at = (layout.row_start_dev[:, None] + torch.minimum(
-            j[None, :], torch.from_numpy(layout.num_drafts).to(logits.device)[:, None]))
+            j[None, :], layout.num_drafts_dev[:, None]))
         lp = _gather_logprobs(raw_logprobs[at.reshape(-1)], tokens.reshape(-1).clamp_min(0),
                               meta.max_num_logprobs or 0)
         return SamplerOutput(tokens, lp.logprobs, lp.token_ids, lp.ranks)
@@ -143,7 +143,7 @@ class RejectionSampler:
             return torch.zeros(b, dtype=torch.int64, device=device)
         drafts = layout.drafts_dev
         j = torch.arange(kmax, device=device)
-        valid = j[None, :] < torch.from_numpy(layout.num_drafts).to(device)[:, None]
+        valid = j[None, :] < layout.num_drafts_dev[:, None]
         at = (layout.row_start_dev[:, None] + j[None, :]).clamp_max(argmax.shape[0] - 1)
         if self.synthetic_rate is not None:
             passed = u < self.synthetic_rate
@@ -167,7 +167,7 @@ class RejectionSampler:
         final = argmax[last]
         if probs is not None:
             residual = probs[last]
-            rejected = accepted < torch.from_numpy(layout.num_drafts).to(device)
+            rejected = accepted < layout.num_drafts_dev
             if self.synthetic_rate is None and layout.drafts.shape[1]:  # (no sync on .any())
                 residual = _remove_draft(residual, rejected, accepted, layout, draft_probs)
             sampled = residual.div_(noise).argmax(dim=-1)  # argmax(r / E): a sample of r

@@ -22,8 +22,10 @@ class VerifyLayout:
     row_start: np.ndarray  # int64 [B]: the request's first logits row
     hidden_rows: np.ndarray  # int64 [N]: the step's token index of each logits row
     drafts: np.ndarray  # int64 [B, Kmax]: each request's drafts, 0 past K_b
-    # The drafts' grid and row starts on the device, and each row's request.
+    # The drafts' grid, their counts and row starts on the device (copied once per step:
+    # every use reads these), and each row's request.
     drafts_dev: torch.Tensor
+    num_drafts_dev: torch.Tensor
     row_start_dev: torch.Tensor
     req_of_row: torch.Tensor  # int64 [N]
     # Per request: further positions, after this step's first, at which min_tokens still bans
@@ -60,5 +62,6 @@ def build_layout(num_drafts: np.ndarray, draft_token_ids: list[list[int]],
                                    int(num_drafts.sum()))
     return VerifyLayout(num_drafts, row_start, hidden_rows, drafts,
                         torch.from_numpy(drafts).to(device),
+                        torch.from_numpy(num_drafts).to(device),
                         torch.from_numpy(row_start).to(device),
                         torch.from_numpy(req).to(device))
