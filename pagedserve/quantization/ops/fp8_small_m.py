@@ -226,9 +226,9 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         groups = x_scale.shape[1]
         if x_scale.shape[0] != m or (x_group and groups != math.ceil(k / x_group)):
             raise ValueError(f"x scale {tuple(x_scale.shape)} for {m} rows")
-        x_mode, x_group = X_PER_ROW, 1
-        if groups > 1:
-            x_mode, x_group = X_PER_GROUP, x_group or _group(k, groups)
+        x_mode, x_group = (X_PER_ROW, 1) if groups == 1 else (X_PER_GROUP, x_group)
+        if x_mode == X_PER_GROUP:
+            x_group = x_group or _group(k, groups)
             block_k = _step_within(block_k, x_group, "activation group")
         xs, stride_xsm = x_scale, x_scale.stride(0)
     else:
