@@ -75,10 +75,17 @@ def quantize_per_token_triton(x: torch.Tensor, input_scale: torch.Tensor | None
     q = torch.empty((m, k), dtype=FP8, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        chunk = min(MAX_CHUNK, triton.next_power_of_2(max(k, 16)))
-        static = input_scale is not None
-        _token_quant_kernel[(m,)](x, q, s, input_scale if static else s, k, x.stride(0),
-                                  q.stride(0), STATIC=static, CHUNK=chunk, FP8_MAX_=FP8_MAX,
-                                  MIN_SCALE_=MIN_SCALE, ROUND_FIRST=not x.is_cuda,
-                                  num_warps=4 if chunk >= 1024 else 2)
+        launch(x, input_scale, q, s, round_first=not x.is_cuda)
     return q, s
+
+
+def launch(x: torch.Tensor, input_scale: torch.Tensor | None, q: torch.Tensor, s: torch.Tensor,
+           round_first: bool) -> None:
+    """The kernel's launch (also the compile script's, with the GPU's `round_first` False)."""
+    m, k = x.shape
+    chunk = min(MAX_CHUNK, triton.next_power_of_2(max(k, 16)))
+    static = input_scale is not None
+    _token_quant_kernel[(m,)](x, q, s, input_scale if static else s, k, x.stride(0),
+                              q.stride(0), STATIC=static, CHUNK=chunk, FP8_MAX_=FP8_MAX,
+                              MIN_SCALE_=MIN_SCALE, ROUND_FIRST=round_first,
+                              num_warps=4 if chunk >= 1024 else 2)
