@@ -172,6 +172,7 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=256)
 def select_small_m_tiles(n: int, k: int, device: torch.device, sms: int | None = None
                          ) -> SmallMTiles:
     """Reasoned rules (M <= 16 only streams the weight, so M does not enter): BLOCK_N 64 where
