@@ -149,7 +149,11 @@ def quantize_per_token_reference(x: torch.Tensor, input_scale: torch.Tensor | No
     """`quantize_per_token` in torch ops (about six passes over x)."""
     xf = x.float()
     if input_scale is None:
-        scale = (xf.abs().amax(dim=1, keepdim=True) / fmt.FP8_MAX).clamp_min(fmt.MIN_SCALE)
+        # Times the reciprocal: what torch's CUDA division by a Python scalar computes (its
+        # CPU division does not), so the scale is the same bits on every device and in the
+        # Triton kernel.
+        amax = xf.abs().amax(dim=1, keepdim=True)
+        scale = (amax * (1.0 / fmt.FP8_MAX)).clamp_min(fmt.MIN_SCALE)
     else:
         scale = input_scale.reshape(1, 1).expand(x.shape[0], 1)
     q = (xf / scale).clamp(-fmt.FP8_MAX, fmt.FP8_MAX).to(fmt.FP8)

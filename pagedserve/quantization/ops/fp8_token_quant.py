@@ -1,14 +1,15 @@
 """Per-token FP8 quantization of a projection's input in one launch: x [M, K] (16 or 32 bits)
 -> e4m3 codes [M, K] and float32 scales [M, 1], each row by its own absolute maximum
-(scale = max(amax / 448, MIN_SCALE)) or every row by a static input scale.
+(scale = max(amax * (1 / 448), MIN_SCALE)) or every row by a static input scale.
 
 The torch version (`fp8_linear.quantize_per_token`'s reference) takes about six passes over x
 (cast, abs, amax, divide, clamp, cast) and as many launches; here one program per row reads
-the row twice (the maximum, then the codes) in chunks. Both divisions round to nearest
-(`div_rn`) as torch's do, and the e4m3 cast rounds to nearest even as torch's does, so codes
-and scales are the same bits as the torch function's on a GPU. (The interpreter's cast is
-not round-to-nearest-even; on CPU tensors, which only the interpreter runs, the kernel rounds in
-float32 first.)
+the row twice (the maximum, then the codes) in chunks. The scale multiplies by the float32
+reciprocal of 448 as the torch function does, x / scale rounds to nearest (`div_rn`, Triton's
+`/` being approximate) as torch's division does, and the e4m3 cast rounds to nearest even as
+torch's does, so codes and scales are the same bits as the torch function's on a GPU. (The
+interpreter's cast is not round-to-nearest-even; on CPU tensors, which only the interpreter
+runs, the kernel rounds in float32 first.)
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _token_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm
             cols = start + tl.arange(0, CHUNK)
             x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE_)
+        scale = tl.maximum(tl.max(amax, axis=0) * (1.0 / FP8_MAX_), MIN_SCALE_)
     for start in range(0, K, CHUNK):
         cols = start + tl.arange(0, CHUNK)
         ok = cols < K
