@@ -7,6 +7,10 @@ start-up, and the forward for each.
   bias and output dtype in the same call.
 - "triton_block": 128 x 128 weight blocks with 1 x 128 activation groups: our Triton GEMM
   (`ops/fp8_block_gemm.py`).
+- at decode (rows <= `ops/fp8_small_m.SMALL_M_MAX`, 16) both layouts run our small-M kernel
+  instead (`ops/fp8_small_m.py`): it streams the e4m3 weight once and reads x as it comes (the
+  model's dtype, unquantized, or a fused producer's FP8 codes and scales), where cuBLASLt pads
+  M to 16 and the activation quantization costs launches of its own.
 - "dequantized": what neither kernel takes (weight-only FP8 checkpoints, dimensions
   `_scaled_mm` refuses, block widths that are not powers of two): the weight dequantized into
   the model's dtype at load; the log names the layers that got it.
@@ -85,6 +89,14 @@ def apply_fp8(layer: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> t
             raise ValueError(f"{getattr(layer, 'prefix', 'layer')}: FP8 input in groups of "
                              f"{x.group}, the kernel reads {input_group(layer)}")
         return _apply_quantized(layer, x, bias)
+    if layer.fp8_kernel in (SCALED_MM, TRITON_BLOCK) and _small_m_on(x):
+        from pagedserve.quantization.ops import fp8_small_m
+
+        if x.numel() <= fp8_small_m.SMALL_M_MAX * x.shape[-1]:
+            flat = x.reshape(-1, x.shape[-1])
+            out = fp8_small_m.small_m_linear(flat, layer.weight, layer.weight_scale, bias,
+                                             block=_block(layer))
+            return out.reshape(*x.shape[:-1], out.shape[-1])
     if layer.fp8_kernel == SCALED_MM:
         return scaled_mm_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
     if layer.fp8_kernel == TRITON_BLOCK:
@@ -95,7 +107,22 @@ def apply_fp8(layer: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> t
     return F.linear(x, layer.weight, bias)
 
 
+def _small_m_on(x: torch.Tensor) -> bool:
+    return x.is_cuda or KERNELS_ON_CPU
+
+
+def _block(layer: nn.Linear) -> tuple[int, int] | None:
+    return layer.fp8_scheme.block if layer.fp8_kernel == TRITON_BLOCK else None
+
+
 def _apply_quantized(layer: nn.Linear, x, bias: torch.Tensor | None) -> torch.Tensor:
+    if _small_m_on(x.q):
+        from pagedserve.quantization.ops import fp8_small_m
+
+        if x.q.shape[0] <= fp8_small_m.SMALL_M_MAX:
+            return fp8_small_m.small_m_linear(x.q, layer.weight, layer.weight_scale, bias,
+                                              block=_block(layer), x_scale=x.scale,
+                                              x_group=x.group, out_dtype=x.dtype)
     if layer.fp8_kernel == SCALED_MM:
         return _scaled_mm(x.q, x.scale, layer.weight, layer.weight_scale, bias, x.dtype)
     from pagedserve.quantization.ops.fp8_block_gemm import block_scaled_mm
@@ -108,10 +135,25 @@ def _apply_quantized(layer: nn.Linear, x, bias: torch.Tensor | None) -> torch.Te
 def quantize_per_token(x: torch.Tensor, input_scale: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scale [M, 1]): each row by its own maximum, or every
-    row by the static `input_scale`."""
+    row by the static `input_scale`. One Triton launch where the kernels run
+    (`ops/fp8_token_quant.py`, the same bits), else `quantize_per_token_reference`."""
+    if x.is_cuda or KERNELS_ON_CPU:
+        from pagedserve.quantization.ops.fp8_token_quant import quantize_per_token_triton
+
+        return quantize_per_token_triton(x, input_scale)
+    return quantize_per_token_reference(x, input_scale)
+
+
+def quantize_per_token_reference(x: torch.Tensor, input_scale: torch.Tensor | None
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_token` in torch ops (about six passes over x)."""
     xf = x.float()
     if input_scale is None:
-        scale = (xf.abs().amax(dim=1, keepdim=True) / fmt.FP8_MAX).clamp_min(fmt.MIN_SCALE)
+        # Times the reciprocal: what torch's CUDA division by a Python scalar computes (its
+        # CPU division does not), so the scale is the same bits on every device and in the
+        # Triton kernel.
+        amax = xf.abs().amax(dim=1, keepdim=True)
+        scale = (amax * (1.0 / fmt.FP8_MAX)).clamp_min(fmt.MIN_SCALE)
     else:
         scale = input_scale.reshape(1, 1).expand(x.shape[0], 1)
     q = (xf / scale).clamp(-fmt.FP8_MAX, fmt.FP8_MAX).to(fmt.FP8)
