@@ -29,8 +29,8 @@
 # stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
-# wave25 / wave25bench / wave25eagle / wave25embed / vlm (the last sessions' GPU tests and rows;
-# see each).
+# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec (the last sessions' GPU tests
+# and rows; see each).
 #
 # The whole GPU suite: three calls back to back on one machine (10 minutes each at most):
 #   1. carry .gpu .gpu-deps .gpu-smol-a:  install tests1   (Triton, FLASH_ATTN, models, graphs)
@@ -699,6 +699,21 @@ stage_wave25embed() {  # issue #52's rows: bge-base and Qwen3-Embedding-0.6B sha
             --serve-batch 16 >"$OUT/embed-$shape.log" 2>&1
         echo "exit $?" >>"$OUT/embed-$shape.log"; grep -E "texts/s|exit" "$OUT/embed-$shape.log"
     done
+}
+
+stage_fp8dec() {  # issue #48's batch-1 row: the small-M FP8 kernel's GPU tests, its per-projection
+    # times and launch-shape sweep at M 1..16 (8B shapes), then the 8B engine's batch-1 decode
+    # and teacher-forced KL, bf16 against FP8 on the same weights
+    setup_env
+    timeout 150 python3 -m pytest -q -m gpu tests/quantization/test_fp8_small_m.py \
+        >"$OUT/fp8-small-m-tests.log" 2>&1
+    echo "exit $?" >>"$OUT/fp8-small-m-tests.log"; tail -4 "$OUT/fp8-small-m-tests.log"
+    timeout 150 python3 benchmarks/fp8_linear.py --models 8b --tokens 1,4,16 --sweep-small-m \
+        --json "$OUT/fp8_linear.json" >"$OUT/fp8_linear.log" 2>&1
+    echo "exit $?" >>"$OUT/fp8_linear.log"; tail -30 "$OUT/fp8_linear.log"
+    timeout 240 python3 benchmarks/fp8_engine.py --skip throughput --quality-prompts 8 \
+        --json "$OUT/fp8_engine.json" >"$OUT/fp8_engine.log" 2>&1
+    echo "exit $?" >>"$OUT/fp8_engine.log"; tail -12 "$OUT/fp8_engine.log"
 }
 
 stage_vlm() {  # issue #53's row: the Qwen2.5-VL-7B shape beside transformers' generate
