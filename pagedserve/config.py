@@ -226,6 +226,13 @@ class EngineConfig:
     enforce_eager: bool = setting(False, "never capture CUDA graphs")
     cuda_graph_sizes: list[int] | None = setting(
         None, "decode batch sizes to capture (default: 1, 2, 4, then every multiple of 8)")
+    # Not yet run on a GPU: off by default until it has (engine/piecewise_graphs.py).
+    piecewise_cuda_graphs: bool = setting(
+        False, "replay the model's forward between attention layers from CUDA graphs in "
+               "prefill and mixed steps, attention running eagerly in between (experimental)")
+    piecewise_graph_sizes: list[int] | None = setting(
+        None, "padded token counts of the piecewise graphs (default: multiples of 64 up to "
+              "512, of 256 up to 4,096, of 512 up to max_num_batched_tokens, and the max)")
     # Schedule step N+1 and finish step N on the host while N+1 runs. None: on for CUDA (an
     # 8B-shaped model's decode steps kept the H200 busy 96% of the time with it, 65% without),
     # off on the CPU, where nothing runs beside the host.

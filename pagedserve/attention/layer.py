@@ -83,6 +83,8 @@ class Attention(nn.Module):
         if self.impl is None:
             raise RuntimeError("attention layer has no backend bound")
         ctx = get_forward_context()
+        if ctx.attention_hook is not None:  # a piecewise graph's split point
+            return ctx.attention_hook(self, query, key, value)
         t = query.shape[0]
         if self.attn_type == ENCODER_ONLY:  # no cache: the layer has none
             out = self.impl.forward_encoder(

@@ -143,7 +143,9 @@ def profile_peak_memory(runner: Any) -> int:
     num_tokens = min(runner.max_num_tokens, runner.max_model_len)
     needed = -(-num_tokens // runner.block_size) if runner.kv_layout is not None else 0
     runner.allocate_kv_cache(needed, 1 if runner.state_layers else 0)
+    before_forward = torch.cuda.memory_allocated(device)
     hidden = runner._dummy_forward(1, num_tokens, 0)
+    forward_peak = torch.cuda.max_memory_allocated(device) - before_forward
     # The head's rows: one per request, 1 + K per request in a step that verifies drafts.
     spec = runner.config.speculative
     head_rows = runner.max_num_reqs * (1 + (spec.num_speculative_tokens if spec else 0))
@@ -157,7 +159,21 @@ def profile_peak_memory(runner: Any) -> int:
     # The cache we just used counts against the peak but will be allocated anew.
     used = needed * runner.bytes_per_block
     slots = bytes_per_slot(runner.state_specs) * runner.state_slot_copies
-    return peak - used - (slots if runner.state_layers else 0)
+    return peak - used - (slots if runner.state_layers else 0) + piecewise_reserve(runner,
+                                                                                   forward_peak)
+
+
+def piecewise_reserve(runner: Any, forward_peak: int) -> int:
+    """Bytes the piecewise graphs' pool will hold for good (engine/piecewise_graphs.py): the
+    largest forward's activations, `forward_peak` as the profile measured them (attention's
+    own temporaries included, so a little more than the pool), on top of the peak that
+    eager work (attention, the head, sampling) still reaches beside the pool; 0 when the
+    runner will not capture them."""
+    from pagedserve.engine.piecewise_graphs import decline_reason
+
+    if not runner.config.piecewise_cuda_graphs or decline_reason(runner) is not None:
+        return 0
+    return max(forward_peak, 0)
 
 
 def memory_baseline(model: torch.nn.Module, device: torch.device) -> int:

@@ -5,8 +5,9 @@ Its parts live beside it: the persistent request rows and input ids (`input_batc
 cache's sizing and allocation (`kv_cache_setup`), the stand-in forwards before the first
 request (`runner_warmup`), what a step keeps beyond samples for scoring and prompt logprobs
 (`scoring`), decode and verify steps replayed from CUDA graphs (`cuda_graphs`,
-`verify_graphs`), and the packages it calls for drafts (`spec_decode`,
-`attention/state_verify`), embeddings (`pooling`) and images (`multimodal`). It is near 500
+`verify_graphs`), the other steps' piecewise graphs (`piecewise_graphs`), and the packages it
+calls for drafts (`spec_decode`, `attention/state_verify`), embeddings (`pooling`) and images
+(`multimodal`). It is near 500
 lines because it holds a step's whole order of calls, one or two lines per package; a
 package's own work goes into that package, not here.
 """
@@ -36,6 +37,7 @@ from pagedserve.engine.batch_sampling import BatchSampling
 from pagedserve.engine.cuda_graphs import DecodeGraphs, GraphInputs
 from pagedserve.engine.device_timer import DeviceTimer
 from pagedserve.engine.input_batch import InputBatch, InputIds
+from pagedserve.engine.piecewise_graphs import PiecewiseGraphs
 from pagedserve.engine.runner_outputs import ModelRunnerOutput, PendingStep
 from pagedserve.engine.sample_copy import SamplesToHost
 from pagedserve.engine.sampler import Sampler, SamplerOutput
@@ -138,6 +140,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.num_state_slots = 0
         self.decode_graphs: DecodeGraphs | None = None  # once captured
+        self.piecewise: PiecewiseGraphs | None = None  # prefill and mixed steps' (if on)
         self._ran_graph = False
         self._common: CommonAttentionMetadata | None = None  # the last step's
         self._state_verify: StateVerify | None = None
@@ -307,6 +310,9 @@ class ModelRunner:
         if graph_size is not None:
             self._ran_graph = True
             return self.decode_graphs.replay(graph_size, common.num_reqs)
+        if self.piecewise is not None and (hidden := self.piecewise.run(attn_metadata, t)
+                                           ) is not None:
+            return hidden
         embeds = (self.multimodal.step_embeds(batch, input_ids, common.query_start_loc_cpu)
                   if self.multimodal is not None else None)
         with set_forward_context(attn_metadata, self.kv_caches, self.state_caches,
@@ -317,13 +323,15 @@ class ModelRunner:
                 self.speculator.forward_step(input_ids, common.positions, hidden)
             return hidden
 
-    def run_model(self, attn_metadata: dict[Any, Any], num_tokens: int) -> torch.Tensor:
+    def run_model(self, attn_metadata: dict[Any, Any], num_tokens: int,
+                  attention_hook: Any = None) -> torch.Tensor:
         """The model over the first `num_tokens` of the persistent input ids and positions,
-        under `attn_metadata` (what a CUDA graph captures and the padding path runs), then a
-        draft model's or head's part of the step (spec_decode/step_graphs.py)."""
+        under `attn_metadata` (what a CUDA graph captures and the padding path runs; the
+        piecewise graphs' `attention_hook`), then a draft model's or head's part of the step
+        (spec_decode/step_graphs.py)."""
         ids, positions = self.input_ids.device[:num_tokens], self.common_builder.dev["positions"]
         positions = positions[:num_tokens]  # (as the eager step, the proposer's are 1-D)
-        with set_forward_context(attn_metadata, self.kv_caches):
+        with set_forward_context(attn_metadata, self.kv_caches, attention_hook=attention_hook):
             hidden = self.model(ids, positions if self.multimodal is None
                                 else self.multimodal.graph_positions(positions))
             if self.speculator is not None and self.speculator.uses_kv_cache:
@@ -481,16 +489,4 @@ class ModelRunner:
         runner_warmup.capture_graphs(self)
 
     def graph_inputs(self) -> GraphInputs:
-        from pagedserve.models.moe import FusedMoE
-
-        routes = any(isinstance(m, FusedMoE) for m in self.model.modules())
-        head = self.model.compute_logits if self.tp_size == 1 else None
-        spec = self.speculator if self.speculator and self.speculator.uses_kv_cache else None
-        return GraphInputs(self.run_model, self.common_builder, self.input_ids, self.builders,
-                           self.num_blocks, self.vocab_size, routes_experts=routes,
-                           group_builders=self.group_builders,
-                           builder_group=self.builder_group, compute_logits=head,
-                           lora=self.lora.batch if self.lora is not None else None,
-                           after_replay=spec.replayed if spec else None,
-                           step_outputs=spec.graph_step if spec else None)
-
+        return runner_warmup.graph_inputs(self)

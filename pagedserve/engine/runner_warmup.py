@@ -1,7 +1,7 @@
 """What a ModelRunner runs before its first request: forwards over stand-in requests (for the
 memory profile, `kv_cache_setup.profile_peak_memory`) and the backend's warm-up steps through
 the whole model, so that what the backend compiles per kind of step compiles at start-up;
-then the CUDA graphs its steps replay (`capture_graphs`).
+then the CUDA graphs its steps replay (`capture_graphs`, and `graph_inputs`: what they read).
 `runner`: the ModelRunner (its forward, its row table and limits)."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedserve.engine.cuda_graphs import setup_decode_graphs
+from pagedserve.engine.cuda_graphs import GraphInputs, setup_decode_graphs
 from pagedserve.engine.input_batch import InputBatch
+from pagedserve.engine.piecewise_graphs import setup_piecewise_graphs
 from pagedserve.engine.verify_graphs import largest_graph_tokens, setup_verify_graphs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Request, SchedulerOutput
@@ -82,14 +83,32 @@ def capture_graphs(runner: Any) -> None:
     verify steps' (1 + K tokens each), and with a draft model or head its one-token draft
     steps' too; the target's graphed steps then also hold the proposer's part of the step
     (spec_decode/step_graphs.py). Steps of models with state layers run eagerly (a graph
-    would need a scratch slot for its padding rows); a pooling model never decodes."""
-    if runner.state_layers or runner.pooler is not None:
-        return
-    speculator = runner.speculator
-    if speculator is not None and speculator.uses_kv_cache:
-        speculator.proposer.setup_graphs(runner)
-        speculator.graph_step.bind(runner.backend, runner.kv_caches,
-                                   largest_graph_tokens(runner.config))
-    runner.decode_graphs = setup_decode_graphs(runner.graph_inputs(), runner.backend,
-                                               runner.config, runner.max_model_len)
-    setup_verify_graphs(runner.decode_graphs, runner.backend, runner.config)
+    would need a scratch slot for its padding rows); a pooling model never decodes. Then,
+    when configured, the other steps' piecewise graphs (engine/piecewise_graphs.py)."""
+    if not runner.state_layers and runner.pooler is None:
+        speculator = runner.speculator
+        if speculator is not None and speculator.uses_kv_cache:
+            speculator.proposer.setup_graphs(runner)
+            speculator.graph_step.bind(runner.backend, runner.kv_caches,
+                                       largest_graph_tokens(runner.config))
+        runner.decode_graphs = setup_decode_graphs(runner.graph_inputs(), runner.backend,
+                                                   runner.config, runner.max_model_len)
+        setup_verify_graphs(runner.decode_graphs, runner.backend, runner.config)
+    runner.piecewise = setup_piecewise_graphs(runner)
+
+
+def graph_inputs(runner: Any) -> GraphInputs:
+    """What the runner's graphs read and write of it (`GraphInputs`)."""
+    from pagedserve.models.moe import FusedMoE
+
+    routes = any(isinstance(m, FusedMoE) for m in runner.model.modules())
+    head = runner.model.compute_logits if runner.tp_size == 1 else None
+    spec = (runner.speculator if runner.speculator and runner.speculator.uses_kv_cache
+            else None)
+    return GraphInputs(runner.run_model, runner.common_builder, runner.input_ids,
+                       runner.builders, runner.num_blocks, runner.vocab_size,
+                       routes_experts=routes, group_builders=runner.group_builders,
+                       builder_group=runner.builder_group, compute_logits=head,
+                       lora=runner.lora.batch if runner.lora is not None else None,
+                       after_replay=spec.replayed if spec else None,
+                       step_outputs=spec.graph_step if spec else None)
