@@ -159,21 +159,23 @@ def profile_peak_memory(runner: Any) -> int:
     # The cache we just used counts against the peak but will be allocated anew.
     used = needed * runner.bytes_per_block
     slots = bytes_per_slot(runner.state_specs) * runner.state_slot_copies
-    return peak - used - (slots if runner.state_layers else 0) + piecewise_reserve(runner,
-                                                                                   forward_peak)
+    reserve = piecewise_reserve(runner, forward_peak, num_tokens)
+    return peak - used - (slots if runner.state_layers else 0) + reserve
 
 
-def piecewise_reserve(runner: Any, forward_peak: int) -> int:
+def piecewise_reserve(runner: Any, forward_peak: int, num_tokens: int) -> int:
     """Bytes the piecewise graphs' pool will hold for good (engine/piecewise_graphs.py): the
-    largest forward's activations, `forward_peak` as the profile measured them (attention's
-    own temporaries included, so a little more than the pool), on top of the peak that
-    eager work (attention, the head, sampling) still reaches beside the pool; 0 when the
-    runner will not capture them."""
+    activations of a forward over their largest size (max_num_batched_tokens), from
+    `forward_peak`, the profile's forward over `num_tokens` (fewer where max_model_len is
+    shorter), scaled by the token counts (activations grow with them; attention's own
+    temporaries are included, so a little more than the pool). It comes on top of the peak
+    that eager work (attention, the head, sampling) still reaches beside the pool; 0 when
+    the runner will not capture them."""
     from pagedserve.engine.piecewise_graphs import decline_reason
 
     if not runner.config.piecewise_cuda_graphs or decline_reason(runner) is not None:
         return 0
-    return max(forward_peak, 0)
+    return max(forward_peak, 0) * -(-runner.max_num_tokens // max(num_tokens, 1))
 
 
 def memory_baseline(model: torch.nn.Module, device: torch.device) -> int:

@@ -196,3 +196,20 @@ def test_padding_rows_never_reach_real_rows(model_paths, make_llm):
         with torch.inference_mode():
             outs.append(graphs.run(metadata, t).clone())
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_memory_profile_reserves_the_pool():
+    """The profile's peak grows by the largest size's activations when the graphs will be
+    captured (scaled from a profile over fewer tokens), by nothing otherwise."""
+    from pagedserve.engine.kv_cache_setup import piecewise_reserve
+
+    def runner(on: bool, **overrides):
+        r = _runner(**overrides)
+        r.config.piecewise_cuda_graphs = on
+        r.max_num_tokens = 8192
+        return r
+
+    assert piecewise_reserve(runner(True), 1000, 8192) == 1000
+    assert piecewise_reserve(runner(True), 1000, 4096) == 2000  # max_model_len 4,096
+    assert piecewise_reserve(runner(False), 1000, 8192) == 0
+    assert piecewise_reserve(runner(True, lora=object()), 1000, 8192) == 0
