@@ -213,3 +213,49 @@ def test_memory_profile_reserves_the_pool():
     assert piecewise_reserve(runner(True), 1000, 4096) == 2000  # max_model_len 4,096
     assert piecewise_reserve(runner(False), 1000, 8192) == 0
     assert piecewise_reserve(runner(True, lora=object()), 1000, 8192) == 0
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: records its capture's begin and end."""
+
+    events: list = []
+
+    def capture_begin(self, pool=None):
+        assert pool == "pool"  # every piece of every size in the one pool
+        self.events.append(("begin", self))
+
+    def capture_end(self):
+        assert self.events[-1] == ("begin", self)  # pieces never overlap
+        self.events.append(("end", self))
+
+
+def test_capture_splits_at_every_attention_layer(model_paths, make_llm, monkeypatch):
+    """The capture's bookkeeping with CUDA's graph calls stubbed: per size one piece per
+    attention layer and one more, captured back to back into one pool, largest size first,
+    each layer's call recorded in order with its tensors' shapes ([N, heads, head size])."""
+    import contextlib
+
+    llm = make_llm(model=model_paths["qwen3_moe"], **ENGINE)
+    runner = llm.engine.runner
+    _FakeGraph.events = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    graphs = PiecewiseGraphs(runner.graph_inputs(), [16, 32])
+    graphs.capture_all()
+    layers = runner.attn_layers
+    assert graphs.num_pieces == {16: len(layers) + 1, 32: len(layers) + 1}
+    assert len(_FakeGraph.events) == 2 * 2 * (len(layers) + 1)
+    assert _FakeGraph.events[0][1] is graphs.pieces[32][0]  # largest first
+    for size in (16, 32):
+        assert [c.layer for c in graphs.calls[size]] == layers
+        for call in graphs.calls[size]:
+            layer = call.layer
+            assert call.query.shape == (size, layer.num_heads, layer.head_size)
+            assert call.key.shape == (size, layer.num_kv_heads, layer.head_size)
+            assert call.value.shape == (size, layer.num_kv_heads, layer.head_size_v)
+            assert call.out.shape == (size, layer.num_heads, layer.head_size_v)
+            assert call.kv_cache is runner.kv_caches[layer.layer_idx]
+        assert graphs.outputs[size].shape[0] == size
