@@ -7,9 +7,8 @@ request (`runner_warmup`), what a step keeps beyond samples for scoring and prom
 (`scoring`), decode and verify steps replayed from CUDA graphs (`cuda_graphs`,
 `verify_graphs`), the other steps' piecewise graphs (`piecewise_graphs`), and the packages it
 calls for drafts (`spec_decode`, `attention/state_verify`), embeddings (`pooling`) and images
-(`multimodal`). It is near 500
-lines because it holds a step's whole order of calls, one or two lines per package; a
-package's own work goes into that package, not here.
+(`multimodal`). It is near 500 lines because it holds a step's whole order of calls, one or
+two lines per package; a package's own work goes into that package, not here.
 """
 
 from __future__ import annotations
