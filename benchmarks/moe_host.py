@@ -174,7 +174,7 @@ def main() -> None:
     variants = ["eager", "piecewise"] if args.piecewise else args.variants.split(",")
 
     overrides: dict = ({} if args.gpu_memory_utilization is None
-                 else {"gpu_memory_utilization": args.gpu_memory_utilization})
+                       else {"gpu_memory_utilization": args.gpu_memory_utilization})
     if args.model:
         overrides["model"] = args.model
     if "piecewise" in variants:
@@ -192,12 +192,14 @@ def main() -> None:
 
     results: dict[str, list] = {a: [] for a in variants}
     for r in range(args.rounds):
-        for name in variants:
+        for v, name in enumerate(variants):
             use_variant(name, runner, piecewise)
-            prefill_step(llm, args.prefill_tokens, vocab, seed=1 + r, hooks=False)  # warm
-            launch, spent = prefill_step(llm, args.prefill_tokens, vocab, seed=100 + r,
+            # Prompts of their own in every run: none finds another's blocks in the prefix cache.
+            seed = 10 * (r * len(variants) + v)
+            prefill_step(llm, args.prefill_tokens, vocab, seed=seed + 1, hooks=False)  # warm
+            launch, spent = prefill_step(llm, args.prefill_tokens, vocab, seed=seed + 2,
                                          hooks=name != "piecewise")
-            gen = generation(llm, args, seed=200 + r)
+            gen = generation(llm, args, seed=seed + 4)
             results[name].append((launch, gen))
             top = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in spent.most_common(8))
             print(f"round {r} {name}: prefill {args.prefill_tokens} tokens, forward launch "
