@@ -55,7 +55,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
                         ServerMetrics(llm), log_requests=config.enable_log_requests,
                         max_n=config.max_n)
     if llm.engine.config.lora.enable_lora:
-        state.loras = AdapterRegistry(llm.engine.config.lora)
+        state.loras = AdapterRegistry(llm.engine.config.lora, state.model_name)
     if config.tool_call_parser is not None:
         state.tool_parser = get_tool_parser(config.tool_call_parser)
     if config.reasoning_parser is not None:

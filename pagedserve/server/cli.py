@@ -53,7 +53,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if server.api_key is None:
         server.api_key = envs.PAGEDSERVE_API_KEY
     llm = AsyncLLM(engine, server.max_waiting_requests)
-    app = build_app(llm, server)
+    try:
+        app = build_app(llm, server)
+    except ValueError as exc:  # settings only checkable against the loaded model's name
+        engine.shutdown()
+        raise SystemExit(f"pagedserve serve: error: {exc}") from None
     uvicorn_server = DrainingServer(
         uvicorn.Config(app, host=server.host, port=server.port,
                        log_level=server.uvicorn_log_level, timeout_graceful_shutdown=5),

@@ -8,8 +8,10 @@ import httpx
 import pytest
 import torch
 
+from pagedserve.cli import main
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.server.cli import DrainingServer
 from tests.lora.adapters import save_adapter, save_base
 from tests.utils.server import app_in_thread
 
@@ -70,6 +72,8 @@ def test_model_name_picks_the_adapter(served):
     ("load", {"lora_name": "new", "lora_path": "/nowhere"}, "no directory /nowhere"),
     ("load", {"lora_name": "new"}, "lora_path"),
     ("unload", {"lora_name": "never"}, "no LoRA adapter named 'never'"),
+    # an adapter under the served model's name would hide the base model from every request
+    ("load", {"lora_name": "base", "lora_path": "/x"}, "the served model's own name"),
 ])
 def test_bad_lora_updates_get_400(served, path, body, message):
     url, *_ = served
@@ -77,3 +81,12 @@ def test_bad_lora_updates_get_400(served, path, body, message):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_an_adapter_named_as_the_served_model_is_refused_at_start_up(served, monkeypatch):
+    url, root, *_ = served
+    monkeypatch.setattr(DrainingServer, "run", lambda self: pytest.fail("the server started"))
+    with pytest.raises(SystemExit, match="'base' is the served model's own name"):
+        main(["serve", str(root / "base"), "--dtype", "float32", "--device", "cpu",
+              "--kv-cache-memory", "8MiB", "--enable-lora", "--lora-modules",
+              f"base={root / 'r8'}"])
