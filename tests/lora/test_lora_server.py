@@ -55,6 +55,7 @@ def test_model_name_picks_the_adapter(served):
         assert response.json()["model"] == name
     missing = _complete(url, "r16")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    assert "serves `base` and its LoRA adapters `r8`" in missing.json()["error"]["message"]
 
     # loaded at run time: served as its PeftModel; unloaded: unknown again
     load = httpx.post(url + "/v1/load_lora_adapter",
