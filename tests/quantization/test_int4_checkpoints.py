@@ -174,6 +174,19 @@ def test_mxfp4_without_its_config_is_refused(float_models, tmp_path):
         load_model(str(tmp_path / "mxfp4"), torch.float32, CPU)
 
 
+@pytest.mark.parametrize("case", ["awq-g64", "gptq-v2-sym-g128", "ct-sym-g128"])
+def test_int4_without_its_config_is_refused_naming_the_tensor(float_models, tmp_path, case):
+    path = _broken(float_models, tmp_path, case, config_edit=lambda q: q.clear())
+    config = json.loads((tmp_path / "int4" / "config.json").read_text())
+    config.pop("quantization_config")
+    (tmp_path / "int4" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.\d+\.\w+\.\w+\."
+                                         r"\w+' has no parameter.*a quantized checkpoint's "
+                                         r"tensor, but the model's config\.json has no "
+                                         r"quantization_config"):
+        load_model(path, torch.float32, CPU)
+
+
 def test_mxfp4_is_refused_for_other_families(float_models, tmp_path):
     path = _broken(float_models, tmp_path, "awq-g64",
                    config_edit=lambda q: (q.clear(), q.update(w.mxfp4_config())))
