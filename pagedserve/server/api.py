@@ -107,6 +107,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":  # its loc is the character, not a field
+            reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+            message = (f"the request body is not valid JSON: {reason} at character "
+                       f"{first['loc'][-1]}")
+            logger.info("%s %s -> 400: %s", request.method, request.url.path, message)
+            return _shaped(request, ApiError(400, message))
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
