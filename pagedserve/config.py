@@ -21,6 +21,7 @@ from pagedserve.multimodal.limits import parse_mm_limits
 from pagedserve.multimodal.processing import parse_processor_kwargs
 from pagedserve.spec_decode.config import (
     SpeculativeConfig,
+    check_model_path,
     check_supported,
     parse_speculative_config,
 )
@@ -285,6 +286,7 @@ class EngineConfig:
                              "with tensor_parallel_size > 1")
         if self.speculative is not None:  # before any rank starts
             check_supported(self.speculative, tensor_parallel_size=self.tensor_parallel_size)
+            check_model_path(self.speculative)
         if self.device is not None:
             try:
                 device = torch.device(self.device)

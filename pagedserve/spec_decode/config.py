@@ -128,6 +128,19 @@ def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | N
     return SpeculativeConfig(**value)
 
 
+def check_model_path(spec: SpeculativeConfig) -> None:
+    """The draft model or head is a local directory or .gguf file (or a `random:` preset):
+    said with the flags, not after the target has loaded."""
+    if spec.model is None or spec.model.startswith("random:"):
+        return
+    from pagedserve.models.loader import model_path
+
+    try:
+        model_path(spec.model)
+    except ValueError as exc:
+        raise ValueError(f"speculative_config: {exc}") from None
+
+
 def check_supported(spec: SpeculativeConfig, *, tensor_parallel_size: int) -> None:
     """Refuse at start-up, with the reason, what this engine cannot run. (Every method runs
     over a target with state layers: verify steps keep each draft position's state,

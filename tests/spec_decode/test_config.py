@@ -48,6 +48,11 @@ def test_lookup_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
      "disable_by_batch_size must be"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    # checked with the flags, not after the target has loaded
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/nowhere/draft"},
+     "speculative_config: model '/nowhere/draft' does not exist as a local model directory"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "model": "/nowhere/head"},
+     "speculative_config: model '/nowhere/head' does not exist"),
     ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"},
      "synthetic_acceptance_rate in"),
     ({"method": "ngram", "num_speculative_tokens": 2, "synthetic_acceptance_rate": 0.5},
