@@ -55,7 +55,7 @@ def add_generate_parser(subparsers: Any, parents: list[Any] | None = None
     sampling = p.add_argument_group(
         "sampling", "defaults for every request; an --input line's own fields win")
     add_config_flags(sampling, SamplingParams, dest_prefix=SAMPLING_DEST)
-    add_engine_args(p)
+    add_engine_args(p, positional_model=True)
     p.set_defaults(func=run_generate)
     return p
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers
 
-from pagedserve.cli import main
+from pagedserve.arg_utils import engine_config
+from pagedserve.cli import build_parser, main
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,13 @@ def test_generate_refuses_stop_fields_over_the_engine_limits(tiny_model_dir, tmp
            "--max-stop-token-ids), got 3" in err
     assert [json.loads(x)["line"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] \
         == [4]
+
+
+@pytest.mark.parametrize("argv", [["generate", "some/model", "--prompt", "hi"],
+                                  ["bench", "throughput", "some/model"]])
+def test_model_as_positional_argument_as_serve_takes_it(argv):
+    """`pagedserve generate MODEL` was refused as an unrecognized argument of `pagedserve`."""
+    assert engine_config(build_parser().parse_args(argv)).model.model == "some/model"
 
 
 def test_generate_rejects_bad_engine_value(tiny_model_dir):
