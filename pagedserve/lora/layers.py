@@ -88,6 +88,8 @@ class LoRALinear(nn.Module):
         self.bounds = [sum(self.parts[:i]) for i in range(len(self.parts) + 1)]
         self.max_rank = max_rank
         weight = base_layer.weight
+        if weight is None:  # replaced by codes after loading (int8 on the CPU, GGUF blocks)
+            weight = next(iter(base_layer.buffers()))
         device = weight.device
         dtype = weight.dtype if weight.dtype.is_floating_point and weight.element_size() > 1 \
             else torch.bfloat16  # quantized base weights: factors in a float dtype

@@ -170,3 +170,24 @@ def _check_mixed(llm, root, base, refs):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+
+
+def test_adapters_over_int8_linears(make_llm, saved):
+    """Over weight-only int8 linears (the CPU's default for a GGUF, whose float weights are
+    gone after loading) an adapter still moves the tokens to its PeftModel's; the products
+    read bfloat16 inputs through int8 codes, so the logprobs agree to a few percent."""
+    root, base, refs = saved
+    llm = _engine(make_llm, root, quantization="int8", max_loras=2)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (9, 14)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False,
+                        lora_request=[None, LoRARequest("r8", 1, str(root / "r8"))])
+    assert _hf_greedy(base, prompts[1])[0] != _hf_greedy(refs["r8"], prompts[1])[0]
+    for ref, prompt, out in zip((base, refs["r8"]), prompts, outs, strict=True):
+        tokens, logprobs = _hf_greedy(ref, prompt)
+        assert out.outputs[0].token_ids == tokens
+        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens,
+                                                             strict=True)])
+        torch.testing.assert_close(got, logprobs[torch.arange(NEW), tokens], rtol=0.05,
+                                   atol=0.05)
