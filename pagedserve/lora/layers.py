@@ -57,9 +57,11 @@ def full_in_features(layer: LinearBase) -> int:
 
 
 def lora_targets(model: nn.Module) -> dict[str, LinearBase]:
-    """Our linear layers an adapter may target, by prefix (every linear but the output head)."""
+    """Our linear layers an adapter may target, by prefix (every linear but the output head,
+    also where it is a plain linear: a tied head of int8 codes on the CPU)."""
+    head = getattr(model, "lm_head", None)
     return {prefix: m for prefix, m in model.named_modules()
-            if isinstance(m, LinearBase) and not isinstance(m, ParallelLMHead)}
+            if isinstance(m, LinearBase) and not isinstance(m, ParallelLMHead) and m is not head}
 
 
 @dataclass(frozen=True)
