@@ -93,3 +93,14 @@ def test_tensor_parallelism_checks():
             continue
         with pytest.raises(ValueError, match=f"draft_tensor_parallel_size {draft_tp} with "):
             EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_config=spec)
+
+
+def test_a_pooling_model_is_refused_at_start_up(make_llm, tmp_path):
+    """It generates nothing to draft: refused when the engine starts, not on every request."""
+    from tests.pooling.st_model import tiny_qwen3_embedder
+
+    path = tiny_qwen3_embedder(tmp_path / "embedder")
+    with pytest.raises(ValueError, match=r"a pooling model \(--runner pooling\) generates no "
+                                         r"tokens to draft"):
+        make_llm(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB",
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
