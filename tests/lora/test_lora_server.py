@@ -4,6 +4,8 @@ answered 400 in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 import torch
@@ -91,3 +93,27 @@ def test_an_adapter_named_as_the_served_model_is_refused_at_start_up(served, mon
         main(["serve", str(root / "base"), "--dtype", "float32", "--device", "cpu",
               "--kv-cache-memory", "8MiB", "--enable-lora", "--lora-modules",
               f"base={root / 'r8'}"])
+
+
+
+def test_responses_and_messages_name_the_adapter_they_ran(tmp_path):
+    """The chat-shaped APIs run the adapter `model` names, and say so, whole or streamed."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.utils.paged import tiny_chat_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_model(tmp_path / "base"))
+    save_adapter(base, tmp_path / "r8", 8, 16, False, seed=1)
+    engine = LLMEngine.from_kwargs(model=str(tmp_path / "base"), dtype="float32", device="cpu",
+                                   kv_cache_memory="16MiB", enable_lora=True,
+                                   lora_modules=[f"r8={tmp_path / 'r8'}"])
+    bodies = {"/v1/responses": {"model": "r8", "input": "hi", "max_output_tokens": 2},
+              "/v1/messages": {"model": "r8", "max_tokens": 2,
+                               "messages": [{"role": "user", "content": "hi"}]}}
+    with app_in_thread(AsyncLLM(engine), "base") as url:
+        for path, body in bodies.items():
+            reply = httpx.post(url + path, json=body, timeout=60)
+            assert reply.status_code == 200 and reply.json()["model"] == "r8", reply.text
+            streamed = httpx.post(url + path, json={**body, "stream": True}, timeout=60).text
+            named = re.findall(r'"model": ?"([^"]*)"', streamed)
+            assert named and set(named) == {"r8"}, (path, streamed[:400])
