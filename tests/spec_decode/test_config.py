@@ -27,6 +27,15 @@ def test_flag_and_keyword_give_the_same_config():
     assert EngineConfig().speculative is None
 
 
+@pytest.mark.parametrize("model, method", [("/m/opt-125m", "draft_model"),
+                                           ("/m/EAGLE-Vicuna-7B-v1.3", "eagle"),
+                                           ("/m/EAGLE3-LLaMA3.1-Instruct-8B/", "eagle3")])
+def test_a_model_without_a_method_is_a_draft_or_a_head_by_its_name(model, method):
+    """As vLLM reads it (its docs' draft model example names no method)."""
+    spec = parse_speculative_config({"model": model, "num_speculative_tokens": 2})
+    assert spec.method == method
+
+
 def test_lookup_defaults():
     spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
