@@ -289,3 +289,22 @@ def test_moe_kernel_runs_a_whole_model(float_models, tmp_path, monkeypatch, fami
     assert experts.gate_up_proj.numel() == 0 and experts.down_proj.numel() == 0
     for got, want in zip(run_prefill(model, prompts), exact, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_the_checkpoint_format_as_vllm_names_it_in_the_flag(float_models, tmp_path):
+    """`--quantization awq` on an AWQ checkpoint (a vLLM habit) loads it; on a checkpoint of
+    another format, or none, it is refused naming both."""
+    from pagedserve.quantization.registry import resolve_quantization
+
+    w.write_int4(float_models["llama"], tmp_path / "int4", tmp_path / "ref", CASES["awq-g64"])
+    assert resolve_quantization("awq", str(tmp_path / "int4"), "float32", CPU) == "awq"
+    load_model(str(tmp_path / "int4"), torch.float32, CPU, quantization="awq")
+    with pytest.raises(ValueError, match=r"--quantization gptq names the checkpoint's format, "
+                                         r"but its quantization_config says awq"):
+        load_model(str(tmp_path / "int4"), torch.float32, CPU, quantization="gptq")
+    with pytest.raises(ValueError, match=r"--quantization awq names the checkpoint's format, "
+                                         r"but it has no quantization_config"):
+        load_model(str(float_models["llama"]), torch.float32, CPU, quantization="awq")
+    with pytest.raises(ValueError, match=r"--quantization awq names a quantized checkpoint's "
+                                         r"format; 'x.gguf' is a GGUF file"):
+        resolve_quantization("awq", "x.gguf", "auto", CPU)
