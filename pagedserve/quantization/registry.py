@@ -62,8 +62,9 @@ def resolve_quantization(method: str | None, model: str | None, dtype: str,
     if method in FORMAT_FLAGS:
         if gguf or (model or "").startswith("random:"):
             what = "a GGUF file" if gguf else "random weights"
+            name = repr(model) if model else "the bundled model"
             raise ValueError(f"--quantization {method} names a quantized checkpoint's format; "
-                             f"{model or 'the bundled model'!r} is {what}: leave it out")
+                             f"{name} is {what}: leave it out")
         return method
     if method == "none":
         return None
