@@ -371,7 +371,7 @@ def add_bench_parser(subparsers: Any, parents: list[Any] | None = None
     p.add_argument("--prompt-seed", type=int, default=0,
                    help="seed of the random prompts (--seed is the engine's)")
     p.add_argument("--output-json", help="also write the figures to this file")
-    add_engine_args(p)
+    add_engine_args(p, positional_model=True)
     p.set_defaults(func=_cmd_throughput)
 
     p = sub.add_parser("serve", parents=parents, formatter_class=fmt,

@@ -21,6 +21,7 @@ from pagedserve.multimodal.limits import parse_mm_limits
 from pagedserve.multimodal.processing import parse_processor_kwargs
 from pagedserve.spec_decode.config import (
     SpeculativeConfig,
+    check_model_path,
     check_supported,
     parse_speculative_config,
 )
@@ -99,8 +100,10 @@ class ModelConfig:
                 ".gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K linears stay in their blocks for "
                 "Triton GEMMs on CUDA (auto does so with PAGEDSERVE_GGUF_KERNEL=1); none. "
                 "A checkpoint's own quantization_config (FP8, AWQ, GPTQ, compressed-tensors, "
-                "MXFP4) is always read",
-        choices=["auto", "int8", "fp8", "gguf", "none"])
+                "MXFP4) is always read; awq, gptq, compressed-tensors, mxfp4: only check that "
+                "it is that format (as vLLM takes them)",
+        choices=["auto", "int8", "fp8", "gguf", "none", "awq", "gptq", "compressed-tensors",
+                 "mxfp4"])
     runner: str = setting(
         "auto", "generate: sample tokens; pooling: embeddings (LLM.embed, /v1/embeddings); "
                 "auto: pooling for a sentence-transformers directory (modules.json) or a bare "
@@ -292,6 +295,7 @@ class EngineConfig:
                              "with tensor_parallel_size > 1")
         if self.speculative is not None:  # before any rank starts
             check_supported(self.speculative, tensor_parallel_size=self.tensor_parallel_size)
+            check_model_path(self.speculative)
         if self.device is not None:
             try:
                 device = torch.device(self.device)

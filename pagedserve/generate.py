@@ -34,6 +34,7 @@ class Job:
     prompt: str | list[int] | None  # None: a chat (messages)
     messages: list[dict[str, Any]] | None
     sampling: dict[str, Any]  # the flags' and the line's sampling fields (checked)
+    lora: str | None = None  # the adapter of --lora-modules it runs through (None: the base)
 
     def params(self, model_defaults: dict[str, Any]) -> SamplingParams:
         """Its SamplingParams over the model's recommended settings."""
@@ -52,10 +53,12 @@ def add_generate_parser(subparsers: Any, parents: list[Any] | None = None
     p.add_argument("--input", help="JSONL file, one request per line")
     p.add_argument("--output", help="write JSONL results to this file ('-': stdout) instead "
                                     "of printing the answers")
+    p.add_argument("--lora", metavar="NAME", help="generate through this adapter of "
+                   "--lora-modules (an --input line's 'lora' field picks its own)")
     sampling = p.add_argument_group(
         "sampling", "defaults for every request; an --input line's own fields win")
     add_config_flags(sampling, SamplingParams, dest_prefix=SAMPLING_DEST)
-    add_engine_args(p)
+    add_engine_args(p, positional_model=True)
     p.set_defaults(func=run_generate)
     return p
 
@@ -75,8 +78,22 @@ def run_generate(args: argparse.Namespace) -> int:
         errors = 0
     else:
         jobs, errors = read_jobs(args.input, defaults)
+    adapters = {r.lora_name: r for r, _ in config.lora.startup_adapters()}
+    if args.lora is not None and args.lora not in adapters:
+        raise SystemExit("pagedserve generate: error: --lora "
+                         + _unknown_adapter(args.lora, adapters))
+    runnable = []
+    for job in jobs:
+        job.lora = job.lora or args.lora
+        if job.lora is not None and job.lora not in adapters:
+            errors += 1
+            print(f"{args.input}:{job.line}: lora {_unknown_adapter(job.lora, adapters)}",
+                  file=sys.stderr)
+        else:
+            runnable.append(job)
+    jobs = runnable
     llm = make_llm(config)
-    results = run_jobs(llm, jobs, args.input)
+    results = run_jobs(llm, jobs, args.input, adapters)
     if args.output is not None:
         write_jsonl(llm, results, args.output)
     elif args.prompt is not None:
@@ -89,6 +106,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if errors:
         print(f"pagedserve generate: {errors} request(s) failed, see above", file=sys.stderr)
     return 1 if errors else 0
+
+
+def _unknown_adapter(name: str, adapters: dict[str, Any]) -> str:
+    given = ", ".join(adapters) or "none (add --enable-lora --lora-modules NAME=PATH)"
+    return f"{name!r} is no adapter of --lora-modules (they are: {given})"
 
 
 def read_jobs(path: str, defaults: dict[str, Any]) -> tuple[list[Job], int]:
@@ -132,21 +154,27 @@ def parse_request_line(raw: str, defaults: dict[str, Any] | None = None,
                 isinstance(prompt, list) and prompt
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             raise ValueError("field 'prompt' must be a string or a list of token ids")
+    lora = record.pop("lora", None)
+    if lora is not None and not isinstance(lora, str):
+        raise ValueError("field 'lora' must be the name of an adapter of --lora-modules")
     sampling = {**(defaults or {}), **record}
     SamplingParams.from_dict(sampling)  # its errors, before anything loads
-    return Job(number, prompt, messages, sampling)
+    return Job(number, prompt, messages, sampling, lora)
 
 
-def run_jobs(llm: Any, jobs: list[Job], source: str | None) -> list[tuple[Job, Any]]:
+def run_jobs(llm: Any, jobs: list[Job], source: str | None,
+             adapters: dict[str, Any] | None = None) -> list[tuple[Job, Any]]:
     """Add every job to the engine (a job the engine refuses is reported and skipped), then
-    step until all finish; (job, RequestOutput) in input order."""
+    step until all finish; (job, RequestOutput) in input order. `adapters`: LoRARequests by
+    name, for the jobs' `lora`."""
     ids: dict[str, Job] = {}
     for i, job in enumerate(jobs):
         try:
             prompt = job.prompt if job.messages is None else llm.apply_chat_template(job.messages)
             request_id = f"line-{job.line}" if job.line is not None else str(i)
+            lora = (adapters or {}).get(job.lora) if job.lora is not None else None
             llm.engine.add_request(request_id, prompt, job.params(llm.engine.default_sampling),
-                                   stream=False)
+                                   stream=False, lora_request=lora)
         except ValueError as exc:
             where = f"{source}:{job.line}" if job.line is not None else "pagedserve generate"
             print(f"{where}: {exc}", file=sys.stderr)

@@ -57,9 +57,11 @@ def full_in_features(layer: LinearBase) -> int:
 
 
 def lora_targets(model: nn.Module) -> dict[str, LinearBase]:
-    """Our linear layers an adapter may target, by prefix (every linear but the output head)."""
+    """Our linear layers an adapter may target, by prefix (every linear but the output head,
+    also where it is a plain linear: a tied head of int8 codes on the CPU)."""
+    head = getattr(model, "lm_head", None)
     return {prefix: m for prefix, m in model.named_modules()
-            if isinstance(m, LinearBase) and not isinstance(m, ParallelLMHead)}
+            if isinstance(m, LinearBase) and not isinstance(m, ParallelLMHead) and m is not head}
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class LoRALinear(nn.Module):
         self.bounds = [sum(self.parts[:i]) for i in range(len(self.parts) + 1)]
         self.max_rank = max_rank
         weight = base_layer.weight
+        if weight is None:  # replaced by codes after loading (int8 on the CPU, GGUF blocks)
+            weight = next(iter(base_layer.buffers()))
         device = weight.device
         dtype = weight.dtype if weight.dtype.is_floating_point and weight.element_size() > 1 \
             else torch.bfloat16  # quantized base weights: factors in a float dtype

@@ -18,12 +18,20 @@ class ServedAdapter:
 
 
 class AdapterRegistry:
-    def __init__(self, config: LoRAConfig) -> None:
+    def __init__(self, config: LoRAConfig, base_name: str) -> None:
         self.max_rank = config.max_lora_rank
+        self.base_name = base_name  # the served model's name: no adapter may take it
         self.adapters: dict[str, ServedAdapter] = {
             request.lora_name: ServedAdapter(request, parent)
             for request, parent in config.startup_adapters()}
+        if base_name in self.adapters:
+            raise ValueError(f"--lora-modules: {self._taken(base_name)}")
         self._next_id = len(self.adapters) + 1
+
+    def _taken(self, name: str) -> str:
+        # An adapter under the base's name would take every request meant for the base.
+        return (f"{name!r} is the served model's own name; give the adapter another name "
+                f"(or the model one with --served-model-name)")
 
     def get(self, name: str) -> LoRARequest | None:
         served = self.adapters.get(name)
@@ -36,6 +44,8 @@ class AdapterRegistry:
             raise ValueError("lora_name and lora_path are both required")
         if name in self.adapters:
             raise ValueError(f"the LoRA adapter {name!r} is already loaded")
+        if name == self.base_name:
+            raise ValueError(f"lora_name {self._taken(name)}")
         try:
             check_adapter_dir(path, name, self.max_rank)
         except FileNotFoundError as exc:

@@ -105,6 +105,7 @@ class CheckpointLoading:
                 tensor = tensor.dequantize()  # a GGUF weight for a layer of float weights
             if _has_method(layer):
                 _check_not_fp8(name, tensor, layer)
+                _check_float_leaf(name, leaf, layer)
                 rows = self._part_rows(target, shard) if shard else None
                 layer.quant_method.load(layer, leaf, tensor, shard, rows)
                 # A tensor stored already fused (Phi-3's qkv_proj) fills every part.
@@ -194,9 +195,25 @@ def _check_not_fp8(name: str, tensor: torch.Tensor, layer: nn.Module | None) -> 
                          "for it (or lists the layer as ignored)")
 
 
+def _check_float_leaf(name: str, leaf: str, layer: nn.Module) -> None:
+    """A linear of float weights takes its weight and bias only: a 4-bit checkpoint's qweight,
+    scales, ... arriving here lack the quantization_config that says how to read them."""
+    if "quant_method" not in vars(layer) and not isinstance(getattr(layer, leaf, None),
+                                                           torch.Tensor):
+        raise ValueError(f"checkpoint tensor {name!r} has no parameter in a linear of float "
+                         f"weights{_scale_hint(name)}")
+
+
+QUANTIZED_LEAVES = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_zero_point",
+                    "weight_g_idx", "weight_shape")
+
+
 def _scale_hint(name: str) -> str:
     if name.endswith(("weight_scale", "weight_scale_inv", "input_scale")):
         return (": a quantization scale, but the model's config.json has no "
+                "quantization_config for it (or lists the layer as ignored)")
+    if name.rpartition(".")[2] in QUANTIZED_LEAVES:
+        return (": a quantized checkpoint's tensor, but the model's config.json has no "
                 "quantization_config for it (or lists the layer as ignored)")
     return ""
 

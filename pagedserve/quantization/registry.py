@@ -35,7 +35,10 @@ COMPRESSED_TENSORS_FORMATS: dict[str, type[QuantizationConfig]] = {
 # (and gguf on CUDA with PAGEDSERVE_GGUF_KERNEL=1); fp8 quantizes a float checkpoint at load;
 # gguf keeps a .gguf file's blocks for the Triton GEMMs; a quantized checkpoint is read as it
 # says.
-FLAGS = ("auto", "none", "int8", "fp8", "gguf")
+# The checkpoint formats by vLLM's names too: the flag then only says what the checkpoint's
+# quantization_config must be (fp8 keeps its own meaning above).
+FORMAT_FLAGS = tuple(name for name in CHECKPOINT_METHODS if name != "fp8")
+FLAGS = ("auto", "none", "int8", "fp8", "gguf", *FORMAT_FLAGS)
 
 
 def resolve_quantization(method: str | None, model: str | None, dtype: str,
@@ -56,6 +59,13 @@ def resolve_quantization(method: str | None, model: str | None, dtype: str,
         return "int8"
     if method == "fp8":
         return "fp8"
+    if method in FORMAT_FLAGS:
+        if gguf or (model or "").startswith("random:"):
+            what = "a GGUF file" if gguf else "random weights"
+            name = repr(model) if model else "the bundled model"
+            raise ValueError(f"--quantization {method} names a quantized checkpoint's format; "
+                             f"{name} is {what}: leave it out")
+        return method
     if method == "none":
         return None
     if device.type == "cuda" and gguf and envs.PAGEDSERVE_GGUF_KERNEL:
@@ -91,6 +101,12 @@ def quantization_config(hf_config: Any, flag: str | None) -> QuantizationConfig 
     data = getattr(hf_config, "quantization_config", None)
     if data is not None and not isinstance(data, dict):
         data = data.to_dict()
+    if flag in FORMAT_FLAGS:
+        says = (f"its quantization_config says {data.get('quant_method')}" if data
+                else "it has no quantization_config")
+        if not data or data.get("quant_method") != flag:
+            raise ValueError(f"--quantization {flag} names the checkpoint's format, but {says}")
+        return checkpoint_config(data)
     if data:
         config = checkpoint_config(data)
         if flag not in (None, "fp8") or (flag == "fp8" and not isinstance(config, Fp8Config)):

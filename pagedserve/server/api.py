@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -55,7 +55,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
                         ServerMetrics(llm), log_requests=config.enable_log_requests,
                         max_n=config.max_n)
     if llm.engine.config.lora.enable_lora:
-        state.loras = AdapterRegistry(llm.engine.config.lora)
+        state.loras = AdapterRegistry(llm.engine.config.lora, state.model_name)
     if config.tool_call_parser is not None:
         state.tool_parser = get_tool_parser(config.tool_call_parser)
     if config.reasoning_parser is not None:
@@ -107,13 +107,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
-        if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
-            message = "the request body must be a JSON object (Content-Type: application/json)"
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more error(s))"
+        if first.get("type") == "json_invalid":  # its loc is the character, not a field
+            reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+            message = (f"the request body is not valid JSON: {reason} at character "
+                       f"{first['loc'][-1]}")
+            logger.info("%s %s -> 400: %s", request.method, request.url.path, message)
+            return _shaped(request, ApiError(400, message))
+        message, param = describe_invalid_body(errors)
         logger.info("%s %s -> 400: %s", request.method, request.url.path, message)
         return _shaped(request, ApiError(400, message, param=param))
 
@@ -137,6 +137,50 @@ def _add_error_handlers(app: FastAPI) -> None:
         logger.exception("%s %s -> 500", request.method, request.url.path)
         return _shaped(request, ApiError(500, f"internal error: {type(exc).__name__}",
                                          type_="server_error"))
+
+
+def describe_invalid_body(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """The message and param of a body that failed validation: its deepest error (inside a
+    union, that of the branch the body got furthest in), named by fields only."""
+    if not errors:
+        return "invalid request body", None
+    first = max(errors, key=lambda e: len(e.get("loc", ())))  # the first of the deepest
+    loc = _field_path(first.get("loc", ()))
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        message = "the request body must be a JSON object (Content-Type: application/json)"
+    # the other branches of a union on the way stop at a field above this one
+    more = sum(1 for e in errors if e is not first
+               and not _is_above(_field_path(e.get("loc", ())), loc))
+    if more:
+        message += f" (and {more} more error(s))"
+    return message, param
+
+
+# pydantic's labels of a union's branches in an error's loc ('str', 'list[int]', ...)
+_TYPE_LABELS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_above(path: list[str], other: list[str]) -> bool:
+    return len(path) < len(other) and other[:len(path)] == path
+
+
+def _field_path(loc: Sequence[Any]) -> list[str]:
+    """An error's loc without "body", union branch labels, and the tags that follow a tagged
+    union's label (after a list index, for a list of them)."""
+    path, tag_next = [], False
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, str) and ("[" in part or part in _TYPE_LABELS):
+            tag_next = "tagged-union[" in part
+            continue
+        if tag_next and isinstance(part, str):
+            tag_next = False
+            continue
+        path.append(str(part))
+    return path
 
 
 def _shaped(request: Request, exc: ApiError) -> JSONResponse:

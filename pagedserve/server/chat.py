@@ -135,6 +135,7 @@ class ChatRun:
     prompt: list[int]
     streams: list[RequestStream]
     parsers: list[ChatChoiceParser]
+    model: str  # what a response names: the adapter the request named, else the base
 
 
 async def start_chat(state: ServerState, body: p.ChatCompletionRequest,
@@ -163,7 +164,8 @@ async def start_chat(state: ServerState, body: p.ChatCompletionRequest,
                             body.cache_salt, "messages", renames, model=body.model,
                             multi_modal=prompt.multi_modal)
     return ChatRun(request_id, prompt.token_ids, streams,
-                   [plan.parser(state) for _ in range(params.n)])
+                   [plan.parser(state) for _ in range(params.n)],
+                   state.response_model(body.model))
 
 
 async def create_chat_completion(state: ServerState, body: p.ChatCompletionRequest,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import threading
 import time
 from typing import Any
@@ -47,13 +48,18 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         server = server_config(args)
+        check_port_free(server.host, server.port)  # before a load that may take minutes
         engine = LLMEngine(engine_config(args), log_stats=True)
     except (ValueError, OSError, EngineStartupError) as exc:
         raise SystemExit(f"pagedserve serve: error: {exc}") from None
     if server.api_key is None:
         server.api_key = envs.PAGEDSERVE_API_KEY
     llm = AsyncLLM(engine, server.max_waiting_requests)
-    app = build_app(llm, server)
+    try:
+        app = build_app(llm, server)
+    except ValueError as exc:  # settings only checkable against the loaded model's name
+        engine.shutdown()
+        raise SystemExit(f"pagedserve serve: error: {exc}") from None
     uvicorn_server = DrainingServer(
         uvicorn.Config(app, host=server.host, port=server.port,
                        log_level=server.uvicorn_log_level, timeout_graceful_shutdown=5),
@@ -67,6 +73,19 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.error("the engine died (%r): exiting with status 1", llm.error)
         return 1
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """OSError naming the address when another process listens there (bound and released as
+    uvicorn binds: its address family, SO_REUSEADDR on, so a port in TIME_WAIT still
+    passes)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 class DrainingServer(uvicorn.Server):

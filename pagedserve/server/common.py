@@ -94,8 +94,11 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name and self.lora_request(model) is None:
+            adapters = ", ".join(f"`{name}`" for name in self.loras.adapters) if self.loras else ""
+            also = f" and its LoRA adapters {adapters}" if adapters else ""
             raise ApiError(404, f"The model `{model}` does not exist. This server serves "
-                                f"`{self.model_name}`.", param="model", code="model_not_found")
+                                f"`{self.model_name}`{also}.", param="model",
+                           code="model_not_found")
 
     def response_model(self, model: str | None) -> str:
         """The `model` a response names: the adapter the request named, else the base."""

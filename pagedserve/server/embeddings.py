@@ -91,18 +91,22 @@ async def create_embeddings(state: ServerState, body: EmbeddingRequest,
 
 
 async def add_pooling_requests(state: ServerState, request_id: str,
-                   prompts: list[tuple[str | None, list[int]]], params: PoolingParams
-                   ) -> list[RequestStream]:
-    """Every input queued at once (one engine request each), then awaited; all or none."""
+                   prompts: list[tuple[str | None, list[int]]], params: PoolingParams,
+                   item: str = "input") -> list[RequestStream]:
+    """Every input queued at once (one engine request each), then awaited; all or none. An
+    input refused is named by its index (`item` i) when there are several."""
     adds = [state.llm.add_request(request_id if len(prompts) == 1 else f"{request_id}-{i}",
                                   ids, POOLING_SAMPLING, prompt_text=text, pooling=params)
             for i, (text, ids) in enumerate(prompts)]
     results = await asyncio.gather(*adds, return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
-    error = next((r for r in results if isinstance(r, BaseException)), None)
+    index, error = next(((i, r) for i, r in enumerate(results)
+                         if isinstance(r, BaseException)), (0, None))
     if error is not None:
         close_all(streams)
         if isinstance(error, ValueError):
+            if len(prompts) > 1:
+                error = ValueError(f"{item} {index}: {error}")
             raise bad_value(error, "input") from None
         raise error
     return streams

@@ -59,7 +59,7 @@ async def _scores(state: ServerState, request_id: str, text_1: str | list[str],
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     streams = await add_pooling_requests(state, request_id, [(None, p) for p in prompts],
-                                         PoolingParams(truncate_prompt_tokens=truncate))
+                                         PoolingParams(truncate_prompt_tokens=truncate), "pair")
 
     async def collect() -> tuple[list[float], int]:
         finals = await final_outputs(streams)

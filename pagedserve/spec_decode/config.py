@@ -122,10 +122,34 @@ def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | N
     if unknown:
         raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)} (known: "
                          f"{', '.join(sorted(known))})")
+    if "method" not in value and isinstance(value.get("model"), str):
+        value = {**value, "method": method_of_model(value["model"])}
     for name in ("method", "num_speculative_tokens"):
         if name not in value:
             raise ValueError(f"speculative_config needs {name!r}")
     return SpeculativeConfig(**value)
+
+
+def method_of_model(model: str) -> str:
+    """vLLM's reading of a `model` given without a `method`: an EAGLE head by its name
+    (EAGLE3-..., EAGLE-...), else a draft model."""
+    name = model.rstrip("/").rpartition("/")[2].lower()
+    if "eagle3" in name:
+        return "eagle3"
+    return "eagle" if "eagle" in name else "draft_model"
+
+
+def check_model_path(spec: SpeculativeConfig) -> None:
+    """The draft model or head is a local directory or .gguf file (or a `random:` preset):
+    said with the flags, not after the target has loaded."""
+    if spec.model is None or spec.model.startswith("random:"):
+        return
+    from pagedserve.models.loader import model_path
+
+    try:
+        model_path(spec.model)
+    except ValueError as exc:
+        raise ValueError(f"speculative_config: {exc}") from None
 
 
 def check_supported(spec: SpeculativeConfig, *, tensor_parallel_size: int) -> None:

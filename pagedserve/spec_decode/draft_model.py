@@ -46,7 +46,13 @@ class DraftModelProposer(Proposer):
                 loaded = load_model(model, dtype, device, max_model_len,
                                     generation_config="vllm")
         except ValueError as exc:  # e.g. a shorter context than the target's
-            raise ValueError(f"speculative_config: the draft model {model!r}: {exc}") from None
+            hint = ""
+            if str(exc).startswith(f"max_model_len {max_model_len} is larger"):
+                limit = str(exc).rpartition(" ")[2]
+                hint = (f": a draft covers the target's whole context, so serve the target "
+                        f"with --max-model-len {limit} or less")
+            raise ValueError(f"speculative_config: the draft model {model!r}: {exc}{hint}"
+                             ) from None
         if getattr(loaded.model, "supports_multimodal", False):
             # Its steps would embed the image placeholders' ids, never its own tower's rows,
             # and turn by [T] positions where it places tokens by M-RoPE.

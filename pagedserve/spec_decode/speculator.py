@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from pagedserve.pooling.config import resolve_pooler
 from pagedserve.spec_decode.config import SpeculativeConfig, check_supported
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.eagle import EagleProposer
@@ -35,6 +36,9 @@ def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
     if spec is None:
         return None
     check_supported(spec, tensor_parallel_size=runner.tp_size)
+    if resolve_pooler(config.model) is not None:
+        raise ValueError("speculative_config: a pooling model (--runner pooling) generates no "
+                         "tokens to draft; drop --speculative-config")
     proposer = make_proposer(spec, runner.model, runner.dtype, runner.device,
                              runner.max_model_len, runner.vocab_size, config.model.model,
                              runner.tp_size)

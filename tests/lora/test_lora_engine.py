@@ -170,3 +170,27 @@ def _check_mixed(llm, root, base, refs):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+
+
+def test_adapters_over_int8_linears(make_llm, tmp_path):
+    """Over weight-only int8 linears (the CPU's default for a GGUF, whose float weights are
+    gone after loading) an adapter still moves the tokens to its PeftModel's; the products
+    read bfloat16 inputs through int8 codes, so the logprobs agree to a few percent."""
+    base = save_base(tmp_path / "base", tie_word_embeddings=True)  # as SmolLM2's
+    ref = save_adapter(base, tmp_path / "r8", 8, 16, False, seed=1)
+    llm = _engine(make_llm, tmp_path, quantization="int8", max_loras=2)
+    # the tied head, an int8 linear here, is no target (as the float head is not)
+    assert "lm_head" not in llm.engine.runner.lora.layers
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (9, 14)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False,
+                        lora_request=[None, LoRARequest("r8", 1, str(tmp_path / "r8"))])
+    assert _hf_greedy(base, prompts[1])[0] != _hf_greedy(ref, prompts[1])[0]
+    for model, prompt, out in zip((base, ref), prompts, outs, strict=True):
+        tokens, logprobs = _hf_greedy(model, prompt)
+        assert out.outputs[0].token_ids == tokens
+        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens,
+                                                             strict=True)])
+        torch.testing.assert_close(got, logprobs[torch.arange(NEW), tokens], rtol=0.05,
+                                   atol=0.05)

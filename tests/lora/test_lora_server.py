@@ -4,12 +4,16 @@ answered 400 in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 import torch
 
+from pagedserve.cli import main
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.server.cli import DrainingServer
 from tests.lora.adapters import save_adapter, save_base
 from tests.utils.server import app_in_thread
 
@@ -53,6 +57,7 @@ def test_model_name_picks_the_adapter(served):
         assert response.json()["model"] == name
     missing = _complete(url, "r16")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    assert "serves `base` and its LoRA adapters `r8`" in missing.json()["error"]["message"]
 
     # loaded at run time: served as its PeftModel; unloaded: unknown again
     load = httpx.post(url + "/v1/load_lora_adapter",
@@ -70,6 +75,8 @@ def test_model_name_picks_the_adapter(served):
     ("load", {"lora_name": "new", "lora_path": "/nowhere"}, "no directory /nowhere"),
     ("load", {"lora_name": "new"}, "lora_path"),
     ("unload", {"lora_name": "never"}, "no LoRA adapter named 'never'"),
+    # an adapter under the served model's name would hide the base model from every request
+    ("load", {"lora_name": "base", "lora_path": "/x"}, "the served model's own name"),
 ])
 def test_bad_lora_updates_get_400(served, path, body, message):
     url, *_ = served
@@ -77,3 +84,36 @@ def test_bad_lora_updates_get_400(served, path, body, message):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_an_adapter_named_as_the_served_model_is_refused_at_start_up(served, monkeypatch):
+    url, root, *_ = served
+    monkeypatch.setattr(DrainingServer, "run", lambda self: pytest.fail("the server started"))
+    with pytest.raises(SystemExit, match="'base' is the served model's own name"):
+        main(["serve", str(root / "base"), "--dtype", "float32", "--device", "cpu",
+              "--kv-cache-memory", "8MiB", "--enable-lora", "--lora-modules",
+              f"base={root / 'r8'}"])
+
+
+
+def test_responses_and_messages_name_the_adapter_they_ran(tmp_path):
+    """The chat-shaped APIs run the adapter `model` names, and say so, whole or streamed."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.utils.paged import tiny_chat_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_model(tmp_path / "base"))
+    save_adapter(base, tmp_path / "r8", 8, 16, False, seed=1)
+    engine = LLMEngine.from_kwargs(model=str(tmp_path / "base"), dtype="float32", device="cpu",
+                                   kv_cache_memory="16MiB", enable_lora=True,
+                                   lora_modules=[f"r8={tmp_path / 'r8'}"])
+    bodies = {"/v1/responses": {"model": "r8", "input": "hi", "max_output_tokens": 2},
+              "/v1/messages": {"model": "r8", "max_tokens": 2,
+                               "messages": [{"role": "user", "content": "hi"}]}}
+    with app_in_thread(AsyncLLM(engine), "base") as url:
+        for path, body in bodies.items():
+            reply = httpx.post(url + path, json=body, timeout=60)
+            assert reply.status_code == 200 and reply.json()["model"] == "r8", reply.text
+            streamed = httpx.post(url + path, json={**body, "stream": True}, timeout=60).text
+            named = re.findall(r'"model": ?"([^"]*)"', streamed)
+            assert named and set(named) == {"r8"}, (path, streamed[:400])

@@ -174,6 +174,19 @@ def test_mxfp4_without_its_config_is_refused(float_models, tmp_path):
         load_model(str(tmp_path / "mxfp4"), torch.float32, CPU)
 
 
+@pytest.mark.parametrize("case", ["awq-g64", "gptq-v2-sym-g128", "ct-sym-g128"])
+def test_int4_without_its_config_is_refused_naming_the_tensor(float_models, tmp_path, case):
+    path = _broken(float_models, tmp_path, case, config_edit=lambda q: q.clear())
+    config = json.loads((tmp_path / "int4" / "config.json").read_text())
+    config.pop("quantization_config")
+    (tmp_path / "int4" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.\d+\.\w+\.\w+\."
+                                         r"\w+' has no parameter.*a quantized checkpoint's "
+                                         r"tensor, but the model's config\.json has no "
+                                         r"quantization_config"):
+        load_model(path, torch.float32, CPU)
+
+
 def test_mxfp4_is_refused_for_other_families(float_models, tmp_path):
     path = _broken(float_models, tmp_path, "awq-g64",
                    config_edit=lambda q: (q.clear(), q.update(w.mxfp4_config())))
@@ -276,3 +289,22 @@ def test_moe_kernel_runs_a_whole_model(float_models, tmp_path, monkeypatch, fami
     assert experts.gate_up_proj.numel() == 0 and experts.down_proj.numel() == 0
     for got, want in zip(run_prefill(model, prompts), exact, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_the_checkpoint_format_as_vllm_names_it_in_the_flag(float_models, tmp_path):
+    """`--quantization awq` on an AWQ checkpoint (a vLLM habit) loads it; on a checkpoint of
+    another format, or none, it is refused naming both."""
+    from pagedserve.quantization.registry import resolve_quantization
+
+    w.write_int4(float_models["llama"], tmp_path / "int4", tmp_path / "ref", CASES["awq-g64"])
+    assert resolve_quantization("awq", str(tmp_path / "int4"), "float32", CPU) == "awq"
+    load_model(str(tmp_path / "int4"), torch.float32, CPU, quantization="awq")
+    with pytest.raises(ValueError, match=r"--quantization gptq names the checkpoint's format, "
+                                         r"but its quantization_config says awq"):
+        load_model(str(tmp_path / "int4"), torch.float32, CPU, quantization="gptq")
+    with pytest.raises(ValueError, match=r"--quantization awq names the checkpoint's format, "
+                                         r"but it has no quantization_config"):
+        load_model(str(float_models["llama"]), torch.float32, CPU, quantization="awq")
+    with pytest.raises(ValueError, match=r"--quantization awq names a quantized checkpoint's "
+                                         r"format; 'x.gguf' is a GGUF file"):
+        resolve_quantization("awq", "x.gguf", "auto", CPU)

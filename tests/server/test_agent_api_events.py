@@ -50,7 +50,7 @@ class ScriptedStream:
 
 def _run(pieces: list[str], request_id: str) -> ChatRun:
     parser = ChatChoiceParser("auto", get_reasoning_parser("qwen3"), get_tool_parser("hermes"))
-    return ChatRun(request_id, [1] * 40, [ScriptedStream(pieces)], [parser])
+    return ChatRun(request_id, [1] * 40, [ScriptedStream(pieces)], [parser], "m")
 
 
 STATE = SimpleNamespace(model_name="m", log_requests=False)

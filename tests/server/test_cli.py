@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 import torch
 import transformers
 
-from pagedserve.cli import main
+from pagedserve.arg_utils import engine_config
+from pagedserve.cli import build_parser, main
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,28 @@ def test_generate_refuses_stop_fields_over_the_engine_limits(tiny_model_dir, tmp
            "--max-stop-token-ids), got 3" in err
     assert [json.loads(x)["line"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] \
         == [4]
+
+
+@pytest.mark.parametrize("argv", [["generate", "some/model", "--prompt", "hi"],
+                                  ["bench", "throughput", "some/model"]])
+def test_model_as_positional_argument_as_serve_takes_it(argv):
+    """`pagedserve generate MODEL` was refused as an unrecognized argument of `pagedserve`."""
+    assert engine_config(build_parser().parse_args(argv)).model.model == "some/model"
+
+
+def test_serve_on_a_port_in_use_fails_before_the_model_loads(tiny_model_dir, monkeypatch):
+    from pagedserve.engine import llm_engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}: "):
+            main(["serve", tiny_model_dir, *ENGINE, "--port", str(port)])
 
 
 def test_generate_rejects_bad_engine_value(tiny_model_dir):

@@ -82,6 +82,10 @@ def test_errors_in_openai_shape(served, client):
     assert "maximum context length is 128 tokens, but the input has 200 tokens" in \
         error["message"]
     assert error["code"] == "context_length_exceeded" and error["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as exc:  # which of several is too long
+        client.embeddings.create(model=MODEL, input=[[3, 4], list(range(3, 203))])
+    assert exc.value.body["message"].startswith("input 1: this model's maximum context length")
+    assert exc.value.body["code"] == "context_length_exceeded"
     kept = client.embeddings.create(model=MODEL, input=[list(range(3, 203))],
                                     extra_body={"truncate_prompt_tokens": 100})
     assert len(kept.data) == 1 and kept.usage.prompt_tokens == 100

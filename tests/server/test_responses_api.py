@@ -12,10 +12,11 @@ import jsonschema
 import openai
 import pytest
 
+from pagedserve.server.common import ApiError
 from pagedserve.server.output_blocks import Block, BlockStream
 from pagedserve.server.responses.protocol import ResponsesRequest
 from pagedserve.server.responses.store import ResponseStore, StoredResponse
-from pagedserve.server.responses.translate import response_object
+from pagedserve.server.responses.translate import renamed, response_object
 from tests.server.agent_conversation import (
     KEY,
     MODEL,
@@ -184,3 +185,18 @@ def test_hostile_bodies_are_4xx(agent_server) -> None:
                                                      "max_output_tokens": 1500,
                                                      "stream": True}, "resp_")
     healthy(agent_server.url)
+
+
+@pytest.mark.parametrize("param, message, want_param, want", [
+    ("max_tokens", "max_tokens must be >= 1 or None, got -1", "max_output_tokens",
+     "max_output_tokens must be >= 1 or None, got -1"),
+    ("response_format", "response_format: invalid JSON schema: 'bogus' is not valid",
+     "text.format", "text.format: invalid JSON schema: 'bogus' is not valid"),
+    ("max_tokens", "max_tokensx is not this field", "max_output_tokens",
+     "max_tokensx is not this field"),
+])
+def test_chat_errors_name_the_responses_fields(param, message, want_param, want) -> None:
+    """The chat path's errors say the fields the client sent (max_output_tokens, text.format),
+    in the message as in `param`."""
+    error = renamed(ApiError(400, message, param=param)).body.error
+    assert (error.param, error.message) == (want_param, want)

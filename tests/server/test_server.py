@@ -452,6 +452,17 @@ def test_body_must_be_json(server):
     assert_error(resp, 400, contains=("JSON object",))
 
 
+def test_body_that_is_not_json_names_where_it_breaks(server):
+    for path in ("/v1/completions", "/v1/messages"):
+        resp = httpx.post(server.url + path, content=b'{"prompt": [}',
+                          headers={"Content-Type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]  # OpenAI's shape, or Anthropic's on /v1/messages
+        assert error["message"] == ("the request body is not valid JSON: Expecting value at "
+                                    "character 12"), error
+        assert error.get("param") is None, error
+
+
 def test_context_length_error_names_both_numbers(server, ref):
     max_len = ref.llm.engine.max_model_len
     resp = post(server, "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 20})

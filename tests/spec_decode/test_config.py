@@ -27,6 +27,15 @@ def test_flag_and_keyword_give_the_same_config():
     assert EngineConfig().speculative is None
 
 
+@pytest.mark.parametrize("model, method", [("/m/opt-125m", "draft_model"),
+                                           ("/m/EAGLE-Vicuna-7B-v1.3", "eagle"),
+                                           ("/m/EAGLE3-LLaMA3.1-Instruct-8B/", "eagle3")])
+def test_a_model_without_a_method_is_a_draft_or_a_head_by_its_name(model, method):
+    """As vLLM reads it (its docs' draft model example names no method)."""
+    spec = parse_speculative_config({"model": model, "num_speculative_tokens": 2})
+    assert spec.method == method
+
+
 def test_lookup_defaults():
     spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
@@ -48,6 +57,11 @@ def test_lookup_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
      "disable_by_batch_size must be"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    # checked with the flags, not after the target has loaded
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/nowhere/draft"},
+     "speculative_config: model '/nowhere/draft' does not exist as a local model directory"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "model": "/nowhere/head"},
+     "speculative_config: model '/nowhere/head' does not exist"),
     ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"},
      "synthetic_acceptance_rate in"),
     ({"method": "ngram", "num_speculative_tokens": 2, "synthetic_acceptance_rate": 0.5},
@@ -88,3 +102,14 @@ def test_tensor_parallelism_checks():
             continue
         with pytest.raises(ValueError, match=f"draft_tensor_parallel_size {draft_tp} with "):
             EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_config=spec)
+
+
+def test_a_pooling_model_is_refused_at_start_up(make_llm, tmp_path):
+    """It generates nothing to draft: refused when the engine starts, not on every request."""
+    from tests.pooling.st_model import tiny_qwen3_embedder
+
+    path = tiny_qwen3_embedder(tmp_path / "embedder")
+    with pytest.raises(ValueError, match=r"a pooling model \(--runner pooling\) generates no "
+                                         r"tokens to draft"):
+        make_llm(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB",
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -245,6 +245,20 @@ def test_draft_of_another_vocabulary_is_refused(tiny_path, tmp_path):
                                 "num_speculative_tokens": 2})
 
 
+def test_draft_of_a_shorter_context_names_the_flag_that_fits_it(tiny_path, tmp_path):
+    from pagedserve import LLM
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"max_model_len 256 is larger than the model's "
+                                         r"max_position_embeddings 128: .*--max-model-len 128"):
+        LLM(model=tiny_path, dtype="float32", device="cpu", kv_cache_memory="8MiB",
+            speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                "num_speculative_tokens": 2})
+
+
 def test_draft_model_beside_cache_groups_is_refused(tmp_path):
     """A target whose layers form KV cache groups of two kinds (full and sliding), its own
     draft. (A draft whose pages have other shapes puts every layer in one group, which works.)"""

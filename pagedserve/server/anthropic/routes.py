@@ -31,7 +31,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
             tally = Tally()
             try:
                 blocks = await final_blocks(run.streams, run.parsers[0], tally)
-                return message_object(run.request_id, state.model_name, blocks, tally)
+                return message_object(run.request_id, run.model, blocks, tally)
             finally:
                 tally.log(run.request_id, start, state.log_requests)
 

@@ -43,7 +43,7 @@ async def stream_message(state: ServerState, run: ChatRun, start: float) -> Asyn
             if e.type == "output":
                 if not started:
                     started = True
-                    yield _message_start(run, state.model_name, tally)
+                    yield _message_start(run, run.model, tally)
                     yield event("ping", {})
                 continue
             assert e.block is not None
@@ -57,7 +57,7 @@ async def stream_message(state: ServerState, run: ChatRun, start: float) -> Asyn
             else:
                 yield event("content_block_stop", {"index": index})
         if not started:
-            yield _message_start(run, state.model_name, tally)
+            yield _message_start(run, run.model, tally)
         reason, sequence = stop_reason(blocks)
         yield event("message_delta", {"delta": {"stop_reason": reason,
                                                 "stop_sequence": sequence},

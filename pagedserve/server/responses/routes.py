@@ -43,7 +43,7 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
             reasoning = "".join(b.text for b in blocks.blocks if b.kind == "reasoning")
             reasoning_tokens = len(state.tokenizer.encode(reasoning, add_special_tokens=False)
                                    ) if reasoning else 0
-            response = response_object(response_id, state.model_name, body, created, blocks,
+            response = response_object(response_id, run.model, body, created, blocks,
                                        usage(tally, reasoning_tokens))
             if body.store:
                 store.put(response_id, StoredResponse(
@@ -51,7 +51,7 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
             return response
 
         if body.stream:
-            opened = response_object(response_id, state.model_name, body, created)
+            opened = response_object(response_id, run.model, body, created)
             return SSEResponse(stream_response(state, run, response_id, opened, finish, start),
                                run.streams)
         return await until_disconnect(request, _whole(state, run, finish, start))

@@ -3,6 +3,7 @@ path's output blocks -> output items, the conversation to store, and the respons
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -26,7 +27,9 @@ def renamed(exc: ApiError, origins: list[str] | None = None) -> ApiError:
     messages.K.content.J names the input item's part."""
     error = exc.body.error
     if error.param in PARAMS:
-        error.param = PARAMS[error.param]
+        chat_name, error.param = error.param, PARAMS[error.param]
+        if re.match(rf"{re.escape(chat_name)}\b", error.message):  # "max_tokens must be..."
+            error.message = error.param + error.message[len(chat_name):]
     elif origins and error.param and error.param.startswith("messages."):
         index, _, rest = error.param.removeprefix("messages.").partition(".")
         if index.isdigit() and int(index) < len(origins):
