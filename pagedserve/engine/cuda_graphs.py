@@ -117,6 +117,23 @@ def graph_batch_sizes(max_num_seqs: int, max_num_tokens: int,
     return sorted({int(s) for s in configured if 1 <= int(s) <= cap})
 
 
+
+def check_padded_replay(what: str, diff: float, unpadded: float, rtol: float,
+                        unpadded_rtol: float, routes_experts: bool, note: str = "") -> None:
+    """The start-up checks' verdict: the replay against the same padded step run eagerly
+    (`diff`, within `rtol` of the largest value) and the padded step's real rows against the
+    unpadded forward (`unpadded`; for a model that routes experts a rounding-sized miss is
+    only logged: a flipped expert choice moves a row by more than rounding)."""
+    if not diff <= rtol:  # also catches NaN
+        raise RuntimeError(f"{what}: the replay differs from the same padded step run eagerly "
+                           f"by {diff:.3g} (relative to the largest value{note})")
+    if not math.isfinite(unpadded) or (unpadded > unpadded_rtol and not routes_experts):
+        raise RuntimeError(f"{what}: the padded step's real rows differ from the unpadded "
+                           f"forward by {unpadded:.3g} (relative to the largest value{note})")
+    if unpadded > unpadded_rtol:
+        logger.info("%s: padded rows differ from the unpadded forward by %.3g (rounding that "
+                    "depends on the padded size, amplified by expert routing)", what, unpadded)
+
 def padded_batch_size(sizes: list[int], num_reqs: int) -> int | None:
     """The smallest size in `sizes` (ascending) that holds `num_reqs`, None when none does."""
     i = bisect.bisect_left(sizes, num_reqs)
@@ -368,20 +385,9 @@ class DecodeGraphs:
         padded_eager = extra.around(lambda: self._forward(
             self._graph_metadata(commons, size), size)[:t].float())
         diff = max(_relative_diff(graphed, padded_eager), extra.diff(1, 2))
-        if not diff <= rtol:  # also catches NaN
-            raise RuntimeError(f"graph replay differs from the eager forward by {diff:.3g} "
-                               "(relative to the largest value; the proposer's part "
-                               "included)")
         unpadded = max(_relative_diff(padded_eager, eager), extra.diff(2, 0))
-        if not math.isfinite(unpadded) or (unpadded > unpadded_rtol
-                                           and not inputs.routes_experts):
-            raise RuntimeError(f"the padded {self.kind} step's real rows differ from the "
-                               f"unpadded forward by {unpadded:.3g} (relative to the largest "
-                               "value; the proposer's part included)")
-        if unpadded > unpadded_rtol:
-            logger.info("%s graphs: padded rows differ from the unpadded forward by %.3g "
-                        "(batch-size-dependent rounding, amplified by expert routing)",
-                        self.kind, unpadded)
+        check_padded_replay(f"{self.kind} graphs", diff, unpadded, rtol, unpadded_rtol,
+                            inputs.routes_experts, "; the proposer's part included")
         return diff
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import logging
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ import torch
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.metadata import CommonAttentionMetadata
-from pagedserve.engine.cuda_graphs import UNPADDED_RTOL, GraphInputs
+from pagedserve.engine.cuda_graphs import UNPADDED_RTOL, GraphInputs, check_padded_replay
 
 logger = logging.getLogger(__name__)
 
@@ -320,20 +319,9 @@ class PiecewiseGraphs:
         padded = self._forward_eager(metadata, t, size)[:t].float()
         self.replays.clear()  # the check's is no step's
         diff = _relative_diff(got, padded)
-        if not diff <= rtol:  # also catches NaN
-            raise RuntimeError(f"piecewise replay at {size} tokens differs from the same padded "
-                               f"forward run eagerly by {diff:.3g} (relative to the largest "
-                               "value)")
-        unpadded = _relative_diff(padded, eager)
-        if not math.isfinite(unpadded) or (unpadded > unpadded_rtol
-                                           and not inputs.routes_experts):
-            raise RuntimeError(f"a mixed step padded from {t} to {size} tokens differs from the "
-                               f"unpadded forward by {unpadded:.3g} (relative to the largest "
-                               "value)")
-        if unpadded > unpadded_rtol:
-            logger.info("piecewise graphs: padded rows differ from the unpadded forward by %.3g "
-                        "(token-count-dependent rounding, amplified by expert routing)",
-                        unpadded)
+        check_padded_replay(f"piecewise graphs at {size} tokens", diff,
+                            _relative_diff(padded, eager), rtol, unpadded_rtol,
+                            inputs.routes_experts)
         return diff
 
 
