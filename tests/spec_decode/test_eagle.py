@@ -310,7 +310,7 @@ def test_synthetic_acceptance_times_a_random_head(tmp_path, make_llm):
     ("fc", r"fc of shape \(32, 48\); over a target of hidden size 32 it needs \(32, 96\)"),
     ("eagle1-as-eagle3", "is no EAGLE-3 head"),
     ("eagle3-as-eagle1", "is no EAGLE-1 head"),
-    ("not-a-directory", "is not a directory with a config.json"),
+    ("not-a-directory", "does not exist as a local model directory"),
     ("hidden-size", "the EAGLE-1 head .* has hidden size 32, the target 48"),
 ])
 def test_heads_that_do_not_fit_are_refused(tiny_path, heads, tmp_path, kind, message):
