@@ -384,8 +384,8 @@ class DecodeGraphs:
         graphed = graphed.float().clone()
         padded_eager = extra.around(lambda: self._forward(
             self._graph_metadata(commons, size), size)[:t].float())
-        diff = max(_relative_diff(graphed, padded_eager), extra.diff(1, 2))
-        unpadded = max(_relative_diff(padded_eager, eager), extra.diff(2, 0))
+        diff = max(relative_diff(graphed, padded_eager), extra.diff(1, 2))
+        unpadded = max(relative_diff(padded_eager, eager), extra.diff(2, 0))
         check_padded_replay(f"{self.kind} graphs", diff, unpadded, rtol, unpadded_rtol,
                             inputs.routes_experts, "; the proposer's part included")
         return diff
@@ -416,10 +416,11 @@ class _ExtraOutputs:
         a, b = self.reads[got], self.reads[ref]
         if a is None or b is None or a.shape != b.shape:
             return 0.0 if a is None and b is None else math.inf
-        return _relative_diff(a, b)
+        return relative_diff(a, b)
 
 
-def _relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+def relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference relative to the largest reference value (NaN propagates)."""
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
 
 

@@ -47,7 +47,12 @@ import torch
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.metadata import CommonAttentionMetadata
-from pagedserve.engine.cuda_graphs import UNPADDED_RTOL, GraphInputs, check_padded_replay
+from pagedserve.engine.cuda_graphs import (
+    UNPADDED_RTOL,
+    GraphInputs,
+    check_padded_replay,
+    relative_diff,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -318,9 +323,9 @@ class PiecewiseGraphs:
         size = self.padded_size(t)
         padded = self._forward_eager(metadata, t, size)[:t].float()
         self.replays.clear()  # the check's is no step's
-        diff = _relative_diff(got, padded)
+        diff = relative_diff(got, padded)
         check_padded_replay(f"piecewise graphs at {size} tokens", diff,
-                            _relative_diff(padded, eager), rtol, unpadded_rtol,
+                            relative_diff(padded, eager), rtol, unpadded_rtol,
                             inputs.routes_experts)
         return diff
 
@@ -329,10 +334,6 @@ def _skip_attention(layer: Attention, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor) -> torch.Tensor:
     """A warm-up forward's attention: zeros, nothing read or written."""
     return query.new_zeros(query.shape[0], layer.num_heads * layer.head_size_v)
-
-
-def _relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
 
 
 def decline_reason(runner: Any) -> str | None:

@@ -44,11 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.quantization.fp8_format import FP8
+
 # Rows up to this take this kernel (the linear method's branch; CUDA graphs fix M per captured
 # size, so the branch is taken once per size). 16 is the MMA's row count: one row tile.
 SMALL_M_MAX = 16
 BLOCK_M = 16
-FP8 = torch.float8_e4m3fn
 # x's scale modes (constexpr): read as a float, one scale per row, one per K group.
 X_FLOAT, X_PER_ROW, X_PER_GROUP = 0, 1, 2
 # Programs per SM the rules aim for (two keep one loading while the other computes).

@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12  # fp8_format.MIN_SCALE: the torch function's floor
+from pagedserve.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
+
 MAX_CHUNK = 2048
 
 
