@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernel_resources import Compile, ptxas_and_sass  # noqa: E402
+from kernel_resources import compile_through, ptxas_and_sass  # noqa: E402
 
 from pagedserve.quantization.ops import fp8_small_m as sm  # noqa: E402
 from pagedserve.quantization.ops import fp8_token_quant as tq  # noqa: E402
@@ -54,22 +54,18 @@ def _variants(n: int, k: int):
 
 def compile_small_m(target: GPUTarget, arch: int, fixed: sm.SmallMTiles | None) -> int:
     failed = 0
-    real = sm._small_m_kernel, sm._reduce_splits_kernel
     for proj, (n, k) in SHAPES_8B.items():
         tiles = fixed or sm.select_small_m_tiles(n, k, torch.device("cuda"), sms=H100_SMS)
         weight = torch.zeros(n, k, dtype=FP8)
         for name, (x, scale), kwargs in _variants(n, k):
-            gemm, reduce = Compile(real[0], target), Compile(real[1], target)
-            sm._small_m_kernel, sm._reduce_splits_kernel = gemm, reduce
-            try:
-                sm.small_m_linear(x, weight, scale, tiles=tiles, **kwargs)
-            except Exception as exc:  # report every variant, then fail
+            stand_ins = compile_through(
+                sm, ("_small_m_kernel", "_reduce_splits_kernel"), target,
+                lambda: sm.small_m_linear(x, weight, scale, tiles=tiles, **kwargs),  # noqa: B023
+                f"{proj} {name}")
+            if stand_ins is None:
                 failed += 1
-                print(f"{proj} {name}: FAILED {type(exc).__name__}: {str(exc)[:2000]}")
                 continue
-            finally:
-                sm._small_m_kernel, sm._reduce_splits_kernel = real
-            for what, stand_in in (("gemm", gemm), ("reduce", reduce)):
+            for what, stand_in in zip(("gemm", "reduce"), stand_ins, strict=True):
                 for compiled in stand_in.compiled:
                     usage, _ = ptxas_and_sass(compiled, arch)
                     print(f"{proj} [{n}x{k}] {name} {what} {tiles}: shared memory "
@@ -79,25 +75,21 @@ def compile_small_m(target: GPUTarget, arch: int, fixed: sm.SmallMTiles | None) 
 
 def compile_token_quant(target: GPUTarget, arch: int) -> int:
     failed = 0
-    real = tq._token_quant_kernel
     for k in (4096, 14336):
         for static in (None, torch.ones(())):
-            stand_in = Compile(real, target)
-            tq._token_quant_kernel = stand_in
             what = f"token quant K={k} {'static' if static is not None else 'dynamic'}"
-            try:
-                x = torch.zeros(4, k, dtype=torch.bfloat16)
-                tq.launch(x, static, torch.empty(4, k, dtype=FP8), torch.empty(4, 1),
-                          round_first=False)  # the GPU's variant
-            except Exception as exc:
+            x = torch.zeros(4, k, dtype=torch.bfloat16)
+            stand_ins = compile_through(
+                tq, ("_token_quant_kernel",), target,
+                lambda: tq.launch(x, static, torch.empty(4, k, dtype=FP8),  # noqa: B023
+                                  torch.empty(4, 1), round_first=False),  # the GPU's variant
+                what)
+            if stand_ins is None:
                 failed += 1
-                print(f"{what}: FAILED {type(exc).__name__}: {str(exc)[:2000]}")
                 continue
-            finally:
-                tq._token_quant_kernel = real
-            usage, _ = ptxas_and_sass(stand_in.compiled[0], arch)
-            print(f"{what}: shared memory {stand_in.compiled[0].metadata.shared / 1024:.1f} "
-                  f"KB; {usage}")
+            compiled = stand_ins[0].compiled[0]
+            usage, _ = ptxas_and_sass(compiled, arch)
+            print(f"{what}: shared memory {compiled.metadata.shared / 1024:.1f} KB; {usage}")
     return failed
 
 

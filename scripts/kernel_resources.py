@@ -53,6 +53,26 @@ class Compile:
         return launch
 
 
+def compile_through(module, names: tuple[str, ...], target: GPUTarget, call, label: str
+                    ) -> list[Compile] | None:
+    """`call()` with `module`'s kernels `names` replaced by `Compile` stand-ins (restored
+    after): the stand-ins, whose `compiled` hold what each launch compiled; None (with the
+    error printed under `label`) when the call failed."""
+    real = [getattr(module, name) for name in names]
+    stand_ins = [Compile(kernel, target) for kernel in real]
+    for name, stand_in in zip(names, stand_ins, strict=True):
+        setattr(module, name, stand_in)
+    try:
+        call()
+    except Exception as exc:  # the caller reports every variant, then fails
+        print(f"{label}: FAILED {type(exc).__name__}: {str(exc)[:2000]}")
+        return None
+    finally:
+        for name, kernel in zip(names, real, strict=True):
+            setattr(module, name, kernel)
+    return stand_ins
+
+
 def ptxas_and_sass(compiled, arch: int) -> tuple[str, str]:
     """ptxas's register/spill lines for a compiled kernel, and its SASS ("" if none)."""
     with tempfile.TemporaryDirectory() as tmp:
