@@ -109,11 +109,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":  # its loc is the character, not a field
             reason = (first.get("ctx") or {}).get("error", "JSON decode error")
-            message = (f"the request body is not valid JSON: {reason} at character "
-                       f"{first['loc'][-1]}")
-            logger.info("%s %s -> 400: %s", request.method, request.url.path, message)
-            return _shaped(request, ApiError(400, message))
-        message, param = describe_invalid_body(errors)
+            message, param = (f"the request body is not valid JSON: {reason} at character "
+                              f"{first['loc'][-1]}"), None
+        else:
+            message, param = describe_invalid_body(errors)
         logger.info("%s %s -> 400: %s", request.method, request.url.path, message)
         return _shaped(request, ApiError(400, message, param=param))
 
