@@ -10,6 +10,8 @@ import gc
 import pytest
 import torch
 
+from tests.engine.test_cuda_graphs import assert_same_greedy
+
 pytestmark = pytest.mark.gpu
 
 PROMPT_LENS = (7, 30, 150, 300, 61)  # 300: chunked at 256 tokens a step
@@ -71,16 +73,7 @@ def test_piecewise_graphs_match_eager(tmp_path, family: str) -> None:
     assert sorted(pieces) == [64, 128, 192, 256]
     assert set(pieces.values()) == {layers + 1}
     assert replays.get(256, 0) > 0 and sum(replays.values()) > 1, replays
-    for i, (g, e, lps) in enumerate(zip(graphed, eager, logprobs, strict=True)):
-        first = next((j for j, (a, b) in enumerate(zip(g, e, strict=True)) if a != b), None)
-        if first is None:
-            continue
-        top = lps[first]
-        gap = top[e[first]].logprob - top[g[first]].logprob if g[first] in top else float("inf")
-        assert gap <= TIE[family], (f"request {i}: piecewise tokens differ from eager from "
-                                    f"position {first}: {g[first:]} vs {e[first:]} (logprob gap "
-                                    f"{gap:.3g})")
-
+    assert_same_greedy(graphed, eager, logprobs, TIE[family])
 
 def test_non_owning_view_on_cuda() -> None:
     """The recorded tensors' views: the same device memory, not kept by the allocator."""
