@@ -153,6 +153,26 @@ HOSTILE = [
 ]
 
 
+# Anthropic's ranges (temperature and top_p in [0, 1], top_k >= 0) are narrower than the
+# engine's, which would take temperature 1.5 or top_k -1: refused at the door.
+@pytest.mark.parametrize("field, value", [("temperature", 1.5), ("temperature", -0.5),
+                                          ("top_p", 1.5), ("top_p", -0.1), ("top_k", -1)])
+def test_sampling_fields_outside_anthropics_ranges_are_400(agent_server, field, value) -> None:
+    reply = post(agent_server, "/v1/messages",
+                 {"model": MODEL, "messages": ASK, "max_tokens": 1, field: value})
+    assert reply.status_code == 400, reply.text
+    data = reply.json()
+    assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error"
+    message = data["error"]["message"]
+    assert message.startswith(field) and repr(value) in message, message
+
+
+def test_sampling_fields_at_the_edges_of_anthropics_ranges_are_served(client) -> None:
+    message = client.messages.create(model=MODEL, max_tokens=1, messages=ASK,
+                                     extra_body={"temperature": 1, "top_p": 1, "top_k": 0})
+    assert message.usage.output_tokens == 1
+
+
 def test_hostile_bodies_are_4xx_in_anthropic_shape(agent_server) -> None:
     for body, words in HOSTILE:
         reply = post(agent_server, "/v1/messages", body)

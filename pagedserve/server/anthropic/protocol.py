@@ -1,7 +1,8 @@
 """Request bodies of Anthropic's Messages API (pydantic v2). Unknown fields are refused, as
 Anthropic does; the fields its SDK and Claude Code send that mean nothing here (metadata,
 cache_control, thinking, service_tier, output_config, context_management) are accepted and
-ignored. temperature, top_p and top_k come in the body (the SDK passes them as extra fields).
+ignored. temperature, top_p and top_k come in the body (the SDK passes them as extra fields),
+in Anthropic's ranges.
 Image blocks become chat image parts; document blocks parse, so that the translation can refuse
 them by name."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, StrictInt
+from pydantic import ConfigDict, Field, StrictInt, field_validator
 
 from pagedserve.server.protocol import OpenAIModel as StrictModel
 
@@ -117,3 +118,19 @@ class MessagesRequest(CountTokensRequest):
     top_k: StrictInt | None = None
     metadata: Ignored = None
     service_tier: str | None = None
+
+    # Anthropic's documented ranges, narrower than the engine's (temperature up to 2, top_k
+    # -1): refused here, at the door, as Anthropic refuses them.
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _unit_interval(cls, value: float | None) -> float | None:
+        if value is not None and not 0 <= value <= 1:  # written so that NaN fails too
+            raise ValueError(f"must be in [0, 1], got {value!r}")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _not_negative(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError(f"must be >= 0, got {value!r}")
+        return value
