@@ -99,6 +99,32 @@ def test_tool_round_trip_and_previous_response_id(client, agent_server) -> None:
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "response_id"
 
 
+def test_delete_a_stored_response(client, agent_server) -> None:
+    headers = {"authorization": f"Bearer {KEY}"}
+    url = f"{agent_server.url}/v1/responses"
+    first, second = (client.responses.create(model=MODEL, input="Hello there",
+                                             max_output_tokens=1, temperature=0)
+                     for _ in range(2))
+    reply = httpx.delete(f"{url}/{first.id}", headers=headers)
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"id": first.id, "object": "response", "deleted": True}
+    client.responses.delete(second.id)  # the client's own call
+    for gone in (first.id, second.id):
+        after = httpx.get(f"{url}/{gone}", headers=headers)
+        assert after.status_code == 404
+        assert after.json()["error"]["param"] == "response_id"
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone)
+        with pytest.raises(openai.NotFoundError):  # once only
+            client.responses.delete(gone)
+    with pytest.raises(openai.BadRequestError, match="Previous response"):
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id,
+                                max_output_tokens=1)
+    unknown = httpx.delete(f"{url}/resp_unknown", headers=headers)
+    assert unknown.status_code == 404 and set(unknown.json()["error"]) == {
+        "message", "type", "param", "code"}
+
+
 def test_text_format_json_schema(client) -> None:
     fmt = {"type": "json_schema", "name": "weather", "schema": WEATHER_SCHEMA, "strict": True}
     r = client.responses.create(model=MODEL, input="Pick a city", text={"format": fmt},
@@ -124,6 +150,7 @@ def test_the_store_drops_the_least_recently_used() -> None:
         store.get("a")  # kept in use
     assert set(store.entries) == {"a", "c"}
     ResponseStore(0).put("a", StoredResponse({}, []))  # stores nothing, refuses nothing
+    assert store.delete("a") and not store.delete("a") and set(store.entries) == {"c"}
 
 
 def test_agent_conversation_is_served_from_the_prefix_cache(client) -> None:

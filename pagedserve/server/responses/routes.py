@@ -1,4 +1,4 @@
-"""POST /v1/responses and GET /v1/responses/{id}."""
+"""POST /v1/responses, GET /v1/responses/{id} and DELETE /v1/responses/{id}."""
 
 from __future__ import annotations
 
@@ -60,12 +60,22 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
     async def get(response_id: str) -> dict[str, Any]:
         entry = store.get(response_id)
         if entry is None:
-            raise ApiError(404, f"No response with id {response_id!r} is stored here (it was "
-                                "made with store=false, or the store has since dropped it)",
-                           param="response_id", code="not_found")
+            raise _not_stored(response_id)
         return entry.response
 
+    @router.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> dict[str, Any]:
+        if not store.delete(response_id):
+            raise _not_stored(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
     return router
+
+
+def _not_stored(response_id: str) -> ApiError:
+    return ApiError(404, f"No response with id {response_id!r} is stored here (it was made "
+                         "with store=false, was deleted, or the store has since dropped it)",
+                    param="response_id", code="not_found")
 
 
 def _history(store: ResponseStore, body: r.ResponsesRequest
@@ -77,7 +87,8 @@ def _history(store: ResponseStore, body: r.ResponsesRequest
         previous = store.get(body.previous_response_id)
         if previous is None:
             raise ApiError(400, f"Previous response with id {body.previous_response_id!r} not "
-                                "found (store=false, or the store has since dropped it)",
+                                "found (store=false, deleted, or the store has since dropped "
+                                "it)",
                            param="previous_response_id", code="previous_response_not_found")
         history = list(previous.messages)
     messages, origins = input_messages(body.input)

@@ -29,6 +29,10 @@ class ResponseStore:
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
 
+    def delete(self, response_id: str) -> bool:
+        """Forget a response; False if none was stored under that id."""
+        return self.entries.pop(response_id, None) is not None
+
     def get(self, response_id: str) -> StoredResponse | None:
         entry = self.entries.get(response_id)
         if entry is not None:
