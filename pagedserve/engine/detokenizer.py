@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections import deque
 from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
@@ -62,6 +63,12 @@ class IncrementalDetokenizer:
         self._text = ""
         self._sent = 0  # chars of _text already returned by get_next_delta
         self._stop_reason: str | None = None
+        # Output tokens are settled once their text is known to stay in the output (it starts
+        # before the held-back tail, or before a stop string's cut), or cut once it lies
+        # wholly after the cut: a token's logprobs belong with its text.
+        self._num_settled = 0
+        self._num_cut = 0
+        self._unsettled_starts: deque[int] = deque()  # where later tokens' text starts
         self._backend = _rust_tokenizer(tokenizer)
         self._stream = None
         if self._backend is not None:
@@ -83,6 +90,20 @@ class IncrementalDetokenizer:
     def stop_reason(self) -> str | None:
         return self._stop_reason
 
+    @property
+    def num_settled_tokens(self) -> int:
+        """How many output tokens (the first ones) have text that stays in the output: all of
+        them without stop strings or once flushed; else those whose text starts before the
+        held-back tail, or, after a stop string, before the cut. Tokens with no text of their
+        own yet (bytes of an unfinished character) settle with the text that follows."""
+        return self._num_settled
+
+    @property
+    def num_cut_tokens(self) -> int:
+        """How many of the last output tokens a stop string cut off: their text lies wholly
+        in the truncated tail (0 unless a stop string matched)."""
+        return self._num_cut
+
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; return the stop string they completed, if any."""
         if self._stop_reason is not None:
@@ -90,6 +111,7 @@ class IncrementalDetokenizer:
         if self._stream is not None and not self._stop and len(new_token_ids) == 1:
             # The common step: one token, no stop strings to look for.
             self._num_output_tokens += 1
+            self._num_settled += 1
             piece = self._stream_step(new_token_ids[0])
             if piece:
                 self._text += piece
@@ -103,10 +125,19 @@ class IncrementalDetokenizer:
                 self._ids.append(token_id)
                 pieces.append(self._decode_next())
         self._num_output_tokens += len(new_token_ids)
-        self._text += "".join(pieces)
+        if not self._stop:
+            self._num_settled += len(new_token_ids)
+            self._text += "".join(pieces)
+            return None
+        for piece in pieces:
+            self._unsettled_starts.append(len(self._text))
+            self._text += piece
         # Like min_tokens for EOS, stop strings may only end the request after min_tokens.
-        if self._stop and self._num_output_tokens > self.params.min_tokens:
+        if self._num_output_tokens > self.params.min_tokens:
             self._check_stop(old_len)
+        if self._stop_reason is None:
+            # A later stop string cuts at or after the start of the held-back tail.
+            self._settle_before(len(self._text) - (self._max_stop_len - 1))
         return self._stop_reason
 
     def _stream_step(self, token_id: int) -> str | None:
@@ -138,7 +169,16 @@ class IncrementalDetokenizer:
             end = max(self._sent, end - (self._max_stop_len - 1))
         delta = self._text[self._sent : end]
         self._sent = end
+        if finished and not self.finished:  # flushed: every token's text is out
+            self._num_settled += len(self._unsettled_starts)
+            self._unsettled_starts.clear()
         return delta
+
+    def _settle_before(self, end: int) -> None:
+        starts = self._unsettled_starts
+        while starts and starts[0] < end:
+            starts.popleft()
+            self._num_settled += 1
 
     def _decode_next(self) -> str:
         ids = self._ids
@@ -176,6 +216,9 @@ class IncrementalDetokenizer:
         end = idx + len(stop) if self.params.include_stop_str_in_output else idx
         self._text = self._text[:end]
         self._sent = min(self._sent, end)
+        self._settle_before(end)
+        self._num_cut = len(self._unsettled_starts)
+        self._unsettled_starts.clear()
 
 
 def earliest_stop(window: str, stops: list[str]) -> tuple[int, str] | None:

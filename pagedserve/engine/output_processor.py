@@ -167,6 +167,10 @@ class OutputProcessor:
                 if stop is not None:
                     # A stop string; also when the length limit was met on the same token.
                     seq.stop_reason = stop
+                    cut = seq.detokenizer.num_cut_tokens
+                    if cut and seq.logprobs is not None:
+                        # Logprobs are for the tokens whose text is returned.
+                        del seq.logprobs[-cut:]
                     if seq.finish_reason is None:
                         stopped.append(seq_id)
                     seq.finish_reason = "stop"
@@ -230,15 +234,23 @@ class OutputProcessor:
                 self.seq_of.pop(seq.seq_id, None)
                 finished.append(seq.seq_id)
             delta = ""
+            sent_to = len(seq.token_ids)
             if seq.detokenizer is not None:
                 delta = seq.detokenizer.get_next_delta(finished=finish_reason is not None)
                 seq.text += delta
-            new_ids = seq.token_ids[seq.num_sent_tokens:]
-            seq.num_sent_tokens = len(seq.token_ids)
+                if finish_reason is None:
+                    # Tokens whose text is held back (it may yet turn out to be a stop
+                    # string's) wait with it, their logprobs too.
+                    sent_to = max(seq.num_sent_tokens,
+                                  min(sent_to, seq.detokenizer.num_settled_tokens))
+            new_ids = seq.token_ids[seq.num_sent_tokens:sent_to]
+            seq.num_sent_tokens = sent_to
             delta_lp = None
             if seq.logprobs is not None:
-                delta_lp = seq.logprobs[seq.num_sent_logprobs:]
-                seq.num_sent_logprobs = len(seq.logprobs)
+                # Finished: all of them (a stop string's tokens were dropped already).
+                lp_to = len(seq.logprobs) if finish_reason is not None else sent_to
+                delta_lp = seq.logprobs[seq.num_sent_logprobs:lp_to]
+                seq.num_sent_logprobs = max(seq.num_sent_logprobs, lp_to)
             completions.append(CompletionOutput(
                 index=seq.index, text=seq.text, token_ids=list(seq.token_ids),
                 cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,

@@ -85,6 +85,32 @@ def test_include_stop_str_in_output(smollm_tokenizer: Any) -> None:
     assert "".join(deltas) == "The answer is 4"
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_tokens_settle_with_their_text(smollm_tokenizer: Any, include: bool) -> None:
+    """A token is settled (its logprobs may go out) once its text starts in what was
+    returned; a stop string's tokens that lie wholly after the cut are counted as cut."""
+    tok = smollm_tokenizer
+    before, stop = "one two three", " four five"
+    ids = tok.encode(before + stop + " six")
+    ends = [len(tok.decode(ids[:j])) for j in range(1, len(ids) + 1)]
+    assert len(before) in ends  # the stop string starts on a token boundary
+    kept = ends.index(len(before)) + 1
+    if include:
+        kept = ends.index(len(before + stop)) + 1
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=[stop, "zz"],
+                                                           include_stop_str_in_output=include))
+    returned, fed = "", 0
+    while not detok.finished:
+        detok.update([ids[fed]])
+        fed += 1
+        returned += detok.get_next_delta()
+        starts = [0, *ends][:detok.num_settled_tokens]
+        assert all(start < len(returned) for start in starts)  # none waits on held text
+    assert returned == detok.output_text == (before + stop if include else before)
+    assert detok.num_settled_tokens == kept
+    assert detok.num_settled_tokens + detok.num_cut_tokens == fed
+
+
 def test_earliest_stop_string_wins(smollm_tokenizer: Any) -> None:
     tok = smollm_tokenizer
     # Both stop strings arrive in the same update; the one that starts first ends the text.

@@ -54,6 +54,7 @@ class Reference:
     plain: object = None  # LLM.generate(PROMPTS[0]) greedy with logprobs=2, EOS honoured
     chat_text: str = ""
     chat_tokens: int = 0
+    chat_token_ids: list[int] = field(default_factory=list)
     chat_prompt_ids: list[int] = field(default_factory=list)
 
 
@@ -88,7 +89,8 @@ def ref() -> Reference:
     chat = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=CHAT_TOKENS),
                     use_tqdm=False)[0]
     return Reference(llm, texts, lens, plain, chat.outputs[0].text,
-                     len(chat.outputs[0].token_ids), render_chat(llm.tokenizer, CHAT))
+                     len(chat.outputs[0].token_ids), list(chat.outputs[0].token_ids),
+                     render_chat(llm.tokenizer, CHAT))
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +130,8 @@ CORE_PROCESS_SLOW = {
     "test_completion_default_max_tokens_is_16", "test_completion_echo_and_logprobs",
     "test_n_and_seed_reproducible", "test_chat_without_max_tokens_runs_to_eos",
     "test_chat_logprobs", "test_64_concurrent_streams_batch_and_free_all_blocks",
+    "test_completion_logprobs_end_where_the_stop_string_cuts_the_text",
+    "test_chat_logprobs_end_where_the_stop_string_cuts_the_text",
     "test_bench_serve_runs_against_both",
 }
 
@@ -331,6 +335,44 @@ def test_stop_strings_and_token_ids(client, ref):
     assert by_id.choices[0].model_extra["stop_reason"] == first_id
 
 
+def _stop_of_two_tokens(texts: dict[int, str]) -> tuple[int, str]:
+    """(k, stop): a stop string that is exactly the text of greedy tokens k+1 and k+2 and
+    found nowhere earlier (texts[j]: the text after j tokens), so that the text returned is
+    that of tokens 1..k (with the stop string, 1..k+2). Each of tokens k..k+2 has text of
+    its own (no character split over them)."""
+    texts = {0: "", **texts}
+    last = max(texts)
+    assert sorted(texts) == list(range(last + 1)), "a step's text is missing"
+    for k in sorted(range(1, last - 1), key=lambda k: abs(k - last // 2)):
+        ends = [len(texts[j]) for j in range(k - 1, k + 3)]
+        stop = texts[k + 2][ends[1]:]
+        if ends == sorted(set(ends)) and texts[last].find(stop) == ends[1]:
+            return k, stop
+    pytest.skip("no two greedy tokens make a stop string found nowhere before them")
+
+
+def test_completion_logprobs_end_where_the_stop_string_cuts_the_text(client, ref):
+    """Logprobs are for the tokens whose text is returned: not for those of the stop string
+    (unless include_stop_str_in_output), streamed or not."""
+    k, stop = _stop_of_two_tokens(ref.texts[0])
+    for include, kept in ((False, k), (True, k + 2)):
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": REF_TOKENS, "logprobs": 1,
+                "stop": [stop], "extra_body": {**GREEDY, "include_stop_str_in_output": include}}
+        whole = client.completions.create(**body).choices[0]
+        assert whole.finish_reason == "stop" and whole.text == ref.texts[0][kept]
+        lp = whole.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == kept
+        assert "".join(lp.tokens) == whole.text
+        assert lp.text_offset == [len(ref.texts[0][j]) if j else 0 for j in range(kept)]
+        chunks = [c.choices[0] for c in client.completions.create(**body, stream=True)]
+        assert "".join(c.text for c in chunks) == whole.text
+        streamed = [c.logprobs for c in chunks if c.logprobs]
+        assert [t for s in streamed for t in s.tokens] == lp.tokens
+        assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+        assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(
+            lp.token_logprobs, abs=1e-5)
+
+
 # ---- chat ---------------------------------------------------------------------------------
 
 
@@ -405,6 +447,25 @@ def test_chat_logprobs(client):
         assert len(values) == 3 and values == sorted(values, reverse=True)
         assert token.logprob == pytest.approx(values[0], abs=1e-5)  # greedy picks the top
         assert token.bytes == list(token.token.encode())
+
+
+def test_chat_logprobs_end_where_the_stop_string_cuts_the_text(client, ref):
+    ids = ref.chat_token_ids
+    k, stop = _stop_of_two_tokens({j: ref.llm.tokenizer.decode(ids[:j], skip_special_tokens=True)
+                                   for j in range(1, len(ids) + 1)})
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": CHAT_TOKENS, "temperature": 0,
+            "logprobs": True, "top_logprobs": 1, "stop": [stop]}
+    whole = client.chat.completions.create(**body).choices[0]
+    assert whole.finish_reason == "stop"
+    content = whole.logprobs.content
+    assert len(content) == k
+    assert "".join(t.token for t in content) == whole.message.content
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    streamed = [t for c in chunks for choice in c.choices if choice.logprobs
+                for t in choice.logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert "".join(choice.delta.content or "" for c in chunks for choice in c.choices) == \
+        whole.message.content
 
 
 # ---- errors -------------------------------------------------------------------------------
