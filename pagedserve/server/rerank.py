@@ -1,7 +1,8 @@
 """POST /score (vLLM's: `text_1` / `text_2`, or `queries` / `documents`) and POST /rerank,
-/v1/rerank (Jina's and Cohere's shape: `query`, `documents`, `top_n`, and
-`results[{index, document, relevance_score}]` best first) over a reranker (pooling/scoring.py)
-or an encoder cross-encoder of one label (pooling/classify.py). Pairs are rendered and
+/v1/rerank (Jina's and Cohere's shape: `query`, `documents`, `top_n` (0, as vLLM reads it,
+or left out: all of them), and `results[{index, document, relevance_score}]` best first)
+over a reranker (pooling/scoring.py) or an encoder cross-encoder of one label
+(pooling/classify.py). Pairs are rendered and
 tokenized in a worker thread; every pair is queued before any is awaited, so they batch into
 the same steps."""
 
@@ -98,7 +99,7 @@ async def create_rerank(state: ServerState, body: RerankRequest, request: Reques
         return result
     scores, num_tokens = result
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
-    if body.top_n is not None:
+    if body.top_n:  # None or 0 (vLLM's default): every document
         order = order[:body.top_n]
     results = [{"index": i, "relevance_score": scores[i],
                 **({"document": {"text": body.documents[i]}} if body.return_documents else {})}

@@ -60,6 +60,14 @@ def test_rerank_best_first(served, documents):
     assert len(bare["results"]) == 2 and "document" not in bare["results"][0]
 
 
+def test_top_n_zero_is_every_document(served, documents):
+    """vLLM's default top_n is 0, read as all of them (a client that sends it gets them)."""
+    url, reference = served
+    r = post(url, "/v1/rerank", {"query": QUERY, "documents": documents, "top_n": 0})
+    assert r.status_code == 200, r.text
+    assert [x["index"] for x in r.json()["results"]] == np.argsort(-reference).tolist()
+
+
 def test_score_both_shapes(served, documents):
     url, reference = served
     for body in ({"text_1": QUERY, "text_2": documents},
