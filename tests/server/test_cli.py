@@ -100,6 +100,27 @@ def test_serve_on_a_port_in_use_fails_before_the_model_loads(tiny_model_dir, mon
             main(["serve", tiny_model_dir, *ENGINE, "--port", str(port)])
 
 
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--port", "99999", "port must be between 0 and 65535, got 99999"),
+    ("--max-n", "0", "max_n must be >= 1, got 0"),
+    ("--max-waiting-requests", "0", "max_waiting_requests must be >= 1, got 0"),
+    ("--max-request-body-bytes", "0", "max_request_body_bytes must be >= 1, got 0"),
+    ("--shutdown-timeout", "-1", "shutdown_timeout must be >= 0 seconds, got -1.0"),
+])
+def test_serve_refuses_bad_server_values_before_the_model_loads(tiny_model_dir, monkeypatch,
+                                                                flag, value, message):
+    """A port out of range was a traceback; the others started a server that refused every
+    request (max_n 0, 0 waiting) or quietly took the default (a body limit of 0)."""
+    from pagedserve.engine import llm_engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_load)
+    with pytest.raises(SystemExit, match=f"^pagedserve serve: error: {message}$"):
+        main(["serve", tiny_model_dir, *ENGINE, flag, value])
+
+
 def test_generate_rejects_bad_engine_value(tiny_model_dir):
     with pytest.raises(SystemExit, match="block_size must be >= 1, got 0"):
         main(["generate", "--model", tiny_model_dir, *ENGINE, "--block-size", "0",
