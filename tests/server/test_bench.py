@@ -48,6 +48,36 @@ def test_bench_throughput_prints_figures(capsys: pytest.CaptureFixture[str], mod
     assert "GPU busy" not in out  # CUDA events only, with PAGEDSERVE_DEVICE_TIMING
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["throughput", "--input-len", "0"],
+     "argument --input-len/--random-input-len: must be > 0, got '0'"),
+    (["throughput", "--num-prompts", "-2"], "argument --num-prompts: must be > 0, got '-2'"),
+    (["throughput", "--output-len", "0"],
+     "argument --output-len/--random-output-len: must be > 0, got '0'"),
+    (["serve", "--request-rate", "-1"], "argument --request-rate: must be > 0, got '-1'"),
+    (["serve", "--num-prompts", "x"], "argument --num-prompts: invalid int value: 'x'"),
+])
+def test_bench_refuses_bad_workload_values_in_one_line(capsys, argv, message) -> None:
+    """They were tracebacks from numpy or the engine (throughput), or were found only after
+    connecting to a server (serve)."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["bench", *argv])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--input-len", "40", "--max-model-len", "32"],
+     "the prompt has 40 tokens, but the model's context length is 32 tokens"),
+    (["--runner", "pooling"], "this is a pooling model"),
+])
+def test_bench_throughput_refusal_is_one_line(flags, message) -> None:
+    with pytest.raises(SystemExit, match=f"^pagedserve bench throughput: error: {message}"):
+        main(["bench", "throughput", "--model", "random:tiny", "--device", "cpu",
+              "--attention-backend", "CPU", "--kv-cache-memory", "16MiB", "--num-prompts", "2",
+              "--input-len", "12", "--output-len", "2", "--no-warmup", *flags])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_throughput_reports_the_gpus_busy_share(capsys, monkeypatch) -> None:
