@@ -156,5 +156,6 @@ def _hidden_size(model: str | None, hf: dict[str, Any]) -> int:
         from pagedserve.models.random_models import random_model_config
 
         return int(random_model_config(model[len("random:"):]).hidden_size)
-    raise ValueError(f"model {model!r}: a pooling model must be a Hugging Face directory with "
+    name = repr(model) if model is not None else "the bundled SmolLM2 .gguf"
+    raise ValueError(f"model {name}: a pooling model must be a Hugging Face directory with "
                      "a config.json (or random:<preset>)")

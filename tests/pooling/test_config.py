@@ -82,6 +82,15 @@ def test_runner_auto_files_and_flags(tmp_path):
         resolve_pooler(model(causal, pooling_type="mean"))
 
 
+def test_pooling_the_bundled_model_names_it():
+    """`serve --runner pooling` with no model said "model None"."""
+    bundled = SimpleNamespace(model=None, runner="pooling", pooling_type=None,
+                              pooling_normalize=None)
+    with pytest.raises(ValueError, match="^model the bundled SmolLM2 .gguf: a pooling model "
+                                         "must be a Hugging Face directory"):
+        resolve_pooler(bundled)
+
+
 def test_cross_encoder_files(tmp_path):
     path = st_dir(tmp_path / "ce", {}, modules=("Transformer",))
     entries = json.loads((path / "modules.json").read_text())
