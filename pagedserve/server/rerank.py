@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from pagedserve.pooling import PoolingParams
+from pagedserve.pooling.params import truncation_length
 from pagedserve.pooling.scoring import pair_list, pair_token_ids, row_score
 from pagedserve.server.common import ApiError, ServerState
 from pagedserve.server.embeddings import MAX_INPUTS, add_pooling_requests
@@ -56,11 +57,14 @@ async def _scores(state: ServerState, request_id: str, text_1: str | list[str],
         pairs = pair_list(text_1, text_2)
         if len(pairs) > MAX_INPUTS:
             raise ValueError(f"at most {MAX_INPUTS} pairs per request, got {len(pairs)}")
-        prompts = await asyncio.to_thread(pair_token_ids, state.tokenizer, pairs, pooler)
+        params = PoolingParams(truncate_prompt_tokens=truncate)
+        prompts = await asyncio.to_thread(
+            pair_token_ids, state.tokenizer, pairs, pooler,
+            truncation_length(params, state.llm.engine.max_model_len))
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     streams = await add_pooling_requests(state, request_id, [(None, p) for p in prompts],
-                                         PoolingParams(truncate_prompt_tokens=truncate), "pair")
+                                         params, "pair")
 
     async def collect() -> tuple[list[float], int]:
         finals = await final_outputs(streams)
