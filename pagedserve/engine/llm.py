@@ -246,12 +246,15 @@ class LLM:
         and images as {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}
         or {"type": "image_pil", "image_pil": PIL image} (vision-language models)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template)
+        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _chat_prompt(self, messages: list[Message], add_generation_prompt: bool,
-                     chat_template: str | None) -> dict[str, Any]:
+    def chat_prompt(self, messages: list[Message], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> dict[str, Any]:
+        """One conversation as `generate` takes it: {"prompt_token_ids"} and, when its content
+        parts hold images, {"multi_modal_data": {"image": [...]}} (ValueError for a bad image
+        or a text-only model). `apply_chat_template` renders the text only."""
         messages, images = chat_images(messages)
         if not images:
             return {"prompt_token_ids": self.apply_chat_template(messages, add_generation_prompt,

@@ -54,6 +54,38 @@ def test_generate_file_reports_bad_lines_and_runs_the_rest(tiny_model_dir, tmp_p
     assert len(results[0]["token_ids"]) <= 4 and len(results[1]["token_ids"]) == 3
 
 
+def test_generate_file_sends_the_images_of_its_messages(tmp_path, capsys):
+    """A line's image parts reach a vision-language model as LLM.chat sends them (they were
+    dropped: the template rendered the text only, and a bad image ran as text)."""
+    import base64
+    import io
+
+    from pagedserve import LLM, SamplingParams
+    from tests.multimodal.llava_models import image, tiny_llava
+
+    model = tmp_path / "llava"
+    tiny_llava(model)
+    buf = io.BytesIO()
+    image(0).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "w1 w2"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    remote = [{"role": "user", "content": [{"type": "image_url",
+                                            "image_url": {"url": "http://example.com/a.png"}}]}]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": messages}) + "\n"
+                   + json.dumps({"messages": remote}) + "\n")
+    dst = tmp_path / "out.jsonl"
+    assert main(["generate", str(model), *ENGINE, "--input", str(src), "--output", str(dst),
+                 "--temperature", "0", "--max-tokens", "4"]) == 1
+    assert f"{src}:2: remote image URLs are not fetched" in capsys.readouterr().err
+    [result] = [json.loads(x) for x in dst.read_text().splitlines()]
+    with LLM(model=str(model), dtype="float32", device="cpu", kv_cache_memory="8MiB") as llm:
+        want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert result["token_ids"] == want[0].outputs[0].token_ids
+    assert result["prompt"].count("<image>") == 9  # the image's tokens are in the prompt
+
+
 def test_generate_refuses_stop_fields_over_the_engine_limits(tiny_model_dir, tmp_path, capsys):
     lines = [
         {"prompt": [5, 6, 7], "stop": ["ab", "cd", "ef"]},
