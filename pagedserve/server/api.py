@@ -266,8 +266,11 @@ def _api_routes(state: ServerState) -> APIRouter:
             tokens = (await chat_prompt(state, body.messages, body.add_generation_prompt)
                       ).token_ids
         else:
+            special = body.add_special_tokens
+            if special is None:
+                special = state.llm.engine.pooler_config is not None
             tokens = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
-                                             add_special_tokens=body.add_special_tokens)
+                                             add_special_tokens=special)
         return p.TokenizeResponse(tokens=list(tokens), count=len(tokens),
                                   max_model_len=state.llm.engine.max_model_len)
 
