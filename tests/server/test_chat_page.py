@@ -63,11 +63,12 @@ const [script, replies] = JSON.parse(fs.readFileSync(0, "utf8"));
 class El {
   constructor() { this.value = ""; this.innerHTML = ""; this.disabled = false; this.parts = {};
                   const names = new Set(); this.classList = names; names.remove = names.delete; }
-  appendChild() {} addEventListener() {}
+  appendChild(child) { shown.push(child); } addEventListener() {}
   querySelector(sel) { return this.parts[sel] || (this.parts[sel] = new El()); }
 }
 const elements = {};
 const sent = [];
+const shown = [];  // the messages the log shows
 const encode = (text) => new TextEncoder().encode(text);
 const sandbox = {
   document: { getElementById: (id) => elements[id] || (elements[id] = new El()),
@@ -90,7 +91,8 @@ vm.runInContext(script + "\nglobalThis.__page = { send, conversation };", sandbo
   for (const text of ["first", "second"]) {
     await sandbox.__page.send(text);
   }
-  console.log(JSON.stringify({ conversation: sandbox.__page.conversation, sent }));
+  const bodies = shown.map((m) => m.querySelector(".body").innerHTML);
+  console.log(JSON.stringify({ conversation: sandbox.__page.conversation, sent, bodies }));
 })();
 """
 
@@ -98,7 +100,8 @@ vm.runInContext(script + "\nglobalThis.__page = { send, conversation };", sandbo
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
 def test_a_failed_answer_stays_out_of_the_conversation() -> None:
     """The error text of a failed answer went into the conversation as the assistant's turn, so
-    the next request fed it to the model (which answered with the error's JSON)."""
+    the next request fed it to the model (which answered with the error's JSON). The error
+    shows as the API's message, not its JSON."""
     from pagedserve.server.chat_page import page
 
     script = page().split("<script>", 1)[1].split("</script>", 1)[0]
@@ -113,6 +116,8 @@ def test_a_failed_answer_stays_out_of_the_conversation() -> None:
                               [{"role": "user", "content": "second"}]]
     assert result["conversation"] == [{"role": "user", "content": "second"},
                                       {"role": "assistant", "content": "Paris."}]
+    assert result["bodies"][1] == ("<p>Error: 400: this model&#39;s maximum context length is "
+                                   "8192 tokens</p>")
 
 
 def _browser_tools() -> None:
