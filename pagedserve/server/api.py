@@ -249,11 +249,13 @@ def _api_routes(state: ServerState) -> APIRouter:
         return await create_classify(state, body, request)
 
     @router.post("/score", response_model=None)
+    @router.post("/v1/score", response_model=None)  # vLLM serves both paths
     async def score(body: ScoreRequest, request: Request) -> Any:
         return await create_score(state, body, request)
 
     @router.post("/rerank", response_model=None)
     @router.post("/v1/rerank", response_model=None)
+    @router.post("/v2/rerank", response_model=None)  # Cohere's v2 path, as vLLM serves it
     async def rerank(body: RerankRequest, request: Request) -> Any:
         return await create_rerank(state, body, request)
 

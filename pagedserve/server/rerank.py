@@ -1,10 +1,9 @@
-"""POST /score (vLLM's: `text_1` / `text_2`, or `queries` / `documents`) and POST /rerank,
-/v1/rerank (Jina's and Cohere's shape: `query`, `documents`, `top_n` (0, as vLLM reads it,
-or left out: all of them), and `results[{index, document, relevance_score}]` best first)
-over a reranker (pooling/scoring.py) or an encoder cross-encoder of one label
-(pooling/classify.py). Pairs are rendered and
-tokenized in a worker thread; every pair is queued before any is awaited, so they batch into
-the same steps."""
+"""POST /score and /v1/score (vLLM's: `text_1` / `text_2`, or `queries` / `documents`) and
+POST /rerank, /v1/rerank, /v2/rerank (Jina's and Cohere's shape: `query`, `documents`, `top_n`
+(0, as vLLM reads it, or left out: all of them), and `results[{index, document,
+relevance_score}]` best first) over a reranker (pooling/scoring.py) or an encoder
+cross-encoder of one label (pooling/classify.py). Pairs are rendered and tokenized in a worker
+thread; every pair is queued before any is awaited, so they batch into the same steps."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
 
 def test_rerank_best_first(served, documents):
     url, reference = served
-    for path in ("/rerank", "/v1/rerank"):
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):  # vLLM's paths
         r = post(url, path, {"model": "reranker", "query": QUERY, "documents": documents,
                              "top_n": 3})
         assert r.status_code == 200, r.text
@@ -70,9 +70,10 @@ def test_top_n_zero_is_every_document(served, documents):
 
 def test_score_both_shapes(served, documents):
     url, reference = served
-    for body in ({"text_1": QUERY, "text_2": documents},
-                 {"queries": [QUERY] * len(documents), "documents": documents}):
-        r = post(url, "/score", body)
+    for path, body in (("/score", {"text_1": QUERY, "text_2": documents}),
+                       ("/v1/score", {"queries": [QUERY] * len(documents),
+                                      "documents": documents})):
+        r = post(url, path, body)
         assert r.status_code == 200, r.text
         data = r.json()["data"]
         assert [d["index"] for d in data] == list(range(len(documents)))
