@@ -146,7 +146,10 @@ def describe_invalid_body(errors: Sequence[Any]) -> tuple[str, str | None]:
     first = max(errors, key=lambda e: len(e.get("loc", ())))  # the first of the deepest
     loc = _field_path(first.get("loc", ()))
     param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    msg = str(first.get("msg"))
+    if first.get("type") == "value_error":  # our validators' own words, without pydantic's tag
+        msg = msg.removeprefix("Value error, ")
+    message = f"{param}: {msg}" if param else msg
     if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
         message = "the request body must be a JSON object (Content-Type: application/json)"
     # the other branches of a union on the way stop at a field above this one
