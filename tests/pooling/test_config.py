@@ -71,6 +71,8 @@ def test_runner_auto_files_and_flags(tmp_path):
                                                   "hidden_size": 48}))
     assert resolve_pooler(model(bare)) == resolve_pooler(model(bare, runner="pooling"))
     assert resolve_pooler(model(bare)).method == "last"
+    assert resolve_pooler(model(bare)).source == "the defaults"  # no flag given: not "flags"
+    assert resolve_pooler(model(bare, pooling_type="mean")).source == "flags"
     causal = tmp_path / "causal"
     causal.mkdir()
     (causal / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
