@@ -249,8 +249,8 @@ async def _one_request(client: Any, url: str, model: str | None, prompt: list[in
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
-                text = (await resp.aread())[:200]
-                return RequestResult(False, error=f"{resp.status_code}: {text!r}")
+                return RequestResult(False, error=f"{resp.status_code}: "
+                                                  f"{error_message(await resp.aread())}")
             async for data in sse_data(resp):
                 if data == "[DONE]":
                     continue
@@ -268,6 +268,15 @@ async def _one_request(client: Any, url: str, model: str | None, prompt: list[in
         return RequestResult(False, error=repr(exc))
     latency = time.perf_counter() - start
     return RequestResult(True, ttft if ttft is not None else latency, latency, tokens, itl)
+
+
+def error_message(body: bytes) -> str:
+    """An error reply's message (OpenAI's shape), else the start of its body."""
+    text = body.decode("utf-8", "replace")
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
 
 
 async def _first_model(client: Any, url: str) -> str:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -19,7 +20,13 @@ import transformers
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.arg_utils import engine_kwargs
-from pagedserve.bench import RequestResult, arrival_delays, random_prompts, summarize
+from pagedserve.bench import (
+    RequestResult,
+    arrival_delays,
+    error_message,
+    random_prompts,
+    summarize,
+)
 from pagedserve.cli import build_parser, main
 from pagedserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
 from pagedserve.models.checkpoint_loading import hf_state_dict
@@ -64,6 +71,15 @@ def test_bench_refuses_bad_workload_values_in_one_line(capsys, argv, message) ->
         build_parser().parse_args(["bench", *argv])
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+
+
+def test_a_failed_request_reads_as_the_servers_message() -> None:
+    """It was the body's bytes repr cut at 200 characters (a pooling server's refusal lost its
+    end)."""
+    message = "this is a pooling model (--runner pooling): " + "x" * 300
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error"}})
+    assert error_message(body.encode()) == message
+    assert error_message(b"<html>Bad Gateway</html>") == "<html>Bad Gateway</html>"
 
 
 @pytest.mark.parametrize(("flags", "message"), [
