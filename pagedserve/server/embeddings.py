@@ -94,9 +94,10 @@ async def create_embeddings(state: ServerState, body: EmbeddingRequest,
 
 async def add_pooling_requests(state: ServerState, request_id: str,
                    prompts: list[tuple[str | None, list[int]]], params: PoolingParams,
-                   item: str = "input") -> list[RequestStream]:
+                   item: str = "input", param: str = "input") -> list[RequestStream]:
     """Every input queued at once (one engine request each), then awaited; all or none. An
-    input refused is named by its index (`item` i) when there are several."""
+    input refused is named by its index (`item` i) when there are several, and its 400 by
+    the request's field `param`."""
     adds = [state.llm.add_request(request_id if len(prompts) == 1 else f"{request_id}-{i}",
                                   ids, POOLING_SAMPLING, prompt_text=text, pooling=params)
             for i, (text, ids) in enumerate(prompts)]
@@ -109,7 +110,7 @@ async def add_pooling_requests(state: ServerState, request_id: str,
         if isinstance(error, ValueError):
             if len(prompts) > 1:
                 error = ValueError(f"{item} {index}: {error}")
-            raise bad_value(error, "input") from None
+            raise bad_value(error, param) from None
         raise error
     return streams
 

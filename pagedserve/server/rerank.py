@@ -44,9 +44,10 @@ class RerankRequest(OpenAIModel):
 
 
 async def _scores(state: ServerState, request_id: str, text_1: str | list[str],
-                  text_2: str | list[str], truncate: int | None, request: Request
-                  ) -> tuple[list[float], int] | Any:
-    """(score per pair, prompt tokens in all), or the response of a client that left."""
+                  text_2: str | list[str], truncate: int | None, request: Request,
+                  param: str) -> tuple[list[float], int] | Any:
+    """(score per pair, prompt tokens in all), or the response of a client that left;
+    `param`: the field a pair's 400 names (the documents')."""
     pooler = state.llm.engine.pooler_config
     if pooler is None or not pooler.scores_pairs:
         raise ApiError(400, "this model does not score pairs: /score and /rerank need a "
@@ -63,7 +64,7 @@ async def _scores(state: ServerState, request_id: str, text_1: str | list[str],
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     streams = await add_pooling_requests(state, request_id, [(None, p) for p in prompts],
-                                         params, "pair")
+                                         params, "pair", param)
 
     async def collect() -> tuple[list[float], int]:
         finals = await final_outputs(streams)
@@ -80,7 +81,8 @@ async def create_score(state: ServerState, body: ScoreRequest, request: Request)
     if len(given) != 1 or None in given[0]:
         raise ApiError(400, "give text_1 and text_2, or queries and documents", param="text_1")
     request_id = f"score-{uuid.uuid4().hex}"
-    result = await _scores(state, request_id, *given[0], body.truncate_prompt_tokens, request)
+    result = await _scores(state, request_id, *given[0], body.truncate_prompt_tokens, request,
+                           "text_2" if body.text_2 is not None else "documents")
     if not isinstance(result, tuple):
         return result
     scores, num_tokens = result
@@ -97,7 +99,7 @@ async def create_rerank(state: ServerState, body: RerankRequest, request: Reques
         raise ApiError(400, "documents is empty", param="documents")
     request_id = f"rerank-{uuid.uuid4().hex}"
     result = await _scores(state, request_id, body.query, body.documents,
-                           body.truncate_prompt_tokens, request)
+                           body.truncate_prompt_tokens, request, "documents")
     if not isinstance(result, tuple):
         return result
     scores, num_tokens = result
