@@ -126,10 +126,13 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     llm = make_llm(args)
     vocab = llm.engine.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed)
-    if args.warmup:  # the first steps pay for lazy initialisation, not the engine
-        run_throughput(llm, prompts[:1], 2)
-    result = run_throughput(llm, prompts, args.output_len, args.ignore_eos,
-                            use_tqdm=sys.stderr.isatty())
+    try:  # a refusal (a prompt over the context length, a pooling model) comes before a step
+        if args.warmup:  # the first steps pay for lazy initialisation, not the engine
+            run_throughput(llm, prompts[:1], 2)
+        result = run_throughput(llm, prompts, args.output_len, args.ignore_eos,
+                                use_tqdm=sys.stderr.isatty())
+    except ValueError as exc:
+        raise SystemExit(f"pagedserve bench throughput: error: {exc}") from None
     print(format_throughput(result))
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -246,8 +249,8 @@ async def _one_request(client: Any, url: str, model: str | None, prompt: list[in
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
-                text = (await resp.aread())[:200]
-                return RequestResult(False, error=f"{resp.status_code}: {text!r}")
+                return RequestResult(False, error=f"{resp.status_code}: "
+                                                  f"{error_message(await resp.aread())}")
             async for data in sse_data(resp):
                 if data == "[DONE]":
                     continue
@@ -265,6 +268,15 @@ async def _one_request(client: Any, url: str, model: str | None, prompt: list[in
         return RequestResult(False, error=repr(exc))
     latency = time.perf_counter() - start
     return RequestResult(True, ttft if ttft is not None else latency, latency, tokens, itl)
+
+
+def error_message(body: bytes) -> str:
+    """An error reply's message (OpenAI's shape), else the start of its body."""
+    text = body.decode("utf-8", "replace")
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
 
 
 async def _first_model(client: Any, url: str) -> str:
@@ -382,14 +394,15 @@ def add_bench_parser(subparsers: Any, parents: list[Any] | None = None
     p.add_argument("--api-key", default=None,
                    help="bearer token (default: $PAGEDSERVE_API_KEY)")
     _workload_args(p, num_prompts=200, output_len=128)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
+    p.add_argument("--request-rate", type=_positive(float), default=float("inf"),
                    help="requests/s, Poisson arrivals (inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None,
+    p.add_argument("--max-concurrency", type=_positive(int), default=None,
                    help="most requests in flight (default: unlimited)")
-    p.add_argument("--vocab-size", type=int, default=1000,
+    p.add_argument("--vocab-size", type=_positive(int), default=1000,
                    help="prompt token ids are drawn from [0, vocab-size)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=_positive(float), default=600.0,
+                   help="seconds per request")
     p.add_argument("--output-json", help="also write the figures to this file")
     p.set_defaults(func=_cmd_serve)
     return bench
@@ -397,15 +410,29 @@ def add_bench_parser(subparsers: Any, parents: list[Any] | None = None
 
 def _workload_args(p: argparse.ArgumentParser, num_prompts: int, output_len: int) -> None:
     """Random token-id prompts, with vLLM's names for the same settings beside ours."""
-    p.add_argument("--num-prompts", type=int, default=num_prompts, help="requests")
-    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int,
+    p.add_argument("--num-prompts", type=_positive(int), default=num_prompts, help="requests")
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=_positive(int),
                    default=1024, help="prompt tokens")
-    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int,
-                   default=output_len, help="tokens to generate")
+    p.add_argument("--output-len", "--random-output-len", dest="output_len",
+                   type=_positive(int), default=output_len, help="tokens to generate")
     p.add_argument("--dataset-name", choices=["random"], default="random",
                    help="prompts: random token ids (the only dataset; nothing is downloaded)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly --output-len tokens")
+
+
+def _positive(kind: type) -> Any:
+    """An argparse type: a number of `kind` above 0 (argparse names the flag and the value)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not value > 0:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+
+    return parse
 
 
 if __name__ == "__main__":

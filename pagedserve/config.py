@@ -462,6 +462,17 @@ class ServerConfig:
                "clients only")
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be between 0 and 65535, got {self.port}")
+        for name in ("max_waiting_requests", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got "
+                             f"{self.max_request_body_bytes}")
+        if not self.shutdown_timeout >= 0:  # NaN too
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got "
+                             f"{self.shutdown_timeout}")
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got "
                              f"{self.responses_store_size}")

@@ -170,11 +170,14 @@ def run_jobs(llm: Any, jobs: list[Job], source: str | None,
     ids: dict[str, Job] = {}
     for i, job in enumerate(jobs):
         try:
-            prompt = job.prompt if job.messages is None else llm.apply_chat_template(job.messages)
+            prompt, images = job.prompt, None
+            if job.messages is not None:  # images in content parts too (they were dropped)
+                chat = llm.chat_prompt(job.messages)
+                prompt, images = chat["prompt_token_ids"], chat.get("multi_modal_data")
             request_id = f"line-{job.line}" if job.line is not None else str(i)
             lora = (adapters or {}).get(job.lora) if job.lora is not None else None
             llm.engine.add_request(request_id, prompt, job.params(llm.engine.default_sampling),
-                                   stream=False, lora_request=lora)
+                                   stream=False, lora_request=lora, multi_modal_data=images)
         except ValueError as exc:
             where = f"{source}:{job.line}" if job.line is not None else "pagedserve generate"
             print(f"{where}: {exc}", file=sys.stderr)
@@ -187,7 +190,12 @@ def run_jobs(llm: Any, jobs: list[Job], source: str | None,
 def _prompt_text(llm: Any, job: Job, output: Any) -> str:
     if job.messages is not None:
         contents = [m.get("content") for m in job.messages if m.get("role") == "user"]
-        return str(contents[-1]) if contents else ""
+        if not contents:
+            return ""
+        if isinstance(contents[-1], list):  # content parts: their text, an image as [image]
+            return " ".join(p.get("text", "") if p.get("type") == "text" else "[image]"
+                            for p in contents[-1] if isinstance(p, dict))
+        return str(contents[-1])
     if isinstance(job.prompt, str):
         return job.prompt
     return llm.tokenizer.decode(output.prompt_token_ids) if llm.tokenizer else str(job.prompt)

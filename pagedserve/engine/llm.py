@@ -19,7 +19,7 @@ from pagedserve.multimodal.chat import chat_images, render_with_images
 from pagedserve.pooling import PoolingParams, PoolingRequestOutput
 from pagedserve.pooling.classify import ClassificationRequestOutput, classification_output
 from pagedserve.pooling.front import tokenize_inputs
-from pagedserve.pooling.params import check_params
+from pagedserve.pooling.params import check_params, truncation_length
 from pagedserve.pooling.scoring import (
     ScoringRequestOutput,
     pair_list,
@@ -178,7 +178,8 @@ class LLM:
             prompts = [prompts]
         inputs = [_prompt_input(p) for p in prompts]
         texts = [p for p in inputs if isinstance(p, str)]
-        encoded = iter(tokenize_inputs(self.engine.tokenizer, texts))
+        encoded = iter(tokenize_inputs(self.engine.tokenizer, texts, truncation_length(
+            pooling_params, self.engine.max_model_len)))
         token_ids = [next(encoded) if isinstance(p, str) else p for p in inputs]
         return self._pool(token_ids, [p if isinstance(p, str) else None for p in inputs],
                           pooling_params, use_tqdm)
@@ -214,7 +215,8 @@ class LLM:
                  ) -> list[ClassificationRequestOutput]:
         """A classifier's (`*ForSequenceClassification`, --runner pooling) logits and
         probabilities per prompt (`outputs.logits`, `outputs.probs`), in prompt order; prompts
-        as for `embed`; `truncate_prompt_tokens` keeps each prompt's last k tokens."""
+        as for `embed`; `truncate_prompt_tokens` truncates each prompt to k tokens (text by the
+        tokenizer, its special tokens kept; token ids to their last k)."""
         pooler = self.engine.pooler_config
         if pooler is None or pooler.task != "classify":
             raise ValueError("this model does not classify: LLM.classify needs a "
@@ -244,12 +246,15 @@ class LLM:
         and images as {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}
         or {"type": "image_pil", "image_pil": PIL image} (vision-language models)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template)
+        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _chat_prompt(self, messages: list[Message], add_generation_prompt: bool,
-                     chat_template: str | None) -> dict[str, Any]:
+    def chat_prompt(self, messages: list[Message], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> dict[str, Any]:
+        """One conversation as `generate` takes it: {"prompt_token_ids"} and, when its content
+        parts hold images, {"multi_modal_data": {"image": [...]}} (ValueError for a bad image
+        or a text-only model). `apply_chat_template` renders the text only."""
         messages, images = chat_images(messages)
         if not images:
             return {"prompt_token_ids": self.apply_chat_template(messages, add_generation_prompt,

@@ -59,15 +59,18 @@ def pair_score(row: np.ndarray, pooler: PoolerConfig) -> float:
     return float(1 / (1 + np.exp(-logit))) if pooler.activation == "sigmoid" else logit
 
 
-def encoder_pair_ids(tokenizer: Any, pairs: list[tuple[str, str]],
-                     pooler: PoolerConfig) -> list[list[int]]:
+def encoder_pair_ids(tokenizer: Any, pairs: list[tuple[str, str]], pooler: PoolerConfig,
+                     max_length: int | None = None) -> list[list[int]]:
     """Each (query, document) through the tokenizer's pair template, in one batched call;
-    segments folded into the ids where the model has a token-type table."""
+    segments folded into the ids where the model has a token-type table. `max_length`: the
+    longer text truncated first, both segments' special tokens kept (CrossEncoder's way)."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer to encode (query, document) pairs with")
     if not pairs:
         return []
-    encoded = tokenizer([q for q, _ in pairs], [d for _, d in pairs], add_special_tokens=True)
+    truncation = {} if max_length is None else {"truncation": True, "max_length": max_length}
+    encoded = tokenizer([q for q, _ in pairs], [d for _, d in pairs], add_special_tokens=True,
+                        **truncation)
     types = encoded.get("token_type_ids")
     if types is None or pooler.num_token_types < 2:
         return [list(ids) for ids in encoded["input_ids"]]

@@ -98,7 +98,7 @@ def resolve_pooler(model: Any) -> PoolerConfig | None:
             raise ValueError("pooling_type and pooling_normalize apply to a pooling model only: "
                              "add --runner pooling")
         return None
-    source = "flags"
+    source = "flags" if method is not None or normalize is not None else "the defaults"
     token_types = int(hf.get("type_vocab_size", 1) or 1) if encoder else 1
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return _classifier(hf, architectures[0], method, normalize, token_types)
@@ -156,5 +156,6 @@ def _hidden_size(model: str | None, hf: dict[str, Any]) -> int:
         from pagedserve.models.random_models import random_model_config
 
         return int(random_model_config(model[len("random:"):]).hidden_size)
-    raise ValueError(f"model {model!r}: a pooling model must be a Hugging Face directory with "
+    name = repr(model) if model is not None else "the bundled SmolLM2 .gguf"
+    raise ValueError(f"model {name}: a pooling model must be a Hugging Face directory with "
                      "a config.json (or random:<preset>)")

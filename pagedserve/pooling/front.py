@@ -12,21 +12,30 @@ from pagedserve.engine.core_messages import CoreRequest
 from pagedserve.engine.output_processor import RequestState
 from pagedserve.engine.outputs import RequestMetrics
 from pagedserve.pooling.core_hooks import POOLING_SAMPLING
-from pagedserve.pooling.params import PoolingParams, check_params, fit_prompt
+from pagedserve.pooling.params import (
+    PoolingParams,
+    check_params,
+    fit_prompt,
+    truncation_length,
+)
 
 GENERATION_REFUSED = ("this is a pooling model (--runner pooling): it serves embeddings, "
                       "scores or classes (/v1/embeddings, /score, /rerank, /classify; "
                       "LLM.embed, LLM.score, LLM.classify), not generation")
 
 
-def tokenize_inputs(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+def tokenize_inputs(tokenizer: Any, texts: list[str], max_length: int | None = None
+                    ) -> list[list[int]]:
     """Token ids per text, special tokens included, in one batched call (a fast tokenizer
-    encodes the batch in parallel)."""
+    encodes the batch in parallel); `max_length`: truncated by the tokenizer as
+    sentence-transformers and vLLM truncate, its special tokens kept."""
     if not texts:
         return []
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: pass token ids")
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+    truncation = {} if max_length is None else {"truncation": True, "max_length": max_length}
+    return [list(ids) for ids in
+            tokenizer(texts, add_special_tokens=True, **truncation)["input_ids"]]
 
 
 def add_pooling_request(engine: Any, request_id: str, prompt: str | list[int],
@@ -42,8 +51,9 @@ def add_pooling_request(engine: Any, request_id: str, prompt: str | list[int],
     params = params or PoolingParams()
     check_params(params, pooler)
     text = prompt if isinstance(prompt, str) else prompt_text
-    ids = tokenize_inputs(engine.tokenizer, [prompt])[0] if isinstance(prompt, str) \
-        else list(prompt)
+    ids = tokenize_inputs(engine.tokenizer, [prompt],
+                          truncation_length(params, engine.max_model_len))[0] \
+        if isinstance(prompt, str) else list(prompt)
     vocab = engine.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad and pooler.num_token_types > 1:  # a pair's second segment rides in the ids

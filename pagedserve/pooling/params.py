@@ -13,8 +13,10 @@ class PoolingParams:
     # Matryoshka truncation: the embedding's first `dimensions` values (renormalised when the
     # model normalises). None: all of them.
     dimensions: int | None = None
-    # Keep only the prompt's last k tokens (k = -1: the model's context length), as vLLM does;
-    # None: a prompt over the context length is refused.
+    # At most k tokens (k = -1: the model's context length), as vLLM truncates: text through
+    # the tokenizer (its truncation side, special tokens kept: an encoder's CLS, a pair's both
+    # segments), token ids and rendered templates to their last k; None: a prompt over the
+    # context length is refused.
     truncate_prompt_tokens: int | None = None
 
 
@@ -32,14 +34,23 @@ def check_params(params: PoolingParams, pooler: PoolerConfig) -> None:
                          f"got {k}")
 
 
+def truncation_length(params: PoolingParams | None, max_model_len: int) -> int | None:
+    """The most tokens `params` keeps of a prompt; None: no truncation (or a value
+    check_params refuses)."""
+    k = None if params is None else params.truncate_prompt_tokens
+    if k == -1:
+        return max_model_len
+    return k if k is not None and k >= 1 else None
+
+
 def fit_prompt(token_ids: list[int], params: PoolingParams, max_model_len: int,
                max_num_batched_tokens: int) -> list[int]:
     """The prompt truncated as asked, or a clear error when it does not fit: a pooling
     request runs its whole prompt in one step, so it must fit the context length and the
     step's token budget."""
-    k = params.truncate_prompt_tokens
+    k = truncation_length(params, max_model_len)
     if k is not None:
-        token_ids = token_ids[-(max_model_len if k == -1 else k):]
+        token_ids = token_ids[-k:]
     n = len(token_ids)
     if not n:
         raise ValueError("the input is empty")

@@ -57,14 +57,16 @@ def pair_list(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[st
     return list(zip(first, second, strict=True))
 
 
-def pair_token_ids(tokenizer: Any, pairs: list[tuple[str, str]], pooler: Any = None
-                   ) -> list[list[int]]:
+def pair_token_ids(tokenizer: Any, pairs: list[tuple[str, str]], pooler: Any = None,
+                   max_length: int | None = None) -> list[list[int]]:
     """Each pair rendered with the model's chat template (query and document roles); for an
-    encoder cross-encoder (`pooler.task` classify), its tokenizer's pair template."""
+    encoder cross-encoder (`pooler.task` classify), its tokenizer's pair template, truncated to
+    `max_length` there as CrossEncoder truncates (a rendered template is truncated later, to
+    its last tokens)."""
     if pooler is not None and pooler.task == "classify":
         from pagedserve.pooling.classify import encoder_pair_ids
 
-        return encoder_pair_ids(tokenizer, pairs, pooler)
+        return encoder_pair_ids(tokenizer, pairs, pooler, max_length)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this reranker has no chat template to render (query, document) "
                          "pairs with")

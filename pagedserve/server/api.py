@@ -146,7 +146,10 @@ def describe_invalid_body(errors: Sequence[Any]) -> tuple[str, str | None]:
     first = max(errors, key=lambda e: len(e.get("loc", ())))  # the first of the deepest
     loc = _field_path(first.get("loc", ()))
     param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    msg = str(first.get("msg"))
+    if first.get("type") == "value_error":  # our validators' own words, without pydantic's tag
+        msg = msg.removeprefix("Value error, ")
+    message = f"{param}: {msg}" if param else msg
     if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
         message = "the request body must be a JSON object (Content-Type: application/json)"
     # the other branches of a union on the way stop at a field above this one
@@ -249,11 +252,13 @@ def _api_routes(state: ServerState) -> APIRouter:
         return await create_classify(state, body, request)
 
     @router.post("/score", response_model=None)
+    @router.post("/v1/score", response_model=None)  # vLLM serves both paths
     async def score(body: ScoreRequest, request: Request) -> Any:
         return await create_score(state, body, request)
 
     @router.post("/rerank", response_model=None)
     @router.post("/v1/rerank", response_model=None)
+    @router.post("/v2/rerank", response_model=None)  # Cohere's v2 path, as vLLM serves it
     async def rerank(body: RerankRequest, request: Request) -> Any:
         return await create_rerank(state, body, request)
 
@@ -266,8 +271,11 @@ def _api_routes(state: ServerState) -> APIRouter:
             tokens = (await chat_prompt(state, body.messages, body.add_generation_prompt)
                       ).token_ids
         else:
+            special = body.add_special_tokens
+            if special is None:
+                special = state.llm.engine.pooler_config is not None
             tokens = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
-                                             add_special_tokens=body.add_special_tokens)
+                                             add_special_tokens=special)
         return p.TokenizeResponse(tokens=list(tokens), count=len(tokens),
                                   max_model_len=state.llm.engine.max_model_len)
 

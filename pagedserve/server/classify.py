@@ -19,6 +19,7 @@ from pydantic import Field
 from pagedserve.pooling import PoolingParams
 from pagedserve.pooling.classify import probabilities
 from pagedserve.pooling.front import tokenize_inputs
+from pagedserve.pooling.params import truncation_length
 from pagedserve.server.common import ApiError, ServerState, check_token_ids
 from pagedserve.server.embeddings import (
     MAX_INPUTS,
@@ -54,12 +55,13 @@ async def create_classify(state: ServerState, body: ClassificationRequest,
             raise ApiError(400, f"input {i} is empty", param="input")
         if isinstance(item, list):
             check_token_ids(state, item, "input")
+    params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens)
     texts = [t for t in inputs if isinstance(t, str)]
-    encoded = iter(await asyncio.to_thread(tokenize_inputs, state.tokenizer, texts)
-                   if texts else [])
+    encoded = iter(await asyncio.to_thread(
+        tokenize_inputs, state.tokenizer, texts,
+        truncation_length(params, state.llm.engine.max_model_len)) if texts else [])
     prompts = [(t, next(encoded)) if isinstance(t, str) else (None, t) for t in inputs]
     request_id = f"classify-{uuid.uuid4().hex}"
-    params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens)
     streams = await add_pooling_requests(state, request_id, prompts, params)
     labels = pooler.labels
 

@@ -1,7 +1,8 @@
 """POST /v1/embeddings, in OpenAI's shape: `input` as a string, a list of strings, token ids
 or a list of token-id lists; `encoding_format` float or base64 (little-endian float32 bytes,
 what the official client asks for by default); `dimensions` (Matryoshka truncation); usage.
-vLLM's `truncate_prompt_tokens` keeps an input's last k tokens instead of refusing it.
+vLLM's `truncate_prompt_tokens` truncates an input to k tokens instead of refusing it (text by
+the tokenizer, special tokens kept; token ids to their last k).
 
 The texts are tokenized in one batched call in a worker thread, all inputs are queued before
 any is awaited (they batch into the same steps), and a response is built from numpy arrays:
@@ -23,7 +24,7 @@ from pagedserve.engine.async_llm import RequestStream
 from pagedserve.pooling import PoolingParams
 from pagedserve.pooling.core_hooks import POOLING_SAMPLING
 from pagedserve.pooling.front import tokenize_inputs
-from pagedserve.pooling.params import check_params
+from pagedserve.pooling.params import check_params, truncation_length
 from pagedserve.server.common import ApiError, ServerState, bad_value, check_token_ids
 from pagedserve.server.protocol import OpenAIModel
 from pagedserve.server.streaming import close_all, final_outputs, until_disconnect
@@ -81,7 +82,8 @@ async def create_embeddings(state: ServerState, body: EmbeddingRequest,
         elif not item:
             raise ApiError(400, f"input {i} is an empty string", param="input")
     texts = [t for t in inputs if isinstance(t, str)]
-    encoded = iter(await asyncio.to_thread(tokenize_inputs, state.tokenizer, texts)
+    encoded = iter(await asyncio.to_thread(tokenize_inputs, state.tokenizer, texts,
+                                           truncation_length(params, engine.max_model_len))
                    if texts else [])
     prompts = [(t, next(encoded)) if isinstance(t, str) else (None, t) for t in inputs]
     request_id = f"embd-{uuid.uuid4().hex}"
@@ -92,9 +94,10 @@ async def create_embeddings(state: ServerState, body: EmbeddingRequest,
 
 async def add_pooling_requests(state: ServerState, request_id: str,
                    prompts: list[tuple[str | None, list[int]]], params: PoolingParams,
-                   item: str = "input") -> list[RequestStream]:
+                   item: str = "input", param: str = "input") -> list[RequestStream]:
     """Every input queued at once (one engine request each), then awaited; all or none. An
-    input refused is named by its index (`item` i) when there are several."""
+    input refused is named by its index (`item` i) when there are several, and its 400 by
+    the request's field `param`."""
     adds = [state.llm.add_request(request_id if len(prompts) == 1 else f"{request_id}-{i}",
                                   ids, POOLING_SAMPLING, prompt_text=text, pooling=params)
             for i, (text, ids) in enumerate(prompts)]
@@ -107,7 +110,7 @@ async def add_pooling_requests(state: ServerState, request_id: str,
         if isinstance(error, ValueError):
             if len(prompts) > 1:
                 error = ValueError(f"{item} {index}: {error}")
-            raise bad_value(error, "input") from None
+            raise bad_value(error, param) from None
         raise error
     return streams
 

@@ -407,8 +407,9 @@ class TokenizeRequest(OpenAIModel):
 
     model: str | None = None
     prompt: str | None = None
-    # Default off: what /v1/completions feeds the model for the same string.
-    add_special_tokens: bool = False
+    # Default: what the model is fed for the same string: /v1/completions' text as it is, a
+    # pooling model's input with the tokenizer's special tokens (/v1/embeddings' usage).
+    add_special_tokens: bool | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
 

@@ -1,9 +1,9 @@
-"""POST /score (vLLM's: `text_1` / `text_2`, or `queries` / `documents`) and POST /rerank,
-/v1/rerank (Jina's and Cohere's shape: `query`, `documents`, `top_n`, and
-`results[{index, document, relevance_score}]` best first) over a reranker (pooling/scoring.py)
-or an encoder cross-encoder of one label (pooling/classify.py). Pairs are rendered and
-tokenized in a worker thread; every pair is queued before any is awaited, so they batch into
-the same steps."""
+"""POST /score and /v1/score (vLLM's: `text_1` / `text_2`, or `queries` / `documents`) and
+POST /rerank, /v1/rerank, /v2/rerank (Jina's and Cohere's shape: `query`, `documents`, `top_n`
+(0, as vLLM reads it, or left out: all of them), and `results[{index, document,
+relevance_score}]` best first) over a reranker (pooling/scoring.py) or an encoder
+cross-encoder of one label (pooling/classify.py). Pairs are rendered and tokenized in a worker
+thread; every pair is queued before any is awaited, so they batch into the same steps."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from pagedserve.pooling import PoolingParams
+from pagedserve.pooling.params import truncation_length
 from pagedserve.pooling.scoring import pair_list, pair_token_ids, row_score
 from pagedserve.server.common import ApiError, ServerState
 from pagedserve.server.embeddings import MAX_INPUTS, add_pooling_requests
@@ -43,9 +44,10 @@ class RerankRequest(OpenAIModel):
 
 
 async def _scores(state: ServerState, request_id: str, text_1: str | list[str],
-                  text_2: str | list[str], truncate: int | None, request: Request
-                  ) -> tuple[list[float], int] | Any:
-    """(score per pair, prompt tokens in all), or the response of a client that left."""
+                  text_2: str | list[str], truncate: int | None, request: Request,
+                  param: str) -> tuple[list[float], int] | Any:
+    """(score per pair, prompt tokens in all), or the response of a client that left;
+    `param`: the field a pair's 400 names (the documents')."""
     pooler = state.llm.engine.pooler_config
     if pooler is None or not pooler.scores_pairs:
         raise ApiError(400, "this model does not score pairs: /score and /rerank need a "
@@ -55,11 +57,14 @@ async def _scores(state: ServerState, request_id: str, text_1: str | list[str],
         pairs = pair_list(text_1, text_2)
         if len(pairs) > MAX_INPUTS:
             raise ValueError(f"at most {MAX_INPUTS} pairs per request, got {len(pairs)}")
-        prompts = await asyncio.to_thread(pair_token_ids, state.tokenizer, pairs, pooler)
+        params = PoolingParams(truncate_prompt_tokens=truncate)
+        prompts = await asyncio.to_thread(
+            pair_token_ids, state.tokenizer, pairs, pooler,
+            truncation_length(params, state.llm.engine.max_model_len))
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     streams = await add_pooling_requests(state, request_id, [(None, p) for p in prompts],
-                                         PoolingParams(truncate_prompt_tokens=truncate), "pair")
+                                         params, "pair", param)
 
     async def collect() -> tuple[list[float], int]:
         finals = await final_outputs(streams)
@@ -76,7 +81,8 @@ async def create_score(state: ServerState, body: ScoreRequest, request: Request)
     if len(given) != 1 or None in given[0]:
         raise ApiError(400, "give text_1 and text_2, or queries and documents", param="text_1")
     request_id = f"score-{uuid.uuid4().hex}"
-    result = await _scores(state, request_id, *given[0], body.truncate_prompt_tokens, request)
+    result = await _scores(state, request_id, *given[0], body.truncate_prompt_tokens, request,
+                           "text_2" if body.text_2 is not None else "documents")
     if not isinstance(result, tuple):
         return result
     scores, num_tokens = result
@@ -93,12 +99,12 @@ async def create_rerank(state: ServerState, body: RerankRequest, request: Reques
         raise ApiError(400, "documents is empty", param="documents")
     request_id = f"rerank-{uuid.uuid4().hex}"
     result = await _scores(state, request_id, body.query, body.documents,
-                           body.truncate_prompt_tokens, request)
+                           body.truncate_prompt_tokens, request, "documents")
     if not isinstance(result, tuple):
         return result
     scores, num_tokens = result
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
-    if body.top_n is not None:
+    if body.top_n:  # None or 0 (vLLM's default): every document
         order = order[:body.top_n]
     results = [{"index": i, "relevance_score": scores[i],
                 **({"document": {"text": body.documents[i]}} if body.return_documents else {})}

@@ -71,6 +71,8 @@ def test_runner_auto_files_and_flags(tmp_path):
                                                   "hidden_size": 48}))
     assert resolve_pooler(model(bare)) == resolve_pooler(model(bare, runner="pooling"))
     assert resolve_pooler(model(bare)).method == "last"
+    assert resolve_pooler(model(bare)).source == "the defaults"  # no flag given: not "flags"
+    assert resolve_pooler(model(bare, pooling_type="mean")).source == "flags"
     causal = tmp_path / "causal"
     causal.mkdir()
     (causal / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
@@ -80,6 +82,15 @@ def test_runner_auto_files_and_flags(tmp_path):
     with pytest.raises(ValueError, match="apply to a pooling model only: add --runner "
                                          "pooling"):
         resolve_pooler(model(causal, pooling_type="mean"))
+
+
+def test_pooling_the_bundled_model_names_it():
+    """`serve --runner pooling` with no model said "model None"."""
+    bundled = SimpleNamespace(model=None, runner="pooling", pooling_type=None,
+                              pooling_normalize=None)
+    with pytest.raises(ValueError, match="^model the bundled SmolLM2 .gguf: a pooling model "
+                                         "must be a Hugging Face directory"):
+        resolve_pooler(bundled)
 
 
 def test_cross_encoder_files(tmp_path):

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -19,7 +20,13 @@ import transformers
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.arg_utils import engine_kwargs
-from pagedserve.bench import RequestResult, arrival_delays, random_prompts, summarize
+from pagedserve.bench import (
+    RequestResult,
+    arrival_delays,
+    error_message,
+    random_prompts,
+    summarize,
+)
 from pagedserve.cli import build_parser, main
 from pagedserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
 from pagedserve.models.checkpoint_loading import hf_state_dict
@@ -46,6 +53,45 @@ def test_bench_throughput_prints_figures(capsys: pytest.CaptureFixture[str], mod
     line = next(x for x in out.splitlines() if x.startswith("Engine core:"))
     assert line.startswith("Engine core: 5 steps, ") and "0.000 ms waiting" in line
     assert "GPU busy" not in out  # CUDA events only, with PAGEDSERVE_DEVICE_TIMING
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["throughput", "--input-len", "0"],
+     "argument --input-len/--random-input-len: must be > 0, got '0'"),
+    (["throughput", "--num-prompts", "-2"], "argument --num-prompts: must be > 0, got '-2'"),
+    (["throughput", "--output-len", "0"],
+     "argument --output-len/--random-output-len: must be > 0, got '0'"),
+    (["serve", "--request-rate", "-1"], "argument --request-rate: must be > 0, got '-1'"),
+    (["serve", "--num-prompts", "x"], "argument --num-prompts: invalid int value: 'x'"),
+])
+def test_bench_refuses_bad_workload_values_in_one_line(capsys, argv, message) -> None:
+    """They were tracebacks from numpy or the engine (throughput), or were found only after
+    connecting to a server (serve)."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["bench", *argv])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+
+
+def test_a_failed_request_reads_as_the_servers_message() -> None:
+    """It was the body's bytes repr cut at 200 characters (a pooling server's refusal lost its
+    end)."""
+    message = "this is a pooling model (--runner pooling): " + "x" * 300
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error"}})
+    assert error_message(body.encode()) == message
+    assert error_message(b"<html>Bad Gateway</html>") == "<html>Bad Gateway</html>"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--input-len", "40", "--max-model-len", "32"],
+     "the prompt has 40 tokens, but the model's context length is 32 tokens"),
+    (["--runner", "pooling"], "this is a pooling model"),
+])
+def test_bench_throughput_refusal_is_one_line(flags, message) -> None:
+    with pytest.raises(SystemExit, match=f"^pagedserve bench throughput: error: {message}"):
+        main(["bench", "throughput", "--model", "random:tiny", "--device", "cpu",
+              "--attention-backend", "CPU", "--kv-cache-memory", "16MiB", "--num-prompts", "2",
+              "--input-len", "12", "--output-len", "2", "--no-warmup", *flags])
 
 
 @pytest.mark.gpu

@@ -1,11 +1,13 @@
 """The chat page at `/`: served without the API key and with nothing to fetch from a network,
-left out by --disable-chat-page, and (slow) used in a real browser, Debian's chromium through
+left out by --disable-chat-page, a failed answer kept out of the conversation (its script
+under node), and (slow) used in a real browser, Debian's chromium through
 selenium: it asks for the key, streams an answer with its timings, leaves a screenshot in
 docs/images/chat-page.png, and stops a long answer with its stop button."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -49,6 +51,73 @@ def test_disable_chat_page_flag(flags) -> None:
     assert config.enable_chat_page == (not flags)
     reply = TestClient(build_app(_stub_llm(), config)).get("/")
     assert reply.status_code == (404 if flags else 200)
+
+
+# The page's script under node, with just enough of a browser stubbed for send(): elements that
+# take what the script sets, a localStorage, and a fetch that answers each chat request from a
+# queue (status, body). It prints the conversation after each send.
+_NODE_HARNESS = r"""
+const vm = require("vm");
+const fs = require("fs");
+const [script, replies] = JSON.parse(fs.readFileSync(0, "utf8"));
+class El {
+  constructor() { this.value = ""; this.innerHTML = ""; this.disabled = false; this.parts = {};
+                  const names = new Set(); this.classList = names; names.remove = names.delete; }
+  appendChild(child) { shown.push(child); } addEventListener() {}
+  querySelector(sel) { return this.parts[sel] || (this.parts[sel] = new El()); }
+}
+const elements = {};
+const sent = [];
+const shown = [];  // the messages the log shows
+const encode = (text) => new TextEncoder().encode(text);
+const sandbox = {
+  document: { getElementById: (id) => elements[id] || (elements[id] = new El()),
+              createElement: () => new El() },
+  localStorage: { getItem: () => null, setItem() {} }, prompt: () => null,
+  performance, TextDecoder, TextEncoder, AbortController, console,
+  fetch: async (path, init) => {
+    if (path === "/v1/models") return { ok: true, status: 200, json: async () => ({ data: [] }) };
+    sent.push(JSON.parse(init.body).messages);
+    const [status, body] = replies.shift();
+    const chunks = [encode(body)];
+    return { ok: status === 200, status, text: async () => body,
+             body: { getReader: () => ({ read: async () => chunks.length
+                 ? { value: chunks.shift(), done: false } : { done: true } }) } };
+  },
+};
+vm.createContext(sandbox);
+vm.runInContext(script + "\nglobalThis.__page = { send, conversation };", sandbox);
+(async () => {
+  for (const text of ["first", "second"]) {
+    await sandbox.__page.send(text);
+  }
+  const bodies = shown.map((m) => m.querySelector(".body").innerHTML);
+  console.log(JSON.stringify({ conversation: sandbox.__page.conversation, sent, bodies }));
+})();
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+def test_a_failed_answer_stays_out_of_the_conversation() -> None:
+    """The error text of a failed answer went into the conversation as the assistant's turn, so
+    the next request fed it to the model (which answered with the error's JSON). The error
+    shows as the API's message, not its JSON."""
+    from pagedserve.server.chat_page import page
+
+    script = page().split("<script>", 1)[1].split("</script>", 1)[0]
+    error = '{"error": {"message": "this model\'s maximum context length is 8192 tokens"}}'
+    answer = ('data: {"choices": [{"index": 0, "delta": {"content": "Paris."}}]}\n\n'
+              'data: [DONE]\n\n')
+    run = subprocess.run(["node", "-e", _NODE_HARNESS], capture_output=True, text=True,
+                         timeout=30, input=json.dumps([script, [[400, error], [200, answer]]]))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["sent"] == [[{"role": "user", "content": "first"}],
+                              [{"role": "user", "content": "second"}]]
+    assert result["conversation"] == [{"role": "user", "content": "second"},
+                                      {"role": "assistant", "content": "Paris."}]
+    assert result["bodies"][1] == ("<p>Error: 400: this model&#39;s maximum context length is "
+                                   "8192 tokens</p>")
 
 
 def _browser_tools() -> None:

@@ -12,7 +12,11 @@ import torch
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
-from tests.pooling.encoder_models import tiny_cross_encoder, tiny_encoder_embedder
+from tests.pooling.encoder_models import (
+    tiny_cross_encoder,
+    tiny_encoder_embedder,
+    tiny_encoder_tokenizer,
+)
 from tests.pooling.st_model import mixed_texts
 from tests.utils.server import app_in_thread
 
@@ -68,6 +72,22 @@ def test_classifier_refusals(classifier, path, body, words):
     assert words in r.json()["error"]["message"]
 
 
+def test_truncated_text_keeps_the_tokenizers_special_tokens(classifier):
+    """truncate_prompt_tokens on text truncates through the tokenizer, as vLLM and
+    sentence-transformers do: [CLS], which the classifier reads, stays first (the last k ids
+    were kept, so it read a word)."""
+    url, texts, _, _ = classifier
+    long_text = " ".join(texts)
+    r = post(url, "/classify", {"input": long_text, "truncate_prompt_tokens": 6})
+    assert r.status_code == 200, r.text
+    ids = tiny_encoder_tokenizer("bert")(long_text, truncation=True, max_length=6)["input_ids"]
+    assert ids[0] == 2 and len(ids) == 6  # [CLS] first
+    by_ids = post(url, "/classify", {"input": ids})
+    assert r.json()["usage"]["prompt_tokens"] == 6
+    np.testing.assert_allclose(r.json()["data"][0]["probs"], by_ids.json()["data"][0]["probs"],
+                               atol=TOL, rtol=0)
+
+
 def test_rerank_with_a_bert_cross_encoder(tmp_path):
     from sentence_transformers import CrossEncoder
 
@@ -75,6 +95,10 @@ def test_rerank_with_a_bert_cross_encoder(tmp_path):
     documents = mixed_texts(5, seed=8, longest=20)
     reference = CrossEncoder(str(path), device="cpu", local_files_only=True).predict(
         [("w4 w5", d) for d in documents], convert_to_numpy=True)
+    # Truncated as CrossEncoder truncates: the longer text first, both segments kept.
+    truncated = CrossEncoder(str(path), device="cpu", local_files_only=True,
+                             max_length=9).predict([("w4 w5", d) for d in documents],
+                                                   convert_to_numpy=True)
     engine = LLMEngine.from_kwargs(model=str(path), device="cpu", dtype="float32")
     with app_in_thread(AsyncLLM(engine), "ce") as url:
         r = post(url, "/rerank", {"query": "w4 w5", "documents": documents})
@@ -83,6 +107,12 @@ def test_rerank_with_a_bert_cross_encoder(tmp_path):
         assert [x["index"] for x in results] == np.argsort(-reference).tolist()
         np.testing.assert_allclose([x["relevance_score"] for x in results],
                                    np.sort(reference)[::-1], atol=TOL, rtol=0)
+        r = post(url, "/rerank", {"query": "w4 w5", "documents": documents,
+                                  "truncate_prompt_tokens": 9})
+        assert r.status_code == 200, r.text
+        results = sorted(r.json()["results"], key=lambda x: x["index"])
+        np.testing.assert_allclose([x["relevance_score"] for x in results], truncated,
+                                   atol=TOL, rtol=0)
         r = post(url, "/classify", {"input": "w1"})  # one label: the sigmoid
         assert r.status_code == 200 and r.json()["data"][0]["num_classes"] == 1
 

@@ -54,6 +54,38 @@ def test_generate_file_reports_bad_lines_and_runs_the_rest(tiny_model_dir, tmp_p
     assert len(results[0]["token_ids"]) <= 4 and len(results[1]["token_ids"]) == 3
 
 
+def test_generate_file_sends_the_images_of_its_messages(tmp_path, capsys):
+    """A line's image parts reach a vision-language model as LLM.chat sends them (they were
+    dropped: the template rendered the text only, and a bad image ran as text)."""
+    import base64
+    import io
+
+    from pagedserve import LLM, SamplingParams
+    from tests.multimodal.llava_models import image, tiny_llava
+
+    model = tmp_path / "llava"
+    tiny_llava(model)
+    buf = io.BytesIO()
+    image(0).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "w1 w2"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    remote = [{"role": "user", "content": [{"type": "image_url",
+                                            "image_url": {"url": "http://example.com/a.png"}}]}]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": messages}) + "\n"
+                   + json.dumps({"messages": remote}) + "\n")
+    dst = tmp_path / "out.jsonl"
+    assert main(["generate", str(model), *ENGINE, "--input", str(src), "--output", str(dst),
+                 "--temperature", "0", "--max-tokens", "4"]) == 1
+    assert f"{src}:2: remote image URLs are not fetched" in capsys.readouterr().err
+    [result] = [json.loads(x) for x in dst.read_text().splitlines()]
+    with LLM(model=str(model), dtype="float32", device="cpu", kv_cache_memory="8MiB") as llm:
+        want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert result["token_ids"] == want[0].outputs[0].token_ids
+    assert result["prompt"].count("<image>") == 9  # the image's tokens are in the prompt
+
+
 def test_generate_refuses_stop_fields_over_the_engine_limits(tiny_model_dir, tmp_path, capsys):
     lines = [
         {"prompt": [5, 6, 7], "stop": ["ab", "cd", "ef"]},
@@ -98,6 +130,27 @@ def test_serve_on_a_port_in_use_fails_before_the_model_loads(tiny_model_dir, mon
         port = taken.getsockname()[1]
         with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}: "):
             main(["serve", tiny_model_dir, *ENGINE, "--port", str(port)])
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--port", "99999", "port must be between 0 and 65535, got 99999"),
+    ("--max-n", "0", "max_n must be >= 1, got 0"),
+    ("--max-waiting-requests", "0", "max_waiting_requests must be >= 1, got 0"),
+    ("--max-request-body-bytes", "0", "max_request_body_bytes must be >= 1, got 0"),
+    ("--shutdown-timeout", "-1", "shutdown_timeout must be >= 0 seconds, got -1.0"),
+])
+def test_serve_refuses_bad_server_values_before_the_model_loads(tiny_model_dir, monkeypatch,
+                                                                flag, value, message):
+    """A port out of range was a traceback; the others started a server that refused every
+    request (max_n 0, 0 waiting) or quietly took the default (a body limit of 0)."""
+    from pagedserve.engine import llm_engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_load)
+    with pytest.raises(SystemExit, match=f"^pagedserve serve: error: {message}$"):
+        main(["serve", tiny_model_dir, *ENGINE, flag, value])
 
 
 def test_generate_rejects_bad_engine_value(tiny_model_dir):

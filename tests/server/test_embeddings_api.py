@@ -74,6 +74,19 @@ def test_dimensions_and_token_ids(served, client, texts):
     np.testing.assert_allclose(vectors(one), reference[:1], atol=TOL, rtol=0)
 
 
+def test_tokenize_counts_what_embeddings_feed(served, client, texts):
+    """/tokenize on a pooling model adds the special tokens its inputs get (the end token
+    last-token pooling reads), so its count is the usage of /v1/embeddings."""
+    server, _ = served
+    usage = client.embeddings.create(model=MODEL, input=texts[0]).usage.prompt_tokens
+    r = httpx.post(server.url + "/tokenize", json={"prompt": texts[0]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == usage and r.json()["tokens"][-1] == 2  # st_model's end token
+    bare = httpx.post(server.url + "/tokenize", json={"prompt": texts[0],
+                                                      "add_special_tokens": False}, timeout=60)
+    assert bare.json()["count"] == usage - 1
+
+
 def test_errors_in_openai_shape(served, client):
     server, _ = served
     with pytest.raises(openai.BadRequestError) as exc:

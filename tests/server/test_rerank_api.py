@@ -43,7 +43,7 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
 
 def test_rerank_best_first(served, documents):
     url, reference = served
-    for path in ("/rerank", "/v1/rerank"):
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):  # vLLM's paths
         r = post(url, path, {"model": "reranker", "query": QUERY, "documents": documents,
                              "top_n": 3})
         assert r.status_code == 200, r.text
@@ -60,11 +60,34 @@ def test_rerank_best_first(served, documents):
     assert len(bare["results"]) == 2 and "document" not in bare["results"][0]
 
 
+def test_an_over_long_pair_names_the_documents(served):
+    """The 400 named `input`, a field these routes do not have."""
+    long_doc = " ".join(["w1"] * 200)
+    for path, body, param in [
+            ("/rerank", {"query": QUERY, "documents": ["w2", long_doc]}, "documents"),
+            ("/score", {"text_1": QUERY, "text_2": ["w2", long_doc]}, "text_2"),
+            ("/score", {"queries": QUERY, "documents": ["w2", long_doc]}, "documents")]:
+        r = post(served[0], path, body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["message"].startswith("pair 1: this model's maximum context length")
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded")
+
+
+def test_top_n_zero_is_every_document(served, documents):
+    """vLLM's default top_n is 0, read as all of them (a client that sends it gets them)."""
+    url, reference = served
+    r = post(url, "/v1/rerank", {"query": QUERY, "documents": documents, "top_n": 0})
+    assert r.status_code == 200, r.text
+    assert [x["index"] for x in r.json()["results"]] == np.argsort(-reference).tolist()
+
+
 def test_score_both_shapes(served, documents):
     url, reference = served
-    for body in ({"text_1": QUERY, "text_2": documents},
-                 {"queries": [QUERY] * len(documents), "documents": documents}):
-        r = post(url, "/score", body)
+    for path, body in (("/score", {"text_1": QUERY, "text_2": documents}),
+                       ("/v1/score", {"queries": [QUERY] * len(documents),
+                                      "documents": documents})):
+        r = post(url, path, body)
         assert r.status_code == 200, r.text
         data = r.json()["data"]
         assert [d["index"] for d in data] == list(range(len(documents)))

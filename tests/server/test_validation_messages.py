@@ -31,6 +31,10 @@ def _describe(model: type[pydantic.BaseModel], body: dict) -> tuple[str, str | N
     # no branch got further than another: the first, and how many more
     (CompletionRequest, {"prompt": {"a": 1}},
      "prompt: Input should be a valid string (and 3 more error(s))", "prompt"),
+    # a validator's own message, without pydantic's "Value error, " before it
+    (CompletionRequest, {"prompt": "hi \udfff"},
+     "prompt holds an unpaired UTF-16 surrogate (U+D800..U+DFFF); send valid Unicode text",
+     None),
     # no union on the way: as before
     (ChatCompletionRequest, {"messages": [{"role": "bogus", "content": "x"}]},
      "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'",
