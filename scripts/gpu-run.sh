@@ -29,8 +29,8 @@
 # stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
-# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec (the last sessions' GPU tests
-# and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
+# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / fp8linear /
+# fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
 # The whole GPU suite: three calls back to back on one machine (10 minutes each at most):
@@ -680,6 +680,32 @@ stage_rerun27() {  # the gpu tests that failed at the twenty-seventh session's f
     shard embed tests/pooling/test_embed.py tests/multimodal/test_llava.py
     shard fp8 tests/quantization/test_random_fp8.py
     wait
+}
+
+stage_first29() {  # the first call after four sessions without one: every gpu test no call has
+    # run yet, in parallel shards (correctness before speed), then the FP8 decode rows
+    setup_env
+    SHARD_TIMEOUT=${WAVE_TIMEOUT:-200}
+    shard spec tests/spec_decode tests/attention/test_flashinfer_verify.py
+    shard_any lora tests/lora/test_lora_kernels.py tests/lora/test_lora_cuda_graphs.py
+    shard embed tests/pooling/test_embed.py tests/multimodal/test_llava.py
+    shard fp8 tests/quantization/test_random_fp8.py tests/quantization/test_fp8_small_m.py
+    shard piecewise tests/engine/test_piecewise_cuda.py
+    wait
+}
+
+stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone
+    setup_env
+    timeout 150 python3 benchmarks/fp8_linear.py --models 8b --tokens 1,4,16 --sweep-small-m \
+        --json "$OUT/fp8_linear.json" >"$OUT/fp8_linear.log" 2>&1
+    echo "exit $?" >>"$OUT/fp8_linear.log"; tail -30 "$OUT/fp8_linear.log"
+}
+
+stage_fp8engine() {  # fp8dec's 8B batch-1 decode and KL, bf16 against FP8, alone
+    setup_env
+    timeout 240 python3 benchmarks/fp8_engine.py --skip throughput --quality-prompts 8 \
+        --json "$OUT/fp8_engine.json" >"$OUT/fp8_engine.log" 2>&1
+    echo "exit $?" >>"$OUT/fp8_engine.log"; tail -12 "$OUT/fp8_engine.log"
 }
 
 stage_wave25rej() {  # issue #49's rejection sampler: torch against the Triton kernel, B
