@@ -11,6 +11,7 @@ import torch
 from pagedserve import envs
 from pagedserve.quantization.awq import AwqConfig
 from pagedserve.quantization.base import QuantizationConfig
+from pagedserve.quantization.compressed_tensors import FORMATS as FP8_FORMATS
 from pagedserve.quantization.compressed_tensors import CompressedTensorsConfig
 from pagedserve.quantization.compressed_tensors_w4a16 import CompressedTensorsW4A16Config
 from pagedserve.quantization.fp8 import Fp8Config
@@ -90,8 +91,14 @@ def checkpoint_config(data: dict[str, Any]) -> QuantizationConfig:
     if method not in CHECKPOINT_METHODS:
         raise ValueError(f"quantization_config quant_method {method!r} is not supported "
                          f"(supported: {', '.join(CHECKPOINT_METHODS)})")
-    if method == "compressed-tensors" and data.get("format") in COMPRESSED_TENSORS_FORMATS:
-        return COMPRESSED_TENSORS_FORMATS[data["format"]].from_config(data)
+    if method == "compressed-tensors":
+        fmt = data.get("format")
+        if fmt in COMPRESSED_TENSORS_FORMATS:
+            return COMPRESSED_TENSORS_FORMATS[fmt].from_config(data)
+        if fmt not in FP8_FORMATS:  # named here, where every format the method takes is known
+            known = (*FP8_FORMATS, *COMPRESSED_TENSORS_FORMATS)
+            raise ValueError(f"compressed-tensors format {fmt!r} is not supported (supported: "
+                             f"{', '.join(known)})")
     return CHECKPOINT_METHODS[method].from_config(data)
 
 
