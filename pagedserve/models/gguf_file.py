@@ -96,6 +96,12 @@ def gguf_chat_template(reader: Any) -> str | None:
     return None if field is None else field.contents()
 
 
+def has_tokenizer(reader: Any) -> bool:
+    """Whether the file carries a tokenizer (llama.cpp's converters always write one; a
+    weights-only export may not)."""
+    return "tokenizer.ggml.model" in reader.fields
+
+
 def tokenizer_cache_dir() -> Path | None:
     """Where converted GGUF tokenizers are kept: $PAGEDSERVE_CACHE_DIR (empty: no cache), else
     $XDG_CACHE_HOME/pagedserve, else ~/.cache/pagedserve."""
