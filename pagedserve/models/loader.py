@@ -284,7 +284,14 @@ def safetensors_weights(path: Path, lazy: bool = False
     if not files:
         raise ModelNotFoundError(f"{path} has no *.safetensors weights")
     for name in files:
-        with safe_open(str(path / name), framework="pt", device="cpu") as f:
+        if not (path / name).is_file():
+            raise ModelNotFoundError(f"{path}: the index names {name}, which is not there")
+        try:
+            handle = safe_open(str(path / name), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors' own error type: a cut or damaged header
+            raise ValueError(f"{path / name} is not a readable safetensors file ({exc}); an "
+                             "interrupted download? fetch it again") from None
+        with handle as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield key, LazySlice(f.get_slice(key)) if lazy else f.get_tensor(key)
 
