@@ -36,6 +36,13 @@ def test_a_model_without_a_method_is_a_draft_or_a_head_by_its_name(model, method
     assert spec.method == method
 
 
+@pytest.mark.parametrize("method", ["deepseek_mtp", "qwen3_next_mtp"])
+def test_vllm_per_model_mtp_names_read_as_mtp(method):
+    """Qwen3-Next's model card passes qwen3_next_mtp (it was refused as no method)."""
+    spec = parse_speculative_config({"method": method, "num_speculative_tokens": 2})
+    assert spec.method == "mtp"
+
+
 def test_lookup_defaults():
     spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
