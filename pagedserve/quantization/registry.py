@@ -39,7 +39,9 @@ COMPRESSED_TENSORS_FORMATS: dict[str, type[QuantizationConfig]] = {
 # The checkpoint formats by vLLM's names too: the flag then only says what the checkpoint's
 # quantization_config must be (fp8 keeps its own meaning above).
 FORMAT_FLAGS = tuple(name for name in CHECKPOINT_METHODS if name != "fp8")
-FLAGS = ("auto", "none", "int8", "fp8", "gguf", *FORMAT_FLAGS)
+# vLLM's names for the same formats run by its Marlin kernels: here, the format itself.
+KERNEL_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+FLAGS = ("auto", "none", "int8", "fp8", "gguf", *FORMAT_FLAGS, *KERNEL_ALIASES)
 
 
 def resolve_quantization(method: str | None, model: str | None, dtype: str,
@@ -49,6 +51,7 @@ def resolve_quantization(method: str | None, model: str | None, dtype: str,
     method = (method or "auto").lower()
     if method not in FLAGS:
         raise ValueError(f"quantization {method!r} is not one of {', '.join(FLAGS)}")
+    method = KERNEL_ALIASES.get(method, method)
     gguf = model is None or model.endswith(".gguf")  # None: the bundled GGUF
     if method == "gguf":
         _check_gguf_kernels(gguf, model, device)
