@@ -101,9 +101,9 @@ class ModelConfig:
                 "Triton GEMMs on CUDA (auto does so with PAGEDSERVE_GGUF_KERNEL=1); none. "
                 "A checkpoint's own quantization_config (FP8, AWQ, GPTQ, compressed-tensors, "
                 "MXFP4) is always read; awq, gptq, compressed-tensors, mxfp4: only check that "
-                "it is that format (as vLLM takes them)",
+                "it is that format (as vLLM takes them; awq_marlin and gptq_marlin too)",
         choices=["auto", "int8", "fp8", "gguf", "none", "awq", "gptq", "compressed-tensors",
-                 "mxfp4"])
+                 "mxfp4", "awq_marlin", "gptq_marlin"])
     runner: str = setting(
         "auto", "generate: sample tokens; pooling: embeddings (LLM.embed, /v1/embeddings); "
                 "auto: pooling for a sentence-transformers directory (modules.json) or a bare "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,8 +77,9 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(file))
 
 
-def hf_module_names(tensors: dict[str, torch.Tensor], path: Path) -> set[str]:
-    """The Hugging Face modules the adapter targets (its lora_A keys, PEFT prefix removed)."""
+def hf_module_names(tensors: Iterable[str], path: Path) -> set[str]:
+    """The Hugging Face modules the adapter targets (its lora_A keys, PEFT prefix removed);
+    `tensors`: the tensors' names (or a dict by them)."""
     names = set()
     for key in tensors:
         module, _, kind = key.rpartition(".lora_")
@@ -100,11 +101,24 @@ def check_adapter_dir(path: str | Path, name: str, max_rank: int) -> dict:
     if not (path / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"LoRA adapter {path}: missing {WEIGHTS_FILE} (only the "
                                 f"safetensors format is read)")
+    hf_module_names(_tensor_names(path), path)  # embeddings, biases: refused before first use
     rank = int(config["r"])
     if rank > max_rank:
         raise ValueError(f"LoRA adapter {name!r} has rank {rank}, over --max-lora-rank "
                          f"{max_rank}; raise --max-lora-rank")
     return config
+
+
+def _tensor_names(path: Path) -> list[str]:
+    """The weights file's tensor names, from its header alone."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path / WEIGHTS_FILE), "pt") as f:
+            return list(f.keys())
+    except Exception as exc:  # safetensors' own error type for a damaged header
+        raise ValueError(f"LoRA adapter {path}: {WEIGHTS_FILE} is not a readable safetensors "
+                         f"file ({exc})") from None
 
 
 def load_adapter(path: str | Path, name: str, targets: dict[str, Any], max_rank: int,

@@ -30,7 +30,14 @@ def open_gguf(path: str) -> Any:
     except ImportError as exc:
         raise ImportError("reading a .gguf file needs the `gguf` package: pip install gguf") \
             from exc
-    return reader_class(path)
+    try:
+        return reader_class(path)
+    except ValueError as exc:  # gguf's own words: "GGUF magic invalid", a reshape that fails
+        if "magic" in str(exc):
+            raise ValueError(f"{path} is not a GGUF file (it does not start with GGUF's magic "
+                             "bytes)") from None
+        raise ValueError(f"cannot read the GGUF file {path}: {exc}; is it complete? (a file "
+                         "cut short, e.g. by an interrupted download, reads so)") from None
 
 
 _FAST_READER: type | None = None
@@ -94,6 +101,12 @@ def gguf_config(reader: Any) -> PretrainedConfig:
 def gguf_chat_template(reader: Any) -> str | None:
     field = reader.fields.get("tokenizer.chat_template")
     return None if field is None else field.contents()
+
+
+def has_tokenizer(reader: Any) -> bool:
+    """Whether the file carries a tokenizer (llama.cpp's converters always write one; a
+    weights-only export may not)."""
+    return "tokenizer.ggml.model" in reader.fields
 
 
 def tokenizer_cache_dir() -> Path | None:

@@ -94,7 +94,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         if path.is_dir():
             loaded = _load_hf_directory(path, dtype, device, max_model_len, quantization)
         else:
-            loaded = _load_gguf(path, dtype, device, max_model_len, quantization)
+            loaded = _load_gguf(path, dtype, device, max_model_len, quantization,
+                                own_tokenizer=tokenizer is None)
         if model is None:
             loaded.name = DEFAULT_MODEL_NAME
     if _rope_depends_on_length(loaded.model):
@@ -283,7 +284,14 @@ def safetensors_weights(path: Path, lazy: bool = False
     if not files:
         raise ModelNotFoundError(f"{path} has no *.safetensors weights")
     for name in files:
-        with safe_open(str(path / name), framework="pt", device="cpu") as f:
+        if not (path / name).is_file():
+            raise ModelNotFoundError(f"{path}: the index names {name}, which is not there")
+        try:
+            handle = safe_open(str(path / name), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors' own error type: a cut or damaged header
+            raise ValueError(f"{path / name} is not a readable safetensors file ({exc}); an "
+                             "interrupted download? fetch it again") from None
+        with handle as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield key, LazySlice(f.get_slice(key)) if lazy else f.get_tensor(key)
 
@@ -317,13 +325,22 @@ def _renamed(weights: Iterator[tuple[str, torch.Tensor]], prefixes: dict[str, st
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
-               max_model_len: int | None, quantization: str | None) -> LoadedModel:
+               max_model_len: int | None, quantization: str | None,
+               own_tokenizer: bool = True) -> LoadedModel:
+    """`own_tokenizer`: build the file's tokenizer (False: --tokenizer names another, so the
+    file's, which may be absent, is never read). A file without tokenizer keys loads without
+    a tokenizer, as a directory without tokenizer files does (prompts as token ids)."""
     reader = gguf_file.open_gguf(str(path))
     config = gguf_file.gguf_config(reader)
     max_len = resolve_max_model_len(max_model_len, config)
     weights = gguf_file.gguf_weights(reader, config, keep_quantized=quantization == "gguf")
     module = build_model(config, dtype, device, weights, quantization)
-    tokenizer = gguf_file.gguf_tokenizer(path)
+    tokenizer = None
+    if own_tokenizer and gguf_file.has_tokenizer(reader):
+        tokenizer = gguf_file.gguf_tokenizer(path)
+    elif own_tokenizer:
+        logger.info("%s has no tokenizer (no tokenizer.ggml.model): prompts must be token "
+                    "ids, or pass --tokenizer DIR", path.name)
     return LoadedModel(
         model=module, hf_config=config, tokenizer=tokenizer, generation_config=None,
         max_model_len=max_len, eos_token_ids=_eos_token_ids(None, config, tokenizer),

@@ -11,6 +11,7 @@ import torch
 from pagedserve import envs
 from pagedserve.quantization.awq import AwqConfig
 from pagedserve.quantization.base import QuantizationConfig
+from pagedserve.quantization.compressed_tensors import FORMATS as FP8_FORMATS
 from pagedserve.quantization.compressed_tensors import CompressedTensorsConfig
 from pagedserve.quantization.compressed_tensors_w4a16 import CompressedTensorsW4A16Config
 from pagedserve.quantization.fp8 import Fp8Config
@@ -38,7 +39,9 @@ COMPRESSED_TENSORS_FORMATS: dict[str, type[QuantizationConfig]] = {
 # The checkpoint formats by vLLM's names too: the flag then only says what the checkpoint's
 # quantization_config must be (fp8 keeps its own meaning above).
 FORMAT_FLAGS = tuple(name for name in CHECKPOINT_METHODS if name != "fp8")
-FLAGS = ("auto", "none", "int8", "fp8", "gguf", *FORMAT_FLAGS)
+# vLLM's names for the same formats run by its Marlin kernels: here, the format itself.
+KERNEL_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+FLAGS = ("auto", "none", "int8", "fp8", "gguf", *FORMAT_FLAGS, *KERNEL_ALIASES)
 
 
 def resolve_quantization(method: str | None, model: str | None, dtype: str,
@@ -48,6 +51,7 @@ def resolve_quantization(method: str | None, model: str | None, dtype: str,
     method = (method or "auto").lower()
     if method not in FLAGS:
         raise ValueError(f"quantization {method!r} is not one of {', '.join(FLAGS)}")
+    method = KERNEL_ALIASES.get(method, method)
     gguf = model is None or model.endswith(".gguf")  # None: the bundled GGUF
     if method == "gguf":
         _check_gguf_kernels(gguf, model, device)
@@ -90,8 +94,14 @@ def checkpoint_config(data: dict[str, Any]) -> QuantizationConfig:
     if method not in CHECKPOINT_METHODS:
         raise ValueError(f"quantization_config quant_method {method!r} is not supported "
                          f"(supported: {', '.join(CHECKPOINT_METHODS)})")
-    if method == "compressed-tensors" and data.get("format") in COMPRESSED_TENSORS_FORMATS:
-        return COMPRESSED_TENSORS_FORMATS[data["format"]].from_config(data)
+    if method == "compressed-tensors":
+        fmt = data.get("format")
+        if fmt in COMPRESSED_TENSORS_FORMATS:
+            return COMPRESSED_TENSORS_FORMATS[fmt].from_config(data)
+        if fmt not in FP8_FORMATS:  # named here, where every format the method takes is known
+            known = (*FP8_FORMATS, *COMPRESSED_TENSORS_FORMATS)
+            raise ValueError(f"compressed-tensors format {fmt!r} is not supported (supported: "
+                             f"{', '.join(known)})")
     return CHECKPOINT_METHODS[method].from_config(data)
 
 

@@ -89,7 +89,10 @@ class ServerState:
     def tokenizer(self) -> Any:
         tokenizer = self.llm.tokenizer
         if tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer: send token ids")
+            # Said for logprobs too, whose prompt may already be token ids.
+            raise ApiError(400, "this model has no tokenizer, which this request needs (text "
+                                "prompts, chat messages and logprobs do): send token ids, or "
+                                "serve it with --tokenizer DIR")
         return tokenizer
 
     def check_model(self, model: str | None) -> None:

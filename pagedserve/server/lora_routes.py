@@ -45,8 +45,10 @@ def lora_routes(state: ServerState, allow_updating: bool) -> APIRouter:
         loras = registry()
         try:
             loras.load(body.lora_name, body.lora_path)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="lora_path") from None
+        except ValueError as exc:  # a name taken, or what is wrong with the adapter's files
+            param = "lora_name" if body.lora_name in loras.adapters or not body.lora_name \
+                or body.lora_name == loras.base_name else "lora_path"
+            raise ApiError(400, str(exc), param=param) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
                                  f"successfully.")
 

@@ -1,6 +1,7 @@
 """`--speculative-config`: vLLM's JSON object of speculative decoding settings, checked once.
 
-The fields and their meaning are vLLM's: `method` (ngram, draft_model, eagle, eagle3, mtp),
+The fields and their meaning are vLLM's: `method` (ngram, draft_model, eagle, eagle3, mtp;
+deepseek_mtp and qwen3_next_mtp read as mtp),
 `model` (the draft or head), `num_speculative_tokens` (K, drafts per step),
 `prompt_lookup_min` / `prompt_lookup_max` (n-gram sizes), `draft_tensor_parallel_size` (the
 target's, or 1 for a draft model whole on every rank),
@@ -28,6 +29,9 @@ IMPLEMENTED = METHODS
 TP_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 SINGLE_RANK_METHODS = tuple(m for m in METHODS if m not in TP_METHODS)
 REJECTION_METHODS = ("strict", "synthetic")
+# vLLM's per-model names of `mtp` for the targets we run it over (Qwen3-Next's model card
+# gives qwen3_next_mtp); vLLM reads them as mtp too.
+MTP_ALIASES = ("deepseek_mtp", "qwen3_next_mtp")
 # vLLM's defaults for n-gram sizes when neither is given.
 DEFAULT_LOOKUP = 5
 
@@ -124,6 +128,8 @@ def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | N
                          f"{', '.join(sorted(known))})")
     if "method" not in value and isinstance(value.get("model"), str):
         value = {**value, "method": method_of_model(value["model"])}
+    if value.get("method") in MTP_ALIASES:
+        value = {**value, "method": "mtp"}
     for name in ("method", "num_speculative_tokens"):
         if name not in value:
             raise ValueError(f"speculative_config needs {name!r}")

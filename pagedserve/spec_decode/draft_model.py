@@ -46,6 +46,10 @@ class DraftModelProposer(Proposer):
                 loaded = load_model(model, dtype, device, max_model_len,
                                     generation_config="vllm")
         except ValueError as exc:  # e.g. a shorter context than the target's
+            draft_vocab = _config_vocab_size(model)
+            if draft_vocab is not None and draft_vocab != vocab_size:
+                # The vocabulary rules the draft out whatever the context: say that first.
+                raise _vocab_error(model, draft_vocab, vocab_size) from None
             hint = ""
             if str(exc).startswith(f"max_model_len {max_model_len} is larger"):
                 limit = str(exc).rpartition(" ")[2]
@@ -62,9 +66,7 @@ class DraftModelProposer(Proposer):
                              "an EAGLE head")
         draft_vocab = loaded.hf_config.vocab_size
         if draft_vocab != vocab_size:
-            raise ValueError(f"speculative_config: the draft model {model!r} has a vocabulary "
-                             f"of {draft_vocab} tokens, the target {vocab_size}: a draft must "
-                             "share the target's vocabulary")
+            raise _vocab_error(model, draft_vocab, vocab_size)
         self.model = loaded.model
         if any(isinstance(m, StateLayer) for m in self.model.modules()):
             raise ValueError(f"speculative_config: the draft model {model!r} has state layers, "
@@ -146,3 +148,27 @@ class DraftModelProposer(Proposer):
         with set_forward_context(metadata, runner.kv_caches):
             hidden = self.model(ids, common.positions)
         return self.model.compute_logits(hidden[:len(ids)]).argmax(dim=-1)
+
+
+def _vocab_error(model: str, draft_vocab: int, vocab_size: int) -> ValueError:
+    return ValueError(f"speculative_config: the draft model {model!r} has a vocabulary of "
+                      f"{draft_vocab} tokens, the target {vocab_size}: a draft must share the "
+                      "target's vocabulary")
+
+
+def _config_vocab_size(model: str) -> int | None:
+    """The draft's vocabulary size from its config alone (None where it cannot be read)."""
+    from pagedserve.models import gguf_file
+    from pagedserve.models.loader import model_path, text_config_of
+
+    try:
+        path = model_path(model)
+        if path.is_dir():
+            from transformers import AutoConfig
+
+            config = text_config_of(AutoConfig.from_pretrained(path))
+        else:
+            config = gguf_file.gguf_config(gguf_file.open_gguf(str(path)))
+        return int(config.vocab_size)
+    except Exception:  # the load's own error is the one to report then
+        return None

@@ -36,6 +36,12 @@ def make_speculator(config: EngineConfig, runner: Any) -> Speculator | None:
     if spec is None:
         return None
     check_supported(spec, tensor_parallel_size=runner.tp_size)
+    if spec.num_speculative_tokens >= runner.max_model_len:
+        # Drafts never pass the context's end: such a K only sizes buffers and graphs by it.
+        raise ValueError(f"speculative_config: num_speculative_tokens "
+                         f"{spec.num_speculative_tokens} is not below the max_model_len "
+                         f"{runner.max_model_len}: no sequence has room for that many drafts "
+                         "(a few, 1 to 8, is the usual choice)")
     if resolve_pooler(config.model) is not None:
         raise ValueError("speculative_config: a pooling model (--runner pooling) generates no "
                          "tokens to draft; drop --speculative-config")

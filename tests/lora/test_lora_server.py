@@ -4,6 +4,7 @@ answered 400 in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import httpx
@@ -84,6 +85,32 @@ def test_bad_lora_updates_get_400(served, path, body, message):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_an_adapter_the_engine_cannot_run_is_refused_when_loaded(served, tmp_path):
+    """An embedding adapter (its tensors are no lora_A/lora_B pairs) or a damaged weights
+    file: a 400 naming the problem at load time (it was a 200, then a 400 on every request
+    naming it); a taken name is `lora_name`'s fault, the files `lora_path`'s."""
+    url, root, base, _ = served
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=8, target_modules=["q_proj", "embed_tokens"], init_lora_weights=False)
+    get_peft_model(copy.deepcopy(base), config).save_pretrained(tmp_path / "embed")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((root / "r8" / "adapter_config.json").read_text())
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    for name, message in (("embed", "is not a LoRA factor"),
+                          ("broken", "is not a readable safetensors file")):
+        response = httpx.post(url + "/v1/load_lora_adapter",
+                              json={"lora_name": name, "lora_path": str(tmp_path / name)})
+        assert response.status_code == 400, response.text
+        assert message in response.json()["error"]["message"]
+        assert response.json()["error"]["param"] == "lora_path"
+    assert name not in [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+    taken = httpx.post(url + "/v1/load_lora_adapter",
+                       json={"lora_name": "r8", "lora_path": str(root / "r8")})
+    assert taken.status_code == 400 and taken.json()["error"]["param"] == "lora_name"
 
 
 def test_an_adapter_named_as_the_served_model_is_refused_at_start_up(served, monkeypatch):

@@ -57,3 +57,23 @@ def test_arrays_of_every_kind(tmp_path):
 @pytest.mark.slow  # 3.5 s of the library's reader
 def test_bundled_model_file():
     _assert_same(str(bundled_gguf()))
+
+
+def test_a_cut_or_foreign_file_is_a_clear_error(tmp_path):
+    """A GGUF cut short (an interrupted download) or another file named .gguf: one line naming
+    the file (they were numpy's reshape error and gguf's bare 'GGUF magic invalid')."""
+    whole = tmp_path / "whole.gguf"
+    writer = gguf.GGUFWriter(str(whole), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cut, foreign = tmp_path / "cut.gguf", tmp_path / "foreign.gguf"
+    cut.write_bytes(whole.read_bytes()[:-100])
+    foreign.write_text("not a model")
+    with pytest.raises(ValueError, match=r"cannot read the GGUF file .*cut\.gguf: .*is it "
+                                         r"complete\?"):
+        gguf_file.open_gguf(str(cut))
+    with pytest.raises(ValueError, match=r"foreign\.gguf is not a GGUF file"):
+        gguf_file.open_gguf(str(foreign))

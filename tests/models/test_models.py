@@ -197,6 +197,26 @@ def test_missing_path_is_a_clear_error(tmp_path):
         load_model(str(tmp_path), torch.float32, CPU, None)
 
 
+
+def test_a_cut_or_missing_weights_file_is_a_clear_error(tmp_path):
+    """An interrupted download: a shard cut short, or one the index names and is not there
+    (both were tracebacks from safetensors)."""
+    config = LlamaConfig(**TINY)
+    _save_tiny(config, tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors "
+                                         r"file .*fetch it again"):
+        load_model(str(tmp_path / "cut"), torch.float32, CPU)
+    _save_tiny(config, tmp_path / "sharded").save_pretrained(tmp_path / "sharded",
+                                                             max_shard_size="60KB")
+    first = sorted((tmp_path / "sharded").glob("model-0*.safetensors"))[0]
+    first.unlink()
+    with pytest.raises(FileNotFoundError, match=f"the index names {first.name}, which is not "
+                                                "there"):
+        load_model(str(tmp_path / "sharded"), torch.float32, CPU)
+
+
 # --- the bundled SmolLM2-135M-Instruct GGUF -------------------------------------------------
 
 def _have_default_model() -> bool:

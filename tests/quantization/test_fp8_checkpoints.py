@@ -276,3 +276,14 @@ def test_a_rank_that_splits_a_block_is_refused():
         scale_rank_part(scheme, scale, (0, 64, 64), "w")
     # The last rank may end in the weight's partial edge block.
     assert scale_rank_part(scheme, torch.ones(5, 2), (0, 512, 64), "w").shape == (1, 2)
+
+
+def test_an_unknown_compressed_tensors_format_lists_every_format_taken():
+    """pack-quantized (int4) is taken too: the refusal of another format says so."""
+    from pagedserve.quantization.registry import checkpoint_config
+
+    config = {**w.compressed_config("channel", "dynamic"), "format": "nvfp4-pack-quantized"}
+    with pytest.raises(ValueError, match=r"format 'nvfp4-pack-quantized' is not supported "
+                                         r"\(supported: float-quantized, naive-quantized, "
+                                         r"pack-quantized\)"):
+        checkpoint_config(config)

@@ -151,3 +151,19 @@ def test_the_bundled_smollm2_keeps_its_q4_1_blocks():
     want_tokens, want_logits = generate_greedy(dense, prompts[1:], 2)
     assert tokens == want_tokens
     torch.testing.assert_close(logits[0], want_logits[0], rtol=1e-4, atol=1e-3)
+
+
+def test_a_gguf_without_a_tokenizer_loads_with_none_or_the_one_named(tmp_path):
+    """A weights-only GGUF (no tokenizer.ggml.model) loads as a directory without tokenizer
+    files does, and `--tokenizer` replaces the file's: it was converted first, and failed."""
+    from pagedserve.models.loader import load_model
+    from tests.models.test_gguf_families import qwen_vocab, write_vocab
+
+    vocab = qwen_vocab()
+    model = _tiny_llama(seed=4, vocab=len(vocab.tokens))
+    bare, with_vocab = tmp_path / "bare.gguf", tmp_path / "vocab.gguf"
+    write_llama_gguf(bare, model, {})
+    write_llama_gguf(with_vocab, model, {}, lambda writer: write_vocab(writer, vocab))
+    assert load_model(str(bare), torch.float32, CPU).tokenizer is None
+    named = load_model(str(bare), torch.float32, CPU, tokenizer=str(with_vocab)).tokenizer
+    assert named is not None and len(named) == len(vocab.tokens)

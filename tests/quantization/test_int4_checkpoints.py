@@ -291,6 +291,22 @@ def test_moe_kernel_runs_a_whole_model(float_models, tmp_path, monkeypatch, fami
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
+def test_vllm_marlin_names_are_the_format_they_run():
+    """`--quantization awq_marlin` / `gptq_marlin` (vLLM commands say so): the format's
+    check; the command line refused them as no choice."""
+    import argparse
+
+    from pagedserve.arg_utils import add_engine_args, engine_config
+    from pagedserve.quantization.registry import resolve_quantization
+
+    assert resolve_quantization("awq_marlin", "model_dir", "auto", CPU) == "awq"
+    assert resolve_quantization("GPTQ_Marlin", "model_dir", "auto", CPU) == "gptq"
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--quantization", "gptq_marlin"])
+    assert engine_config(args).model.quantization == "gptq_marlin"
+
+
 def test_the_checkpoint_format_as_vllm_names_it_in_the_flag(float_models, tmp_path):
     """`--quantization awq` on an AWQ checkpoint (a vLLM habit) loads it; on a checkpoint of
     another format, or none, it is refused naming both."""

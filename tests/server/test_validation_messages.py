@@ -42,3 +42,17 @@ def _describe(model: type[pydantic.BaseModel], body: dict) -> tuple[str, str | N
 ])
 def test_the_error_names_the_field_of_the_branch_taken(model, body, message, param):
     assert _describe(model, body) == (message, param)
+
+
+def test_a_request_that_needs_the_missing_tokenizer_is_told_what_to_do():
+    """It said "send token ids" also to a token-id prompt asking for logprobs."""
+    from types import SimpleNamespace
+
+    from pagedserve.server.common import ApiError, ServerState
+
+    state = ServerState(llm=SimpleNamespace(tokenizer=None), model_name="m", metrics=None)
+    with pytest.raises(ApiError) as raised:
+        state.tokenizer  # noqa: B018 (the property raises)
+    assert raised.value.status == 400
+    assert "(text prompts, chat messages and logprobs do): send token ids, or serve it with " \
+           "--tokenizer DIR" in str(raised.value)

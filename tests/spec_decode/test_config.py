@@ -36,6 +36,13 @@ def test_a_model_without_a_method_is_a_draft_or_a_head_by_its_name(model, method
     assert spec.method == method
 
 
+@pytest.mark.parametrize("method", ["deepseek_mtp", "qwen3_next_mtp"])
+def test_vllm_per_model_mtp_names_read_as_mtp(method):
+    """Qwen3-Next's model card passes qwen3_next_mtp (it was refused as no method)."""
+    spec = parse_speculative_config({"method": method, "num_speculative_tokens": 2})
+    assert spec.method == "mtp"
+
+
 def test_lookup_defaults():
     spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
@@ -113,3 +120,15 @@ def test_a_pooling_model_is_refused_at_start_up(make_llm, tmp_path):
                                          r"tokens to draft"):
         make_llm(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB",
                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_more_drafts_than_the_context_holds_are_refused_at_start_up(make_llm, tmp_path):
+    """A K no sequence has room for is a mistake (it ran, silently cut to what fits)."""
+    from tests.spec_decode.test_engine import _tiny
+
+    path = _tiny(tmp_path / "tiny", 0, 32, 1)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens 100000 is not below the "
+                                         r"max_model_len 64"):
+        make_llm(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB",
+                 max_model_len=64,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 100000})

@@ -232,12 +232,16 @@ def test_guided_requests_beside_verify_steps(tmp_path, make_llm, monkeypatch):
     assert stats.spec_decode_num_drafts > 0 and any(mixed)
 
 
-def test_draft_of_another_vocabulary_is_refused(tiny_path, tmp_path):
+@pytest.mark.parametrize("positions", [256, 128])
+def test_draft_of_another_vocabulary_is_refused(tiny_path, tmp_path, positions):
+    """Also where its context is shorter than the target's too: the vocabulary is what rules
+    it out (the error named only --max-model-len, and the next start the vocabulary)."""
     from pagedserve import LLM
 
     config = transformers.LlamaConfig(vocab_size=VOCAB + 1, hidden_size=16,
                                       intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2)
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=positions)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vocabulary of 98 tokens, the target 97"):
         LLM(model=tiny_path, dtype="float32", device="cpu", kv_cache_memory="8MiB",
