@@ -1,10 +1,12 @@
-"""compressed-tensors `pack-quantized` checkpoints, weight-only int4 (llm-compressor's W4A16):
-per linear `weight_packed` int32 [out, ceil(in / 8)] with eight codes a word along the input
-dim (nibble i: input 8c+i) stored as code + 8, `weight_shape` [out, in], `weight_scale`
-[out, in / group_size] (strategy group) or [out, 1] (channel), and when asymmetric
-`weight_zero_point`, packed the same way along the output dim ([ceil(out / 8), groups]; an
-unpacked int8 [out, groups] is read too). Group act-order adds `weight_g_idx` [in].
-w = (q - zero) * scale. Dequantized at load (packed.py); other schemes are refused by name."""
+"""compressed-tensors `pack-quantized` checkpoints, weight-only int4 or int8 (llm-compressor's
+W4A16 and W8A16; the module keeps its 4-bit name and serves both): per linear `weight_packed`
+int32 [out, ceil(in / p)] with p = 32 / num_bits codes a word along the input dim, low bits
+first (code i: input p*c+i), each stored as signed value + 2^(num_bits - 1), `weight_shape`
+[out, in], `weight_scale` [out, in / group_size] (strategy group) or [out, 1] (channel), and
+when asymmetric `weight_zero_point`, packed (and offset) the same way along the output dim
+([ceil(out / p), groups]; an unpacked signed [out, groups] is read too). Group act-order adds
+`weight_g_idx` [in]. w = (q - zero) * scale. Dequantized at load (packed.py); other schemes
+(other widths among them) are refused by name."""
 
 from __future__ import annotations
 
@@ -19,8 +21,7 @@ from pagedserve.quantization.base import QuantizationConfig
 from pagedserve.quantization.packed import PackedFormat, check_family, packed_method
 
 FORMAT = "pack-quantized"
-OFFSET = 1 << (fmt.BITS - 1)  # codes are stored as value + 8
-SUPPORTED = ("weights: 4-bit int, strategy group (group_size) or channel, symmetric or not, "
+SUPPORTED = ("weights: 4- or 8-bit int, strategy group (group_size) or channel, symmetric or not, "
              "actorder none / group / weight; no input activations; targets: Linear")
 # compressed-tensors' act-order names: "group" needs the g_idx, "weight" keeps the groups in
 # input order (only the quantization order changed); "dynamic" and "static" are their aliases.
@@ -29,12 +30,13 @@ ACTORDER = {None: None, "group": "group", "dynamic": "group", "weight": "weight"
 
 
 class CompressedW4A16Format(PackedFormat):
-    def __init__(self, group_size: int, symmetric: bool, g_idx: bool) -> None:
+    def __init__(self, group_size: int, symmetric: bool, g_idx: bool, bits: int = 4) -> None:
         self.group_size = group_size
         self.symmetric = symmetric
         self.g_idx = g_idx
+        self.bits = bits
         group = "per channel" if group_size == -1 else f"group {group_size}"
-        self.name = (f"compressed-tensors int4 {'symmetric' if symmetric else 'asymmetric'}, "
+        self.name = (f"compressed-tensors int{bits} {'symmetric' if symmetric else 'asymmetric'}, "
                      f"{group}" + (", act-order" if g_idx else ""))
 
     def checkpoint_tensors(self) -> tuple[str, ...]:
@@ -47,33 +49,36 @@ class CompressedW4A16Format(PackedFormat):
 
     def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
         packed = tensors["weight_packed"]
+        per_word = 32 // self.bits
         shape = tensors["weight_shape"].flatten().tolist()
         if len(shape) != 2 or packed.dim() != 2 or shape[0] != packed.shape[0] \
-                or math.ceil(shape[1] / fmt.PER_WORD) != packed.shape[1]:
+                or math.ceil(shape[1] / per_word) != packed.shape[1]:
             raise ValueError(f"{what}.weight_shape is {shape}, but {what}.weight_packed has "
-                             f"shape {tuple(packed.shape)} (eight inputs a word)")
+                             f"shape {tuple(packed.shape)} ({per_word} inputs a word)")
         n, k = shape
         size, groups = fmt.groups_of(k, self.group_size, what)
         why = f"a [{n}, {k}] weight in groups of {size}"
         fmt.check_shape(tensors["weight_scale"], (n, groups), f"{what}.weight_scale", why)
-        # Codes and zero points are stored as value + 8: subtracting one from the other
-        # cancels the offset, and a symmetric weight's zero point is the offset itself.
-        codes = fmt.unpack_int32(packed, 1, f"{what}.weight_packed")[:, :k]
-        zeros = torch.full((n, groups), OFFSET, dtype=torch.int32) if self.symmetric else \
-            _zero_points(tensors["weight_zero_point"], n, groups, f"{what}.weight_zero_point")
+        # Codes and zero points are stored as value + 2^(bits - 1): subtracting one from the
+        # other cancels the offset, and a symmetric weight's zero point is the offset itself.
+        codes = fmt.unpack_int32(packed, 1, f"{what}.weight_packed", self.bits)[:, :k]
+        zeros = torch.full((n, groups), 1 << (self.bits - 1), dtype=torch.int32) \
+            if self.symmetric else _zero_points(tensors["weight_zero_point"], n, groups,
+                                                self.bits, f"{what}.weight_zero_point")
         group = fmt.group_index(tensors.get("weight_g_idx"), k, size, groups,
                                 f"{what}.weight_g_idx")
-        return fmt.Int4Codes(codes, zeros, tensors["weight_scale"], group)
+        return fmt.Int4Codes(codes, zeros, tensors["weight_scale"], group, self.bits)
 
 
-def _zero_points(zp: torch.Tensor, n: int, groups: int, what: str) -> torch.Tensor:
-    """Zero points + 8 [n, groups], from packed int32 words [ceil(n / 8), groups] or signed
-    as stored."""
-    if zp.dtype == torch.int32 and tuple(zp.shape) == (math.ceil(n / fmt.PER_WORD), groups):
-        return fmt.unpack_int32(zp, 0, what)[:n]
+def _zero_points(zp: torch.Tensor, n: int, groups: int, bits: int, what: str) -> torch.Tensor:
+    """Zero points + 2^(bits - 1) [n, groups], from packed int32 words [ceil(n / p), groups]
+    or signed as stored."""
+    packed = (math.ceil(n / (32 // bits)), groups)
+    if zp.dtype == torch.int32 and tuple(zp.shape) == packed:
+        return fmt.unpack_int32(zp, 0, what, bits)[:n]
     fmt.check_shape(zp, (n, groups), what, f"{n} rows in {groups} groups (or packed: "
-                    f"{(math.ceil(n / fmt.PER_WORD), groups)} int32)")
-    return zp.to(torch.int32) + OFFSET
+                    f"{packed} int32)")
+    return zp.to(torch.int32) + (1 << (bits - 1))
 
 
 class CompressedTensorsW4A16Config(QuantizationConfig):
@@ -101,17 +106,17 @@ class CompressedTensorsW4A16Config(QuantizationConfig):
         return packed_method(self.format, layer, prefix, hf_names)
 
     def check_model(self, model: nn.Module) -> None:
-        check_family(model, "compressed-tensors int4")
+        check_family(model, f"compressed-tensors int{self.format.bits}")
 
 
-def _scheme(group: dict[str, Any]) -> tuple[int, bool, bool]:
-    """(group size or -1, symmetric, act-order g_idx) of one config group."""
+def _scheme(group: dict[str, Any]) -> tuple[int, bool, bool, int]:
+    """(group size or -1, symmetric, act-order g_idx, bits) of one config group."""
     targets = group.get("targets") or []
     weights = group.get("weights") or {}
     strategy = weights.get("strategy")
     actorder = weights.get("actorder")
     if list(targets) != ["Linear"] or group.get("input_activations") \
-            or (weights.get("num_bits"), weights.get("type")) != (4, "int") \
+            or weights.get("num_bits") not in fmt.WIDTHS or weights.get("type") != "int" \
             or weights.get("dynamic") or strategy not in ("group", "channel") \
             or actorder not in ACTORDER:
         brief = {k: weights.get(k) for k in ("num_bits", "type", "strategy", "actorder")}
@@ -122,4 +127,5 @@ def _scheme(group: dict[str, Any]) -> tuple[int, bool, bool]:
     if strategy == "group" and size <= 0:
         raise ValueError(f"compressed-tensors group weights need a group_size, got "
                          f"{weights.get('group_size')}")
-    return size, bool(weights.get("symmetric", True)), ACTORDER[actorder] == "group"
+    return (size, bool(weights.get("symmetric", True)), ACTORDER[actorder] == "group",
+            int(weights["num_bits"]))

@@ -1,11 +1,13 @@
-"""GPTQ checkpoints (`quant_method: gptq`, AutoGPTQ / GPTQModel): per linear `qweight` int32
-[in / 8, out] with eight 4-bit codes a word packed along the input dim (nibble i: input 8r+i),
-`qzeros` int32 [groups, out / 8] packed along the output dim, `scales` float16 [groups, out],
+"""GPTQ checkpoints (`quant_method: gptq`, AutoGPTQ / GPTQModel), 4 or 8 bits: per linear
+`qweight` int32 [in / p, out] with p = 32 / bits codes a word packed along the input dim, low
+bits first (code i: input p*r+i), `qzeros` int32 [groups, out / p] packed likewise along the
+output dim, `scales` float16 [groups, out],
 and `g_idx` int32 [in], each input's group. With `desc_act` (act-order) the inputs were
 quantized in another order, so `g_idx` is any map and must be there; without it the groups
 are runs of `group_size` inputs (a `g_idx` present is still read). `checkpoint_format` gptq
-stores each zero point minus one (read back as nibble + 1, as the kernels do), gptq_v2 as is;
-`sym` changes the values only (zero 8), not the layout. Dequantized at load (packed.py)."""
+stores each zero point minus one (read back as code + 1, as the kernels do), gptq_v2 as is;
+`sym` changes the values only (zero 2^(bits - 1)), not the layout. Other widths (2, 3) are
+refused by name. Dequantized at load (packed.py)."""
 
 from __future__ import annotations
 
@@ -22,12 +24,14 @@ FORMATS = ("gptq", "gptq_v2")
 
 
 class GptqFormat(PackedFormat):
-    def __init__(self, group_size: int, act_order: bool, zero_offset: int) -> None:
+    def __init__(self, group_size: int, act_order: bool, zero_offset: int, bits: int = 4
+                 ) -> None:
         self.group_size = group_size
         self.act_order = act_order
         self.zero_offset = zero_offset  # 1: v1's zero points are stored minus one
+        self.bits = bits
         version = "gptq" if zero_offset else "gptq_v2"
-        self.name = (f"GPTQ int4 ({version}), group {group_size}"
+        self.name = (f"GPTQ int{bits} ({version}), group {group_size}"
                      + (", act-order" if act_order else ""))
 
     def checkpoint_tensors(self) -> tuple[str, ...]:
@@ -39,18 +43,20 @@ class GptqFormat(PackedFormat):
 
     def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
         qweight = tensors["qweight"]
-        k, n = qweight.shape[0] * fmt.PER_WORD, qweight.shape[1]
+        per_word = 32 // self.bits
+        k, n = qweight.shape[0] * per_word, qweight.shape[1]
         size, groups = fmt.groups_of(k, self.group_size, what)
         why = f"a [{k}, {n}] weight in groups of {size}"
         if self.act_order and self.group_size != -1:
             # Act-order groups need not be runs, but there are still k / size of them.
             why += " (act-order)"
-        fmt.check_shape(tensors["qzeros"], (groups, n // fmt.PER_WORD), f"{what}.qzeros", why)
+        fmt.check_shape(tensors["qzeros"], (groups, n // per_word), f"{what}.qzeros", why)
         fmt.check_shape(tensors["scales"], (groups, n), f"{what}.scales", why)
-        codes = fmt.unpack_int32(qweight, 0, f"{what}.qweight")  # [K, N]
-        zeros = fmt.unpack_int32(tensors["qzeros"], 1, f"{what}.qzeros") + self.zero_offset
+        codes = fmt.unpack_int32(qweight, 0, f"{what}.qweight", self.bits)  # [K, N]
+        zeros = fmt.unpack_int32(tensors["qzeros"], 1, f"{what}.qzeros", self.bits) \
+            + self.zero_offset
         group = fmt.group_index(tensors.get("g_idx"), k, size, groups, f"{what}.g_idx")
-        return fmt.Int4Codes(codes.t(), zeros.t(), tensors["scales"].t(), group)
+        return fmt.Int4Codes(codes.t(), zeros.t(), tensors["scales"].t(), group, self.bits)
 
 
 class GptqConfig(QuantizationConfig):
@@ -64,15 +70,15 @@ class GptqConfig(QuantizationConfig):
     def from_config(cls, data: dict[str, Any]) -> GptqConfig:
         bits = data.get("bits")
         version = data.get("checkpoint_format", data.get("format", "gptq"))
-        if bits != 4 or version not in FORMATS:
+        if bits not in fmt.WIDTHS or version not in FORMATS:
             raise ValueError(f"GPTQ bits={bits}, checkpoint_format={version!r} is not "
-                             f"supported (supported: 4 bits, {' or '.join(FORMATS)})")
+                             f"supported (supported: 4 or 8 bits, {' or '.join(FORMATS)})")
         if data.get("lm_head"):
             raise ValueError("GPTQ with a quantized lm_head (lm_head: true) is not supported")
         if data.get("dynamic"):
             raise ValueError("GPTQ per-module overrides (dynamic) are not supported")
         group = int(data.get("group_size", 128))
-        return cls(GptqFormat(group, bool(data.get("desc_act")), int(version == "gptq")))
+        return cls(GptqFormat(group, bool(data.get("desc_act")), int(version == "gptq"), bits))
 
     def get_method(self, layer: nn.Module, prefix: str, hf_names: list[str]) -> Any:
         if prefix == "lm_head":

@@ -1,11 +1,13 @@
-"""4-bit weights as checkpoints pack them, and the arithmetic every 4-bit format shares:
-unpacking nibbles from int32 words or bytes, expanding per-group scales and zero points to
-every input column (in order, or through an act-order `g_idx`), and the checks that name a
-tensor whose shape does not fit.
+"""Integer weights as checkpoints pack them, 4-bit and (GPTQ, compressed-tensors) 8-bit, and
+the arithmetic those formats share: unpacking codes from int32 words, expanding per-group
+scales and zero points to every input column (in order, or through an act-order `g_idx`), and
+the checks that name a tensor whose shape does not fit. (The module and `Int4Codes` keep their
+4-bit names: 4 bits is the common case and what the MoE kernel reads; `Int4Codes.bits` says
+the width.)
 
 Everything works in float32 on the CPU and is exact: a code minus a zero point is an integer
-of at most 5 bits, a float16 or bfloat16 scale has at most 11 significant bits, so their
-product is a float32 without rounding; an e2m1 value times a power of two likewise.
+of at most 9 bits (8-bit codes), a float16 or bfloat16 scale has at most 11 significant bits,
+so their product is a float32 without rounding; an e2m1 value times a power of two likewise.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 BITS = 4
 PER_WORD = 32 // BITS  # nibbles in an int32
-MASK = (1 << BITS) - 1
+WIDTHS = (4, 8)  # the code widths the integer formats read (both divide a word evenly)
 
 
 def tensor(t: Any) -> torch.Tensor:
@@ -28,14 +30,14 @@ def tensor(t: Any) -> torch.Tensor:
     return materialize(t)
 
 
-def unpack_int32(words: torch.Tensor, dim: int, what: str) -> torch.Tensor:
-    """int32 words -> int32 codes 0..15, eight per word along `dim`, nibble i (bits 4i..4i+3)
-    the i-th value: [.., W, ..] -> [.., 8W, ..]."""
+def unpack_int32(words: torch.Tensor, dim: int, what: str, bits: int = BITS) -> torch.Tensor:
+    """int32 words -> int32 codes 0..2^bits - 1, 32 / bits per word along `dim`, low bits
+    first (code i: bits i*bits..(i+1)*bits - 1): [.., W, ..] -> [.., (32 / bits) W, ..]."""
     if words.dtype != torch.int32:
-        raise ValueError(f"{what} is {words.dtype}; packed 4-bit weights are int32 words")
-    shifts = torch.arange(0, 32, BITS, dtype=torch.int32)
+        raise ValueError(f"{what} is {words.dtype}; packed {bits}-bit weights are int32 words")
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     w = words.movedim(dim, -1)
-    codes = (w.unsqueeze(-1) >> shifts) & MASK  # [..., W, 8]
+    codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., W, 32 / bits]
     return codes.flatten(-2).movedim(-1, dim)
 
 
@@ -74,13 +76,15 @@ def check_shape(t: torch.Tensor, want: tuple[int, ...], what: str, why: str) -> 
 @dataclass
 class Int4Codes:
     """One weight's integer codes, unpacked in a format-neutral layout: w = (codes - zeros[:,
-    group]) * scales[:, group]. codes [N, K] 0..15; zeros [N, G] (0..16: GPTQ's v1 stores a
-    zero of 16 as 15); scales [N, G] as stored; group [K], each input's group."""
+    group]) * scales[:, group]. codes [N, K] 0..2^bits - 1; zeros [N, G] (0..2^bits: GPTQ's v1
+    stores a zero of 2^bits as 2^bits - 1); scales [N, G] as stored; group [K], each input's
+    group; bits 4 or 8."""
 
     codes: torch.Tensor
     zeros: torch.Tensor
     scales: torch.Tensor
     group: torch.Tensor
+    bits: int = BITS
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]."""

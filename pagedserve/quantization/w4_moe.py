@@ -9,8 +9,9 @@ of a projection run along the inputs in order with one size, the kernel computes
 group; otherwise (act-order, whose map differs per expert and may differ between gate and up;
 a row-parallel slice that splits a group; parts whose group sizes differ) the projection keeps
 a group map `g_idx` [E, P, K] the kernel reads, with the scales padded to the most groups any
-part has. Inputs an odd number (or a slice that splits a byte of two codes) are refused by
-name: the dequantizing path (`PAGEDSERVE_W4A16_KERNEL=0`) serves them.
+part has. Inputs an odd number (or a slice that splits a byte of two codes) and 8-bit experts
+(GPTQ, compressed-tensors) are refused by name: the dequantizing path
+(`PAGEDSERVE_W4A16_KERNEL=0`) serves them.
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ def _codes(packed: Any, tensors: dict[str, torch.Tensor], what: str) -> _Codes |
         return _Codes(blocks.reshape(blocks.shape[0], -1), scales, None,
                       torch.arange(k) // 32)
     c = packed.unpack(tensors, what)
+    if c.bits != 4:
+        raise ValueError(f"{what} is {packed.name}: the MoE kernel reads 4-bit codes only "
+                         "(PAGEDSERVE_W4A16_KERNEL=0 dequantizes the experts at load)")
     n, k = c.codes.shape
     if k % 2:
         raise ValueError(f"{what} has {k} inputs; the 4-bit MoE kernel packs two codes a "

@@ -31,7 +31,7 @@ def use_kernel(layer: nn.Linear, method: Any, staged: dict[str | None, dict],
     for shard, tensors in staged.items():
         what = method.part_name(shard)
         codes = method.packed.unpack(tensors, what)
-        if codes is None:
+        if codes is None or codes.bits != 4:  # the kernel reads 4-bit codes only (so far)
             return False
         codes = _rank_part(layer, codes, shard)
         start, size = rows[shard] or (0, layer.out_features)
@@ -66,6 +66,6 @@ def _rank_part(layer: nn.Linear, codes: Int4Codes, shard: str | None) -> Int4Cod
     if dim == 0:
         return Int4Codes(codes.codes.narrow(0, start, length),
                          codes.zeros.narrow(0, start, length),
-                         codes.scales.narrow(0, start, length), codes.group)
+                         codes.scales.narrow(0, start, length), codes.group, codes.bits)
     return Int4Codes(codes.codes.narrow(1, start, length), codes.zeros, codes.scales,
-                     codes.group.narrow(0, start, length))
+                     codes.group.narrow(0, start, length), codes.bits)

@@ -1,5 +1,6 @@
-"""The tests' own 4-bit quantizers and packers: a float checkpoint's projections rewritten as
-AWQ, GPTQ, compressed-tensors pack-quantized or (gpt-oss experts) MXFP4 tensors, beside a float
+"""The tests' own 4-bit (and GPTQ / compressed-tensors 8-bit) quantizers and packers: a float
+checkpoint's projections rewritten as AWQ, GPTQ, compressed-tensors pack-quantized or (gpt-oss
+experts) MXFP4 tensors, beside a float
 checkpoint of the very values those codes stand for (the reference transformers runs).
 
 Written apart from `pagedserve.quantization` on purpose, from the formats' descriptions: a
@@ -23,10 +24,12 @@ AWQ_NIBBLE_COLUMNS = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i holds column AWQ_NIBBL
 
 def quantize(w: torch.Tensor, group_size: int, sym: bool, act_order: bool = False,
              min_zero: int = 0, scale_dtype: torch.dtype = torch.float16,
-             seed: int = 0) -> dict[str, torch.Tensor]:
-    """w [N, K] -> unsigned codes q [N, K] (0..15), zeros [N, G] (0..15; 8 when symmetric),
-    scales [N, G] in `scale_dtype`, g_idx [K], and deq [N, K] = (q - zero) * scale in float32.
-    act_order: the groups are runs of a random permutation of the inputs."""
+             seed: int = 0, bits: int = 4) -> dict[str, torch.Tensor]:
+    """w [N, K] -> unsigned codes q [N, K] (0..2^bits - 1), zeros [N, G] (0..2^bits - 1;
+    2^(bits - 1) when symmetric), scales [N, G] in `scale_dtype`, g_idx [K], and deq [N, K] =
+    (q - zero) * scale in float32. act_order: the groups are runs of a random permutation of
+    the inputs."""
+    top, mid = (1 << bits) - 1, 1 << (bits - 1)
     w = w.float()
     n, k = w.shape
     size = k if group_size == -1 else group_size
@@ -40,33 +43,35 @@ def quantize(w: torch.Tensor, group_size: int, sym: bool, act_order: bool = Fals
     for g in range(groups):
         cols = w[:, g_idx == g]
         if sym:
-            scales[:, g] = cols.abs().amax(1) / 7
-            zeros[:, g] = 8
+            scales[:, g] = cols.abs().amax(1) / (mid - 1)
+            zeros[:, g] = mid
         else:
             lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
-            scales[:, g] = (hi - lo) / 15
-            zeros[:, g] = torch.round(-lo / scales[:, g]).clamp(min_zero, 15)
+            scales[:, g] = (hi - lo) / top
+            zeros[:, g] = torch.round(-lo / scales[:, g]).clamp(min_zero, top)
     scales = scales.to(scale_dtype)
     s = scales.float()[:, g_idx.long()]
     z = zeros[:, g_idx.long()]
-    q = torch.round(w / s + z).clamp(0, 15)
+    q = torch.round(w / s + z).clamp(0, top)
     return {"q": q.to(torch.int32), "zeros": zeros.to(torch.int32), "scales": scales,
             "g_idx": g_idx, "deq": (q - z) * s}
 
 
-def pack(codes: torch.Tensor, dim: int, nibble_columns: list[int] | None = None
-         ) -> torch.Tensor:
-    """Integers 0..15 -> int32 words of eight along `dim` (padded with zeros); nibble i of
-    word c holds element 8c + nibble_columns[i] (default i)."""
+def pack(codes: torch.Tensor, dim: int, nibble_columns: list[int] | None = None,
+         bits: int = 4) -> torch.Tensor:
+    """Integers 0..2^bits - 1 -> int32 words of p = 32 / bits along `dim` (padded with
+    zeros); field i (bits i*bits and up) of word c holds element p*c + nibble_columns[i]
+    (default i)."""
     a = codes.numpy().astype(np.uint32)
     if dim == 0:
-        return pack(codes.t(), 1, nibble_columns).t().contiguous()
-    pad = -a.shape[1] % 8
+        return pack(codes.t(), 1, nibble_columns, bits).t().contiguous()
+    per = 32 // bits
+    pad = -a.shape[1] % per
     a = np.pad(a, [(0, 0), (0, pad)])
-    order = nibble_columns or list(range(8))
-    out = np.zeros((a.shape[0], a.shape[1] // 8), dtype=np.uint32)
-    for i in range(8):
-        out |= a[:, order[i]::8] << np.uint32(4 * i)
+    order = nibble_columns or list(range(per))
+    out = np.zeros((a.shape[0], a.shape[1] // per), dtype=np.uint32)
+    for i in range(per):
+        out |= a[:, order[i]::per] << np.uint32(bits * i)
     return torch.from_numpy(out.view(np.int32).copy())
 
 
@@ -78,22 +83,25 @@ def awq_tensors(w: torch.Tensor, group_size: int) -> tuple[dict, torch.Tensor]:
 
 
 def gptq_tensors(w: torch.Tensor, group_size: int, sym: bool, act_order: bool, v1: bool,
-                 seed: int) -> tuple[dict, torch.Tensor]:
-    # gptq (v1) stores zero - 1 in four bits, which cannot hold a zero of 0.
-    r = quantize(w, group_size, sym, act_order, min_zero=1 if v1 else 0, seed=seed)
-    return {"qweight": pack(r["q"].t(), 0),
-            "qzeros": pack((r["zeros"] - int(v1)).t(), 1),
+                 seed: int, bits: int = 4) -> tuple[dict, torch.Tensor]:
+    # gptq (v1) stores zero - 1 in `bits` bits, which cannot hold a zero of 0.
+    r = quantize(w, group_size, sym, act_order, min_zero=1 if v1 else 0, seed=seed, bits=bits)
+    return {"qweight": pack(r["q"].t(), 0, bits=bits),
+            "qzeros": pack((r["zeros"] - int(v1)).t(), 1, bits=bits),
             "scales": r["scales"].t().contiguous(),
             "g_idx": r["g_idx"]}, r["deq"]
 
 
-def ct_tensors(w: torch.Tensor, group_size: int, sym: bool, act_order: bool, seed: int
-               ) -> tuple[dict, torch.Tensor]:
-    r = quantize(w, group_size, sym, act_order, scale_dtype=torch.bfloat16, seed=seed)
-    out = {"weight_packed": pack(r["q"], 1), "weight_scale": r["scales"],
+def ct_tensors(w: torch.Tensor, group_size: int, sym: bool, act_order: bool, seed: int,
+               bits: int = 4) -> tuple[dict, torch.Tensor]:
+    # compressed-tensors stores signed values plus 2^(bits - 1): the unsigned codes as they
+    # are, their zero points likewise.
+    r = quantize(w, group_size, sym, act_order, scale_dtype=torch.bfloat16, seed=seed,
+                 bits=bits)
+    out = {"weight_packed": pack(r["q"], 1, bits=bits), "weight_scale": r["scales"],
            "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
     if not sym:
-        out["weight_zero_point"] = pack(r["zeros"], 0)
+        out["weight_zero_point"] = pack(r["zeros"], 0, bits=bits)
     if act_order:
         out["weight_g_idx"] = r["g_idx"]
     return out, r["deq"]
@@ -104,14 +112,15 @@ def awq_config(group_size: int) -> dict:
             "version": "gemm", "modules_to_not_convert": None}
 
 
-def gptq_config(group_size: int, sym: bool, act_order: bool, v1: bool) -> dict:
-    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order,
+def gptq_config(group_size: int, sym: bool, act_order: bool, v1: bool, bits: int = 4
+                ) -> dict:
+    return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
             "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2", "lm_head": False,
             "true_sequential": True, "damp_percent": 0.01}
 
 
-def ct_config(group_size: int, sym: bool, act_order: bool) -> dict:
-    weights = {"num_bits": 4, "type": "int", "symmetric": sym, "dynamic": False,
+def ct_config(group_size: int, sym: bool, act_order: bool, bits: int = 4) -> dict:
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False,
                "strategy": "channel" if group_size == -1 else "group",
                "group_size": None if group_size == -1 else group_size,
                "actorder": "group" if act_order else None, "observer": "minmax"}
@@ -131,14 +140,14 @@ def write_int4(src: Path, dst: Path, ref: Path, qconfig: dict) -> None:
     elif method == "gptq":
         def tensors(w, seed):
             return gptq_tensors(w, qconfig["group_size"], qconfig["sym"], qconfig["desc_act"],
-                                qconfig["checkpoint_format"] == "gptq", seed)
+                                qconfig["checkpoint_format"] == "gptq", seed, qconfig["bits"])
     else:
         weights = qconfig["config_groups"]["group_0"]["weights"]
         group = weights["group_size"] or -1
 
         def tensors(w, seed):
             return ct_tensors(w, group, weights["symmetric"], weights["actorder"] == "group",
-                              seed)
+                              seed, weights["num_bits"])
     state = _state(src)
     quantized, dequantized = {}, {}
     for name, t in sorted(state.items()):

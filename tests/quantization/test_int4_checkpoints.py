@@ -146,13 +146,10 @@ REFUSALS = {
         None, r"o_proj\.weight is not part of AWQ int4, group 64 \(expected qweight, qzeros, "
               r"scales\)"),
     "an unsupported GPTQ width": ("gptq-v2-sym-g128", None, lambda q: q.update(bits=3),
-                                  r"GPTQ bits=3, checkpoint_format='gptq_v2' is not supported"),
+                                  r"GPTQ bits=3, checkpoint_format='gptq_v2' is not supported "
+                                  r"\(supported: 4 or 8 bits"),
     "AWQ's gemv layout": ("awq-g64", None, lambda q: q.update(version="gemv"),
                           r"AWQ bits=4, version='gemv'.*not supported"),
-    "compressed-tensors int8": (
-        "ct-sym-g128", None,
-        lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=8),
-        r"pack-quantized .*'num_bits': 8.*not supported \(supported: weights: 4-bit int"),
 }
 
 
