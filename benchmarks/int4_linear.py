@@ -1,13 +1,13 @@
 """W4A16 linears against bf16 on the GPU, one projection shape at a time:
 
     python benchmarks/int4_linear.py [--shapes 8b] [--tokens 1,4,16,64,256,1024,8192]
-        [--group 128] [--act-order] [--json FILE]
+        [--group 128] [--act-order] [--bits 4|8] [--json FILE]
 
 For each projection (N, K) of Llama-3.1-8B and each token count M it times, with CUDA events
 (median of 20 after 5 warm-ups), on the same random weights:
 - bf16: `F.linear(x, W)` with W the dequantized weight;
 - w4a16: the Triton GEMM that dequantizes in registers (`ops/w4a16_gemm.py`, tiles from its
-  table keyed by M);
+  table keyed by M), reading 4-bit codes or, with --bits 8, 8-bit ones (W8A16);
 - dequant + bf16: the whole weight dequantized, then `F.linear` (the large-M alternative that
   `DEQUANTIZE_ABOVE_M` switches to),
 and prints each path's time, its speed-up over bf16 and the max relative error of w4a16
@@ -44,15 +44,16 @@ def _time(fn, iters: int = 20, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def _weight(n: int, k: int, group: int, act_order: bool) -> Int4Codes:
+def _weight(n: int, k: int, group: int, act_order: bool, bits: int) -> Int4Codes:
     groups = k // group
     index = torch.arange(k, device="cuda") // group
     if act_order:
         index = index[torch.randperm(k, device="cuda")]
-    return Int4Codes(torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32),
-                     torch.randint(0, 16, (n, groups), device="cuda", dtype=torch.int32),
+    top = 1 << bits
+    return Int4Codes(torch.randint(0, top, (n, k), device="cuda", dtype=torch.int32),
+                     torch.randint(0, top, (n, groups), device="cuda", dtype=torch.int32),
                      torch.rand(n, groups, device="cuda", dtype=torch.float16) * 0.01,
-                     index)
+                     index, bits)
 
 
 def main() -> None:
@@ -61,14 +62,15 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,4,16,64,256,1024,8192")
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--act-order", action="store_true")
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
     print(f"{'shape':>8} {'N':>6} {'K':>6} {'M':>5} {'bf16 ms':>8} {'w4a16 ms':>9} "
           f"{'x':>5} {'deq+bf16':>9} {'x':>5} {'rel err':>8}")
     for name, (n, k) in SHAPES[args.shapes].items():
-        codes = _weight(n, k, args.group, args.act_order)
-        weight = w4a16_layout(codes.codes, codes.zeros, codes.scales, codes.group)
+        codes = _weight(n, k, args.group, args.act_order, args.bits)
+        weight = w4a16_layout(codes.codes, codes.zeros, codes.scales, codes.group, args.bits)
         dense = codes.dequantize().to(torch.bfloat16)
         packed_bytes = sum(t.numel() * t.element_size() for t in
                            (weight.qweight, weight.scales, weight.zeros, weight.g_idx))
@@ -88,7 +90,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "group": args.group,
-                       "act_order": args.act_order, "rows": rows}, f, indent=1)
+                       "act_order": args.act_order, "bits": args.bits,
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ class PackedLinearMethod(LinearMethod):
             from pagedserve.quantization.w4a16 import use_kernel
 
             if use_kernel(layer, self, staged, rows):
-                self.name = f"{self.packed.name} -> W4A16 kernel"
+                self.name = f"{self.packed.name} -> W{layer.w4a16.bits}A16 kernel"
                 return
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
                                                 dtype=layer.model_dtype, device=device),

@@ -1,7 +1,7 @@
-"""Which packed linears keep their 4-bit codes for the W4A16 kernel (`ops/w4a16_gemm.py`), and
-their layout: each part of a fused layer (q, k, v; gate, up) unpacked to `Int4Codes`, cut to
-this rank's slice (rows of a column-parallel part; inputs of a row-parallel one, with their
-group indices), and stacked along the outputs.
+"""Which packed linears keep their 4- or 8-bit codes for the W4A16 kernel (`ops/w4a16_gemm.py`,
+which serves both widths), and their layout: each part of a fused layer (q, k, v; gate, up)
+unpacked to `Int4Codes`, cut to this rank's slice (rows of a column-parallel part; inputs of a
+row-parallel one, with their group indices), and stacked along the outputs.
 
 The kernel reads one group index per input for the whole layer. The parts of a fused layer
 share their input, so GPTQ's act-order gives them the same order; parts whose indices differ
@@ -31,7 +31,7 @@ def use_kernel(layer: nn.Linear, method: Any, staged: dict[str | None, dict],
     for shard, tensors in staged.items():
         what = method.part_name(shard)
         codes = method.packed.unpack(tensors, what)
-        if codes is None or codes.bits != 4:  # the kernel reads 4-bit codes only (so far)
+        if codes is None:
             return False
         codes = _rank_part(layer, codes, shard)
         start, size = rows[shard] or (0, layer.out_features)
@@ -49,7 +49,8 @@ def use_kernel(layer: nn.Linear, method: Any, staged: dict[str | None, dict],
         return False
     device = layer.weight.device
     weight = w4a16_layout(*(torch.cat([getattr(c, f) for _, c in parts]).to(device)
-                            for f in ("codes", "zeros", "scales")), group.to(device))
+                            for f in ("codes", "zeros", "scales")), group.to(device),
+                          parts[0][1].bits)  # one format, one width
     layer.w4a16 = weight
     del layer.weight
     layer.register_parameter("weight", None)

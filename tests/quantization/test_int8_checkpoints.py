@@ -83,3 +83,26 @@ def test_the_moe_kernel_refuses_eight_bit_experts_by_name(float_models, tmp_path
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.0\.(gate|up|down) is GPTQ "
                                          r"int8 .*: the MoE kernel reads 4-bit codes only"):
         load_model(str(tmp_path / "int8"), torch.float32, CPU)
+
+
+@pytest.mark.parametrize("case", ["gptq8-v1-asym-g64-actorder", "ct8-asym-g32"])
+def test_kernel_layout_runs_a_whole_model_in_eight_bits(float_models, tmp_path, monkeypatch,
+                                                        case):
+    """The CUDA layout on the CPU (the Triton GEMM with BITS=8 in the interpreter): every
+    linear keeps its 8-bit codes, and the logits equal the dequantized path's to float32
+    rounding."""
+    from pagedserve.quantization import packed
+    from tests.quantization.test_fp8_checkpoints import _prompts
+    from tests.utils.paged import run_prefill
+
+    w.write_int4(float_models["llama"], tmp_path / "int8", tmp_path / "ref", CASES[case])
+    prompts = _prompts(int4.INT4["vocab_size"])
+    exact = run_prefill(load_model(str(tmp_path / "int8"), torch.float32, CPU).model, prompts)
+    monkeypatch.setattr(packed, "KERNELS_ON_CPU", True)
+    model = load_model(str(tmp_path / "int8"), torch.float32, CPU).model
+    layer = model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        assert linear.weight is None and linear.w4a16.bits == 8
+        assert linear.quant_method.name.endswith("-> W8A16 kernel")
+    for got, want in zip(run_prefill(model, prompts), exact, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

@@ -1,7 +1,7 @@
-"""The W4A16 Triton GEMM against the float32 product of the dequantized weight: in the
-interpreter on the CPU (small shapes, float32 and float16 inputs; the interpreter's bf16 is
-broken), the kernel layout against each format's own dequantization, and `gpu` tests over the
-projection shapes of an 8B model, M = 1 to 8,192."""
+"""The W4A16 Triton GEMM (4- and 8-bit codes) against the float32 product of the dequantized
+weight: in the interpreter on the CPU (small shapes, float32 and float16 inputs; the
+interpreter's bf16 is broken), the kernel layout against each format's own dequantization, and
+`gpu` tests over the projection shapes of an 8B model, M = 1 to 8,192."""
 
 from __future__ import annotations
 
@@ -14,17 +14,18 @@ from pagedserve.quantization.ops.w4a16_gemm import w4a16_layout, w4a16_linear, w
 
 
 def _codes(n: int, k: int, group_size: int, act_order: bool, seed: int = 0,
-           device: str = "cpu") -> Int4Codes:
+           device: str = "cpu", bits: int = 4) -> Int4Codes:
     g = torch.Generator().manual_seed(seed)
     groups = -(-k // group_size)
     group = torch.arange(k) // group_size
     if act_order:
         group = group[torch.randperm(k, generator=g)]
-    c = Int4Codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32),
-                  torch.randint(0, 17, (n, groups), generator=g, dtype=torch.int32),
+    top = 1 << bits  # zeros up to 2^bits: GPTQ v1's stored maximum plus one
+    c = Int4Codes(torch.randint(0, top, (n, k), generator=g, dtype=torch.int32),
+                  torch.randint(0, top + 1, (n, groups), generator=g, dtype=torch.int32),
                   (torch.rand(n, groups, generator=g) * 0.02 + 1e-3).to(torch.float16),
-                  group)
-    return Int4Codes(*(t.to(device) for t in (c.codes, c.zeros, c.scales, c.group)))
+                  group, bits)
+    return Int4Codes(*(t.to(device) for t in (c.codes, c.zeros, c.scales, c.group)), bits)
 
 
 # (n, k, group size, act-order): K not a multiple of 8 or of the tile, groups of 32 / 64 /
@@ -32,19 +33,23 @@ def _codes(n: int, k: int, group_size: int, act_order: bool, seed: int = 0,
 SHAPES = [(48, 96, 32, False), (40, 100, 50, True), (64, 128, 64, True), (24, 72, 72, False)]
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,group,act_order", SHAPES)
-def test_layout_dequantizes_as_the_format_does(n, k, group, act_order):
-    c = _codes(n, k, group, act_order)
-    assert torch.equal(w4a16_layout(c.codes, c.zeros, c.scales, c.group)
-                       .dequantize(torch.float32), c.dequantize())
+def test_layout_dequantizes_as_the_format_does(n, k, group, act_order, bits):
+    c = _codes(n, k, group, act_order, bits=bits)
+    weight = w4a16_layout(c.codes, c.zeros, c.scales, c.group, bits)
+    assert weight.qweight.shape == (-(-k // (32 // bits)), n)
+    assert torch.equal(weight.dequantize(torch.float32), c.dequantize())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m", [1, 5, 33])
 @pytest.mark.parametrize("n,k,group,act_order", SHAPES)
-def test_interpreted_kernel_against_the_dequantized_product(m, n, k, group, act_order, dtype):
-    c = _codes(n, k, group, act_order, seed=m)
-    weight = w4a16_layout(c.codes, c.zeros, c.scales, c.group)
+def test_interpreted_kernel_against_the_dequantized_product(m, n, k, group, act_order, dtype,
+                                                            bits):
+    c = _codes(n, k, group, act_order, seed=m, bits=bits)
+    weight = w4a16_layout(c.codes, c.zeros, c.scales, c.group, bits)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     got = w4a16_mm(x, weight)
     # The kernel rounds each dequantized value to x's dtype and sums in float32.
@@ -65,18 +70,21 @@ def test_linear_adds_the_bias_and_keeps_leading_dims(monkeypatch):
     torch.testing.assert_close(w4a16_linear(x, weight, bias), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="input has 95 features; the 4-bit weight takes 96"):
         w4a16_mm(x[0, :, :95], weight)
+    with pytest.raises(ValueError, match="reads 4- or 8-bit codes, not 3-bit"):
+        w4a16_layout(c.codes, c.zeros, c.scales, c.group, 3)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 1024, 8192])
 @pytest.mark.parametrize("n,k,group,act_order", [(6144, 4096, 128, False),
                                                  (4096, 4096, 128, True),
                                                  (28672, 4096, 128, False),
                                                  (4096, 14336, 128, False),
                                                  (4096, 4096, 32, False)])
-def test_gpu_kernel_against_the_dequantized_product(m, n, k, group, act_order):
-    c = _codes(n, k, group, act_order, device="cuda")
-    weight = w4a16_layout(c.codes, c.zeros, c.scales, c.group)
+def test_gpu_kernel_against_the_dequantized_product(m, n, k, group, act_order, bits):
+    c = _codes(n, k, group, act_order, device="cuda", bits=bits)
+    weight = w4a16_layout(c.codes, c.zeros, c.scales, c.group, bits)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     got = w4a16_mm(x, weight).float()
     want = x.float() @ c.dequantize().to(torch.bfloat16).float().T
