@@ -81,10 +81,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "share); default 0"),
     "PAGEDSERVE_W4A16_KERNEL": (
         lambda: (os.environ.get("PAGEDSERVE_W4A16_KERNEL") or "0").strip() not in ("", "0"),
-        "1: on CUDA, AWQ / GPTQ / compressed-tensors int4 linears keep their 4-bit codes for "
-        "the Triton W4A16 kernel, and MXFP4 / int4 experts theirs for the 4-bit grouped "
-        "expert GEMMs; default 0 (dequantized at load) until those kernels have passed their "
-        "GPU tests"),
+        "1: on CUDA, AWQ / GPTQ / compressed-tensors int4 and int8 linears keep their codes "
+        "for the Triton W4A16 kernel, and MXFP4 / int4 experts theirs for the 4-bit grouped "
+        "expert GEMMs (8-bit experts are refused there by name); default 0 (dequantized at "
+        "load) until those kernels have passed their GPU tests"),
     "PAGEDSERVE_GGUF_KERNEL": (
         lambda: (os.environ.get("PAGEDSERVE_GGUF_KERNEL") or "0").strip() not in ("", "0"),
         "1: on CUDA, a .gguf model's linears keep their blocks for the Triton GGUF GEMMs "

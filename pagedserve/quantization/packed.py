@@ -1,4 +1,5 @@
-"""Packed sub-byte weights (AWQ, GPTQ, compressed-tensors int4, MXFP4) dequantized at load.
+"""Packed integer weights (AWQ, GPTQ and compressed-tensors int4 / int8, MXFP4) dequantized at
+load.
 
 Each format is a `PackedFormat`: the tensors a checkpoint gives per weight (codes, scales,
 zero points, a group index) and how they become a float32 [out, in] weight. The layers' methods
@@ -7,8 +8,9 @@ and once every tensor is in, dequantize each whole checkpoint weight and copy th
 of it into the layer's float weight, in the model's dtype. The product is then the float
 layer's: the CPU runs every format this way, exactly (see int4_format.py). On CUDA, with
 `PAGEDSERVE_W4A16_KERNEL=1`, an integer format's linears instead keep their codes for the
-W4A16 kernel (`w4a16.py`; a fused layer whose parts' groups differ is dequantized), and every
-format's experts, act-order ones too, theirs for the 4-bit MoE kernel (`w4_moe.py`).
+W4A16 kernel (`w4a16.py`, 4- or 8-bit codes; a fused layer whose parts' groups differ is
+dequantized), and every 4-bit format's experts, act-order ones too, theirs for the 4-bit MoE
+kernel (`w4_moe.py`, which refuses 8-bit experts by name).
 
 A float `weight` where the config says packed, a tensor of another format, a missing one (the
 loader's coverage check) or a shape that does not fit are refused naming the tensor.
