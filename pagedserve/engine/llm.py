@@ -118,7 +118,8 @@ class LLM:
 
     def score(self, prompts: Sequence[list[int] | str],
               continuations: Sequence[list[int] | str],
-              use_tqdm: bool = False, mode: str = "decode") -> list[Any]:
+              use_tqdm: bool = False, mode: str = "decode",
+              truncate_prompt_tokens: int | None = None) -> list[Any]:
         """Teacher-forced scoring: for each prompt, a float32 CPU tensor [len(continuation),
         vocab] of the next-token log-distributions (row i predicts continuation[i]).
 
@@ -129,9 +130,14 @@ class LLM:
 
         A reranker (--runner pooling, a causal cross-encoder) scores pairs instead, as vLLM's
         LLM.score does: `prompts` the query (one, or one per document), `continuations` the
-        documents; a ScoringRequestOutput per pair, its `outputs.score` the relevance."""
+        documents; a ScoringRequestOutput per pair, its `outputs.score` the relevance.
+        `truncate_prompt_tokens` (a reranker's): each pair to at most k tokens (-1: the context
+        length), its document's end cut first (pooling/scoring.py)."""
         if self.engine.pooler_config is not None:
-            return self._score_pairs(prompts, continuations, use_tqdm)
+            return self._score_pairs(prompts, continuations, use_tqdm, truncate_prompt_tokens)
+        if truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens applies to a reranker's pairs; teacher-"
+                             "forced scoring does not truncate")
         if mode not in ScoringTask.MODES:
             raise ValueError(f"mode must be 'decode' or 'prefill', not {mode!r}")
         prompts = [self._score_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
@@ -198,7 +204,8 @@ class LLM:
             raise
 
     def _score_pairs(self, text_1: str | list[str], text_2: str | list[str],
-                     use_tqdm: bool) -> list[ScoringRequestOutput]:
+                     use_tqdm: bool, truncate_prompt_tokens: int | None = None
+                     ) -> list[ScoringRequestOutput]:
         pooler = self.engine.pooler_config
         if not pooler.scores_pairs:
             does = ("embeds (LLM.embed)" if pooler.task == "embed" else
@@ -206,8 +213,11 @@ class LLM:
             raise ValueError(f"this model {does}; scoring pairs needs a reranker (a "
                              "cross-encoder of one label, or a sentence-transformers "
                              "CrossEncoder with a LogitScore module)")
-        token_ids = pair_token_ids(self.engine.tokenizer, pair_list(text_1, text_2), pooler)
-        outputs = self._pool(token_ids, [None] * len(token_ids), None, use_tqdm)
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        check_params(params, pooler)
+        token_ids = pair_token_ids(self.engine.tokenizer, pair_list(text_1, text_2), pooler,
+                                   truncation_length(params, self.engine.max_model_len))
+        outputs = self._pool(token_ids, [None] * len(token_ids), params, use_tqdm)
         return [scoring_output(o, pooler) for o in outputs]
 
     def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,

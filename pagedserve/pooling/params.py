@@ -15,7 +15,8 @@ class PoolingParams:
     dimensions: int | None = None
     # At most k tokens (k = -1: the model's context length), as vLLM truncates: text through
     # the tokenizer (its truncation side, special tokens kept: an encoder's CLS, a pair's both
-    # segments), token ids and rendered templates to their last k; None: a prompt over the
+    # segments), a templated reranker pair by its document's end then its query's (the
+    # template and the query kept), token ids to their last k; None: a prompt over the
     # context length is refused.
     truncate_prompt_tokens: int | None = None
 

@@ -6,6 +6,7 @@ sentence-transformers renders it: the tokenizer's chat template over two message
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +62,9 @@ def pair_token_ids(tokenizer: Any, pairs: list[tuple[str, str]], pooler: Any = N
                    max_length: int | None = None) -> list[list[int]]:
     """Each pair rendered with the model's chat template (query and document roles); for an
     encoder cross-encoder (`pooler.task` classify), its tokenizer's pair template, truncated to
-    `max_length` there as CrossEncoder truncates (a rendered template is truncated later, to
-    its last tokens)."""
+    `max_length` there as CrossEncoder truncates. A rendered pair over `max_length` tokens loses
+    the end of its document (then of its query, when the document alone cannot make it fit),
+    so the template's instruction and suffix and the query stay (`_render_within`)."""
     if pooler is not None and pooler.task == "classify":
         from pagedserve.pooling.classify import encoder_pair_ids
 
@@ -71,7 +73,71 @@ def pair_token_ids(tokenizer: Any, pairs: list[tuple[str, str]], pooler: Any = N
         raise ValueError("this reranker has no chat template to render (query, document) "
                          "pairs with")
     _check_roles(tokenizer)
-    return [_render(tokenizer, query, document) for query, document in pairs]
+    return [_render_within(tokenizer, query, document, max_length)
+            for query, document in pairs]
+
+
+def _render_within(tokenizer: Any, query: str, document: str, max_length: int | None
+                   ) -> list[int]:
+    """The pair's rendered ids, at most `max_length` of them: the document's tokens are cut
+    from its end, then the query's, and the pair rendered again.
+
+    vLLM tokenizes the whole rendered prompt with `truncation=True, max_length=k`, so the
+    tokenizer's truncation side decides what goes: on the right (the default) the template's
+    suffix, whose last token the score is read at, is dropped with the document's tail; on the
+    left the instruction and the query. Cutting the texts instead keeps what the score means:
+    the same as scoring the truncated document itself."""
+    ids = _render(tokenizer, query, document)
+    if max_length is None or len(ids) <= max_length:
+        return ids
+    document, ids = _shorten(tokenizer, document, ids, max_length,
+                             lambda text: _render(tokenizer, query, text))
+    if len(ids) > max_length:
+        _, ids = _shorten(tokenizer, query, ids, max_length,
+                          lambda text: _render(tokenizer, text, ""))
+    if len(ids) > max_length:
+        raise ValueError(f"the reranker's template takes {len(ids)} tokens with an empty query "
+                         f"and document, more than the {max_length} to truncate to")
+    return ids
+
+
+def _shorten(tokenizer: Any, text: str, ids: list[int], max_length: int,
+             render: Callable[[str], list[int]]) -> tuple[str, list[int]]:
+    """`text` cut to a prefix of its tokens, by the rendering's overshoot each time (tokens
+    can merge across a cut, so the rendering is measured again), until `render(prefix)` fits
+    `max_length` or nothing of `text` is left: (the prefix, its rendering)."""
+    prefix = _Prefixes(tokenizer, text)
+    n = prefix.count
+    while len(ids) > max_length and n > 0:
+        n = max(0, n - (len(ids) - max_length))
+        text = prefix(n)
+        ids = render(text)
+    return text, ids
+
+
+class _Prefixes:
+    """The text of a string's first n tokens: cut at the tokenizer's character offsets where
+    it has them (a fast tokenizer: the original characters kept), else decoded."""
+
+    def __init__(self, tokenizer: Any, text: str) -> None:
+        self.text = text
+        self.tokenizer = tokenizer
+        if getattr(tokenizer, "is_fast", False):
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            self.ends = [end for _, end in encoded["offset_mapping"]]
+            self.ids = None
+            self.count = len(self.ends)
+        else:
+            self.ends = None
+            self.ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            self.count = len(self.ids)
+
+    def __call__(self, n: int) -> str:
+        if n <= 0:
+            return ""
+        if self.ends is not None:
+            return self.text[:max(self.ends[:n])]
+        return self.tokenizer.decode(self.ids[:n])
 
 
 def _render(tokenizer: Any, query: str, document: str, tokenize: bool = True) -> Any:

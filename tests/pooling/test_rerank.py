@@ -74,3 +74,40 @@ def test_template_without_pair_roles_refused(llm):
             llm.score("w1", "w2")
     finally:
         tokenizer.chat_template = saved
+
+
+def test_truncation_cuts_the_document_then_the_query(llm):
+    """truncate_prompt_tokens on a templated pair cuts the document's end (then the query's):
+    the template's prefix and suffix and the query stay, and the score is the score of the
+    pair built from the truncated document (keeping the rendered prompt's last k tokens
+    dropped the instruction and the query)."""
+    from pagedserve.pooling.scoring import pair_token_ids
+
+    tokenizer = llm.engine.tokenizer
+    query, document = "w10 w11 w12", " ".join(f"w{i}" for i in range(20, 80))
+
+    def render(q: str, d: str) -> list[int]:
+        return pair_token_ids(tokenizer, [(q, d)])[0]
+
+    full = render(query, document)
+    prefix, suffix = render(query, "")[:-1], render(query, "")[-1:]  # "w1 q w2", "w3"
+    assert len(full) == len(prefix) + 60 + len(suffix)
+    k = 20
+    kept = " ".join(document.split()[:k - len(prefix) - len(suffix)])
+    out = llm.score(query, document, truncate_prompt_tokens=k)[0]
+    assert out.prompt_token_ids == render(query, kept)
+    assert len(out.prompt_token_ids) == k
+    assert out.prompt_token_ids[:len(prefix)] == prefix
+    assert out.prompt_token_ids[-1:] == suffix
+    np.testing.assert_allclose(out.outputs.score, llm.score(query, kept)[0].outputs.score,
+                               atol=1e-6, rtol=0)
+    # -1: the context length (128), a pair over it fits by its document.
+    long_document = " ".join(f"w{i}" for i in range(20, 220))
+    out = llm.score(query, long_document, truncate_prompt_tokens=-1)[0]
+    assert len(out.prompt_token_ids) == 128 and out.prompt_token_ids[:len(prefix)] == prefix
+    # The document alone cannot make it fit: it goes, then the query's end.
+    out = llm.score(query, document, truncate_prompt_tokens=4)[0]
+    assert out.prompt_token_ids == render("w10", "")
+    with pytest.raises(ValueError, match="template takes 3 tokens"):
+        llm.score(query, document, truncate_prompt_tokens=2)
+    assert llm.engine.check_blocks_free()

@@ -74,6 +74,22 @@ def test_an_over_long_pair_names_the_documents(served):
         assert (error["param"], error["code"]) == (param, "context_length_exceeded")
 
 
+def test_truncation_keeps_the_template_and_the_query(served):
+    """truncate_prompt_tokens cuts a templated pair's document, not its instruction and
+    query: the score is the truncated document's (the rendered prompt's last k were kept)."""
+    document = " ".join(f"w{i}" for i in range(20, 80))
+    overhead = 3 + len(QUERY.split())  # "w1 <query> w2 <document> w3"
+    kept = " ".join(document.split()[:20 - overhead])
+    r = post(served[0], "/rerank", {"query": QUERY, "documents": [document],
+                                    "truncate_prompt_tokens": 20})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 20
+    direct = post(served[0], "/rerank", {"query": QUERY, "documents": [kept]}).json()
+    assert direct["usage"]["prompt_tokens"] == 20
+    np.testing.assert_allclose(r.json()["results"][0]["relevance_score"],
+                               direct["results"][0]["relevance_score"], atol=1e-6, rtol=0)
+
+
 def test_top_n_zero_is_every_document(served, documents):
     """vLLM's default top_n is 0, read as all of them (a client that sends it gets them)."""
     url, reference = served
