@@ -178,6 +178,8 @@ class LLMEngine:
                 raise ValueError(f"{name} must be <= {limit} (the server's --max-logprobs), "
                                  f"got {value}")
         check_stop_limits(params, self.config.model)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(STOP_NEEDS_TOKENIZER)
         vocab = self.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
@@ -419,6 +421,13 @@ class LLMEngine:
         """Stop the core process, if there is one, and the model's other ranks, if any (also
         done when the engine is collected and at exit)."""
         self.client.shutdown()
+
+
+# Stop strings are searched for in the detokenized text, which a model without a tokenizer does
+# not have: refused, as vLLM refuses them, rather than never matched.
+STOP_NEEDS_TOKENIZER = ("stop strings need a tokenizer to find them in the generated text, and "
+                        "this model has none: give one (--tokenizer DIR; offline, "
+                        "LLM(..., tokenizer=DIR)), or stop on token ids with stop_token_ids")
 
 
 def check_stop_limits(params: SamplingParams, model: ModelConfig) -> None:

@@ -1,7 +1,8 @@
 """A request's stop strings and stop ids are bounded (--max-stop-strings,
 --max-stop-string-length, --max-stop-token-ids): the front searches every stop string in the
 text at every token and the core looks the stop ids up at every step, so a request over a limit
-is refused with a ValueError naming the limit before it reaches the engine."""
+is refused with a ValueError naming the limit before it reaches the engine. A model without a
+tokenizer cannot find stop strings (it makes no text): they are refused, stop ids still work."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import ModelConfig
+from pagedserve.engine.llm_engine import STOP_NEEDS_TOKENIZER
 
 ENGINE = {"model": "random:tiny", "device": "cpu", "dtype": "float32",
           "kv_cache_memory": "8MiB"}
@@ -45,11 +47,28 @@ def test_over_a_limit_is_refused(llm, params, message) -> None:
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_at_the_limits_runs(llm) -> None:
+def test_at_the_limits_runs(tmp_path) -> None:
+    from tests.pooling.st_model import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path)  # stop strings need text to be found in
     params = SamplingParams(stop=["z" * 1024] + [f"s{i}" for i in range(31)],
                             stop_token_ids=[0] * 1024, max_tokens=3, ignore_eos=True)
-    out = llm.generate(PROMPT, params, use_tqdm=False)
-    assert out[0].finished
+    with LLM(**ENGINE, tokenizer=str(tmp_path)) as llm:
+        out = llm.generate(PROMPT, params, use_tqdm=False)
+    assert out[0].finished and len(out[0].outputs[0].token_ids) == 3
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(llm) -> None:
+    """They were accepted and never matched (no text is made to find them in)."""
+    with pytest.raises(ValueError, match=re.escape(STOP_NEEDS_TOKENIZER)):
+        llm.generate(PROMPT, SamplingParams(stop=["w"], max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert "--tokenizer DIR" in STOP_NEEDS_TOKENIZER
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    free = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    greedy.stop_token_ids = [free[2]]
+    out = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[:free.index(free[2]) + 1]
 
 
 def test_limits_are_engine_settings() -> None:

@@ -91,8 +91,9 @@ def test_generate_refuses_stop_fields_over_the_engine_limits(tiny_model_dir, tmp
         {"prompt": [5, 6, 7], "stop": ["ab", "cd", "ef"]},
         {"prompt": [5, 6, 7], "stop": ["abcdefghi"]},
         {"prompt": [5, 6, 7], "stop_token_ids": [1, 2, 3]},
-        {"prompt": [5, 6, 7], "stop": ["ab", "abcdefgh"], "stop_token_ids": [1, 2],
-         "max_tokens": 2},
+        {"prompt": [5, 6, 7], "stop_token_ids": [1, 2], "max_tokens": 2},
+        # Within the limits, but this model has no tokenizer to find stop strings with.
+        {"prompt": [5, 6, 7], "stop": ["ab", "abcdefgh"], "max_tokens": 2},
     ]
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
@@ -106,6 +107,7 @@ def test_generate_refuses_stop_fields_over_the_engine_limits(tiny_model_dir, tmp
            "--max-stop-string-length), got one of 9" in err
     assert f"{src}:3: stop_token_ids must hold at most 2 ids (the engine's " \
            "--max-stop-token-ids), got 3" in err
+    assert f"{src}:5: stop strings need a tokenizer" in err and "--tokenizer DIR" in err
     assert [json.loads(x)["line"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] \
         == [4]
 
