@@ -91,16 +91,18 @@ def test_other_compressed_tensors_widths_are_refused_by_name(float_models, tmp_p
         load_model(path, torch.float32, CPU)
 
 
-def test_the_moe_kernel_refuses_eight_bit_experts_by_name(float_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case,fmt", [("gptq8-v1-asym-g64-actorder", "GPTQ int8"),
+                                      ("int8-asym-g32", "compressed-tensors int8")])
+def test_the_moe_kernel_refuses_eight_bit_experts_by_name(float_models, tmp_path, monkeypatch,
+                                                          case, fmt):
     """The grouped expert GEMMs read 4-bit codes only: with the kernels on, 8-bit experts are
     refused naming the expert and the format (dequantized at load, they serve: above)."""
     from pagedserve.quantization import packed
 
-    w.write_int4(float_models["qwen3_moe"], tmp_path / "int8", tmp_path / "ref",
-                 CASES["gptq8-v1-asym-g64-actorder"])
+    w.write_int4(float_models["qwen3_moe"], tmp_path / "int8", tmp_path / "ref", CASES[case])
     monkeypatch.setattr(packed, "KERNELS_ON_CPU", True)
-    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.0\.(gate|up|down) is GPTQ "
-                                         r"int8 .*: the MoE kernel reads 4-bit codes only"):
+    with pytest.raises(ValueError, match=rf"layers\.0\.mlp\.experts\.0\.(gate|up|down) is {fmt} "
+                                         r".*: the MoE kernel reads 4-bit codes only"):
         load_model(str(tmp_path / "int8"), torch.float32, CPU)
 
 
