@@ -2,7 +2,8 @@
 weight-only int8 (llm-compressor's W8A16 without packing): per linear `weight` int8 [out, in],
 the signed code itself; `weight_scale` [out, in / group_size] (strategy group), [out, 1]
 (channel) or one value (tensor); when asymmetric `weight_zero_point`, signed, shaped as the
-scale; group act-order adds `weight_g_idx` [in]. w = (q - zero) * scale.
+scale (older releases save a symmetric weight's too, all zero); group act-order adds
+`weight_g_idx` [in]. w = (q - zero) * scale.
 
 The codes become the 8-bit `Int4Codes` the pack-quantized reader makes (code = q + 128, zero =
 zero point + 128, or 128 when symmetric), so they are dequantized at load, or kept for the
@@ -43,7 +44,8 @@ class CompressedInt8Format(PackedFormat):
         return (*names, "weight_g_idx") if self.g_idx else names
 
     def optional_tensors(self) -> tuple[str, ...]:
-        return ("weight_g_idx",)
+        # Older compressed-tensors releases saved a symmetric weight's zero points (zeros).
+        return ("weight_g_idx", "weight_zero_point") if self.symmetric else ("weight_g_idx",)
 
     def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
         weight = tensors["weight"]
@@ -60,11 +62,15 @@ class CompressedInt8Format(PackedFormat):
             fmt.check_shape(scale, (n, groups), f"{what}.weight_scale",
                             f"a [{n}, {k}] weight in groups of {size}")
         codes = weight.to(torch.int32) + OFFSET
-        if self.symmetric:
-            zeros = torch.full((n, groups), OFFSET, dtype=torch.int32)
-        else:
-            zeros = _zero_points(tensors["weight_zero_point"], tuple(scale.shape),
-                                 self.group_size is None, f"{what}.weight_zero_point")
+        zeros = torch.full((n, groups), OFFSET, dtype=torch.int32)
+        if "weight_zero_point" in tensors:
+            zp_name = f"{what}.weight_zero_point"
+            given = _zero_points(tensors["weight_zero_point"], tuple(scale.shape),
+                                 self.group_size is None, zp_name)
+            if self.symmetric and not bool((given == OFFSET).all()):
+                raise ValueError(f"{zp_name} is not all zero, but the config says the weights "
+                                 "are symmetric")
+            zeros = given
         group = fmt.group_index(tensors.get("weight_g_idx"), k, size, groups,
                                 f"{what}.weight_g_idx")
         return fmt.Int4Codes(codes, zeros.expand(n, groups).contiguous(), scale.contiguous(),

@@ -193,7 +193,23 @@ INT8_REFUSALS = {
     "tensor-scale": ("int8-asym-tensor", lambda s: s.update(
         {f"{DOWN}.weight_scale": s[f"{DOWN}.weight_scale"].repeat(2)}), None,
         rf"{DOWN}\.weight_scale has shape \(2,\); a per-tensor weight needs one value"),
+    "symmetric-zero-point": ("int8-sym-channel", lambda s: s.update(
+        {f"{DOWN}.weight_zero_point": torch.ones_like(s[f"{DOWN}.weight_scale"],
+                                                      dtype=torch.int8)}), None,
+        rf"{DOWN}\.weight_zero_point is not all zero, but the config says the weights are "
+        r"symmetric"),
 }
+
+
+def test_a_symmetric_weights_zero_points_of_zero_are_read(float_models, tmp_path):
+    """Older compressed-tensors releases saved symmetric zero points (all zero) too."""
+    def add_zero_points(state):
+        for name in [n for n in state if n.endswith(".weight_scale")]:
+            state[name.replace("_scale", "_zero_point")] = torch.zeros_like(
+                state[name], dtype=torch.int8)
+
+    path = _broken_int8(float_models, tmp_path, "int8-sym-channel", add_zero_points)
+    _check_tokens(path, tmp_path / "ref")
 
 
 @pytest.mark.parametrize("what", list(INT8_REFUSALS))
