@@ -1,5 +1,5 @@
-"""Packed integer weights (AWQ, GPTQ and compressed-tensors int4 / int8, MXFP4) dequantized at
-load.
+"""Packed integer weights (AWQ, GPTQ and compressed-tensors int4 / int8, MXFP4; and
+compressed-tensors' unpacked int8) dequantized at load.
 
 Each format is a `PackedFormat`: the tensors a checkpoint gives per weight (codes, scales,
 zero points, a group index) and how they become a float32 [out, in] weight. The layers' methods

@@ -13,6 +13,7 @@ from pagedserve.quantization.awq import AwqConfig
 from pagedserve.quantization.base import QuantizationConfig
 from pagedserve.quantization.compressed_tensors import FORMATS as FP8_FORMATS
 from pagedserve.quantization.compressed_tensors import CompressedTensorsConfig
+from pagedserve.quantization.compressed_tensors_int8 import CompressedTensorsInt8Config, is_int
 from pagedserve.quantization.compressed_tensors_w4a16 import CompressedTensorsW4A16Config
 from pagedserve.quantization.fp8 import Fp8Config
 from pagedserve.quantization.gguf_blocks import GgufConfig
@@ -27,9 +28,11 @@ CHECKPOINT_METHODS: dict[str, type[QuantizationConfig]] = {
     "gptq": GptqConfig,
     "mxfp4": Mxfp4Config,
 }
-# compressed-tensors formats other than its FP8 ones (compressed_tensors.py), by `format`.
+# compressed-tensors formats other than its FP8 ones (compressed_tensors.py), by `format`;
+# naive-quantized holds FP8 or (its weights' type says) int8.
 COMPRESSED_TENSORS_FORMATS: dict[str, type[QuantizationConfig]] = {
     "pack-quantized": CompressedTensorsW4A16Config,
+    "int-quantized": CompressedTensorsInt8Config,
 }
 
 # --quantization: auto picks int8 for a GGUF on the CPU when the dtype is left to the engine
@@ -96,6 +99,8 @@ def checkpoint_config(data: dict[str, Any]) -> QuantizationConfig:
                          f"(supported: {', '.join(CHECKPOINT_METHODS)})")
     if method == "compressed-tensors":
         fmt = data.get("format")
+        if fmt == "naive-quantized" and is_int(data):
+            return CompressedTensorsInt8Config.from_config(data)
         if fmt in COMPRESSED_TENSORS_FORMATS:
             return COMPRESSED_TENSORS_FORMATS[fmt].from_config(data)
         if fmt not in FP8_FORMATS:  # named here, where every format the method takes is known

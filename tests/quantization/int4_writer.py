@@ -1,6 +1,6 @@
 """The tests' own 4-bit (and GPTQ / compressed-tensors 8-bit) quantizers and packers: a float
-checkpoint's projections rewritten as AWQ, GPTQ, compressed-tensors pack-quantized or (gpt-oss
-experts) MXFP4 tensors, beside a float
+checkpoint's projections rewritten as AWQ, GPTQ, compressed-tensors pack-quantized or
+int-quantized (unpacked int8) or (gpt-oss experts) MXFP4 tensors, beside a float
 checkpoint of the very values those codes stand for (the reference transformers runs).
 
 Written apart from `pagedserve.quantization` on purpose, from the formats' descriptions: a
@@ -107,6 +107,38 @@ def ct_tensors(w: torch.Tensor, group_size: int, sym: bool, act_order: bool, see
     return out, r["deq"]
 
 
+def ct_int8_tensors(w: torch.Tensor, group_size: int | None, sym: bool, act_order: bool,
+                    seed: int) -> tuple[dict, torch.Tensor]:
+    """compressed-tensors int-quantized: the signed int8 codes unpacked as `weight` [N, K],
+    `weight_scale` [N, G] ([1] per tensor), signed int8 `weight_zero_point` shaped as the scale
+    when asymmetric. group_size None: one scale for the whole tensor."""
+    if group_size is None:
+        r = _quantize_per_tensor(w, sym)
+    else:
+        r = quantize(w, group_size, sym, act_order, scale_dtype=torch.bfloat16, seed=seed,
+                     bits=8)
+    out = {"weight": (r["q"] - 128).to(torch.int8), "weight_scale": r["scales"]}
+    if not sym:
+        out["weight_zero_point"] = (r["zeros"] - 128).to(torch.int8)
+    if act_order:
+        out["weight_g_idx"] = r["g_idx"]
+    return out, r["deq"]
+
+
+def _quantize_per_tensor(w: torch.Tensor, sym: bool) -> dict[str, torch.Tensor]:
+    w = w.float()
+    if sym:
+        scale, zero = w.abs().max() / 127, torch.tensor(128.0)
+    else:
+        lo, hi = w.min().clamp(max=0), w.max().clamp(min=0)
+        scale = (hi - lo) / 255
+        zero = torch.round(-lo / scale).clamp(0, 255)
+    scale = scale.to(torch.bfloat16).reshape(1)
+    q = torch.round(w / scale.float() + zero).clamp(0, 255)
+    return {"q": q.to(torch.int32), "zeros": zero.reshape(1).to(torch.int32), "scales": scale,
+            "deq": (q - zero) * scale.float()}
+
+
 def awq_config(group_size: int) -> dict:
     return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
             "version": "gemm", "modules_to_not_convert": None}
@@ -130,6 +162,17 @@ def ct_config(group_size: int, sym: bool, act_order: bool, bits: int = 4) -> dic
             "ignore": ["lm_head", "re:.*mlp.gate$"], "quantization_status": "compressed"}
 
 
+def ct_int8_config(group_size: int | None, sym: bool, act_order: bool = False,
+                   fmt: str = "int-quantized") -> dict:
+    """group_size: -1 per channel, None per tensor."""
+    config = ct_config(-1 if group_size is None else group_size, sym, act_order, bits=8)
+    weights = config["config_groups"]["group_0"]["weights"]
+    if group_size is None:
+        weights["strategy"] = "tensor"
+    config["format"] = fmt
+    return config
+
+
 def write_int4(src: Path, dst: Path, ref: Path, qconfig: dict) -> None:
     """src: a float checkpoint (save_pretrained). dst: its projections packed as `qconfig`
     says; ref: the same model with the dequantized values, in float32, for transformers."""
@@ -141,6 +184,13 @@ def write_int4(src: Path, dst: Path, ref: Path, qconfig: dict) -> None:
         def tensors(w, seed):
             return gptq_tensors(w, qconfig["group_size"], qconfig["sym"], qconfig["desc_act"],
                                 qconfig["checkpoint_format"] == "gptq", seed, qconfig["bits"])
+    elif qconfig["format"] != "pack-quantized":  # int-quantized, naive-quantized
+        weights = qconfig["config_groups"]["group_0"]["weights"]
+        group = {"tensor": None, "channel": -1}.get(weights["strategy"], weights["group_size"])
+
+        def tensors(w, seed):
+            return ct_int8_tensors(w, group, weights["symmetric"],
+                                   weights["actorder"] == "group", seed)
     else:
         weights = qconfig["config_groups"]["group_0"]["weights"]
         group = weights["group_size"] or -1

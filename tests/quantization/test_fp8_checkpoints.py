@@ -279,11 +279,12 @@ def test_a_rank_that_splits_a_block_is_refused():
 
 
 def test_an_unknown_compressed_tensors_format_lists_every_format_taken():
-    """pack-quantized (int4) is taken too: the refusal of another format says so."""
+    """pack-quantized (int4 / int8) and int-quantized (int8) are taken too: the refusal of
+    another format says so."""
     from pagedserve.quantization.registry import checkpoint_config
 
     config = {**w.compressed_config("channel", "dynamic"), "format": "nvfp4-pack-quantized"}
     with pytest.raises(ValueError, match=r"format 'nvfp4-pack-quantized' is not supported "
                                          r"\(supported: float-quantized, naive-quantized, "
-                                         r"pack-quantized\)"):
+                                         r"pack-quantized, int-quantized\)"):
         checkpoint_config(config)
