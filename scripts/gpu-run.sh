@@ -689,7 +689,8 @@ stage_first29() {  # the first call after four sessions without one: every gpu t
     shard spec tests/spec_decode tests/attention/test_flashinfer_verify.py
     shard_any lora tests/lora/test_lora_kernels.py tests/lora/test_lora_cuda_graphs.py
     shard embed tests/pooling/test_embed.py tests/multimodal/test_llava.py
-    shard fp8 tests/quantization/test_random_fp8.py tests/quantization/test_fp8_small_m.py
+    shard quant tests/quantization/test_random_fp8.py tests/quantization/test_fp8_small_m.py \
+        tests/quantization/test_w4a16_kernel.py
     shard piecewise tests/engine/test_piecewise_cuda.py
     wait
 }
