@@ -81,6 +81,9 @@ def test_workers_sample_the_same_tokens_as_the_engines_matchers(device: str) -> 
     assert _run(1 if device == "cpu" else 2, async_scheduling=True, device=device)[0] == reference
 
 
+# Long (15 s): the workers' rollback is also tested directly below, and guided preemption in
+# the engine by test_engine_guided.py::test_guided_through_preemption.
+@pytest.mark.slow
 def test_workers_through_preemption() -> None:
     # 28 blocks of 4 tokens for 7 sequences growing by up to 100: the scheduler preempts
     # (recompute) and the matchers roll back, in the engine or in the worker alike.
