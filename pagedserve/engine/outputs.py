@@ -22,7 +22,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # over every token in token_ids
+    # One entry per token whose text is returned: a stop string cut from the text takes its
+    # tokens' entries with it (they stay in token_ids, which usage counts), so this list
+    # may be shorter than token_ids, never longer.
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it

@@ -16,6 +16,7 @@ import numpy as np
 from pagedserve.models.bert import with_token_types
 from pagedserve.pooling.config import PoolerConfig
 from pagedserve.pooling.outputs import PoolingRequestOutput
+from pagedserve.pooling.params import truncation_kwargs
 
 
 @dataclass
@@ -68,7 +69,7 @@ def encoder_pair_ids(tokenizer: Any, pairs: list[tuple[str, str]], pooler: Poole
         raise ValueError("this model has no tokenizer to encode (query, document) pairs with")
     if not pairs:
         return []
-    truncation = {} if max_length is None else {"truncation": True, "max_length": max_length}
+    truncation = truncation_kwargs(tokenizer, max_length, pair=True)
     encoded = tokenizer([q for q, _ in pairs], [d for _, d in pairs], add_special_tokens=True,
                         **truncation)
     types = encoded.get("token_type_ids")

@@ -16,6 +16,7 @@ from pagedserve.pooling.params import (
     PoolingParams,
     check_params,
     fit_prompt,
+    truncation_kwargs,
     truncation_length,
 )
 
@@ -33,7 +34,7 @@ def tokenize_inputs(tokenizer: Any, texts: list[str], max_length: int | None = N
         return []
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: pass token ids")
-    truncation = {} if max_length is None else {"truncation": True, "max_length": max_length}
+    truncation = truncation_kwargs(tokenizer, max_length, pair=False)
     return [list(ids) for ids in
             tokenizer(texts, add_special_tokens=True, **truncation)["input_ids"]]
 

@@ -4,6 +4,7 @@ front before it reaches the engine core."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.pooling.config import PoolerConfig
 
@@ -42,6 +43,20 @@ def truncation_length(params: PoolingParams | None, max_model_len: int) -> int |
     if k == -1:
         return max_model_len
     return k if k is not None and k >= 1 else None
+
+
+def truncation_kwargs(tokenizer: Any, max_length: int | None, pair: bool) -> dict[str, Any]:
+    """The tokenizer's arguments for truncating to `max_length` tokens, special tokens kept;
+    a limit below the special tokens alone is refused (the tokenizer would log an error and
+    not truncate at all, and the last-k fallback would drop the CLS token)."""
+    if max_length is None:
+        return {}
+    special = tokenizer.num_special_tokens_to_add(pair=pair)
+    if max_length <= special:
+        raise ValueError(f"truncate_prompt_tokens {max_length} leaves no room for text: the "
+                         f"tokenizer adds {special} special tokens to "
+                         f"{'a pair' if pair else 'an input'}")
+    return {"truncation": True, "max_length": max_length}
 
 
 def fit_prompt(token_ids: list[int], params: PoolingParams, max_model_len: int,

@@ -36,7 +36,8 @@ class GptqFormat(PackedFormat):
 
     def checkpoint_tensors(self) -> tuple[str, ...]:
         base = ("qweight", "qzeros", "scales")
-        return (*base, "g_idx") if self.act_order else base
+        # One group (group_size -1) makes act-order's map meaningless, so it may be absent.
+        return (*base, "g_idx") if self.act_order and self.group_size != -1 else base
 
     def optional_tensors(self) -> tuple[str, ...]:
         return ("g_idx",)

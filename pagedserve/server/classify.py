@@ -6,7 +6,6 @@ queued before any is awaited, as for /v1/embeddings."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
@@ -18,14 +17,13 @@ from pydantic import Field
 
 from pagedserve.pooling import PoolingParams
 from pagedserve.pooling.classify import probabilities
-from pagedserve.pooling.front import tokenize_inputs
-from pagedserve.pooling.params import truncation_length
 from pagedserve.server.common import ApiError, ServerState, check_token_ids
 from pagedserve.server.embeddings import (
     MAX_INPUTS,
     EmbeddingInput,
     _inputs,
     add_pooling_requests,
+    tokenized_prompts,
 )
 from pagedserve.server.protocol import OpenAIModel
 from pagedserve.server.streaming import final_outputs, until_disconnect
@@ -56,11 +54,7 @@ async def create_classify(state: ServerState, body: ClassificationRequest,
         if isinstance(item, list):
             check_token_ids(state, item, "input")
     params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens)
-    texts = [t for t in inputs if isinstance(t, str)]
-    encoded = iter(await asyncio.to_thread(
-        tokenize_inputs, state.tokenizer, texts,
-        truncation_length(params, state.llm.engine.max_model_len)) if texts else [])
-    prompts = [(t, next(encoded)) if isinstance(t, str) else (None, t) for t in inputs]
+    prompts = await tokenized_prompts(state, inputs, params)
     request_id = f"classify-{uuid.uuid4().hex}"
     streams = await add_pooling_requests(state, request_id, prompts, params)
     labels = pooler.labels

@@ -81,15 +81,25 @@ async def create_embeddings(state: ServerState, body: EmbeddingRequest,
             check_token_ids(state, item, "input")
         elif not item:
             raise ApiError(400, f"input {i} is an empty string", param="input")
-    texts = [t for t in inputs if isinstance(t, str)]
-    encoded = iter(await asyncio.to_thread(tokenize_inputs, state.tokenizer, texts,
-                                           truncation_length(params, engine.max_model_len))
-                   if texts else [])
-    prompts = [(t, next(encoded)) if isinstance(t, str) else (None, t) for t in inputs]
+    prompts = await tokenized_prompts(state, inputs, params)
     request_id = f"embd-{uuid.uuid4().hex}"
     streams = await add_pooling_requests(state, request_id, prompts, params)
     return await until_disconnect(request, _respond(state, request_id, streams,
                                                     body.encoding_format))
+
+
+async def tokenized_prompts(state: ServerState, inputs: list[str | list[int]],
+                            params: PoolingParams) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per input: the texts tokenized in one batched call off the
+    event loop, truncated as `params` asks; a truncation the tokenizer cannot make is a 400."""
+    texts = [t for t in inputs if isinstance(t, str)]
+    try:
+        encoded = iter(await asyncio.to_thread(
+            tokenize_inputs, state.tokenizer, texts,
+            truncation_length(params, state.llm.engine.max_model_len)) if texts else [])
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="truncate_prompt_tokens") from None
+    return [(t, next(encoded)) if isinstance(t, str) else (None, t) for t in inputs]
 
 
 async def add_pooling_requests(state: ServerState, request_id: str,

@@ -63,7 +63,8 @@ def test_stop_strings_without_a_tokenizer_are_refused(llm) -> None:
     with pytest.raises(ValueError, match=re.escape(STOP_NEEDS_TOKENIZER)):
         llm.generate(PROMPT, SamplingParams(stop=["w"], max_tokens=4), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    assert "--tokenizer DIR" in STOP_NEEDS_TOKENIZER
+    assert "--tokenizer DIR" in STOP_NEEDS_TOKENIZER and "stop_token_ids" in \
+        STOP_NEEDS_TOKENIZER  # the words the user needs, whatever the wording around them
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     free = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
     greedy.stop_token_ids = [free[2]]

@@ -66,8 +66,11 @@ def test_classify_equals_transformers(tmp_path, family):
         np.testing.assert_allclose(probs, torch.softmax(torch.tensor(reference), -1).numpy(),
                                    atol=TOL, rtol=0)
         assert outputs[0].outputs.num_classes == 3
-        kept = llm.classify(texts[0], truncate_prompt_tokens=2)[0]
-        assert len(kept.prompt_token_ids) == 2
+        kept = llm.classify(texts[0], truncate_prompt_tokens=3)[0]
+        ids = kept.prompt_token_ids
+        assert len(ids) == 3 and ids[0] == llm.get_tokenizer().cls_token_id  # [CLS] kept
+        with pytest.raises(ValueError, match="leaves no room for text"):
+            llm.classify(texts[0], truncate_prompt_tokens=2)  # [CLS] [SEP] alone
         with pytest.raises(ValueError, match="classifies into 3 labels"):
             llm.score(QUERY, texts[:2])
 

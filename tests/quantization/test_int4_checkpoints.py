@@ -80,6 +80,16 @@ def test_int4_checkpoint_tokens_equal_transformers_on_dequantized_weights(
     _check_tokens(tmp_path / "int4", tmp_path / "ref")
 
 
+def test_act_order_per_channel_needs_no_g_idx(float_models, tmp_path):
+    """desc_act with group_size -1: one group, so the checkpoint may leave g_idx out."""
+    config = w.gptq_config(-1, sym=True, act_order=True, v1=True)
+    w.write_int4(float_models["llama"], tmp_path / "int4", tmp_path / "ref", config)
+    state = load_file(tmp_path / "int4" / "model.safetensors")
+    save_file({k: v for k, v in state.items() if not k.endswith(".g_idx")},
+              tmp_path / "int4" / "model.safetensors")
+    _check_tokens(tmp_path / "int4", tmp_path / "ref")
+
+
 def test_gpt_oss_mxfp4_experts(float_models, tmp_path):
     """gpt-oss as published: MXFP4 experts (stacked, gate and up interleaved), the rest float.
     The tests' packer agrees with transformers' own MXFP4 dequantizer."""

@@ -30,7 +30,8 @@ def _codes(n: int, k: int, group_size: int, act_order: bool, seed: int = 0,
 
 # (n, k, group size, act-order): K not a multiple of 8 or of the tile, groups of 32 / 64 /
 # per channel, act-order's scattered groups.
-SHAPES = [(48, 96, 32, False), (40, 100, 50, True), (64, 128, 64, True), (24, 72, 72, False)]
+SHAPES = [(48, 96, 32, False), (40, 100, 50, True), (64, 128, 64, True), (24, 72, 72, False),
+          (16, 98, 98, False)]  # K = 98: padded to whole words at 8 bits too
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -88,6 +88,18 @@ def test_truncated_text_keeps_the_tokenizers_special_tokens(classifier):
                                atol=TOL, rtol=0)
 
 
+def test_truncation_below_the_special_tokens_is_a_400(classifier):
+    """k at or below [CLS] + [SEP]: the tokenizer would not truncate at all (it logs an error),
+    so the request is refused rather than cut to its last k ids."""
+    url, texts, _, _ = classifier
+    for k in (1, 2):
+        r = post(url, "/classify", {"input": " ".join(texts), "truncate_prompt_tokens": k})
+        assert r.status_code == 400, r.text
+        assert "leaves no room for text" in r.json()["error"]["message"]
+    r = post(url, "/classify", {"input": " ".join(texts), "truncate_prompt_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+
+
 def test_rerank_with_a_bert_cross_encoder(tmp_path):
     from sentence_transformers import CrossEncoder
 
