@@ -97,8 +97,9 @@ async def tokenized_prompts(state: ServerState, inputs: list[str | list[int]],
         encoded = iter(await asyncio.to_thread(
             tokenize_inputs, state.tokenizer, texts,
             truncation_length(params, state.llm.engine.max_model_len)) if texts else [])
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="truncate_prompt_tokens") from None
+    except ValueError as exc:  # a truncation it cannot make, or no tokenizer for text
+        param = "truncate_prompt_tokens" if "truncate_prompt_tokens" in str(exc) else "input"
+        raise ApiError(400, str(exc), param=param) from None
     return [(t, next(encoded)) if isinstance(t, str) else (None, t) for t in inputs]
 
 
