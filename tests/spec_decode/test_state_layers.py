@@ -134,6 +134,9 @@ def test_ngram_over_other_state_layers_equals_no_speculation(tmp_path, make_llm,
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
+# Long (13 s in the interpreter): the torch path's n-gram case above runs by default, and
+# the GDN kernels' own interpreter tests cover the Triton path.
+@pytest.mark.slow
 def test_ngram_on_the_triton_path_in_the_interpreter(qwen3_next_path, make_llm, monkeypatch):
     """The verify positions run through GDN_ATTN's Triton decode kernels (the conv kernel and
     the recurrent delta rule; the interpreter on the CPU): three prompts, a few tokens."""
