@@ -129,7 +129,12 @@ class SamplingParams:
         None, "token id -> bias added to its logit, in [-100, 100]", flag=False)
 
     def __post_init__(self) -> None:
-        # Normalise the "one or many" fields first so validation sees lists only.
+        # Normalise the "one or many" fields first so validation sees lists only; a value of
+        # another kind is named as given (list("12") would be ['1', '2']).
+        if not (self.stop is None or isinstance(self.stop, str | list | tuple)):
+            raise _bad("stop", self.stop, "a string or a list of strings")
+        if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple)):
+            raise _bad("stop_token_ids", self.stop_token_ids, "a list of ints >= 0")
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -145,6 +150,9 @@ class SamplingParams:
 
     def _validate(self) -> None:
         # Comparisons are written as `not (ok)` so NaN fails them too.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            _check_number(name, getattr(self, name))
         _check_int("n", self.n)
         if not self.n >= 1:
             raise _bad("n", self.n, ">= 1")
@@ -244,6 +252,11 @@ def _checked_logit_bias(bias: Any) -> dict[int, float]:
                                             f"{MAX_LOGIT_BIAS:g}] (token {token})")
         out[token] = float(value)
     return out
+
+
+def _check_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(name, value, "a number")
 
 
 def _check_int(name: str, value: Any) -> None:

@@ -80,3 +80,26 @@ def test_from_dict() -> None:
         SamplingParams.from_dict({"best_of": 2})
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams.from_dict({"top_p": 0})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", "0.5"),
+        ("top_p", "x"),
+        ("min_p", None),
+        ("presence_penalty", "1"),
+        ("frequency_penalty", [1.0]),
+        ("repetition_penalty", "1.2"),
+        ("temperature", True),
+        ("stop", 5),
+        ("stop", ["a", 5]),
+        ("stop_token_ids", 5),
+        ("stop_token_ids", "12"),
+    ],
+)
+def test_rejects_wrong_types_by_name(field: str, value: object) -> None:
+    # A value of the wrong type is named, not left to fail inside a comparison or iteration.
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**{field: value})
+    assert field in str(exc.value) and repr(value) in str(exc.value)
