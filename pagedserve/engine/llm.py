@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -92,22 +93,20 @@ class LLM:
         vision-language model (one placeholder, e.g. `<image>`, per image in the prompt); one
         SamplingParams for all or one per prompt; one LoRARequest for all or one per prompt
         (None: the base model). Outputs come back in prompt order."""
-        if isinstance(prompts, str | dict) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
-            params = list(sampling_params)
+            params = _sampling_list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         loras = per_prompt(lora_request, len(prompts))
+        inputs = [_prompt_input(prompt, i) for i, prompt in enumerate(prompts)]
         ids = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras, strict=True):
+            for prompt, text_or_ids, p, lora in zip(prompts, inputs, params, loras, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, _prompt_input(prompt), p, stream=False,
+                self.engine.add_request(request_id, text_or_ids, p, stream=False,
                                         lora_request=lora,
                                         multi_modal_data=_multi_modal_data(prompt))
                 ids.append(request_id)
@@ -179,10 +178,7 @@ class LLM:
     def _pool_prompts(self, prompts: Prompt | Sequence[Prompt],
                       pooling_params: PoolingParams | None,
                       use_tqdm: bool) -> list[PoolingRequestOutput]:
-        if isinstance(prompts, str | dict) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        inputs = [_prompt_input(p) for p in prompts]
+        inputs = [_prompt_input(p, i) for i, p in enumerate(_prompt_list(prompts))]
         texts = [p for p in inputs if isinstance(p, str)]
         encoded = iter(tokenize_inputs(self.engine.tokenizer, texts, truncation_length(
             pooling_params, self.engine.max_model_len)))
@@ -310,14 +306,58 @@ class LLM:
         return [final[i] for i in ids]
 
 
-def _prompt_input(prompt: Prompt) -> str | list[int]:
+def _prompt_list(prompts: Any) -> list[Prompt]:
+    """One prompt (a string, a dict, or a list of token ids) or a sequence of them, as a
+    list."""
+    if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list | tuple) and prompts and _is_token_id(prompts[0])):
+        return [prompts]
+    if not isinstance(prompts, list | tuple):
+        raise TypeError(f"prompts must be a string, a list of token ids, a dict or a list of "
+                        f"them, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _sampling_list(params: Any) -> list[SamplingParams]:
+    bad = [p for p in params if not isinstance(p, SamplingParams)] if isinstance(
+        params, list | tuple) else [params]
+    if bad:
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                        f"{type(bad[0]).__name__}")
+    return list(params)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _token_ids(ids: Any, what: str) -> list[int]:
+    """Token ids as ints (numpy's and torch's integer scalars too); anything else named."""
+    if not isinstance(ids, list | tuple):
+        raise TypeError(f"{what} must be a list of token ids, got {type(ids).__name__}")
+    bad = [t for t in ids if not _is_token_id(t)]
+    if bad:
+        raise TypeError(f"{what} must hold token ids (ints), got {bad[0]!r}")
+    return [int(t) for t in ids]
+
+
+def _prompt_input(prompt: Prompt, index: int = 0) -> str | list[int]:
+    what = f"prompt {index}"
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
+            return _token_ids(prompt["prompt_token_ids"], f"{what}'s prompt_token_ids")
         if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise TypeError(f"{what}'s 'prompt' must be a string, got "
+                                f"{type(prompt['prompt']).__name__}")
             return prompt["prompt"]
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-    return prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list | tuple):
+        return _token_ids(prompt, what)
+    raise TypeError(f"{what} must be a string, a list of token ids or a dict, got "
+                    f"{type(prompt).__name__}")
 
 
 def _multi_modal_data(prompt: Prompt) -> Any:
