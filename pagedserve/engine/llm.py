@@ -107,7 +107,7 @@ class LLM:
             for prompt, text_or_ids, p, lora in zip(prompts, inputs, params, loras, strict=True):
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, text_or_ids, p, stream=False,
-                                        lora_request=lora,
+                                        prompt_text=_prompt_text(prompt), lora_request=lora,
                                         multi_modal_data=_multi_modal_data(prompt))
                 ids.append(request_id)
             return self.wait_for(ids, use_tqdm)
@@ -245,42 +245,62 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None]
+             | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of them, rendered
         with the model's chat template. Content may be a string or OpenAI-style parts: text,
         and images as {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}
-        or {"type": "image_pil", "image_pil": PIL image} (vision-language models)."""
+        or {"type": "image_pil", "image_pil": PIL image} (vision-language models).
+        `continue_final_message` (with add_generation_prompt=False) continues the last
+        (assistant) message instead of starting a new one; `tools` go to the template's tools
+        section; `chat_template_kwargs` are the template's own variables (Qwen3's
+        enable_thinking). Each output's `prompt` is the rendered text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template)
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        options = template_options(add_generation_prompt, continue_final_message, tools,
+                                   chat_template_kwargs)
+        prompts = [self._chat_prompt(c, chat_template, options) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def chat_prompt(self, messages: list[Message], add_generation_prompt: bool = True,
                     chat_template: str | None = None) -> dict[str, Any]:
         """One conversation as `generate` takes it: {"prompt_token_ids"} and, when its content
         parts hold images, {"multi_modal_data": {"image": [...]}} (ValueError for a bad image
         or a text-only model). `apply_chat_template` renders the text only."""
+        return self._chat_prompt(messages, chat_template,
+                                 template_options(add_generation_prompt))
+
+    def _chat_prompt(self, messages: list[Message], chat_template: str | None,
+                     options: dict[str, Any]) -> dict[str, Any]:
         messages, images = chat_images(messages)
+        tokenizer = self.engine.tokenizer
         if not images:
-            return {"prompt_token_ids": self.apply_chat_template(messages, add_generation_prompt,
-                                                                 chat_template)}
+            ids = self._render(messages, chat_template, options)
+            return {"prompt_token_ids": ids,
+                    "prompt": tokenizer.decode(ids, skip_special_tokens=False)}
         processor = self.engine.mm_processor
         if processor is None:
             raise ValueError(f"{self.engine.model_name} takes no images: it is a text-only "
                              "model")
-        ids = render_with_images(self.engine.tokenizer, messages, len(images),
-                                 processor.image_placeholder, add_generation_prompt,
-                                 chat_template or self.engine.chat_template)
-        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        ids = render_with_images(tokenizer, messages, len(images), processor.image_placeholder,
+                                 chat_template=chat_template or self.engine.chat_template,
+                                 **options)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images},
+                "prompt": tokenizer.decode(ids, skip_special_tokens=False)}
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
+        return self._render(messages, chat_template, template_options(add_generation_prompt))
+
+    def _render(self, messages: list[Message], chat_template: str | None,
+                options: dict[str, Any]) -> list[int]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        return render_chat(tokenizer, messages, add_generation_prompt,
-                           chat_template or self.engine.chat_template)
+        return render_chat(tokenizer, messages,
+                           chat_template=chat_template or self.engine.chat_template, **options)
 
     def wait_for(self, ids: list[str], use_tqdm: bool = True) -> list[Any]:
         """Step the engine until the requests `ids` (already added) finish."""
@@ -360,20 +380,60 @@ def _prompt_input(prompt: Prompt, index: int = 0) -> str | list[int]:
                     f"{type(prompt).__name__}")
 
 
+def _prompt_text(prompt: Prompt) -> str | None:
+    """The text of a token-id prompt dict that carries it (LLM.chat's rendered prompt)."""
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        text = prompt.get("prompt")
+        return text if isinstance(text, str) else None
+    return None
+
+
 def _multi_modal_data(prompt: Prompt) -> Any:
     return prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
 
 
+# apply_chat_template's own arguments: not template variables a request may set.
+_RESERVED_TEMPLATE_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"))
+
+
+def template_options(add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     tools: list[dict[str, Any]] | None = None,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """render_chat's keywords from vLLM's chat arguments, checked."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message continues the last message, "
+                         "add_generation_prompt starts a new one: set add_generation_prompt="
+                         "False with continue_final_message=True")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise TypeError(f"chat_template_kwargs must be a dict, got "
+                        f"{type(chat_template_kwargs).__name__}")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: it is an argument "
+                         "of the chat call itself")
+    return {"add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message, "tools": tools,
+            "template_kwargs": chat_template_kwargs}
+
+
 def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True,
                 chat_template: str | None = None,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None,
+                continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Messages -> prompt token ids with the tokenizer's chat template (given `tools`, the
-    template's own tools section, if it has one)."""
+    template's own tools section, if it has one; `template_kwargs`: its variables)."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template")
     extra = {"tools": tools} if tools else {}
+    if continue_final_message:
+        extra["continue_final_message"] = True
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        chat_template=chat_template, tokenize=True, **extra)
+                                        chat_template=chat_template, tokenize=True,
+                                        **extra, **(template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns an encoding
         ids = ids["input_ids"]
     return list(ids)

@@ -43,3 +43,30 @@ def test_generate_names_bad_sampling_params(llm) -> None:
         llm.generate("hi", {"temperature": 0}, use_tqdm=False)
     with pytest.raises(TypeError, match="sampling_params.*str"):
         llm.generate(["hi", "ho"], [GREEDY, "x"], use_tqdm=False)
+
+
+def _text(llm, output) -> str:
+    return llm.get_tokenizer().decode(output.prompt_token_ids)
+
+
+def test_chat_takes_vllms_template_keywords(llm) -> None:
+    # A template variable of chat_template_kwargs, as Qwen3's enable_thinking is.
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "{% if not loop.last or not continue_final_message %}<|im_end|>\n{% endif %}"
+                "{% endfor %}{% if greeting %}[{{ greeting }}]{% endif %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False,
+                   chat_template=template, chat_template_kwargs={"greeting": "hello"})[0]
+    assert _text(llm, out).endswith("[hello]<|im_start|>assistant\n")
+    # The final assistant message is continued: no end marker and no new assistant turn.
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    assert _text(llm, out).endswith("<|im_start|>assistant\nSure,")
+    assert out.prompt == _text(llm, out)  # the rendered prompt, as vLLM reports it
+
+
+def test_chat_refuses_both_generation_prompt_and_continuation(llm) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}]
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True)
