@@ -56,7 +56,7 @@ def add_config_flags(group: Any, config_cls: type, skip: tuple[str, ...] = (),
                 if key in meta:
                     kwargs[key] = meta[key]
         name = meta.get("flag_name", f.name.replace("_", "-"))
-        group.add_argument("--" + name, **kwargs)
+        group.add_argument("--" + name, *meta.get("aliases", ()), **kwargs)
 
 
 def _flag_type(hint: Any) -> Any:
@@ -79,6 +79,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     for section in section_classes().values():
         add_config_flags(group, section)
     add_config_flags(group, EngineConfig)
+    # vLLM's engine flag: only `serve` logs stats while it runs (every command takes it, as
+    # vLLM's do).
+    group.add_argument("--disable-log-stats", action="store_true", help=argparse.SUPPRESS)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

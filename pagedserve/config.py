@@ -10,6 +10,7 @@ same names from one place.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from pagedserve.spec_decode.config import (
     check_supported,
     parse_speculative_config,
 )
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -200,8 +203,13 @@ class SchedulerConfig:
     max_num_encoder_input_tokens: int | None = setting(
         None, "most image embedding rows the encoder computes in one step (default: as "
               "encoder_cache_size)")
+    enable_chunked_prefill: bool = setting(
+        True, "vLLM's flag; prompts over --max-num-batched-tokens are always prefilled in "
+              "chunks")
 
     def __post_init__(self) -> None:
+        if not self.enable_chunked_prefill:
+            logger.warning("enable_chunked_prefill=False: long prompts still prefill in chunks")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -261,11 +269,11 @@ class EngineConfig:
               "with speculative decoding)")
     tensor_parallel_size: int = setting(
         1, "ranks each layer is split over (GPUs on CUDA: ranks use cuda:N, N+1, ...; "
-           "processes on the CPU)")
+           "processes on the CPU)", aliases=["-tp"])
     data_parallel_size: int = setting(
         1, "engine cores behind one front, each a process with its own copy of the model "
            "(on CUDA its own GPUs, after the previous core's tensor-parallel ranks); a request "
-           "goes to the least loaded core")
+           "goes to the least loaded core", aliases=["-dp"])
     distributed_executor_backend: str | None = setting(
         None, "how the ranks run: uni (in the engine's process, one rank only), mp (a process "
               "per rank beside the engine's) or ray (Ray actors); default: uni at one rank, "
@@ -435,6 +443,9 @@ class ServerConfig:
     tool_call_parser: str | None = setting(
         None, "how the model writes tool calls, for tool_choice 'auto' (required and named "
               "choices need none)", choices=["hermes", "smollm2", "llama3_json"])
+    enable_auto_tool_choice: bool = setting(
+        False, "vLLM's flag: tool_choice 'auto' needs --tool-call-parser, which turns it on "
+               "by itself here", hidden=True)
     reasoning_parser: str | None = setting(
         None, "split <think>...</think> into reasoning_content",
         choices=["qwen3", "think", "deepseek_r1"])
@@ -462,6 +473,9 @@ class ServerConfig:
                "clients only")
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, "
+                             "smollm2 or llama3_json) to read the model's tool calls")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be between 0 and 65535, got {self.port}")
         for name in ("max_waiting_requests", "max_n"):

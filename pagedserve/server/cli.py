@@ -49,7 +49,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         server = server_config(args)
         check_port_free(server.host, server.port)  # before a load that may take minutes
-        engine = LLMEngine(engine_config(args), log_stats=True)
+        engine = LLMEngine(engine_config(args), log_stats=not args.disable_log_stats)
     except (ValueError, OSError, EngineStartupError) as exc:
         raise SystemExit(f"pagedserve serve: error: {exc}") from None
     if server.api_key is None:

@@ -180,3 +180,39 @@ def test_backends_table(capsys):
             encoder[name] = line.rsplit(" ", 1)[1]
     assert encoder["CPU"] == "yes" and encoder["TRITON"] == "yes"
     assert encoder["TURBOQUANT"] == "no" and encoder["CPU_MLA"] == "no"
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "hi"],
+                                     ["bench", "throughput"]])
+def test_takes_vllms_common_engine_flags(command, caplog):
+    """vLLM command lines pass -tp, --enable-chunked-prefill and --disable-log-stats as a
+    habit; each was 'unrecognized arguments'."""
+    args = build_parser().parse_args([*command, "some/model", "-tp", "1", "-dp", "1",
+                                      "--enable-chunked-prefill", "--disable-log-stats"])
+    config = engine_config(args)
+    assert config.tensor_parallel_size == 1 and config.data_parallel_size == 1
+    assert config.scheduler.enable_chunked_prefill and args.disable_log_stats
+    with caplog.at_level("WARNING"):
+        engine_config(build_parser().parse_args(
+            [*command, "some/model", "--no-enable-chunked-prefill"]))
+    assert "still prefill in chunks" in caplog.text
+
+
+def test_serve_disable_log_stats_and_auto_tool_choice(tiny_model_dir, monkeypatch):
+    from pagedserve.engine import llm_engine
+
+    seen = {}
+
+    def no_load(self, config, log_stats=False):
+        seen["log_stats"] = log_stats
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_load)
+    with pytest.raises(SystemExit, match="stop before loading"):
+        main(["serve", tiny_model_dir, *ENGINE, "--disable-log-stats",
+              "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert seen["log_stats"] is False
+    # vLLM refuses auto tool choice without a parser to read the calls; so does this.
+    with pytest.raises(SystemExit, match="^pagedserve serve: error: --enable-auto-tool-choice "
+                                         "needs --tool-call-parser"):
+        main(["serve", tiny_model_dir, *ENGINE, "--enable-auto-tool-choice"])
