@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from pagedserve.config import EngineConfig, ServerConfig, presets, section_classes
@@ -165,3 +167,21 @@ def given_fields(args: argparse.Namespace, config_cls: type, dest_prefix: str = 
     values = {f.name: getattr(args, dest_prefix + f.name, None)
               for f in dataclasses.fields(config_cls)}
     return {name: value for name, value in values.items() if value is not None}
+
+
+def check_output_file(path: str | None, flag: str, command: str) -> None:
+    """A one-line error before the run when the results could not be written to `path`
+    (after it they would be lost); '-' is stdout."""
+    if path is None or path == "-":
+        return
+    target = Path(path)
+    parent = target.parent
+    why = None
+    if target.is_dir():
+        why = "is a directory"
+    elif not parent.is_dir():
+        why = f"no such directory: {parent}"
+    elif not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        why = "not writable"
+    if why is not None:
+        raise SystemExit(f"pagedserve {command}: error: {flag} {path}: {why}")

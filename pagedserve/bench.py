@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve import envs
-from pagedserve.arg_utils import HelpFormatter, add_engine_args, make_llm
+from pagedserve.arg_utils import HelpFormatter, add_engine_args, check_output_file, make_llm
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int,
@@ -123,6 +123,7 @@ def format_spec_decode(r: dict[str, Any]) -> str:
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
+    check_output_file(args.output_json, "--output-json", "bench throughput")
     llm = make_llm(args)
     vocab = llm.engine.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed)
@@ -351,6 +352,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import httpx
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    check_output_file(args.output_json, "--output-json", "bench serve")
     if args.api_key is None:
         args.api_key = envs.PAGEDSERVE_API_KEY
     try:

@@ -17,6 +17,7 @@ from pagedserve.arg_utils import (
     HelpFormatter,
     add_config_flags,
     add_engine_args,
+    check_output_file,
     checked_engine_config,
     given_fields,
     make_llm,
@@ -66,6 +67,7 @@ def add_generate_parser(subparsers: Any, parents: list[Any] | None = None
 def run_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.input is None):
         raise SystemExit("pagedserve generate: error: give exactly one of --prompt or --input")
+    check_output_file(args.output, "--output", "generate")
     config = checked_engine_config(args)
     defaults = given_fields(args, SamplingParams, SAMPLING_DEST)
     try:

@@ -216,3 +216,24 @@ def test_serve_disable_log_stats_and_auto_tool_choice(tiny_model_dir, monkeypatc
     with pytest.raises(SystemExit, match="^pagedserve serve: error: --enable-auto-tool-choice "
                                          "needs --tool-call-parser"):
         main(["serve", tiny_model_dir, *ENGINE, "--enable-auto-tool-choice"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "hi", "--output", "{missing}/out.jsonl"],
+    ["bench", "throughput", "--num-prompts", "1", "--output-json", "{missing}/out.json"],
+    ["bench", "serve", "--num-prompts", "1", "--output-json", "{missing}/out.json"],
+    ["generate", "--prompt", "hi", "--output", "{tmp}"],
+])
+def test_an_unwritable_output_file_fails_before_the_run(tiny_model_dir, tmp_path, monkeypatch,
+                                                        argv):
+    """It was a traceback after the whole run, its results lost."""
+    from pagedserve.engine import llm_engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_load)
+    argv = [a.format(missing=tmp_path / "missing", tmp=tmp_path) for a in argv]
+    engine = [] if argv[1] == "serve" else [tiny_model_dir, *ENGINE]
+    with pytest.raises(SystemExit, match=r"^pagedserve (generate|bench \w+): error: --output"):
+        main([*argv, *engine, *(["--url", "http://127.0.0.1:1"] if argv[1] == "serve" else [])])
