@@ -123,6 +123,12 @@ class SamplingParams:
     skip_special_tokens: bool = setting(True, "leave special tokens out of the text")
     include_stop_str_in_output: bool = setting(False, "keep the stop string in the text")
     # Offline and API only: no flags.
+    truncate_prompt_tokens: int | None = setting(
+        None, "keep the prompt's last k tokens; -1: the context length", flag=False)
+    detokenize: bool = setting(True, "False: token ids only, no text (and no stop strings)",
+                               flag=False)
+    allowed_token_ids: list[int] | None = setting(
+        None, "sample only these token ids", flag=False)
     guided_decoding: GuidedDecodingParams | None = setting(
         None, "constrain the output to a JSON schema, regex, choice or grammar", flag=False)
     logit_bias: dict[int, float] | None = setting(
@@ -146,6 +152,8 @@ class SamplingParams:
             self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -201,6 +209,20 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise _bad("stop_token_ids", self.stop_token_ids, "a list of ints >= 0")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1):
+                raise _bad("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                           ">= 1, or -1 for the context length")
+        if not isinstance(self.detokenize, bool):
+            raise _bad("detokenize", self.detokenize, "True or False")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True: they are found in the text "
+                             "(stop_token_ids work without it)")
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (isinstance(allowed, list) and allowed and all(
+                _is_token_id(t) for t in allowed)):
+            raise _bad("allowed_token_ids", allowed, "a non-empty list of token ids (ints >= 0)")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding,
                                                                GuidedDecodingParams):
             raise _bad("guided_decoding", self.guided_decoding, "a GuidedDecodingParams")
@@ -252,6 +274,10 @@ def _checked_logit_bias(bias: Any) -> dict[int, float]:
                                             f"{MAX_LOGIT_BIAS:g}] (token {token})")
         out[token] = float(value)
     return out
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_number(name: str, value: Any) -> None:

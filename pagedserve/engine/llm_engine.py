@@ -189,6 +189,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"logit_bias must be keyed by token ids below the vocabulary size "
                              f"{vocab}, got {bad[0]}")
+        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids must be token ids below the vocabulary size "
+                             f"{vocab}, got {bad[0]}")
         if params.guided_decoding is not None:
             if self.tokenizer is None:
                 raise ValueError("guided_decoding needs the model's tokenizer, and this model "
@@ -236,6 +240,9 @@ class LLMEngine:
             cache_salt.encode("utf-8")  # hashed with the blocks: UnicodeEncodeError here, not there
         text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.truncate_prompt_tokens is not None:  # its last k tokens, as vLLM keeps
+            keep = params.truncate_prompt_tokens
+            token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
         mm = self.images.prepare(token_ids, multi_modal_data)
         if mm is not None:
             token_ids = mm.prompt_token_ids

@@ -90,7 +90,7 @@ class OutputProcessor:
     def new_sequence(self, seq_id: str, index: int, prompt_token_ids: list[int],
                      params: SamplingParams, scoring: bool = False) -> SequenceState:
         detok = None
-        if self.tokenizer is not None and not scoring:
+        if self.tokenizer is not None and not scoring and params.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         wants_lp = params.logprobs is not None and not scoring
         seq = SequenceState(seq_id, index, params, detok, [] if wants_lp else None,
@@ -190,7 +190,7 @@ class OutputProcessor:
             # This chunk predicted prompt positions first..; a request recomputing its prompt
             # after preemption already has the first of them.
             first, values, ids, ranks = chunk
-            positions = self._positions(values, ids, ranks)
+            positions = self._positions(values, ids, ranks, seq.params.detokenize)
             state.prompt_logprobs.extend(positions[len(state.prompt_logprobs) - first:])
         if seq_id in step.embeddings:
             seq.embedding = step.embeddings[seq_id]
@@ -201,13 +201,15 @@ class OutputProcessor:
             k = seq.params.logprobs + 1
             values, ids, ranks = step.logprobs
             position = self._positions(values[row:row + 1, :k], ids[row:row + 1, :k],
-                                       ranks[row:row + 1])[0]
+                                       ranks[row:row + 1], seq.params.detokenize)[0]
             seq.logprobs.append(position)
             seq.cumulative_logprob += position[token].logprob
 
-    def _positions(self, values: Any, ids: Any, ranks: Any) -> list[PositionLogprobs]:
+    def _positions(self, values: Any, ids: Any, ranks: Any, decode: bool = True
+                   ) -> list[PositionLogprobs]:
         """Logprob rows -> per-position dicts {token id: Logprob}; column 0 is the chosen token
-        (its rank computed), the rest the top alternatives ranked 1..K."""
+        (its rank computed), the rest the top alternatives ranked 1..K. `decode`: with each
+        token's text."""
         out = []
         for row_ids, row_values, rank in zip(ids.tolist(), values.tolist(), ranks.tolist(),
                                              strict=True):
@@ -215,7 +217,8 @@ class OutputProcessor:
             for j, (tid, value) in enumerate(zip(row_ids, row_values, strict=True)):
                 if tid in position:
                     continue
-                position[tid] = Logprob(value, rank if j == 0 else j, self._token_text(tid))
+                position[tid] = Logprob(value, rank if j == 0 else j,
+                                        self._token_text(tid) if decode else None)
             out.append(position)
         return out
 

@@ -47,6 +47,9 @@ class SamplingMetadata:
     no_min_p: bool
     # (rows, token ids, biases) of every row's logit_bias entries; None unless a row has one.
     logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
+    # [B, V] bool: the tokens a row may sample (allowed_token_ids; every token for the other
+    # rows); None unless a row lists them.
+    allowed_token_mask: Tensor | None = None
     # Guided decoding: [B, ceil(V / 32)] int32 allowed-token bits, applied to `bitmask_rows`
     # only (None: every row); the runner sets both for the sampling of a step with a mask.
     token_bitmask: Tensor | None = None
@@ -61,7 +64,8 @@ class SamplingMetadata:
         """Every row's token is the argmax of its raw logits, and nothing else is asked of
         them (no penalty, bias, ban, mask or logprobs): what a decode graph's head computes."""
         return (self.all_greedy and self.no_penalties and self.logit_bias is None
-                and self.banned_token_mask is None and self.token_bitmask is None
+                and self.allowed_token_mask is None and self.banned_token_mask is None
+                and self.token_bitmask is None
                 and self.max_num_logprobs is None)
 
     @classmethod
@@ -132,6 +136,15 @@ class SamplingMetadata:
             bias = (_long(bias_rows, device), _long(bias_cols, device),
                     to_device_async(torch.tensor(bias_values, dtype=torch.float32), device))
 
+        allowed = None
+        if any(p.allowed_token_ids for p in uniq):
+            allowed = torch.ones(n, v, dtype=torch.bool)
+            for row, p in enumerate(params):
+                if p.allowed_token_ids:
+                    allowed[row] = False
+                    allowed[row, p.allowed_token_ids] = True
+            allowed = to_device_async(allowed, device)
+
         asked = [p.logprobs for p in uniq if p.logprobs is not None]
         # One transfer for the per-row values (top_k and vocab ids are exact in float32).
         table = torch.tensor([temperature, top_p, min_p, pres, freq, rep, top_k, greedy],
@@ -163,6 +176,7 @@ class SamplingMetadata:
             no_top_p=all(p >= 1.0 for p in top_p),
             no_min_p=not any(min_p),
             logit_bias=bias,
+            allowed_token_mask=allowed,
         )
 
 
@@ -218,13 +232,15 @@ class SamplerOutput:
 
 def apply_penalties(logits: Tensor, meta: SamplingMetadata, temperature: Tensor | None = None
                     ) -> Tensor:
-    """Logit bias, the grammar's bitmask, the min_tokens ban, then repetition, then
-    frequency/presence penalties. Out of place. `temperature`: divide by it with the mask
-    (`mask_takes_temperature`)."""
+    """Logit bias, allowed_token_ids, the grammar's bitmask, the min_tokens ban, then
+    repetition, then frequency/presence penalties. Out of place. `temperature`: divide by it
+    with the mask (`mask_takes_temperature`)."""
     if meta.logit_bias is not None:
         logits = logits.clone()  # in place below: not on the caller's tensor
         rows, token_ids, biases = meta.logit_bias
         logits.index_put_((rows, token_ids), biases, accumulate=True)
+    if meta.allowed_token_mask is not None:
+        logits = logits.masked_fill(~meta.allowed_token_mask, _NEG_INF)
     if meta.token_bitmask is not None:
         # A copy: on CUDA the mask of every row may be host memory only our kernel reads.
         logits = masked_logits(logits, meta.token_bitmask, meta.bitmask_rows, temperature)

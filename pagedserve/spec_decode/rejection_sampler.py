@@ -246,7 +246,7 @@ def expand_metadata(meta: SamplingMetadata, layout: VerifyLayout) -> SamplingMet
         frequency_penalties=take(meta.frequency_penalties),
         repetition_penalties=take(meta.repetition_penalties), output_token_counts=counts,
         prompt_token_mask=take(meta.prompt_token_mask), banned_token_mask=banned,
-        generators={}, logit_bias=bias)
+        allowed_token_mask=take(meta.allowed_token_mask), generators={}, logit_bias=bias)
 
 
 def _draft_history(layout: VerifyLayout) -> tuple[Tensor, Tensor]:

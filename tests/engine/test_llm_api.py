@@ -70,3 +70,65 @@ def test_chat_refuses_both_generation_prompt_and_continuation(llm) -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}]
     with pytest.raises(ValueError, match="continue_final_message"):
         llm.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm) -> None:
+    ids = list(range(100, 140))
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2,
+                                             truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-5:]
+    alone = llm.generate([ids[-5:]], SamplingParams(temperature=0, max_tokens=2),
+                         use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    # -1: the context length (a prompt within it is kept whole).
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1,
+                                             truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids
+
+
+def test_allowed_token_ids_bound_every_sample(llm) -> None:
+    allowed = [300, 301, 302, 7000]
+    for params in (SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=allowed,
+                                  logprobs=1),
+                   SamplingParams(temperature=1.0, seed=1, max_tokens=6, n=2,
+                                  allowed_token_ids=allowed)):
+        out = llm.generate(["hello there"], params, use_tqdm=False)[0]
+        for completion in out.outputs:
+            assert set(completion.token_ids) <= set(allowed), completion.token_ids
+    # Logprobs are the model's own, before the mask (as vLLM's by default): the top token of
+    # the first position is not an allowed one.
+    free = llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=1),
+                        use_tqdm=False)[0].outputs[0].token_ids[0]
+    first = llm.generate(["hello there"], SamplingParams(
+        temperature=0, max_tokens=1, allowed_token_ids=allowed, logprobs=1),
+        use_tqdm=False)[0].outputs[0].logprobs[0]
+    assert free not in allowed and free in first and first[free].rank == 1
+
+
+def test_detokenize_false_gives_token_ids_only(llm) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=1, detokenize=False)
+    out = llm.generate(["hello there"], params, use_tqdm=False)[0].outputs[0]
+    ref = llm.generate(["hello there"], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.text == "" and out.token_ids == ref.token_ids
+    assert all(lp.decoded_token is None for pos in out.logprobs for lp in pos.values())
+
+
+@pytest.mark.parametrize("field, value", [
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
+    ("truncate_prompt_tokens", 2.0), ("allowed_token_ids", []),
+    ("allowed_token_ids", [1, -1]), ("allowed_token_ids", 5), ("detokenize", "no"),
+])
+def test_vllm_fields_refuse_bad_values(field, value) -> None:
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**{field: value})
+    assert field in str(exc.value) and repr(value) in str(exc.value)
+
+
+def test_stop_strings_need_detokenize() -> None:
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_allowed_token_ids_beyond_the_vocabulary_are_refused(llm) -> None:
+    with pytest.raises(ValueError, match="allowed_token_ids.*vocabulary.*10000000"):
+        llm.generate("hi", SamplingParams(allowed_token_ids=[3, 10_000_000]), use_tqdm=False)
