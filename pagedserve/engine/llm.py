@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import numbers
@@ -163,16 +164,20 @@ class LLM:
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+              use_tqdm: bool = False, truncate_prompt_tokens: int | None = None
+              ) -> list[PoolingRequestOutput]:
         """Embeddings of a pooling model (--runner pooling): prompts as strings (tokenized
         together, with the tokenizer's special tokens), token-id lists or
         {"prompt_token_ids": [...]} dicts; `outputs.embedding` of each result, in prompt
-        order."""
+        order. `truncate_prompt_tokens` (vLLM's keyword) sets pooling_params' own."""
         pooler = self.engine.pooler_config
         if pooler is not None and pooler.task != "embed":
             kind = "reranker" if pooler.task == "score" else "classifier"
             raise ValueError(f"this model is a {kind}: it scores pairs (LLM.score) or "
                              "classifies (LLM.classify), it does not embed")
+        if truncate_prompt_tokens is not None:
+            pooling_params = dataclasses.replace(pooling_params or PoolingParams(),
+                                                 truncate_prompt_tokens=truncate_prompt_tokens)
         return self._pool_prompts(prompts, pooling_params, use_tqdm)
 
     def _pool_prompts(self, prompts: Prompt | Sequence[Prompt],

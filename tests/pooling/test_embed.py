@@ -107,6 +107,9 @@ def test_too_long_input_refused_or_truncated(llm):
     np.testing.assert_allclose(kept, embed(llm, [ids[-50:]]), atol=1e-6, rtol=0)
     whole = embed(llm, [ids], PoolingParams(truncate_prompt_tokens=-1))  # the context length
     np.testing.assert_allclose(whole, embed(llm, [ids[-128:]]), atol=1e-6, rtol=0)
+    # vLLM's keyword, as classify and score take it too.
+    by_keyword = np.stack([o.outputs.data for o in llm.embed([ids], truncate_prompt_tokens=50)])
+    np.testing.assert_allclose(by_keyword, kept, atol=0, rtol=0)
     with pytest.raises(ValueError, match="dimensions must be between 1 and the model's "
                                          "embedding size 64, got 65"):
         llm.embed("w1", PoolingParams(dimensions=65))
