@@ -149,10 +149,11 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = False) -> list[int]:
+        # A request's text prompt takes the special tokens (a Llama BOS), as vLLM's do.
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt token ids")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def check_lora(self, lora_request: LoRARequest | None) -> None:
         """A request's adapter: LoRA must be on, and the request a LoRARequest."""
@@ -239,7 +240,8 @@ class LLMEngine:
         if cache_salt is not None:
             cache_salt.encode("utf-8")  # hashed with the blocks: UnicodeEncodeError here, not there
         text = prompt if isinstance(prompt, str) else prompt_text
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = (self.tokenize(prompt, add_special_tokens=True) if isinstance(prompt, str)
+                     else list(prompt))
         if params.truncate_prompt_tokens is not None:  # its last k tokens, as vLLM keeps
             keep = params.truncate_prompt_tokens
             token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]

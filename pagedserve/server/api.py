@@ -271,9 +271,8 @@ def _api_routes(state: ServerState) -> APIRouter:
             tokens = (await chat_prompt(state, body.messages, body.add_generation_prompt)
                       ).token_ids
         else:
-            special = body.add_special_tokens
-            if special is None:
-                special = state.llm.engine.pooler_config is not None
+            # As completions and embeddings tokenize a prompt: with the special tokens.
+            special = body.add_special_tokens is not False
             tokens = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
                                              add_special_tokens=special)
         return p.TokenizeResponse(tokens=list(tokens), count=len(tokens),

@@ -119,13 +119,14 @@ class ServerState:
 async def tokenize_prompts(state: ServerState, prompts: list[str | list[int]]
                            ) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) per prompt. Text is tokenized in a worker thread: a long
-    prompt must hold up neither the event loop nor the engine's steps."""
+    prompt must hold up neither the event loop nor the engine's steps; with the tokenizer's
+    special tokens (a Llama BOS), as LLM.generate and vLLM's completions tokenize it."""
     texts = [prompt for prompt in prompts if isinstance(prompt, str)]
     encoded: list[list[int]] = []
     if texts:
         tokenizer = state.tokenizer
         encoded = await asyncio.to_thread(
-            lambda: [tokenizer.encode(t, add_special_tokens=False) for t in texts])
+            lambda: [tokenizer.encode(t) for t in texts])
     it = iter(encoded)
     return [(prompt, next(it)) if isinstance(prompt, str) else (None, list(prompt))
             for prompt in prompts]

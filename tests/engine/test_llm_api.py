@@ -132,3 +132,20 @@ def test_stop_strings_need_detokenize() -> None:
 def test_allowed_token_ids_beyond_the_vocabulary_are_refused(llm) -> None:
     with pytest.raises(ValueError, match="allowed_token_ids.*vocabulary.*10000000"):
         llm.generate("hi", SamplingParams(allowed_token_ids=[3, 10_000_000]), use_tqdm=False)
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens(llm, tmp_path, monkeypatch) -> None:
+    """As vLLM tokenizes them: a Llama or Gemma tokenizer's BOS starts a text prompt (the
+    models were trained with it); token-id prompts are taken as given."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = llm.get_tokenizer()
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tokenizer.save_pretrained(tmp_path)
+    with_bos = type(tokenizer).from_pretrained(tmp_path)
+    with_bos._tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    monkeypatch.setattr(llm.engine, "tokenizer", with_bos)
+    text = tokenizer.encode("hello there", add_special_tokens=False)
+    out = llm.generate(["hello there", text], GREEDY, use_tqdm=False)
+    assert out[0].prompt_token_ids == [bos, *text] and out[1].prompt_token_ids == text
