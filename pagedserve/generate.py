@@ -214,19 +214,39 @@ def print_answers(llm: Any, results: list[tuple[Job, Any]]) -> None:
 
 
 def write_jsonl(llm: Any, results: list[tuple[Job, Any]], path: str) -> None:
+    """One record per request: its first sample's text, token ids and finish reason at the
+    top, with its logprobs when asked for; n > 1 lists every sample under "completions"."""
     out = sys.stdout if path == "-" else open(path, "w")
     try:
         for job, output in results:
-            completion = output.outputs[0]
             prompt = output.prompt
             if prompt is None and llm.tokenizer is not None:  # chat or token-id prompts
                 prompt = llm.tokenizer.decode(output.prompt_token_ids)
-            record = {"line": job.line, "prompt": prompt, "text": completion.text,
-                      "token_ids": completion.token_ids,
-                      "finish_reason": completion.finish_reason}
-            if len(output.outputs) > 1:
+            samples = [_sample_record(c) for c in output.outputs]
+            record = {"line": job.line, "prompt": prompt, **samples[0]}
+            if output.prompt_logprobs is not None:
+                record["prompt_logprobs"] = [_position_record(p) for p in output.prompt_logprobs]
+            if len(samples) > 1:
                 record["texts"] = [o.text for o in output.outputs]
+                record["completions"] = samples
             out.write(json.dumps(record) + "\n")
     finally:
         if out is not sys.stdout:
             out.close()
+
+
+def _sample_record(completion: Any) -> dict[str, Any]:
+    record = {"text": completion.text, "token_ids": list(completion.token_ids),
+              "finish_reason": completion.finish_reason}
+    if completion.logprobs is not None:
+        record["logprobs"] = [_position_record(p) for p in completion.logprobs]
+        record["cumulative_logprob"] = completion.cumulative_logprob
+    return record
+
+
+def _position_record(position: Any) -> dict[str, Any] | None:
+    """{token id (a JSON key, so a string): {"logprob", "rank", "token"}} of one position."""
+    if position is None:
+        return None
+    return {str(token): {"logprob": lp.logprob, "rank": lp.rank, "token": lp.decoded_token}
+            for token, lp in position.items()}

@@ -237,3 +237,25 @@ def test_an_unwritable_output_file_fails_before_the_run(tiny_model_dir, tmp_path
     engine = [] if argv[1] == "serve" else [tiny_model_dir, *ENGINE]
     with pytest.raises(SystemExit, match=r"^pagedserve (generate|bench \w+): error: --output"):
         main([*argv, *engine, *(["--url", "http://127.0.0.1:1"] if argv[1] == "serve" else [])])
+
+
+def test_generate_jsonl_carries_logprobs_and_every_sample(tiny_model_dir, tmp_path, capsys):
+    """--logprobs and n > 1 were asked for and dropped: one sample's ids, no logprobs."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": [5, 6, 7], "max_tokens": 3, "n": 2, "seed": 1,
+                               "prompt_logprobs": 1}) + "\n")
+    assert main(["generate", "--model", tiny_model_dir, *ENGINE, "--input", str(src),
+                 "--output", "-", "--logprobs", "2", "--temperature", "1"]) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[-1])
+    samples = record["completions"]
+    assert len(samples) == 2 and samples[0]["token_ids"] == record["token_ids"]
+    for sample in samples:
+        assert len(sample["logprobs"]) == len(sample["token_ids"]) == 3
+        for token, position in zip(sample["token_ids"], sample["logprobs"], strict=True):
+            assert str(token) in position and len(position) >= 2  # the sampled and the top 2
+            assert all(v["logprob"] <= 0 for v in position.values())
+        assert sample["cumulative_logprob"] == pytest.approx(sum(
+            p[str(t)]["logprob"] for t, p in zip(sample["token_ids"], sample["logprobs"],
+                                                 strict=True)))
+    assert record["logprobs"] == samples[0]["logprobs"]
+    assert record["prompt_logprobs"][0] is None and "6" in record["prompt_logprobs"][1]
