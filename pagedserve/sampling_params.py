@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -129,6 +130,11 @@ class SamplingParams:
                                flag=False)
     allowed_token_ids: list[int] | None = setting(
         None, "sample only these token ids", flag=False)
+    bad_words: list[str] | None = setting(
+        None, "words never generated (each as the tokenizer writes it, with and without a "
+              "leading space)", flag=False)
+    # The engine's tokenization of bad_words, one id list per spelling.
+    bad_words_token_ids: list[list[int]] | None = setting(None, "", flag=False)
     guided_decoding: GuidedDecodingParams | None = setting(
         None, "constrain the output to a JSON schema, regex, choice or grammar", flag=False)
     logit_bias: dict[int, float] | None = setting(
@@ -152,8 +158,9 @@ class SamplingParams:
             self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias)
-        if isinstance(self.allowed_token_ids, tuple):
-            self.allowed_token_ids = list(self.allowed_token_ids)
+        for name in ("allowed_token_ids", "bad_words"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
         self._validate()
 
     def _validate(self) -> None:
@@ -219,6 +226,9 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True: they are found in the text "
                              "(stop_token_ids work without it)")
+        if self.bad_words is not None and not (isinstance(self.bad_words, list) and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise _bad("bad_words", self.bad_words, "a list of non-empty strings")
         allowed = self.allowed_token_ids
         if allowed is not None and not (isinstance(allowed, list) and allowed and all(
                 _is_token_id(t) for t in allowed)):
@@ -238,7 +248,7 @@ class SamplingParams:
         grammar needs that sample too, but only for its bitmask, which the runner fills while
         the step's forward runs (engine/guided.py)."""
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty
-                    or self.frequency_penalty or self.min_tokens)
+                    or self.frequency_penalty or self.min_tokens or self.bad_words_token_ids)
 
     def end_token_ids(self, eos_token_id: int | None) -> frozenset[int]:
         """The token ids that end a sequence: `stop_token_ids`, and EOS unless `ignore_eos`.
@@ -247,6 +257,22 @@ class SamplingParams:
         if eos_token_id is not None and not self.ignore_eos:
             ids.add(eos_token_id)
         return frozenset(ids)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, as vLLM's SamplingParams.clone."""
+        return copy.deepcopy(self)
+
+    def with_bad_words_tokenized(self, tokenizer: Any) -> SamplingParams:
+        """A copy whose bad_words_token_ids spell each bad word as the tokenizer writes it alone
+        and after a space (a word mid-sentence), as vLLM bans them."""
+        if not self.bad_words:
+            return self
+        spellings = {tuple(tokenizer.encode(text, add_special_tokens=False))
+                     for word in self.bad_words or () for text in (word.lstrip(),
+                                                                  " " + word.lstrip())}
+        params = copy.copy(self)
+        params.bad_words_token_ids = sorted(list(ids) for ids in spellings if ids)
+        return params
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:

@@ -186,14 +186,13 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids must be token ids below the vocabulary size "
                              f"{vocab}, got {bad[0]}")
-        bad = [t for t in params.logit_bias or () if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias must be keyed by token ids below the vocabulary size "
-                             f"{vocab}, got {bad[0]}")
-        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
-        if bad:
-            raise ValueError(f"allowed_token_ids must be token ids below the vocabulary size "
-                             f"{vocab}, got {bad[0]}")
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} must hold token ids below the vocabulary size "
+                                 f"{vocab}, got {bad[0]}")
+        if params.bad_words and (self.tokenizer is None or self.config.speculative_config):
+            raise ValueError("bad_words need the model's tokenizer, and no --speculative-config")
         if params.guided_decoding is not None:
             if self.tokenizer is None:
                 raise ValueError("guided_decoding needs the model's tokenizer, and this model "
@@ -252,6 +251,7 @@ class LLMEngine:
         self.check_sampling(params)
         if params.guided_decoding is not None and not isinstance(self.client, InprocClient):
             self.structured_output.compile(params.guided_decoding)  # refused here, not there
+        params = params.with_bad_words_tokenized(self.tokenizer)
         if params.max_tokens is None:
             params = copy.copy(params)
             params.max_tokens = self.max_model_len - len(token_ids)

@@ -35,7 +35,8 @@ class SamplingMetadata:
     repetition_penalties: Tensor  # [B] float32
     output_token_counts: Tensor | None  # [B, V] int32; None when no_penalties
     prompt_token_mask: Tensor | None  # [B, V] bool; None unless a row has a repetition penalty
-    banned_token_mask: Tensor | None  # [B, V] bool; EOS/stop ids of rows below min_tokens
+    # [B, V] bool: EOS/stop ids of rows below min_tokens, and the ends of bad words
+    banned_token_mask: Tensor | None
     generators: dict[int, torch.Generator]  # row -> generator, for seeded requests
     max_num_logprobs: int | None  # max over rows of params.logprobs; None if no row asks
     all_greedy: bool
@@ -111,11 +112,10 @@ class SamplingMetadata:
 
         ban_rows: list[int] = []
         ban_cols: list[int] = []
-        if any(p.min_tokens for p in uniq):
+        if any(p.min_tokens or p.bad_words_token_ids for p in uniq):
             for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
-                if len(out) >= p.min_tokens:
-                    continue
-                ids = p.end_token_ids(eos_token_id)
+                ids = p.end_token_ids(eos_token_id) if len(out) < p.min_tokens else set()
+                ids = [*ids, *_bad_word_ends(p.bad_words_token_ids, out)]
                 ban_rows.extend([row] * len(ids))
                 ban_cols.extend(ids)
         banned = None
@@ -196,6 +196,12 @@ def distinct_params(params: list[SamplingParams]
             uniq.append(p)
         which.append(i)
     return uniq, which
+
+
+def _bad_word_ends(words: list[list[int]] | None, output: list[int]) -> list[int]:
+    """The last token of each bad word whose other tokens end the output so far."""
+    return [w[-1] for w in words or () if len(w) - 1 <= len(output)
+            and (len(w) == 1 or output[len(output) - len(w) + 1:] == w[:-1])]
 
 
 def _long(xs: list[int], device: torch.device | str) -> Tensor:

@@ -149,3 +149,29 @@ def test_text_prompts_get_the_tokenizers_special_tokens(llm, tmp_path, monkeypat
     text = tokenizer.encode("hello there", add_special_tokens=False)
     out = llm.generate(["hello there", text], GREEDY, use_tqdm=False)
     assert out[0].prompt_token_ids == [bos, *text] and out[1].prompt_token_ids == text
+
+
+def test_bad_words_are_never_generated(llm) -> None:
+    tokenizer = llm.get_tokenizer()
+
+    def greedy(**kwargs) -> list[int]:
+        return llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=8,
+                                                            **kwargs),
+                            use_tqdm=False)[0].outputs[0].token_ids
+
+    free = greedy()
+    one = tokenizer.decode(free[:1])  # a word of one token: banned at every step
+    assert free[0] not in greedy(bad_words=[one])
+    # A word of two tokens (one whose text encodes back to them): its second is banned right
+    # after its first, and only there.
+    start = next(i for i in range(1, 7) if tokenizer.encode(
+        tokenizer.decode(free[i:i + 2]), add_special_tokens=False) == free[i:i + 2])
+    ids = greedy(bad_words=[tokenizer.decode(free[start:start + 2])])
+    assert ids[:start + 1] == free[:start + 1] and ids[start + 1] != free[start + 1]
+
+
+def test_bad_words_refusals() -> None:
+    with pytest.raises(ValueError, match="bad_words.*'x'"):
+        SamplingParams(bad_words="x")
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["a", ""])
