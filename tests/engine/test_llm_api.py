@@ -8,7 +8,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from tests.utils.paged import tiny_chat_model
 
-GREEDY = SamplingParams(temperature=0, max_tokens=4)
+GREEDY = SamplingParams(temperature=0, max_tokens=2)
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +88,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(llm) -> None:
 
 def test_allowed_token_ids_bound_every_sample(llm) -> None:
     allowed = [300, 301, 302, 7000]
-    for params in (SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=allowed,
+    for params in (SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=allowed,
                                   logprobs=1),
-                   SamplingParams(temperature=1.0, seed=1, max_tokens=6, n=2,
+                   SamplingParams(temperature=1.0, seed=1, max_tokens=3, n=2,
                                   allowed_token_ids=allowed)):
         out = llm.generate(["hello there"], params, use_tqdm=False)[0]
         for completion in out.outputs:
@@ -106,7 +106,7 @@ def test_allowed_token_ids_bound_every_sample(llm) -> None:
 
 
 def test_detokenize_false_gives_token_ids_only(llm) -> None:
-    params = SamplingParams(temperature=0, max_tokens=4, logprobs=1, detokenize=False)
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=1, detokenize=False)
     out = llm.generate(["hello there"], params, use_tqdm=False)[0].outputs[0]
     ref = llm.generate(["hello there"], GREEDY, use_tqdm=False)[0].outputs[0]
     assert out.text == "" and out.token_ids == ref.token_ids
@@ -134,18 +134,21 @@ def test_allowed_token_ids_beyond_the_vocabulary_are_refused(llm) -> None:
         llm.generate("hi", SamplingParams(allowed_token_ids=[3, 10_000_000]), use_tqdm=False)
 
 
-def test_text_prompts_get_the_tokenizers_special_tokens(llm, tmp_path, monkeypatch) -> None:
+def test_text_prompts_get_the_tokenizers_special_tokens(llm, monkeypatch) -> None:
     """As vLLM tokenizes them: a Llama or Gemma tokenizer's BOS starts a text prompt (the
     models were trained with it); token-id prompts are taken as given."""
-    from tokenizers.processors import TemplateProcessing
-
     tokenizer = llm.get_tokenizer()
     bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    tokenizer.save_pretrained(tmp_path)
-    with_bos = type(tokenizer).from_pretrained(tmp_path)
-    with_bos._tokenizer.post_processor = TemplateProcessing(
-        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
-    monkeypatch.setattr(llm.engine, "tokenizer", with_bos)
+
+    class WithBos:  # the bundled tokenizer adds no special tokens of its own
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode(self, text, add_special_tokens=True):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            return [bos, *ids] if add_special_tokens else ids
+
+    monkeypatch.setattr(llm.engine, "tokenizer", WithBos())
     text = tokenizer.encode("hello there", add_special_tokens=False)
     out = llm.generate(["hello there", text], GREEDY, use_tqdm=False)
     assert out[0].prompt_token_ids == [bos, *text] and out[1].prompt_token_ids == text
@@ -154,20 +157,20 @@ def test_text_prompts_get_the_tokenizers_special_tokens(llm, tmp_path, monkeypat
 def test_bad_words_are_never_generated(llm) -> None:
     tokenizer = llm.get_tokenizer()
 
-    def greedy(**kwargs) -> list[int]:
-        return llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=8,
-                                                            **kwargs),
+    def greedy(prompt: str, **kwargs) -> list[int]:
+        return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, **kwargs),
                             use_tqdm=False)[0].outputs[0].token_ids
 
-    free = greedy()
-    one = tokenizer.decode(free[:1])  # a word of one token: banned at every step
-    assert free[0] not in greedy(bad_words=[one])
     # A word of two tokens (one whose text encodes back to them): its second is banned right
-    # after its first, and only there.
-    start = next(i for i in range(1, 7) if tokenizer.encode(
-        tokenizer.decode(free[i:i + 2]), add_special_tokens=False) == free[i:i + 2])
-    ids = greedy(bad_words=[tokenizer.decode(free[start:start + 2])])
-    assert ids[:start + 1] == free[:start + 1] and ids[start + 1] != free[start + 1]
+    # after its first, and only there; a word of one token at every step.
+    for prompt in ("hello there", "a b", "the end", "once upon"):
+        free = greedy(prompt)
+        word = tokenizer.decode(free[:2])
+        if tokenizer.encode(word, add_special_tokens=False) == free[:2]:
+            break
+    ids = greedy(prompt, bad_words=[word])
+    assert ids[0] == free[0] and ids[1] != free[1]
+    assert free[0] not in greedy(prompt, bad_words=[tokenizer.decode(free[:1])])
 
 
 def test_bad_words_refusals() -> None:
