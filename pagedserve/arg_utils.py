@@ -102,7 +102,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names += [f.name for f in dataclasses.fields(EngineConfig)
               if f.name not in section_classes()]
     kwargs = {name: getattr(args, name, None) for name in names}
-    kwargs["model"] = getattr(args, "model_pos", None) or kwargs["model"]
+    positional = getattr(args, "model_pos", None)
+    if positional is not None and kwargs["model"] not in (None, positional):
+        # Most likely a value of the flag before it, e.g. a second --served-model-name.
+        raise ValueError(f"two models given: {positional!r} (positional) and "
+                         f"{kwargs['model']!r} (--model); give one")
+    kwargs["model"] = positional or kwargs["model"]
     kwargs["config"] = args.config
     return {k: v for k, v in kwargs.items() if v is not None}
 

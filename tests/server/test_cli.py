@@ -259,3 +259,13 @@ def test_generate_jsonl_carries_logprobs_and_every_sample(tiny_model_dir, tmp_pa
                                                  strict=True)))
     assert record["logprobs"] == samples[0]["logprobs"]
     assert record["prompt_logprobs"][0] is None and "6" in record["prompt_logprobs"][1]
+
+
+def test_a_model_given_twice_is_refused():
+    """`serve --model X --served-model-name a b` (vLLM takes several names) ran model 'b'."""
+    args = build_parser().parse_args(["serve", "--model", "some/model", "--served-model-name",
+                                      "a", "b"])
+    with pytest.raises(ValueError, match="'b'.*'some/model'"):
+        engine_config(args)
+    args = build_parser().parse_args(["serve", "some/model", "--model", "some/model"])
+    assert engine_config(args).model.model == "some/model"
