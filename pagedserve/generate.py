@@ -36,6 +36,7 @@ class Job:
     messages: list[dict[str, Any]] | None
     sampling: dict[str, Any]  # the flags' and the line's sampling fields (checked)
     lora: str | None = None  # the adapter of --lora-modules it runs through (None: the base)
+    chat_template_kwargs: dict[str, Any] | None = None  # a chat's template variables
 
     def params(self, model_defaults: dict[str, Any]) -> SamplingParams:
         """Its SamplingParams over the model's recommended settings."""
@@ -159,9 +160,12 @@ def parse_request_line(raw: str, defaults: dict[str, Any] | None = None,
     lora = record.pop("lora", None)
     if lora is not None and not isinstance(lora, str):
         raise ValueError("field 'lora' must be the name of an adapter of --lora-modules")
+    template_kwargs = record.pop("chat_template_kwargs", None)
+    if template_kwargs is not None and not (has_messages and isinstance(template_kwargs, dict)):
+        raise ValueError("field 'chat_template_kwargs' must be an object, on a 'messages' line")
     sampling = {**(defaults or {}), **record}
     SamplingParams.from_dict(sampling)  # its errors, before anything loads
-    return Job(number, prompt, messages, sampling, lora)
+    return Job(number, prompt, messages, sampling, lora, template_kwargs)
 
 
 def run_jobs(llm: Any, jobs: list[Job], source: str | None,
@@ -174,7 +178,8 @@ def run_jobs(llm: Any, jobs: list[Job], source: str | None,
         try:
             prompt, images = job.prompt, None
             if job.messages is not None:  # images in content parts too (they were dropped)
-                chat = llm.chat_prompt(job.messages)
+                chat = llm.chat_prompt(job.messages,
+                                       chat_template_kwargs=job.chat_template_kwargs)
                 prompt, images = chat["prompt_token_ids"], chat.get("multi_modal_data")
             request_id = f"line-{job.line}" if job.line is not None else str(i)
             lora = (adapters or {}).get(job.lora) if job.lora is not None else None

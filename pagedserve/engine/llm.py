@@ -270,12 +270,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def chat_prompt(self, messages: list[Message], add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> dict[str, Any]:
+                    chat_template: str | None = None, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         """One conversation as `generate` takes it: {"prompt_token_ids"} and, when its content
         parts hold images, {"multi_modal_data": {"image": [...]}} (ValueError for a bad image
         or a text-only model). `apply_chat_template` renders the text only."""
-        return self._chat_prompt(messages, chat_template,
-                                 template_options(add_generation_prompt))
+        return self._chat_prompt(messages, chat_template, template_options(
+            add_generation_prompt, continue_final_message, None, chat_template_kwargs))
 
     def _chat_prompt(self, messages: list[Message], chat_template: str | None,
                      options: dict[str, Any]) -> dict[str, Any]:

@@ -269,3 +269,28 @@ def test_a_model_given_twice_is_refused():
         engine_config(args)
     args = build_parser().parse_args(["serve", "some/model", "--model", "some/model"])
     assert engine_config(args).model.model == "some/model"
+
+
+def test_generate_lines_take_chat_template_kwargs():
+    """Qwen3's enable_thinking and other template variables, per messages line."""
+    from pagedserve.generate import parse_request_line, run_jobs
+
+    line = {"messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 2}
+    job = parse_request_line(json.dumps(line))
+    assert job.chat_template_kwargs == {"enable_thinking": False}
+    assert "chat_template_kwargs" not in job.sampling
+    for bad in ({"prompt": "hi", "chat_template_kwargs": {}},
+                {**line, "chat_template_kwargs": ["enable_thinking"]}):
+        with pytest.raises(ValueError, match="chat_template_kwargs"):
+            parse_request_line(json.dumps(bad))
+
+    class Rendered(Exception):
+        pass
+
+    class FakeLLM:
+        def chat_prompt(self, messages, **kwargs):
+            raise Rendered(kwargs)
+
+    with pytest.raises(Rendered, match="'chat_template_kwargs': {'enable_thinking': False}"):
+        run_jobs(FakeLLM(), [job], None)
