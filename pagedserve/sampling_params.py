@@ -229,6 +229,10 @@ class SamplingParams:
         if self.bad_words is not None and not (isinstance(self.bad_words, list) and all(
                 isinstance(w, str) and w.strip() for w in self.bad_words)):
             raise _bad("bad_words", self.bad_words, "a list of non-empty strings")
+        words = self.bad_words_token_ids
+        if words is not None and not (isinstance(words, list) and all(
+                isinstance(w, list) and w and all(_is_token_id(t) for t in w) for w in words)):
+            raise _bad("bad_words_token_ids", words, "a list of non-empty lists of token ids")
         allowed = self.allowed_token_ids
         if allowed is not None and not (isinstance(allowed, list) and allowed and all(
                 _is_token_id(t) for t in allowed)):
@@ -257,6 +261,13 @@ class SamplingParams:
         if eos_token_id is not None and not self.ignore_eos:
             ids.add(eos_token_id)
         return frozenset(ids)
+
+    def truncated_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens (-1: max_model_len) tokens, as vLLM keeps."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        return token_ids[-(max_model_len if keep == -1 else keep):]
 
     def clone(self) -> SamplingParams:
         """A deep copy, as vLLM's SamplingParams.clone."""

@@ -182,12 +182,12 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(STOP_NEEDS_TOKENIZER)
         vocab = self.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids must be token ids below the vocabulary size "
-                             f"{vocab}, got {bad[0]}")
-        for name in ("logit_bias", "allowed_token_ids"):
-            bad = [t for t in getattr(params, name) or () if t >= vocab]
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids",
+                     "bad_words_token_ids"):
+            ids = getattr(params, name) or ()
+            if name == "bad_words_token_ids":
+                ids = [t for word in ids for t in word]
+            bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name} must hold token ids below the vocabulary size "
                                  f"{vocab}, got {bad[0]}")
@@ -241,9 +241,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = (self.tokenize(prompt, add_special_tokens=True) if isinstance(prompt, str)
                      else list(prompt))
-        if params.truncate_prompt_tokens is not None:  # its last k tokens, as vLLM keeps
-            keep = params.truncate_prompt_tokens
-            token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
+        token_ids = params.truncated_prompt(token_ids, self.max_model_len)
         mm = self.images.prepare(token_ids, multi_modal_data)
         if mm is not None:
             token_ids = mm.prompt_token_ids

@@ -178,3 +178,13 @@ def test_bad_words_refusals() -> None:
         SamplingParams(bad_words="x")
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=["a", ""])
+
+
+def test_bad_words_token_ids_are_checked(llm) -> None:
+    # The engine's tokenization of bad_words, but a field a caller could set: never an index
+    # error in the sampler.
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=[[]])
+    with pytest.raises(ValueError, match="bad_words_token_ids.*vocabulary.*10000000"):
+        llm.generate("hi", SamplingParams(bad_words_token_ids=[[3, 10_000_000]]),
+                     use_tqdm=False)
