@@ -125,6 +125,9 @@ class EngineCore:
         num_blocks, num_slots = self.runner.determine_cache_size()
         self.runner.allocate_kv_cache(num_blocks, num_slots)
         self.runner.warmup()
+        # Requests without a seed sample from torch's global generator: seeded once the
+        # warm-up has drawn from it, as vLLM seeds its workers, so a run's samples repeat.
+        torch.manual_seed(config.model.seed)
         layout = self.runner.kv_layout
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
                                        config.cache.enable_prefix_caching, num_slots,

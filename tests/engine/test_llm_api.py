@@ -11,11 +11,17 @@ from tests.utils.paged import tiny_chat_model
 GREEDY = SamplingParams(temperature=0, max_tokens=2)
 
 
+ENGINE = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=128)
+
+
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), init_std=0.2)
-    llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory="16MiB",
-              max_model_len=128)
+def model_dir(tmp_path_factory):
+    return str(tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), init_std=0.2))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    llm = LLM(model=model_dir, **ENGINE)
     yield llm
     engine = llm.engine
     assert not engine.has_unfinished_requests(), "requests left in the engine"
@@ -188,3 +194,17 @@ def test_bad_words_token_ids_are_checked(llm) -> None:
     with pytest.raises(ValueError, match="bad_words_token_ids.*vocabulary.*10000000"):
         llm.generate("hi", SamplingParams(bad_words_token_ids=[[3, 10_000_000]]),
                      use_tqdm=False)
+
+
+def test_the_engine_seed_makes_unseeded_sampling_repeat(model_dir) -> None:
+    """LLM(seed=...) seeds the sampling of requests without a seed of their own, as vLLM's
+    does: the same run samples the same tokens (it was left to torch's global state)."""
+    import torch
+
+    params = SamplingParams(temperature=1.0, max_tokens=3)
+    torch.manual_seed(1)  # whatever the caller did before
+    with LLM(model=model_dir, seed=7, **ENGINE) as llm:
+        first = llm.generate(["hi", "there"], params, use_tqdm=False)
+        torch.manual_seed(7)  # the state the engine started its first step from
+        again = llm.generate(["hi", "there"], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
