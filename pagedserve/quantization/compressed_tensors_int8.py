@@ -5,7 +5,7 @@ the signed code itself; `weight_scale` [out, in / group_size] (strategy group), 
 scale (older releases save a symmetric weight's too, all zero); group act-order adds
 `weight_g_idx` [in]. w = (q - zero) * scale.
 
-The codes become the 8-bit `Int4Codes` the pack-quantized reader makes (code = q + 128, zero =
+The codes become the 8-bit `IntCodes` the pack-quantized reader makes (code = q + 128, zero =
 zero point + 128, or 128 when symmetric), so they are dequantized at load, or kept for the
 W8A16 kernel, exactly as 8-bit pack-quantized weights are. Activation quantization (W8A8 int8)
 and other widths are refused by name."""
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.quantization import int4_format as fmt
+from pagedserve.quantization import int_codes as fmt
 from pagedserve.quantization.base import QuantizationConfig
 from pagedserve.quantization.compressed_tensors_w4a16 import ACTORDER
 from pagedserve.quantization.packed import PackedFormat, check_family, packed_method
@@ -47,7 +47,7 @@ class CompressedInt8Format(PackedFormat):
         # Older compressed-tensors releases saved a symmetric weight's zero points (zeros).
         return ("weight_g_idx", "weight_zero_point") if self.symmetric else ("weight_g_idx",)
 
-    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.IntCodes:
         weight = tensors["weight"]
         if weight.dtype != torch.int8 or weight.dim() != 2:
             raise ValueError(f"{what}.weight is {weight.dtype} {tuple(weight.shape)}; "
@@ -73,7 +73,7 @@ class CompressedInt8Format(PackedFormat):
             zeros = given
         group = fmt.group_index(tensors.get("weight_g_idx"), k, size, groups,
                                 f"{what}.weight_g_idx")
-        return fmt.Int4Codes(codes, zeros.expand(n, groups).contiguous(), scale.contiguous(),
+        return fmt.IntCodes(codes, zeros.expand(n, groups).contiguous(), scale.contiguous(),
                              group, BITS)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.quantization import int4_format as fmt
+from pagedserve.quantization import int_codes as fmt
 from pagedserve.quantization.base import QuantizationConfig
 from pagedserve.quantization.packed import PackedFormat, check_family, packed_method
 
@@ -47,7 +47,7 @@ class CompressedW4A16Format(PackedFormat):
     def optional_tensors(self) -> tuple[str, ...]:
         return ("weight_g_idx",)
 
-    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.IntCodes:
         packed = tensors["weight_packed"]
         per_word = 32 // self.bits
         shape = tensors["weight_shape"].flatten().tolist()
@@ -67,7 +67,7 @@ class CompressedW4A16Format(PackedFormat):
                                                 self.bits, f"{what}.weight_zero_point")
         group = fmt.group_index(tensors.get("weight_g_idx"), k, size, groups,
                                 f"{what}.weight_g_idx")
-        return fmt.Int4Codes(codes, zeros, tensors["weight_scale"], group, self.bits)
+        return fmt.IntCodes(codes, zeros, tensors["weight_scale"], group, self.bits)
 
 
 def _zero_points(zp: torch.Tensor, n: int, groups: int, bits: int, what: str) -> torch.Tensor:
