@@ -79,7 +79,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(_api_routes(state))
     app.include_router(anthropic_routes(state))
     app.include_router(lora_routes(state, config.allow_runtime_lora_updating))
-    app.include_router(responses_routes(state, ResponseStore(config.responses_store_size)))
+    app.include_router(responses_routes(state, ResponseStore(
+        config.responses_store_size, config.responses_store_bytes)))
     if config.enable_chat_page:
         app.include_router(chat_page_routes())
     body_limit = config.max_request_body_bytes or default_body_limit(

@@ -18,26 +18,41 @@ from pagedserve.sampling_params import SamplingParams
 
 
 def unpaired_surrogate(value: Any, path: str = "") -> str | None:
-    """The path of the first string in `value` (nested lists and dicts) holding a lone UTF-16
-    surrogate: JSON's "\\ud800" escapes decode to such strings, which no tokenizer, hash or
-    response encoder can take."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list | tuple):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        found = unpaired_surrogate(item, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
+    """The path of the first string in `value` (nested lists and dicts, keys too) holding a
+    lone UTF-16 surrogate: JSON's "\\ud800" escapes decode to such strings, which no
+    tokenizer, hash or response encoder can take. A bad key is named by its escape, so the
+    path itself encodes. Walked without recursion: a body may nest as deep as the JSON parser
+    lets it, past the interpreter's recursion limit."""
+    todo: list[tuple[str, Any]] = [(path, value)]
+    while todo:
+        where, item = todo.pop()
+        if isinstance(item, str):
+            if not _encodes(item):
+                return where or "body"
+            continue
+        if isinstance(item, dict):
+            items = list(item.items())
+        elif isinstance(item, list | tuple):
+            items = list(enumerate(item))
+        else:
+            continue
+        children = []
+        for key, child in items:
+            name = str(key)
+            if not _encodes(name):
+                name = name.encode("utf-8", "backslashreplace").decode("utf-8")
+                return f"{where}.{name}" if where else name
+            children.append((f"{where}.{name}" if where else name, child))
+        todo.extend(reversed(children))  # the first child is looked at first
     return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class OpenAIModel(BaseModel):

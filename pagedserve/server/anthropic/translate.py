@@ -13,6 +13,7 @@ from pagedserve.server.anthropic import protocol as a
 from pagedserve.server.common import ApiError
 from pagedserve.server.output_blocks import Block, BlockStream
 from pagedserve.server.streaming import Tally
+from pagedserve.server.tool_parsers import NOT_JSON
 
 
 def chat_request(body: a.CountTokensRequest) -> p.ChatCompletionRequest:
@@ -171,8 +172,9 @@ def content_block(block: Block, whole: bool) -> dict[str, Any]:
     if whole:
         try:
             arguments = json.loads(block.text or "{}")
-        except json.JSONDecodeError:
-            # Cut off by max_tokens (stop_reason says so): its text is what there is.
+        except NOT_JSON:
+            # Cut off by max_tokens (stop_reason says so), or nested past the recursion
+            # limit (a schema that refers to itself): its text is what there is.
             return {"type": "text", "text": block.text}
     return {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name or "",
             "input": arguments}
