@@ -1,0 +1,100 @@
+"""What agents send back: a reply as the SDKs hand it over (their objects, or model_dump() with
+every field the SDK knows, set or None), and the request fields the SDKs pass that mean
+nothing here (accepted and ignored, as vLLM ignores them)."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from pagedserve.server import protocol as p
+from pagedserve.server.responses import protocol as r
+from tests.server.agent_conversation import KEY, MODEL, WEATHER_SCHEMA
+
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}]
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+# Chat fields OpenAI's SDK (and the Agents SDK) send that change nothing on this server.
+IGNORED = {"metadata": {"run": "1"}, "store": False, "service_tier": "auto",
+           "prompt_cache_key": "agent-1", "safety_identifier": "u1", "reasoning_effort": "low",
+           "verbosity": "low", "modalities": ["text"]}
+
+
+@pytest.fixture(scope="module")
+def oai(agent_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=agent_server.url + "/v1", api_key=KEY, max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(agent_server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=agent_server.url, api_key=KEY, max_retries=0,
+                               timeout=120)
+
+
+def test_chat_takes_its_own_reply_back(oai) -> None:
+    """messages.append(reply.choices[0].message), the agent loop's step: the reply carries
+    reasoning_content (None without a reasoning parser), and model_dump() adds refusal,
+    annotations, audio and function_call, all None."""
+    first = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                        tool_choice=FORCED, max_completion_tokens=16,
+                                        temperature=0)
+    message = first.choices[0].message
+    result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"}
+    replies = []
+    for echoed in (message, message.model_dump()):
+        replies.append(oai.chat.completions.create(
+            model=MODEL, messages=[*ASK, echoed, result], tools=TOOLS, tool_choice="none",
+            max_completion_tokens=3, temperature=0))
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+
+
+def test_chat_ignores_the_sdks_fields_that_mean_nothing_here(oai) -> None:
+    plain = oai.chat.completions.create(model=MODEL, messages=ASK, max_completion_tokens=3,
+                                        temperature=0)
+    ignored = oai.chat.completions.create(model=MODEL, messages=ASK, max_completion_tokens=3,
+                                          temperature=0, **IGNORED)
+    assert ignored.choices[0].message.content == plain.choices[0].message.content
+    streamed = oai.chat.completions.create(
+        model=MODEL, messages=ASK, max_completion_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False})
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("field, value", [("modalities", ["audio"]),
+                                          ("reasoning_effort", "extreme")])
+def test_chat_still_refuses_what_it_cannot_do(field, value) -> None:
+    with pytest.raises(ValueError, match=field):
+        p.ChatCompletionRequest.model_validate({"messages": ASK, field: value})
+
+
+def test_reasoning_content_is_an_assistant_field_only() -> None:
+    p.ChatMessage.model_validate({"role": "assistant", "content": "x", "reasoning_content": "y"})
+    with pytest.raises(ValueError, match="reasoning_content"):
+        p.ChatMessage.model_validate({"role": "user", "content": "x", "reasoning_content": "y"})
+
+
+def test_responses_ignore_the_sdks_fields_that_mean_nothing_here() -> None:
+    r.ResponsesRequest.model_validate({"input": "hi", "prompt_cache_retention": "24h",
+                                       "stream": True,
+                                       "stream_options": {"include_obfuscation": False}})
+
+
+def test_messages_take_the_sdks_blocks_back(claude) -> None:
+    """The anthropic SDK's model_dump() of a tool_use block carries caller and toolset_name
+    (None); tools may say strict and eager_input_streaming, and the request cache_control."""
+    tools = [{"name": "get_weather", "input_schema": WEATHER_SCHEMA, "strict": True,
+              "eager_input_streaming": True}]
+    first = claude.messages.create(model=MODEL, max_tokens=40, messages=ASK, tools=tools,
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    use = first.content[-1]
+    assert use.type == "tool_use"
+    messages = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                              "content": "sunny"}]}]
+    reply = claude.messages.create(model=MODEL, max_tokens=2, messages=messages, tools=tools,
+                                   extra_body={"cache_control": {"type": "ephemeral"}})
+    assert reply.usage.output_tokens > 0
+
