@@ -1,6 +1,6 @@
 """What agents send back: a reply as the SDKs hand it over (their objects, or model_dump() with
-every field the SDK knows, set or None), and the request fields the SDKs pass that mean
-nothing here (accepted and ignored, as vLLM ignores them)."""
+every field the SDK knows, set or None), the request fields the SDKs pass that mean nothing
+here (accepted and ignored, as vLLM ignores them), and content as lists of text parts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import openai
 import pytest
 
 from pagedserve.server import protocol as p
+from pagedserve.server.chat_media import MediaSettings, template_input
 from pagedserve.server.responses import protocol as r
+from pagedserve.server.responses.translate import input_messages
 from tests.server.agent_conversation import KEY, MODEL, WEATHER_SCHEMA
 
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
@@ -97,4 +99,16 @@ def test_messages_take_the_sdks_blocks_back(claude) -> None:
     reply = claude.messages.create(model=MODEL, max_tokens=2, messages=messages, tools=tools,
                                    extra_body={"cache_control": {"type": "ephemeral"}})
     assert reply.usage.output_tokens > 0
+
+
+def test_text_parts_are_joined_as_lines() -> None:
+    """Two text parts are two pieces of text, not one word: "Hi" and "there" are not
+    "Hithere" (vLLM joins them with a newline too)."""
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    chat = p.ChatMessage.model_validate({"role": "user", "content": parts})
+    rendered = template_input([chat], None, None, MediaSettings(), MODEL)
+    assert rendered.messages[0]["content"] == "Hi\nthere"
+    body = r.ResponsesRequest.model_validate({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "Hi"}, {"type": "input_text", "text": "there"}]}]})
+    assert input_messages(body.input)[0][0]["content"] == "Hi\nthere"
 

@@ -119,7 +119,7 @@ def _content(content: str | list[Any], where: str, images: bool = True
                            param=f"{where}.{j}")
         texts.append(part.text)
         parts.append({"type": "text", "text": part.text})
-    return parts if len(parts) > len(texts) else "".join(texts)
+    return parts if len(parts) > len(texts) else "\n".join(texts)  # as chat joins its parts
 
 
 def _image_part(part: r.ImagePart, where: str) -> dict[str, Any]:
