@@ -310,6 +310,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
+    # vLLM's prefill: the last (assistant) message is left open and the reply goes on from it.
+    continue_final_message: bool = False
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -443,6 +445,7 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeResponse(BaseModel):

@@ -1,14 +1,18 @@
 """What agents send back: a reply as the SDKs hand it over (their objects, or model_dump() with
 every field the SDK knows, set or None), the request fields the SDKs pass that mean nothing
-here (accepted and ignored, as vLLM ignores them), and content as lists of text parts."""
+here (accepted and ignored, as vLLM ignores them), content as lists of text parts, and
+Anthropic's prefill (a last assistant message the reply continues)."""
 
 from __future__ import annotations
 
 import anthropic
+import httpx
 import openai
 import pytest
 
 from pagedserve.server import protocol as p
+from pagedserve.server.anthropic import protocol as a
+from pagedserve.server.anthropic.translate import chat_request
 from pagedserve.server.chat_media import MediaSettings, template_input
 from pagedserve.server.responses import protocol as r
 from pagedserve.server.responses.translate import input_messages
@@ -112,3 +116,36 @@ def test_text_parts_are_joined_as_lines() -> None:
         {"type": "input_text", "text": "Hi"}, {"type": "input_text", "text": "there"}]}]})
     assert input_messages(body.input)[0][0]["content"] == "Hi\nthere"
 
+
+def test_prefill_continues_the_last_assistant_message() -> None:
+    body = a.MessagesRequest.model_validate({
+        "model": MODEL, "max_tokens": 4,
+        "messages": [*ASK, {"role": "assistant", "content": "The weather is"}]})
+    chat = chat_request(body)
+    assert chat.continue_final_message and not chat.add_generation_prompt
+    body.messages.append(a.Message(role="user", content="And Rome?"))
+    chat = chat_request(body)
+    assert not chat.continue_final_message and chat.add_generation_prompt
+
+
+def test_prefill_is_rendered_open_and_counted(agent_server, claude) -> None:
+    prefill = [*ASK, {"role": "assistant", "content": "The weather is"}]
+    headers = {"x-api-key": KEY}
+
+    def tokenize(**fields) -> httpx.Response:
+        return httpx.post(agent_server.url + "/tokenize", headers=headers, timeout=60,
+                          json={"messages": prefill, **fields})
+
+    tokens = tokenize(add_generation_prompt=False, continue_final_message=True).json()
+    text = httpx.post(agent_server.url + "/detokenize", headers=headers, timeout=60,
+                      json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nThe weather is"), text
+    counted = claude.messages.count_tokens(model=MODEL, messages=prefill)
+    assert counted.input_tokens == tokens["count"]
+    reply = claude.messages.create(model=MODEL, max_tokens=2, messages=prefill)
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == tokens["count"]
+    for fields, words in [({"continue_final_message": True}, "add_generation_prompt"),
+                          ({"continue_final_message": True, "add_generation_prompt": False,
+                            "messages": ASK}, "last message")]:
+        refused = tokenize(**fields)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"]
