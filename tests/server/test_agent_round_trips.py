@@ -1,12 +1,16 @@
 """What agents send back: a reply as the SDKs hand it over (their objects, or model_dump() with
 every field the SDK knows, set or None), the request fields the SDKs pass that mean nothing
-here (accepted and ignored, as vLLM ignores them), content as lists of text parts, and
-Anthropic's prefill (a last assistant message the reply continues)."""
+here (accepted and ignored, as vLLM ignores them), tool schemas as pydantic writes them ($defs
+and $ref), content as lists of text parts, and Anthropic's prefill (a last assistant message
+the reply continues)."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -14,6 +18,7 @@ from pagedserve.server import protocol as p
 from pagedserve.server.anthropic import protocol as a
 from pagedserve.server.anthropic.translate import chat_request
 from pagedserve.server.chat_media import MediaSettings, template_input
+from pagedserve.server.guided import _relocated
 from pagedserve.server.responses import protocol as r
 from pagedserve.server.responses.translate import input_messages
 from tests.server.agent_conversation import KEY, MODEL, WEATHER_SCHEMA
@@ -149,3 +154,40 @@ def test_prefill_is_rendered_open_and_counted(agent_server, claude) -> None:
                             "messages": ASK}, "last message")]:
         refused = tokenize(**fields)
         assert refused.status_code == 400 and words in refused.json()["error"]["message"]
+
+
+def _pydantic_style(name: str, units: list[str]) -> dict:
+    """A tool as pydantic (and so the Agents SDK) writes its schema: types in $defs, $ref to
+    them, Optional as anyOf with null."""
+    return {"type": "function", "function": {"name": name, "strict": True, "parameters": {
+        "$defs": {"Unit": {"enum": units, "type": "string"}},
+        "type": "object", "additionalProperties": False, "required": ["unit", "city"],
+        "properties": {"unit": {"$ref": "#/$defs/Unit"},
+                       "city": {"anyOf": [{"$ref": "#/$defs/Unit"}, {"type": "null"}]}}}}}
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_required_tool_calls_follow_schemas_with_defs(oai, count) -> None:
+    """tool_choice "required" nests each tool's schema in one grammar: its $refs must still
+    find its own $defs (two tools' Unit differ)."""
+    tools = [_pydantic_style("temperature", ["c", "f"]), _pydantic_style("speed", ["kmh"])]
+    tools = tools[:count]
+    reply = oai.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
+                                        tool_choice="required", parallel_tool_calls=False,
+                                        max_completion_tokens=40, temperature=0)
+    [call] = reply.choices[0].message.tool_calls
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+
+
+def test_relocated_refs_leave_data_alone() -> None:
+    schema = {"$defs": {"U": {"const": {"$ref": "#/data"}}},
+              "properties": {"default": {"$ref": "#/$defs/U"}, "x": {"$ref": "#"},
+                             "y": {"$ref": "other.json#/a"}},
+              "default": {"$ref": "#/data"}}
+    moved = _relocated(schema, "#/items/anyOf/1/properties/arguments")
+    assert moved["properties"]["default"] == {
+        "$ref": "#/items/anyOf/1/properties/arguments/$defs/U"}
+    assert moved["properties"]["x"] == {"$ref": "#/items/anyOf/1/properties/arguments"}
+    assert moved["properties"]["y"] == schema["properties"]["y"]
+    assert moved["default"] == moved["$defs"]["U"]["const"] == {"$ref": "#/data"}
