@@ -47,12 +47,22 @@ def template_messages(state: ServerState, messages: list[p.ChatMessage]) -> Temp
                           state.model_name)
 
 
+def developer_as_system(messages: list[dict[str, Any]], template: str
+                        ) -> list[dict[str, Any]]:
+    """OpenAI's developer role is its newer name for system: a template that does not know
+    the role would render it as a turn of its own (under its default system prompt)."""
+    if "developer" in template:
+        return messages
+    return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
+
 def render_template(state: ServerState, rendered: list[dict[str, Any]],
                     add_generation_prompt: bool, tools: ToolPrompt | None = None,
                     num_images: int = 0, continue_final_message: bool = False) -> list[int]:
     """Template messages -> prompt token ids (one placeholder per image, not yet expanded,
     rendered as `LLM.chat` renders them)."""
     template = state.llm.engine.chat_template or getattr(state.tokenizer, "chat_template", "")
+    rendered = developer_as_system(rendered, template or "")
     template_tools = None
     if tools is not None:
         template_tools, rendered = tools.apply(rendered, template or "")

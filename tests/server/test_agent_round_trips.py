@@ -17,6 +17,7 @@ import pytest
 from pagedserve.server import protocol as p
 from pagedserve.server.anthropic import protocol as a
 from pagedserve.server.anthropic.translate import chat_request
+from pagedserve.server.chat import developer_as_system
 from pagedserve.server.chat_media import MediaSettings, template_input
 from pagedserve.server.guided import _relocated
 from pagedserve.server.responses import protocol as r
@@ -191,3 +192,19 @@ def test_relocated_refs_leave_data_alone() -> None:
     assert moved["properties"]["x"] == {"$ref": "#/items/anyOf/1/properties/arguments"}
     assert moved["properties"]["y"] == schema["properties"]["y"]
     assert moved["default"] == moved["$defs"]["U"]["const"] == {"$ref": "#/data"}
+
+
+def test_developer_messages_are_system_messages_to_a_template_without_them(agent_server) -> None:
+    """OpenAI's developer role (the openai SDK's newer system) rendered as a turn of its own
+    under the model's default system prompt; a template that knows the role keeps it."""
+    headers = {"x-api-key": KEY}
+
+    def prompt(role: str) -> list[int]:
+        return httpx.post(agent_server.url + "/tokenize", headers=headers, timeout=60, json={
+            "messages": [{"role": role, "content": "Be brief."}, *ASK]}).json()["tokens"]
+
+    assert prompt("developer") == prompt("system")
+    messages = [{"role": "developer", "content": "x"}, {"role": "user", "content": "y"}]
+    assert developer_as_system(messages, "{{ messages }}")[0]["role"] == "system"
+    knows = "{% if message.role == 'developer' %}"
+    assert developer_as_system(messages, knows) == messages
