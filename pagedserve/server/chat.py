@@ -26,7 +26,7 @@ from pagedserve.server.chat_media import (
     template_reads_parts,
 )
 from pagedserve.server.chat_output import ChatChoiceParser
-from pagedserve.server.chat_tools import ToolPrompt, tool_plan
+from pagedserve.server.chat_tools import ToolPrompt, calls_as_text, tool_plan
 from pagedserve.server.common import ApiError, ServerState, common_checks, finite, sampling_params
 from pagedserve.server.guided import guided_decoding, with_guided
 from pagedserve.server.streaming import (
@@ -38,6 +38,7 @@ from pagedserve.server.streaming import (
     sse,
     until_disconnect,
 )
+from pagedserve.server.tool_parsers import HermesToolParser
 
 
 def template_messages(state: ServerState, messages: list[p.ChatMessage]) -> TemplateInput:
@@ -66,6 +67,8 @@ def render_template(state: ServerState, rendered: list[dict[str, Any]],
     template_tools = None
     if tools is not None:
         template_tools, rendered = tools.apply(rendered, template or "")
+    else:
+        rendered = calls_as_text(rendered, template or "", state.tool_parser or HermesToolParser())
     if state.mm_processor is not None:
         if state.reads_parts is None:  # checked once, on the first chat
             state.reads_parts = template_reads_parts(state.tokenizer,

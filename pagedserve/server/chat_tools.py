@@ -30,22 +30,34 @@ class ToolPrompt:
         """(tools for the template, or None; the messages to render)."""
         if "tools" in template:
             return self.tools, messages
-        out = []
-        for message in messages:
-            calls = message.get("tool_calls")
-            if calls and "tool_calls" not in template:
-                parsed: list[ParsedCall] = [(c["function"]["name"], c["function"]["arguments"])
-                                            for c in calls]
-                text = self.parser.format_calls(parsed)
-                message = {**message, "content": f"{message['content']}\n{text}".strip()}
-                message.pop("tool_calls")
-            out.append(message)
+        out = calls_as_text(messages, template, self.parser)
         if out and out[0]["role"] in ("system", "developer"):
             first = out[0]
             out[0] = {**first, "content": f"{first['content']}\n\n{self.instructions}"}
         else:
             out.insert(0, {"role": "system", "content": self.instructions})
         return None, out
+
+
+def calls_as_text(messages: list[dict[str, Any]], template: str, parser: ToolParser
+                  ) -> list[dict[str, Any]]:
+    """Earlier assistant tool calls written into their message's text in `parser`'s format,
+    for a template with no place for them: it would drop them, and the model would read the
+    results of calls it never made (a request without tools, or with tool_choice "none",
+    still holds the calls of its earlier turns)."""
+    if "tool_calls" in template:
+        return messages
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            parsed: list[ParsedCall] = [(c["function"]["name"], c["function"]["arguments"])
+                                        for c in calls]
+            text = parser.format_calls(parsed)
+            message = {**message, "content": f"{message['content']}\n{text}".strip()}
+            message.pop("tool_calls")
+        out.append(message)
+    return out
 
 
 @dataclass

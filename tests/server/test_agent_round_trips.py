@@ -208,3 +208,19 @@ def test_developer_messages_are_system_messages_to_a_template_without_them(agent
     assert developer_as_system(messages, "{{ messages }}")[0]["role"] == "system"
     knows = "{% if message.role == 'developer' %}"
     assert developer_as_system(messages, knows) == messages
+
+
+def test_earlier_tool_calls_stay_in_a_prompt_without_tools(agent_server) -> None:
+    """A conversation sent without tools (or with tool_choice "none", to make the model answer
+    at last) keeps its calls: a template with no place for them rendered an empty assistant
+    turn before the results."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    headers = {"x-api-key": KEY}
+    tokens = httpx.post(agent_server.url + "/tokenize", headers=headers, timeout=60,
+                        json={"messages": messages}).json()["tokens"]
+    text = httpx.post(agent_server.url + "/detokenize", headers=headers, timeout=60,
+                      json={"tokens": tokens}).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text, text
