@@ -239,6 +239,16 @@ def _api_routes(state: ServerState) -> APIRouter:
                                              max_model_len=engine.max_model_len),
                                  *adapter_cards(state, int(state.started))])
 
+    @router.get("/v1/models/{model_id:path}")  # a name may hold "/" (org/model)
+    async def model(model_id: str) -> p.ModelCard:
+        """OpenAI's models.retrieve: one card of the list, else the 404 naming what is
+        served."""
+        for card in (await models()).data:
+            if card.id == model_id:
+                return card
+        state.check_model(model_id)
+        raise AssertionError(f"{model_id} is served but has no card")
+
     @router.post("/v1/completions", response_model=None)
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
         return await create_completion(state, body, request)

@@ -224,3 +224,12 @@ def test_earlier_tool_calls_stay_in_a_prompt_without_tools(agent_server) -> None
     text = httpx.post(agent_server.url + "/detokenize", headers=headers, timeout=60,
                       json={"tokens": tokens}).json()["prompt"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text, text
+
+
+def test_models_retrieve(oai) -> None:
+    """client.models.retrieve(name): GET /v1/models/{name}, the card /v1/models lists."""
+    card = oai.models.retrieve(MODEL)
+    assert card.id == MODEL and card in oai.models.list().data
+    with pytest.raises(openai.NotFoundError) as missing:
+        oai.models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found"
