@@ -66,10 +66,11 @@ class ToolPlan:
     function_name: str | None = None
     guided: GuidedDecodingParams | None = None
     prompt: ToolPrompt | None = None
+    parallel: bool = True  # parallel_tool_calls
 
     def parser(self, state: ServerState) -> ChatChoiceParser:
         return ChatChoiceParser(self.mode, state.reasoning_parser, state.tool_parser,
-                                self.function_name)
+                                self.function_name, self.parallel)
 
 
 def tool_plan(state: ServerState, body: p.ChatCompletionRequest) -> ToolPlan:
@@ -93,7 +94,8 @@ def tool_plan(state: ServerState, body: p.ChatCompletionRequest) -> ToolPlan:
                                 "none)", param="tool_choice")
         parser = state.tool_parser
         return ToolPlan("auto", prompt=ToolPrompt(described, parser,
-                                                  parser.system_prompt(described)))
+                                                  parser.system_prompt(described)),
+                        parallel=body.parallel_tool_calls)
     writer = state.tool_parser or HermesToolParser()
     if choice == "required":
         guided = tool_call_guided(tools, "required", body.parallel_tool_calls)

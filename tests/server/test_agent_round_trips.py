@@ -7,6 +7,7 @@ the reply continues)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -19,9 +20,11 @@ from pagedserve.server.anthropic import protocol as a
 from pagedserve.server.anthropic.translate import chat_request
 from pagedserve.server.chat import developer_as_system
 from pagedserve.server.chat_media import MediaSettings, template_input
+from pagedserve.server.chat_tools import tool_plan
 from pagedserve.server.guided import _relocated
 from pagedserve.server.responses import protocol as r
 from pagedserve.server.responses.translate import input_messages
+from pagedserve.server.tool_parsers import HermesToolParser
 from tests.server.agent_conversation import KEY, MODEL, WEATHER_SCHEMA
 
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
@@ -233,3 +236,25 @@ def test_models_retrieve(oai) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         oai.models.retrieve("no-such-model")
     assert missing.value.body["code"] == "model_not_found"
+
+
+TWO_CALLS = ('<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+             '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+
+
+@pytest.mark.parametrize("parallel, names", [(True, ["a", "b"]), (False, ["a"])])
+def test_auto_tool_calls_keep_to_parallel_tool_calls(parallel, names) -> None:
+    """parallel_tool_calls false (Codex's default; Anthropic's disable_parallel_tool_use)
+    returns the first call only, whole and streamed, as vLLM does."""
+    state = SimpleNamespace(tool_parser=HermesToolParser(), reasoning_parser=None)
+    body = p.ChatCompletionRequest.model_validate({
+        "messages": ASK, "parallel_tool_calls": parallel,
+        "tools": [{"type": "function", "function": {"name": n}} for n in "ab"]})
+    plan = tool_plan(state, body)
+    whole = plan.parser(state).message(TWO_CALLS)
+    assert [c.function.name for c in whole.tool_calls] == names
+    streamed = plan.parser(state)
+    deltas = [streamed.delta(TWO_CALLS[:30], False), streamed.delta(TWO_CALLS[30:], True)]
+    calls = [c for d in deltas if d is not None for c in d.tool_calls or []]
+    assert [c.function.name for c in calls] == names
+    assert streamed.finish_reason("stop") == "tool_calls"
