@@ -135,9 +135,10 @@ class ChatChoiceParser:
             message.tool_calls = [p.ToolCall(id=tool_call_id(), function=p.FunctionCall(
                 name=self.function_name or "", arguments=content))]
         elif self.mode == "required":
-            calls = _merge_calls(_CallArrayScanner().feed(content))
-            if calls:
-                message.content, message.tool_calls = None, calls
+            # The grammar's array is never content: cut before a call's name is whole, the
+            # reply is empty (as its stream is), not the array's opening.
+            message.content = None
+            message.tool_calls = _merge_calls(_CallArrayScanner().feed(content))
         elif self.mode == "auto" and self.tools is not None:
             before, parsed = self._parse(content)
             if parsed:

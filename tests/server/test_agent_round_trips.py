@@ -20,6 +20,7 @@ from pagedserve.server.anthropic import protocol as a
 from pagedserve.server.anthropic.translate import chat_request
 from pagedserve.server.chat import developer_as_system
 from pagedserve.server.chat_media import MediaSettings, template_input
+from pagedserve.server.chat_output import ChatChoiceParser
 from pagedserve.server.chat_tools import tool_plan
 from pagedserve.server.guided import _relocated
 from pagedserve.server.responses import protocol as r
@@ -258,3 +259,12 @@ def test_auto_tool_calls_keep_to_parallel_tool_calls(parallel, names) -> None:
     calls = [c for d in deltas if d is not None for c in d.tool_calls or []]
     assert [c.function.name for c in calls] == names
     assert streamed.finish_reason("stop") == "tool_calls"
+
+
+def test_a_required_reply_cut_before_its_first_call_is_empty_whole_and_streamed() -> None:
+    """max_tokens inside the first call's name: the stream sent nothing, the whole reply the
+    grammar's scaffolding as content ('[{"name": "get_'), and Messages a text block of it."""
+    cut = '[{"name": "get_'
+    whole = ChatChoiceParser("required").message(cut)
+    assert whole.content is None and whole.tool_calls == []
+    assert ChatChoiceParser("required").delta(cut, True) is None
