@@ -81,21 +81,25 @@ def _as_strings(messages: list[Message], placeholder: str) -> list[Message]:
 
 def render_with_images(tokenizer: Any, messages: list[Message], num_images: int,
                        placeholder: str, add_generation_prompt: bool = True,
-                       chat_template: str | None = None) -> list[int]:
+                       chat_template: str | None = None,
+                       continue_final_message: bool = False) -> list[int]:
     """Prompt token ids with one `placeholder` per image: the template's own rendering of
     image parts when it has one, else the placeholders before each message's text."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template")
+    extra = {"continue_final_message": True} if continue_final_message else {}
     text = None
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, tokenize=False)
+                                             chat_template=chat_template, tokenize=False,
+                                             **extra)
     except Exception:  # a template that takes string content only (jinja raised on a list)
         text = None
     if text is None or text.count(placeholder) != num_images:
         text = tokenizer.apply_chat_template(_as_strings(messages, placeholder),
                                              add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, tokenize=False)
+                                             chat_template=chat_template, tokenize=False,
+                                             **extra)
     if text.count(placeholder) != num_images:
         raise ValueError(f"the chat template rendered {text.count(placeholder)} image "
                          f"placeholders ({placeholder}) for {num_images} images")

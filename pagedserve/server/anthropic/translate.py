@@ -17,8 +17,13 @@ from pagedserve.server.tool_parsers import NOT_JSON
 
 
 def chat_request(body: a.CountTokensRequest) -> p.ChatCompletionRequest:
-    """The chat request that asks the same of the model."""
-    chat: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}
+    """The chat request that asks the same of the model. A last assistant message is a
+    prefill: the reply goes on from its text (and holds only what follows it)."""
+    messages = chat_messages(body)
+    chat: dict[str, Any] = {"model": body.model, "messages": messages}
+    last = messages[-1]
+    if last["role"] == "assistant" and last["content"] and not last.get("tool_calls"):
+        chat.update(continue_final_message=True, add_generation_prompt=False)
     if body.tools:
         chat["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": t.input_schema}}
