@@ -23,7 +23,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from pagedserve.quantization.int4_format import Int4Codes
+from pagedserve.quantization.int_codes import IntCodes
 from pagedserve.quantization.ops.w4a16_gemm import w4a16_layout, w4a16_mm
 
 SHAPES = {"8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -44,13 +44,13 @@ def _time(fn, iters: int = 20, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def _weight(n: int, k: int, group: int, act_order: bool, bits: int) -> Int4Codes:
+def _weight(n: int, k: int, group: int, act_order: bool, bits: int) -> IntCodes:
     groups = k // group
     index = torch.arange(k, device="cuda") // group
     if act_order:
         index = index[torch.randperm(k, device="cuda")]
     top = 1 << bits
-    return Int4Codes(torch.randint(0, top, (n, k), device="cuda", dtype=torch.int32),
+    return IntCodes(torch.randint(0, top, (n, k), device="cuda", dtype=torch.int32),
                      torch.randint(0, top, (n, groups), device="cuda", dtype=torch.int32),
                      torch.rand(n, groups, device="cuda", dtype=torch.float16) * 0.01,
                      index, bits)

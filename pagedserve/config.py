@@ -454,6 +454,10 @@ class ServerConfig:
     responses_store_size: int = setting(
         1000, "most responses /v1/responses keeps in memory for previous_response_id and GET "
               "(the least recently used go first; 0 stores none)")
+    responses_store_bytes: int = setting(
+        1 << 30, "most characters of text those stored responses may hold, images' data URLs "
+                 "included (the least recently used go first; a larger response is not "
+                 "stored)")
     allow_runtime_lora_updating: bool = setting(
         False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     enable_chat_page: bool = setting(True, "serve the chat page at / (--disable-chat-page "
@@ -490,6 +494,9 @@ class ServerConfig:
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got "
                              f"{self.responses_store_size}")
+        if self.responses_store_bytes < 0:
+            raise ValueError(f"responses_store_bytes must be >= 0, got "
+                             f"{self.responses_store_bytes}")
         if self.max_image_pixels < 1:
             raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
         if self.media_workers is not None and self.media_workers < 1:

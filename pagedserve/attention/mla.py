@@ -52,14 +52,24 @@ class MLAAttention(Attention):
     normed c and the rotated k_pe) in; [T, H * v_head_dim] out."""
 
     def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
-                 v_head_dim: int, kv_lora_rank: int, scale: float, layer_idx: int) -> None:
+                 v_head_dim: int, kv_lora_rank: int, scale: float, layer_idx: int,
+                 kv_b_proj: nn.Linear | None = None) -> None:
+        """num_heads: this layer's (under tensor parallelism, this rank's) query heads;
+        kv_b_proj: their rows of the up-projection (a model passes its column-parallel split),
+        by default a plain linear of num_heads * (nope + v) rows."""
         super().__init__(num_heads, kv_lora_rank + qk_rope_head_dim, scale, 1, layer_idx)
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.kv_lora_rank = kv_lora_rank
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
-                                   bias=False)
+        rows = num_heads * (qk_nope_head_dim + v_head_dim)
+        if kv_b_proj is None:
+            kv_b_proj = nn.Linear(kv_lora_rank, rows, bias=False)
+        if (kv_b_proj.in_features, kv_b_proj.out_features) != (kv_lora_rank, rows):
+            raise ValueError(f"kv_b_proj is [{kv_b_proj.out_features}, "
+                             f"{kv_b_proj.in_features}]; {num_heads} heads of latent rank "
+                             f"{kv_lora_rank} need [{rows}, {kv_lora_rank}]")
+        self.kv_b_proj = kv_b_proj
 
     def config(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> MLALayerConfig:
         return MLALayerConfig(self.num_heads, 1, self.head_size, dtype, None, None,

@@ -431,10 +431,12 @@ def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: 
                 continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Messages -> prompt token ids with the tokenizer's chat template (given `tools`, the
-    template's own tools section, if it has one; `template_kwargs`: its variables)."""
+    template's own tools section, if it has one; `template_kwargs`: its variables).
+    `continue_final_message`: the last message is left open (no end of turn), for the model
+    to go on writing it: a prefill."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template")
-    extra = {"tools": tools} if tools else {}
+    extra: dict[str, Any] = {"tools": tools} if tools else {}
     if continue_final_message:
         extra["continue_final_message"] = True
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,

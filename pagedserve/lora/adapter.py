@@ -45,7 +45,15 @@ def read_config(path: Path) -> dict:
     file = path / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"LoRA adapter {path}: missing {CONFIG_FILE}")
-    config = json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_text())
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+        raise ValueError(f"LoRA adapter {path}: {CONFIG_FILE} is not valid JSON "
+                         f"({str(exc)[:200]})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {path}: {CONFIG_FILE} must be a JSON object, got "
+                         f"{type(config).__name__}")
+    _check_scale_fields(path, config)
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {path}: peft_type {config['peft_type']!r} is not "
                          f"supported (only LORA)")
@@ -59,6 +67,20 @@ def read_config(path: Path) -> dict:
         if config.get(key):
             raise ValueError(f"LoRA adapter {path}: {key} is not supported yet")
     return config
+
+
+def _check_scale_fields(path: Path, config: dict) -> None:
+    """r and lora_alpha, which the scale divides and multiplies by (a bool is no number)."""
+    if "r" not in config:
+        raise ValueError(f"LoRA adapter {path}: {CONFIG_FILE} needs r (the rank)")
+    r = config["r"]
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"LoRA adapter {path}: r must be an integer >= 1, got {r!r}")
+    alpha = config.get("lora_alpha", r)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) \
+            or not math.isfinite(alpha):
+        raise ValueError(f"LoRA adapter {path}: lora_alpha must be a finite number, got "
+                         f"{alpha!r}")
 
 
 def scaling(config: dict) -> float:

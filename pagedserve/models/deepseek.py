@@ -21,9 +21,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedserve.attention.mla import MLAAttention
+from pagedserve.distributed import tp_world_size
 from pagedserve.models.layers import RMSNorm, RotaryEmbedding, rope_parameters
 from pagedserve.models.llama import _FUSED, LlamaForCausalLM, LlamaMLP
 from pagedserve.models.moe import SparseMoeBlock
+from pagedserve.models.parallel import ColumnParallelLinear, RowParallelLinear, divide
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -45,30 +47,38 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class DeepseekAttention(nn.Module):
+    """Under tensor parallelism each rank holds its share of the query heads: q_proj / q_b_proj
+    and kv_b_proj split by heads, o_proj by its inputs (one all-reduce). The latent
+    projections (q_a_proj, kv_a_proj_with_mqa) are whole on every rank, and so is the cache:
+    every head reads the same latent, as in vLLM."""
+
     def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        heads = config.num_attention_heads
+        self.num_heads = divide(heads, tp_world_size(), "attention heads")  # this rank's
         self.nope = config.qk_nope_head_dim
         self.rope = config.qk_rope_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.head_dim = self.rope  # what the rotary embedding rotates
-        q_dim = self.num_heads * (self.nope + self.rope)
+        v_dim = config.v_head_dim
+        q_dim = heads * (self.nope + self.rope)
         bias = bool(getattr(config, "attention_bias", False))
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(config.hidden_size, q_dim)
         else:
             self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
             # transformers builds the two latent norms with their default eps, not the config's.
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, q_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, q_dim)
         self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, self.kv_lora_rank + self.rope,
                                             bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.o_proj = nn.Linear(self.num_heads * config.v_head_dim, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(heads * v_dim, config.hidden_size, bias=bias)
         # V2 always rotates interleaved pairs; V3 unless its config says otherwise.
         self.interleaved = getattr(config, "rope_interleave", True)
-        self.attn = MLAAttention(self.num_heads, self.nope, self.rope, config.v_head_dim,
-                                 self.kv_lora_rank, _softmax_scale(config), layer_idx)
+        kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + v_dim))
+        self.attn = MLAAttention(self.num_heads, self.nope, self.rope, v_dim, self.kv_lora_rank,
+                                 _softmax_scale(config), layer_idx, kv_b_proj)
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):

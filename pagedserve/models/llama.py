@@ -342,9 +342,9 @@ class MixtralForCausalLM(MistralForCausalLM):
 
 
 # The families whose every layer splits over tensor-parallel ranks. Exact classes: a family
-# built on these with layers of its own (DeepSeek's latent attention, LFM2's convolutions) is
-# not one until its layers are checked and it is added here (gpt-oss and Gemma, which build on
-# this module, in `loader.check_tensor_parallel`).
+# built on these with layers of its own (LFM2's convolutions) is not one until its layers are
+# checked and it is added here (gpt-oss, Gemma and DeepSeek, which build on this module, in
+# `loader.check_tensor_parallel`).
 TENSOR_PARALLEL_FAMILIES = frozenset({
     LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
     Qwen3MoeForCausalLM, MixtralForCausalLM})

@@ -213,6 +213,7 @@ def check_tensor_parallel(cls: type[nn.Module], quantization: Any = None) -> Non
     """With more than one tensor-parallel rank, the model's family must split its layers."""
     if tp_world_size() == 1:
         return
+    from pagedserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
     from pagedserve.models.gpt_oss import GptOssForCausalLM
     from pagedserve.models.llama import TENSOR_PARALLEL_FAMILIES
@@ -222,8 +223,11 @@ def check_tensor_parallel(cls: type[nn.Module], quantization: Any = None) -> Non
     # Gemma: Llama's attention and MLP (q/k norms and soft-caps per head) in its own layer
     # layout; its scaled embedding and (tied, soft-capped) head split over the vocabulary.
     # Qwen3-Next: its gated delta nets by key-head groups, each rank a state of its heads.
+    # DeepSeek-V2/V3: latent attention by query heads (`deepseek.DeepseekAttention`), the
+    # routed experts inside FusedMoE, the shared experts whole.
     families = TENSOR_PARALLEL_FAMILIES | {GptOssForCausalLM, Gemma2ForCausalLM,
-                                          Gemma3ForCausalLM, Qwen3NextForCausalLM}
+                                          Gemma3ForCausalLM, Qwen3NextForCausalLM,
+                                          DeepseekV2ForCausalLM, DeepseekV3ForCausalLM}
     # A vision-language class built on one of them splits its decoder; its tower (plain
     # nn.Linear layers) runs whole on every rank.
     on_split_decoder = getattr(cls, "supports_multimodal", False) and (

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.quantization import int4_format as fmt
+from pagedserve.quantization import int_codes as fmt
 from pagedserve.quantization.base import QuantizationConfig
 from pagedserve.quantization.packed import PackedFormat, check_family, packed_method
 
@@ -30,7 +30,7 @@ class AwqFormat(PackedFormat):
     def checkpoint_tensors(self) -> tuple[str, ...]:
         return ("qweight", "qzeros", "scales")
 
-    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.IntCodes:
         qweight = tensors["qweight"]
         k, n = qweight.shape[0], qweight.shape[1] * fmt.PER_WORD
         size, groups = fmt.groups_of(k, self.group_size, what)
@@ -41,7 +41,7 @@ class AwqFormat(PackedFormat):
                         f"a [{k}, {n}] weight in groups of {size}")
         zeros = _columns(tensors["qzeros"], f"{what}.qzeros")
         group = torch.arange(k) // size
-        return fmt.Int4Codes(codes.t(), zeros.t(), tensors["scales"].t(), group)
+        return fmt.IntCodes(codes.t(), zeros.t(), tensors["scales"].t(), group)
 
 
 def _columns(words: torch.Tensor, what: str) -> torch.Tensor:

@@ -5,7 +5,7 @@ the signed code itself; `weight_scale` [out, in / group_size] (strategy group), 
 scale (older releases save a symmetric weight's too, all zero); group act-order adds
 `weight_g_idx` [in]. w = (q - zero) * scale.
 
-The codes become the 8-bit `Int4Codes` the pack-quantized reader makes (code = q + 128, zero =
+The codes become the 8-bit `IntCodes` the pack-quantized reader makes (code = q + 128, zero =
 zero point + 128, or 128 when symmetric), so they are dequantized at load, or kept for the
 W8A16 kernel, exactly as 8-bit pack-quantized weights are. Activation quantization (W8A8 int8)
 and other widths are refused by name."""
@@ -15,12 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from pagedserve.quantization import int4_format as fmt
-from pagedserve.quantization.base import QuantizationConfig
-from pagedserve.quantization.compressed_tensors_w4a16 import ACTORDER
-from pagedserve.quantization.packed import PackedFormat, check_family, packed_method
+from pagedserve.quantization import int_codes as fmt
+from pagedserve.quantization.compressed_tensors_int import (
+    CompressedTensorsIntConfig,
+    brief,
+    weight_scheme,
+)
+from pagedserve.quantization.packed import PackedFormat
 
 FORMATS = ("int-quantized", "naive-quantized")
 BITS = 8
@@ -30,6 +32,8 @@ SUPPORTED = ("weights: 8-bit int, strategy tensor, channel or group (group_size)
 
 
 class CompressedInt8Format(PackedFormat):
+    bits = BITS
+
     def __init__(self, group_size: int | None, symmetric: bool, g_idx: bool) -> None:
         """group_size: -1 per channel, None per tensor (one scale)."""
         self.group_size = group_size
@@ -47,7 +51,7 @@ class CompressedInt8Format(PackedFormat):
         # Older compressed-tensors releases saved a symmetric weight's zero points (zeros).
         return ("weight_g_idx", "weight_zero_point") if self.symmetric else ("weight_g_idx",)
 
-    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.IntCodes:
         weight = tensors["weight"]
         if weight.dtype != torch.int8 or weight.dim() != 2:
             raise ValueError(f"{what}.weight is {weight.dtype} {tuple(weight.shape)}; "
@@ -73,7 +77,7 @@ class CompressedInt8Format(PackedFormat):
             zeros = given
         group = fmt.group_index(tensors.get("weight_g_idx"), k, size, groups,
                                 f"{what}.weight_g_idx")
-        return fmt.Int4Codes(codes, zeros.expand(n, groups).contiguous(), scale.contiguous(),
+        return fmt.IntCodes(codes, zeros.expand(n, groups).contiguous(), scale.contiguous(),
                              group, BITS)
 
 
@@ -108,57 +112,23 @@ def is_int(data: dict[str, Any]) -> bool:
     return any((g.get("weights") or {}).get("type") == "int" for g in groups)
 
 
-class CompressedTensorsInt8Config(QuantizationConfig):
-    name = "compressed-tensors"
+class CompressedTensorsInt8Config(CompressedTensorsIntConfig):
+    format_type = CompressedInt8Format
 
-    def __init__(self, int8: CompressedInt8Format, ignored: list[str]) -> None:
-        super().__init__(ignored)
-        self.format = int8
-
-    @classmethod
-    def from_config(cls, data: dict[str, Any]) -> CompressedTensorsInt8Config:
-        groups = list((data.get("config_groups") or {}).values())
-        if not groups:
-            raise ValueError("compressed-tensors config has no config_groups")
-        schemes = {_scheme(group, data.get("format")) for group in groups}
-        if len(schemes) > 1:
-            names = sorted(CompressedInt8Format(*s).name for s in schemes)
-            raise ValueError("compressed-tensors config groups with different schemes are not "
-                             f"supported: {names}")
-        return cls(CompressedInt8Format(*schemes.pop()), list(data.get("ignore") or []))
-
-    def get_method(self, layer: nn.Module, prefix: str, hf_names: list[str]) -> Any:
-        if self.is_ignored(hf_names):
-            return None
-        return packed_method(self.format, layer, prefix, hf_names)
-
-    def check_model(self, model: nn.Module) -> None:
-        check_family(model, "compressed-tensors int8")
-
-
-def _scheme(group: dict[str, Any], format_: str) -> tuple[int | None, bool, bool]:
-    """(group size: -1 per channel, None per tensor; symmetric; act-order g_idx) of one config
-    group."""
-    targets = group.get("targets") or []
-    weights = group.get("weights") or {}
-    acts = group.get("input_activations")
-    if acts:
-        brief = {k: acts.get(k) for k in ("num_bits", "type", "strategy", "dynamic")}
-        raise ValueError(f"compressed-tensors {format_} with input_activations {brief} (int8 "
-                         "activation quantization, W8A8) is not supported: only weight-only "
-                         f"int8 is (supported: {SUPPORTED})")
-    strategy = weights.get("strategy")
-    actorder = weights.get("actorder")
-    if list(targets) != ["Linear"] or weights.get("num_bits") != BITS \
-            or weights.get("type") != "int" or weights.get("dynamic") \
-            or strategy not in ("tensor", "group", "channel") or actorder not in ACTORDER:
-        brief = {k: weights.get(k) for k in ("num_bits", "type", "strategy", "actorder")}
-        raise ValueError(f"compressed-tensors {format_} targets {targets}, weights {brief} "
-                         f"are not supported (supported: {SUPPORTED})")
-    size = {"tensor": None, "channel": -1}.get(strategy)
-    if strategy == "group":
-        size = int(weights.get("group_size") or 0)
-        if size <= 0:
-            raise ValueError(f"compressed-tensors group weights need a group_size, got "
-                             f"{weights.get('group_size')}")
-    return size, bool(weights.get("symmetric", True)), ACTORDER[actorder] == "group"
+    @staticmethod
+    def scheme(group: dict[str, Any], format_name: str | None) -> tuple[int | None, bool, bool]:
+        """(group size: -1 per channel, None per tensor; symmetric; act-order g_idx) of one
+        config group."""
+        targets = group.get("targets") or []
+        weights = group.get("weights") or {}
+        acts = group.get("input_activations")
+        if acts:
+            kind = {k: acts.get(k) for k in ("num_bits", "type", "strategy", "dynamic")}
+            raise ValueError(f"compressed-tensors {format_name} with input_activations {kind} "
+                             "(int8 activation quantization, W8A8) is not supported: only "
+                             f"weight-only int8 is (supported: {SUPPORTED})")
+        refuse = (f"compressed-tensors {format_name} targets {targets}, weights "
+                  f"{brief(weights)} are not supported (supported: {SUPPORTED})")
+        if list(targets) != ["Linear"]:
+            raise ValueError(refuse)
+        return weight_scheme(weights, ("tensor", "group", "channel"), (BITS,), refuse)

@@ -14,19 +14,18 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
-from pagedserve.quantization import int4_format as fmt
-from pagedserve.quantization.base import QuantizationConfig
-from pagedserve.quantization.packed import PackedFormat, check_family, packed_method
+from pagedserve.quantization import int_codes as fmt
+from pagedserve.quantization.compressed_tensors_int import (
+    CompressedTensorsIntConfig,
+    brief,
+    weight_scheme,
+)
+from pagedserve.quantization.packed import PackedFormat
 
 FORMAT = "pack-quantized"
 SUPPORTED = ("weights: 4- or 8-bit int, strategy group (group_size) or channel, symmetric or not, "
              "actorder none / group / weight; no input activations; targets: Linear")
-# compressed-tensors' act-order names: "group" needs the g_idx, "weight" keeps the groups in
-# input order (only the quantization order changed); "dynamic" and "static" are their aliases.
-ACTORDER = {None: None, "group": "group", "dynamic": "group", "weight": "weight",
-            "static": "weight"}
 
 
 class CompressedW4A16Format(PackedFormat):
@@ -47,7 +46,7 @@ class CompressedW4A16Format(PackedFormat):
     def optional_tensors(self) -> tuple[str, ...]:
         return ("weight_g_idx",)
 
-    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.IntCodes:
         packed = tensors["weight_packed"]
         per_word = 32 // self.bits
         shape = tensors["weight_shape"].flatten().tolist()
@@ -67,7 +66,7 @@ class CompressedW4A16Format(PackedFormat):
                                                 self.bits, f"{what}.weight_zero_point")
         group = fmt.group_index(tensors.get("weight_g_idx"), k, size, groups,
                                 f"{what}.weight_g_idx")
-        return fmt.Int4Codes(codes, zeros, tensors["weight_scale"], group, self.bits)
+        return fmt.IntCodes(codes, zeros, tensors["weight_scale"], group, self.bits)
 
 
 def _zero_points(zp: torch.Tensor, n: int, groups: int, bits: int, what: str) -> torch.Tensor:
@@ -81,51 +80,19 @@ def _zero_points(zp: torch.Tensor, n: int, groups: int, bits: int, what: str) ->
     return zp.to(torch.int32) + (1 << (bits - 1))
 
 
-class CompressedTensorsW4A16Config(QuantizationConfig):
-    name = "compressed-tensors"
+class CompressedTensorsW4A16Config(CompressedTensorsIntConfig):
+    format_type = CompressedW4A16Format
 
-    def __init__(self, packed: CompressedW4A16Format, ignored: list[str]) -> None:
-        super().__init__(ignored)
-        self.format = packed
-
-    @classmethod
-    def from_config(cls, data: dict[str, Any]) -> CompressedTensorsW4A16Config:
-        groups = list((data.get("config_groups") or {}).values())
-        if not groups:
-            raise ValueError("compressed-tensors config has no config_groups")
-        schemes = {_scheme(group) for group in groups}
-        if len(schemes) > 1:
-            names = sorted(CompressedW4A16Format(*s).name for s in schemes)
-            raise ValueError("compressed-tensors config groups with different schemes are not "
-                             f"supported: {names}")
-        return cls(CompressedW4A16Format(*schemes.pop()), list(data.get("ignore") or []))
-
-    def get_method(self, layer: nn.Module, prefix: str, hf_names: list[str]) -> Any:
-        if self.is_ignored(hf_names):
-            return None
-        return packed_method(self.format, layer, prefix, hf_names)
-
-    def check_model(self, model: nn.Module) -> None:
-        check_family(model, f"compressed-tensors int{self.format.bits}")
-
-
-def _scheme(group: dict[str, Any]) -> tuple[int, bool, bool, int]:
-    """(group size or -1, symmetric, act-order g_idx, bits) of one config group."""
-    targets = group.get("targets") or []
-    weights = group.get("weights") or {}
-    strategy = weights.get("strategy")
-    actorder = weights.get("actorder")
-    if list(targets) != ["Linear"] or group.get("input_activations") \
-            or weights.get("num_bits") not in fmt.WIDTHS or weights.get("type") != "int" \
-            or weights.get("dynamic") or strategy not in ("group", "channel") \
-            or actorder not in ACTORDER:
-        brief = {k: weights.get(k) for k in ("num_bits", "type", "strategy", "actorder")}
-        raise ValueError(f"compressed-tensors pack-quantized targets {targets}, weights "
-                         f"{brief}, input_activations {group.get('input_activations')} are "
-                         f"not supported (supported: {SUPPORTED})")
-    size = int(weights.get("group_size") or 0) if strategy == "group" else -1
-    if strategy == "group" and size <= 0:
-        raise ValueError(f"compressed-tensors group weights need a group_size, got "
-                         f"{weights.get('group_size')}")
-    return (size, bool(weights.get("symmetric", True)), ACTORDER[actorder] == "group",
-            int(weights["num_bits"]))
+    @staticmethod
+    def scheme(group: dict[str, Any], format_name: str | None) -> tuple[int, bool, bool, int]:
+        """(group size or -1, symmetric, act-order g_idx, bits) of one config group."""
+        targets = group.get("targets") or []
+        weights = group.get("weights") or {}
+        refuse = (f"compressed-tensors pack-quantized targets {targets}, weights "
+                  f"{brief(weights)}, input_activations {group.get('input_activations')} are "
+                  f"not supported (supported: {SUPPORTED})")
+        if list(targets) != ["Linear"] or group.get("input_activations"):
+            raise ValueError(refuse)
+        size, symmetric, g_idx = weight_scheme(weights, ("group", "channel"), fmt.WIDTHS,
+                                               refuse)
+        return size, symmetric, g_idx, int(weights["num_bits"])

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.quantization import int4_format as fmt
+from pagedserve.quantization import int_codes as fmt
 from pagedserve.quantization.base import QuantizationConfig
 from pagedserve.quantization.packed import PackedFormat, check_family, packed_method
 
@@ -42,7 +42,7 @@ class GptqFormat(PackedFormat):
     def optional_tensors(self) -> tuple[str, ...]:
         return ("g_idx",)
 
-    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes:
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.IntCodes:
         qweight = tensors["qweight"]
         per_word = 32 // self.bits
         k, n = qweight.shape[0] * per_word, qweight.shape[1]
@@ -57,7 +57,7 @@ class GptqFormat(PackedFormat):
         zeros = fmt.unpack_int32(tensors["qzeros"], 1, f"{what}.qzeros", self.bits) \
             + self.zero_offset
         group = fmt.group_index(tensors.get("g_idx"), k, size, groups, f"{what}.g_idx")
-        return fmt.Int4Codes(codes.t(), zeros.t(), tensors["scales"].t(), group, self.bits)
+        return fmt.IntCodes(codes.t(), zeros.t(), tensors["scales"].t(), group, self.bits)
 
 
 class GptqConfig(QuantizationConfig):

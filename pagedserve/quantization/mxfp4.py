@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.quantization import int4_format as fmt
+from pagedserve.quantization import int_codes as fmt
 from pagedserve.quantization.base import QuantizationConfig
 from pagedserve.quantization.packed import PackedFormat, PackedMoEMethod, check_family
 

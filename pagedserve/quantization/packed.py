@@ -6,7 +6,7 @@ zero points, a group index) and how they become a float32 [out, in] weight. The 
 here stage those tensors as they arrive, part by part (q, k, v; gate, up) and expert by expert,
 and once every tensor is in, dequantize each whole checkpoint weight and copy this rank's part
 of it into the layer's float weight, in the model's dtype. The product is then the float
-layer's: the CPU runs every format this way, exactly (see int4_format.py). On CUDA, with
+layer's: the CPU runs every format this way, exactly (see int_codes.py). On CUDA, with
 `PAGEDSERVE_W4A16_KERNEL=1`, an integer format's linears instead keep their codes for the
 W4A16 kernel (`w4a16.py`, 4- or 8-bit codes; a fused layer whose parts' groups differ is
 dequantized), and every 4-bit format's experts, act-order ones too, theirs for the 4-bit MoE
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pagedserve import envs
-from pagedserve.quantization import int4_format as fmt
+from pagedserve.quantization import int_codes as fmt
 from pagedserve.quantization.base import LinearMethod, MoEMethod
 from pagedserve.quantization.unquantized import (
     UNQUANTIZED,
@@ -48,7 +48,7 @@ class PackedFormat:
         """Tensors a checkpoint may add (read when present)."""
         return ()
 
-    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.Int4Codes | None:
+    def unpack(self, tensors: dict[str, torch.Tensor], what: str) -> fmt.IntCodes | None:
         """The staged tensors of one checkpoint weight as integer codes, zero points, scales
         and groups (what the W4A16 kernel reads); None: the format is not integer (MXFP4).
         `what` names the weight (its module) in errors."""

@@ -4,7 +4,7 @@ byte along the inputs, with their scales (and zero points) and each input's grou
 rank's slice and stacked [E, rows, ...] (gate rows, then up rows).
 
 MXFP4's blocks are that layout already (bytes, low nibble first; one e8m0 scale per 32
-inputs). An integer format is unpacked (`Int4Codes`) and repacked. Where every expert's groups
+inputs). An integer format is unpacked (`IntCodes`) and repacked. Where every expert's groups
 of a projection run along the inputs in order with one size, the kernel computes each input's
 group; otherwise (act-order, whose map differs per expert and may differ between gate and up;
 a row-parallel slice that splits a group; parts whose group sizes differ) the projection keeps

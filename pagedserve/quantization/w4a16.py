@@ -1,6 +1,6 @@
 """Which packed linears keep their 4- or 8-bit codes for the W4A16 kernel (`ops/w4a16_gemm.py`,
 which serves both widths), and their layout: each part of a fused layer (q, k, v; gate, up)
-unpacked to `Int4Codes`, cut to this rank's slice (rows of a column-parallel part; inputs of a
+unpacked to `IntCodes`, cut to this rank's slice (rows of a column-parallel part; inputs of a
 row-parallel one, with their group indices), and stacked along the outputs.
 
 The kernel reads one group index per input for the whole layer. The parts of a fused layer
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.quantization.int4_format import Int4Codes
+from pagedserve.quantization.int_codes import IntCodes
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def use_kernel(layer: nn.Linear, method: Any, staged: dict[str | None, dict],
     return True
 
 
-def _rank_part(layer: nn.Linear, codes: Int4Codes, shard: str | None) -> Int4Codes:
+def _rank_part(layer: nn.Linear, codes: IntCodes, shard: str | None) -> IntCodes:
     """This rank's slice of a full weight's codes: output rows with their zeros and scales, or
     inputs with their group indices (every group's scales stay)."""
     part = layer.rank_slice("weight", shard)
@@ -65,8 +65,8 @@ def _rank_part(layer: nn.Linear, codes: Int4Codes, shard: str | None) -> Int4Cod
         return codes
     dim, start, length = part
     if dim == 0:
-        return Int4Codes(codes.codes.narrow(0, start, length),
+        return IntCodes(codes.codes.narrow(0, start, length),
                          codes.zeros.narrow(0, start, length),
                          codes.scales.narrow(0, start, length), codes.group, codes.bits)
-    return Int4Codes(codes.codes.narrow(1, start, length), codes.zeros, codes.scales,
+    return IntCodes(codes.codes.narrow(1, start, length), codes.zeros, codes.scales,
                      codes.group.narrow(0, start, length), codes.bits)

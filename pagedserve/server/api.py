@@ -22,7 +22,11 @@ from pagedserve.server import protocol as p
 from pagedserve.server.anthropic.errors import error_body as anthropic_error
 from pagedserve.server.anthropic.errors import is_anthropic_path
 from pagedserve.server.anthropic.routes import anthropic_routes
-from pagedserve.server.chat import chat_prompt, create_chat_completion
+from pagedserve.server.chat import (
+    chat_prompt,
+    check_continue_final_message,
+    create_chat_completion,
+)
 from pagedserve.server.chat_media import MediaPool, MediaSettings
 from pagedserve.server.chat_page import chat_page_routes
 from pagedserve.server.classify import ClassificationRequest, create_classify
@@ -79,7 +83,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(_api_routes(state))
     app.include_router(anthropic_routes(state))
     app.include_router(lora_routes(state, config.allow_runtime_lora_updating))
-    app.include_router(responses_routes(state, ResponseStore(config.responses_store_size)))
+    app.include_router(responses_routes(state, ResponseStore(
+        config.responses_store_size, config.responses_store_bytes)))
     if config.enable_chat_page:
         app.include_router(chat_page_routes())
     body_limit = config.max_request_body_bytes or default_body_limit(
@@ -235,6 +240,16 @@ def _api_routes(state: ServerState) -> APIRouter:
                                              max_model_len=engine.max_model_len),
                                  *adapter_cards(state, int(state.started))])
 
+    @router.get("/v1/models/{model_id:path}")  # a name may hold "/" (org/model)
+    async def model(model_id: str) -> p.ModelCard:
+        """OpenAI's models.retrieve: one card of the list, else the 404 naming what is
+        served."""
+        for card in (await models()).data:
+            if card.id == model_id:
+                return card
+        state.check_model(model_id)
+        raise AssertionError(f"{model_id} is served but has no card")
+
     @router.post("/v1/completions", response_model=None)
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
         return await create_completion(state, body, request)
@@ -268,7 +283,9 @@ def _api_routes(state: ServerState) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:  # images counted as the tokens they expand to
-            tokens = (await chat_prompt(state, body.messages, body.add_generation_prompt)
+            check_continue_final_message(body)
+            tokens = (await chat_prompt(state, body.messages, body.add_generation_prompt,
+                                        continue_final_message=body.continue_final_message)
                       ).token_ids
         else:
             # As completions and embeddings tokenize a prompt: with the special tokens.

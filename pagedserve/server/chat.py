@@ -26,7 +26,7 @@ from pagedserve.server.chat_media import (
     template_reads_parts,
 )
 from pagedserve.server.chat_output import ChatChoiceParser
-from pagedserve.server.chat_tools import ToolPrompt, tool_plan
+from pagedserve.server.chat_tools import ToolPrompt, calls_as_text, tool_plan
 from pagedserve.server.common import ApiError, ServerState, common_checks, finite, sampling_params
 from pagedserve.server.guided import guided_decoding, with_guided
 from pagedserve.server.streaming import (
@@ -38,6 +38,7 @@ from pagedserve.server.streaming import (
     sse,
     until_disconnect,
 )
+from pagedserve.server.tool_parsers import HermesToolParser
 
 
 def template_messages(state: ServerState, messages: list[p.ChatMessage]) -> TemplateInput:
@@ -47,15 +48,27 @@ def template_messages(state: ServerState, messages: list[p.ChatMessage]) -> Temp
                           state.model_name)
 
 
+def developer_as_system(messages: list[dict[str, Any]], template: str
+                        ) -> list[dict[str, Any]]:
+    """OpenAI's developer role is its newer name for system: a template that does not know
+    the role would render it as a turn of its own (under its default system prompt)."""
+    if "developer" in template:
+        return messages
+    return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
+
 def render_template(state: ServerState, rendered: list[dict[str, Any]],
                     add_generation_prompt: bool, tools: ToolPrompt | None = None,
-                    num_images: int = 0) -> list[int]:
+                    num_images: int = 0, continue_final_message: bool = False) -> list[int]:
     """Template messages -> prompt token ids (one placeholder per image, not yet expanded,
     rendered as `LLM.chat` renders them)."""
     template = state.llm.engine.chat_template or getattr(state.tokenizer, "chat_template", "")
+    rendered = developer_as_system(rendered, template or "")
     template_tools = None
     if tools is not None:
         template_tools, rendered = tools.apply(rendered, template or "")
+    else:
+        rendered = calls_as_text(rendered, template or "", state.tool_parser or HermesToolParser())
     if state.mm_processor is not None:
         if state.reads_parts is None:  # checked once, on the first chat
             state.reads_parts = template_reads_parts(state.tokenizer,
@@ -66,9 +79,11 @@ def render_template(state: ServerState, rendered: list[dict[str, Any]],
         if num_images and template_tools is None:
             return render_with_images(state.tokenizer, rendered, num_images,
                                       state.mm_processor.image_placeholder,
-                                      add_generation_prompt, state.llm.engine.chat_template)
+                                      add_generation_prompt, state.llm.engine.chat_template,
+                                      continue_final_message)
         return render_chat(state.tokenizer, rendered, add_generation_prompt,
-                           state.llm.engine.chat_template, template_tools)
+                           state.llm.engine.chat_template, template_tools,
+                           continue_final_message)
     except ApiError:
         raise
     except Exception as exc:  # template errors are the request's fault, not the server's
@@ -82,14 +97,14 @@ class ChatPrompt:
 
 
 async def chat_prompt(state: ServerState, messages: list[p.ChatMessage],
-                      add_generation_prompt: bool, tools: ToolPrompt | None = None
-                      ) -> ChatPrompt:
+                      add_generation_prompt: bool, tools: ToolPrompt | None = None,
+                      continue_final_message: bool = False) -> ChatPrompt:
     """Render (in a worker thread: a long chat holds nothing up) while the media pool decodes
     the images, then expand their placeholders on the pool. A bad image is named before a
     template error."""
     inputs = template_messages(state, messages)
     render = asyncio.to_thread(render_template, state, inputs.messages, add_generation_prompt,
-                               tools, len(inputs.images))
+                               tools, len(inputs.images), continue_final_message)
     if not inputs.images:
         return ChatPrompt(await render)
     processor = state.mm_processor
@@ -127,6 +142,21 @@ def _top_logprob(state: ServerState, token_id: int, text: str | None, logprob: f
 CHAT_RENAMES = {"logprobs": "top_logprobs"}
 
 
+def check_continue_final_message(body: p.ChatCompletionRequest | p.TokenizeRequest) -> None:
+    """vLLM's rules: a prefill continues an assistant message, and opens no new turn."""
+    if not body.continue_final_message:
+        return
+    if body.add_generation_prompt:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be "
+                            "true: set add_generation_prompt to false",
+                       param="continue_final_message")
+    messages = body.messages or []
+    if not messages or messages[-1].role != "assistant":
+        raise ApiError(400, "continue_final_message needs the last message to be the "
+                            "assistant's (the text the reply goes on from)",
+                       param="continue_final_message")
+
+
 @dataclass
 class ChatRun:
     """A chat request in the engine: its id, prompt, streams (one) and choice parsers (n)."""
@@ -145,6 +175,7 @@ async def start_chat(state: ServerState, body: p.ChatCompletionRequest,
     common_checks(state, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    check_continue_final_message(body)
     renames = dict(CHAT_RENAMES)
     if body.max_completion_tokens is not None:
         renames["max_tokens"] = "max_completion_tokens"
@@ -158,7 +189,8 @@ async def start_chat(state: ServerState, body: p.ChatCompletionRequest,
                            param=field)
         guided, field = plan.guided, "tool_choice"
     params = await with_guided(state, params, guided, field)
-    prompt = await chat_prompt(state, body.messages, body.add_generation_prompt, plan.prompt)
+    prompt = await chat_prompt(state, body.messages, body.add_generation_prompt, plan.prompt,
+                               body.continue_final_message)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     streams = await add_all(state, request_id, [(None, prompt.token_ids)], params,
                             body.cache_salt, "messages", renames, model=body.model,

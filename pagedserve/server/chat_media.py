@@ -163,7 +163,8 @@ def _content(i: int, message: p.ChatMessage, parts: list[p.ContentPart],
         has_image = True
     if has_image:
         return rendered
-    return "".join(part["text"] for part in rendered)
+    # One line per part, as vLLM joins them: "Hi" and "there" are not the word "Hithere".
+    return "\n".join(part["text"] for part in rendered)
 
 
 def _source(part: p.ContentPart, where: str, settings: MediaSettings) -> MediaSource:

@@ -15,7 +15,7 @@ import uuid
 
 from pagedserve.server import protocol as p
 from pagedserve.server.reasoning import ReasoningParser
-from pagedserve.server.tool_parsers import ToolParser
+from pagedserve.server.tool_parsers import ParsedCall, ToolParser
 
 # The head of one call in a "required" reply, as the grammar writes it (properties in the
 # schema's order: name, then arguments).
@@ -100,11 +100,15 @@ def _merge_calls(deltas: list[p.DeltaToolCall]) -> list[p.ToolCall]:
 
 class ChatChoiceParser:
     def __init__(self, mode: str = "text", reasoning: ReasoningParser | None = None,
-                 tools: ToolParser | None = None, function_name: str | None = None) -> None:
+                 tools: ToolParser | None = None, function_name: str | None = None,
+                 parallel: bool = True) -> None:
         self.mode = mode
         self.reasoning = reasoning
         self.tools = tools
         self.function_name = function_name
+        # parallel_tool_calls false: an "auto" reply's first call only, as vLLM returns it
+        # ("required" has its grammar allow one call).
+        self.parallel = parallel
         self.text = ""
         self.sent_reasoning = 0
         self.sent_content = 0
@@ -131,17 +135,23 @@ class ChatChoiceParser:
             message.tool_calls = [p.ToolCall(id=tool_call_id(), function=p.FunctionCall(
                 name=self.function_name or "", arguments=content))]
         elif self.mode == "required":
-            calls = _merge_calls(_CallArrayScanner().feed(content))
-            if calls:
-                message.content, message.tool_calls = None, calls
+            # The grammar's array is never content: cut before a call's name is whole, the
+            # reply is empty (as its stream is), not the array's opening.
+            message.content = None
+            message.tool_calls = _merge_calls(_CallArrayScanner().feed(content))
         elif self.mode == "auto" and self.tools is not None:
-            before, parsed = self.tools.parse(content)
+            before, parsed = self._parse(content)
             if parsed:
                 message.content = before
                 message.tool_calls = [p.ToolCall(id=tool_call_id(), function=p.FunctionCall(
                     name=name, arguments=args)) for name, args in parsed]
         self.has_calls = bool(message.tool_calls)
         return message
+
+    def _parse(self, content: str) -> tuple[str | None, list[ParsedCall]]:
+        assert self.tools is not None
+        before, parsed = self.tools.parse(content)
+        return before, parsed if self.parallel else parsed[:1]
 
     # ---- stream deltas ------------------------------------------------------------------
 
@@ -201,7 +211,7 @@ class ChatChoiceParser:
             return
         if not finished:
             return
-        _, parsed = self.tools.parse(content)
+        _, parsed = self._parse(content)
         if not parsed:
             self._content(content, len(content), out)
             return

@@ -30,16 +30,7 @@ class ToolPrompt:
         """(tools for the template, or None; the messages to render)."""
         if "tools" in template:
             return self.tools, messages
-        out = []
-        for message in messages:
-            calls = message.get("tool_calls")
-            if calls and "tool_calls" not in template:
-                parsed: list[ParsedCall] = [(c["function"]["name"], c["function"]["arguments"])
-                                            for c in calls]
-                text = self.parser.format_calls(parsed)
-                message = {**message, "content": f"{message['content']}\n{text}".strip()}
-                message.pop("tool_calls")
-            out.append(message)
+        out = calls_as_text(messages, template, self.parser)
         if out and out[0]["role"] in ("system", "developer"):
             first = out[0]
             out[0] = {**first, "content": f"{first['content']}\n\n{self.instructions}"}
@@ -48,16 +39,38 @@ class ToolPrompt:
         return None, out
 
 
+def calls_as_text(messages: list[dict[str, Any]], template: str, parser: ToolParser
+                  ) -> list[dict[str, Any]]:
+    """Earlier assistant tool calls written into their message's text in `parser`'s format,
+    for a template with no place for them: it would drop them, and the model would read the
+    results of calls it never made (a request without tools, or with tool_choice "none",
+    still holds the calls of its earlier turns)."""
+    if "tool_calls" in template:
+        return messages
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            parsed: list[ParsedCall] = [(c["function"]["name"], c["function"]["arguments"])
+                                        for c in calls]
+            text = parser.format_calls(parsed)
+            message = {**message, "content": f"{message['content']}\n{text}".strip()}
+            message.pop("tool_calls")
+        out.append(message)
+    return out
+
+
 @dataclass
 class ToolPlan:
     mode: str  # text, auto, required, named
     function_name: str | None = None
     guided: GuidedDecodingParams | None = None
     prompt: ToolPrompt | None = None
+    parallel: bool = True  # parallel_tool_calls
 
     def parser(self, state: ServerState) -> ChatChoiceParser:
         return ChatChoiceParser(self.mode, state.reasoning_parser, state.tool_parser,
-                                self.function_name)
+                                self.function_name, self.parallel)
 
 
 def tool_plan(state: ServerState, body: p.ChatCompletionRequest) -> ToolPlan:
@@ -81,7 +94,8 @@ def tool_plan(state: ServerState, body: p.ChatCompletionRequest) -> ToolPlan:
                                 "none)", param="tool_choice")
         parser = state.tool_parser
         return ToolPlan("auto", prompt=ToolPrompt(described, parser,
-                                                  parser.system_prompt(described)))
+                                                  parser.system_prompt(described)),
+                        parallel=body.parallel_tool_calls)
     writer = state.tool_parser or HermesToolParser()
     if choice == "required":
         guided = tool_call_guided(tools, "required", body.parallel_tool_calls)

@@ -109,6 +109,11 @@ async def add_pooling_requests(state: ServerState, request_id: str,
     """Every input queued at once (one engine request each), then awaited; all or none. An
     input refused is named by its index (`item` i) when there are several, and its 400 by
     the request's field `param`."""
+    limit = state.llm.max_waiting_requests
+    if len(prompts) > limit:  # all wait at once: such a batch could never be admitted
+        raise ApiError(400, f"this request has {len(prompts)} {item}s, more than the {limit} "
+                            "the server queues at once (--max-waiting-requests): send them in "
+                            "smaller batches", param=param)
     adds = [state.llm.add_request(request_id if len(prompts) == 1 else f"{request_id}-{i}",
                                   ids, POOLING_SAMPLING, prompt_text=text, pooling=params)
             for i, (text, ids) in enumerate(prompts)]

@@ -55,11 +55,14 @@ def tool_call_guided(tools: list[p.ChatTool], choice: str | p.NamedToolChoice,
     if isinstance(choice, p.NamedToolChoice):
         tool = find_tool(tools, choice.function.name)
         return _checked({"json": _parameters(tool)}, "tool_choice")
+    # Each call object's place in the array's schema, where its tool's local $refs now point.
+    places = ["#/items"] if len(tools) == 1 else [f"#/items/anyOf/{i}" for i in range(len(tools))]
     calls = [{"type": "object",
               "properties": {"name": {"const": t.function.name},
-                             "arguments": _parameters(t)},
+                             "arguments": _relocated(_parameters(t),
+                                                     f"{place}/properties/arguments")},
               "required": ["name", "arguments"], "additionalProperties": False}
-             for t in tools]
+             for t, place in zip(tools, places, strict=True)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
@@ -79,6 +82,34 @@ def _parameters(tool: p.ChatTool) -> dict[str, Any]:
     # No parameters: a function of no arguments takes an empty object.
     params = tool.function.parameters
     return params if params is not None else {"type": "object", "properties": {}}
+
+
+# Keys whose values are JSON values, not schemas: a "$ref" inside them is data. And keys whose
+# values map names (of properties, definitions) to schemas: a property may be called "default".
+_VALUE_KEYS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
+
+
+def _relocated(schema: Any, pointer: str) -> Any:
+    """`schema` as a part of a larger schema at `pointer`: its local $refs ("#/$defs/X", or
+    "#" itself) point into it there, not at the larger schema's root. Pydantic (and so the
+    Agents SDK) keeps a tool's types in $defs; two tools' $defs may share names."""
+    if isinstance(schema, list):
+        return [_relocated(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = pointer + value[1:]
+        elif key in _VALUE_KEYS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _relocated(sub, pointer) for name, sub in value.items()}
+        else:
+            out[key] = _relocated(value, pointer)
+    return out
 
 
 def _checked(spec: dict[str, Any], field: str) -> GuidedDecodingParams:

@@ -18,26 +18,41 @@ from pagedserve.sampling_params import SamplingParams
 
 
 def unpaired_surrogate(value: Any, path: str = "") -> str | None:
-    """The path of the first string in `value` (nested lists and dicts) holding a lone UTF-16
-    surrogate: JSON's "\\ud800" escapes decode to such strings, which no tokenizer, hash or
-    response encoder can take."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list | tuple):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        found = unpaired_surrogate(item, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
+    """The path of the first string in `value` (nested lists and dicts, keys too) holding a
+    lone UTF-16 surrogate: JSON's "\\ud800" escapes decode to such strings, which no
+    tokenizer, hash or response encoder can take. A bad key is named by its escape, so the
+    path itself encodes. Walked without recursion: a body may nest as deep as the JSON parser
+    lets it, past the interpreter's recursion limit."""
+    todo: list[tuple[str, Any]] = [(path, value)]
+    while todo:
+        where, item = todo.pop()
+        if isinstance(item, str):
+            if not _encodes(item):
+                return where or "body"
+            continue
+        if isinstance(item, dict):
+            items = list(item.items())
+        elif isinstance(item, list | tuple):
+            items = list(enumerate(item))
+        else:
+            continue
+        children = []
+        for key, child in items:
+            name = str(key)
+            if not _encodes(name):
+                name = name.encode("utf-8", "backslashreplace").decode("utf-8")
+                return f"{where}.{name}" if where else name
+            children.append((f"{where}.{name}" if where else name, child))
+        todo.extend(reversed(children))  # the first child is looked at first
     return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class OpenAIModel(BaseModel):
@@ -75,6 +90,7 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted: no padding is added to chunks here
 
 
 class PromptTokensDetails(BaseModel):
@@ -265,18 +281,36 @@ class NamedToolChoice(OpenAIModel):
     function: NamedFunction
 
 
+ASSISTANT_ONLY = ("reasoning_content", "reasoning", "refusal", "annotations", "audio")
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # a tool message answers this call
     tool_calls: list[RequestToolCall] | None = None  # an assistant message's calls
+    # What a reply carries when an agent sends it back (the SDK's message object, or its
+    # model_dump() with every field): accepted, and left out of the prompt, as the Responses
+    # and Messages routes leave out earlier reasoning.
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for reasoning_content
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: FunctionCall | None = None  # refused when set: OpenAI's deprecated form
 
     @model_validator(mode="after")
     def _as_openai_requires(self) -> ChatMessage:
         # OpenAI: every message but the assistant's has content; a tool message names its call.
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only an assistant message has tool_calls")
+        if self.role != "assistant":
+            for name in ASSISTANT_ONLY:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"only an assistant message has {name}")
+        if self.function_call is not None:
+            raise ValueError("function_call is deprecated: send the call in tool_calls")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         if self.role == "tool" and not self.tool_call_id:
@@ -291,9 +325,23 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
+    # vLLM's prefill: the last (assistant) message is left open and the reply goes on from it.
+    continue_final_message: bool = False
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Sent by OpenAI's SDKs (the Agents SDK among them) and accepted, as vLLM accepts them,
+    # with no effect here: nothing is stored, there are no tiers, the prefix cache needs no
+    # key, and how much a model reasons is its chat template's business.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[Literal["text"]] | None = None  # audio output is refused
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         fields = self.base_sampling_fields(defaults)
@@ -412,6 +460,7 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeResponse(BaseModel):

@@ -18,6 +18,9 @@ import re
 from typing import Any
 
 ParsedCall = tuple[str, str]  # (function name, arguments as JSON text)
+# What makes a reply's JSON no call: not JSON, or nested past the interpreter's recursion limit
+# (a client can steer a reply there with a guided regex; json raises RecursionError for it).
+NOT_JSON = (json.JSONDecodeError, RecursionError)
 
 
 def _arguments_text(call: Any) -> ParsedCall | None:
@@ -28,11 +31,14 @@ def _arguments_text(call: Any) -> ParsedCall | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except NOT_JSON:
             return None
     if not isinstance(args, dict):
         return None
-    return call["name"], json.dumps(args, ensure_ascii=False)
+    try:
+        return call["name"], json.dumps(args, ensure_ascii=False)
+    except RecursionError:  # decoded near the limit, one level deeper to write out
+        return None
 
 
 def _tools_json(tools: list[dict[str, Any]]) -> str:
@@ -90,7 +96,7 @@ class HermesToolParser(ToolParser):
     def _decode_block(self, block: str) -> list[ParsedCall] | None:
         try:
             value = json.loads(block.strip())
-        except json.JSONDecodeError:
+        except NOT_JSON:
             return None
         call = _arguments_text(value)
         return None if call is None else [call]
@@ -127,7 +133,7 @@ class SmolLM2ToolParser(HermesToolParser):
     def _decode_block(self, block: str) -> list[ParsedCall] | None:
         try:
             value = json.loads(block.strip())
-        except json.JSONDecodeError:
+        except NOT_JSON:
             return None
         items = value if isinstance(value, list) else [value]
         calls = [_arguments_text(item) for item in items]
@@ -173,7 +179,7 @@ class Llama3JsonToolParser(ToolParser):
         while pos < len(body):
             try:
                 value, pos = decoder.raw_decode(body, pos)
-            except json.JSONDecodeError:
+            except NOT_JSON:
                 return text, []
             call = _arguments_text(value)
             if call is None:

@@ -6,7 +6,9 @@ state))), a decoder layer of the target's kind (latent attention and experts), a
 position 0 is zeroed (no token before it) and later drafts feed back the layer's output
 before `shared_head.norm`. The decoder layer, its norm and head are built as a one-layer model
 of the target's family, so they load through the family's own names, fused parts, experts and
-quantization methods.
+quantization methods; under tensor parallelism it splits as the target does (latent
+attention by heads, experts inside FusedMoE), while enorm, hnorm and eh_proj are whole on every
+rank.
 """
 
 from __future__ import annotations
@@ -69,10 +71,6 @@ def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype
             return qwen3_next_mtp.random_head(config, dtype, device)
         own = _read_prefixed(_checkpoint_dir(target_path), "mtp.")
         return qwen3_next_mtp.load_qwen3_next_mtp(own, target, dtype, device)
-    if tp_world_size() > 1:  # (Qwen3-Next's block splits like its target, above)
-        raise ValueError(f"speculative_config: method 'mtp' over {arch} with "
-                         f"tensor_parallel_size {tp_world_size()} is not implemented yet (its "
-                         "latent-attention layer does not split; Qwen3-Next's block does)")
     if arch not in _MTP_FAMILIES:
         raise ValueError(f"speculative_config: method 'mtp' is implemented for "
                          f"{', '.join(_MTP_FAMILIES + ('Qwen3NextForCausalLM',))}; the target "
@@ -91,7 +89,10 @@ def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype
                              f"{prefix}{name}")
     stack_config = _stack_config(config)
     embed = own.pop("embed_tokens.weight", None)
-    if embed is None:
+    if embed is None and tp_world_size() > 1:  # this rank holds its rows only: the whole
+        embed = _read_prefixed(_checkpoint_dir(target_path),  # one is the target's on disk
+                               "model.embed_tokens.")["weight"]
+    elif embed is None:
         embed = target.model.embed_tokens.weight.detach().cpu()
     stack = build_model(stack_config, dtype, device, _stack_weights(own, embed))
     head = MtpHead(stack, config.hidden_size, config.rms_norm_eps)

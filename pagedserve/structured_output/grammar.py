@@ -43,12 +43,15 @@ def grammar_key(kind: str, value: Any, any_whitespace: bool = False) -> tuple[st
     JSON may hold any whitespace between tokens ("json+ws"); by default it is compact, as a
     small model would otherwise spend its tokens on blank lines."""
     if kind == "json":
-        if isinstance(value, str):
-            try:
+        try:
+            if isinstance(value, str):
                 value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
-        return "json+ws" if any_whitespace else kind, json.dumps(value, ensure_ascii=False)
+            text = json.dumps(value, ensure_ascii=False)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        except RecursionError:  # a request body may nest about as deep as the limit
+            raise ValueError("the JSON schema is nested too deeply") from None
+        return "json+ws" if any_whitespace else kind, text
     if kind == "choice":
         return kind, json.dumps(list(value), ensure_ascii=False)
     if kind == "json_object":

@@ -5,6 +5,7 @@ answered 400 in OpenAI's error shape."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 
 import httpx
@@ -144,3 +145,42 @@ def test_responses_and_messages_name_the_adapter_they_ran(tmp_path):
             streamed = httpx.post(url + path, json={**body, "stream": True}, timeout=60).text
             named = re.findall(r'"model": ?"([^"]*)"', streamed)
             assert named and set(named) == {"r8"}, (path, streamed[:400])
+
+
+DROP = object()  # a key left out of the config
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("[8]", "adapter_config.json must be a JSON object"),
+    ("{", "adapter_config.json is not valid JSON"),
+    ('{"r": ' + "[" * 5000, "adapter_config.json is not valid JSON"),
+    ({"r": DROP}, "needs r"),
+    ({"r": None}, "r must be an integer >= 1, got None"),
+    ({"r": 0}, "r must be an integer >= 1, got 0"),
+    ({"r": -4}, "r must be an integer >= 1, got -4"),
+    ({"r": 8.5}, "r must be an integer >= 1, got 8.5"),
+    ({"r": True}, "r must be an integer >= 1, got True"),
+    ({"lora_alpha": "16"}, "lora_alpha must be a finite number, got '16'"),
+    ({"lora_alpha": float("inf")}, "lora_alpha must be a finite number, got inf"),
+])
+def test_an_adapter_config_the_engine_cannot_use_is_a_400_at_load(served, tmp_path, edit,
+                                                                   message):
+    """Each was a 500 at load (a list, no r, r null, nested too deep), or taken and then a
+    500 on every request naming the adapter (r 0, a string alpha), or ran with a nonsense
+    scale (r negative or fractional)."""
+    url, root, *_ = served
+    path = tmp_path / "adapter"
+    path.mkdir()
+    (path / "adapter_model.safetensors").write_bytes(
+        (root / "r8" / "adapter_model.safetensors").read_bytes())
+    if isinstance(edit, dict):
+        config = {**json.loads((root / "r8" / "adapter_config.json").read_text()), **edit}
+        edit = json.dumps({k: v for k, v in config.items() if v is not DROP})
+    (path / "adapter_config.json").write_text(edit)
+    response = httpx.post(url + "/v1/load_lora_adapter",
+                          json={"lora_name": "hostile", "lora_path": str(path)})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == "lora_path", error
+    assert "hostile" not in [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+    assert _complete(url, "base").status_code == 200

@@ -206,7 +206,7 @@ def test_packers_agree_with_the_formats_descriptions():
     """Hand-made words: GPTQ / compressed-tensors nibble i is element 8c+i; AWQ's nibbles
     hold columns 0, 2, 4, 6, 1, 3, 5, 7."""
     from pagedserve.quantization.awq import _columns
-    from pagedserve.quantization.int4_format import unpack_int32
+    from pagedserve.quantization.int_codes import unpack_int32
 
     codes = torch.arange(16, dtype=torch.int32).reshape(2, 8)
     words = w.pack(codes, 1)

@@ -64,7 +64,7 @@ def test_int8_checkpoint_tokens_equal_transformers_on_dequantized_weights(
 def test_eight_bit_packers_agree_with_the_formats_descriptions():
     """Hand-made words: four 8-bit codes a word, code i in bits 8i..8i+7, along either dim;
     a code of 255 in the top byte makes the word negative and still reads back."""
-    from pagedserve.quantization.int4_format import unpack_int32
+    from pagedserve.quantization.int_codes import unpack_int32
 
     codes = torch.tensor([[0x10, 0x32, 0x54, 0x76, 0x01, 0x80, 0xFE, 0xFF]], dtype=torch.int32)
     words = w.pack(codes, 1, bits=8)

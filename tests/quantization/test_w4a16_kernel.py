@@ -8,24 +8,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.quantization.int4_format import Int4Codes
+from pagedserve.quantization.int_codes import IntCodes
 from pagedserve.quantization.ops import w4a16_gemm as gemm
 from pagedserve.quantization.ops.w4a16_gemm import w4a16_layout, w4a16_linear, w4a16_mm
 
 
 def _codes(n: int, k: int, group_size: int, act_order: bool, seed: int = 0,
-           device: str = "cpu", bits: int = 4) -> Int4Codes:
+           device: str = "cpu", bits: int = 4) -> IntCodes:
     g = torch.Generator().manual_seed(seed)
     groups = -(-k // group_size)
     group = torch.arange(k) // group_size
     if act_order:
         group = group[torch.randperm(k, generator=g)]
     top = 1 << bits  # zeros up to 2^bits: GPTQ v1's stored maximum plus one
-    c = Int4Codes(torch.randint(0, top, (n, k), generator=g, dtype=torch.int32),
+    c = IntCodes(torch.randint(0, top, (n, k), generator=g, dtype=torch.int32),
                   torch.randint(0, top + 1, (n, groups), generator=g, dtype=torch.int32),
                   (torch.rand(n, groups, generator=g) * 0.02 + 1e-3).to(torch.float16),
                   group, bits)
-    return Int4Codes(*(t.to(device) for t in (c.codes, c.zeros, c.scales, c.group)), bits)
+    return IntCodes(*(t.to(device) for t in (c.codes, c.zeros, c.scales, c.group)), bits)
 
 
 # (n, k, group size, act-order): K not a multiple of 8 or of the tile, groups of 32 / 64 /

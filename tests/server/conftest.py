@@ -29,3 +29,76 @@ def agent_server(tmp_path_factory):
                          tmp_path_factory.mktemp("agent_log") / "server.log")
     yield proc
     proc.stop()
+
+
+# The OpenAI-compatible server of the bundled model (float32) and its offline reference, shared
+# by the test_*_api / routes / errors / concurrency modules: one load for all of them.
+
+
+@pytest.fixture(scope="package")
+def ref():
+    from tests.server.openai_server import build_reference
+
+    return build_reference()
+
+
+@pytest.fixture(scope="package")
+def server(request, tmp_path_factory):
+    from tests.server.openai_server import MODEL
+    from tests.utils.server import ServerProcess
+
+    # Started first so the model loads while the reference runs in this process.
+    srv = ServerProcess(["--served-model-name", MODEL, "--dtype", "float32",
+                         "--kv-cache-memory", "512MiB"],
+                        tmp_path_factory.mktemp("server") / "server.log", wait=False)
+    try:
+        request.getfixturevalue("ref")
+        srv.wait_healthy()
+    except BaseException:
+        srv.stop()
+        raise
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="package")
+def core_server(request, tmp_path_factory):
+    """The same server with its engine core in a process of its own."""
+    from tests.server.openai_server import MODEL
+    from tests.utils.server import ServerProcess
+
+    request.getfixturevalue("ref")
+    srv = ServerProcess(["--served-model-name", MODEL, "--dtype", "float32",
+                         "--kv-cache-memory", "512MiB", "--engine-core-process"],
+                        tmp_path_factory.mktemp("core_server") / "server.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module", params=["in-process", "core-process"])
+def any_server(request):
+    """The tests that take it (and `client`) run against both: same texts, same answers."""
+    return request.getfixturevalue("server" if request.param == "in-process" else "core_server")
+
+
+@pytest.fixture(scope="module")
+def client(any_server):
+    import openai
+
+    return openai.OpenAI(base_url=any_server.url + "/v1", api_key="unused", timeout=600,
+                         max_retries=0)
+
+
+@pytest.fixture(scope="package")
+def key_server(server, tmp_path_factory):
+    """A second server: an API key, one running and one waiting request at most, and async
+    scheduling."""
+    from tests.server.openai_server import API_KEY
+    from tests.utils.server import ServerProcess
+
+    srv = ServerProcess(["--max-num-seqs", "1", "--max-waiting-requests", "1",
+                         "--kv-cache-memory", "512MiB", "--async-scheduling"],
+                        tmp_path_factory.mktemp("key_server") / "server.log",
+                        env={"PAGEDSERVE_API_KEY": API_KEY})
+    yield srv
+    srv.stop()

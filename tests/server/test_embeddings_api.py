@@ -121,3 +121,26 @@ def test_errors_in_openai_shape(served, client):
     assert r.status_code == 400 and "does not score pairs" in r.json()["error"]["message"]
     # Nothing is left running or holding blocks; the server still answers.
     assert client.embeddings.create(model=MODEL, input="w5 w6").data
+
+
+def test_a_batch_larger_than_the_queue_is_a_400_not_a_503():
+    """Every input of a batch is queued at once: one of more inputs than
+    --max-waiting-requests could never be admitted, yet was a 503 saying "try again later"
+    (a client that retries 503s retried for ever)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedserve.pooling import PoolingParams
+    from pagedserve.server.common import ApiError
+    from pagedserve.server.embeddings import add_pooling_requests
+
+    async def never(*args, **kwargs):
+        raise AssertionError("nothing is queued")
+
+    state = SimpleNamespace(llm=SimpleNamespace(max_waiting_requests=3, add_request=never))
+    prompts = [(None, [1, 2])] * 4
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(add_pooling_requests(state, "embd-1", prompts, PoolingParams()))
+    assert refused.value.status == 400 and refused.value.body.error.param == "input"
+    assert "4 inputs, more than the 3 the server queues at once (--max-waiting-requests)" \
+        in refused.value.body.error.message

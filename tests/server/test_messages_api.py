@@ -79,14 +79,15 @@ def test_tool_use_forced_by_tool_choice(client, choice) -> None:
     tools = [WEATHER, {"name": "noop", "input_schema": {"type": "object"}}]
     if choice["type"] == "any":
         tools = [WEATHER]
+    # Greedy: a sampled argument may run past max_tokens (a random model's string).
     message = client.messages.create(model=MODEL, max_tokens=40, messages=ASK, tools=tools,
-                                     tool_choice=choice)
+                                     tool_choice=choice, extra_body={"temperature": 0})
     assert message.stop_reason == "tool_use"
     use = [b for b in message.content if b.type == "tool_use"][0]
     assert use.name == "get_weather" and use.id.startswith("toolu_")
     jsonschema.validate(use.input, WEATHER_SCHEMA)
     with client.messages.stream(model=MODEL, max_tokens=40, messages=ASK, tools=tools,
-                                tool_choice=choice) as stream:
+                                tool_choice=choice, extra_body={"temperature": 0}) as stream:
         final = stream.get_final_message()
     use = [b for b in final.content if b.type == "tool_use"][0]
     assert final.stop_reason == "tool_use" and use.name == "get_weather"

@@ -153,6 +153,25 @@ def test_the_store_drops_the_least_recently_used() -> None:
     assert store.delete("a") and not store.delete("a") and set(store.entries) == {"c"}
 
 
+
+def test_the_store_is_bounded_in_bytes_too() -> None:
+    """Each stored response keeps its conversation, images' data URLs included: a thousand
+    60 MiB photos were 60 GB kept alive. Past --responses-store-bytes the least recently used
+    go; a response larger than the whole budget is not kept."""
+    photo = {"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + "A" * 400}}]}
+    store = ResponseStore(100, max_bytes=1000)
+    for name in "abc":
+        store.put(name, StoredResponse({"id": name}, [photo]))
+        store.get("a")  # kept in use
+    assert set(store.entries) == {"a", "c"} and store.num_bytes <= 1000
+    store.put("huge", StoredResponse({}, [{"role": "user", "content": "x" * 2000}]))
+    assert "huge" not in store.entries and set(store.entries) == {"a", "c"}
+    assert store.delete("a") and set(store.entries) == {"c"} and 0 < store.num_bytes < 500
+    store.put("c", StoredResponse({}, []))  # stored again under its id: counted once
+    assert store.num_bytes < 100
+
+
 def test_agent_conversation_is_served_from_the_prefix_cache(client) -> None:
     previous, turn_input = None, "Weather in Oslo?"
     usages = []

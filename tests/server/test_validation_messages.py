@@ -56,3 +56,24 @@ def test_a_request_that_needs_the_missing_tokenizer_is_told_what_to_do():
     assert raised.value.status == 400
     assert "(text prompts, chat messages and logprobs do): send token ids, or serve it with " \
            "--tokenizer DIR" in str(raised.value)
+
+
+def _nested(depth: int, leaf: object) -> list:
+    value = [leaf]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_the_unicode_check_walks_any_depth():
+    """A body nested just under the JSON parser's limit (guided_json, response_format's schema,
+    Anthropic's tools) passed the parser, then the check recursed past the interpreter's
+    limit: a 500. It walks without recursion now."""
+    from pagedserve.server.protocol import unpaired_surrogate
+
+    assert unpaired_surrogate({"x": _nested(5000, "fine")}) is None
+    assert unpaired_surrogate({"x": _nested(3, "bad \ud800")}) == "x.0.0.0.0"
+    assert unpaired_surrogate({"a": ["ok", {"b": "\udfff"}], "c": "\ud800"}) == "a.1.b"
+    assert unpaired_surrogate({"\ud800": 1}) == "\\ud800"  # a key too (its escape)
+    body = {"prompt": "hi", "guided_json": {"x": _nested(5000, 1)}}
+    CompletionRequest.model_validate(body)  # no RecursionError

@@ -171,18 +171,3 @@ def test_a_random_layer_over_a_random_target(tmp_path, make_llm):
     assert stats.spec_decode_num_drafts == 3 * 2
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens == 12
 
-
-def test_refused_at_two_ranks_by_name(monkeypatch):
-    """DeepSeek's layer does not split (nor does its latent-attention target): at two ranks its
-    loader refuses it by name, before reading any checkpoint (Qwen3-Next's block splits:
-    tests/distributed/test_tp_spec_decode.py)."""
-    from pagedserve.distributed import parallel_state
-    from pagedserve.spec_decode.mtp_head import load_mtp_head
-
-    DeepseekV3ForCausalLM = type("DeepseekV3ForCausalLM", (torch.nn.Module,), {})
-    target = DeepseekV3ForCausalLM()
-    target.config = transformers.DeepseekV3Config(**CONFIG)
-    monkeypatch.setattr(parallel_state, "_world_size", 2)
-    with pytest.raises(ValueError, match="'mtp' over DeepseekV3ForCausalLM with "
-                                         "tensor_parallel_size 2 is not implemented"):
-        load_mtp_head("unused", target, torch.float32, torch.device("cpu"))

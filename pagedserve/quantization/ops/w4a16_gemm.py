@@ -2,7 +2,7 @@
 y = x W^T with W held as BITS-bit integer codes (4 or 8) and per-group scales and zero points,
 dequantized in registers tile by tile (the weight is never written out in 16 bits).
 
-Layout (`W4A16Weight`, built by `w4a16_layout` from any integer format's `Int4Codes`):
+Layout (`W4A16Weight`, built by `w4a16_layout` from any integer format's `IntCodes`):
 - `qweight` int32 [ceil(K / p), N], p = 32 / BITS: p codes a word along K, low bits first
   (code i: input p*r+i), so a tile of BLOCK_K inputs x BLOCK_N outputs is BLOCK_K / p rows of
   contiguous words;
@@ -96,7 +96,7 @@ class W4A16Weight:
 
 def w4a16_layout(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                  group: torch.Tensor, bits: int = 4) -> W4A16Weight:
-    """Codes [N, K] (0..2^bits - 1), zeros and scales [N, G], group [K] (`Int4Codes`'
+    """Codes [N, K] (0..2^bits - 1), zeros and scales [N, G], group [K] (`IntCodes`'
     fields) -> the kernel's layout, on the codes' device."""
     if bits not in (4, 8):
         raise ValueError(f"the W4A16 kernel reads 4- or 8-bit codes, not {bits}-bit")

@@ -1,8 +1,8 @@
 """Request bodies of Anthropic's Messages API (pydantic v2). Unknown fields are refused, as
 Anthropic does; the fields its SDK and Claude Code send that mean nothing here (metadata,
-cache_control, thinking, service_tier, output_config, context_management) are accepted and
-ignored. temperature, top_p and top_k come in the body (the SDK passes them as extra fields),
-in Anthropic's ranges.
+cache_control, thinking, service_tier, output_config, context_management, a tool's strict and
+eager_input_streaming, a tool_use block's caller) are accepted and ignored. temperature, top_p
+and top_k come in the body (the SDK passes them as extra fields), in Anthropic's ranges.
 Image blocks become chat image parts; document blocks parse, so that the translation can refuse
 them by name."""
 
@@ -52,6 +52,9 @@ class ToolUseBlock(StrictModel):
     name: str
     input: dict[str, Any]
     cache_control: Ignored = None
+    # The SDK's model_dump() of a reply's block has these (None here): accepted, ignored.
+    caller: Ignored = None
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(StrictModel):
@@ -61,6 +64,7 @@ class ToolResultBlock(StrictModel):
                                   Field(discriminator="type")]] = ""
     is_error: bool | None = None
     cache_control: Ignored = None
+    toolset_name: str | None = None
 
 
 class ThinkingBlock(StrictModel):
@@ -90,6 +94,10 @@ class Tool(StrictModel):
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: Ignored = None
+    # Accepted: a forced call's input always follows input_schema (a grammar makes it), and
+    # every call's input streams as it is generated.
+    strict: bool | None = None
+    eager_input_streaming: bool | None = None
 
 
 class ToolChoice(StrictModel):
@@ -107,6 +115,7 @@ class CountTokensRequest(StrictModel):
     thinking: Ignored = None
     output_config: Ignored = None
     context_management: Ignored = None
+    cache_control: Ignored = None  # the request's automatic cache breakpoint
 
 
 class MessagesRequest(CountTokensRequest):

@@ -44,7 +44,8 @@ def anthropic_routes(state: ServerState) -> APIRouter:
         state.check_model(body.model)
         chat = chat_request(body)
         plan = tool_plan(state, chat)
-        prompt = await chat_prompt(state, chat.messages, True, plan.prompt)
+        prompt = await chat_prompt(state, chat.messages, chat.add_generation_prompt, plan.prompt,
+                                   chat.continue_final_message)
         return {"input_tokens": len(prompt.token_ids)}
 
     return router

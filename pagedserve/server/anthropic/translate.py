@@ -13,11 +13,17 @@ from pagedserve.server.anthropic import protocol as a
 from pagedserve.server.common import ApiError
 from pagedserve.server.output_blocks import Block, BlockStream
 from pagedserve.server.streaming import Tally
+from pagedserve.server.tool_parsers import NOT_JSON
 
 
 def chat_request(body: a.CountTokensRequest) -> p.ChatCompletionRequest:
-    """The chat request that asks the same of the model."""
-    chat: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}
+    """The chat request that asks the same of the model. A last assistant message is a
+    prefill: the reply goes on from its text (and holds only what follows it)."""
+    messages = chat_messages(body)
+    chat: dict[str, Any] = {"model": body.model, "messages": messages}
+    last = messages[-1]
+    if last["role"] == "assistant" and last["content"] and not last.get("tool_calls"):
+        chat.update(continue_final_message=True, add_generation_prompt=False)
     if body.tools:
         chat["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": t.input_schema}}
@@ -171,8 +177,9 @@ def content_block(block: Block, whole: bool) -> dict[str, Any]:
     if whole:
         try:
             arguments = json.loads(block.text or "{}")
-        except json.JSONDecodeError:
-            # Cut off by max_tokens (stop_reason says so): its text is what there is.
+        except NOT_JSON:
+            # Cut off by max_tokens (stop_reason says so), or nested past the recursion
+            # limit (a schema that refers to itself): its text is what there is.
             return {"type": "text", "text": block.text}
     return {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name or "",
             "input": arguments}

@@ -123,6 +123,10 @@ class ReasoningConfig(StrictModel):
     generate_summary: str | None = None
 
 
+class StreamOptions(StrictModel):
+    include_obfuscation: bool | None = None  # accepted: no padding is added to events here
+
+
 class ResponsesRequest(StrictModel):
     model: str | None = None
     input: str | list[InputItem]
@@ -135,6 +139,7 @@ class ResponsesRequest(StrictModel):
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     store: bool = True
     previous_response_id: str | None = None
     reasoning: ReasoningConfig | None = None
@@ -144,5 +149,6 @@ class ResponsesRequest(StrictModel):
     user: str | None = None
     include: list[str] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     service_tier: str | None = None

@@ -85,10 +85,9 @@ def input_messages(items: str | list[Any]) -> tuple[list[dict[str, Any]], list[s
         where = f"input.{i}"
         if not (isinstance(item, r.FunctionCallItem) and out and out[-1]["role"] == "assistant"):
             origins.append(where)
-        if isinstance(item, r.MessageItem):
-            # Templates know system, not OpenAI's newer developer role.
-            role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": _content(item.content, f"{where}.content")})
+        if isinstance(item, r.MessageItem):  # developer: as the chat path renders it
+            out.append({"role": item.role,
+                        "content": _content(item.content, f"{where}.content")})
         elif isinstance(item, r.FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -119,7 +118,7 @@ def _content(content: str | list[Any], where: str, images: bool = True
                            param=f"{where}.{j}")
         texts.append(part.text)
         parts.append({"type": "text", "text": part.text})
-    return parts if len(parts) > len(texts) else "".join(texts)
+    return parts if len(parts) > len(texts) else "\n".join(texts)  # as chat joins its parts
 
 
 def _image_part(part: r.ImagePart, where: str) -> dict[str, Any]:

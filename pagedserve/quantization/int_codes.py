@@ -1,9 +1,7 @@
 """Integer weights as checkpoints pack them, 4-bit and (GPTQ, compressed-tensors) 8-bit, and
 the arithmetic those formats share: unpacking codes from int32 words, expanding per-group
 scales and zero points to every input column (in order, or through an act-order `g_idx`), and
-the checks that name a tensor whose shape does not fit. (The module and `Int4Codes` keep their
-4-bit names: 4 bits is the common case and what the MoE kernel reads; `Int4Codes.bits` says
-the width.)
+the checks that name a tensor whose shape does not fit. `IntCodes.bits` says the width.
 
 Everything works in float32 on the CPU and is exact: a code minus a zero point is an integer
 of at most 9 bits (8-bit codes), a float16 or bfloat16 scale has at most 11 significant bits,
@@ -74,7 +72,7 @@ def check_shape(t: torch.Tensor, want: tuple[int, ...], what: str, why: str) -> 
 
 
 @dataclass
-class Int4Codes:
+class IntCodes:
     """One weight's integer codes, unpacked in a format-neutral layout: w = (codes - zeros[:,
     group]) * scales[:, group]. codes [N, K] 0..2^bits - 1; zeros [N, G] (0..2^bits: GPTQ's v1
     stores a zero of 2^bits as 2^bits - 1); scales [N, G] as stored; group [K], each input's
