@@ -203,9 +203,7 @@ class SchedulerConfig:
     max_num_encoder_input_tokens: int | None = setting(
         None, "most image embedding rows the encoder computes in one step (default: as "
               "encoder_cache_size)")
-    enable_chunked_prefill: bool = setting(
-        True, "vLLM's flag; prompts over --max-num-batched-tokens are always prefilled in "
-              "chunks")
+    enable_chunked_prefill: bool = setting(True, "vLLM's flag; long prompts prefill in chunks")
 
     def __post_init__(self) -> None:
         if not self.enable_chunked_prefill:
@@ -443,9 +441,6 @@ class ServerConfig:
     tool_call_parser: str | None = setting(
         None, "how the model writes tool calls, for tool_choice 'auto' (required and named "
               "choices need none)", choices=["hermes", "smollm2", "llama3_json"])
-    enable_auto_tool_choice: bool = setting(
-        False, "vLLM's flag: tool_choice 'auto' needs --tool-call-parser, which turns it on "
-               "by itself here", hidden=True)
     reasoning_parser: str | None = setting(
         None, "split <think>...</think> into reasoning_content",
         choices=["qwen3", "think", "deepseek_r1"])
@@ -477,9 +472,6 @@ class ServerConfig:
                "clients only")
 
     def __post_init__(self) -> None:
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, "
-                             "smollm2 or llama3_json) to read the model's tool calls")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be between 0 and 65535, got {self.port}")
         for name in ("max_waiting_requests", "max_n"):
