@@ -46,17 +46,17 @@ def read_config(path: Path) -> dict:
     if not file.is_file():
         raise FileNotFoundError(f"LoRA adapter {path}: missing {CONFIG_FILE}")
     try:
-        config = json.loads(file.read_text())
+        config = json.loads(file.read_bytes())
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
         raise ValueError(f"LoRA adapter {path}: {CONFIG_FILE} is not valid JSON "
                          f"({str(exc)[:200]})") from None
     if not isinstance(config, dict):
         raise ValueError(f"LoRA adapter {path}: {CONFIG_FILE} must be a JSON object, got "
                          f"{type(config).__name__}")
-    _check_scale_fields(path, config)
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {path}: peft_type {config['peft_type']!r} is not "
                          f"supported (only LORA)")
+    _check_scale_fields(path, config)
     if config.get("use_dora"):
         raise ValueError(f"LoRA adapter {path}: DoRA (use_dora) is not supported")
     if config.get("modules_to_save"):

@@ -26,6 +26,7 @@ from pagedserve.server.chat import (
     chat_prompt,
     check_continue_final_message,
     create_chat_completion,
+    template_variables,
 )
 from pagedserve.server.chat_media import MediaPool, MediaSettings
 from pagedserve.server.chat_page import chat_page_routes
@@ -285,8 +286,8 @@ def _api_routes(state: ServerState) -> APIRouter:
         if body.messages is not None:  # images counted as the tokens they expand to
             check_continue_final_message(body)
             tokens = (await chat_prompt(state, body.messages, body.add_generation_prompt,
-                                        continue_final_message=body.continue_final_message)
-                      ).token_ids
+                                        continue_final_message=body.continue_final_message,
+                                        template_kwargs=template_variables(body))).token_ids
         else:
             # As completions and embeddings tokenize a prompt: with the special tokens.
             special = body.add_special_tokens is not False

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 
 from pagedserve.engine.async_llm import EngineDeadError, RequestStream
-from pagedserve.engine.llm import render_chat
+from pagedserve.engine.llm import render_chat, template_options
 from pagedserve.engine.outputs import PositionLogprobs
 from pagedserve.multimodal.chat import render_with_images
 from pagedserve.multimodal.inputs import MultiModalPrompt
@@ -57,11 +57,28 @@ def developer_as_system(messages: list[dict[str, Any]], template: str
     return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
 
 
+def template_variables(body: p.ChatCompletionRequest | p.TokenizeRequest
+                       ) -> dict[str, Any] | None:
+    """The chat template's variables a request sets: vLLM's chat_template_kwargs, and
+    reasoning_effort under its own name unless they set it. A key that is an argument of the
+    template call itself (tools, add_generation_prompt, ...) is refused by name."""
+    variables = dict(body.chat_template_kwargs or {})
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is not None:
+        variables.setdefault("reasoning_effort", effort)
+    try:
+        template_options(add_generation_prompt=False, chat_template_kwargs=variables)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="chat_template_kwargs") from None
+    return variables or None
+
+
 def render_template(state: ServerState, rendered: list[dict[str, Any]],
                     add_generation_prompt: bool, tools: ToolPrompt | None = None,
-                    num_images: int = 0, continue_final_message: bool = False) -> list[int]:
+                    num_images: int = 0, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Template messages -> prompt token ids (one placeholder per image, not yet expanded,
-    rendered as `LLM.chat` renders them)."""
+    rendered as `LLM.chat` renders them); `template_kwargs`: the template's variables."""
     template = state.llm.engine.chat_template or getattr(state.tokenizer, "chat_template", "")
     rendered = developer_as_system(rendered, template or "")
     template_tools = None
@@ -80,10 +97,10 @@ def render_template(state: ServerState, rendered: list[dict[str, Any]],
             return render_with_images(state.tokenizer, rendered, num_images,
                                       state.mm_processor.image_placeholder,
                                       add_generation_prompt, state.llm.engine.chat_template,
-                                      continue_final_message)
+                                      continue_final_message, template_kwargs=template_kwargs)
         return render_chat(state.tokenizer, rendered, add_generation_prompt,
                            state.llm.engine.chat_template, template_tools,
-                           continue_final_message)
+                           continue_final_message, template_kwargs)
     except ApiError:
         raise
     except Exception as exc:  # template errors are the request's fault, not the server's
@@ -98,13 +115,15 @@ class ChatPrompt:
 
 async def chat_prompt(state: ServerState, messages: list[p.ChatMessage],
                       add_generation_prompt: bool, tools: ToolPrompt | None = None,
-                      continue_final_message: bool = False) -> ChatPrompt:
+                      continue_final_message: bool = False,
+                      template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
     """Render (in a worker thread: a long chat holds nothing up) while the media pool decodes
     the images, then expand their placeholders on the pool. A bad image is named before a
     template error."""
     inputs = template_messages(state, messages)
     render = asyncio.to_thread(render_template, state, inputs.messages, add_generation_prompt,
-                               tools, len(inputs.images), continue_final_message)
+                               tools, len(inputs.images), continue_final_message,
+                               template_kwargs)
     if not inputs.images:
         return ChatPrompt(await render)
     processor = state.mm_processor
@@ -176,6 +195,7 @@ async def start_chat(state: ServerState, body: p.ChatCompletionRequest,
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     check_continue_final_message(body)
+    variables = template_variables(body)
     renames = dict(CHAT_RENAMES)
     if body.max_completion_tokens is not None:
         renames["max_tokens"] = "max_completion_tokens"
@@ -190,7 +210,7 @@ async def start_chat(state: ServerState, body: p.ChatCompletionRequest,
         guided, field = plan.guided, "tool_choice"
     params = await with_guided(state, params, guided, field)
     prompt = await chat_prompt(state, body.messages, body.add_generation_prompt, plan.prompt,
-                               body.continue_final_message)
+                               body.continue_final_message, variables)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     streams = await add_all(state, request_id, [(None, prompt.token_ids)], params,
                             body.cache_salt, "messages", renames, model=body.model,

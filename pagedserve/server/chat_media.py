@@ -128,6 +128,9 @@ def template_input(messages: list[p.ChatMessage], processor: Any, image_limit: i
             item["tool_call_id"] = message.tool_call_id
         if message.tool_calls:
             item["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+        reasoning = message.reasoning_content or message.reasoning
+        if reasoning:  # Qwen3's template renders it inside a tool loop; others ignore it
+            item["reasoning_content"] = reasoning
         out.messages.append(item)
     count = len(out.images)
     if image_limit is not None and count > image_limit:

@@ -57,12 +57,17 @@ def tool_call_guided(tools: list[p.ChatTool], choice: str | p.NamedToolChoice,
         return _checked({"json": _parameters(tool)}, "tool_choice")
     # Each call object's place in the array's schema, where its tool's local $refs now point.
     places = ["#/items"] if len(tools) == 1 else [f"#/items/anyOf/{i}" for i in range(len(tools))]
-    calls = [{"type": "object",
-              "properties": {"name": {"const": t.function.name},
-                             "arguments": _relocated(_parameters(t),
-                                                     f"{place}/properties/arguments")},
-              "required": ["name", "arguments"], "additionalProperties": False}
-             for t, place in zip(tools, places, strict=True)]
+    calls = []
+    for i, (tool, place) in enumerate(zip(tools, places, strict=True)):
+        try:
+            arguments = _relocated(_parameters(tool), f"{place}/properties/arguments")
+        except RecursionError:  # a body may nest deeper than the interpreter recurses
+            raise ApiError(400, f"tools.{i}.function.parameters: the JSON schema is nested too "
+                                "deeply", param=f"tools.{i}.function.parameters") from None
+        calls.append({"type": "object",
+                      "properties": {"name": {"const": tool.function.name},
+                                     "arguments": arguments},
+                      "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:

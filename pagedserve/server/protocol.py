@@ -15,44 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pagedserve.sampling_params import SamplingParams
-
-
-def unpaired_surrogate(value: Any, path: str = "") -> str | None:
-    """The path of the first string in `value` (nested lists and dicts, keys too) holding a
-    lone UTF-16 surrogate: JSON's "\\ud800" escapes decode to such strings, which no
-    tokenizer, hash or response encoder can take. A bad key is named by its escape, so the
-    path itself encodes. Walked without recursion: a body may nest as deep as the JSON parser
-    lets it, past the interpreter's recursion limit."""
-    todo: list[tuple[str, Any]] = [(path, value)]
-    while todo:
-        where, item = todo.pop()
-        if isinstance(item, str):
-            if not _encodes(item):
-                return where or "body"
-            continue
-        if isinstance(item, dict):
-            items = list(item.items())
-        elif isinstance(item, list | tuple):
-            items = list(enumerate(item))
-        else:
-            continue
-        children = []
-        for key, child in items:
-            name = str(key)
-            if not _encodes(name):
-                name = name.encode("utf-8", "backslashreplace").decode("utf-8")
-                return f"{where}.{name}" if where else name
-            children.append((f"{where}.{name}" if where else name, child))
-        todo.extend(reversed(children))  # the first child is looked at first
-    return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+from pagedserve.server.unicode_check import unpaired_surrogate
 
 
 class OpenAIModel(BaseModel):
@@ -291,8 +254,9 @@ class ChatMessage(OpenAIModel):
     tool_call_id: str | None = None  # a tool message answers this call
     tool_calls: list[RequestToolCall] | None = None  # an assistant message's calls
     # What a reply carries when an agent sends it back (the SDK's message object, or its
-    # model_dump() with every field): accepted, and left out of the prompt, as the Responses
-    # and Messages routes leave out earlier reasoning.
+    # model_dump() with every field): accepted; the reasoning goes to the chat template as
+    # reasoning_content (as vLLM passes it: a template that does not read it drops it), the
+    # rest is left out of the prompt.
     reasoning_content: str | None = None
     reasoning: str | None = None  # vLLM's newer name for reasoning_content
     refusal: str | None = None
@@ -327,12 +291,15 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     # vLLM's prefill: the last (assistant) message is left open and the reply goes on from it.
     continue_final_message: bool = False
+    # vLLM's: the chat template's own variables (Qwen3's enable_thinking, say).
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     # Sent by OpenAI's SDKs (the Agents SDK among them) and accepted, as vLLM accepts them,
     # with no effect here: nothing is stored, there are no tiers, the prefix cache needs no
-    # key, and how much a model reasons is its chat template's business.
+    # key. reasoning_effort is passed to the chat template as a variable of that name
+    # (gpt-oss's reads it; others ignore it).
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -461,6 +428,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -90,8 +90,12 @@ def load_mtp_head(target_path: str | None, target: nn.Module, dtype: torch.dtype
     stack_config = _stack_config(config)
     embed = own.pop("embed_tokens.weight", None)
     if embed is None and tp_world_size() > 1:  # this rank holds its rows only: the whole
-        embed = _read_prefixed(_checkpoint_dir(target_path),  # one is the target's on disk
-                               "model.embed_tokens.")["weight"]
+        on_disk = _read_prefixed(_checkpoint_dir(target_path),  # one is the target's on disk
+                                 "model.embed_tokens.")
+        if "weight" not in on_disk:
+            raise ValueError(f"speculative_config: method 'mtp': the target's checkpoint lacks "
+                             f"{prefix}embed_tokens.weight and model.embed_tokens.weight")
+        embed = on_disk["weight"]
     elif embed is None:
         embed = target.model.embed_tokens.weight.detach().cpu()
     stack = build_model(stack_config, dtype, device, _stack_weights(own, embed))

@@ -69,7 +69,7 @@ def test_the_unicode_check_walks_any_depth():
     """A body nested just under the JSON parser's limit (guided_json, response_format's schema,
     Anthropic's tools) passed the parser, then the check recursed past the interpreter's
     limit: a 500. It walks without recursion now."""
-    from pagedserve.server.protocol import unpaired_surrogate
+    from pagedserve.server.unicode_check import unpaired_surrogate
 
     assert unpaired_surrogate({"x": _nested(5000, "fine")}) is None
     assert unpaired_surrogate({"x": _nested(3, "bad \ud800")}) == "x.0.0.0.0"

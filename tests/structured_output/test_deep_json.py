@@ -55,3 +55,23 @@ def test_a_schema_nested_too_deep_is_refused_by_name() -> None:
             grammar_key("json", schema)
         with pytest.raises(ValueError, match="guided_decoding.json: the JSON schema is nested"):
             GuidedDecodingParams(json=schema)
+
+
+def test_required_tools_nested_too_deep_are_refused_by_name() -> None:
+    """tool_choice "required" relocates each tool's $refs by walking its schema: a schema
+    deeper than the interpreter recurses is the request's 400, naming the tool."""
+    from pagedserve.server import protocol as p
+    from pagedserve.server.common import ApiError
+    from pagedserve.server.guided import tool_call_guided
+
+    deep: dict = {"type": "object"}
+    for _ in range(5000):
+        deep = {"allOf": [deep]}
+    tools = [p.ChatTool.model_validate({"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}),
+        p.ChatTool.model_construct(type="function", function=p.FunctionDefinition.model_construct(
+            name="g", parameters=deep))]
+    with pytest.raises(ApiError) as err:
+        tool_call_guided(tools, "required", parallel=True)
+    assert err.value.status == 400
+    assert err.value.body.error.param == "tools.1.function.parameters"

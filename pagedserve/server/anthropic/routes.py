@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from pagedserve.server.anthropic import protocol as a
 from pagedserve.server.anthropic.stream import stream_message
 from pagedserve.server.anthropic.translate import chat_request, message_object
-from pagedserve.server.chat import chat_prompt, start_chat
+from pagedserve.server.chat import chat_prompt, start_chat, template_variables
 from pagedserve.server.chat_tools import tool_plan
 from pagedserve.server.common import ServerState
 from pagedserve.server.output_blocks import final_blocks
@@ -45,7 +45,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
         chat = chat_request(body)
         plan = tool_plan(state, chat)
         prompt = await chat_prompt(state, chat.messages, chat.add_generation_prompt, plan.prompt,
-                                   chat.continue_final_message)
+                                   chat.continue_final_message, template_variables(chat))
         return {"input_tokens": len(prompt.token_ids)}
 
     return router

@@ -1,7 +1,10 @@
 """Stored responses (`store`, the default): each with the conversation that led to it, as chat
 messages, so that `previous_response_id` continues it. In memory, least recently used out
 first, at most `--responses-store-size` of them holding at most `--responses-store-bytes` of
-text (a conversation's images are data URLs: text too, and the most of it)."""
+text (a conversation's images are data URLs: text too, and the most of it; counted in
+characters, which for base64 and ASCII are bytes). Each response counts its whole
+conversation, though a chain's responses share their earlier messages: the count errs high,
+so the store drops responses early rather than outgrow its budget."""
 
 from __future__ import annotations
 
