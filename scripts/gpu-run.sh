@@ -695,6 +695,19 @@ stage_first29() {  # the first call after four sessions without one: every gpu t
     wait
 }
 
+stage_rerun30() {  # first29's two shards that ran out of time (the thirtieth session's one
+    # call): spec with its failures' tracebacks (three failed there), and quant
+    setup_env
+    SHARD_TIMEOUT=${WAVE_TIMEOUT:-240}
+    shard spec tests/spec_decode tests/attention/test_flashinfer_verify.py -v --tb=short \
+        --maxfail=4 --durations=10
+    shard quant tests/quantization/test_random_fp8.py tests/quantization/test_fp8_small_m.py \
+        tests/quantization/test_w4a16_kernel.py -v --tb=short --durations=10
+    wait
+    grep -E "FAILED|PASSED|Error|error|passed|failed|exit" "$OUT/spec.log" | tail -40
+    grep -E "FAILED|Error|passed|failed|exit" "$OUT/quant.log" | tail -15
+}
+
 stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone
     setup_env
     timeout 150 python3 benchmarks/fp8_linear.py --models 8b --tokens 1,4,16 --sweep-small-m \

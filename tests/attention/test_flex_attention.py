@@ -448,3 +448,17 @@ def test_warmup_steps_run_at_start_up_and_leave_no_trace(tmp_path, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_compiled_flex_refuses_heads_under_16_by_name():
+    """Inductor's flex kernels take heads of 16 and up: on CUDA a smaller head is a reason at
+    selection (an EAGLE head of 8 failed in its first compiled step on the H200), not on the
+    CPU, where flex runs eagerly."""
+    from pagedserve.attention.backend import AttentionLayerConfig
+
+    flex = get_backend_cls("FLEX_ATTENTION")
+    for sizes, refused in (((8, None), True), ((16, 8), True), ((16, None), False)):
+        layer = AttentionLayerConfig(2, 2, sizes[0], torch.float32, head_size_v=sizes[1])
+        reasons = flex.validate_configuration(layer, 16, torch.device("cuda"))
+        assert any("under 16" in r for r in reasons) == refused, (sizes, reasons)
+        assert flex.validate_configuration(layer, 16, torch.device("cpu")) == []

@@ -368,7 +368,10 @@ def test_cuda_greedy_equals_no_speculation(tmp_path, make_llm, backend, method):
     got, stats = _run(make_llm, path, _prompts(), _params(), spec, gpu_memory_utilization=0.05,
                       **kwargs)
     _assert_same(got, want)
-    assert stats.spec_decode_num_accepted_tokens > 0
+    # The draft model is the target: every draft is kept. This random model's greedy text
+    # never repeats its prompts (H200, 2026-12-07): n-gram drafts are made and all rejected.
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens > 0 or method == "ngram"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -70,6 +70,7 @@ import torch
 from pagedserve.attention.backend import (
     AttentionBackend,
     AttentionImpl,
+    AttentionLayerConfig,
     AttentionMetadataBuilder,
 )
 from pagedserve.attention.backends import flex_encoder
@@ -530,6 +531,18 @@ class FlexAttentionBackend(AttentionBackend):
     impl_cls = FlexAttentionImpl
     builder_cls = FlexAttentionMetadataBuilder
     metadata_cls = FlexAttentionMetadata
+
+    @classmethod
+    def validate_configuration(cls, layer: AttentionLayerConfig, block_size: int,
+                               device: torch.device) -> list[str]:
+        reasons = super().validate_configuration(layer, block_size, device)
+        # Compiled (CUDA), flex's Triton kernels tile the head dimension in 16s: inductor
+        # refuses smaller heads only when the first step compiles.
+        small = [n for n in (layer.head_size, layer.head_size_v) if n is not None and n < 16]
+        if device.type == "cuda" and small:
+            reasons.append(f"head size {small[0]} under 16 (flex_attention compiled on CUDA "
+                           "takes 16 and up)")
+        return reasons
 
     @classmethod
     def warmup_steps(cls, device: torch.device) -> list[tuple[int, int, int]]:
