@@ -343,6 +343,9 @@ def guided_params(plain_tokens: int) -> list[SamplingParams]:
             SamplingParams(temperature=0, max_tokens=plain_tokens, ignore_eos=True)]
 
 
+# Slow (10 s): a guided request at two ranks, rank 0 masking alone, also runs in
+# tests/distributed/test_tp_spec_decode.py's async case (with drafts turned off by batch size).
+@pytest.mark.slow
 def test_guided_decoding_with_two_ranks(tmp_path):
     """Rank 0 alone masks and samples (the others get requests without their matchers): a
     JSON schema and a choice under greedy decoding give TP=1's tokens, beside a plain request.

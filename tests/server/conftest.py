@@ -96,8 +96,11 @@ def key_server(server, tmp_path_factory):
     from tests.server.openai_server import API_KEY
     from tests.utils.server import ServerProcess
 
+    # float32, as the reference its async-scheduling text is compared with (and quicker to
+    # start than the CPU's int8 default).
     srv = ServerProcess(["--max-num-seqs", "1", "--max-waiting-requests", "1",
-                         "--kv-cache-memory", "512MiB", "--async-scheduling"],
+                         "--kv-cache-memory", "512MiB", "--async-scheduling",
+                         "--dtype", "float32"],
                         tmp_path_factory.mktemp("key_server") / "server.log",
                         env={"PAGEDSERVE_API_KEY": API_KEY})
     yield srv
