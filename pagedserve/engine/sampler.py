@@ -138,12 +138,20 @@ class SamplingMetadata:
 
         allowed = None
         if any(p.allowed_token_ids for p in uniq):
-            allowed = torch.ones(n, v, dtype=torch.bool)
+            # Made on the device from (row, id) pairs, as the ban is: a host [B, V] mask
+            # would be copied every step.
+            free_rows: list[int] = []
+            allow_rows: list[int] = []
+            allow_cols: list[int] = []
             for row, p in enumerate(params):
                 if p.allowed_token_ids:
-                    allowed[row] = False
-                    allowed[row, p.allowed_token_ids] = True
-            allowed = to_device_async(allowed, device)
+                    allow_rows.extend([row] * len(p.allowed_token_ids))
+                    allow_cols.extend(p.allowed_token_ids)
+                else:
+                    free_rows.append(row)
+            allowed = torch.zeros(n, v, dtype=torch.bool, device=device)
+            allowed[_long(free_rows, device)] = True
+            allowed[_long(allow_rows, device), _long(allow_cols, device)] = True
 
         asked = [p.logprobs for p in uniq if p.logprobs is not None]
         # One transfer for the per-row values (top_k and vocab ids are exact in float32).
