@@ -12,9 +12,12 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
-from tests.distributed.test_tensor_parallel import ENGINE, _no_workers_left, _transformers_greedy
+from tests.distributed.test_tensor_parallel import (
+    ENGINE,
+    _no_workers_left,
+    assert_equal_transformers,
+)
 from tests.models.test_families import DEEPSEEK, MLA_COMMON, _save
-from tests.utils.paged import check_top_logprobs
 
 CONFIGS = {
     # Low-rank queries, sigmoid routing over groups, YaRN, biases on the latent and output
@@ -51,9 +54,6 @@ def test_two_ranks_equal_transformers(tmp_path, name):
         assert llm.engine.check_blocks_free()
     finally:
         llm.engine.shutdown()
-    for prompt, out in zip(prompts, outputs, strict=True):
-        tokens, ref = _transformers_greedy(str(tmp_path), prompt, NUM_NEW)
-        assert out.outputs[0].token_ids == tokens
-        check_top_logprobs(out.outputs[0].logprobs, ref)
+    assert_equal_transformers(str(tmp_path), prompts, outputs, NUM_NEW)
     _no_workers_left()
 

@@ -16,9 +16,12 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
-from tests.distributed.test_tensor_parallel import ENGINE, _no_workers_left, _transformers_greedy
+from tests.distributed.test_tensor_parallel import (
+    ENGINE,
+    _no_workers_left,
+    assert_equal_transformers,
+)
 from tests.models.test_qwen3_next import COMMON, _save
-from tests.utils.paged import check_top_logprobs
 
 # Layers: attention, then gated delta nets; layer 1 dense, the others sparse with the shared
 # expert; two key heads of two value heads each, one per rank.
@@ -60,10 +63,7 @@ def test_two_ranks_equal_transformers(tmp_path, name):
             assert llm.engine.scheduler.num_preemptions > 0
     finally:
         llm.engine.shutdown()
-    for prompt, out in zip(prompts, outputs, strict=True):
-        tokens, ref = _transformers_greedy(str(tmp_path), prompt, NUM_NEW)
-        assert out.outputs[0].token_ids == tokens
-        check_top_logprobs(out.outputs[0].logprobs, ref)
+    assert_equal_transformers(str(tmp_path), prompts, outputs, NUM_NEW)
     _no_workers_left()
 
 

@@ -234,12 +234,21 @@ def _transformers_greedy(path: str, prompt: list[int], n: int) -> tuple[list[int
     return out[0, len(prompt):].tolist(), torch.log_softmax(logits.float(), dim=-1)
 
 
+def assert_equal_transformers(path: str, prompts: list[list[int]], outputs: list,
+                              num_new: int) -> None:
+    """Each output's greedy tokens are transformers' and its top logprobs within 1e-4."""
+    from tests.utils.paged import check_top_logprobs
+
+    for prompt, out in zip(prompts, outputs, strict=True):
+        tokens, ref = _transformers_greedy(path, prompt, num_new)
+        assert out.outputs[0].token_ids == tokens
+        check_top_logprobs(out.outputs[0].logprobs, ref)
+
+
 @pytest.mark.parametrize("name", ["gemma3", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_gemma_two_ranks_equal_transformers(tmp_path, name):
     """Greedy tokens and top-5 logprobs of two ranks equal transformers' (a wrong split of
     the heads, the vocabulary or the KV groups moves the logprobs past 1e-4)."""
-    from tests.utils.paged import check_top_logprobs
-
     path = save_model(GEMMA_CONFIGS[name](), tmp_path / name)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
     prompts = [PROMPTS[0], PROMPTS[2]]  # 7 and 40 tokens: the window of 5 cuts both
@@ -249,10 +258,7 @@ def test_gemma_two_ranks_equal_transformers(tmp_path, name):
         assert llm.engine.check_blocks_free()
     finally:
         llm.engine.shutdown()
-    for prompt, out in zip(prompts, outputs, strict=True):
-        tokens, ref = _transformers_greedy(path, prompt, 6)
-        assert out.outputs[0].token_ids == tokens
-        check_top_logprobs(out.outputs[0].logprobs, ref)
+    assert_equal_transformers(path, prompts, outputs, 6)
     _no_workers_left()
 
 
