@@ -12,7 +12,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pagedserve.config import EngineConfig, ServerConfig, presets, section_classes
+from pagedserve.config import EngineConfig, presets, section_classes
+from pagedserve.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        action="store_false", default=None, help=argparse.SUPPRESS)
     group.add_argument("--disable-chat-page", dest="enable_chat_page",
                        action="store_false", default=None, help=argparse.SUPPRESS)
-    # vLLM's switch for tool_choice "auto"; here --tool-call-parser alone turns it on.
-    group.add_argument("--enable-auto-tool-choice", action="store_true", help=argparse.SUPPRESS)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,11 +143,7 @@ def warn_unused(config: EngineConfig, given: dict[str, Any]) -> None:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    config = ServerConfig(**given_fields(args, ServerConfig))
-    if getattr(args, "enable_auto_tool_choice", False) and config.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, smollm2 "
-                         "or llama3_json) to read the model's tool calls")
-    return config
+    return ServerConfig(**given_fields(args, ServerConfig))
 
 
 def make_llm(args: argparse.Namespace | EngineConfig) -> Any:

@@ -15,7 +15,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve import __version__
-from pagedserve.config import ServerConfig
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from pagedserve.lora.registry import AdapterRegistry
 from pagedserve.server import protocol as p
@@ -48,6 +47,7 @@ from pagedserve.server.rerank import RerankRequest, ScoreRequest, create_rerank,
 from pagedserve.server.responses.routes import responses_routes
 from pagedserve.server.responses.store import ResponseStore
 from pagedserve.server.tool_parsers import get_tool_parser
+from pagedserve.server_config import ServerConfig
 
 logger = logging.getLogger("pagedserve.server")
 

@@ -18,7 +18,6 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from pagedserve.config import ServerConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.multimodal.inputs import MultiModalPrompt
@@ -31,6 +30,7 @@ from pagedserve.multimodal.media import (
     parse_image_url,
 )
 from pagedserve.server.api import build_app
+from pagedserve.server_config import ServerConfig
 from tests.utils.paged import tiny_chat_model
 
 

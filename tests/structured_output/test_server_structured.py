@@ -19,10 +19,10 @@ import pytest
 import uvicorn
 
 from pagedserve import LLM
-from pagedserve.config import ServerConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.server.api import build_app
 from pagedserve.server.reasoning import get_reasoning_parser
+from pagedserve.server_config import ServerConfig
 from tests.structured_output.schemas import FAST, SCHEMAS
 from tests.utils.server import free_port
 

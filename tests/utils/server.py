@@ -67,8 +67,8 @@ def app_in_thread(llm: Any, served_model_name: str, timeout: float = 60.0,
     healthy; yields its URL and stops it on leaving. `server_settings`: ServerConfig fields."""
     import uvicorn
 
-    from pagedserve.config import ServerConfig
     from pagedserve.server.api import build_app
+    from pagedserve.server_config import ServerConfig
 
     app = build_app(llm, ServerConfig(served_model_name=served_model_name, **server_settings))
     port = free_port()
