@@ -29,7 +29,7 @@
 # stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
-# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / fp8linear /
+# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
@@ -706,6 +706,14 @@ stage_rerun30() {  # first29's two shards that ran out of time (the thirtieth se
     wait
     grep -E "FAILED|PASSED|Error|error|passed|failed|exit" "$OUT/spec.log" | tail -40
     grep -E "FAILED|Error|passed|failed|exit" "$OUT/quant.log" | tail -15
+}
+
+stage_rerun31() {  # the three gpu tests mended after the thirtieth session's call, unrun since
+    setup_env
+    timeout "${WAVE_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
+        tests/spec_decode/test_engine.py tests/spec_decode/test_state_layer_drafts.py \
+        -k "test_cuda_greedy_equals or on_cuda_equals" --tb=short >"$OUT/rerun31.log" 2>&1
+    echo "exit $?" >>"$OUT/rerun31.log"; tail -15 "$OUT/rerun31.log"
 }
 
 stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone
