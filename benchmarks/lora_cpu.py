@@ -75,7 +75,7 @@ def main() -> None:
             counts = np.full(num_reqs, per_req)
             counts[-1] = tokens - per_req * (num_reqs - 1)
             slots = np.arange(num_reqs) % n
-            batch = LoRABatch(tokens, torch.device("cpu"))
+            batch = LoRABatch(tokens, SLOTS, torch.device("cpu"))
             batch.set(slots, counts)
             dense_slots = torch.from_numpy(np.repeat(slots, counts)).long()
             base = _median_ms(lambda x=x: F.linear(x, weight), args.repeats)

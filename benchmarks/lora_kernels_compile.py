@@ -27,20 +27,18 @@ def main() -> None:
 
     from pagedserve.lora import kernels
 
-    rows = {"stride_r": "i32", "RANK": "constexpr", "R_PAD": "constexpr"}
-    shrink = {"x_ptr": "*T", "a_ptr": "*T", "r_ptr": "*fp32", "in_features": "i32",
-              "stride_x": "i32", "stride_as": "i32", "stride_ar": "i32", **rows}
-    expand = {"r_ptr": "*fp32", "b_ptr": "*T", "y_ptr": "*T", "bounds_ptr": "*i32",
-              "stride_bs": "i32", "stride_bn": "i32", "stride_y": "i32", **rows,
+    runs = {"sorted_rows_ptr": "*i32", "slot_starts_ptr": "*i32", "stride_split": "i32",
+            "stride_r": "i32", "RANK": "constexpr", "R_PAD": "constexpr",
+            "SPLIT_K": "constexpr", "BLOCK_M": "constexpr", "DOT_PRECISION": "constexpr"}
+    shrink = {"x_ptr": "*T", "a_ptr": "*T", "part_ptr": "*fp32", "in_features": "i32",
+              "k_per_split": "i32", "stride_x": "i32", "stride_as": "i32", "stride_ar": "i32",
+              **runs, "BLOCK_K": "constexpr"}
+    expand = {"part_ptr": "*fp32", "b_ptr": "*T", "y_ptr": "*T", "bounds_ptr": "*i32",
+              "stride_bs": "i32", "stride_bn": "i32", "stride_y": "i32", **runs,
               "N_BLOCKS": "constexpr", "BLOCK_N": "constexpr"}
-    segments = {"seg_bounds_ptr": "*i32", "seg_slots_ptr": "*i32", "BLOCK_M": "constexpr",
-                "DOT_PRECISION": "constexpr"}
-    consts = {"RANK": 16, "R_PAD": 16, "BLOCK_M": 64, "BLOCK_K": 64, "N_BLOCKS": 8,
-              "BLOCK_N": 64}
-    jobs = [(kernels._sgmv_shrink, {**shrink, **segments, "BLOCK_K": "constexpr"}),
-            (kernels._sgmv_expand, {**expand, **segments}),
-            (kernels._bgmv_shrink, {**shrink, "slots_ptr": "*i32", "BLOCK_K": "constexpr"}),
-            (kernels._bgmv_expand, {**expand, "slots_ptr": "*i32"})]
+    consts = {"RANK": 16, "R_PAD": 16, "SPLIT_K": 4, "BLOCK_M": 16, "BLOCK_K": 64,
+              "N_BLOCKS": 8, "BLOCK_N": 64}
+    jobs = [(kernels._shrink, shrink), (kernels._expand, expand)]
     target = GPUTarget("cuda", args.arch, 32)
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     for fn, signature in jobs:

@@ -29,7 +29,7 @@
 # stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
-# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / fp8linear /
+# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
@@ -644,9 +644,10 @@ stage_wave25() {  # the twenty-fifth session's GPU tests (fp8 KV on TRITON, enco
     echo "exit $?" >>"$OUT/int4_linear.log"; tail -20 "$OUT/int4_linear.log"
 }
 
-stage_wave25bench() {  # issue #54's LoRA rows on the 8B shape (EAGLE-3's: wave25eagle)
+stage_wave25bench() {  # issue #54's LoRA rows on the 8B shape (EAGLE-3's: wave25eagle): ~360 s
+    # on an H100 with FlashInfer's kernels built
     setup_env
-    timeout 330 python3 benchmarks/lora_engine.py --json "$OUT/lora.json" \
+    timeout 480 python3 benchmarks/lora_engine.py --json "$OUT/lora.json" \
         >"$OUT/lora_engine.log" 2>&1
     echo "exit $?" >>"$OUT/lora_engine.log"; tail -6 "$OUT/lora_engine.log"
 }
@@ -714,6 +715,17 @@ stage_rerun31() {  # the three gpu tests mended after the thirtieth session's ca
         tests/spec_decode/test_engine.py tests/spec_decode/test_state_layer_drafts.py \
         -k "test_cuda_greedy_equals or on_cuda_equals" --tb=short >"$OUT/rerun31.log" 2>&1
     echo "exit $?" >>"$OUT/rerun31.log"; tail -15 "$OUT/rerun31.log"
+}
+
+stage_lora31() {  # LoRA's grouped kernels (the thirty-first session's): their GPU tests, their
+    # time beside the base projections (8B shape), then issue #54's rows (wave25bench)
+    setup_env
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/lora/test_lora_kernels.py \
+        tests/lora/test_lora_cuda_graphs.py >"$OUT/lora-tests.log" 2>&1
+    echo "exit $?" >>"$OUT/lora-tests.log"; tail -4 "$OUT/lora-tests.log"
+    timeout 150 python3 benchmarks/lora_kernels.py >"$OUT/lora_kernels.log" 2>&1
+    echo "exit $?" >>"$OUT/lora_kernels.log"; tail -50 "$OUT/lora_kernels.log"
+    stage_wave25bench
 }
 
 stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone

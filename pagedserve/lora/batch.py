@@ -1,15 +1,15 @@
 """A step's LoRA routing: which device slot each token uses (-1: the base model), in the
 shapes each product wants, all worked out on the host from what the scheduler decided.
 
-- `token_slots` (device, fixed address, [max_tokens]): one slot per token. The per-row
-  (BGMV) kernels read it; it is the only LoRA input a captured decode graph reads, so rows
-  past the step's tokens (a graph's padding) are kept at -1.
-- segments (device, fixed addresses): runs of consecutive tokens with one adapter, in token
-  order (`seg_bounds` [2n]: start and end of each; `seg_slots` [n]; base runs dropped). The
-  segment (SGMV) kernels take one program row per segment block; their grid needs `num_segments` and
-  `max_segment_len`, host ints known before launch, so no step ever syncs on the device.
+- `token_slots` (device, fixed address, [max_tokens]): one slot per token, -1 past the step's
+  tokens (the CPU's masked product reads it).
+- runs by slot (device, fixed addresses): `sorted_rows`, the step's adapter tokens sorted by
+  slot (base tokens left out), and `slot_starts` [slots + 1], where each slot's run starts in
+  it. The CUDA kernels take BLOCK_M tokens of one run a program; their grid needs
+  `max_slot_rows` (the longest run), a host int known before launch, or under a CUDA graph
+  the graph's row count, so no step ever syncs on the device.
 - `groups` (the torch path): each adapter's tokens, as a slice when they are contiguous,
-  else as an index tensor (tokens sorted by slot once on the host).
+  else as an index tensor.
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ BASE_SLOT = -1
 class LoRABatch:
     """The step's routing, rewritten in place by `set` before every step."""
 
-    def __init__(self, max_tokens: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, num_slots: int, device: torch.device) -> None:
         self.device = torch.device(device)
+        self.num_slots = num_slots
         self._allocate(max_tokens)
         self.num_tokens = 0
-        self.num_segments = 0
-        self.max_segment_len = 0
+        self.max_slot_rows = 0  # the longest run of one slot's tokens this step
         self.groups: list[tuple[int, slice | torch.Tensor]] = []
         self.active = False  # a token with an adapter: else the wrappers skip the products
-        self.decode = True  # one token per request: the per-row (BGMV) products
         # A decode graph is being captured (or replayed): the products run whatever the step,
-        # per row over every padded row, reading only `token_slots`.
+        # their grid over every row the graph has, reading the runs from their fixed buffers.
         self.graph_mode = False
         # Triton's kernels off CUDA too (tests run them in the interpreter through the layers).
         self.use_kernels = self.device.type == "cuda"
@@ -42,14 +41,15 @@ class LoRABatch:
         self.max_tokens = max_tokens
         self.token_slots = torch.full((max_tokens,), BASE_SLOT, dtype=torch.int32,
                                       device=self.device)
-        self.seg_bounds = torch.zeros(2 * max_tokens, dtype=torch.int32, device=self.device)
-        self.seg_slots = torch.zeros(max_tokens, dtype=torch.int32, device=self.device)
+        self.sorted_rows = torch.zeros(max_tokens, dtype=torch.int32, device=self.device)
+        self.slot_starts = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=self.device)
         self._written = 0  # token_slots entries that may hold a slot (the rest are -1)
         # On CUDA the host arrays go through one of two pinned buffers, copied without waiting
         # for the device (a pageable copy would wait for the step in flight); a buffer is
         # reused two steps later, after the event recorded behind its copy.
         pin = self.device.type == "cuda"
-        self._staging = [torch.empty(4 * max_tokens, dtype=torch.int32, pin_memory=True)
+        self._staging = [torch.empty(2 * max_tokens + self.num_slots + 1, dtype=torch.int32,
+                                     pin_memory=True)
                          for _ in range(2 if pin else 0)]
         self._copied = [torch.cuda.Event() for _ in range(2 if pin else 0)]
         self._parity = 0
@@ -65,25 +65,25 @@ class LoRABatch:
                              f"({self.max_tokens}, the runner's max_num_batched_tokens)")
         self.num_tokens = t
         self.active = bool((per_request != BASE_SLOT).any())
-        self.decode = not num_tokens.size or int(num_tokens.max()) <= 1
         width = max(t, self._written)  # clear what the previous step wrote past this one
         host = np.full(width, BASE_SLOT, dtype=np.int32)
         host[:t] = slots
         self._written = t
-        self._copy([(self.token_slots, host), *self._segments(slots)])
+        self._copy([(self.token_slots, host), *self._runs(slots)])
         self.groups = _slot_groups(slots, self.device) if self.device.type != "cuda" else []
 
-    def _segments(self, slots: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
-        """The step's adapter runs (their count and longest kept on the host), as (device
-        buffer, host array) pairs to copy."""
-        starts, lengths, seg = runs(slots)
-        keep = seg != BASE_SLOT
-        starts, lengths, seg = starts[keep], lengths[keep], seg[keep]
-        self.num_segments = int(seg.size)
-        self.max_segment_len = int(lengths.max()) if seg.size else 0
-        bounds = np.empty(2 * seg.size, dtype=np.int32)  # [start_i, end_i] pairs
-        bounds[0::2], bounds[1::2] = starts, starts + lengths
-        return [(self.seg_bounds, bounds), (self.seg_slots, seg.astype(np.int32))]
+    def _runs(self, slots: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
+        """The step's adapter tokens sorted by slot and each slot's start among them (the
+        longest run kept on the host), as (device buffer, host array) pairs to copy."""
+        order = np.argsort(slots, kind="stable")
+        adapter_rows = order[slots[order] != BASE_SLOT].astype(np.int32)
+        counts = np.bincount(slots[slots != BASE_SLOT], minlength=self.num_slots)
+        if counts.size > self.num_slots:
+            raise ValueError(f"slot {counts.size - 1} of {self.num_slots} LoRA slots")
+        starts = np.zeros(self.num_slots + 1, dtype=np.int32)
+        np.cumsum(counts, out=starts[1:])
+        self.max_slot_rows = int(counts.max()) if counts.size else 0
+        return [(self.sorted_rows, adapter_rows), (self.slot_starts, starts)]
 
     def _copy(self, pieces: list[tuple[torch.Tensor, np.ndarray]]) -> None:
         """Each host array into the start of its device buffer (no wait for the device)."""

@@ -1,20 +1,23 @@
-"""LoRA's CUDA path as Triton kernels in the manner of Punica: a shrink (x A^T, to the rank)
-and an expand (r B^T added into the layer's output), each ONE launch per layer for every
-adapter of the step and every fused part (q/k/v, gate/up: a grid axis). Tokens of the base
-model (slot -1) are skipped. The reference is `ops.lora_torch`; the layout is ops.py's.
+"""LoRA's CUDA path as two Triton kernels in the manner of Punica's grouped GEMM: a shrink (x A^T,
+to the rank) and an expand (r B^T added into the layer's output), each ONE launch per layer
+for every adapter of the step, every fused part (q/k/v, gate/up) and every kind of step.
 
-- SGMV (prefill and mixed steps): one program per (segment, BLOCK_M rows of it, part or part
-  x output block), where a segment is a run of consecutive tokens with one adapter
-  (`LoRABatch`). Tiles go through `tl.dot`. The grid needs the number of segments and the
-  longest, host ints the manager computed, so launching syncs nothing.
-- BGMV (decode, and any step under a CUDA graph): one program per (token, part or part x
-  output block), reading the token's slot from `token_slots`; a fixed grid over the padded
-  rows, so the launch is graph-safe. Rows are dot products (a one-row tile cannot use
-  `tl.dot`). Each row reads its adapter's factors again (from L2 when rows share them).
+Tokens are grouped by adapter slot on the host (`LoRABatch`: `sorted_rows`, the step's adapter
+tokens sorted by slot, and `slot_starts`, each slot's run in it; base-model tokens are in no
+run). A program takes BLOCK_M tokens of one slot's run, so the factors it reads serve them all
+and its products are `tl.dot` tiles: a decode step of 256 tokens under one adapter reads A
+once per 16 tokens, not once per token. The grid is (row blocks, slots, parts x splits): the
+row blocks cover the longest run, a host int known before launch, or under a CUDA graph every
+row the graph was captured for; a program past its slot's run returns at once. So the grid
+never depends on a device value and launching syncs nothing.
 
-The shrink's output stays float32 in memory and is rounded to the factors' dtype before the
-expand, as PEFT rounds lora_A's output. Float32 factors use IEEE dots (no tf32). Importing
-this module imports triton: `ops.add_lora` does so on its first CUDA step.
+The shrink splits the input features over SPLIT_K programs when they are many (a decode step
+has few row blocks to spread over the GPU): each split writes its own float32 partial, and the
+expand sums the partials in a fixed order, so the result never depends on which program ran
+first (no atomics). The sum is rounded to the factors' dtype before the expand, as PEFT rounds
+lora_A's output. Float32 factors use IEEE dots (no tf32). The reference is `ops.lora_torch`;
+the layout is ops.py's. Importing this module imports triton: `ops.add_lora` does so on its
+first CUDA step.
 """
 
 from __future__ import annotations
@@ -25,162 +28,116 @@ import triton.language as tl
 
 BLOCK_K = 64  # shrink: reduction step over the input features
 BLOCK_N = 64  # expand: output columns per program
+K_PER_SPLIT = 1024  # shrink: input features a split takes at least
 
 
 @triton.jit
-def _sgmv_shrink(x_ptr, a_ptr, r_ptr, seg_bounds_ptr, seg_slots_ptr, in_features,
-                 stride_x, stride_as, stride_ar, stride_r,
-                 RANK: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    seg, block, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    end = tl.load(seg_bounds_ptr + 2 * seg + 1)
-    row0 = tl.load(seg_bounds_ptr + 2 * seg) + block * BLOCK_M
-    if row0 < end:
-        slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-        rows = row0 + tl.arange(0, BLOCK_M)
+def _run_rows(sorted_rows_ptr, slot_starts_ptr, slot, block, BLOCK_M: tl.constexpr):
+    """Block `block` of the slot's run: its token rows, which of them exist, and how many
+    (<= 0: none; triton 3.6 takes no bool a helper returns as an `if`'s condition)."""
+    end = tl.load(slot_starts_ptr + slot + 1)
+    first = tl.load(slot_starts_ptr + slot) + block * BLOCK_M
+    idx = first + tl.arange(0, BLOCK_M)
+    ok = idx < end
+    rows = tl.load(sorted_rows_ptr + idx, mask=ok, other=0).to(tl.int64)
+    return rows, ok, end - first
+
+
+@triton.jit
+def _shrink(x_ptr, a_ptr, part_ptr, sorted_rows_ptr, slot_starts_ptr, in_features, k_per_split,
+            stride_x, stride_as, stride_ar, stride_split, stride_r,
+            RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    block, slot, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    part, split = pid // SPLIT_K, pid % SPLIT_K
+    rows, row_ok, num_rows = _run_rows(sorted_rows_ptr, slot_starts_ptr, slot, block, BLOCK_M)
+    if num_rows > 0:
         ranks = tl.arange(0, R_PAD)
-        row_ok, rank_ok = rows < end, ranks < RANK
-        a_rows = a_ptr + slot * stride_as + (part * RANK + ranks) * stride_ar
+        rank_ok = ranks < RANK
+        a_rows = a_ptr + slot.to(tl.int64) * stride_as + (part * RANK + ranks) * stride_ar
         acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-        for k in range(0, in_features, BLOCK_K):
+        k_end = tl.minimum(in_features, (split + 1) * k_per_split)
+        for k in range(split * k_per_split, k_end, BLOCK_K):
             ks = k + tl.arange(0, BLOCK_K)
-            k_ok = ks < in_features
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
+            k_ok = ks < k_end
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(a_rows[None, :] + ks[:, None], mask=k_ok[:, None] & rank_ok[None, :],
                         other=0.0)
             acc = tl.dot(x.to(a.dtype), a, acc, input_precision=DOT_PRECISION)
-        tl.store(r_ptr + rows[:, None].to(tl.int64) * stride_r + part * RANK + ranks[None, :],
-                 acc, mask=row_ok[:, None] & rank_ok[None, :])
+        out = part_ptr + split * stride_split + rows[:, None] * stride_r + part * RANK
+        tl.store(out + ranks[None, :], acc, mask=row_ok[:, None] & rank_ok[None, :])
 
 
 @triton.jit
-def _sgmv_expand(r_ptr, b_ptr, y_ptr, bounds_ptr, seg_bounds_ptr, seg_slots_ptr,
-                 stride_r, stride_bs, stride_bn, stride_y,
-                 RANK: tl.constexpr, R_PAD: tl.constexpr, N_BLOCKS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    seg, block, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    part, n_block = pid_n // N_BLOCKS, pid_n % N_BLOCKS
-    end = tl.load(seg_bounds_ptr + 2 * seg + 1)
-    row0 = tl.load(seg_bounds_ptr + 2 * seg) + block * BLOCK_M
+def _expand(part_ptr, b_ptr, y_ptr, bounds_ptr, sorted_rows_ptr, slot_starts_ptr,
+            stride_split, stride_r, stride_bs, stride_bn, stride_y,
+            RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
+            N_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    block, slot, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    part, n_block = pid // N_BLOCKS, pid % N_BLOCKS
     col0 = tl.load(bounds_ptr + part) + n_block * BLOCK_N
     part_end = tl.load(bounds_ptr + part + 1)
-    if (row0 < end) & (col0 < part_end):
-        slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-        rows = row0 + tl.arange(0, BLOCK_M)
+    rows, row_ok, num_rows = _run_rows(sorted_rows_ptr, slot_starts_ptr, slot, block, BLOCK_M)
+    if (num_rows > 0) & (col0 < part_end):
         cols = col0 + tl.arange(0, BLOCK_N)
         ranks = tl.arange(0, R_PAD)
-        row_ok, col_ok, rank_ok = rows < end, cols < part_end, ranks < RANK
-        b = tl.load(b_ptr + slot * stride_bs + cols[None, :] * stride_bn + ranks[:, None],
-                    mask=rank_ok[:, None] & col_ok[None, :], other=0.0)  # [R_PAD, BLOCK_N]
-        r = tl.load(r_ptr + rows[:, None].to(tl.int64) * stride_r + part * RANK
-                    + ranks[None, :], mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
+        col_ok, rank_ok = cols < part_end, ranks < RANK
+        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :] * stride_bn
+                    + ranks[:, None], mask=rank_ok[:, None] & col_ok[None, :],
+                    other=0.0)  # [R_PAD, BLOCK_N]
+        r_ptrs = part_ptr + rows[:, None] * stride_r + part * RANK + ranks[None, :]
+        r_ok = row_ok[:, None] & rank_ok[None, :]
+        r = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+        for split in range(SPLIT_K):  # a fixed order: the same sum whichever split ran first
+            r += tl.load(r_ptrs + split * stride_split, mask=r_ok, other=0.0)
         delta = tl.dot(r.to(b.dtype), b, input_precision=DOT_PRECISION)
-        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
+        y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _bgmv_shrink(x_ptr, a_ptr, r_ptr, slots_ptr, in_features,
-                 stride_x, stride_as, stride_ar, stride_r,
-                 RANK: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
-    row, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    if slot >= 0:
-        ranks = tl.arange(0, R_PAD)
-        rank_ok = ranks < RANK
-        a_rows = a_ptr + slot * stride_as + (part * RANK + ranks) * stride_ar
-        acc = tl.zeros((R_PAD,), dtype=tl.float32)
-        for k in range(0, in_features, BLOCK_K):
-            ks = k + tl.arange(0, BLOCK_K)
-            k_ok = ks < in_features
-            x = tl.load(x_ptr + row * stride_x + ks, mask=k_ok, other=0.0)
-            a = tl.load(a_rows[:, None] + ks[None, :], mask=rank_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            x = x.to(a.dtype).to(tl.float32)
-            acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-        tl.store(r_ptr + row * stride_r + part * RANK + ranks, acc, mask=rank_ok)
+def split_k(in_features: int) -> int:
+    """Splits of the shrink's input features: one per K_PER_SPLIT of them, at most 16 (a
+    function of the layer alone, so a token's sum is the same in any batch)."""
+    return max(1, min(16, in_features // K_PER_SPLIT))
 
 
-@triton.jit
-def _bgmv_expand(r_ptr, b_ptr, y_ptr, bounds_ptr, slots_ptr,
-                 stride_r, stride_bs, stride_bn, stride_y,
-                 RANK: tl.constexpr, R_PAD: tl.constexpr, N_BLOCKS: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    row, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    part, n_block = pid_n // N_BLOCKS, pid_n % N_BLOCKS
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    col0 = tl.load(bounds_ptr + part) + n_block * BLOCK_N
-    part_end = tl.load(bounds_ptr + part + 1)
-    if (slot >= 0) & (col0 < part_end):
-        cols = col0 + tl.arange(0, BLOCK_N)
-        ranks = tl.arange(0, R_PAD)
-        col_ok, rank_ok = cols < part_end, ranks < RANK
-        b = tl.load(b_ptr + slot * stride_bs + cols[:, None] * stride_bn + ranks[None, :],
-                    mask=col_ok[:, None] & rank_ok[None, :], other=0.0)  # [BLOCK_N, R_PAD]
-        r = tl.load(r_ptr + row * stride_r + part * RANK + ranks, mask=rank_ok, other=0.0)
-        r = r.to(b.dtype).to(tl.float32)
-        delta = tl.sum(b.to(tl.float32) * r[None, :], axis=1)
-        y_ptrs = y_ptr + row * stride_y + cols
-        y = tl.load(y_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=col_ok)
+def block_m(max_rows: int) -> int:
+    """Tokens a program takes: tl.dot's least (16) for a decode step's few hundred, so that its
+    programs fill the GPU; more for a prefill's thousands, so fewer programs read each factor."""
+    return 16 if max_rows <= 256 else 32 if max_rows <= 1024 else 64
 
 
-def _shapes(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-            bounds: list[int]) -> tuple[int, int, int, torch.Tensor]:
-    """(parts, rank, padded rank, the shrink's float32 output [T, parts * rank])."""
+def grouped(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+            bounds: list[int], bounds_device: torch.Tensor, sorted_rows: torch.Tensor,
+            slot_starts: torch.Tensor, max_rows: int) -> None:
+    """y [T, out] += x [T, in]'s LoRA term, the tokens of slot s being
+    `sorted_rows[slot_starts[s]:slot_starts[s + 1]]`, no run longer than `max_rows` (two
+    launches; none when `max_rows` is 0)."""
+    if not max_rows or not x.shape[0]:
+        return
     assert x.stride(-1) == 1 and y.stride(-1) == 1 and lora_a.is_contiguous() \
         and lora_b.is_contiguous(), "LoRA kernels need row-major x, y and factors"
-    parts, rank = len(bounds) - 1, lora_b.shape[-1]
-    shrunk = torch.empty(x.shape[0], parts * rank, dtype=torch.float32, device=x.device)
-    return parts, rank, max(16, triton.next_power_of_2(rank)), shrunk
-
-
-def _n_blocks(bounds: list[int]) -> int:
-    return triton.cdiv(max(b - a for a, b in zip(bounds, bounds[1:], strict=False)), BLOCK_N)
-
-
-def _precision(lora_a: torch.Tensor) -> str | None:
-    return "ieee" if lora_a.dtype == torch.float32 else None
-
-
-def sgmv(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-         bounds: list[int], bounds_device: torch.Tensor, seg_bounds: torch.Tensor,
-         seg_slots: torch.Tensor, num_segments: int, max_segment_len: int) -> None:
-    """y [T, out] += x [T, in]'s LoRA term over the step's segments (two launches)."""
-    if not num_segments or not x.shape[0]:
-        return
-    parts, rank, r_pad, shrunk = _shapes(x, y, lora_a, lora_b, bounds)
-    block_m = min(64, max(16, triton.next_power_of_2(max_segment_len)))
-    m_blocks = triton.cdiv(max_segment_len, block_m)
-    precision = _precision(lora_a)
-    _sgmv_shrink[(num_segments, m_blocks, parts)](
-        x, lora_a, shrunk, seg_bounds, seg_slots, x.shape[1],
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), shrunk.stride(0),
-        RANK=rank, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_K=BLOCK_K, DOT_PRECISION=precision)
-    n_blocks = _n_blocks(bounds)
-    _sgmv_expand[(num_segments, m_blocks, parts * n_blocks)](
-        shrunk, lora_b, y, bounds_device, seg_bounds, seg_slots,
-        shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        RANK=rank, R_PAD=r_pad, N_BLOCKS=n_blocks, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        DOT_PRECISION=precision)
-
-
-def bgmv(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-         bounds: list[int], bounds_device: torch.Tensor, token_slots: torch.Tensor) -> None:
-    """y [T, out] += x [T, in]'s LoRA term, each row through `token_slots[row]`'s adapter
-    (-1: none); a fixed grid over the T rows (two launches)."""
-    if not x.shape[0]:
-        return
-    parts, rank, r_pad, shrunk = _shapes(x, y, lora_a, lora_b, bounds)
-    _bgmv_shrink[(x.shape[0], parts)](
-        x, lora_a, shrunk, token_slots, x.shape[1],
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), shrunk.stride(0),
-        RANK=rank, R_PAD=r_pad, BLOCK_K=BLOCK_K)
-    n_blocks = _n_blocks(bounds)
-    _bgmv_expand[(x.shape[0], parts * n_blocks)](
-        shrunk, lora_b, y, bounds_device, token_slots,
-        shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        RANK=rank, R_PAD=r_pad, N_BLOCKS=n_blocks, BLOCK_N=BLOCK_N)
+    slots, parts, rank = lora_a.shape[0], len(bounds) - 1, lora_b.shape[-1]
+    r_pad = max(16, triton.next_power_of_2(rank))
+    splits, bm = split_k(x.shape[1]), block_m(max_rows)
+    k_per_split = triton.cdiv(triton.cdiv(x.shape[1], splits), BLOCK_K) * BLOCK_K
+    partials = torch.empty(splits, x.shape[0], parts * rank, dtype=torch.float32,
+                           device=x.device)
+    m_blocks = triton.cdiv(max_rows, bm)
+    precision = "ieee" if lora_a.dtype == torch.float32 else None
+    _shrink[(m_blocks, slots, parts * splits)](
+        x, lora_a, partials, sorted_rows, slot_starts, x.shape[1], k_per_split,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), partials.stride(0),
+        partials.stride(1), RANK=rank, R_PAD=r_pad, SPLIT_K=splits, BLOCK_M=bm,
+        BLOCK_K=BLOCK_K, DOT_PRECISION=precision)
+    n_blocks = triton.cdiv(max(b - a for a, b in zip(bounds, bounds[1:], strict=False)),
+                           BLOCK_N)
+    _expand[(m_blocks, slots, parts * n_blocks)](
+        partials, lora_b, y, bounds_device, sorted_rows, slot_starts,
+        partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1),
+        y.stride(0), RANK=rank, R_PAD=r_pad, SPLIT_K=splits, N_BLOCKS=n_blocks,
+        BLOCK_M=bm, BLOCK_N=BLOCK_N, DOT_PRECISION=precision)

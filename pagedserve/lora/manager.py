@@ -31,7 +31,7 @@ class LoRAManager:
         self.max_rank = max_lora_rank
         self.dtype = param.dtype if param.dtype.is_floating_point and param.element_size() > 1 \
             else torch.bfloat16
-        self.batch = LoRABatch(max_tokens, param.device)
+        self.batch = LoRABatch(max_tokens, max_loras, param.device)
         self.layers = wrap_layers(model, self.batch, max_loras, max_lora_rank)
         self.targets = hf_targets(model, self.layers)
         self.slots = SlotTable(max_loras)

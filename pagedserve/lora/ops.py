@@ -66,8 +66,8 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
              lora_b_t: torch.Tensor | None, bounds: list[int], bounds_device: torch.Tensor,
              batch: LoRABatch) -> None:
     """y [T, out] += the LoRA term of x [T, in] for the step in `batch` (in place): Triton's
-    shrink and expand on CUDA (per row in decode and under a graph, per segment otherwise),
-    the torch paths elsewhere (`lora_b_t`: B transposed, kept off CUDA only)."""
+    shrink and expand on CUDA over the tokens grouped by slot, the torch paths elsewhere
+    (`lora_b_t`: B transposed, kept off CUDA only)."""
     if not batch.use_kernels:
         if lora_b_t is not None and masked_pays(x.shape[0], len(batch.groups),
                                                 lora_a.shape[0]):
@@ -77,8 +77,8 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         return
     from pagedserve.lora import kernels  # triton: imported on the first CUDA step
 
-    if batch.decode or batch.graph_mode:
-        kernels.bgmv(x, y, lora_a, lora_b, bounds, bounds_device, batch.token_slots)
-    else:
-        kernels.sgmv(x, y, lora_a, lora_b, bounds, bounds_device, batch.seg_bounds,
-                     batch.seg_slots, batch.num_segments, batch.max_segment_len)
+    # Under a graph the grid covers every row it was captured for: a replay's runs may be
+    # as long as that.
+    max_rows = x.shape[0] if batch.graph_mode else batch.max_slot_rows
+    kernels.grouped(x, y, lora_a, lora_b, bounds, bounds_device, batch.sorted_rows,
+                    batch.slot_starts, max_rows)

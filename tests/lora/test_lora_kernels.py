@@ -1,7 +1,7 @@
 """LoRA's shrink/expand kernels (Triton: under TRITON_INTERPRET=1 on the CPU, compiled on CUDA
 when there is one) and the torch path (ops.lora_torch), float32, against a per-token reference
-written here: mixed slots with base tokens between them, an empty segment, ranks 8/16/32,
-fused parts of unequal and non-power-of-two widths."""
+written here: mixed slots with base tokens between them, a slot with no tokens, ranks 8/16/32,
+fused parts of unequal and non-power-of-two widths, input features split over programs."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def _kernel_close(got: torch.Tensor, want: torch.Tensor) -> None:
 def _factors(rank: int, in_features: int, parts: list[int], seed: int):
     gen = torch.Generator().manual_seed(seed)
     bounds = [sum(parts[:i]) for i in range(len(parts) + 1)]
-    a = torch.randn(SLOTS, len(parts) * rank, in_features, generator=gen)
+    # A scaled so that A x is of unit size at any width (float32's rounding stays below atol)
+    a = torch.randn(SLOTS, len(parts) * rank, in_features, generator=gen) / in_features ** 0.5
     b = torch.randn(SLOTS, bounds[-1], rank, generator=gen)
     return a, b, bounds
 
@@ -56,7 +57,7 @@ def _reference(x, y, a, b, bounds, token_slots):
 
 
 def _step(per_request, num_tokens, in_features, out_features):
-    batch = LoRABatch(64, torch.device("cpu"))
+    batch = LoRABatch(64, SLOTS, torch.device("cpu"))
     batch.set(np.array(per_request), np.array(num_tokens))
     t = int(sum(num_tokens))
     gen = torch.Generator().manual_seed(1)
@@ -68,6 +69,7 @@ CASES = [  # (rank, in features, fused parts' rows)
     (8, 40, [24, 12, 12]),  # q/k/v of unequal widths, nothing a power of two
     (16, 72, [50, 50]),  # gate/up
     (32, 33, [70]),  # a whole layer wider than one output block
+    (16, 2100, [40]),  # the shrink's input features over two programs, the last split short
 ]
 STEP = ([0, -1, 2, 2, -1, 1, 0], [3, 2, 5, 1, 4, 18, 1])  # slots per request, tokens
 
@@ -93,55 +95,57 @@ def test_kernels_match_reference(rank, in_features, parts):
     bounds_t = torch.tensor(bounds, dtype=torch.int32)
     batch, x, y = _step(*STEP, in_features, bounds[-1])
     want = _reference(x, y, a, b, bounds, batch.token_slots[:x.shape[0]])
-    assert batch.num_segments == 4 and batch.max_segment_len == 18  # 2,2 merged; base dropped
-    a, b, bounds_t, x, y, seg_bounds, seg_slots, token_slots = _on_kernels(
-        a, b, bounds_t, x, y, batch.seg_bounds, batch.seg_slots, batch.token_slots)
+    assert batch.max_slot_rows == 18
+    assert kernels.split_k(in_features) == (2 if in_features > 2000 else 1)
+    a, b, bounds_t, x, y, rows, starts = _on_kernels(
+        a, b, bounds_t, x, y, batch.sorted_rows, batch.slot_starts)
     got = y.clone()
-    kernels.sgmv(x, got, a, b, bounds, bounds_t, seg_bounds, seg_slots,
-                 batch.num_segments, batch.max_segment_len)
+    kernels.grouped(x, got, a, b, bounds, bounds_t, rows, starts, batch.max_slot_rows)
     _kernel_close(got, want)
-    # per row, over more rows than the step (a graph's padding: slot -1, left untouched)
+    # as under a graph: the grid over every row, more than the step's (padding rows are in
+    # no run and stay untouched)
     pad, x_more = _on_kernels(torch.randn(3, bounds[-1]), torch.randn(3, in_features))
     x_pad = torch.cat([x, x_more])
     got = torch.cat([y, pad])
-    kernels.bgmv(x_pad, got, a, b, bounds, bounds_t, token_slots[:x_pad.shape[0]])
+    kernels.grouped(x_pad, got, a, b, bounds, bounds_t, rows, starts, x_pad.shape[0])
     _kernel_close(got[:x.shape[0]], want)
     assert torch.equal(got[x.shape[0]:], pad)
 
 
-def test_sgmv_skips_empty_segments_and_base_steps():
+def test_kernels_skip_base_tokens_and_steps():
     kernels = pytest.importorskip("pagedserve.lora.kernels")
     a, b, bounds = _factors(16, 40, [24, 12, 12], seed=5)
     bounds_t = torch.tensor(bounds, dtype=torch.int32)
     x, y = torch.randn(6, 40), torch.randn(6, 48)
-    slots = torch.tensor([1, 1, 1, -1, 2, 2], dtype=torch.int32)
-    want = _reference(x, y, a, b, bounds, slots)
-    # segments [0, 3) slot 1, [3, 3) empty, [4, 6) slot 2
-    seg_bounds = torch.tensor([0, 3, 3, 3, 4, 6], dtype=torch.int32)
-    seg_slots = torch.tensor([1, 0, 2], dtype=torch.int32)
-    a, b, bounds_t, x, y, seg_bounds, seg_slots = _on_kernels(a, b, bounds_t, x, y, seg_bounds,
-                                                              seg_slots)
+    batch = LoRABatch(8, SLOTS, torch.device("cpu"))
+    batch.set(np.array([1, -1, 2]), np.array([3, 1, 2]))  # slot 0: no tokens
+    assert batch.slot_starts.tolist() == [0, 0, 3, 5] and batch.sorted_rows[:5].tolist() == \
+        [0, 1, 2, 4, 5]
+    want = _reference(x, y, a, b, bounds, batch.token_slots[:6])
+    a, b, bounds_t, x, y, rows, starts = _on_kernels(a, b, bounds_t, x, y, batch.sorted_rows,
+                                                     batch.slot_starts)
     got = y.clone()
-    kernels.sgmv(x, got, a, b, bounds, bounds_t, seg_bounds, seg_slots, 3, 3)
+    kernels.grouped(x, got, a, b, bounds, bounds_t, rows, starts, batch.max_slot_rows)
     _kernel_close(got, want)
-    base = LoRABatch(8, KERNELS_ON)
+    assert torch.equal(got[3], y[3])  # the base token
+    base = LoRABatch(8, SLOTS, KERNELS_ON)
     base.set(np.array([-1, -1]), np.array([4, 2]))
-    assert base.num_segments == 0 and not base.active and not base.groups
+    assert base.max_slot_rows == 0 and not base.active and not base.groups
     got = y.clone()
-    kernels.sgmv(x, got, a, b, bounds, bounds_t, base.seg_bounds, base.seg_slots, 0, 0)
-    kernels.bgmv(x, got, a, b, bounds, bounds_t, base.token_slots[:6])
+    kernels.grouped(x, got, a, b, bounds, bounds_t, base.sorted_rows, base.slot_starts, 6)
     assert torch.equal(got, y)
 
 
 def test_batch_clears_rows_of_the_previous_step():
-    batch = LoRABatch(16, torch.device("cpu"))
+    batch = LoRABatch(16, SLOTS, torch.device("cpu"))
     batch.set(np.array([0, 1, 2]), np.array([4, 4, 4]))
     batch.set(np.array([2, -1]), np.array([1, 1]))
     assert batch.token_slots.tolist() == [2] + [-1] * 15
-    assert batch.decode and batch.num_segments == 1
-    batch.set(np.array([1, 0]), np.array([12, 4]))
-    assert batch.token_slots.tolist() == [1] * 12 + [0] * 4 and not batch.decode
-    assert batch.seg_bounds[:4].tolist() == [0, 12, 12, 16] and batch.max_segment_len == 12
+    assert batch.slot_starts.tolist() == [0, 0, 0, 1] and batch.max_slot_rows == 1
+    batch.set(np.array([1, 0, 1]), np.array([10, 4, 2]))
+    assert batch.token_slots.tolist() == [1] * 10 + [0] * 4 + [1] * 2
+    assert batch.slot_starts.tolist() == [0, 4, 16, 16] and batch.max_slot_rows == 12
+    assert batch.sorted_rows.tolist() == [10, 11, 12, 13, *range(10), 14, 15]
     with pytest.raises(ValueError, match=r"a step of 20 tokens, more than .* hold \(16"):
         batch.set(np.array([1]), np.array([20]))  # a graph reads the buffers where they are
 
@@ -152,7 +156,7 @@ def test_cpu_lora_needs_no_triton():
             "import numpy as np, torch\n"
             "from pagedserve.lora.batch import LoRABatch\n"
             "from pagedserve.lora.ops import add_lora\n"
-            "b = LoRABatch(4, torch.device('cpu')); b.set(np.array([0]), np.array([2]))\n"
+            "b = LoRABatch(4, 1, torch.device('cpu')); b.set(np.array([0]), np.array([2]))\n"
             "y = torch.zeros(2, 4)\n"
             "add_lora(torch.ones(2, 3), y, torch.ones(1, 2, 3), torch.ones(1, 4, 2), None,\n"
             "         [0, 4], torch.tensor([0, 4]), b)\n"
@@ -172,13 +176,10 @@ def test_kernels_in_float16():
     want = _reference(x.float(), y.float(), a.float(), b.float(), bounds,
                       batch.token_slots[:x.shape[0]])
     scale = float(want.abs().max())
-    a, b, bounds_t, x, y, seg_bounds, seg_slots, token_slots = _on_kernels(
-        a, b, bounds_t, x, y, batch.seg_bounds, batch.seg_slots, batch.token_slots)
-    for run in (lambda out: kernels.sgmv(x, out, a, b, bounds, bounds_t, seg_bounds,
-                                         seg_slots, batch.num_segments,
-                                         batch.max_segment_len),
-                lambda out: kernels.bgmv(x, out, a, b, bounds, bounds_t, token_slots)):
+    a, b, bounds_t, x, y, rows, starts = _on_kernels(a, b, bounds_t, x, y, batch.sorted_rows,
+                                                     batch.slot_starts)
+    for max_rows in (batch.max_slot_rows, x.shape[0]):  # a step's grid, a graph's
         got = y.clone()
-        run(got)
+        kernels.grouped(x, got, a, b, bounds, bounds_t, rows, starts, max_rows)
         assert got.dtype == torch.float16
         torch.testing.assert_close(got.float().cpu(), want, rtol=0, atol=1e-3 * scale)

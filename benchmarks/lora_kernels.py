@@ -1,0 +1,96 @@
+"""LoRA's grouped shrink/expand kernels (pagedserve/lora/kernels.py) on the 8B shape's
+projections beside the base projection they add to, on the GPU:
+
+    python benchmarks/lora_kernels.py [--tokens 1,16,64,256,2048] [--adapters 1,8] [--rank 16]
+
+For each projection (qkv, o, gate_up, down), token count T and number of adapters (the tokens
+dealt round-robin over them) it times, as the engine's decode graphs run them, a CUDA graph of
+20 calls replayed (median of 30 replays, CUDA events): the base bf16 GEMM (`torch.mm` into the
+output), and the LoRA term under a graph's grid (`grouped` over all T rows, as `ops.add_lora`
+launches it in graph mode). Each "step" line sums one layer's four projections and scales by
+32 layers: the milliseconds LoRA adds to a step, beside the base's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+import torch
+
+from pagedserve.lora import kernels
+from pagedserve.lora.batch import LoRABatch
+
+PROJECTIONS = {  # name: (in features, fused parts' rows), Llama-3-8B
+    "qkv": (4096, [4096, 1024, 1024]),
+    "o": (4096, [4096]),
+    "gate_up": (4096, [14336, 14336]),
+    "down": (14336, [4096]),
+}
+LAYERS = 32
+REPS = 20
+
+
+def time_us(fn) -> float:
+    """Median microseconds a call: a CUDA graph of REPS calls, replayed."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    times = []
+    for _ in range(30):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / REPS)
+    return statistics.median(times)
+
+
+def row(name: str, tokens: int, adapters: int, rank: int, slots: int) -> tuple[float, float]:
+    in_features, parts = PROJECTIONS[name]
+    bounds = [sum(parts[:i]) for i in range(len(parts) + 1)]
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    weight = torch.randn(bounds[-1], in_features, device=dev, dtype=dt) * 0.02
+    a = torch.randn(slots, len(parts) * rank, in_features, device=dev, dtype=dt) * 0.02
+    b = torch.randn(slots, bounds[-1], rank, device=dev, dtype=dt) * 0.02
+    x = torch.randn(tokens, in_features, device=dev, dtype=dt)
+    y = torch.empty(tokens, bounds[-1], device=dev, dtype=dt)
+    batch = LoRABatch(tokens, slots, dev)
+    batch.set(np.arange(tokens) % adapters, np.ones(tokens))
+    bounds_t = torch.tensor(bounds, dtype=torch.int32, device=dev)
+    base = time_us(lambda: torch.mm(x, weight.t(), out=y))
+    lora = time_us(lambda: kernels.grouped(x, y, a, b, bounds, bounds_t, batch.sorted_rows,
+                                           batch.slot_starts, tokens))
+    return base, lora
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", default="1,16,64,256,2048")
+    p.add_argument("--adapters", default="1,8")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--slots", type=int, default=8)
+    args = p.parse_args()
+    print(f"# {torch.cuda.get_device_name()}, rank {args.rank}, {args.slots} slots, bf16")
+    print(f"{'proj':8s} {'T':>5s} {'adapters':>8s} {'base us':>8s} {'lora us':>8s} "
+          f"{'lora/base':>9s}")
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        for adapters in [int(n) for n in args.adapters.split(",")]:
+            total_base = total_lora = 0.0
+            for name in PROJECTIONS:
+                base, lora = row(name, tokens, adapters, args.rank, args.slots)
+                total_base, total_lora = total_base + base, total_lora + lora
+                print(f"{name:8s} {tokens:5d} {adapters:8d} {base:8.1f} {lora:8.1f} "
+                      f"{lora / base:9.2f}")
+            print(f"{'step':8s} {tokens:5d} {adapters:8d} {total_base * LAYERS / 1e3:7.2f}ms "
+                  f"{total_lora * LAYERS / 1e3:7.2f}ms {total_lora / total_base:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
