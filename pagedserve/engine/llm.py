@@ -7,7 +7,7 @@ import gc
 import itertools
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from pagedserve.lora.request import LoRARequest, per_prompt
 from pagedserve.multimodal.chat import chat_images, render_with_images
 from pagedserve.pooling import PoolingParams, PoolingRequestOutput
 from pagedserve.pooling.classify import ClassificationRequestOutput, classification_output
-from pagedserve.pooling.front import tokenize_inputs
+from pagedserve.pooling.front import ChunkedTokenizer
 from pagedserve.pooling.params import check_params, truncation_length
 from pagedserve.pooling.scoring import (
     ScoringRequestOutput,
@@ -184,20 +184,44 @@ class LLM:
                       pooling_params: PoolingParams | None,
                       use_tqdm: bool) -> list[PoolingRequestOutput]:
         inputs = [_prompt_input(p, i) for i, p in enumerate(_prompt_list(prompts))]
-        texts = [p for p in inputs if isinstance(p, str)]
-        encoded = iter(tokenize_inputs(self.engine.tokenizer, texts, truncation_length(
-            pooling_params, self.engine.max_model_len)))
-        token_ids = [next(encoded) if isinstance(p, str) else p for p in inputs]
-        return self._pool(token_ids, [p if isinstance(p, str) else None for p in inputs],
-                          pooling_params, use_tqdm)
+        text_at = [i for i, p in enumerate(inputs) if isinstance(p, str)]
+        tokenizing = ChunkedTokenizer(
+            self.engine.tokenizer, [inputs[i] for i in text_at],
+            truncation_length(pooling_params, self.engine.max_model_len))
+        ids = [str(next(self._ids)) for _ in inputs]
+        added: list[str] = []
+        next_text = iter(text_at)
 
-    def _pool(self, token_ids: list[list[int]], texts: list[str | None],
-              params: PoolingParams | None, use_tqdm: bool) -> list[PoolingRequestOutput]:
+        def add(i: int, prompt: list[int], text: str | None) -> None:
+            self.engine.add_pooling_request(ids[i], prompt, pooling_params, prompt_text=text)
+            added.append(ids[i])
+
+        def feed(idle: bool) -> bool:
+            """The texts tokenized so far join the engine (waiting for some when it is idle);
+            whether more are to come."""
+            for prompt in tokenizing.take(wait=idle):
+                i = next(next_text)
+                add(i, prompt, inputs[i])
+            return not tokenizing.exhausted
+
+        try:
+            for i, p in enumerate(inputs):
+                if not isinstance(p, str):
+                    add(i, p, None)
+            return self.wait_for(ids, use_tqdm, feed)
+        except BaseException:
+            self.engine.abort_request(added)
+            raise
+        finally:
+            tokenizing.close()
+
+    def _pool(self, token_ids: list[list[int]], params: PoolingParams | None,
+              use_tqdm: bool) -> list[PoolingRequestOutput]:
         ids = []
         try:
-            for prompt, text in zip(token_ids, texts, strict=True):
+            for prompt in token_ids:
                 request_id = str(next(self._ids))
-                self.engine.add_pooling_request(request_id, prompt, params, prompt_text=text)
+                self.engine.add_pooling_request(request_id, prompt, params)
                 ids.append(request_id)
             return self.wait_for(ids, use_tqdm)
         except BaseException:
@@ -218,7 +242,7 @@ class LLM:
         check_params(params, pooler)
         token_ids = pair_token_ids(self.engine.tokenizer, pair_list(text_1, text_2), pooler,
                                    truncation_length(params, self.engine.max_model_len))
-        outputs = self._pool(token_ids, [None] * len(token_ids), params, use_tqdm)
+        outputs = self._pool(token_ids, params, use_tqdm)
         return [scoring_output(o, pooler) for o in outputs]
 
     def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
@@ -308,15 +332,21 @@ class LLM:
         return render_chat(tokenizer, messages,
                            chat_template=chat_template or self.engine.chat_template, **options)
 
-    def wait_for(self, ids: list[str], use_tqdm: bool = True) -> list[Any]:
-        """Step the engine until the requests `ids` (already added) finish."""
+    def wait_for(self, ids: list[str], use_tqdm: bool = True,
+                 feed: Callable[[bool], bool] | None = None) -> list[Any]:
+        """Step the engine until the requests `ids` finish: all added already, or added by
+        `feed(engine_idle)` before each step as they become ready (it returns whether more are
+        to come)."""
         pending = set(ids)
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True,
                    disable=not use_tqdm)
         start = time.perf_counter()
         out_tokens = 0
+        more = True
         while pending:
+            if feed is not None and more:
+                more = feed(not self.engine.has_unfinished_requests())
             for output in self.engine.step():
                 if output.finished and output.request_id in pending:
                     pending.discard(output.request_id)
@@ -326,7 +356,8 @@ class LLM:
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)
                     bar.update(1)
-            if pending and not self.engine.has_unfinished_requests():
+            if pending and not (feed is not None and more) \
+                    and not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"requests {sorted(pending)} vanished from the engine")
         bar.close()
         return [final[i] for i in ids]

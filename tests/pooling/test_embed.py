@@ -71,6 +71,22 @@ def test_single_shuffled_and_token_ids_agree(llm, texts, reference):
                                reference[:4], atol=TOL, rtol=0)
 
 
+def test_texts_tokenized_in_chunks_beside_the_engine(llm, texts, reference, monkeypatch):
+    """Texts join the engine chunk by chunk as a thread tokenizes them (token-id prompts at
+    once): every result in prompt order; a bad text mid-way fails the call and leaves no
+    request behind."""
+    from pagedserve.pooling import front
+
+    monkeypatch.setattr(front.ChunkedTokenizer, "chunk", 3)
+    ids = llm.tokenizer(texts[5:7])["input_ids"]
+    prompts = texts[:5] + [{"prompt_token_ids": ids[0]}, {"prompt_token_ids": ids[1]}] + \
+        texts[7:]
+    np.testing.assert_allclose(embed(llm, prompts), reference, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="maximum context length is 128 tokens"):
+        llm.embed(texts[:8] + [" ".join(texts) * 4] + texts[8:])
+    assert not llm.engine.has_unfinished_requests() and llm.engine.check_blocks_free()
+
+
 def test_whole_prompts_under_a_small_token_budget(model_dir, texts, reference):
     """A step budget smaller than the batch: every prompt still runs whole, in one step (never
     a chunk), with async scheduling too; nothing is held afterwards."""
