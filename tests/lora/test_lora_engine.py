@@ -44,10 +44,10 @@ def test_one_batch_mixes_base_and_adapters(make_llm, saved):
     _check_mixed(llm, root, base, refs)
 
 
-def test_padded_decode_steps_run_the_kernels_per_row(make_llm, saved):
+def test_padded_decode_steps_run_the_kernels_over_every_row(make_llm, saved):
     """Decode steps padded to a captured size the way CUDA graphs run them (here eagerly,
-    `DecodeGraphs(capture=False)`), through Triton's kernels (the interpreter): the per-row
-    products over the padded rows, whose slots stay -1."""
+    `DecodeGraphs(capture=False)`), through Triton's kernels (the interpreter): their grid over
+    every padded row, the padding in no slot's run."""
     pytest.importorskip("triton")
     from pagedserve.engine.cuda_graphs import DecodeGraphs
 
@@ -64,8 +64,9 @@ def test_padded_decode_steps_run_the_kernels_per_row(make_llm, saved):
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_padded_verify_steps_route_every_token(make_llm, saved, kernels):
     """A verify step (3 requests of 1+K tokens: an adapter, the base, another adapter) padded
-    to 4 requests as its CUDA graph runs it (capture off): graph-mode LoRA reads one slot per
-    token row, so the real rows equal the unpadded eager step's, which the adapters move."""
+    to 4 requests as its CUDA graph runs it (capture off): graph-mode LoRA routes each token
+    row by its slot's run, so the real rows equal the unpadded eager step's, which the
+    adapters move."""
     import numpy as np
 
     from pagedserve.engine.cuda_graphs import DecodeGraphs
