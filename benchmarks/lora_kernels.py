@@ -66,7 +66,7 @@ def row(name: str, tokens: int, adapters: int, rank: int, slots: int) -> tuple[f
     bounds_t = torch.tensor(bounds, dtype=torch.int32, device=dev)
     base = time_us(lambda: torch.mm(x, weight.t(), out=y))
     lora = time_us(lambda: kernels.grouped(x, y, a, b, bounds, bounds_t, batch.sorted_rows,
-                                           batch.slot_starts, tokens))
+                                           batch.blocks, batch.grid_blocks(tokens)))
     return base, lora
 
 

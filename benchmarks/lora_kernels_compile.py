@@ -27,7 +27,7 @@ def main() -> None:
 
     from pagedserve.lora import kernels
 
-    runs = {"sorted_rows_ptr": "*i32", "slot_starts_ptr": "*i32", "stride_split": "i32",
+    runs = {"sorted_rows_ptr": "*i32", "blocks_ptr": "*i32", "stride_split": "i32",
             "stride_r": "i32", "RANK": "constexpr", "R_PAD": "constexpr",
             "SPLIT_K": "constexpr", "BLOCK_M": "constexpr", "DOT_PRECISION": "constexpr"}
     shrink = {"x_ptr": "*T", "a_ptr": "*T", "part_ptr": "*fp32", "in_features": "i32",

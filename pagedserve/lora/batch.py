@@ -3,11 +3,13 @@ shapes each product wants, all worked out on the host from what the scheduler de
 
 - `token_slots` (device, fixed address, [max_tokens]): one slot per token, -1 past the step's
   tokens (the CPU's masked product reads it).
-- runs by slot (device, fixed addresses): `sorted_rows`, the step's adapter tokens sorted by
-  slot (base tokens left out), and `slot_starts` [slots + 1], where each slot's run starts in
-  it. The CUDA kernels take BLOCK_M tokens of one run a program; their grid needs
-  `max_slot_rows` (the longest run), a host int known before launch, or under a CUDA graph
-  the graph's row count, so no step ever syncs on the device.
+- blocks by slot (device, fixed addresses): `sorted_rows`, the step's adapter tokens sorted
+  by slot (base tokens left out), cut into blocks of at most BLOCK_ROWS tokens of one slot,
+  `blocks` [n, 3] = (slot, first, end) indices into `sorted_rows`. A CUDA kernel program takes
+  one block. Their grid is `num_blocks`, a host int known before launch, or under a CUDA
+  graph `grid_blocks(rows)`, every block a step of that many rows can have (each slot's run
+  ends in at most one part-filled block); the entries past a step's blocks are empty
+  (first == end). So no step ever syncs on the device, and the grid never spans the slots.
 - `groups` (the torch path): each adapter's tokens, as a slice when they are contiguous,
   else as an index tensor.
 """
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 BASE_SLOT = -1
+BLOCK_ROWS = 16  # tokens of one slot a kernel program takes (tl.dot's least)
 
 
 class LoRABatch:
@@ -28,7 +31,7 @@ class LoRABatch:
         self.num_slots = num_slots
         self._allocate(max_tokens)
         self.num_tokens = 0
-        self.max_slot_rows = 0  # the longest run of one slot's tokens this step
+        self.num_blocks = 0  # this step's blocks of one slot's tokens
         self.groups: list[tuple[int, slice | torch.Tensor]] = []
         self.active = False  # a token with an adapter: else the wrappers skip the products
         # A decode graph is being captured (or replayed): the products run whatever the step,
@@ -42,13 +45,15 @@ class LoRABatch:
         self.token_slots = torch.full((max_tokens,), BASE_SLOT, dtype=torch.int32,
                                       device=self.device)
         self.sorted_rows = torch.zeros(max_tokens, dtype=torch.int32, device=self.device)
-        self.slot_starts = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=self.device)
+        self.max_blocks = -(-max_tokens // BLOCK_ROWS) + self.num_slots
+        self.blocks = torch.zeros(self.max_blocks, 3, dtype=torch.int32, device=self.device)
         self._written = 0  # token_slots entries that may hold a slot (the rest are -1)
+        self._blocks_written = 0  # block entries that may be non-empty
         # On CUDA the host arrays go through one of two pinned buffers, copied without waiting
         # for the device (a pageable copy would wait for the step in flight); a buffer is
         # reused two steps later, after the event recorded behind its copy.
         pin = self.device.type == "cuda"
-        self._staging = [torch.empty(2 * max_tokens + self.num_slots + 1, dtype=torch.int32,
+        self._staging = [torch.empty(2 * max_tokens + 3 * self.max_blocks, dtype=torch.int32,
                                      pin_memory=True)
                          for _ in range(2 if pin else 0)]
         self._copied = [torch.cuda.Event() for _ in range(2 if pin else 0)]
@@ -72,24 +77,35 @@ class LoRABatch:
         self._copy([(self.token_slots, host), *self._runs(slots)])
         self.groups = _slot_groups(slots, self.device) if self.device.type != "cuda" else []
 
+    def grid_blocks(self, rows: int) -> int:
+        """Blocks a step of `rows` tokens can have: a graph's grid of that many rows."""
+        return min(self.max_blocks, -(-rows // BLOCK_ROWS) + self.num_slots)
+
     def _runs(self, slots: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
-        """The step's adapter tokens sorted by slot and each slot's start among them (the
-        longest run kept on the host), as (device buffer, host array) pairs to copy."""
+        """The step's adapter tokens sorted by slot and cut into blocks (their count kept on
+        the host), as (device buffer, host array) pairs to copy."""
         order = np.argsort(slots, kind="stable")
         adapter_rows = order[slots[order] != BASE_SLOT].astype(np.int32)
         counts = np.bincount(slots[slots != BASE_SLOT], minlength=self.num_slots)
         if counts.size > self.num_slots:
             raise ValueError(f"slot {counts.size - 1} of {self.num_slots} LoRA slots")
-        starts = np.zeros(self.num_slots + 1, dtype=np.int32)
-        np.cumsum(counts, out=starts[1:])
-        self.max_slot_rows = int(counts.max()) if counts.size else 0
-        return [(self.sorted_rows, adapter_rows), (self.slot_starts, starts)]
+        ends = np.cumsum(counts)
+        per_slot = -(-counts // BLOCK_ROWS)
+        n = int(per_slot.sum())
+        slot = np.repeat(np.arange(self.num_slots), per_slot)
+        within = np.arange(n) - np.repeat(np.cumsum(per_slot) - per_slot, per_slot)
+        blocks = np.zeros((max(n, self._blocks_written), 3), dtype=np.int32)  # past n: empty
+        blocks[:n, 0] = slot
+        blocks[:n, 1] = ends[slot] - counts[slot] + BLOCK_ROWS * within
+        blocks[:n, 2] = ends[slot]
+        self.num_blocks = self._blocks_written = n
+        return [(self.sorted_rows, adapter_rows), (self.blocks, blocks)]
 
     def _copy(self, pieces: list[tuple[torch.Tensor, np.ndarray]]) -> None:
         """Each host array into the start of its device buffer (no wait for the device)."""
         if not self._staging:
             for dst, array in pieces:
-                dst[:array.size].copy_(torch.from_numpy(array))
+                dst.view(-1)[:array.size].copy_(torch.from_numpy(array.reshape(-1)))
             return
         self._parity ^= 1
         staging, copied = self._staging[self._parity], self._copied[self._parity]
@@ -97,8 +113,8 @@ class LoRABatch:
         offset = 0
         for dst, array in pieces:
             src = staging[offset:offset + array.size]
-            src.numpy()[:] = array
-            dst[:array.size].copy_(src, non_blocking=True)
+            src.numpy()[:] = array.reshape(-1)
+            dst.view(-1)[:array.size].copy_(src, non_blocking=True)
             offset += array.size
         copied.record()
 

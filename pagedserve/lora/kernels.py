@@ -2,22 +2,22 @@
 to the rank) and an expand (r B^T added into the layer's output), each ONE launch per layer
 for every adapter of the step, every fused part (q/k/v, gate/up) and every kind of step.
 
-Tokens are grouped by adapter slot on the host (`LoRABatch`: `sorted_rows`, the step's adapter
-tokens sorted by slot, and `slot_starts`, each slot's run in it; base-model tokens are in no
-run). A program takes BLOCK_M tokens of one slot's run, so the factors it reads serve them all
-and its products are `tl.dot` tiles: a decode step of 256 tokens under one adapter reads A
-once per 16 tokens, not once per token. The grid is (row blocks, slots, parts x splits): the
-row blocks cover the longest run, a host int known before launch, or under a CUDA graph every
-row the graph was captured for; a program past its slot's run returns at once. So the grid
-never depends on a device value and launching syncs nothing.
+Tokens are grouped by adapter slot on the host (`LoRABatch`): the step's adapter tokens sorted
+by slot and cut into blocks of at most 16 tokens of one slot (base-model tokens are in none).
+A program takes one block, so the factors it reads serve 16 tokens, not one, and its products
+are `tl.dot` tiles. The grid is (blocks, parts x splits or parts x output columns): the step's
+block count, a host int known before launch, or under a CUDA graph every block a step of its
+rows can have, the unused ones empty (a program returns at once). So the grid never depends
+on a device value, launching syncs nothing, and it never spans the slots (a grid over slots x
+row blocks was 7/8 empty programs with one adapter of eight).
 
 The shrink splits the input features over SPLIT_K programs when they are many (a decode step
-has few row blocks to spread over the GPU): each split writes its own float32 partial, and the
+has few blocks to spread over the GPU): each split writes its own float32 partial, and the
 expand sums the partials in a fixed order, so the result never depends on which program ran
-first (no atomics). The sum is rounded to the factors' dtype before the expand, as PEFT rounds
-lora_A's output. Float32 factors use IEEE dots (no tf32). The reference is `ops.lora_torch`;
-the layout is ops.py's. Importing this module imports triton: `ops.add_lora` does so on its
-first CUDA step.
+first (no atomics), and the split depends on the layer alone. The sum is rounded to the
+factors' dtype before the expand, as PEFT rounds lora_A's output. Float32 factors use IEEE
+dots (no tf32). The reference is `ops.lora_torch`; the layout is ops.py's. Importing this
+module imports triton: `ops.add_lora` does so on its first CUDA step.
 """
 
 from __future__ import annotations
@@ -26,35 +26,38 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.lora.batch import BLOCK_ROWS
+
 BLOCK_K = 64  # shrink: reduction step over the input features
-BLOCK_N = 64  # expand: output columns per program
+BLOCK_N = 128  # expand: output columns per program
 K_PER_SPLIT = 1024  # shrink: input features a split takes at least
 
 
 @triton.jit
-def _run_rows(sorted_rows_ptr, slot_starts_ptr, slot, block, BLOCK_M: tl.constexpr):
-    """Block `block` of the slot's run: its token rows, which of them exist, and how many
-    (<= 0: none; triton 3.6 takes no bool a helper returns as an `if`'s condition)."""
-    end = tl.load(slot_starts_ptr + slot + 1)
-    first = tl.load(slot_starts_ptr + slot) + block * BLOCK_M
+def _block_rows(sorted_rows_ptr, blocks_ptr, block, BLOCK_M: tl.constexpr):
+    """Block `block`: its slot, its token rows, which of them exist, and how many (<= 0: an
+    empty block; triton 3.6 takes no bool a helper returns as an `if`'s condition)."""
+    slot = tl.load(blocks_ptr + 3 * block).to(tl.int64)
+    first = tl.load(blocks_ptr + 3 * block + 1)
+    end = tl.load(blocks_ptr + 3 * block + 2)
     idx = first + tl.arange(0, BLOCK_M)
     ok = idx < end
     rows = tl.load(sorted_rows_ptr + idx, mask=ok, other=0).to(tl.int64)
-    return rows, ok, end - first
+    return slot, rows, ok, end - first
 
 
 @triton.jit
-def _shrink(x_ptr, a_ptr, part_ptr, sorted_rows_ptr, slot_starts_ptr, in_features, k_per_split,
+def _shrink(x_ptr, a_ptr, part_ptr, sorted_rows_ptr, blocks_ptr, in_features, k_per_split,
             stride_x, stride_as, stride_ar, stride_split, stride_r,
             RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    block, slot, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    block, pid = tl.program_id(0), tl.program_id(1)
     part, split = pid // SPLIT_K, pid % SPLIT_K
-    rows, row_ok, num_rows = _run_rows(sorted_rows_ptr, slot_starts_ptr, slot, block, BLOCK_M)
+    slot, rows, row_ok, num_rows = _block_rows(sorted_rows_ptr, blocks_ptr, block, BLOCK_M)
     if num_rows > 0:
         ranks = tl.arange(0, R_PAD)
         rank_ok = ranks < RANK
-        a_rows = a_ptr + slot.to(tl.int64) * stride_as + (part * RANK + ranks) * stride_ar
+        a_rows = a_ptr + slot * stride_as + (part * RANK + ranks) * stride_ar
         acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
         k_end = tl.minimum(in_features, (split + 1) * k_per_split)
         for k in range(split * k_per_split, k_end, BLOCK_K):
@@ -70,21 +73,21 @@ def _shrink(x_ptr, a_ptr, part_ptr, sorted_rows_ptr, slot_starts_ptr, in_feature
 
 
 @triton.jit
-def _expand(part_ptr, b_ptr, y_ptr, bounds_ptr, sorted_rows_ptr, slot_starts_ptr,
+def _expand(part_ptr, b_ptr, y_ptr, bounds_ptr, sorted_rows_ptr, blocks_ptr,
             stride_split, stride_r, stride_bs, stride_bn, stride_y,
             RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
             N_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
-    block, slot, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    block, pid = tl.program_id(0), tl.program_id(1)
     part, n_block = pid // N_BLOCKS, pid % N_BLOCKS
     col0 = tl.load(bounds_ptr + part) + n_block * BLOCK_N
     part_end = tl.load(bounds_ptr + part + 1)
-    rows, row_ok, num_rows = _run_rows(sorted_rows_ptr, slot_starts_ptr, slot, block, BLOCK_M)
+    slot, rows, row_ok, num_rows = _block_rows(sorted_rows_ptr, blocks_ptr, block, BLOCK_M)
     if (num_rows > 0) & (col0 < part_end):
         cols = col0 + tl.arange(0, BLOCK_N)
         ranks = tl.arange(0, R_PAD)
         col_ok, rank_ok = cols < part_end, ranks < RANK
-        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :] * stride_bn
+        b = tl.load(b_ptr + slot * stride_bs + cols[None, :] * stride_bn
                     + ranks[:, None], mask=rank_ok[:, None] & col_ok[None, :],
                     other=0.0)  # [R_PAD, BLOCK_N]
         r_ptrs = part_ptr + rows[:, None] * stride_r + part * RANK + ranks[None, :]
@@ -105,39 +108,32 @@ def split_k(in_features: int) -> int:
     return max(1, min(16, in_features // K_PER_SPLIT))
 
 
-def block_m(max_rows: int) -> int:
-    """Tokens a program takes: tl.dot's least (16) for a decode step's few hundred, so that its
-    programs fill the GPU; more for a prefill's thousands, so fewer programs read each factor."""
-    return 16 if max_rows <= 256 else 32 if max_rows <= 1024 else 64
-
-
 def grouped(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
             bounds: list[int], bounds_device: torch.Tensor, sorted_rows: torch.Tensor,
-            slot_starts: torch.Tensor, max_rows: int) -> None:
-    """y [T, out] += x [T, in]'s LoRA term, the tokens of slot s being
-    `sorted_rows[slot_starts[s]:slot_starts[s + 1]]`, no run longer than `max_rows` (two
-    launches; none when `max_rows` is 0)."""
-    if not max_rows or not x.shape[0]:
+            blocks: torch.Tensor, num_blocks: int) -> None:
+    """y [T, out] += x [T, in]'s LoRA term over the first `num_blocks` of `blocks` (rows
+    (slot, first, end) into `sorted_rows`, `LoRABatch`'s; empty ones skipped): two launches,
+    none when `num_blocks` is 0."""
+    if not num_blocks or not x.shape[0]:
         return
     assert x.stride(-1) == 1 and y.stride(-1) == 1 and lora_a.is_contiguous() \
         and lora_b.is_contiguous(), "LoRA kernels need row-major x, y and factors"
-    slots, parts, rank = lora_a.shape[0], len(bounds) - 1, lora_b.shape[-1]
+    parts, rank = len(bounds) - 1, lora_b.shape[-1]
     r_pad = max(16, triton.next_power_of_2(rank))
-    splits, bm = split_k(x.shape[1]), block_m(max_rows)
+    splits = split_k(x.shape[1])
     k_per_split = triton.cdiv(triton.cdiv(x.shape[1], splits), BLOCK_K) * BLOCK_K
     partials = torch.empty(splits, x.shape[0], parts * rank, dtype=torch.float32,
                            device=x.device)
-    m_blocks = triton.cdiv(max_rows, bm)
     precision = "ieee" if lora_a.dtype == torch.float32 else None
-    _shrink[(m_blocks, slots, parts * splits)](
-        x, lora_a, partials, sorted_rows, slot_starts, x.shape[1], k_per_split,
+    _shrink[(num_blocks, parts * splits)](
+        x, lora_a, partials, sorted_rows, blocks, x.shape[1], k_per_split,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), partials.stride(0),
-        partials.stride(1), RANK=rank, R_PAD=r_pad, SPLIT_K=splits, BLOCK_M=bm,
+        partials.stride(1), RANK=rank, R_PAD=r_pad, SPLIT_K=splits, BLOCK_M=BLOCK_ROWS,
         BLOCK_K=BLOCK_K, DOT_PRECISION=precision)
     n_blocks = triton.cdiv(max(b - a for a, b in zip(bounds, bounds[1:], strict=False)),
                            BLOCK_N)
-    _expand[(m_blocks, slots, parts * n_blocks)](
-        partials, lora_b, y, bounds_device, sorted_rows, slot_starts,
+    _expand[(num_blocks, parts * n_blocks)](
+        partials, lora_b, y, bounds_device, sorted_rows, blocks,
         partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1),
         y.stride(0), RANK=rank, R_PAD=r_pad, SPLIT_K=splits, N_BLOCKS=n_blocks,
-        BLOCK_M=bm, BLOCK_N=BLOCK_N, DOT_PRECISION=precision)
+        BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_N, DOT_PRECISION=precision)

@@ -77,8 +77,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         return
     from pagedserve.lora import kernels  # triton: imported on the first CUDA step
 
-    # Under a graph the grid covers every row it was captured for: a replay's runs may be
-    # as long as that.
-    max_rows = x.shape[0] if batch.graph_mode else batch.max_slot_rows
+    # Under a graph the grid covers every block a replay's step may have (the rest empty).
+    num_blocks = batch.grid_blocks(x.shape[0]) if batch.graph_mode else batch.num_blocks
     kernels.grouped(x, y, lora_a, lora_b, bounds, bounds_device, batch.sorted_rows,
-                    batch.slot_starts, max_rows)
+                    batch.blocks, num_blocks)

@@ -95,19 +95,21 @@ def test_kernels_match_reference(rank, in_features, parts):
     bounds_t = torch.tensor(bounds, dtype=torch.int32)
     batch, x, y = _step(*STEP, in_features, bounds[-1])
     want = _reference(x, y, a, b, bounds, batch.token_slots[:x.shape[0]])
-    assert batch.max_slot_rows == 18
+    assert batch.num_blocks == 4  # slot 0: 4 tokens, slot 1: 18 (two blocks), slot 2: 6
     assert kernels.split_k(in_features) == (2 if in_features > 2000 else 1)
-    a, b, bounds_t, x, y, rows, starts = _on_kernels(
-        a, b, bounds_t, x, y, batch.sorted_rows, batch.slot_starts)
+    a, b, bounds_t, x, y, rows, blocks = _on_kernels(
+        a, b, bounds_t, x, y, batch.sorted_rows, batch.blocks)
     got = y.clone()
-    kernels.grouped(x, got, a, b, bounds, bounds_t, rows, starts, batch.max_slot_rows)
+    kernels.grouped(x, got, a, b, bounds, bounds_t, rows, blocks, batch.num_blocks)
     _kernel_close(got, want)
-    # as under a graph: the grid over every row, more than the step's (padding rows are in
-    # no run and stay untouched)
+    # as under a graph: the grid over every block a step of more rows may have (padding rows
+    # are in no block and stay untouched; the blocks past the step's are empty)
     pad, x_more = _on_kernels(torch.randn(3, bounds[-1]), torch.randn(3, in_features))
     x_pad = torch.cat([x, x_more])
     got = torch.cat([y, pad])
-    kernels.grouped(x_pad, got, a, b, bounds, bounds_t, rows, starts, x_pad.shape[0])
+    grid = batch.grid_blocks(x_pad.shape[0])
+    assert grid == 3 + SLOTS > batch.num_blocks
+    kernels.grouped(x_pad, got, a, b, bounds, bounds_t, rows, blocks, grid)
     _kernel_close(got[:x.shape[0]], want)
     assert torch.equal(got[x.shape[0]:], pad)
 
@@ -119,35 +121,38 @@ def test_kernels_skip_base_tokens_and_steps():
     x, y = torch.randn(6, 40), torch.randn(6, 48)
     batch = LoRABatch(8, SLOTS, torch.device("cpu"))
     batch.set(np.array([1, -1, 2]), np.array([3, 1, 2]))  # slot 0: no tokens
-    assert batch.slot_starts.tolist() == [0, 0, 3, 5] and batch.sorted_rows[:5].tolist() == \
-        [0, 1, 2, 4, 5]
+    assert batch.blocks[:3].tolist() == [[1, 0, 3], [2, 3, 5], [0, 0, 0]]
+    assert batch.sorted_rows[:5].tolist() == [0, 1, 2, 4, 5]
     want = _reference(x, y, a, b, bounds, batch.token_slots[:6])
-    a, b, bounds_t, x, y, rows, starts = _on_kernels(a, b, bounds_t, x, y, batch.sorted_rows,
-                                                     batch.slot_starts)
+    a, b, bounds_t, x, y, rows, blocks = _on_kernels(a, b, bounds_t, x, y, batch.sorted_rows,
+                                                     batch.blocks)
     got = y.clone()
-    kernels.grouped(x, got, a, b, bounds, bounds_t, rows, starts, batch.max_slot_rows)
+    kernels.grouped(x, got, a, b, bounds, bounds_t, rows, blocks, batch.num_blocks)
     _kernel_close(got, want)
     assert torch.equal(got[3], y[3])  # the base token
     base = LoRABatch(8, SLOTS, KERNELS_ON)
     base.set(np.array([-1, -1]), np.array([4, 2]))
-    assert base.max_slot_rows == 0 and not base.active and not base.groups
+    assert base.num_blocks == 0 and not base.active and not base.groups
     got = y.clone()
-    kernels.grouped(x, got, a, b, bounds, bounds_t, base.sorted_rows, base.slot_starts, 6)
+    kernels.grouped(x, got, a, b, bounds, bounds_t, base.sorted_rows, base.blocks,
+                    base.grid_blocks(6))
     assert torch.equal(got, y)
 
 
 def test_batch_clears_rows_of_the_previous_step():
-    batch = LoRABatch(16, SLOTS, torch.device("cpu"))
+    batch = LoRABatch(40, SLOTS, torch.device("cpu"))
+    assert batch.max_blocks == 3 + SLOTS
     batch.set(np.array([0, 1, 2]), np.array([4, 4, 4]))
     batch.set(np.array([2, -1]), np.array([1, 1]))
-    assert batch.token_slots.tolist() == [2] + [-1] * 15
-    assert batch.slot_starts.tolist() == [0, 0, 0, 1] and batch.max_slot_rows == 1
-    batch.set(np.array([1, 0, 1]), np.array([10, 4, 2]))
-    assert batch.token_slots.tolist() == [1] * 10 + [0] * 4 + [1] * 2
-    assert batch.slot_starts.tolist() == [0, 4, 16, 16] and batch.max_slot_rows == 12
-    assert batch.sorted_rows.tolist() == [10, 11, 12, 13, *range(10), 14, 15]
-    with pytest.raises(ValueError, match=r"a step of 20 tokens, more than .* hold \(16"):
-        batch.set(np.array([1]), np.array([20]))  # a graph reads the buffers where they are
+    assert batch.token_slots.tolist() == [2] + [-1] * 39
+    assert batch.blocks[:4].tolist() == [[2, 0, 1], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
+    batch.set(np.array([1, 0, 1]), np.array([30, 4, 2]))  # slot 1: 32 tokens, two blocks
+    assert batch.token_slots.tolist() == [1] * 30 + [0] * 4 + [1] * 2 + [-1] * 4
+    assert batch.sorted_rows[:36].tolist() == [30, 31, 32, 33, *range(30), 34, 35]
+    assert batch.num_blocks == 3 and batch.blocks[:4].tolist() == \
+        [[0, 0, 4], [1, 4, 36], [1, 20, 36], [0, 0, 0]]  # (slot, first, end of its run)
+    with pytest.raises(ValueError, match=r"a step of 50 tokens, more than .* hold \(40"):
+        batch.set(np.array([1]), np.array([50]))  # a graph reads the buffers where they are
 
 
 def test_cpu_lora_needs_no_triton():
@@ -176,10 +181,10 @@ def test_kernels_in_float16():
     want = _reference(x.float(), y.float(), a.float(), b.float(), bounds,
                       batch.token_slots[:x.shape[0]])
     scale = float(want.abs().max())
-    a, b, bounds_t, x, y, rows, starts = _on_kernels(a, b, bounds_t, x, y, batch.sorted_rows,
-                                                     batch.slot_starts)
-    for max_rows in (batch.max_slot_rows, x.shape[0]):  # a step's grid, a graph's
+    a, b, bounds_t, x, y, rows, blocks = _on_kernels(a, b, bounds_t, x, y, batch.sorted_rows,
+                                                     batch.blocks)
+    for num_blocks in (batch.num_blocks, batch.grid_blocks(x.shape[0])):  # a step's, a graph's
         got = y.clone()
-        kernels.grouped(x, got, a, b, bounds, bounds_t, rows, starts, max_rows)
+        kernels.grouped(x, got, a, b, bounds, bounds_t, rows, blocks, num_blocks)
         assert got.dtype == torch.float16
         torch.testing.assert_close(got.float().cpu(), want, rtol=0, atol=1e-3 * scale)
