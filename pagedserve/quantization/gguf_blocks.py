@@ -102,11 +102,37 @@ def dequantize_array(data: np.ndarray, qtype: int, name: str) -> np.ndarray:
     from gguf.quants import dequantize
 
     qtype = GGMLQuantizationType(qtype)
+    fast = _dequantize_in_torch(data, qtype.name)
+    if fast is not None:
+        return fast
     try:
         return dequantize(data, qtype)
     except NotImplementedError:
         raise ValueError(f"GGUF tensor {name!r} is stored as {qtype.name}, "
                          "which pagedserve cannot dequantise") from None
+
+
+# The bundled SmolLM2's block types and Q4_0, as gguf's numpy dequantizer computes them (the
+# same float32 bits) in a third of its time: loading the bundled model spent ~1 s there.
+# Block bytes: fp16 scale d, [fp16 minimum m], then the codes (Q4: element j in the low nibble
+# of byte j, element 16 + j in its high nibble).
+_TORCH_BLOCKS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def _dequantize_in_torch(data: np.ndarray, type_name: str) -> np.ndarray | None:
+    block_bytes = _TORCH_BLOCKS.get(type_name)
+    if block_bytes is None:
+        return None
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).view(-1, block_bytes)
+    d = raw[:, 0:2].contiguous().view(torch.float16).float()
+    if type_name == "Q8_0":
+        out = d * raw[:, 2:].contiguous().view(torch.int8).float()
+    else:
+        codes = raw[:, block_bytes - 16:]
+        q = torch.cat([codes & 0xF, codes >> 4], dim=1).float()
+        out = d * q + raw[:, 2:4].contiguous().view(torch.float16).float() \
+            if type_name == "Q4_1" else d * (q - 8)
+    return out.numpy().reshape(*data.shape[:-1], -1)
 
 
 class GgufLinearMethod(LinearMethod):

@@ -167,3 +167,21 @@ def test_a_gguf_without_a_tokenizer_loads_with_none_or_the_one_named(tmp_path):
     assert load_model(str(bare), torch.float32, CPU).tokenizer is None
     named = load_model(str(bare), torch.float32, CPU, tokenizer=str(with_vocab)).tokenizer
     assert named is not None and len(named) == len(vocab.tokens)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0])
+def test_torch_dequantizer_gives_gguf_bits(qtype):
+    """The load path's torch dequantizer of the common block types: the very float32 values
+    of gguf's own, whatever the tensor's shape (the bundled model's tensors: the engine tests)."""
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    from pagedserve.quantization.gguf_blocks import dequantize_array
+
+    values = np.random.default_rng(int(qtype)).standard_normal((3, 4, 96)).astype(np.float32)
+    values[0, 0, :32] = 0.0  # an all-zero block (scale 0)
+    blocks = quantize(values, qtype)
+    got = dequantize_array(blocks, qtype, "t")
+    assert got.shape == values.shape and got.dtype == np.float32
+    np.testing.assert_array_equal(got, dequantize(blocks, qtype))
+    assert np.abs(got - values).max() < 0.3  # and it is the tensor, near enough
