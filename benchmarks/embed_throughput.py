@@ -10,6 +10,7 @@ largest difference between the two embeddings.
         --serve-batch 16   # and /v1/embeddings at 16 texts a request, beside LLM.embed
     python benchmarks/embed_throughput.py --device cpu --shape tiny --num-texts 256
     python benchmarks/embed_throughput.py --shape bge-base ...  # a BERT encoder, CLS pooling
+    ... --profile  # and LLM.embed again under torch.profiler: the GPU's busy share, top kernels
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--serve-batch", type=int, default=0,
                         help="also time /v1/embeddings at this many texts a request")
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--profile", action="store_true",
+                        help="LLM.embed again under torch.profiler (CUDA): where its time goes")
     args = parser.parse_args()
 
     from sentence_transformers import SentenceTransformer
@@ -123,6 +126,8 @@ def main() -> None:
             t0 = time.perf_counter()
             outputs = llm.embed(texts)
             rate = len(texts) / (time.perf_counter() - t0)
+            if args.profile:
+                profile_embed(llm, texts, args.device)
         got = np.stack([o.outputs.data for o in outputs])
         print(f"pagedserve LLM.embed: {rate:,.0f} texts/s = {rate / best:.2f}x the best "
               f"sentence-transformers batch; max |difference| {np.abs(got - reference).max():.2e}")
@@ -131,6 +136,30 @@ def main() -> None:
             print(f"pagedserve /v1/embeddings, {args.serve_batch} texts a request, "
                   f"{args.concurrency} at a time: {served:,.0f} texts/s = "
                   f"{served / rate:.2f}x LLM.embed")
+
+
+def profile_embed(llm, texts: list[str], device: str, top: int = 12) -> None:
+    """LLM.embed of `texts` under the profiler: how much of the wall time a kernel ran (the
+    union of their intervals), and the kernels that take it."""
+    import collections
+
+    from step_profile import kernel_events, union_seconds
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.embed(texts)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    events = kernel_events(prof)
+    busy = union_seconds([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events])
+    total = sum(e.duration_ns() for e in events) / 1e9
+    print(f"profiled LLM.embed: {wall:.2f} s, kernels running {busy / wall:.1%} of it")
+    by_name: collections.Counter = collections.Counter()
+    for e in events:
+        by_name[e.name()[:70]] += e.duration_ns()
+    for name, ns in by_name.most_common(top):
+        print(f"  {name:70s} {ns / 1e9:7.3f} s {ns / 1e9 / total:6.1%}")
 
 
 def serve_rate(path: Path, args: argparse.Namespace, texts: list[str]) -> float:

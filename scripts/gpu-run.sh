@@ -751,14 +751,16 @@ stage_wave25rej() {  # issue #49's rejection sampler: torch against the Triton k
 }
 
 stage_wave25embed() {  # issue #52's rows: bge-base and Qwen3-Embedding-0.6B shapes beside
-    # sentence-transformers, and /v1/embeddings at 16 texts a request
+    # sentence-transformers, and /v1/embeddings at 16 texts a request (~390 s on an H100;
+    # EMBED_PROFILE=1: LLM.embed again under the profiler, its kernels' busy share)
     setup_env
     local shape
     for shape in bge-base qwen3-0.6b; do
         timeout 200 python3 benchmarks/embed_throughput.py --device cuda --dtype bfloat16 \
             --shape $shape --num-texts 10000 --tokens 256 --st-batch-sizes 32,64,128,256 \
-            --serve-batch 16 >"$OUT/embed-$shape.log" 2>&1
-        echo "exit $?" >>"$OUT/embed-$shape.log"; grep -E "texts/s|exit" "$OUT/embed-$shape.log"
+            --serve-batch 16 ${EMBED_PROFILE:+--profile} >"$OUT/embed-$shape.log" 2>&1
+        echo "exit $?" >>"$OUT/embed-$shape.log"
+        grep -E "texts/s|exit|profiled|^  " "$OUT/embed-$shape.log"
     done
 }
 
