@@ -76,8 +76,9 @@ class GraphInputs:
     # (engine/head_graphs.py); None: none (tensor parallelism gathers the logits there).
     compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
     # --enable-lora: the step's routing (pagedserve.lora.batch.LoRABatch). Graphed forwards run
-    # in its graph mode: the LoRA products per row, reading the slot of each row from its
-    # fixed buffer (-1 on padding rows), whatever the step at capture.
+    # in its graph mode: the LoRA products over every block of one slot's tokens a step of
+    # the graph's rows can have, read from fixed buffers (padding rows in none), whatever
+    # the step at capture.
     lora: Any = None
     # A proposer with K/V of its own runs its per-step work inside run_model (after the
     # target): `after_replay(real tokens)` hands what it captured to the step, and the

@@ -345,7 +345,7 @@ def decline_reason(runner: Any) -> str | None:
         return "enforce_eager is set"
     checks = (
         (runner.tp_size > 1, "tensor parallelism (the all-reduces are not in the pieces)"),
-        (runner.lora is not None, "LoRA (its per-row routing is not in the pieces)"),
+        (runner.lora is not None, "LoRA (its routing is not in the pieces)"),
         (runner.speculator is not None, "speculative decoding"),
         (bool(runner.state_layers), "state layers (Mamba, linear attention) read the step"),
         (runner.multimodal is not None, "a multimodal model (image rows and M-RoPE)"),
