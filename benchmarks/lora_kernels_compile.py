@@ -37,7 +37,7 @@ def main() -> None:
               "stride_bs": "i32", "stride_bn": "i32", "stride_y": "i32", **runs,
               "N_BLOCKS": "constexpr", "BLOCK_N": "constexpr"}
     consts = {"RANK": 16, "R_PAD": 16, "SPLIT_K": 4, "BLOCK_M": 16, "BLOCK_K": 64,
-              "N_BLOCKS": 8, "BLOCK_N": 64}
+              "N_BLOCKS": 8, "BLOCK_N": kernels.BLOCK_N}
     jobs = [(kernels._shrink, shrink), (kernels._expand, expand)]
     target = GPUTarget("cuda", args.arch, 32)
     print(f"triton {triton.__version__}, target sm_{args.arch}")

@@ -68,6 +68,8 @@ class LoRABatch:
         if t > self.max_tokens:  # the buffers stay where a captured graph reads them
             raise ValueError(f"a step of {t} tokens, more than LoRA's routing buffers hold "
                              f"({self.max_tokens}, the runner's max_num_batched_tokens)")
+        if per_request.size and int(per_request.max()) >= self.num_slots:
+            raise ValueError(f"slot {int(per_request.max())} of {self.num_slots} LoRA slots")
         self.num_tokens = t
         self.active = bool((per_request != BASE_SLOT).any())
         width = max(t, self._written)  # clear what the previous step wrote past this one
@@ -78,8 +80,9 @@ class LoRABatch:
         self.groups = _slot_groups(slots, self.device) if self.device.type != "cuda" else []
 
     def grid_blocks(self, rows: int) -> int:
-        """Blocks a step of `rows` tokens can have: a graph's grid of that many rows."""
-        return min(self.max_blocks, -(-rows // BLOCK_ROWS) + self.num_slots)
+        """Blocks a step of `rows` tokens can have (no more than its tokens, nor than one
+        part-filled block per slot beyond the full ones): a graph's grid of that many rows."""
+        return min(self.max_blocks, rows, -(-rows // BLOCK_ROWS) + self.num_slots)
 
     def _runs(self, slots: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
         """The step's adapter tokens sorted by slot and cut into blocks (their count kept on
@@ -87,8 +90,6 @@ class LoRABatch:
         order = np.argsort(slots, kind="stable")
         adapter_rows = order[slots[order] != BASE_SLOT].astype(np.int32)
         counts = np.bincount(slots[slots != BASE_SLOT], minlength=self.num_slots)
-        if counts.size > self.num_slots:
-            raise ValueError(f"slot {counts.size - 1} of {self.num_slots} LoRA slots")
         ends = np.cumsum(counts)
         per_slot = -(-counts // BLOCK_ROWS)
         n = int(per_slot.sum())

@@ -31,6 +31,10 @@ class LoRAManager:
         self.max_rank = max_lora_rank
         self.dtype = param.dtype if param.dtype.is_floating_point and param.element_size() > 1 \
             else torch.bfloat16
+        if param.device.type == "cuda" and self.dtype == torch.float32 and max_lora_rank > 256:
+            # the kernels' float32 tiles of a rank padded to 512 pass a Hopper block's 227 KB
+            raise ValueError(f"--max-lora-rank {max_lora_rank} with float32 factors on CUDA: "
+                             "at most 256 (or a 16-bit --dtype)")
         self.batch = LoRABatch(max_tokens, max_loras, param.device)
         self.layers = wrap_layers(model, self.batch, max_loras, max_lora_rank)
         self.targets = hf_targets(model, self.layers)

@@ -1,7 +1,7 @@
 """GPU: LoRA with CUDA graphs on. Decode steps that mix the base model and three PEFT adapters
-replay their graphs (the LoRA products per row, slots read from a fixed buffer, padding rows
-at -1) and give each PeftModel's greedy tokens and logprobs (float32, within 1e-3 of the CPU
-reference); an eager run (segment kernels in prefill) agrees too."""
+replay their graphs (the LoRA kernels over every block a step of the graph's rows can have,
+read from fixed buffers, padding rows in none) and give each PeftModel's greedy tokens and
+logprobs (float32, within 1e-3 of the CPU reference); an eager run agrees too."""
 
 from __future__ import annotations
 

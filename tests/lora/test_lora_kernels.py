@@ -153,6 +153,10 @@ def test_batch_clears_rows_of_the_previous_step():
         [[0, 0, 4], [1, 4, 36], [1, 20, 36], [0, 0, 0]]  # (slot, first, end of its run)
     with pytest.raises(ValueError, match=r"a step of 50 tokens, more than .* hold \(40"):
         batch.set(np.array([1]), np.array([50]))  # a graph reads the buffers where they are
+    with pytest.raises(ValueError, match=f"slot {SLOTS} of {SLOTS} LoRA slots"):
+        batch.set(np.array([SLOTS]), np.array([2]))
+    assert batch.num_tokens == 36 and batch.num_blocks == 3  # refused before any change
+    assert batch.grid_blocks(2) == 2  # a graph of 2 rows: no more blocks than rows
 
 
 def test_cpu_lora_needs_no_triton():

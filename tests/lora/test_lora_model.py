@@ -60,16 +60,16 @@ def _run_mixed(model, manager, names, requests, prompts, new_tokens):
 
 
 @pytest.mark.parametrize("path", ["torch", "kernels",
-                                  pytest.param("kernels per row", marks=pytest.mark.slow)])
+                                  pytest.param("kernels in graph mode", marks=pytest.mark.slow)])
 def test_mixed_batch_matches_peft(setup, path):
     """The torch paths, and Triton's kernels (the interpreter off CUDA) through the layers:
-    segments in prefill and rows in decode, or rows throughout (a graph's mode)."""
+    over the step's blocks, or over every block its rows can have (a graph's mode)."""
     root, base, refs, requests = setup
     if path != "torch":
         pytest.importorskip("triton")
     model, manager = _ours(root)
     manager.batch.use_kernels = path != "torch"
-    manager.batch.graph_mode = path == "kernels per row"
+    manager.batch.graph_mode = path == "kernels in graph mode"
     manager.add_adapter(requests["r8"])  # one at start-up, the others as requests arrive
     names = [None, "r8", "r16", "r32", "r16"]
     gen = torch.Generator().manual_seed(3)
