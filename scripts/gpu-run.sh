@@ -711,7 +711,7 @@ stage_rerun30() {  # first29's two shards that ran out of time (the thirtieth se
 
 stage_rerun31() {  # the three gpu tests mended after the thirtieth session's call, unrun since
     setup_env
-    timeout "${WAVE_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
+    timeout "${WAVE_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
         tests/spec_decode/test_engine.py tests/spec_decode/test_state_layer_drafts.py \
         -k "test_cuda_greedy_equals or on_cuda_equals" --tb=short >"$OUT/rerun31.log" 2>&1
     echo "exit $?" >>"$OUT/rerun31.log"; tail -15 "$OUT/rerun31.log"
@@ -728,9 +728,9 @@ stage_lora31() {  # LoRA's grouped kernels (the thirty-first session's): their G
     stage_wave25bench
 }
 
-stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone
+stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone (14 rows took 270 s on an H100)
     setup_env
-    timeout 150 python3 benchmarks/fp8_linear.py --models 8b --tokens 1,4,16 --sweep-small-m \
+    timeout 270 python3 benchmarks/fp8_linear.py --models 8b --tokens 1,4,16 --sweep-small-m \
         --json "$OUT/fp8_linear.json" >"$OUT/fp8_linear.log" 2>&1
     echo "exit $?" >>"$OUT/fp8_linear.log"; tail -30 "$OUT/fp8_linear.log"
 }
@@ -771,7 +771,7 @@ stage_fp8dec() {  # issue #48's batch-1 row: the small-M FP8 kernel's GPU tests,
     timeout 150 python3 -m pytest -q -m gpu tests/quantization/test_fp8_small_m.py \
         >"$OUT/fp8-small-m-tests.log" 2>&1
     echo "exit $?" >>"$OUT/fp8-small-m-tests.log"; tail -4 "$OUT/fp8-small-m-tests.log"
-    timeout 150 python3 benchmarks/fp8_linear.py --models 8b --tokens 1,4,16 --sweep-small-m \
+    timeout 270 python3 benchmarks/fp8_linear.py --models 8b --tokens 1,4,16 --sweep-small-m \
         --json "$OUT/fp8_linear.json" >"$OUT/fp8_linear.log" 2>&1
     echo "exit $?" >>"$OUT/fp8_linear.log"; tail -30 "$OUT/fp8_linear.log"
     timeout 240 python3 benchmarks/fp8_engine.py --skip throughput --quality-prompts 8 \
