@@ -728,7 +728,8 @@ stage_lora31() {  # LoRA's grouped kernels (the thirty-first session's): their G
     stage_wave25bench
 }
 
-stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone (14 rows took 270 s on an H100)
+stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone (14 rows
+    # took 270 s on an H100)
     setup_env
     timeout 270 python3 benchmarks/fp8_linear.py --models 8b --tokens 1,4,16 --sweep-small-m \
         --json "$OUT/fp8_linear.json" >"$OUT/fp8_linear.log" 2>&1
