@@ -120,7 +120,7 @@ class ServerProcess:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # a refused connection costs nothing; each start waits less
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log()}")
 
