@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernel_resources import compile_through, ptxas_and_sass  # noqa: E402
+from kernel_resources import compile_through, resources  # noqa: E402
 
 from pagedserve.quantization.ops import fp8_small_m as sm  # noqa: E402
 from pagedserve.quantization.ops import fp8_token_quant as tq  # noqa: E402
@@ -67,9 +67,8 @@ def compile_small_m(target: GPUTarget, arch: int, fixed: sm.SmallMTiles | None) 
                 continue
             for what, stand_in in zip(("gemm", "reduce"), stand_ins, strict=True):
                 for compiled in stand_in.compiled:
-                    usage, _ = ptxas_and_sass(compiled, arch)
-                    print(f"{proj} [{n}x{k}] {name} {what} {tiles}: shared memory "
-                          f"{compiled.metadata.shared / 1024:.1f} KB; {usage}")
+                    print(f"{proj} [{n}x{k}] {name} {what} {tiles}: "
+                          f"{resources(compiled, arch)}")
     return failed
 
 
@@ -88,8 +87,7 @@ def compile_token_quant(target: GPUTarget, arch: int) -> int:
                 failed += 1
                 continue
             compiled = stand_ins[0].compiled[0]
-            usage, _ = ptxas_and_sass(compiled, arch)
-            print(f"{what}: shared memory {compiled.metadata.shared / 1024:.1f} KB; {usage}")
+            print(f"{what}: {resources(compiled, arch)}")
     return failed
 
 

@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernel_resources import Compile, compile_through, ptxas_and_sass  # noqa: E402
+from kernel_resources import Compile, compile_through, resources  # noqa: E402
 
 from pagedserve.quantization.gguf_types import BLOCKS  # noqa: E402
 from pagedserve.quantization.ops import gguf_gemm as gg  # noqa: E402
@@ -54,9 +54,7 @@ def main() -> None:
             continue
         for what, stand_in in zip(("gemm", "decode"), stand_ins, strict=True):
             compiled = stand_in.compiled[0]
-            usage, _ = ptxas_and_sass(compiled, args.arch)
-            print(f"{name} {what}: shared memory {compiled.metadata.shared / 1024:.1f} KB; "
-                  f"{usage}")
+            print(f"{name} {what}: {resources(compiled, args.arch)}")
     failed += compile_moe(target, args.arch)
     sys.exit(1 if failed else 0)
 
@@ -106,9 +104,7 @@ def compile_moe(target: GPUTarget, arch: int) -> int:
                 continue
             for what, stand_in in (("gate_up", up), ("down", down)):
                 compiled = stand_in.compiled[0]
-                usage, _ = ptxas_and_sass(compiled, arch)
-                print(f"{fmt} experts {what} ({tiles}): shared memory "
-                      f"{compiled.metadata.shared / 1024:.1f} KB; {usage}")
+                print(f"{fmt} experts {what} ({tiles}): {resources(compiled, arch)}")
     wm._w4_gate_up_kernel, wm._w4_down_kernel, wm.align_by_expert, wm.select_w4_tiles = real
     return failed
 

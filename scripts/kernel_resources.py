@@ -93,6 +93,12 @@ def ptxas_and_sass(compiled, arch: int) -> tuple[str, str]:
     return usage, sass
 
 
+def resources(compiled, arch: int) -> str:
+    """A compiled kernel's shared memory and what ptxas reports (registers, spills)."""
+    usage, _ = ptxas_and_sass(compiled, arch)
+    return f"shared memory {compiled.metadata.shared / 1024:.1f} KB; {usage}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
@@ -130,10 +136,8 @@ def main() -> None:
                              torch.zeros(2, dtype=i32), 2, block_q, block_m, d ** -0.5, tiles,
                              args.window, **new_kv)
         for compiled in stand_in.compiled:
-            usage, _ = ptxas_and_sass(compiled, args.arch)
             print(f"{'decode' if decode else 'prefill'} {text}"
-                  f"{' unfused' if args.unfused else ''}: shared memory "
-                  f"{compiled.metadata.shared / 1024:.1f} KB; {usage}")
+                  f"{' unfused' if args.unfused else ''}: {resources(compiled, args.arch)}")
     ua._unified_attention_kernel = real
 
 

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernel_resources import compile_through, ptxas_and_sass  # noqa: E402
+from kernel_resources import compile_through, resources  # noqa: E402
 
 from pagedserve.quantization.ops import w4a16_gemm as wg  # noqa: E402
 
@@ -53,9 +53,7 @@ def main() -> None:
                     failed += 1
                     continue
                 compiled = stand_ins[0].compiled[0]
-                usage, _ = ptxas_and_sass(compiled, args.arch)
-                print(f"{label}: shared memory {compiled.metadata.shared / 1024:.1f} KB; "
-                      f"{usage}")
+                print(f"{label}: {resources(compiled, args.arch)}")
     sys.exit(1 if failed else 0)
 
 
