@@ -51,12 +51,7 @@ def server(request, tmp_path_factory):
     srv = ServerProcess(["--served-model-name", MODEL, "--dtype", "float32",
                          "--kv-cache-memory", "512MiB"],
                         tmp_path_factory.mktemp("server") / "server.log", wait=False)
-    try:
-        request.getfixturevalue("ref")
-        srv.wait_healthy()
-    except BaseException:
-        srv.stop()
-        raise
+    srv.healthy_after(lambda: request.getfixturevalue("ref"))
     yield srv
     srv.stop()
 

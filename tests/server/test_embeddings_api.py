@@ -31,13 +31,7 @@ def served(tmp_path_factory, texts):
                             "--kv-cache-memory", "16MiB", "--max-model-len", "128",
                             "--served-model-name", MODEL, "--engine-core-process"],
                            tmp_path_factory.mktemp("embedder_log") / "server.log", wait=False)
-    try:
-        reference = st_encode(path, texts)
-        server.wait_healthy()
-    except BaseException:
-        server.stop()
-        raise
-    yield server, reference
+    yield server, server.healthy_after(lambda: st_encode(path, texts))
     server.stop()
 
 

@@ -56,12 +56,7 @@ def server(request, llava, tmp_path_factory):
                          "--kv-cache-memory", "8MiB", "--served-model-name", MODEL,
                          "--enable-mm-embeds"],
                         tmp_path_factory.mktemp("llava_server") / "server.log", wait=False)
-    try:
-        request.getfixturevalue("offline")  # loads here while the server starts
-        srv.wait_healthy()
-    except BaseException:
-        srv.stop()
-        raise
+    srv.healthy_after(lambda: request.getfixturevalue("offline"))  # loads while it starts
     yield srv
     srv.stop()
 

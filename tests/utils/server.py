@@ -11,12 +11,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 
 def engine_core_pids() -> set[int]:
@@ -109,6 +111,17 @@ class ServerProcess:
                                      env={**os.environ, **(env or {})})
         if wait:
             self.wait_healthy()
+
+    def healthy_after(self, work: Callable[[], T]) -> T:
+        """`work()` while the server starts (a reference computed as its model loads), then
+        its health; the server is stopped if either fails. Returns what `work` returned."""
+        try:
+            result = work()
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return result
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
