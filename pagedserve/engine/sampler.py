@@ -7,9 +7,10 @@ run as a handful of tensor ops. The only per-row Python loop is over rows that o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -125,30 +126,17 @@ class SamplingMetadata:
 
         bias = None
         if any(p.logit_bias for p in uniq):
-            bias_rows: list[int] = []
-            bias_cols: list[int] = []
-            bias_values: list[float] = []
-            for row, p in enumerate(params):
-                if p.logit_bias:
-                    bias_rows.extend([row] * len(p.logit_bias))
-                    bias_cols.extend(p.logit_bias)
-                    bias_values.extend(p.logit_bias.values())
+            bias_rows, bias_cols = _row_pairs(params, lambda p: p.logit_bias)
+            values = [x for p in params if p.logit_bias for x in p.logit_bias.values()]
             bias = (_long(bias_rows, device), _long(bias_cols, device),
-                    to_device_async(torch.tensor(bias_values, dtype=torch.float32), device))
+                    to_device_async(torch.tensor(values, dtype=torch.float32), device))
 
         allowed = None
         if any(p.allowed_token_ids for p in uniq):
             # Made on the device from (row, id) pairs, as the ban is: a host [B, V] mask
             # would be copied every step.
-            free_rows: list[int] = []
-            allow_rows: list[int] = []
-            allow_cols: list[int] = []
-            for row, p in enumerate(params):
-                if p.allowed_token_ids:
-                    allow_rows.extend([row] * len(p.allowed_token_ids))
-                    allow_cols.extend(p.allowed_token_ids)
-                else:
-                    free_rows.append(row)
+            allow_rows, allow_cols = _row_pairs(params, lambda p: p.allowed_token_ids)
+            free_rows = [row for row, p in enumerate(params) if not p.allowed_token_ids]
             allowed = torch.zeros(n, v, dtype=torch.bool, device=device)
             allowed[_long(free_rows, device)] = True
             allowed[_long(allow_rows, device), _long(allow_cols, device)] = True
@@ -210,6 +198,19 @@ def _bad_word_ends(words: list[list[int]] | None, output: list[int]) -> list[int
     """The last token of each bad word whose other tokens end the output so far."""
     return [w[-1] for w in words or () if len(w) - 1 <= len(output)
             and (len(w) == 1 or output[len(output) - len(w) + 1:] == w[:-1])]
+
+
+def _row_pairs(params: Sequence[SamplingParams], ids_of: Callable[[SamplingParams], Any]
+               ) -> tuple[list[int], list[int]]:
+    """(rows, ids): row r once for every token id `ids_of(params[r])` names (a dict's keys)."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for row, p in enumerate(params):
+        named = ids_of(p)
+        if named:
+            rows.extend([row] * len(named))
+            ids.extend(named)
+    return rows, ids
 
 
 def _long(xs: list[int], device: torch.device | str) -> Tensor:
