@@ -1,8 +1,8 @@
 """A step's LoRA routing: which device slot each token uses (-1: the base model), in the
 shapes each product wants, all worked out on the host from what the scheduler decided.
 
-- `token_slots` (device, fixed address, [max_tokens]): one slot per token, -1 past the step's
-  tokens (the CPU's masked product reads it).
+- `token_slots` (off CUDA only, [max_tokens]): one slot per token, -1 past the step's tokens
+  (the CPU's masked product reads it; the kernels read the blocks).
 - blocks by slot (device, fixed addresses): `sorted_rows`, the step's adapter tokens sorted
   by slot (base tokens left out), cut into blocks of at most BLOCK_ROWS tokens of one slot,
   `blocks` [n, 3] = (slot, first, end) indices into `sorted_rows`. A CUDA kernel program takes
@@ -42,8 +42,9 @@ class LoRABatch:
 
     def _allocate(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self.token_slots = torch.full((max_tokens,), BASE_SLOT, dtype=torch.int32,
-                                      device=self.device)
+        # The torch paths' routing; None on CUDA, where the kernels read the blocks.
+        self.token_slots = None if self.device.type == "cuda" else torch.full(
+            (max_tokens,), BASE_SLOT, dtype=torch.int32)
         self.sorted_rows = torch.zeros(max_tokens, dtype=torch.int32, device=self.device)
         self.max_blocks = -(-max_tokens // BLOCK_ROWS) + self.num_slots
         self.blocks = torch.zeros(self.max_blocks, 3, dtype=torch.int32, device=self.device)
@@ -53,7 +54,7 @@ class LoRABatch:
         # for the device (a pageable copy would wait for the step in flight); a buffer is
         # reused two steps later, after the event recorded behind its copy.
         pin = self.device.type == "cuda"
-        self._staging = [torch.empty(2 * max_tokens + 3 * self.max_blocks, dtype=torch.int32,
+        self._staging = [torch.empty(max_tokens + 3 * self.max_blocks, dtype=torch.int32,
                                      pin_memory=True)
                          for _ in range(2 if pin else 0)]
         self._copied = [torch.cuda.Event() for _ in range(2 if pin else 0)]
@@ -72,24 +73,28 @@ class LoRABatch:
             raise ValueError(f"slot {int(per_request.max())} of {self.num_slots} LoRA slots")
         self.num_tokens = t
         self.active = bool((per_request != BASE_SLOT).any())
-        width = max(t, self._written)  # clear what the previous step wrote past this one
-        host = np.full(width, BASE_SLOT, dtype=np.int32)
-        host[:t] = slots
-        self._written = t
-        self._copy([(self.token_slots, host), *self._runs(slots)])
-        self.groups = _slot_groups(slots, self.device) if self.device.type != "cuda" else []
+        order = np.argsort(slots, kind="stable")
+        adapter_rows = order[slots[order] != BASE_SLOT].astype(np.int32)
+        counts = np.bincount(slots[slots != BASE_SLOT], minlength=self.num_slots)
+        pieces = [(self.sorted_rows, adapter_rows), (self.blocks, self._blocks(counts))]
+        if self.device.type != "cuda":  # the torch paths' routing
+            width = max(t, self._written)  # clear what the previous step wrote past this one
+            host = np.full(width, BASE_SLOT, dtype=np.int32)
+            host[:t] = slots
+            self._written = t
+            pieces.append((self.token_slots, host))
+            self.groups = _slot_groups(adapter_rows, counts, self.device)
+        self._copy(pieces)
 
     def grid_blocks(self, rows: int) -> int:
         """Blocks a step of `rows` tokens can have (no more than its tokens, nor than one
         part-filled block per slot beyond the full ones): a graph's grid of that many rows."""
         return min(self.max_blocks, rows, -(-rows // BLOCK_ROWS) + self.num_slots)
 
-    def _runs(self, slots: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
-        """The step's adapter tokens sorted by slot and cut into blocks (their count kept on
-        the host), as (device buffer, host array) pairs to copy."""
-        order = np.argsort(slots, kind="stable")
-        adapter_rows = order[slots[order] != BASE_SLOT].astype(np.int32)
-        counts = np.bincount(slots[slots != BASE_SLOT], minlength=self.num_slots)
+    def _blocks(self, counts: np.ndarray) -> np.ndarray:
+        """The block table of a step whose slot s has counts[s] tokens (their runs one after
+        another in `sorted_rows`), its entries past this step's blocks empty; the count kept
+        on the host."""
         ends = np.cumsum(counts)
         per_slot = -(-counts // BLOCK_ROWS)
         n = int(per_slot.sum())
@@ -100,7 +105,7 @@ class LoRABatch:
         blocks[:n, 1] = ends[slot] - counts[slot] + BLOCK_ROWS * within
         blocks[:n, 2] = ends[slot]
         self.num_blocks = self._blocks_written = n
-        return [(self.sorted_rows, adapter_rows), (self.blocks, blocks)]
+        return blocks
 
     def _copy(self, pieces: list[tuple[torch.Tensor, np.ndarray]]) -> None:
         """Each host array into the start of its device buffer (no wait for the device)."""
@@ -120,28 +125,19 @@ class LoRABatch:
         copied.record()
 
 
-def runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Maximal runs of equal consecutive values: (starts, lengths, values)."""
-    if not values.size:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, values[:0]
-    starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
-    lengths = np.diff(np.r_[starts, values.size])
-    return starts, lengths, values[starts]
-
-
-def _slot_groups(slots: np.ndarray, device: torch.device
+def _slot_groups(adapter_rows: np.ndarray, counts: np.ndarray, device: torch.device
                  ) -> list[tuple[int, slice | torch.Tensor]]:
-    """(slot, its tokens) for every adapter slot of the step, the tokens sorted once."""
-    order = np.argsort(slots, kind="stable")
-    starts, lengths, values = runs(slots[order])
+    """(slot, its tokens) for every slot with tokens this step, from the tokens sorted by
+    slot (`adapter_rows`) and each slot's count."""
     groups = []
-    for start, n, slot in zip(starts.tolist(), lengths.tolist(), values.tolist(), strict=True):
-        if slot == BASE_SLOT:
+    start = 0
+    for slot, n in enumerate(counts.tolist()):
+        if not n:
             continue
-        rows = order[start:start + n]
+        rows = adapter_rows[start:start + n]
+        start += n
         if int(rows[-1]) - int(rows[0]) + 1 == n:  # contiguous (one request, or neighbours)
             groups.append((slot, slice(int(rows[0]), int(rows[0]) + n)))
         else:
-            groups.append((slot, torch.from_numpy(rows).to(device)))
+            groups.append((slot, torch.from_numpy(rows.astype(np.int64)).to(device)))
     return groups
