@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig
@@ -28,6 +27,7 @@ from pagedserve.engine.core_messages import (
 from pagedserve.engine.dp_client import DPClient
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
+from pagedserve.engine.settings_checks import check_settings
 from pagedserve.lora import LoRARequest
 from pagedserve.lora.adapter import check_adapter_dir
 from pagedserve.multimodal.front import ImageFront
@@ -36,12 +36,7 @@ from pagedserve.pooling import PoolingParams, resolve_pooler
 from pagedserve.pooling.front import GENERATION_REFUSED, add_pooling_request
 from pagedserve.sampling_params import SamplingParams, default_sampling
 from pagedserve.scheduler import ScoringTask
-from pagedserve.structured_output import (
-    StructuredOutputManager,
-    check_backend,
-    guided_decoding_unavailable,
-)
-from pagedserve.structured_output.manager import resolve_workers
+from pagedserve.structured_output import StructuredOutputManager, guided_decoding_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -453,39 +448,6 @@ def check_stop_limits(params: SamplingParams, model: ModelConfig) -> None:
     if num_ids > model.max_stop_token_ids:
         raise ValueError(f"stop_token_ids must hold at most {model.max_stop_token_ids} ids (the "
                          f"engine's --max-stop-token-ids), got {num_ids}")
-
-
-def check_settings(config: EngineConfig) -> str | None:
-    """The settings that can be wrong, checked before anything loads; returns the chat
-    template `--chat-template` names (its text), if any."""
-    from pagedserve.attention.registry import requested_backend
-    from pagedserve.models.loader import model_path
-
-    config.check_device()
-    requested_backend(config.attention_backend, config.cache.kv_cache_dtype)
-    check_backend(config.guided_decoding_backend)
-    resolve_workers(config.guided_decoding_workers, config.torch_device)
-    missing = guided_decoding_unavailable(config.guided_decoding_backend)
-    if missing is not None:
-        logger.warning("guided requests will be refused: %s", missing)
-    m = config.model
-    if not (m.model or "").startswith("random:"):
-        model_path(m.model)
-    if m.generation_config not in ("auto", "vllm") and not (
-            Path(m.generation_config).expanduser() / "generation_config.json").is_file():
-        raise ValueError(f"generation_config {m.generation_config!r}: give 'auto', 'vllm' or a "
-                         "directory holding a generation_config.json")
-    if m.tokenizer is not None and not Path(m.tokenizer).expanduser().exists():
-        raise ValueError(f"tokenizer {m.tokenizer!r} does not exist as a local directory or "
-                         ".gguf file")
-    if m.chat_template is None:
-        return None
-    path = Path(m.chat_template).expanduser()
-    if path.is_file():
-        return path.read_text()
-    if "{{" in m.chat_template or "{%" in m.chat_template:
-        return m.chat_template
-    raise ValueError(f"chat_template {m.chat_template!r} is neither a file nor a Jinja template")
 
 
 def make_client(config: EngineConfig, log_stats: bool = False

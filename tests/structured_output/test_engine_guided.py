@@ -291,7 +291,7 @@ def test_guided_requests_do_not_force_synchronous_steps() -> None:
 
 def test_backend_choice() -> None:
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import check_settings
+    from pagedserve.engine.settings_checks import check_settings
     from pagedserve.structured_output import check_backend
 
     check_backend("xgrammar")

@@ -20,7 +20,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import check_settings
+from pagedserve.engine.settings_checks import check_settings
 from pagedserve.sampling_params import GuidedDecodingParams
 from pagedserve.structured_output.manager import StructuredOutputManager, resolve_workers
 from pagedserve.structured_output.workers import RemoteGrammar
