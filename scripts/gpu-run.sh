@@ -29,7 +29,7 @@
 # stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
-# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 / fp8linear /
+# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 / lora32 / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
@@ -726,6 +726,22 @@ stage_lora31() {  # LoRA's grouped kernels (the thirty-first session's): their G
     timeout 150 python3 benchmarks/lora_kernels.py >"$OUT/lora_kernels.log" 2>&1
     echo "exit $?" >>"$OUT/lora_kernels.log"; tail -50 "$OUT/lora_kernels.log"
     stage_wave25bench
+}
+
+stage_lora32() {  # lora31 split for a fresh machine: LoRA's GPU tests (and the sampler's)
+    # beside a small 8B engine run that builds FlashInfer's modules (export then keeps them for the next call),
+    # then the kernels' time beside the base projections; issue #54's rows are wave25bench's
+    setup_env
+    timeout 240 python3 benchmarks/lora_engine.py --num-prompts 16 --output-len 16 \
+        --skip one,mixed --no-warmup >"$OUT/fi-warm.log" 2>&1 &
+    local warm=$!
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/lora/test_lora_kernels.py \
+        tests/lora/test_lora_cuda_graphs.py tests/engine/test_sampler.py \
+        >"$OUT/lora-tests.log" 2>&1
+    echo "exit $?" >>"$OUT/lora-tests.log"; tail -4 "$OUT/lora-tests.log"
+    wait $warm; echo "exit $?" >>"$OUT/fi-warm.log"; tail -3 "$OUT/fi-warm.log"
+    timeout 150 python3 benchmarks/lora_kernels.py >"$OUT/lora_kernels.log" 2>&1
+    echo "exit $?" >>"$OUT/lora_kernels.log"; tail -50 "$OUT/lora_kernels.log"
 }
 
 stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone (14 rows

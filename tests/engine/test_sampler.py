@@ -332,3 +332,31 @@ def test_prompt_logprobs() -> None:
     assert torch.equal(ids[:, 1:], raw.topk(2, -1).indices)
     expected = (raw > raw[torch.arange(5), targets][:, None]).sum(-1) + 1
     assert torch.equal(ranks, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_masks_on_cuda_equal_the_cpu() -> None:
+    """The (row, id) masks -- allowed_token_ids, logit_bias, min_tokens' ban -- are built on
+    the step's device: on CUDA they pick the tokens the CPU build picks."""
+    torch.manual_seed(3)
+    vocab = 50
+    logits = torch.randn(4, vocab)
+    params = [
+        SamplingParams(temperature=0, allowed_token_ids=[7, 11, 40]),
+        SamplingParams(temperature=0, logit_bias={5: 100.0, 6: -100.0}),
+        SamplingParams(temperature=0, min_tokens=3, allowed_token_ids=[EOS, 2]),
+        SamplingParams(temperature=0),
+    ]
+    outputs = [[], [], [9], []]
+
+    def sample(device: str) -> torch.Tensor:
+        meta = SamplingMetadata.build(params, [[] for _ in params], outputs, {},
+                                      eos_token_id=EOS, vocab_size=vocab, device=device)
+        assert meta.allowed_token_mask.device.type == torch.device(device).type
+        return Sampler()(logits.to(device), meta).sampled_token_ids.cpu()
+
+    on_cpu, on_cuda = sample("cpu"), sample("cuda")
+    assert torch.equal(on_cuda, on_cpu)
+    assert on_cpu[0] in (7, 11, 40) and on_cpu[1] == 5 and on_cpu[2] == 2
+    assert on_cpu[3] == logits[3].argmax()
