@@ -11,6 +11,8 @@ largest difference between the two embeddings.
     python benchmarks/embed_throughput.py --device cpu --shape tiny --num-texts 256
     python benchmarks/embed_throughput.py --shape bge-base ...  # a BERT encoder, CLS pooling
     ... --profile  # and LLM.embed again under torch.profiler: the GPU's busy share, top kernels
+    ... --phases   # where LLM.embed's host time goes: the tokenizer alone, LLM.embed of texts
+                   # and of token ids with the engine's step figures, a cProfile of the former
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--profile", action="store_true",
                         help="LLM.embed again under torch.profiler (CUDA): where its time goes")
+    parser.add_argument("--phases", action="store_true",
+                        help="LLM.embed's host phases: tokenizer, texts against ids, cProfile")
     args = parser.parse_args()
 
     from sentence_transformers import SentenceTransformer
@@ -128,6 +132,8 @@ def main() -> None:
             rate = len(texts) / (time.perf_counter() - t0)
             if args.profile:
                 profile_embed(llm, texts, args.device)
+            if args.phases:
+                embed_phases(llm, texts, args.device)
         got = np.stack([o.outputs.data for o in outputs])
         print(f"pagedserve LLM.embed: {rate:,.0f} texts/s = {rate / best:.2f}x the best "
               f"sentence-transformers batch; max |difference| {np.abs(got - reference).max():.2e}")
@@ -160,6 +166,39 @@ def profile_embed(llm, texts: list[str], device: str, top: int = 12) -> None:
         by_name[e.name()[:70]] += e.duration_ns()
     for name, ns in by_name.most_common(top):
         print(f"  {name:70s} {ns / 1e9:7.3f} s {ns / 1e9 / total:6.1%}")
+
+
+def embed_phases(llm, texts: list[str], device: str) -> None:
+    """Where LLM.embed's wall time goes: the tokenizer over every text at once, LLM.embed of
+    the texts and of their token ids (steps, the core's host ms a step, its ms waiting for the
+    device), then the texts' call under cProfile (the calling thread's top functions)."""
+    import cProfile
+    import pstats
+
+    from pagedserve.pooling.front import tokenize_inputs
+
+    t0 = time.perf_counter()
+    ids = tokenize_inputs(llm.engine.tokenizer, texts)
+    print(f"phases: tokenizer alone {time.perf_counter() - t0:.2f} s for {len(texts)} texts")
+    for name, prompts in (("texts", texts), ("token ids", ids)):
+        before = llm.engine.call_utility("stats")
+        t0 = time.perf_counter()
+        llm.embed(prompts)
+        _sync(device)
+        wall = time.perf_counter() - t0
+        after = llm.engine.call_utility("stats")
+        steps = max(after.num_steps - before.num_steps, 1)
+        core = (after.step_seconds - before.step_seconds) / steps * 1e3
+        wait = (after.wait_seconds - before.wait_seconds) / steps * 1e3
+        dev = (after.device_seconds - before.device_seconds) / steps * 1e3
+        print(f"phases: LLM.embed({name}) {wall:.2f} s, {steps} steps, {wall / steps * 1e3:.1f} "
+              f"ms a step: core {core:.1f} ms (waiting {wait:.1f}), device {dev:.1f} ms")
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.embed(texts)
+    _sync(device)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 def serve_rate(path: Path, args: argparse.Namespace, texts: list[str]) -> float:

@@ -65,9 +65,10 @@ class GraphInputs:
     builders: dict[Any, AttentionMetadataBuilder]  # by layer configuration
     num_blocks: int  # in the KV cache (start-up batches write its first blocks)
     vocab_size: int
-    # The model routes tokens to experts: its outputs at different batch sizes may differ by
-    # more than rounding (a flipped expert choice), so the padded-vs-unpadded check only logs.
-    routes_experts: bool = False
+    # The model routes tokens to experts or rounds its activations to FP8 (`amplifies_rounding`):
+    # its outputs at different batch sizes may differ by more than rounding (a flipped expert
+    # choice, flipped codes), so the padded-vs-unpadded check only logs.
+    amplifies_rounding: bool = False
     # With several KV cache groups: each group's table builder (the first is common_builder)
     # and the group each backend builder reads; None: one group.
     group_builders: list[CommonMetadataBuilder] | None = None
@@ -120,20 +121,38 @@ def graph_batch_sizes(max_num_seqs: int, max_num_tokens: int,
 
 
 def check_padded_replay(what: str, diff: float, unpadded: float, rtol: float,
-                        unpadded_rtol: float, routes_experts: bool, note: str = "") -> None:
+                        unpadded_rtol: float, amplifies_rounding: bool, note: str = "") -> None:
     """The start-up checks' verdict: the replay against the same padded step run eagerly
     (`diff`, within `rtol` of the largest value) and the padded step's real rows against the
-    unpadded forward (`unpadded`; for a model that routes experts a rounding-sized miss is
-    only logged: a flipped expert choice moves a row by more than rounding)."""
+    unpadded forward (`unpadded`; for a model that `amplifies_rounding` a rounding-sized miss
+    is only logged: a flipped expert choice or FP8 code moves a row by more than rounding)."""
     if not diff <= rtol:  # also catches NaN
         raise RuntimeError(f"{what}: the replay differs from the same padded step run eagerly "
                            f"by {diff:.3g} (relative to the largest value{note})")
-    if not math.isfinite(unpadded) or (unpadded > unpadded_rtol and not routes_experts):
+    if not math.isfinite(unpadded) or (unpadded > unpadded_rtol and not amplifies_rounding):
         raise RuntimeError(f"{what}: the padded step's real rows differ from the unpadded "
                            f"forward by {unpadded:.3g} (relative to the largest value{note})")
     if unpadded > unpadded_rtol:
         logger.info("%s: padded rows differ from the unpadded forward by %.3g (rounding that "
-                    "depends on the padded size, amplified by expert routing)", what, unpadded)
+                    "depends on the padded size, amplified by expert routing or FP8 activations)",
+                    what, unpadded)
+
+
+def amplifies_rounding(model: torch.nn.Module) -> bool:
+    """Whether `model` routes tokens to experts or has a layer that rounds its activations to
+    a coarse format (its quantization method's `quantizes_activations`): either turns a
+    rounding-sized difference into a larger one (see `check_padded_replay`)."""
+    from pagedserve.models.moe import FusedMoE
+    from pagedserve.quantization.base import LinearMethod
+
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            return True
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, LinearMethod) and method.quantizes_activations(module):
+            return True
+    return False
+
 
 def padded_batch_size(sizes: list[int], num_reqs: int) -> int | None:
     """The smallest size in `sizes` (ascending) that holds `num_reqs`, None when none does."""
@@ -388,7 +407,7 @@ class DecodeGraphs:
         diff = max(relative_diff(graphed, padded_eager), extra.diff(1, 2))
         unpadded = max(relative_diff(padded_eager, eager), extra.diff(2, 0))
         check_padded_replay(f"{self.kind} graphs", diff, unpadded, rtol, unpadded_rtol,
-                            inputs.routes_experts, "; the proposer's part included")
+                            inputs.amplifies_rounding, "; the proposer's part included")
         return diff
 
 

@@ -326,7 +326,7 @@ class PiecewiseGraphs:
         diff = relative_diff(got, padded)
         check_padded_replay(f"piecewise graphs at {size} tokens", diff,
                             relative_diff(padded, eager), rtol, unpadded_rtol,
-                            inputs.routes_experts)
+                            inputs.amplifies_rounding)
         return diff
 
 

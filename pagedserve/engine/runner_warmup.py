@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedserve.engine.cuda_graphs import GraphInputs, setup_decode_graphs
+from pagedserve.engine.cuda_graphs import GraphInputs, amplifies_rounding, setup_decode_graphs
 from pagedserve.engine.input_batch import InputBatch
 from pagedserve.engine.piecewise_graphs import setup_piecewise_graphs
 from pagedserve.engine.verify_graphs import largest_graph_tokens, setup_verify_graphs
@@ -99,15 +99,13 @@ def capture_graphs(runner: Any) -> None:
 
 def graph_inputs(runner: Any) -> GraphInputs:
     """What the runner's graphs read and write of it (`GraphInputs`)."""
-    from pagedserve.models.moe import FusedMoE
-
-    routes = any(isinstance(m, FusedMoE) for m in runner.model.modules())
     head = runner.model.compute_logits if runner.tp_size == 1 else None
     spec = (runner.speculator if runner.speculator and runner.speculator.uses_kv_cache
             else None)
     return GraphInputs(runner.run_model, runner.common_builder, runner.input_ids,
                        runner.builders, runner.num_blocks, runner.vocab_size,
-                       routes_experts=routes, group_builders=runner.group_builders,
+                       amplifies_rounding=amplifies_rounding(runner.model),
+                       group_builders=runner.group_builders,
                        builder_group=runner.builder_group, compute_logits=head,
                        lora=runner.lora.batch if runner.lora is not None else None,
                        after_replay=spec.replayed if spec else None,

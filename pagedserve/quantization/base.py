@@ -56,6 +56,12 @@ class LinearMethod:
         produces it; None: it takes the model's dtype."""
         return None
 
+    def quantizes_activations(self, layer: nn.Linear) -> bool:
+        """Whether this layer rounds its input to a coarse format each step (FP8, int8): a
+        rounding-sized difference upstream then flips codes, so the same rows at two batch
+        sizes may differ by more than rounding (the CUDA graph check only logs it)."""
+        return False
+
 
 class MoEMethod:
     """How a `FusedMoE` holds its stacked expert weights and runs them."""

@@ -132,6 +132,9 @@ class Fp8LinearMethod(LinearMethod):
 
         return input_group(layer)
 
+    def quantizes_activations(self, layer: nn.Linear) -> bool:
+        return layer.fp8_kernel != DEQUANTIZED
+
 
 def _kernel_takes(scheme: Fp8Scheme) -> bool:
     from pagedserve.quantization.fp8_linear import kernel_takes

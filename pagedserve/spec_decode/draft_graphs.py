@@ -33,6 +33,7 @@ from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.engine.cuda_graphs import (
     DecodeGraphs,
     GraphInputs,
+    amplifies_rounding,
     graph_batch_sizes,
     setup_decode_graphs,
 )
@@ -54,8 +55,6 @@ class DraftGraphs:
                  logits: Callable[[torch.Tensor], torch.Tensor],
                  hidden_size: int | None = None, capture: bool = True,
                  positions: GraphPositions | None = None) -> None:
-        from pagedserve.models.moe import FusedMoE
-
         n, device = runner.max_num_reqs, runner.device
         self._runner = runner
         self._forward = forward
@@ -69,7 +68,7 @@ class DraftGraphs:
         self.inputs = GraphInputs(
             self._run_model, runner.common_builder, self.ids, builders,
             runner.num_blocks, runner.vocab_size,
-            routes_experts=any(isinstance(m, FusedMoE) for m in module.modules()),
+            amplifies_rounding=amplifies_rounding(module),
             compute_logits=logits)
         config = runner.config
         self.sizes = graph_batch_sizes(config.scheduler.max_num_seqs,

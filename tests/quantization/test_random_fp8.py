@@ -31,6 +31,30 @@ def test_random_fp8_weights_are_the_float_models_quantized(monkeypatch):
     assert qkv.weight_scale.shape == (qkv.out_features,)
 
 
+def test_fp8_activations_make_the_graph_check_log_not_refuse(monkeypatch, caplog):
+    """A model whose layers round their inputs to FP8 turns a rounding-sized difference
+    between batch sizes into flipped codes: the padded-vs-unpadded check logs it (as for
+    routed experts) where a plain model's start-up would refuse its graphs."""
+    from pagedserve.engine.cuda_graphs import amplifies_rounding, check_padded_replay
+
+    assert not amplifies_rounding(load_random_model("tiny", torch.float32, CPU).model)
+    # On the CPU the weights are dequantized: nothing rounds the activations.
+    assert not amplifies_rounding(
+        load_random_model("tiny", torch.float32, CPU, quantization="fp8").model)
+    monkeypatch.setattr(fp8_linear, "KERNELS_ON_CPU", True)
+    assert amplifies_rounding(
+        load_random_model("tiny", torch.bfloat16, CPU, quantization="fp8").model)
+
+    with pytest.raises(RuntimeError, match="differ from the unpadded forward by 0.334"):
+        check_padded_replay("decode graphs", 0.0, 0.334, 0.05, 0.25, False)
+    with caplog.at_level("INFO"):
+        check_padded_replay("decode graphs", 0.0, 0.334, 0.05, 0.25, True)
+    assert "FP8 activations" in caplog.text
+    for bad in (0.06, float("nan")):  # the replay itself stays checked
+        with pytest.raises(RuntimeError, match="the replay differs"):
+            check_padded_replay("decode graphs", bad, 0.0, 0.05, 0.25, True)
+
+
 @pytest.mark.gpu
 def test_gpu_engine_serves_random_fp8_next_to_bf16(make_llm):
     """The FP8 layouts and fused inputs on CUDA, with CUDA graphs: the kernels named at
