@@ -59,10 +59,14 @@ class _FakeGraphPrefill(_FakePrefill):
             assert len(paged_kv_indptr_buf) == len(qo_indptr_buf)
             assert len(paged_kv_last_page_len_buf) == len(qo_indptr_buf) - 1
         self.max_rows = None
+        self.uniform_q_len = None
 
-    def plan(self, qo_indptr, indptr, indices, last, *args, **kwargs):
+    def plan(self, qo_indptr, indptr, indices, last, *args, uniform_q_len=None, **kwargs):
         if not self.graph_mode:
             return super().plan(qo_indptr, indptr, indices, last, *args, **kwargs)
+        # FlashInfer checks the hint against qo_indptr on the host (and drops it if wrong).
+        self.uniform_q_len = uniform_q_len
+        assert uniform_q_len is None or set(np.diff(qo_indptr.numpy())) == {uniform_q_len}
         assert qo_indptr.device.type == "cpu"
         assert len(qo_indptr) == len(self.gbufs[0]), "the batch size is fixed in graph mode"
         rows = int(qo_indptr[-1])
@@ -177,6 +181,7 @@ def test_verify_graph_metadata_against_eager_and_reference(fake_graph_flashinfer
         v.check(common, contexts, queries, full_k, full_v, lambda md=md: v.forward(md), 1e-5)
     (wrapper,) = v.builder._verify_graphs.values()
     assert wrapper.graph_mode and wrapper.plans == 2 and wrapper.planned["causal"]
+    assert wrapper.uniform_q_len == q  # its tiles sized for q rows a request
 
 
 def test_sink_layers_decline_verify_graphs(fake_graph_flashinfer):

@@ -7,7 +7,12 @@ Such a step runs FlashInfer's paged prefill wrapper (causal) in its CUDA-graph m
 per padded size (FlashInfer fixes a graph wrapper's batch size): its indptrs, page ids and
 last-page lengths live in fixed device buffers, which `plan()` rewrites before every replay,
 and with the graph mode on its scheduler sizes the launch (tiles, KV splits) from the batch
-size and total rows alone, which a uniform step of one size keeps. The decode path (q = 1,
+size and total rows alone, which a uniform step of one size keeps. Where its `plan()` takes
+`uniform_q_len` (FlashInfer 0.7.4 does), it is told q: its scheduler then sizes the query
+tile for q x (query heads per KV head) rows, not for the ragged worst case of one request
+holding nearly every row. With that worst case, the split-KV partials of the 8B shape's
+verify graphs (batch 32, q = 4) asked for 150 MB of the 128 MiB workspace on an H100, so
+they ran eagerly. The decode path (q = 1,
 `FlashInferMetadataBuilder.build_for_cudagraph`) is untouched.
 
 The attention-sink variant (gpt-oss) is not captured for verify steps: its wrapper's graph mode
@@ -17,6 +22,8 @@ runs its verify steps eagerly.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +60,12 @@ def uniform_csr(padded: CommonAttentionMetadata, num_reqs_padded: int) -> Unifor
                       padded.paged_kv_last_page_len_cpu[:bp], int(kv[bp]))
 
 
+@functools.cache
+def plan_takes_uniform_q_len(wrapper_cls: type) -> bool:
+    """Whether this FlashInfer's paged prefill `plan()` takes the `uniform_q_len` hint."""
+    return "uniform_q_len" in inspect.signature(wrapper_cls.plan).parameters
+
+
 class FlashInferVerifyBuilder:
     """Mixed into FlashInfer's builder (which supplies config, device, workspace, _flashinfer,
     _plan_kwargs, and calls _init_verify_graphs): graph metadata of uniform steps of q > 1
@@ -78,12 +91,13 @@ class FlashInferVerifyBuilder:
                              f"{common.num_actual_tokens} tokens")
         csr = uniform_csr(padded, bp)
         wrapper = self._verify_graphs.get((bp, q)) or self._new_verify_graph(bp, q)
+        uniform = ({"uniform_q_len": q} if plan_takes_uniform_q_len(type(wrapper)) else {})
         # plan() copies the host arrays and the page ids into the wrapper's fixed buffers.
         wrapper.plan(
             torch.from_numpy(csr.qo_indptr), torch.from_numpy(csr.kv_indptr),
             padded.paged_kv_indices[:csr.num_pages], torch.from_numpy(csr.kv_last_page_len),
             c.num_heads, c.num_kv_heads, c.head_size, c.block_size, causal=True,
-            **self._plan_kwargs())
+            **uniform, **self._plan_kwargs())
         return FlashInferMetadata(
             num_prefill_tokens=bp * q, num_decode_tokens=0,
             slot_mapping=padded.slot_mapping[:bp * q], prefill=wrapper, decode=None)
