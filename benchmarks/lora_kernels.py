@@ -2,6 +2,7 @@
 projections beside the base projection they add to, on the GPU:
 
     python benchmarks/lora_kernels.py [--tokens 1,16,64,256,2048] [--adapters 1,8] [--rank 16]
+    python benchmarks/lora_kernels.py --sweep [--tokens 64,256]  # launch shapes, one adapter
 
 For each projection (qkv, o, gate_up, down), token count T and number of adapters (the tokens
 dealt round-robin over them) it times, as the engine's decode graphs run them, a CUDA graph of
@@ -9,6 +10,10 @@ dealt round-robin over them) it times, as the engine's decode graphs run them, a
 output), and the LoRA term under a graph's grid (`grouped` over all T rows, as `ops.add_lora`
 launches it in graph mode). Each "step" line sums one layer's four projections and scales by
 32 layers: the milliseconds LoRA adds to a step, beside the base's.
+
+`--sweep` times the LoRA term alone under other launch shapes (`kernels.LoRATiles`): the
+shrink's varied with the expand's at the default, then the expand's, one adapter; each line is
+a step's LoRA milliseconds (four projections, 32 layers) at each token count.
 """
 
 from __future__ import annotations
@@ -52,7 +57,15 @@ def time_us(fn) -> float:
     return statistics.median(times)
 
 
-def row(name: str, tokens: int, adapters: int, rank: int, slots: int) -> tuple[float, float]:
+SHRINK_SHAPES = [dict(), dict(k_per_split=512), dict(k_per_split=256),
+                 dict(k_per_split=256, max_splits=32), dict(block_k=128, k_per_split=512),
+                 dict(k_per_split=512, shrink_warps=8)]
+EXPAND_SHAPES = [dict(n_tiles=4), dict(n_tiles=8), dict(block_n=64, n_tiles=4),
+                 dict(block_n=256, n_tiles=2, expand_warps=8), dict(block_n=64)]
+
+
+def row(name: str, tokens: int, adapters: int, rank: int, slots: int,
+        tiles: kernels.LoRATiles | None = None, base_too: bool = True) -> tuple[float, float]:
     in_features, parts = PROJECTIONS[name]
     bounds = [sum(parts[:i]) for i in range(len(parts) + 1)]
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -64,10 +77,23 @@ def row(name: str, tokens: int, adapters: int, rank: int, slots: int) -> tuple[f
     batch = LoRABatch(tokens, slots, dev)
     batch.set(np.arange(tokens) % adapters, np.ones(tokens))
     bounds_t = torch.tensor(bounds, dtype=torch.int32, device=dev)
-    base = time_us(lambda: torch.mm(x, weight.t(), out=y))
+    base = time_us(lambda: torch.mm(x, weight.t(), out=y)) if base_too else 0.0
+    tiles = tiles or kernels.TILES
     lora = time_us(lambda: kernels.grouped(x, y, a, b, bounds, bounds_t, batch.sorted_rows,
-                                           batch.blocks, batch.grid_blocks(tokens)))
+                                           batch.blocks, batch.grid_blocks(tokens), tiles))
     return base, lora
+
+
+def sweep(token_counts: list[int], rank: int, slots: int) -> None:
+    shapes = [dict(), *SHRINK_SHAPES[1:], *EXPAND_SHAPES]
+    print("LoRA ms a step (4 projections x 32 layers), one adapter, by launch shape")
+    print(f"{'shape':62s} " + " ".join(f"{'T=' + str(t):>8s}" for t in token_counts))
+    for shape in shapes:
+        tiles = kernels.LoRATiles(**shape)
+        ms = [sum(row(name, t, 1, rank, slots, tiles, base_too=False)[1]
+                  for name in PROJECTIONS) * LAYERS / 1e3 for t in token_counts]
+        label = ", ".join(f"{k}={v}" for k, v in shape.items()) or "default"
+        print(f"{label:62s} " + " ".join(f"{m:8.3f}" for m in ms))
 
 
 def main() -> None:
@@ -76,8 +102,12 @@ def main() -> None:
     p.add_argument("--adapters", default="1,8")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--sweep", action="store_true", help="launch shapes of the LoRA term")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}, rank {args.rank}, {args.slots} slots, bf16")
+    if args.sweep:
+        sweep([int(t) for t in args.tokens.split(",")], args.rank, args.slots)
+        return
     print(f"{'proj':8s} {'T':>5s} {'adapters':>8s} {'base us':>8s} {'lora us':>8s} "
           f"{'lora/base':>9s}")
     for tokens in [int(t) for t in args.tokens.split(",")]:

@@ -28,16 +28,19 @@ def main() -> None:
     from pagedserve.lora import kernels
 
     runs = {"sorted_rows_ptr": "*i32", "blocks_ptr": "*i32", "stride_split": "i32",
-            "stride_r": "i32", "RANK": "constexpr", "R_PAD": "constexpr",
-            "SPLIT_K": "constexpr", "BLOCK_M": "constexpr", "DOT_PRECISION": "constexpr"}
+            "stride_r": "i32", "R_PAD": "constexpr", "BLOCK_M": "constexpr",
+            "DOT_PRECISION": "constexpr"}
     shrink = {"x_ptr": "*T", "a_ptr": "*T", "part_ptr": "*fp32", "in_features": "i32",
               "k_per_split": "i32", "stride_x": "i32", "stride_as": "i32", "stride_ar": "i32",
-              **runs, "BLOCK_K": "constexpr"}
+              **runs, "RANKS": "constexpr", "BLOCK_K": "constexpr"}
     expand = {"part_ptr": "*fp32", "b_ptr": "*T", "y_ptr": "*T", "bounds_ptr": "*i32",
               "stride_bs": "i32", "stride_bn": "i32", "stride_y": "i32", **runs,
-              "N_BLOCKS": "constexpr", "BLOCK_N": "constexpr"}
-    consts = {"RANK": 16, "R_PAD": 16, "SPLIT_K": 4, "BLOCK_M": 16, "BLOCK_K": 64,
-              "N_BLOCKS": 8, "BLOCK_N": kernels.BLOCK_N}
+              "RANK": "constexpr", "SPLIT_K": "constexpr", "N_GROUPS": "constexpr",
+              "N_TILES": "constexpr", "BLOCK_N": "constexpr"}
+    tiles = kernels.TILES
+    consts = {"RANK": 16, "RANKS": 48, "R_PAD": 64, "SPLIT_K": 4, "BLOCK_M": 16,
+              "BLOCK_K": tiles.block_k, "N_GROUPS": 8, "N_TILES": tiles.n_tiles,
+              "BLOCK_N": tiles.block_n}
     jobs = [(kernels._shrink, shrink), (kernels._expand, expand)]
     target = GPUTarget("cuda", args.arch, 32)
     print(f"triton {triton.__version__}, target sm_{args.arch}")

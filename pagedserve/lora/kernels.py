@@ -5,7 +5,9 @@ for every adapter of the step, every fused part (q/k/v, gate/up) and every kind 
 Tokens are grouped by adapter slot on the host (`LoRABatch`): the step's adapter tokens sorted
 by slot and cut into blocks of at most 16 tokens of one slot (base-model tokens are in none).
 A program takes one block, so the factors it reads serve 16 tokens, not one, and its products
-are `tl.dot` tiles. The grid is (blocks, parts x splits or parts x output columns): the step's
+are `tl.dot` tiles. The grid is (blocks, splits) for the shrink, which takes every fused
+part's ranks at once (so x is read once), and (blocks, parts x column groups) for the expand,
+whose program sums the partials once for several column tiles. Its first dimension is the step's
 block count, a host int known before launch, or under a CUDA graph every block a step of its
 rows can have, the unused ones empty (a program returns at once). So the grid never depends
 on a device value, launching syncs nothing, and it never spans the slots (a grid over slots x
@@ -22,15 +24,33 @@ module imports triton: `ops.add_lora` does so on its first CUDA step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedserve.lora.batch import BLOCK_ROWS
 
-BLOCK_K = 64  # shrink: reduction step over the input features
-BLOCK_N = 128  # expand: output columns per program
-K_PER_SPLIT = 1024  # shrink: input features a split takes at least
+
+@dataclass(frozen=True)
+class LoRATiles:
+    """Launch shapes of the two kernels (`benchmarks/lora_kernels.py --sweep` times others).
+    The shrink splits its input features into pieces of at least `k_per_split` (at most
+    `max_splits` of them: a function of the layer alone, so a token's sum is the same in any
+    batch); the expand's program adds `n_tiles` tiles of `block_n` output columns, so the
+    partials it sums serve them all."""
+
+    block_k: int = 64
+    k_per_split: int = 1024
+    max_splits: int = 16
+    shrink_warps: int = 4
+    block_n: int = 128
+    n_tiles: int = 1
+    expand_warps: int = 4
+
+
+TILES = LoRATiles()
 
 
 @triton.jit
@@ -49,15 +69,15 @@ def _block_rows(sorted_rows_ptr, blocks_ptr, block, BLOCK_M: tl.constexpr):
 @triton.jit
 def _shrink(x_ptr, a_ptr, part_ptr, sorted_rows_ptr, blocks_ptr, in_features, k_per_split,
             stride_x, stride_as, stride_ar, stride_split, stride_r,
-            RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
+            RANKS: tl.constexpr, R_PAD: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    block, pid = tl.program_id(0), tl.program_id(1)
-    part, split = pid // SPLIT_K, pid % SPLIT_K
+    """Every fused part's ranks at once (RANKS = parts x rank): x is read once a split."""
+    block, split = tl.program_id(0), tl.program_id(1)
     slot, rows, row_ok, num_rows = _block_rows(sorted_rows_ptr, blocks_ptr, block, BLOCK_M)
     if num_rows > 0:
         ranks = tl.arange(0, R_PAD)
-        rank_ok = ranks < RANK
-        a_rows = a_ptr + slot * stride_as + (part * RANK + ranks) * stride_ar
+        rank_ok = ranks < RANKS
+        a_rows = a_ptr + slot * stride_as + ranks * stride_ar
         acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
         k_end = tl.minimum(in_features, (split + 1) * k_per_split)
         for k in range(split * k_per_split, k_end, BLOCK_K):
@@ -68,7 +88,7 @@ def _shrink(x_ptr, a_ptr, part_ptr, sorted_rows_ptr, blocks_ptr, in_features, k_
             a = tl.load(a_rows[None, :] + ks[:, None], mask=k_ok[:, None] & rank_ok[None, :],
                         other=0.0)
             acc = tl.dot(x.to(a.dtype), a, acc, input_precision=DOT_PRECISION)
-        out = part_ptr + split * stride_split + rows[:, None] * stride_r + part * RANK
+        out = part_ptr + split * stride_split + rows[:, None] * stride_r
         tl.store(out + ranks[None, :], acc, mask=row_ok[:, None] & rank_ok[None, :])
 
 
@@ -76,41 +96,44 @@ def _shrink(x_ptr, a_ptr, part_ptr, sorted_rows_ptr, blocks_ptr, in_features, k_
 def _expand(part_ptr, b_ptr, y_ptr, bounds_ptr, sorted_rows_ptr, blocks_ptr,
             stride_split, stride_r, stride_bs, stride_bn, stride_y,
             RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
-            N_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
+            N_GROUPS: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     block, pid = tl.program_id(0), tl.program_id(1)
-    part, n_block = pid // N_BLOCKS, pid % N_BLOCKS
-    col0 = tl.load(bounds_ptr + part) + n_block * BLOCK_N
+    part, group = pid // N_GROUPS, pid % N_GROUPS
+    col0 = tl.load(bounds_ptr + part) + group * (N_TILES * BLOCK_N)
     part_end = tl.load(bounds_ptr + part + 1)
     slot, rows, row_ok, num_rows = _block_rows(sorted_rows_ptr, blocks_ptr, block, BLOCK_M)
     if (num_rows > 0) & (col0 < part_end):
-        cols = col0 + tl.arange(0, BLOCK_N)
         ranks = tl.arange(0, R_PAD)
-        col_ok, rank_ok = cols < part_end, ranks < RANK
-        b = tl.load(b_ptr + slot * stride_bs + cols[None, :] * stride_bn
-                    + ranks[:, None], mask=rank_ok[:, None] & col_ok[None, :],
-                    other=0.0)  # [R_PAD, BLOCK_N]
+        rank_ok = ranks < RANK
         r_ptrs = part_ptr + rows[:, None] * stride_r + part * RANK + ranks[None, :]
         r_ok = row_ok[:, None] & rank_ok[None, :]
         r = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
         for split in range(SPLIT_K):  # a fixed order: the same sum whichever split ran first
             r += tl.load(r_ptrs + split * stride_split, mask=r_ok, other=0.0)
-        delta = tl.dot(r.to(b.dtype), b, input_precision=DOT_PRECISION)
-        y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+        b_slot = b_ptr + slot * stride_bs
+        for tile in range(N_TILES):
+            cols = col0 + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < part_end
+            # [BLOCK_N, R_PAD] as B lies (a column's ranks side by side), then transposed
+            b = tl.load(b_slot + cols[:, None] * stride_bn + ranks[None, :],
+                        mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
+            delta = tl.dot(r.to(b.dtype), tl.trans(b), input_precision=DOT_PRECISION)
+            y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
+            mask = row_ok[:, None] & col_ok[None, :]
+            y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def split_k(in_features: int) -> int:
-    """Splits of the shrink's input features: one per K_PER_SPLIT of them, at most 16 (a
-    function of the layer alone, so a token's sum is the same in any batch)."""
-    return max(1, min(16, in_features // K_PER_SPLIT))
+def split_k(in_features: int, tiles: LoRATiles = TILES) -> int:
+    """Splits of the shrink's input features (a function of the layer alone, so a token's
+    sum is the same in any batch)."""
+    return max(1, min(tiles.max_splits, in_features // tiles.k_per_split))
 
 
 def grouped(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
             bounds: list[int], bounds_device: torch.Tensor, sorted_rows: torch.Tensor,
-            blocks: torch.Tensor, num_blocks: int) -> None:
+            blocks: torch.Tensor, num_blocks: int, tiles: LoRATiles = TILES) -> None:
     """y [T, out] += x [T, in]'s LoRA term over the first `num_blocks` of `blocks` (rows
     (slot, first, end) into `sorted_rows`, `LoRABatch`'s; empty ones skipped): two launches,
     none when `num_blocks` is 0."""
@@ -119,21 +142,27 @@ def grouped(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torc
     assert x.stride(-1) == 1 and y.stride(-1) == 1 and lora_a.is_contiguous() \
         and lora_b.is_contiguous(), "LoRA kernels need row-major x, y and factors"
     parts, rank = len(bounds) - 1, lora_b.shape[-1]
-    r_pad = max(16, triton.next_power_of_2(rank))
-    splits = split_k(x.shape[1])
-    k_per_split = triton.cdiv(triton.cdiv(x.shape[1], splits), BLOCK_K) * BLOCK_K
+    splits = split_k(x.shape[1], tiles)
+    k_per_split = triton.cdiv(triton.cdiv(x.shape[1], splits), tiles.block_k) * tiles.block_k
     partials = torch.empty(splits, x.shape[0], parts * rank, dtype=torch.float32,
                            device=x.device)
     precision = "ieee" if lora_a.dtype == torch.float32 else None
-    _shrink[(num_blocks, parts * splits)](
+    _shrink[(num_blocks, splits)](
         x, lora_a, partials, sorted_rows, blocks, x.shape[1], k_per_split,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), partials.stride(0),
-        partials.stride(1), RANK=rank, R_PAD=r_pad, SPLIT_K=splits, BLOCK_M=BLOCK_ROWS,
-        BLOCK_K=BLOCK_K, DOT_PRECISION=precision)
-    n_blocks = triton.cdiv(max(b - a for a, b in zip(bounds, bounds[1:], strict=False)),
-                           BLOCK_N)
-    _expand[(num_blocks, parts * n_blocks)](
+        partials.stride(1), RANKS=parts * rank, R_PAD=_pad(parts * rank),
+        BLOCK_M=BLOCK_ROWS, BLOCK_K=tiles.block_k, DOT_PRECISION=precision,
+        num_warps=tiles.shrink_warps)
+    widest = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+    groups = triton.cdiv(widest, tiles.n_tiles * tiles.block_n)
+    _expand[(num_blocks, parts * groups)](
         partials, lora_b, y, bounds_device, sorted_rows, blocks,
         partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1),
-        y.stride(0), RANK=rank, R_PAD=r_pad, SPLIT_K=splits, N_BLOCKS=n_blocks,
-        BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_N, DOT_PRECISION=precision)
+        y.stride(0), RANK=rank, R_PAD=_pad(rank), SPLIT_K=splits, N_GROUPS=groups,
+        N_TILES=tiles.n_tiles, BLOCK_M=BLOCK_ROWS, BLOCK_N=tiles.block_n,
+        DOT_PRECISION=precision, num_warps=tiles.expand_warps)
+
+
+def _pad(ranks: int) -> int:
+    """A tile's rank width: a power of two, at least tl.dot's 16."""
+    return max(16, triton.next_power_of_2(ranks))

@@ -114,6 +114,26 @@ def test_kernels_match_reference(rank, in_features, parts):
     assert torch.equal(got[x.shape[0]:], pad)
 
 
+@pytest.mark.parametrize("tiles", [
+    dict(block_n=16, n_tiles=3),  # a program's column tiles run past its part's end
+    dict(block_k=16, k_per_split=14, max_splits=5),  # five splits, the last one short
+], ids=["column-groups", "splits"])
+def test_kernels_under_other_launch_shapes(tiles):
+    """The shapes the benchmark's sweep tries give the same sums (q/k/v's 24 ranks at once)."""
+    kernels = pytest.importorskip("pagedserve.lora.kernels")
+    a, b, bounds = _factors(8, 72, [24, 12, 12], seed=3)
+    bounds_t = torch.tensor(bounds, dtype=torch.int32)
+    batch, x, y = _step(*STEP, 72, bounds[-1])
+    want = _reference(x, y, a, b, bounds, batch.token_slots[:x.shape[0]])
+    tiles = kernels.LoRATiles(**tiles)
+    assert kernels.split_k(72, tiles) == (5 if tiles.max_splits == 5 else 1)
+    a, b, bounds_t, x, y, rows, blocks = _on_kernels(
+        a, b, bounds_t, x, y, batch.sorted_rows, batch.blocks)
+    got = y.clone()
+    kernels.grouped(x, got, a, b, bounds, bounds_t, rows, blocks, batch.num_blocks, tiles)
+    _kernel_close(got, want)
+
+
 def test_kernels_skip_base_tokens_and_steps():
     kernels = pytest.importorskip("pagedserve.lora.kernels")
     a, b, bounds = _factors(16, 40, [24, 12, 12], seed=5)
