@@ -42,11 +42,11 @@ class LoRATiles:
     partials it sums serve them all."""
 
     block_k: int = 64
-    k_per_split: int = 1024
+    k_per_split: int = 256
     max_splits: int = 16
     shrink_warps: int = 4
     block_n: int = 128
-    n_tiles: int = 1
+    n_tiles: int = 4
     expand_warps: int = 4
 
 
@@ -142,8 +142,9 @@ def grouped(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torc
     assert x.stride(-1) == 1 and y.stride(-1) == 1 and lora_a.is_contiguous() \
         and lora_b.is_contiguous(), "LoRA kernels need row-major x, y and factors"
     parts, rank = len(bounds) - 1, lora_b.shape[-1]
-    splits = split_k(x.shape[1], tiles)
-    k_per_split = triton.cdiv(triton.cdiv(x.shape[1], splits), tiles.block_k) * tiles.block_k
+    k_per_split = triton.cdiv(triton.cdiv(x.shape[1], split_k(x.shape[1], tiles)),
+                              tiles.block_k) * tiles.block_k
+    splits = triton.cdiv(x.shape[1], k_per_split)  # rounding to block_k may leave one out
     partials = torch.empty(splits, x.shape[0], parts * rank, dtype=torch.float32,
                            device=x.device)
     precision = "ieee" if lora_a.dtype == torch.float32 else None
