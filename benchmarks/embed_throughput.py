@@ -199,6 +199,36 @@ def embed_phases(llm, texts: list[str], device: str) -> None:
     _sync(device)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    if device == "cuda":
+        host_syncs(llm, texts[:1024])
+
+
+def host_syncs(llm, texts: list[str]) -> None:
+    """The calls that make the host wait for the GPU inside LLM.embed (torch's sync debug
+    mode), counted by the line of ours that made them."""
+    import collections
+    import traceback
+    import warnings
+
+    where: collections.Counter = collections.Counter()
+
+    def note(message, category, filename, lineno, file=None, line=None) -> None:
+        ours = [f for f in traceback.extract_stack()[:-1] if "pagedserve" in f.filename]
+        frame = ours[-1] if ours else None
+        where[f"{frame.filename.split('pagedserve')[-1]}:{frame.lineno} {frame.line}"
+              if frame else f"{filename}:{lineno}"] += 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = note
+            llm.embed(texts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    print(f"host syncs in LLM.embed of {len(texts)} texts: {sum(where.values())}")
+    for place, n in where.most_common(8):
+        print(f"  {n:6d}  {place}")
 
 
 def serve_rate(path: Path, args: argparse.Namespace, texts: list[str]) -> float:

@@ -123,7 +123,15 @@ def main() -> int:
     p.add_argument("--skip", default="", help="comma list of base,one,mixed")
     p.add_argument("--smoke", action="store_true", help="tiny shape, CPU, few prompts")
     p.add_argument("--json")
+    p.add_argument("--lora-tiles", default=None, metavar="JSON",
+                   help="the LoRA kernels' launch shapes (kernels.LoRATiles fields; the "
+                        "in-process engine reads them), e.g. lora_kernels.py --sweep's best")
     args = p.parse_args()
+    if args.lora_tiles:
+        from pagedserve.lora import kernels
+
+        kernels.TILES = kernels.LoRATiles(**json.loads(args.lora_tiles))
+        print(f"LoRA launch shapes: {kernels.TILES}", flush=True)
     shape = RANDOM_PRESETS[args.model.removeprefix("random:")]
     if args.smoke:
         tiny = Path(tempfile.mkdtemp()) / "tiny.json"

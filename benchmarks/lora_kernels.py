@@ -19,6 +19,7 @@ a step's LoRA milliseconds (four projections, 32 layers) at each token count.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 import numpy as np
@@ -85,15 +86,29 @@ def row(name: str, tokens: int, adapters: int, rank: int, slots: int,
 
 
 def sweep(token_counts: list[int], rank: int, slots: int) -> None:
-    shapes = [dict(), *SHRINK_SHAPES[1:], *EXPAND_SHAPES]
+    """Prints each shape's step milliseconds, then the shrink's best joined with the expand's
+    best (timed too) and the best of all at the largest token count as one JSON line
+    (`lora_engine.py --lora-tiles` takes it)."""
     print("LoRA ms a step (4 projections x 32 layers), one adapter, by launch shape")
     print(f"{'shape':62s} " + " ".join(f"{'T=' + str(t):>8s}" for t in token_counts))
-    for shape in shapes:
+    last: dict[str, float] = {}  # each shape's ms at the largest token count, by JSON
+
+    def timed(shape: dict) -> None:
         tiles = kernels.LoRATiles(**shape)
         ms = [sum(row(name, t, 1, rank, slots, tiles, base_too=False)[1]
                   for name in PROJECTIONS) * LAYERS / 1e3 for t in token_counts]
+        last[json.dumps(shape)] = ms[-1]
         label = ", ".join(f"{k}={v}" for k, v in shape.items()) or "default"
-        print(f"{label:62s} " + " ".join(f"{m:8.3f}" for m in ms))
+        print(f"{label:62s} " + " ".join(f"{m:8.3f}" for m in ms), flush=True)
+
+    for shape in [*SHRINK_SHAPES, *EXPAND_SHAPES]:
+        timed(shape)
+    by_shrink = min(SHRINK_SHAPES, key=lambda s: last[json.dumps(s)])
+    by_expand = min([dict(), *EXPAND_SHAPES], key=lambda s: last[json.dumps(s)])
+    combined = {**by_shrink, **by_expand}
+    if json.dumps(combined) not in last:
+        timed(combined)
+    print("best:", min(last, key=last.get))
 
 
 def main() -> None:

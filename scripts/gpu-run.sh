@@ -29,7 +29,7 @@
 # stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
-# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 / lora32 / fp8linear /
+# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 / lora32 / call32 / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
@@ -742,6 +742,37 @@ stage_lora32() {  # lora31 split for a fresh machine: LoRA's GPU tests (and the 
     wait $warm; echo "exit $?" >>"$OUT/fi-warm.log"; tail -3 "$OUT/fi-warm.log"
     timeout 150 python3 benchmarks/lora_kernels.py >"$OUT/lora_kernels.log" 2>&1
     echo "exit $?" >>"$OUT/lora_kernels.log"; tail -50 "$OUT/lora_kernels.log"
+}
+
+stage_call32() {  # the thirty-second session's one call after its first rows: the gpu tests
+    # of its changes (in parallel), the embeddings' host phases (bge-base), EAGLE-3 on
+    # FLASHINFER (verify graphs planned with uniform_q_len), the FP8 batch-1 row, the LoRA
+    # kernels' launch-shape sweep, then issue #54's base and one-adapter rows under the
+    # sweep's best shape in whatever is left of CALL_LIMIT (default 580) seconds
+    setup_env
+    SHARD_TIMEOUT=${WAVE_TIMEOUT:-120}
+    shard_any lora tests/lora/test_lora_kernels.py tests/lora/test_lora_cuda_graphs.py \
+        tests/engine/test_sampler.py
+    shard verify tests/attention/test_flashinfer_verify.py tests/quantization/test_random_fp8.py
+    wait
+    tail -2 "$OUT/lora.log" "$OUT/verify.log"
+    timeout 90 python3 benchmarks/embed_throughput.py --device cuda --dtype bfloat16 \
+        --shape bge-base --num-texts 10000 --tokens 256 --st-batch-sizes 256 --phases \
+        >"$OUT/embed-phases.log" 2>&1
+    echo "exit $?" >>"$OUT/embed-phases.log"
+    grep -E "texts/s|phases:|host syncs|^  +[0-9]+  |exit" "$OUT/embed-phases.log"
+    grep -A22 "Ordered by" "$OUT/embed-phases.log" | tail -20
+    EAGLE_BACKENDS=default stage_wave25eagle
+    stage_fp8engine
+    timeout 100 python3 benchmarks/lora_kernels.py --sweep --tokens 64,256 \
+        >"$OUT/lora_sweep.log" 2>&1
+    echo "exit $?" >>"$OUT/lora_sweep.log"; tail -16 "$OUT/lora_sweep.log"
+    local tiles left=$(( ${CALL_LIMIT:-580} - SECONDS ))
+    tiles=$(sed -n 's/^best: //p' "$OUT/lora_sweep.log")
+    echo "LoRA rows: ${left} s left"
+    timeout "$left" python3 benchmarks/lora_engine.py --skip mixed --json "$OUT/lora.json" \
+        ${tiles:+--lora-tiles "$tiles"} >"$OUT/lora_engine.log" 2>&1
+    echo "exit $?" >>"$OUT/lora_engine.log"; grep -v " INFO " "$OUT/lora_engine.log" | tail -6
 }
 
 stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone (14 rows

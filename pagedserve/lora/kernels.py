@@ -125,20 +125,22 @@ def _expand(part_ptr, b_ptr, y_ptr, bounds_ptr, sorted_rows_ptr, blocks_ptr,
             tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def split_k(in_features: int, tiles: LoRATiles = TILES) -> int:
+def split_k(in_features: int, tiles: LoRATiles | None = None) -> int:
     """Splits of the shrink's input features (a function of the layer alone, so a token's
     sum is the same in any batch)."""
+    tiles = tiles or TILES
     return max(1, min(tiles.max_splits, in_features // tiles.k_per_split))
 
 
 def grouped(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
             bounds: list[int], bounds_device: torch.Tensor, sorted_rows: torch.Tensor,
-            blocks: torch.Tensor, num_blocks: int, tiles: LoRATiles = TILES) -> None:
+            blocks: torch.Tensor, num_blocks: int, tiles: LoRATiles | None = None) -> None:
     """y [T, out] += x [T, in]'s LoRA term over the first `num_blocks` of `blocks` (rows
     (slot, first, end) into `sorted_rows`, `LoRABatch`'s; empty ones skipped): two launches,
-    none when `num_blocks` is 0."""
+    none when `num_blocks` is 0. `tiles`: the module's `TILES` unless given."""
     if not num_blocks or not x.shape[0]:
         return
+    tiles = tiles or TILES
     assert x.stride(-1) == 1 and y.stride(-1) == 1 and lora_a.is_contiguous() \
         and lora_b.is_contiguous(), "LoRA kernels need row-major x, y and factors"
     parts, rank = len(bounds) - 1, lora_b.shape[-1]
