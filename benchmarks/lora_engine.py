@@ -76,14 +76,15 @@ def run(args: argparse.Namespace, adapters: list[Path] | None, mode: str) -> dic
     try:
         vocab = llm.engine.loaded.hf_config.vocab_size
         prompts = random_prompts(args.num_prompts, args.input_len, vocab)
-        if args.warmup:
-            llm.generate([{"prompt_token_ids": p} for p in prompts[:8]],
-                         use_tqdm=False)
         requests = None
         if adapters is not None:
             loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
             requests = ([loras[0]] * len(prompts) if mode == "one"
                         else [loras[i % len(loras)] for i in range(len(prompts))])
+        if args.warmup:  # with the run's adapters, so none is read from disk while timed
+            warm = len(loras) if adapters is not None else 8
+            llm.generate([{"prompt_token_ids": p} for p in prompts[:warm]], use_tqdm=False,
+                         lora_request=requests[:warm] if requests else None)
         row = throughput(llm, prompts, args.output_len, requests)
     finally:
         llm.close()
