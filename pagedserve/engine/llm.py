@@ -392,6 +392,8 @@ def _token_ids(ids: Any, what: str) -> list[int]:
     """Token ids as ints (numpy's and torch's integer scalars too); anything else named."""
     if not isinstance(ids, list | tuple):
         raise TypeError(f"{what} must be a list of token ids, got {type(ids).__name__}")
+    if all(type(t) is int for t in ids):  # the usual list: no per-id ABC check
+        return list(ids)
     bad = [t for t in ids if not _is_token_id(t)]
     if bad:
         raise TypeError(f"{what} must hold token ids (ints), got {bad[0]!r}")
