@@ -89,7 +89,9 @@ def add_pooling_request(engine: Any, request_id: str, prompt: str | list[int],
                           truncation_length(params, engine.max_model_len))[0] \
         if isinstance(prompt, str) else list(prompt)
     vocab = engine.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
+    # min/max run in C; the Python scan below only for a prompt that has a bad id
+    in_range = not ids or (min(ids) >= 0 and max(ids) < vocab)
+    bad = [] if in_range else [t for t in ids if not 0 <= t < vocab]
     if bad and pooler.num_token_types > 1:  # a pair's second segment rides in the ids
         from pagedserve.models.bert import TOKEN_TYPE_SHIFT
 
