@@ -37,6 +37,7 @@ from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.core_messages import CoreRequest, CoreStats, StepOutput
+from pagedserve.engine.gc_heap import freeze_startup_heap
 from pagedserve.sampling_params import specs_parsed_by_sender
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, con
         return
     conn.send(("ready", info))
     conn.close()
+    freeze_startup_heap()
     loop = CoreLoop(core, input_addr, output_addr, parent_pid)
     profile_path = envs.PAGEDSERVE_CORE_PROFILE
     if not profile_path:

@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.gc_heap import thaw_heap
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.lora.request import LoRARequest, per_prompt
@@ -63,6 +64,7 @@ class LLM:
             return
         engine.shutdown()
         del engine
+        thaw_heap()  # what start-up froze is this engine's too
         gc.collect()  # the engine's parts refer to each other
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

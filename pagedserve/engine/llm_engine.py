@@ -25,6 +25,7 @@ from pagedserve.engine.core_messages import (
     sequence_features,
 )
 from pagedserve.engine.dp_client import DPClient
+from pagedserve.engine.gc_heap import freeze_startup_heap, thaw_heap
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.engine.settings_checks import check_settings
@@ -62,6 +63,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         self.config = config
+        thaw_heap()  # an engine dropped since the last start-up can be collected
         self._checked_loras: set[LoRARequest] = set()  # adapters whose files were checked
         chat_template = check_settings(config)  # before the (slow) load
         self.pooler_config = resolve_pooler(config.model)  # None: a generating model
@@ -90,6 +92,7 @@ class LLMEngine:
                                  generating=self.pooler_config is None)
         self.mm_processor = self.images.processor
         self.mm_limits = self.images.limits
+        freeze_startup_heap()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:

@@ -208,3 +208,15 @@ def test_the_engine_seed_makes_unseeded_sampling_repeat(model_dir) -> None:
         torch.manual_seed(7)  # the state the engine started its first step from
         again = llm.generate(["hi", "there"], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+
+
+def test_a_started_engine_freezes_its_heap_and_a_closed_one_thaws_it(model_dir):
+    """Start-up's objects leave the collector's sight (engine/gc_heap.py); closing thaws them,
+    so the closed engine's reference cycles are freed, not kept frozen."""
+    import gc
+    import weakref
+
+    with LLM(model=model_dir, **ENGINE) as llm:
+        assert gc.get_freeze_count() > 0
+        core = weakref.ref(llm.engine.core)
+    assert gc.get_freeze_count() == 0 and core() is None
