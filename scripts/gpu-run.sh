@@ -745,10 +745,10 @@ stage_lora32() {  # lora31 split for a fresh machine: LoRA's GPU tests (and the 
 }
 
 stage_call32() {  # the thirty-second session's last call: the gpu tests of its changes (in
-    # parallel), EAGLE-3 on FLASHINFER (verify graphs planned with uniform_q_len), the FP8
-    # batch-1 row, the LoRA kernels' launch-shape sweep at 256 tokens, issue #54's base and
-    # one-adapter rows under the sweep's best shape, then the embeddings' host phases
-    # (bge-base) if CALL_LIMIT (default 580) seconds allow
+    # parallel), the embeddings' host phases (bge-base), the LoRA kernels' launch-shape sweep
+    # at 256 tokens, issue #54's base and one-adapter rows under the sweep's best shape, then
+    # EAGLE-3 on FLASHINFER (verify graphs planned with uniform_q_len) and the FP8 batch-1 row
+    # while CALL_LIMIT (default 580) seconds allow
     setup_env
     SHARD_TIMEOUT=${WAVE_TIMEOUT:-120}
     shard_any lora tests/lora/test_lora_kernels.py tests/lora/test_lora_cuda_graphs.py \
@@ -756,8 +756,12 @@ stage_call32() {  # the thirty-second session's last call: the gpu tests of its 
     shard verify tests/attention/test_flashinfer_verify.py tests/quantization/test_random_fp8.py
     wait
     tail -2 "$OUT/lora.log" "$OUT/verify.log"
-    EAGLE_BACKENDS=default stage_wave25eagle
-    stage_fp8engine
+    timeout 80 python3 benchmarks/embed_throughput.py --device cuda --dtype bfloat16 \
+        --shape bge-base --num-texts 10000 --tokens 256 --st-batch-sizes 256 --phases \
+        >"$OUT/embed-phases.log" 2>&1
+    echo "exit $?" >>"$OUT/embed-phases.log"
+    grep -E "texts/s|phases:|host syncs|^  +[0-9]+  |exit" "$OUT/embed-phases.log"
+    grep -A22 "Ordered by" "$OUT/embed-phases.log" | tail -20
     timeout 70 python3 benchmarks/lora_kernels.py --sweep --tokens 256 \
         >"$OUT/lora_sweep.log" 2>&1
     echo "exit $?" >>"$OUT/lora_sweep.log"; tail -16 "$OUT/lora_sweep.log"
@@ -767,14 +771,9 @@ stage_call32() {  # the thirty-second session's last call: the gpu tests of its 
     timeout "$left" python3 benchmarks/lora_engine.py --skip mixed --json "$OUT/lora.json" \
         ${tiles:+--lora-tiles "$tiles"} >"$OUT/lora_engine.log" 2>&1
     echo "exit $?" >>"$OUT/lora_engine.log"; grep -v " INFO " "$OUT/lora_engine.log" | tail -6
-    left=$(( ${CALL_LIMIT:-580} - SECONDS - 5 ))
-    [ "$left" -gt 30 ] || return 0
-    timeout "$left" python3 benchmarks/embed_throughput.py --device cuda --dtype bfloat16 \
-        --shape bge-base --num-texts 10000 --tokens 256 --st-batch-sizes 256 --phases \
-        >"$OUT/embed-phases.log" 2>&1
-    echo "exit $?" >>"$OUT/embed-phases.log"
-    grep -E "texts/s|phases:|host syncs|^  +[0-9]+  |exit" "$OUT/embed-phases.log"
-    grep -A22 "Ordered by" "$OUT/embed-phases.log" | tail -20
+    [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 60 ] && EAGLE_BACKENDS=default stage_wave25eagle
+    [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 70 ] && stage_fp8engine
+    return 0
 }
 
 stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone (14 rows
