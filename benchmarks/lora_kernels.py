@@ -58,11 +58,8 @@ def time_us(fn) -> float:
     return statistics.median(times)
 
 
-SHRINK_SHAPES = [dict(), dict(k_per_split=1024), dict(k_per_split=512),
-                 dict(max_splits=32), dict(block_k=128, k_per_split=512),
-                 dict(shrink_warps=8)]
-EXPAND_SHAPES = [dict(n_tiles=1), dict(n_tiles=8), dict(block_n=64),
-                 dict(block_n=256, n_tiles=2, expand_warps=8), dict(block_n=64, n_tiles=1)]
+SHRINK_SHAPES = [dict(), dict(k_per_split=1024), dict(k_per_split=512)]
+EXPAND_SHAPES = [dict(n_tiles=1), dict(block_n=64), dict(block_n=256, n_tiles=2, expand_warps=8)]
 
 
 def row(name: str, tokens: int, adapters: int, rank: int, slots: int,
