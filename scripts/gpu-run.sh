@@ -29,7 +29,7 @@
 # stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
-# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 / lora32 / call32 / fp8linear /
+# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 / lora32 / call32 / call32b / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
@@ -775,6 +775,31 @@ stage_call32() {  # the thirty-second session's last call: the gpu tests of its 
     [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 60 ] && EAGLE_BACKENDS=default stage_wave25eagle
     [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 70 ] && stage_fp8engine
     return 0
+}
+
+stage_call32b() {  # call32 cut to 250 s: the gpu tests of this session's changes, then issue
+    # #54's base and one-adapter rows under LoRA's default launch shapes, then the
+    # embeddings' host phases while CALL_LIMIT (default 250) seconds allow
+    setup_env
+    SHARD_TIMEOUT=${WAVE_TIMEOUT:-90}
+    shard_any lora tests/lora/test_lora_kernels.py tests/lora/test_lora_cuda_graphs.py \
+        tests/engine/test_sampler.py
+    shard verify tests/attention/test_flashinfer_verify.py tests/quantization/test_random_fp8.py
+    wait
+    tail -2 "$OUT/lora.log" "$OUT/verify.log"
+    local left=$(( ${CALL_LIMIT:-250} - SECONDS - 5 ))
+    echo "LoRA rows: ${left} s left"
+    timeout "$left" python3 benchmarks/lora_engine.py --skip mixed --json "$OUT/lora.json" \
+        >"$OUT/lora_engine.log" 2>&1
+    echo "exit $?" >>"$OUT/lora_engine.log"; grep -v " INFO " "$OUT/lora_engine.log" | tail -6
+    left=$(( ${CALL_LIMIT:-250} - SECONDS - 5 ))
+    [ "$left" -gt 40 ] || return 0
+    PAGEDSERVE_ATTENTION_BACKEND=FLASH_ATTN timeout "$left" python3 \
+        benchmarks/embed_throughput.py --device cuda --dtype bfloat16 --shape bge-base \
+        --num-texts 10000 --tokens 256 --st-batch-sizes 256 --phases \
+        >"$OUT/embed-phases.log" 2>&1
+    echo "exit $?" >>"$OUT/embed-phases.log"
+    grep -E "texts/s|phases:|host syncs|^  +[0-9]+  |exit" "$OUT/embed-phases.log"
 }
 
 stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone (14 rows
