@@ -87,6 +87,24 @@ def test_texts_tokenized_in_chunks_beside_the_engine(llm, texts, reference, monk
     assert not llm.engine.has_unfinished_requests() and llm.engine.check_blocks_free()
 
 
+def test_tokenizing_through_the_backend_equals_the_tokenizers_call(llm, texts):
+    """Without truncation, texts go straight to the fast tokenizer's backend: the same ids as
+    transformers' call; a backend that truncates or pads of its own is left to that call."""
+    from pagedserve.pooling.front import _plain_backend, tokenize_inputs
+
+    tokenizer = llm.tokenizer
+    want = [list(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+    assert _plain_backend(tokenizer) is not None
+    assert tokenize_inputs(tokenizer, texts) == want
+    backend = tokenizer._tokenizer
+    backend.enable_truncation(max_length=4)
+    try:
+        assert _plain_backend(tokenizer) is None
+        assert tokenize_inputs(tokenizer, texts) == want  # transformers' call truncates not
+    finally:
+        backend.no_truncation()
+
+
 def test_whole_prompts_under_a_small_token_budget(model_dir, texts, reference):
     """A step budget smaller than the batch: every prompt still runs whole, in one step (never
     a chunk), with async scheduling too; nothing is held afterwards."""
