@@ -51,6 +51,10 @@ class LoRATiles:
 
 
 TILES = LoRATiles()
+# The shrink's ranks a program at most (its float32 accumulator is 16 x this): q/k/v at rank
+# 64 (192 ranks) takes two programs a split, not one of 256.
+MAX_SHRINK_RANKS = 128
+EXPAND_TILE_ELEMENTS = 128 * 64  # the expand's B tile at most (see expand_block_n)
 
 
 @triton.jit
@@ -69,13 +73,15 @@ def _block_rows(sorted_rows_ptr, blocks_ptr, block, BLOCK_M: tl.constexpr):
 @triton.jit
 def _shrink(x_ptr, a_ptr, part_ptr, sorted_rows_ptr, blocks_ptr, in_features, k_per_split,
             stride_x, stride_as, stride_ar, stride_split, stride_r,
-            RANKS: tl.constexpr, R_PAD: tl.constexpr,
+            RANKS: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Every fused part's ranks at once (RANKS = parts x rank): x is read once a split."""
-    block, split = tl.program_id(0), tl.program_id(1)
+    """The fused parts' ranks side by side (RANKS = parts x rank), R_PAD of them a program:
+    with the usual ranks every part's at once, so x is read once a split."""
+    block, pid = tl.program_id(0), tl.program_id(1)
+    chunk, split = pid // SPLIT_K, pid % SPLIT_K
     slot, rows, row_ok, num_rows = _block_rows(sorted_rows_ptr, blocks_ptr, block, BLOCK_M)
     if num_rows > 0:
-        ranks = tl.arange(0, R_PAD)
+        ranks = chunk * R_PAD + tl.arange(0, R_PAD)
         rank_ok = ranks < RANKS
         a_rows = a_ptr + slot * stride_as + ranks * stride_ar
         acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
@@ -150,20 +156,31 @@ def grouped(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torc
     partials = torch.empty(splits, x.shape[0], parts * rank, dtype=torch.float32,
                            device=x.device)
     precision = "ieee" if lora_a.dtype == torch.float32 else None
-    _shrink[(num_blocks, splits)](
+    ranks = parts * rank
+    chunk = min(_pad(ranks), MAX_SHRINK_RANKS)
+    _shrink[(num_blocks, triton.cdiv(ranks, chunk) * splits)](
         x, lora_a, partials, sorted_rows, blocks, x.shape[1], k_per_split,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), partials.stride(0),
-        partials.stride(1), RANKS=parts * rank, R_PAD=_pad(parts * rank),
+        partials.stride(1), RANKS=ranks, R_PAD=chunk, SPLIT_K=splits,
         BLOCK_M=BLOCK_ROWS, BLOCK_K=tiles.block_k, DOT_PRECISION=precision,
         num_warps=tiles.shrink_warps)
     widest = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
-    groups = triton.cdiv(widest, tiles.n_tiles * tiles.block_n)
+    block_n = expand_block_n(rank, tiles)
+    groups = triton.cdiv(widest, tiles.n_tiles * block_n)
     _expand[(num_blocks, parts * groups)](
         partials, lora_b, y, bounds_device, sorted_rows, blocks,
         partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1),
         y.stride(0), RANK=rank, R_PAD=_pad(rank), SPLIT_K=splits, N_GROUPS=groups,
-        N_TILES=tiles.n_tiles, BLOCK_M=BLOCK_ROWS, BLOCK_N=tiles.block_n,
+        N_TILES=tiles.n_tiles, BLOCK_M=BLOCK_ROWS, BLOCK_N=block_n,
         DOT_PRECISION=precision, num_warps=tiles.expand_warps)
+
+
+def expand_block_n(rank: int, tiles: LoRATiles | None = None) -> int:
+    """The expand's column tile: `tiles.block_n`, narrowed for large ranks so its B tile stays
+    at most EXPAND_TILE_ELEMENTS elements (float32 at rank 256 and 128 columns
+    asked for 274 KB of shared memory, past a Hopper block's 227)."""
+    tiles = tiles or TILES
+    return max(16, min(tiles.block_n, EXPAND_TILE_ELEMENTS // _pad(rank)))
 
 
 def _pad(ranks: int) -> int:

@@ -114,13 +114,21 @@ def test_kernels_match_reference(rank, in_features, parts):
     assert torch.equal(got[x.shape[0]:], pad)
 
 
-@pytest.mark.parametrize("tiles", [
-    dict(block_n=16, n_tiles=3),  # a program's column tiles run past its part's end
-    dict(block_k=16, k_per_split=14, max_splits=5),  # five splits, the last one short
-], ids=["column-groups", "splits"])
-def test_kernels_under_other_launch_shapes(tiles):
-    """The shapes the benchmark's sweep tries give the same sums (q/k/v's 24 ranks at once)."""
+@pytest.mark.parametrize("tiles, max_ranks", [
+    (dict(block_n=16, n_tiles=3), 128),  # a program's column tiles run past its part's end
+    (dict(block_k=16, k_per_split=14, max_splits=5), 128),  # five splits, the last one short
+    (dict(), 16),  # q/k/v's 24 ranks over two shrink programs, the second half empty
+], ids=["column-groups", "splits", "large-rank-tiles"])
+def test_kernels_under_other_launch_shapes(tiles, max_ranks, monkeypatch):
+    """The shapes the benchmark's sweep tries give the same sums (q/k/v's 24 ranks in one
+    shrink program), and so do large ranks' (here made small): the shrink's ranks in chunks
+    of `max_ranks`, the expand's column tiles narrowed."""
     kernels = pytest.importorskip("pagedserve.lora.kernels")
+    assert kernels.expand_block_n(16) == 128 and kernels.expand_block_n(256) == 32
+    monkeypatch.setattr(kernels, "MAX_SHRINK_RANKS", max_ranks)
+    if max_ranks == 16:
+        monkeypatch.setattr(kernels, "EXPAND_TILE_ELEMENTS", 16 * 16)
+        assert kernels.expand_block_n(8) == 16
     a, b, bounds = _factors(8, 72, [24, 12, 12], seed=3)
     bounds_t = torch.tensor(bounds, dtype=torch.int32)
     batch, x, y = _step(*STEP, 72, bounds[-1])
