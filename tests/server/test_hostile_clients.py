@@ -32,8 +32,9 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
+    # A drain of 0.3 s: the shutdown test, this server's last user, stops it.
     proc = ServerProcess(["--model", model_dir, *CPU, "--max-request-body-bytes", "200000",
-                          "--max-n", "4"],
+                          "--max-n", "4", "--shutdown-timeout", "0.3"],
                          tmp_path_factory.mktemp("log") / "server.log")
     yield proc
     proc.stop()
@@ -218,9 +219,9 @@ def test_fuzzed_bodies_never_get_a_5xx(server) -> None:
 
 # ---- shutdown -----------------------------------------------------------------------------
 
-def test_shutdown_drains_then_ends_streams_with_an_error(model_dir, tmp_path) -> None:
-    proc = ServerProcess(["--model", model_dir, *CPU, "--shutdown-timeout", "0.3"],
-                         tmp_path / "log")
+# The module server's last user (a start of its own took ~5 s): the drain stops it.
+def test_shutdown_drains_then_ends_streams_with_an_error(server) -> None:
+    proc = server
     events: list[str] = []
     started = threading.Event()
     # ~500 tokens: seconds of work, far past the drain's 0.3 s.
