@@ -98,8 +98,12 @@ VARIANT = {"qwen3": {"kv_cache_memory": None, "num_gpu_blocks_override": 16,
            "llama": {"async_scheduling": True}}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "llama" else n
-                                  for n in CONFIGS])
+# Qwen3-MoE is slow: its experts' split (SparseMoeBlock over FusedMoE, per-expert safetensors
+# names) runs at two ranks in test_deepseek_tensor_parallel.py::test_two_ranks_equal_transformers
+# [v3] and test_gpt_oss_mxfp4_two_ranks_match_one, its top-k router in
+# test_qwen3_next_tensor_parallel.py::test_two_ranks_equal_transformers[moe].
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n in ("llama", "qwen3_moe") else n for n in CONFIGS])
 def test_two_ranks_match_one(models, name):
     path, expected = models[name]
     llm = LLM(model=path, tensor_parallel_size=2, **{**ENGINE, **VARIANT.get(name, {})})

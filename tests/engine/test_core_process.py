@@ -208,12 +208,13 @@ def test_async_llm_disconnect_frees_the_cores_blocks(tiny_dir):
     assert _no_core_left(before)
 
 
-def test_killed_core_fails_pending_requests(tiny_dir):
-    before = engine_core_pids()
-    llm = LLM(model=tiny_dir, dtype="float32", kv_cache_memory="16MiB",
-              engine_core_process=True)
+# The module's last test of `engines`: it kills the shared core (instead of starting one of
+# its own); the fixture's shutdown then finds nothing left to do.
+def test_killed_core_fails_pending_requests(engines):
+    _, llm = engines
     engine = llm.engine
     proc = engine.client.proc
+    before = engine_core_pids() - {proc.pid}
     engine.add_request("a", "Hello", SamplingParams(max_tokens=400, ignore_eos=True))
     while not engine.step():
         pass
@@ -274,20 +275,36 @@ def test_deleted_llm_leaves_no_process(tiny_dir):
     assert _no_core_left(before)
 
 
-def test_closed_llm_leaves_no_process(tiny_dir):
+def test_closed_llm_leaves_no_process_and_its_profile(tiny_dir, tmp_path, monkeypatch):
     """`with LLM(...)` closes the engine on leaving: its core process ends, and the LLM is
-    unusable (a second close does nothing)."""
+    unusable (a second close does nothing). PAGEDSERVE_CORE_PROFILE makes the core process
+    write a cProfile of its loop when it stops, and its counters say how long its steps took
+    and how much of that was waiting (one core start for both: each takes ~5 s)."""
+    import pstats
+
+    path = tmp_path / "core.prof"
+    monkeypatch.setenv("PAGEDSERVE_CORE_PROFILE", str(path))
     before = engine_core_pids()
     with LLM(model=tiny_dir, dtype="float32", kv_cache_memory="16MiB",
              engine_core_process=True) as llm:
         proc = llm.engine.client.proc
         assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+        llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        stats = llm.engine.call_utility("stats")
+        assert stats.num_steps >= 4 and stats.step_seconds > 0
+        assert 0 <= stats.wait_seconds <= stats.step_seconds
     proc.join(15)
     assert not proc.is_alive()
     assert _no_core_left(before)
     with pytest.raises(AttributeError):
         llm.generate("Hi", use_tqdm=False)
     llm.close()
+    deadline = time.monotonic() + 15
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    functions = {name for _, _, name in pstats.Stats(str(path)).stats}
+    assert "step" in functions and "schedule" in functions
 
 
 def test_arrays_cross_the_socket_as_bytes():
@@ -388,24 +405,3 @@ def test_cuda_bench_throughput_in_both_modes(capsys, mode):
                "--output-len", "32", mode])
     out = capsys.readouterr().out
     assert rc == 0 and "Total num output tokens: 2048" in out
-
-
-def test_core_profile_and_step_counters(tiny_dir, tmp_path, monkeypatch):
-    """PAGEDSERVE_CORE_PROFILE makes the core process write a cProfile of its loop when it
-    stops, and its counters say how long its steps took and how much of that was waiting."""
-    import pstats
-
-    path = tmp_path / "core.prof"
-    monkeypatch.setenv("PAGEDSERVE_CORE_PROFILE", str(path))
-    llm = LLM(model=tiny_dir, dtype="float32", kv_cache_memory="16MiB", engine_core_process=True)
-    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
-    stats = llm.engine.call_utility("stats")
-    assert stats.num_steps >= 4 and stats.step_seconds > 0
-    assert 0 <= stats.wait_seconds <= stats.step_seconds
-    llm.engine.shutdown()
-    deadline = time.monotonic() + 15
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    functions = {name for _, _, name in pstats.Stats(str(path)).stats}
-    assert "step" in functions and "schedule" in functions

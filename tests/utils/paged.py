@@ -4,6 +4,8 @@ does and call the model under the forward context."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -198,12 +200,36 @@ def model_with_tokenizer() -> dict[str, str]:
     return {"model": str(bundled_gguf())}
 
 
+# tiny_chat_model's directories made in this process, by (init_std, max_positions): the same
+# seed makes the same files, which a copy gives in a tenth of the time of saving them again
+# (some twenty modules make one each).
+# The CPU generator's state the making left is restored with each copy, as if made again.
+_TINY_CHAT_MODELS: dict[tuple[float | None, int], tuple[Path, torch.Tensor]] = {}
+_TINY_CHAT_CACHE: tempfile.TemporaryDirectory | None = None
+
+
 def tiny_chat_model(path: Path, init_std: float | None = None, max_positions: int = 512
                     ) -> Path:
     """A tiny random Llama (2 layers, hidden 128, head size 64: every backend takes it) with the
     bundled SmolLM2's tokenizer and chat template saved beside it: a model directory that takes
     text and chat prompts and loads in a second. `init_std` widens the random weights (0.2
     keeps greedy choices clear of ties, so rounding in another thread pool cannot flip them)."""
+    global _TINY_CHAT_CACHE
+    key = (init_std, max_positions)
+    if key not in _TINY_CHAT_MODELS:
+        if _TINY_CHAT_CACHE is None:
+            _TINY_CHAT_CACHE = tempfile.TemporaryDirectory(prefix="tiny_chat_models")
+        made = Path(_TINY_CHAT_CACHE.name) / str(len(_TINY_CHAT_MODELS))
+        _save_tiny_chat_model(made, init_std, max_positions)
+        _TINY_CHAT_MODELS[key] = made, torch.get_rng_state()
+    made, rng_state = _TINY_CHAT_MODELS[key]
+    shutil.copytree(made, path, dirs_exist_ok=True)
+    torch.manual_seed(0)  # as the making seeds every device's generator
+    torch.set_rng_state(rng_state)
+    return path
+
+
+def _save_tiny_chat_model(path: Path, init_std: float | None, max_positions: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagedserve.models.gguf_file import gguf_tokenizer
@@ -218,4 +244,3 @@ def tiny_chat_model(path: Path, init_std: float | None = None, max_positions: in
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return path
