@@ -29,7 +29,8 @@
 # stage's wait), mlasweep (TRITON_MLA's launch-shape sweep), hoststep (benchmarks/host_step.py
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
-# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 / lora32 / call32 / call32b / fp8linear /
+# wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 /
+# lora32 / call32 (call32tests, embedphases, lorasweep, lorarows) / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
@@ -744,11 +745,20 @@ stage_lora32() {  # lora31 split for a fresh machine: LoRA's GPU tests (and the 
     echo "exit $?" >>"$OUT/lora_kernels.log"; tail -50 "$OUT/lora_kernels.log"
 }
 
-stage_call32() {  # the thirty-second session's last call: the gpu tests of its changes (in
-    # parallel), the embeddings' host phases (bge-base), the LoRA kernels' launch-shape sweep
-    # at 256 tokens, issue #54's base and one-adapter rows under the sweep's best shape, then
-    # EAGLE-3 on FLASHINFER (verify graphs planned with uniform_q_len) and the FP8 batch-1 row
-    # while CALL_LIMIT (default 580) seconds allow
+stage_call32() {  # the thirty-second session's changes on a GPU: their tests, the embeddings'
+    # host phases, the LoRA kernels' sweep and #54's rows under its best shape, then EAGLE-3
+    # on FLASHINFER and the FP8 batch-1 row while CALL_LIMIT (default 580) seconds allow. A
+    # shorter call runs the parts it can afford, e.g. `install call32tests lorarows`.
+    stage_call32tests
+    stage_embedphases
+    stage_lorasweep
+    stage_lorarows
+    [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 60 ] && EAGLE_BACKENDS=default stage_wave25eagle
+    [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 70 ] && stage_fp8engine
+    return 0
+}
+
+stage_call32tests() {  # the gpu tests of the thirty-second session's changes, in parallel
     setup_env
     SHARD_TIMEOUT=${WAVE_TIMEOUT:-120}
     shard_any lora tests/lora/test_lora_kernels.py tests/lora/test_lora_cuda_graphs.py \
@@ -756,50 +766,41 @@ stage_call32() {  # the thirty-second session's last call: the gpu tests of its 
     shard verify tests/attention/test_flashinfer_verify.py tests/quantization/test_random_fp8.py
     wait
     tail -2 "$OUT/lora.log" "$OUT/verify.log"
-    # FLASH_ATTN: FlashInfer's head-64 ragged prefill would compile (~90 s) on a fresh machine
-    PAGEDSERVE_ATTENTION_BACKEND=FLASH_ATTN timeout 80 python3 benchmarks/embed_throughput.py \
-        --device cuda --dtype bfloat16 --shape bge-base --num-texts 10000 --tokens 256 \
-        --st-batch-sizes 256 --phases >"$OUT/embed-phases.log" 2>&1
-    echo "exit $?" >>"$OUT/embed-phases.log"
-    grep -E "texts/s|phases:|host syncs|^  +[0-9]+  |exit" "$OUT/embed-phases.log"
-    grep -A22 "Ordered by" "$OUT/embed-phases.log" | tail -20
-    timeout 70 python3 benchmarks/lora_kernels.py --sweep --tokens 256 \
-        >"$OUT/lora_sweep.log" 2>&1
-    echo "exit $?" >>"$OUT/lora_sweep.log"; tail -16 "$OUT/lora_sweep.log"
-    local tiles left=$(( ${CALL_LIMIT:-580} - SECONDS - 5 ))
-    tiles=$(sed -n 's/^best: //p' "$OUT/lora_sweep.log")
-    echo "LoRA rows: ${left} s left"
-    timeout "$left" python3 benchmarks/lora_engine.py --skip mixed --json "$OUT/lora.json" \
-        ${tiles:+--lora-tiles "$tiles"} >"$OUT/lora_engine.log" 2>&1
-    echo "exit $?" >>"$OUT/lora_engine.log"; grep -v " INFO " "$OUT/lora_engine.log" | tail -6
-    [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 60 ] && EAGLE_BACKENDS=default stage_wave25eagle
-    [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 70 ] && stage_fp8engine
-    return 0
 }
 
-stage_call32b() {  # call32 cut to 250 s: the gpu tests of this session's changes, then issue
-    # #54's base and one-adapter rows under LoRA's default launch shapes, then the
-    # embeddings' host phases while CALL_LIMIT (default 250) seconds allow
+stage_embedphases() {  # where LLM.embed's host time goes (bge-base, 10,000 x 256 tokens),
+    # within what is left of CALL_LIMIT; FLASH_ATTN: FlashInfer's head-64 ragged prefill
+    # would compile (~90 s) on a fresh machine
     setup_env
-    SHARD_TIMEOUT=${WAVE_TIMEOUT:-90}
-    shard_any lora tests/lora/test_lora_kernels.py tests/lora/test_lora_cuda_graphs.py \
-        tests/engine/test_sampler.py
-    shard verify tests/attention/test_flashinfer_verify.py tests/quantization/test_random_fp8.py
-    wait
-    tail -2 "$OUT/lora.log" "$OUT/verify.log"
-    local left=$(( ${CALL_LIMIT:-250} - SECONDS - 5 ))
-    echo "LoRA rows: ${left} s left"
-    timeout "$left" python3 benchmarks/lora_engine.py --skip mixed --json "$OUT/lora.json" \
-        >"$OUT/lora_engine.log" 2>&1
-    echo "exit $?" >>"$OUT/lora_engine.log"; grep -v " INFO " "$OUT/lora_engine.log" | tail -6
-    left=$(( ${CALL_LIMIT:-250} - SECONDS - 5 ))
-    [ "$left" -gt 40 ] || return 0
+    local left=$(( ${CALL_LIMIT:-580} - SECONDS - 5 ))
+    [ "$left" -gt 40 ] || { echo "embedphases skipped: ${left} s left"; return 0; }
+    [ "$left" -lt 80 ] || left=80
     PAGEDSERVE_ATTENTION_BACKEND=FLASH_ATTN timeout "$left" python3 \
         benchmarks/embed_throughput.py --device cuda --dtype bfloat16 --shape bge-base \
         --num-texts 10000 --tokens 256 --st-batch-sizes 256 --phases \
         >"$OUT/embed-phases.log" 2>&1
     echo "exit $?" >>"$OUT/embed-phases.log"
     grep -E "texts/s|phases:|host syncs|^  +[0-9]+  |exit" "$OUT/embed-phases.log"
+    grep -A22 "Ordered by" "$OUT/embed-phases.log" | tail -20
+}
+
+stage_lorasweep() {  # the LoRA kernels' launch shapes at 256 tokens; its last line ("best:")
+    # is what lorarows runs under
+    setup_env
+    timeout 70 python3 benchmarks/lora_kernels.py --sweep --tokens 256 \
+        >"$OUT/lora_sweep.log" 2>&1
+    echo "exit $?" >>"$OUT/lora_sweep.log"; tail -16 "$OUT/lora_sweep.log"
+}
+
+stage_lorarows() {  # issue #54's base and one-adapter rows, under lorasweep's best shape when
+    # it ran (else the defaults), in what is left of CALL_LIMIT
+    setup_env
+    local tiles left=$(( ${CALL_LIMIT:-580} - SECONDS - 5 ))
+    tiles=$(sed -n 's/^best: //p' "$OUT/lora_sweep.log" 2>/dev/null)
+    echo "LoRA rows: ${left} s left"
+    timeout "$left" python3 benchmarks/lora_engine.py --skip mixed --json "$OUT/lora.json" \
+        ${tiles:+--lora-tiles "$tiles"} >"$OUT/lora_engine.log" 2>&1
+    echo "exit $?" >>"$OUT/lora_engine.log"; grep -v " INFO " "$OUT/lora_engine.log" | tail -6
 }
 
 stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alone (14 rows
