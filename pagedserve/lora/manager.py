@@ -32,7 +32,9 @@ class LoRAManager:
         self.dtype = param.dtype if param.dtype.is_floating_point and param.element_size() > 1 \
             else torch.bfloat16
         if param.device.type == "cuda" and self.dtype == torch.float32 and max_lora_rank > 256:
-            # the kernels' float32 tiles of a rank padded to 512 pass a Hopper block's 227 KB
+            # The first grouped kernels' float32 tiles at rank 512 passed a Hopper block's
+            # 227 KB; the reshaped ones compile to 96 KB there (lora_kernels_compile.py) but
+            # have not run on a GPU at that rank, so the refusal stays until they have.
             raise ValueError(f"--max-lora-rank {max_lora_rank} with float32 factors on CUDA: "
                              "at most 256 (or a 16-bit --dtype)")
         self.batch = LoRABatch(max_tokens, max_loras, param.device)
