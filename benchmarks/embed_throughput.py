@@ -172,8 +172,7 @@ def embed_phases(llm, texts: list[str], device: str) -> None:
     """Where LLM.embed's wall time goes: the tokenizer over every text at once, LLM.embed of
     the texts and of their token ids (steps, the core's host ms a step, its ms waiting for the
     device), then the texts' call under cProfile (the calling thread's top functions)."""
-    import cProfile
-    import pstats
+    from step_profile import host_profile, host_syncs
 
     from pagedserve.pooling.front import tokenize_inputs
 
@@ -193,42 +192,10 @@ def embed_phases(llm, texts: list[str], device: str) -> None:
         dev = (after.device_seconds - before.device_seconds) / steps * 1e3
         print(f"phases: LLM.embed({name}) {wall:.2f} s, {steps} steps, {wall / steps * 1e3:.1f} "
               f"ms a step: core {core:.1f} ms (waiting {wait:.1f}), device {dev:.1f} ms")
-    prof = cProfile.Profile()
-    prof.enable()
-    llm.embed(texts)
-    _sync(device)
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    host_profile(lambda: (llm.embed(texts), _sync(device)), top=18)
     if device == "cuda":
-        host_syncs(llm, texts[:1024])
-
-
-def host_syncs(llm, texts: list[str]) -> None:
-    """The calls that make the host wait for the GPU inside LLM.embed (torch's sync debug
-    mode), counted by the line of ours that made them."""
-    import collections
-    import traceback
-    import warnings
-
-    where: collections.Counter = collections.Counter()
-
-    def note(message, category, filename, lineno, file=None, line=None) -> None:
-        ours = [f for f in traceback.extract_stack()[:-1] if "pagedserve" in f.filename]
-        frame = ours[-1] if ours else None
-        where[f"{frame.filename.split('pagedserve')[-1]}:{frame.lineno} {frame.line}"
-              if frame else f"{filename}:{lineno}"] += 1
-
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = note
-            llm.embed(texts)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    print(f"host syncs in LLM.embed of {len(texts)} texts: {sum(where.values())}")
-    for place, n in where.most_common(8):
-        print(f"  {n:6d}  {place}")
+        print(f"in LLM.embed of {min(len(texts), 1024)} texts:")
+        host_syncs(lambda: llm.embed(texts[:1024]))
 
 
 def serve_rate(path: Path, args: argparse.Namespace, texts: list[str]) -> float:

@@ -20,6 +20,11 @@ the config's `model`, e.g. for the 8B shape at a mean acceptance length of about
         '{"method": "eagle3", "num_speculative_tokens": 3, "model": "-", \
           "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.8}'
 
+`--profile` then runs the first batch size once more with speculation under the profilers:
+the GPU's busy share a step (torch.profiler, CUDA kernels), the core's top host functions
+(cProfile) and the lines of ours that make the host wait for the GPU (torch's sync debug
+mode); the engine runs in this process, so both see its steps.
+
 A `random:` DeepSeek target (`--model random:deepseek-v2-lite`) takes `"method": "mtp"` with a
 random-weight MTP layer the same way. Each
 row runs the engine without speculation, then with it, alternating `--repeats` times; the
@@ -113,6 +118,31 @@ def random_head(model: str | None, draft_vocab: int) -> str:
                                     draft_vocab or None)
 
 
+def profile_steps(llm: LLM, prompts: list[list[int]], output_len: int, guided: bool) -> None:
+    """One run of `prompts` under each profiler (see the module's docstring)."""
+    import collections
+
+    import torch
+    from step_profile import host_profile, host_syncs, kernel_events, union_seconds
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        elapsed, before, after, _ = run(llm, prompts, output_len, guided)
+        torch.cuda.synchronize()
+    steps = max(after.num_steps - before.num_steps, 1)
+    events = kernel_events(prof)
+    busy = union_seconds([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events])
+    print(f"profiled: {steps} steps, {elapsed / steps * 1e3:.2f} ms a step; kernels running "
+          f"{busy / elapsed:.1%} of it ({busy / steps * 1e3:.2f} ms a step)")
+    by_name: collections.Counter = collections.Counter()
+    for e in events:
+        by_name[e.name()[:64]] += e.duration_ns()
+    for name, ns in by_name.most_common(10):
+        print(f"  {name:64s} {ns / steps / 1e6:7.3f} ms a step")
+    host_profile(lambda: run(llm, prompts, output_len, guided), top=30)
+    host_syncs(lambda: run(llm, prompts, min(output_len, 32), guided), top=12)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -128,6 +158,8 @@ def main() -> None:
                         help="copy a JSON record under its schema (guided decoding)")
     parser.add_argument("--random-eagle3-head", type=int, default=None, metavar="DRAFT_VOCAB",
                         help="time a random-weight EAGLE-3 head of the target's shape")
+    parser.add_argument("--profile", action="store_true",
+                        help="then profile the first batch size with speculation (CUDA)")
     parser.add_argument("--engine-args", default="{}",
                         help="more LLM(...) keywords as JSON, e.g. '{\"device\": \"cpu\"}'")
     args = parser.parse_args()
@@ -162,6 +194,12 @@ def main() -> None:
             print("  " + format_spec_decode(figures))
         else:
             print("  no drafts were proposed")
+    if args.profile:
+        prompts = (random_prompts(args.batch_sizes[0], args.random_prompts,
+                                  plain.engine.vocab_size, 0) if args.random_prompts
+                   else chat_prompts(plain, args.batch_sizes[0], args.guided_json))
+        plain.close()  # its memory back before the profiled runs
+        profile_steps(fast, prompts, args.output_len, args.guided_json)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import collections
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +45,46 @@ def kernel_events(prof) -> list:
     """The profiled run's device-side kernel and copy events."""
     return [e for e in prof.profiler.kineto_results.events()
             if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
+
+
+def host_syncs(fn: Callable[[], Any], top: int = 8) -> None:
+    """Run `fn()` under torch's sync debug mode and print the lines of ours that made the host
+    wait for the GPU, most frequent first."""
+    import traceback
+    import warnings
+
+    where: collections.Counter = collections.Counter()
+
+    def note(message, category, filename, lineno, file=None, line=None) -> None:
+        ours = [f for f in traceback.extract_stack()[:-1] if "pagedserve" in f.filename]
+        frame = ours[-1] if ours else None
+        where[f"{frame.filename.split('pagedserve')[-1]}:{frame.lineno} {frame.line}"
+              if frame else f"{filename}:{lineno}"] += 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = note
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    print(f"host syncs: {sum(where.values())}")
+    for place, n in where.most_common(top):
+        print(f"  {n:6d}  {place}")
+
+
+def host_profile(fn: Callable[[], Any], top: int = 25, sort: str = "tottime") -> None:
+    """`fn()` under cProfile: the calling thread's top functions (an in-process engine's
+    core step included)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    pstats.Stats(prof).sort_stats(sort).print_stats(top)
 
 
 def timed_generation(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, int]:

@@ -654,7 +654,8 @@ stage_wave25bench() {  # issue #54's LoRA rows on the 8B shape (EAGLE-3's: wave2
 }
 
 stage_wave25eagle() {  # issue #49's EAGLE-3 row on the 8B shape twice: the default backend
-    # (FLASHINFER on CUDA, verify graphs through its graph prefill wrappers) and TRITON
+    # (FLASHINFER on CUDA, verify graphs through its graph prefill wrappers) and TRITON;
+    # EAGLE_PROFILE=1: batch 1 again under the profilers (GPU busy share, host functions, syncs)
     setup_env
     local backend args
     for backend in ${EAGLE_BACKENDS:-default TRITON}; do
@@ -662,13 +663,16 @@ stage_wave25eagle() {  # issue #49's EAGLE-3 row on the 8B shape twice: the defa
         [ "$backend" = default ] || args="{\"attention_backend\": \"$backend\"}"
         timeout 250 python3 benchmarks/spec_decode.py --model random:llama3-8b \
             --random-prompts 128 --random-eagle3-head 32000 --batch-sizes 1 32 \
-            --output-len 128 --repeats 1 --engine-args "$args" \
+            --output-len 128 --repeats 1 --engine-args "$args" ${EAGLE_PROFILE:+--profile} \
             --speculative-config '{"method": "eagle3", "num_speculative_tokens": 3, "model": "-",
                 "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.8}' \
             >"$OUT/eagle3-$backend.log" 2>&1
         echo "exit $?" >>"$OUT/eagle3-$backend.log"
         grep -E "verify|graphs|backend" "$OUT/eagle3-$backend.log" | grep -v " DEBUG " | head -4
-        tail -8 "$OUT/eagle3-$backend.log"
+        grep -v " INFO " "$OUT/eagle3-$backend.log" | grep -A8 "^batch" | head -12
+        [ -n "${EAGLE_PROFILE-}" ] && grep -v " INFO " "$OUT/eagle3-$backend.log" \
+            | sed -n '/^profiled/,$p' | head -70
+        tail -1 "$OUT/eagle3-$backend.log"
     done
 }
 
@@ -753,7 +757,8 @@ stage_call32() {  # the thirty-second session's changes on a GPU: their tests, t
     stage_embedphases
     stage_lorasweep
     stage_lorarows
-    [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 60 ] && EAGLE_BACKENDS=default stage_wave25eagle
+    [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 60 ] && EAGLE_BACKENDS=default EAGLE_PROFILE=1 \
+        stage_wave25eagle
     [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 70 ] && stage_fp8engine
     return 0
 }
