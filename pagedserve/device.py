@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -14,3 +15,9 @@ def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def array_to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A numpy array (an index list, a step's small metadata) on `device`, as
+    `to_device_async`: a step's path never waits for the device to copy one."""
+    return to_device_async(torch.from_numpy(np.ascontiguousarray(a)), device)

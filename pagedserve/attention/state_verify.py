@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedserve.device import array_to_device
+
 # attention/state.py's StateMetadata (which holds a StateVerify: not imported, no cycle).
 StateMetadata = Any
 
@@ -81,7 +83,7 @@ def build(qsl: np.ndarray, slots: np.ndarray, context_lens: np.ndarray, num_pref
         np.cumsum(lens[rest], out=rest_qsl[1:])
         rest_md = make_metadata(rest_qsl, int((rest < num_prefills).sum()), slots[rest],
                                 context_lens[rest] > 0)
-        rest_tokens = torch.from_numpy(rest_tok).to(device)
+        rest_tokens = array_to_device(rest_tok, device)
         parts.append(rest_tok)
     kb = num_drafts[reqs]
     if (lens[reqs] != 1 + kb).any():
@@ -99,15 +101,15 @@ def build(qsl: np.ndarray, slots: np.ndarray, context_lens: np.ndarray, num_pref
         tokens = first[have] + j
         md = make_metadata(np.arange(len(dst) + 1, dtype=np.int64), 0, dst,
                            np.ones(len(dst), dtype=bool))
-        positions.append(VerifyPosition(torch.from_numpy(tokens).to(device),
-                                        torch.from_numpy(src).to(device), md))
+        positions.append(VerifyPosition(array_to_device(tokens, device),
+                                        array_to_device(src, device), md))
         parts.append(tokens)
     order = np.concatenate(parts)
     inverse = np.empty_like(order)
     inverse[order] = np.arange(len(order))
 
     def dev(x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
+        return array_to_device(np.ascontiguousarray(x, dtype=np.int64), device)
 
     return StateVerify(rest_md, rest_tokens, positions, dev(inverse), dev(reqs), dev(own),
                        dev(kb), dev(base))

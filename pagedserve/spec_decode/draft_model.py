@@ -24,6 +24,7 @@ import torch
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.state import StateLayer
+from pagedserve.device import array_to_device
 from pagedserve.distributed.parallel_state import single_rank
 from pagedserve.spec_decode.draft_graphs import DraftGraphs, make_draft_graphs
 from pagedserve.spec_decode.proposer import Drafts, Proposer, StepTokens
@@ -107,7 +108,7 @@ class DraftModelProposer(Proposer):
                               runner.max_model_len)
         start = num_tokens.astype(np.int64) - 1
         limit = np.where(eligible, np.clip(capacity - start, 0, self.k), 0)
-        ids = torch.from_numpy(newest.astype(np.int64)).to(self.device)
+        ids = array_to_device(newest.astype(np.int64), self.device)
         out = torch.zeros(b, self.k, dtype=torch.int64, device=self.device)
         # Each step's metadata goes through the runner's pinned buffers: the next step rewrites
         # them only once the copies queued from them have run.
@@ -121,7 +122,7 @@ class DraftModelProposer(Proposer):
                 break
             if copied is not None and j:
                 copied.synchronize()
-            live_dev = torch.from_numpy(live).to(self.device)
+            live_dev = array_to_device(live, self.device)
             common = runner.common_builder.build(
                 rows[live], (start[live] + j).astype(np.int32), np.ones(len(live), np.int32),
                 0, table.table)

@@ -33,6 +33,7 @@ import torch
 
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
+from pagedserve.device import array_to_device
 from pagedserve.multimodal.mrope import MRopeStepPositions
 from pagedserve.spec_decode.draft_graphs import DraftGraphs, make_draft_graphs
 from pagedserve.spec_decode.eagle_head import load_head
@@ -115,17 +116,17 @@ class EagleProposer(Proposer):
                                                             self.k), 0)
         out = torch.zeros(b, self.k, dtype=torch.int64, device=self.device)
         act = np.flatnonzero(limit[live] > 0)  # indices into live
-        act_dev = torch.from_numpy(act).to(self.device)
+        act_dev = array_to_device(act, self.device)
         token, hidden = token[act_dev], hidden[act_dev]
         rows = live[act]
-        out[torch.from_numpy(rows).to(self.device), 0] = token
+        out[array_to_device(rows, self.device), 0] = token
         deltas = (np.fromiter((r.mrope_delta for r in step.requests), np.int64, b)
                   if self.head.uses_mrope else None)
         for j in range(1, self.k):
             keep = np.flatnonzero(limit[rows] > j)
             if not keep.size:
                 break
-            keep_dev = torch.from_numpy(keep).to(self.device)
+            keep_dev = array_to_device(keep, self.device)
             rows, token, hidden = rows[keep], token[keep_dev], hidden[keep_dev]
             if copied is not None:
                 copied.synchronize()
@@ -136,7 +137,7 @@ class EagleProposer(Proposer):
             turn_by = (None if deltas is None else  # past the prompt: index + delta, all rows
                        self._mrope(runner).build_past_prompts(start[rows] + j - 1, deltas[rows]))
             hidden, token = self._step(runner, common, token, hidden, copied, turn_by)
-            out[torch.from_numpy(rows).to(self.device), j] = token
+            out[array_to_device(rows, self.device), j] = token
         drafts.token_ids = out.cpu().numpy()
         drafts.counts = limit.astype(np.int32)
         return drafts
@@ -162,7 +163,7 @@ class EagleProposer(Proposer):
         within = np.arange(int(ml.sum())) - np.repeat(np.cumsum(ml) - ml, ml)
         positions = c[live][req] + within
         ids = runner.input_batch.token_ids[step.rows[live][req], positions + 1]
-        rows_hidden = torch.from_numpy(first_hidden[live][req] + within).to(self.device)
+        rows_hidden = array_to_device(first_hidden[live][req] + within, self.device)
         common = runner.common_builder.build(step.rows[live], c[live].astype(np.int32),
                                              ml.astype(np.int32), num_prefills,
                                              runner.input_batch.block_table.table)
@@ -171,9 +172,9 @@ class EagleProposer(Proposer):
             turn_by = self._mrope(runner).build([step.requests[i] for i in live], c[live], ml,
                                                 np.cumsum(ml) - ml, positions)
         hidden = self.head.combine(step.captured[rows_hidden])
-        ids_dev = torch.from_numpy(ids).to(self.device)
+        ids_dev = array_to_device(ids, self.device)
         out = self._run(runner, common, ids_dev, hidden, copied, turn_by)
-        last = torch.from_numpy(np.cumsum(ml) - 1).to(self.device)
+        last = array_to_device(np.cumsum(ml) - 1, self.device)
         out = out[last]
         return live, out, self.head.draft_ids(out)
 

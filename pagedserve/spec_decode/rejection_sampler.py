@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from pagedserve import envs
+from pagedserve.device import to_device_async
 from pagedserve.engine.sampler import (
     SamplerOutput,
     SamplingMetadata,
@@ -260,7 +261,7 @@ def _draft_history(layout: VerifyLayout) -> tuple[Tensor, Tensor]:
     rows = (torch.from_numpy(layout.row_start)[:, None, None] + j).expand(b, -1, kmax)[keep]
     ids = torch.from_numpy(layout.drafts)[:, None, :].expand(b, kmax + 1, -1)[keep]
     device = layout.req_of_row.device
-    return rows.to(device), ids.to(device)
+    return to_device_async(rows, device), to_device_async(ids, device)
 
 
 def _expand_bias(bias: tuple[Tensor, Tensor, Tensor], layout: VerifyLayout

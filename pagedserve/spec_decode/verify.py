@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.device import array_to_device
+
 
 @dataclass
 class VerifyLayout:
@@ -61,7 +63,7 @@ def build_layout(num_drafts: np.ndarray, draft_token_ids: list[list[int]],
         drafts[mask] = np.fromiter((t for ids in draft_token_ids for t in ids), np.int64,
                                    int(num_drafts.sum()))
     return VerifyLayout(num_drafts, row_start, hidden_rows, drafts,
-                        torch.from_numpy(drafts).to(device),
-                        torch.from_numpy(num_drafts).to(device),
-                        torch.from_numpy(row_start).to(device),
-                        torch.from_numpy(req).to(device))
+                        array_to_device(drafts, device),
+                        array_to_device(num_drafts, device),
+                        array_to_device(row_start, device),
+                        array_to_device(req, device))
