@@ -30,7 +30,7 @@
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
 # wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 /
-# lora32 / call32 (call32tests, embedphases, lorasweep, lorarows) / fp8linear /
+# lora32 / call32 (call32tests, embedphases, lorasweep, lorarows) / call33 / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
@@ -661,7 +661,7 @@ stage_wave25eagle() {  # issue #49's EAGLE-3 row on the 8B shape twice: the defa
     for backend in ${EAGLE_BACKENDS:-default TRITON}; do
         args='{}'
         [ "$backend" = default ] || args="{\"attention_backend\": \"$backend\"}"
-        timeout 250 python3 benchmarks/spec_decode.py --model random:llama3-8b \
+        timeout ${EAGLE_TIMEOUT:-250} python3 benchmarks/spec_decode.py --model random:llama3-8b \
             --random-prompts 128 --random-eagle3-head 32000 --batch-sizes 1 32 \
             --output-len 128 --repeats 1 --engine-args "$args" ${EAGLE_PROFILE:+--profile} \
             --speculative-config '{"method": "eagle3", "num_speculative_tokens": 3, "model": "-",
@@ -759,6 +759,17 @@ stage_call32() {  # the thirty-second session's changes on a GPU: their tests, t
     stage_lorarows
     [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 60 ] && EAGLE_BACKENDS=default EAGLE_PROFILE=1 \
         stage_wave25eagle
+    [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 70 ] && stage_fp8engine
+    return 0
+}
+
+stage_call33() {  # call32's parts, EAGLE-3 first (both backends, profiled: the verify and
+    # proposer steps no longer wait on blocking copies), then the LoRA sweep and rows, the
+    # embeddings' phases and the FP8 batch-1 row while CALL_LIMIT (default 580) allows
+    stage_call32tests
+    EAGLE_BACKENDS="default TRITON" EAGLE_PROFILE=1 EAGLE_TIMEOUT=170 stage_wave25eagle
+    [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 200 ] && stage_lorasweep && stage_lorarows
+    stage_embedphases
     [ $(( ${CALL_LIMIT:-580} - SECONDS )) -gt 70 ] && stage_fp8engine
     return 0
 }
