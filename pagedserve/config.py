@@ -184,6 +184,10 @@ class CacheConfig:
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)
 
 
+# A step's token budget unless the model or the user decides otherwise (SchedulerConfig).
+DEFAULT_STEP_TOKENS = 2048
+
+
 @dataclass
 class SchedulerConfig:
     # None: 256 on CUDA, 128 on the CPU (EngineConfig decides, knowing the device). vLLM's
@@ -191,8 +195,12 @@ class SchedulerConfig:
     # bundled 135M model's H200 throughput (two waves of host-bound steps instead of one).
     max_num_seqs: int | None = setting(
         None, "most requests in one step (default: 256 on CUDA, 128 on the CPU)")
-    max_num_batched_tokens: int = setting(2048, "most tokens in one step (longer prompts are "
-                                                "prefilled in chunks)")
+    # None: 2048, but a pooling model's on CUDA max(16384, its context): its requests run
+    # whole in one step each (never in chunks), and its steps should keep the GPU busy, as
+    # vLLM's offline default on large GPUs does (EngineConfig decides, knowing both).
+    max_num_batched_tokens: int | None = setting(
+        None, "most tokens in one step (longer prompts are prefilled in chunks; default: 2048, "
+              "a pooling model's on CUDA max(16384, its context length))")
     # Images: the encoder's output rows kept between steps (a span prefilled in chunks reads
     # them over several steps; a repeated image finds them), and the rows the encoder may
     # produce in one step. None: max(max_num_batched_tokens, the largest image's rows), as
@@ -212,7 +220,7 @@ class SchedulerConfig:
             logger.warning("enable_chunked_prefill=False: long prompts still prefill in chunks")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         for name in ("encoder_cache_size", "max_num_encoder_input_tokens"):
@@ -314,6 +322,11 @@ class EngineConfig:
                 raise ValueError(f"device {self.device!r}: pagedserve runs on cpu or cuda")
         if self.scheduler.max_num_seqs is None:
             self.scheduler.max_num_seqs = 256 if self.torch_device.type == "cuda" else 128
+        if self.scheduler.max_num_batched_tokens is None:
+            from pagedserve.pooling.config import default_step_tokens
+
+            self.scheduler.max_num_batched_tokens = default_step_tokens(self.model,
+                                                                        self.torch_device)
 
     def check_device(self) -> None:
         """The device can be used here (the engine asks before it loads anything)."""

@@ -3,13 +3,14 @@ preemption by recompute when the KV pool runs out."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Iterable
 
 import numpy as np
 
-from pagedserve.config import SchedulerConfig
+from pagedserve.config import DEFAULT_STEP_TOKENS, SchedulerConfig
 from pagedserve.kv_cache import KVCacheManager
 from pagedserve.multimodal.encoder_cache import EncoderCacheManager, check_encoder_budget
 from pagedserve.scheduler.output import SchedulerOutput
@@ -24,6 +25,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  max_model_len: int, num_speculative_tokens: int = 0,
                  draft_has_kv: bool = False, disable_by_batch_size: int | None = None) -> None:
+        if config.max_num_batched_tokens is None:  # a bare SchedulerConfig (tests, benchmarks)
+            config = dataclasses.replace(config, max_num_batched_tokens=DEFAULT_STEP_TOKENS)
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len

@@ -112,3 +112,27 @@ def test_cross_encoder_files(tmp_path):
     score_config.write_text(json.dumps({"true_token_id": 7, "module_input_name": "x"}))
     with pytest.raises(ValueError, match="only the causal model's logits"):
         resolve_pooler(model(path))
+
+
+def test_step_token_budget_defaults(tmp_path):
+    """A pooling model on CUDA steps max(16384, its context) tokens by default, so that any
+    input fits its one step; the CPU, a generating model and a flag keep theirs."""
+    from pagedserve.config import DEFAULT_STEP_TOKENS, EngineConfig
+
+    st = st_dir(tmp_path / "st", {"pooling_mode": "lasttoken"})
+    long = tmp_path / "long"
+    long.mkdir()
+    (long / "config.json").write_text(json.dumps(
+        {"architectures": ["BertModel"], "hidden_size": 32, "max_position_embeddings": 32768}))
+
+    def budget(path, device, **flags):
+        return EngineConfig.from_kwargs(model=str(path), device=device,
+                                        **flags).scheduler.max_num_batched_tokens
+
+    assert budget(st, "cuda") == 16384
+    assert budget(long, "cuda") == 32768
+    assert budget(long, "cuda", max_model_len=40000) == 40000
+    assert budget(st, "cpu") == DEFAULT_STEP_TOKENS == 2048
+    assert budget(st, "cuda", max_num_batched_tokens=4096) == 4096
+    assert budget(st, "cuda", runner="generate") == DEFAULT_STEP_TOKENS
+    assert budget("random:tiny", "cuda") == DEFAULT_STEP_TOKENS
