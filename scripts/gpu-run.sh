@@ -30,7 +30,8 @@
 # on the bundled GGUF: a batch-256 step's host phases and a cProfile), moeprofile (the
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
 # wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 /
-# lora32 / call32 (call32tests, embedphases, lorasweep, lorarows) / call33 / fp8linear /
+# lora32 / call32 (call32tests, embedphases, lorasweep, lorarows) / call33 / int4engine /
+# fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
@@ -829,9 +830,21 @@ stage_fp8linear() {  # fp8dec's per-projection times and launch-shape sweep alon
 
 stage_fp8engine() {  # fp8dec's 8B batch-1 decode and KL, bf16 against FP8, alone
     setup_env
-    timeout 240 python3 benchmarks/fp8_engine.py --skip throughput --quality-prompts 8 \
+    timeout 240 python3 benchmarks/quant_engine.py --skip throughput --quality-prompts 8 \
         --json "$OUT/fp8_engine.json" >"$OUT/fp8_engine.log" 2>&1
     echo "exit $?" >>"$OUT/fp8_engine.log"; tail -12 "$OUT/fp8_engine.log"
+}
+
+stage_int4engine() {  # issue #50's W4A16 rows, 8B shape: random GPTQ int4 weights (group 128,
+    # symmetric; quantization/random_int4.py) on the W4A16 kernel against bf16 on the same
+    # weights: weight memory, KL, batch rows 1/16/64/256 (x 256 out), batch-1 decode
+    setup_env
+    printf '%s' '{"base": "llama3-8b", "quantization_config": {"quant_method": "gptq",
+        "bits": 4, "group_size": 128, "sym": true, "desc_act": false}}' >/tmp/llama3-8b-gptq.json
+    PAGEDSERVE_W4A16_KERNEL=1 timeout ${INT4_TIMEOUT:-400} python3 benchmarks/quant_engine.py \
+        --quantized random:/tmp/llama3-8b-gptq.json --skip throughput --quality-prompts 8 \
+        --batch-rows 1,16,64,256 --json "$OUT/int4_engine.json" >"$OUT/int4_engine.log" 2>&1
+    echo "exit $?" >>"$OUT/int4_engine.log"; grep -v " INFO " "$OUT/int4_engine.log" | tail -14
 }
 
 stage_wave25rej() {  # issue #49's rejection sampler: torch against the Triton kernel, B
@@ -866,7 +879,7 @@ stage_fp8dec() {  # issue #48's batch-1 row: the small-M FP8 kernel's GPU tests,
     timeout 270 python3 benchmarks/fp8_linear.py --models 8b --tokens 1,4,16 --sweep-small-m \
         --json "$OUT/fp8_linear.json" >"$OUT/fp8_linear.log" 2>&1
     echo "exit $?" >>"$OUT/fp8_linear.log"; tail -30 "$OUT/fp8_linear.log"
-    timeout 240 python3 benchmarks/fp8_engine.py --skip throughput --quality-prompts 8 \
+    timeout 240 python3 benchmarks/quant_engine.py --skip throughput --quality-prompts 8 \
         --json "$OUT/fp8_engine.json" >"$OUT/fp8_engine.log" 2>&1
     echo "exit $?" >>"$OUT/fp8_engine.log"; tail -12 "$OUT/fp8_engine.log"
 }

@@ -1,19 +1,31 @@
-"""FP8 weights against bf16 in the engine, on the same random weights, in one run (GPU):
+"""Quantized weights against bf16 in the engine, on the same random weights, in one run (GPU):
 
-    python benchmarks/fp8_engine.py [--model random:llama3-8b] [--num-prompts 1000]
-        [--kv-cache-dtype auto] [--skip throughput,decode,quality] [--json FILE]
+    python benchmarks/quant_engine.py [--model random:llama3-8b] [--quantized fp8]
+        [--num-prompts 1000] [--kv-cache-dtype auto] [--skip throughput,decode,quality]
+        [--batch-rows 1,16,64,256] [--json FILE]
 
-For `--quantization none` (bf16) and then `fp8` (the same seeded weights, quantized per output
-row as they are made; see quantization/random_weights.py), each engine in turn:
+The bf16 engine runs --model (`--quantization none`); the quantized one runs the same model
+with `--quantization fp8` (`--quantized fp8`, the default: quantized per output row as the
+weights are made; see quantization/random_weights.py) or the model --quantized names, e.g. a
+`random:` config file whose fields carry a GPTQ quantization_config over the same preset
+(quantization/random_int4.py: the very weights packed as they are made), which 4-bit rows
+run with PAGEDSERVE_W4A16_KERNEL=1:
+
+    {"base": "llama3-8b", "quantization_config": {"quant_method": "gptq", "bits": 4,
+     "group_size": 128, "sym": true, "desc_act": false}}
+
+For each engine in turn:
 - weight memory: the model's parameter and buffer bytes;
 - quality (teacher-forced): bf16 greedily continues --quality-prompts random prompts; both
-  engines score those continuations (`LLM.score`), giving the mean KL(bf16 || fp8) in nats per
-  token and the top-1 agreement (bf16 scored against itself gives 0 and 1: a check);
-- throughput: --num-prompts x 128 in / 1,024 out and x 1,024 in / 128 out (`bench throughput`'s
-  figures);
+  engines score those continuations (`LLM.score`), giving the mean KL(bf16 || quantized) in
+  nats per token and the top-1 agreement (bf16 scored against itself gives 0 and 1: a check);
+- throughput: --num-prompts x 128 in / 1,024 out and x 1,024 in / 128 out (`bench
+  throughput`'s figures);
+- batch rows (--batch-rows): exactly b prompts of 128 tokens, --batch-out tokens each, so that
+  b requests run together throughout: output tok/s at each b;
 - batch-1 decode: one 128-token prompt, --decode-tokens out: seconds per output token.
-A table closes the run with fp8 / bf16 for each row. `--model random:llama3-70b` on one H200:
-the bf16 engine cannot start (140 GB); pass --skip-bf16 to run fp8 alone.
+A table closes the run with quantized / bf16 for each row. `--model random:llama3-70b` on one
+H200: the bf16 engine cannot start (140 GB); pass --skip-bf16 to run the quantized one alone.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,10 +70,20 @@ def kl_and_agreement(ref: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[
     return kl / n, agree / n
 
 
-def run(args: argparse.Namespace, quantization: str, continuation: dict) -> dict:
-    llm = LLM(model=args.model, quantization=quantization, dtype="bfloat16",
+def engine_of(args: argparse.Namespace, which: str) -> tuple[str, str, str | None]:
+    """(its label, model, --quantization) of the "bf16" or the "quantized" engine."""
+    if which == "bf16":
+        return "bf16", args.model, "none"
+    if args.quantized == "fp8":
+        return "fp8", args.model, "fp8"
+    return Path(args.quantized.removeprefix("random:")).stem, args.quantized, None
+
+
+def run(args: argparse.Namespace, which: str, continuation: dict) -> dict:
+    label, model, quantization = engine_of(args, which)
+    llm = LLM(model=model, quantization=quantization, dtype="bfloat16",
               kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len)
-    row: dict = {"quantization": quantization}
+    row: dict = {"quantization": label}
     try:
         vocab = llm.engine.loaded.hf_config.vocab_size
         row["weight_gb"] = weight_bytes(llm.engine.runner.model) / 1e9
@@ -80,6 +103,10 @@ def run(args: argparse.Namespace, quantization: str, continuation: dict) -> dict
             for name, (n_in, n_out) in WORKLOADS.items():
                 prompts = random_prompts(args.num_prompts, n_in, vocab, seed=1)
                 row[f"tok_s_{name}"] = run_throughput(llm, prompts, n_out)["output_tokens_per_s"]
+        for b in args.batch_rows:
+            prompts = random_prompts(b, 128, vocab, seed=2)
+            row[f"tok_s_batch{b}"] = run_throughput(llm, prompts, args.batch_out)[
+                "output_tokens_per_s"]
         if "decode" not in args.skip:
             row["decode_s_per_token"] = decode_seconds_per_token(llm, vocab, args.decode_tokens)
     finally:
@@ -91,6 +118,10 @@ def run(args: argparse.Namespace, quantization: str, continuation: dict) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random:llama3-8b")
+    parser.add_argument("--quantized", default="fp8",
+                        help="fp8 (--model under --quantization fp8) or a quantized model")
+    parser.add_argument("--batch-rows", default="", help="comma-separated batch sizes")
+    parser.add_argument("--batch-out", type=int, default=256)
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -102,17 +133,18 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.skip = set(filter(None, args.skip.split(",")))
+    args.batch_rows = [int(b) for b in filter(None, args.batch_rows.split(","))]
     if not torch.cuda.is_available():
-        raise SystemExit("fp8_engine.py measures the CUDA engine: run it on a GPU")
+        raise SystemExit("quant_engine.py measures the CUDA engine: run it on a GPU")
     print(f"# {torch.cuda.get_device_name()}, {args.model}, kv cache {args.kv_cache_dtype}")
     continuation: dict = {}
     if args.skip_bf16:
         args.skip.add("quality")
-    rows = [] if args.skip_bf16 else [run(args, "none", continuation)]
-    rows.append(run(args, "fp8", continuation))
+    rows = [] if args.skip_bf16 else [run(args, "bf16", continuation)]
+    rows.append(run(args, "quantized", continuation))
     keys = [k for k in rows[-1] if k != "quantization"]
     print(f"\n{'':22}" + "".join(f"{r['quantization']:>12}" for r in rows)
-          + ("   fp8/bf16" if len(rows) == 2 else ""))
+          + (f"   {rows[-1]['quantization']}/bf16" if len(rows) == 2 else ""))
     for key in keys:
         values = [r.get(key) for r in rows]
         line = f"{key:22}" + "".join(f"{v:>12.4g}" if v is not None else f"{'-':>12}"
