@@ -325,8 +325,8 @@ class EngineConfig:
         if self.scheduler.max_num_batched_tokens is None:
             from pagedserve.pooling.config import default_step_tokens
 
-            self.scheduler.max_num_batched_tokens = default_step_tokens(self.model,
-                                                                        self.torch_device)
+            self.scheduler.max_num_batched_tokens = default_step_tokens(
+                self.model, self.torch_device, DEFAULT_STEP_TOKENS)
 
     def check_device(self) -> None:
         """The device can be used here (the engine asks before it loads anything)."""

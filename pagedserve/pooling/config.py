@@ -145,20 +145,19 @@ def _classifier(hf: dict[str, Any], architecture: str, method: str | None,
 POOLING_CUDA_STEP_TOKENS = 16384
 
 
-def default_step_tokens(model: Any, device: Any) -> int:
+def default_step_tokens(model: Any, device: Any, default: int) -> int:
     """The default max_num_batched_tokens for the engine of `model` (a ModelConfig) on
     `device`: a pooling model's on CUDA holds max(16384, its context) tokens, so that any
-    input fits its one step and steps are large enough to keep the GPU busy; 2048 otherwise
-    (on the CPU a longer input is refused with the flag to raise: the CPU's encoder
+    input fits its one step and steps are large enough to keep the GPU busy; `default`
+    otherwise (on the CPU a longer input is refused with the flag to raise: the CPU's encoder
     attention holds a [L, L] score grid per head). A settings error is left to the checks
     that report it."""
-    from pagedserve.config import DEFAULT_STEP_TOKENS
     try:
         pooling = resolve_pooler(model) is not None
     except (ValueError, OSError):
         pooling = False
     if not pooling or getattr(device, "type", device) != "cuda":
-        return DEFAULT_STEP_TOKENS
+        return default
     context = getattr(model, "max_model_len", None)
     if context is None and (path := _model_dir(model.model)) is not None:
         try:
