@@ -8,7 +8,7 @@ The bf16 engine runs --model (`--quantization none`); the quantized one runs the
 with `--quantization fp8` (`--quantized fp8`, the default: quantized per output row as the
 weights are made; see quantization/random_weights.py) or the model --quantized names, e.g. a
 `random:` config file whose fields carry a GPTQ quantization_config over the same preset
-(quantization/random_int4.py: the very weights packed as they are made), which 4-bit rows
+(quantization/random_packed.py: the very weights packed as they are made), which 4-bit rows
 run with PAGEDSERVE_W4A16_KERNEL=1:
 
     {"base": "llama3-8b", "quantization_config": {"quant_method": "gptq", "bits": 4,

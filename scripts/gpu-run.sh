@@ -31,7 +31,7 @@
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
 # wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 /
 # lora32 / call32 (call32tests, embedphases, lorasweep, lorarows) / call33 / int4engine /
-# fp8linear /
+# mxfp4engine / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
@@ -836,7 +836,7 @@ stage_fp8engine() {  # fp8dec's 8B batch-1 decode and KL, bf16 against FP8, alon
 }
 
 stage_int4engine() {  # issue #50's W4A16 rows, 8B shape: random GPTQ int4 weights (group 128,
-    # symmetric; quantization/random_int4.py) on the W4A16 kernel against bf16 on the same
+    # symmetric; quantization/random_packed.py) on the W4A16 kernel against bf16 on the same
     # weights: weight memory, KL, batch rows 1/16/64/256 (x 256 out), batch-1 decode
     setup_env
     printf '%s' '{"base": "llama3-8b", "quantization_config": {"quant_method": "gptq",
@@ -845,6 +845,28 @@ stage_int4engine() {  # issue #50's W4A16 rows, 8B shape: random GPTQ int4 weigh
         --quantized random:/tmp/llama3-8b-gptq.json --skip throughput --quality-prompts 8 \
         --batch-rows 1,16,64,256 --json "$OUT/int4_engine.json" >"$OUT/int4_engine.log" 2>&1
     echo "exit $?" >>"$OUT/int4_engine.log"; grep -v " INFO " "$OUT/int4_engine.log" | tail -14
+}
+
+stage_mxfp4engine() {  # issue #50's MXFP4 rows: the gpt-oss-20b shape, random MXFP4 experts
+    # (quantization/random_packed.py) on the 4-bit MoE kernel against bf16 on the same weights
+    # at batch 1 and 64; then gpt-oss-120b in MXFP4 alone (its weight memory, 1,000 x
+    # 128/1,024; an H100 may not hold its KV cache beside the 65 GB of weights)
+    setup_env
+    local size
+    for size in 20b 120b; do
+        printf '%s' "{\"base\": \"gpt-oss-$size\", \"quantization_config\": {
+            \"quant_method\": \"mxfp4\"}}" >/tmp/gpt-oss-$size-mxfp4.json
+    done
+    PAGEDSERVE_W4A16_KERNEL=1 timeout ${MXFP4_TIMEOUT:-300} python3 benchmarks/quant_engine.py \
+        --model random:gpt-oss-20b --quantized random:/tmp/gpt-oss-20b-mxfp4.json \
+        --skip throughput --quality-prompts 8 --batch-rows 1,64 \
+        --json "$OUT/mxfp4_20b.json" >"$OUT/mxfp4_20b.log" 2>&1
+    echo "exit $?" >>"$OUT/mxfp4_20b.log"; grep -v " INFO " "$OUT/mxfp4_20b.log" | tail -12
+    PAGEDSERVE_W4A16_KERNEL=1 timeout ${MXFP4_TIMEOUT:-300} python3 benchmarks/quant_engine.py \
+        --model random:gpt-oss-120b --quantized random:/tmp/gpt-oss-120b-mxfp4.json \
+        --skip-bf16 --skip quality,decode --json "$OUT/mxfp4_120b.json" \
+        >"$OUT/mxfp4_120b.log" 2>&1
+    echo "exit $?" >>"$OUT/mxfp4_120b.log"; grep -v " INFO " "$OUT/mxfp4_120b.log" | tail -8
 }
 
 stage_wave25rej() {  # issue #49's rejection sampler: torch against the Triton kernel, B

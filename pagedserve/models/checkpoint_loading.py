@@ -227,6 +227,12 @@ def hf_parts(module: nn.Module, name: str, tensor: torch.Tensor
     if own is not None:
         yield from own(name, tensor)
         return
+    yield from llama_hf_parts(module, name, tensor)
+
+
+def llama_hf_parts(module: nn.Module, name: str, tensor: torch.Tensor
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`hf_parts` of the Llama layout: the fused q/k/v and gate/up split into their parts."""
     split = {".self_attn.qkv_proj.": ("q", "k", "v"), ".mlp.gate_up_proj.": ("gate", "up")}
     hf_name = {shard: hf.split(".")[-2] for hf, (_, shard) in _FUSED.items()}
     for fused, shards in split.items():

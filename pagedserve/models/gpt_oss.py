@@ -20,6 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedserve.distributed import tp_rank, tp_world_size
+from pagedserve.models.checkpoint_loading import llama_hf_parts
 from pagedserve.models.layers import Float32ScaledRMSNorm
 from pagedserve.models.llama import LlamaForCausalLM, window_by_layer_type
 from pagedserve.models.moe import ExpertActivation, FusedMoE, SparseMoeBlock, TopKSoftmaxRouter
@@ -29,6 +30,12 @@ from pagedserve.models.parallel import divide, materialize
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
     """[..., 2I] with gate, up alternating -> [..., 2I] gate half then up half."""
     return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_deinterleave`: gate half then up half -> gate, up alternating."""
+    gate, up = t.chunk(2, dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -54,6 +61,23 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._our_layout(weights))
+
+    def hf_parts(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameter `name` of a one-rank model as transformers' gpt-oss tensors (the inverse
+        of `_our_layout`): the router and sinks under their names, the experts transposed
+        with gate and up interleaved, q/k/v split as Llama's."""
+        if name.endswith(".experts.gate_up_proj"):
+            yield name, _interleave(tensor.transpose(1, 2))
+        elif name.endswith(".experts.gate_up_proj_bias"):
+            yield name, _interleave(tensor)
+        elif name.endswith(".experts.down_proj"):
+            yield name, tensor.transpose(1, 2)
+        elif name.endswith(".self_attn.attn.sinks"):
+            yield name.replace(".self_attn.attn.sinks", ".self_attn.sinks"), tensor
+        elif ".mlp.gate." in name:
+            yield name.replace(".mlp.gate.", ".mlp.router."), tensor
+        else:
+            yield from llama_hf_parts(self, name, tensor)
 
     @staticmethod
     def _our_layout(weights: Iterable[tuple[str, torch.Tensor]]

@@ -380,13 +380,9 @@ def load_random_model(spec: str, dtype: torch.dtype, device: torch.device,
     cls = get_model_cls(config)
     packed = getattr(config, "quantization_config", None)
     if packed is not None:  # a checkpoint's quantized layout, made from the float weights
-        from pagedserve.quantization.random_int4 import random_gptq_weights
+        from pagedserve.quantization.random_packed import random_packed_weights
 
-        if packed.get("quant_method") != "gptq":
-            raise ValueError(f"random model {spec!r}: its quantization_config quant_method "
-                             f"{packed.get('quant_method')!r} is not made for random weights "
-                             "(gptq is)")
-        module = build_model(config, dtype, device, random_gptq_weights(
+        module = build_model(config, dtype, device, random_packed_weights(
             random_full_weights(config, dtype, device, seed), packed), quantization)
     elif tp_world_size() > 1 or quantization == "int8":
         # Each rank takes its part of the very weights one rank would draw.

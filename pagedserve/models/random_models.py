@@ -63,10 +63,28 @@ RANDOM_PRESETS["deepseek-v2-lite"] = dict(
                      "original_max_position_embeddings": 4096, "mscale": 0.707,
                      "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0})
 
+# gpt-oss-20b / -120b (as OpenAI's config.json): 24 / 36 layers of 32 / 128 experts of 2,880,
+# top-4, clamped SwiGLU, sinks, 128-token sliding windows on every other layer, YaRN x32. Their
+# checkpoints are MXFP4 (a config file with base gpt-oss-20b and quantization_config
+# {"quant_method": "mxfp4"} draws these very weights packed so: quantization/random_packed.py).
+_GPT_OSS = dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+                intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                head_dim=64, num_experts_per_tok=4, sliding_window=128, swiglu_limit=7.0,
+                max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True,
+                tie_word_embeddings=False,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                 "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False})
+for _name, _layers, _experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)):
+    RANDOM_PRESETS[_name] = dict(
+        _GPT_OSS, num_hidden_layers=_layers, num_local_experts=_experts,
+        layer_types=["sliding_attention", "full_attention"] * (_layers // 2))
+
 _ARCHITECTURE_OF = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                    "deepseek_v3": "DeepseekV3ForCausalLM", "mamba": "MambaForCausalLM"}
+                    "deepseek_v3": "DeepseekV3ForCausalLM", "mamba": "MambaForCausalLM",
+                    "gpt_oss": "GptOssForCausalLM"}
 
 
 

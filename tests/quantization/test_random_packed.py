@@ -67,9 +67,65 @@ def test_random_gptq_engine_equals_transformers_on_the_codes_values(tmp_path):
 @pytest.mark.parametrize(("config", "match"), [
     ({"sym": False}, "symmetric"),
     ({"desc_act": True}, "desc_act false"),
-    ({"bits": 3}, "bits=3"),  # the GPTQ method's own refusal
+    ({"bits": 3}, "bits 3"),
     ({"quant_method": "awq"}, "quant_method 'awq' is not made"),
 ])
 def test_what_random_gptq_cannot_make_is_refused(tmp_path, config, match):
     with pytest.raises(ValueError, match=match):
         load_random_model(gptq_spec(tmp_path, **config), torch.float32, CPU)
+
+
+TINY_GPT_OSS = {
+    "model_type": "gpt_oss", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 12,
+    "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 1.5,
+    "max_position_embeddings": 256, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False}}
+
+
+def test_mxfp4_packer_equals_the_tests_own():
+    from pagedserve.quantization.random_packed import mxfp4_tensors
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 128, generator=g) * torch.logspace(-3, 1, 6)[:, None]
+    rows[0, :32] = 0.0  # an all-zero block
+    rows[1, :8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -6.0])  # ties, the max
+    blocks, scales = mxfp4_tensors(rows)
+    want_blocks, want_scales, _ = w.mxfp4(rows)
+    assert torch.equal(blocks, want_blocks) and torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_random_gpt_oss_engine_equals_transformers(tmp_path, mxfp4):
+    """A random gpt-oss (its weights under transformers' names: experts transposed, gate and
+    up interleaved, router and sinks renamed) scores as transformers' eager model on the same
+    values; with an MXFP4 quantization_config, on the experts' codes' values (the tests' own
+    quantizer)."""
+    from transformers import GptOssForCausalLM
+
+    from pagedserve import LLM
+    from pagedserve.models.random_models import random_full_weights, random_model_config
+
+    spec = tmp_path / "gpt-oss.json"
+    fields = {**TINY_GPT_OSS, **({"quantization_config": {"quant_method": "mxfp4"}}
+                                 if mxfp4 else {})}
+    spec.write_text(json.dumps(fields))
+    config = random_model_config(str(tmp_path / "gpt-oss.json"))
+    config.quantization_config = None
+    config._attn_implementation = "eager"
+    state = dict(random_full_weights(config, torch.float32, CPU, 0))
+    if mxfp4:
+        for name, t in state.items():
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                state[name] = w.mxfp4(t.transpose(1, 2))[2].transpose(1, 2)
+    reference = GptOssForCausalLM(config).eval()
+    reference.load_state_dict(state)
+    prompt, continuation = list(range(5, 30)), [40, 7, 300, 2, 99]
+    with torch.no_grad():
+        want = reference(torch.tensor([prompt + continuation])).logits[0].log_softmax(-1)
+    with LLM(model=f"random:{spec}", device="cpu", dtype="float32") as llm:
+        got = llm.score([prompt], [continuation])[0]
+    torch.testing.assert_close(got, want[len(prompt) - 1:-1], rtol=0, atol=5e-5)
