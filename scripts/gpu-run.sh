@@ -31,7 +31,7 @@
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
 # wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 /
 # lora32 / call32 (call32tests, embedphases, lorasweep, lorarows) / call33 / int4engine /
-# mxfp4engine / fp8linear /
+# mxfp4engine / ggufengine / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
@@ -867,6 +867,15 @@ stage_mxfp4engine() {  # issue #50's MXFP4 rows: the gpt-oss-20b shape, random M
         --skip-bf16 --skip quality,decode --json "$OUT/mxfp4_120b.json" \
         >"$OUT/mxfp4_120b.log" 2>&1
     echo "exit $?" >>"$OUT/mxfp4_120b.log"; grep -v " INFO " "$OUT/mxfp4_120b.log" | tail -8
+}
+
+stage_ggufengine() {  # issue #50's GGUF row: a random Q4_K_M-layout 8B GGUF, kept quantized
+    # (--quantization gguf) against the same file dequantized to bf16 at load: weight bytes,
+    # batch-1 decode (the dense load dequantizes ~7.5B values in numpy: a minute or two)
+    setup_env
+    PAGEDSERVE_GGUF_KERNEL=1 timeout ${GGUF_TIMEOUT:-450} python3 benchmarks/gguf_engine.py \
+        --json "$OUT/gguf_engine.json" >"$OUT/gguf_engine.log" 2>&1
+    echo "exit $?" >>"$OUT/gguf_engine.log"; grep -v " INFO " "$OUT/gguf_engine.log" | tail -8
 }
 
 stage_wave25rej() {  # issue #49's rejection sampler: torch against the Triton kernel, B
