@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 from gguf_linear import SHAPES, more_bits
-from quant_engine import decode_seconds_per_token, kl_and_agreement, weight_bytes
+from quant_engine import decode_seconds_per_token, quality, weight_bytes
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM
 from pagedserve.bench import random_prompts
 from pagedserve.quantization.gguf_blocks import random_blocks
 from pagedserve.quantization.gguf_types import Q4_K, Q6_K
@@ -84,15 +84,8 @@ def run(path: Path, quantization: str | None, args: argparse.Namespace,
     try:
         vocab = llm.engine.vocab_size
         row["weight_gb"] = weight_bytes(llm.engine.runner.model) / 1e9
-        prompts = random_prompts(4, 32, vocab, seed=3)
-        if "tokens" not in continuation:
-            params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                use_tqdm=False)
-            continuation["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-        scores = llm.score(prompts, continuation["tokens"])
-        continuation.setdefault("ref", scores)
-        row["kl"], row["top1"] = kl_and_agreement(continuation["ref"], scores)
+        row["kl"], row["top1"] = quality(llm, random_prompts(4, 32, vocab, seed=3), 16,
+                                         continuation)
         row["decode_s_per_token"] = decode_seconds_per_token(llm, vocab, args.decode_tokens)
     finally:
         llm.close()

@@ -70,6 +70,20 @@ def kl_and_agreement(ref: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[
     return kl / n, agree / n
 
 
+def quality(llm: LLM, prompts: list[list[int]], tokens: int, continuation: dict
+            ) -> tuple[float, float]:
+    """Teacher-forced KL and top-1 agreement against the first engine run: it greedily
+    continues `prompts` by `tokens` and scores them (its scores the reference, kept in
+    `continuation`); a later engine scores the same continuations."""
+    if "tokens" not in continuation:
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        continuation["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    scores = llm.score(prompts, continuation["tokens"])
+    continuation.setdefault("ref", scores)
+    return kl_and_agreement(continuation["ref"], scores)
+
+
 def engine_of(args: argparse.Namespace, which: str) -> tuple[str, str, str | None]:
     """(its label, model, --quantization) of the "bf16" or the "quantized" engine."""
     if which == "bf16":
@@ -88,17 +102,9 @@ def run(args: argparse.Namespace, which: str, continuation: dict) -> dict:
         vocab = llm.engine.loaded.hf_config.vocab_size
         row["weight_gb"] = weight_bytes(llm.engine.runner.model) / 1e9
         if "quality" not in args.skip:
-            prompts = random_prompts(args.quality_prompts, 64, vocab, seed=3)
-            if "tokens" not in continuation:  # the first engine (bf16) sets the targets
-                params = SamplingParams(temperature=0, max_tokens=args.quality_tokens,
-                                        ignore_eos=True)
-                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                    use_tqdm=False)
-                continuation["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-            scores = llm.score(prompts, continuation["tokens"])
-            if "ref" not in continuation:
-                continuation["ref"] = scores
-            row["kl"], row["top1"] = kl_and_agreement(continuation["ref"], scores)
+            row["kl"], row["top1"] = quality(llm, random_prompts(args.quality_prompts, 64, vocab,
+                                                                 seed=3),
+                                             args.quality_tokens, continuation)
         if "throughput" not in args.skip:
             for name, (n_in, n_out) in WORKLOADS.items():
                 prompts = random_prompts(args.num_prompts, n_in, vocab, seed=1)

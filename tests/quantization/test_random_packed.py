@@ -47,21 +47,29 @@ def test_random_gptq_engine_equals_transformers_on_the_codes_values(tmp_path):
     dequantizes at load)."""
     from transformers import LlamaForCausalLM
 
-    from pagedserve import LLM
     from pagedserve.models.random_models import random_full_weights, random_model_config
 
     config = random_model_config("tiny")
     config._attn_implementation = "eager"
     state = {name: (w.quantize(t, 32, sym=True)["deq"] if w.PROJECTIONS.search(name) else t)
              for name, t in random_full_weights(config, torch.float32, CPU, 0)}
-    reference = LlamaForCausalLM(config).eval()
-    reference.load_state_dict(state)
-    prompt, continuation = list(range(5, 17)), [40, 7, 300, 2, 99]
+    assert_scores_as_transformers(gptq_spec(tmp_path), LlamaForCausalLM(config), state, 12,
+                                  2e-5)
+
+
+def assert_scores_as_transformers(spec: str, reference: torch.nn.Module, state: dict,
+                                  prompt_len: int, atol: float) -> None:
+    """The engine over `random:spec` scores a continuation as transformers' eager `reference`
+    with the weights `state` (float32, CPU)."""
+    from pagedserve import LLM
+
+    reference.eval().load_state_dict(state)
+    prompt, continuation = list(range(5, 5 + prompt_len)), [40, 7, 300, 2, 99]
     with torch.no_grad():
         want = reference(torch.tensor([prompt + continuation])).logits[0].log_softmax(-1)
-    with LLM(model=f"random:{gptq_spec(tmp_path)}", device="cpu", dtype="float32") as llm:
+    with LLM(model=f"random:{spec}", device="cpu", dtype="float32") as llm:
         got = llm.score([prompt], [continuation])[0]
-    torch.testing.assert_close(got, want[len(prompt) - 1:-1], rtol=0, atol=2e-5)
+    torch.testing.assert_close(got, want[len(prompt) - 1:-1], rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize(("config", "match"), [
@@ -106,7 +114,6 @@ def test_random_gpt_oss_engine_equals_transformers(tmp_path, mxfp4):
     quantizer)."""
     from transformers import GptOssForCausalLM
 
-    from pagedserve import LLM
     from pagedserve.models.random_models import random_full_weights, random_model_config
 
     spec = tmp_path / "gpt-oss.json"
@@ -121,11 +128,4 @@ def test_random_gpt_oss_engine_equals_transformers(tmp_path, mxfp4):
         for name, t in state.items():
             if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
                 state[name] = w.mxfp4(t.transpose(1, 2))[2].transpose(1, 2)
-    reference = GptOssForCausalLM(config).eval()
-    reference.load_state_dict(state)
-    prompt, continuation = list(range(5, 30)), [40, 7, 300, 2, 99]
-    with torch.no_grad():
-        want = reference(torch.tensor([prompt + continuation])).logits[0].log_softmax(-1)
-    with LLM(model=f"random:{spec}", device="cpu", dtype="float32") as llm:
-        got = llm.score([prompt], [continuation])[0]
-    torch.testing.assert_close(got, want[len(prompt) - 1:-1], rtol=0, atol=5e-5)
+    assert_scores_as_transformers(str(spec), GptOssForCausalLM(config), state, 25, 5e-5)
