@@ -17,6 +17,7 @@ from pagedserve.models import gguf_file
 from pagedserve.models.loader import build_model
 from pagedserve.quantization.gguf_blocks import GgufLinearMethod
 from pagedserve.quantization.registry import resolve_quantization
+from tests.quantization import gguf_writer
 from tests.quantization.gguf_writer import write_llama_gguf
 from tests.utils.paged import generate_greedy, run_prefill
 
@@ -169,7 +170,7 @@ def test_a_gguf_without_a_tokenizer_loads_with_none_or_the_one_named(tmp_path):
     assert named is not None and len(named) == len(vocab.tokens)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K])
 def test_torch_dequantizer_gives_gguf_bits(qtype):
     """The load path's torch dequantizer of the common block types: the very float32 values
     of gguf's own, whatever the tensor's shape (the bundled model's tensors: the engine tests)."""
@@ -178,9 +179,12 @@ def test_torch_dequantizer_gives_gguf_bits(qtype):
 
     from pagedserve.quantization.gguf_blocks import dequantize_array
 
-    values = np.random.default_rng(int(qtype)).standard_normal((3, 4, 96)).astype(np.float32)
-    values[0, 0, :32] = 0.0  # an all-zero block (scale 0)
-    blocks = quantize(values, qtype)
+    k_type = qtype in (T.Q4_K, T.Q6_K)  # super-blocks of 256, written by the tests' quantizer
+    shape = (3, 2, 512) if k_type else (3, 4, 96)
+    values = np.random.default_rng(int(qtype)).standard_normal(shape).astype(np.float32)
+    values[0, 0, :256] = 0.0  # an all-zero block (scale 0)
+    blocks = (gguf_writer.quantize(values.reshape(-1, shape[-1]), qtype).reshape(
+        *shape[:-1], -1) if k_type else quantize(values, qtype))
     got = dequantize_array(blocks, qtype, "t")
     assert got.shape == values.shape and got.dtype == np.float32
     np.testing.assert_array_equal(got, dequantize(blocks, qtype))
