@@ -31,7 +31,7 @@
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
 # wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 /
 # lora32 / call32 (call32tests, embedphases, lorasweep, lorarows) / call33 / int4engine /
-# mxfp4engine / ggufengine / fp8linear /
+# mxfp4engine / ggufengine / specrows / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
 #
@@ -876,6 +876,22 @@ stage_ggufengine() {  # issue #50's GGUF row: a random Q4_K_M-layout 8B GGUF, ke
     PAGEDSERVE_GGUF_KERNEL=1 timeout ${GGUF_TIMEOUT:-450} python3 benchmarks/gguf_engine.py \
         --json "$OUT/gguf_engine.json" >"$OUT/gguf_engine.log" 2>&1
     echo "exit $?" >>"$OUT/gguf_engine.log"; grep -v " INFO " "$OUT/gguf_engine.log" | tail -8
+}
+
+stage_specrows() {  # issue #49's MTP row (the DeepSeek-V2-Lite shape with a random V3-style
+    # MTP layer, K = 1, synthetic mean length 1.8, batch 1) and, when the bundled GGUF was
+    # carried (.gpu-smol-a/b), its n-gram row (chat prompts that repeat a passage, batch 1, 64)
+    setup_env
+    timeout ${SPEC_TIMEOUT:-240} python3 benchmarks/spec_decode.py --model random:deepseek-v2-lite \
+        --random-prompts 128 --batch-sizes 1 --output-len 128 --repeats 1 \
+        --speculative-config '{"method": "mtp", "num_speculative_tokens": 1,
+            "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.8}' \
+        >"$OUT/mtp.log" 2>&1
+    echo "exit $?" >>"$OUT/mtp.log"; grep -v " INFO " "$OUT/mtp.log" | grep -A2 "^batch"
+    [ -f "$PAGEDSERVE_TEST_GGUF" ] || { echo "n-gram row skipped: no bundled GGUF"; return 0; }
+    timeout ${SPEC_TIMEOUT:-240} python3 benchmarks/spec_decode.py --model "$PAGEDSERVE_TEST_GGUF" \
+        --batch-sizes 1 64 --repeats 3 >"$OUT/ngram.log" 2>&1
+    echo "exit $?" >>"$OUT/ngram.log"; grep -v " INFO " "$OUT/ngram.log" | grep -A2 "^batch"
 }
 
 stage_wave25rej() {  # issue #49's rejection sampler: torch against the Triton kernel, B
