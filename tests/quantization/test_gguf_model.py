@@ -170,7 +170,7 @@ def test_a_gguf_without_a_tokenizer_loads_with_none_or_the_one_named(tmp_path):
     assert named is not None and len(named) == len(vocab.tokens)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_torch_dequantizer_gives_gguf_bits(qtype):
     """The load path's torch dequantizer of the common block types: the very float32 values
     of gguf's own, whatever the tensor's shape (the bundled model's tensors: the engine tests)."""
@@ -179,7 +179,7 @@ def test_torch_dequantizer_gives_gguf_bits(qtype):
 
     from pagedserve.quantization.gguf_blocks import dequantize_array
 
-    k_type = qtype in (T.Q4_K, T.Q6_K)  # super-blocks of 256, written by the tests' quantizer
+    k_type = qtype in (T.Q4_K, T.Q5_K, T.Q6_K)  # super-blocks of 256: the tests' quantizer
     shape = (3, 2, 512) if k_type else (3, 4, 96)
     values = np.random.default_rng(int(qtype)).standard_normal(shape).astype(np.float32)
     values[0, 0, :256] = 0.0  # an all-zero block (scale 0)
