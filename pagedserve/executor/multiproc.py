@@ -1,4 +1,5 @@
-"""Ranks 1..N-1 in worker processes (spawned), rank 0 in the engine's process.
+"""Ranks 1..N-1 in worker processes (spawned, or forked from a forkserver), rank 0 in the
+engine's process.
 
 Commands go down one pipe per worker (a `StepMessage` per launch, a word per collect);
 answers come up another: "loaded" and "ready" at start-up, the rank's error, and from "ready"
@@ -135,6 +136,23 @@ class WorkerMonitor:
         proc.kill()
 
 
+START_METHODS = ("spawn", "forkserver")
+
+
+def _start_context() -> Any:
+    """The multiprocessing context workers start in (PAGEDSERVE_WORKER_START_METHOD). A
+    forkserver imports the worker's modules once, so a process that starts many engines (the
+    tests) pays for torch's import once, not once a worker."""
+    method = envs.PAGEDSERVE_WORKER_START_METHOD
+    if method not in START_METHODS:
+        raise ValueError(f"PAGEDSERVE_WORKER_START_METHOD must be one of {START_METHODS}, "
+                         f"got {method!r}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["pagedserve.executor.worker"])
+    return ctx
+
+
 class MultiprocExecutor(RemoteRanksExecutor):
     def __init__(self, config: EngineConfig, dtype: torch.dtype,
                  quantization: str | None) -> None:
@@ -142,12 +160,14 @@ class MultiprocExecutor(RemoteRanksExecutor):
         self._init_state(config.tensor_parallel_size)
         world_size = self.world_size
         init_method = free_port_init_method()
-        ctx = mp.get_context("spawn")
+        ctx = _start_context()
+        environ = envs.snapshot() if ctx.get_start_method() == "forkserver" else None
         self.processes: list[Any] = []
         self.commands: list[Connection] = []
         self.replies: list[Connection] = []
         for rank in range(1, world_size):
-            spec = WorkerSpec(config, rank, world_size, init_method, dtype, quantization)
+            spec = WorkerSpec(config, rank, world_size, init_method, dtype, quantization,
+                              environ=environ)
             cmd_recv, cmd_send = ctx.Pipe(duplex=False)
             reply_recv, reply_send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, args=(spec, cmd_recv, reply_send),
