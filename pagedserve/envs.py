@@ -70,12 +70,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "it before it is declared hung, killed and the engine fails; above any real step "
         "(first-use kernel compilation included), below PAGEDSERVE_DIST_TIMEOUT_S "
         "(default 60)"),
-    "PAGEDSERVE_WORKER_START_METHOD": (
-        _lower("PAGEDSERVE_WORKER_START_METHOD", "spawn"),
-        "tensor parallelism (worker processes): how workers start: spawn (a fresh interpreter "
-        "each, default) or forkserver (forked from one helper process that imported the "
-        "worker's modules once: the next engine's workers start in about a second, not five; "
-        "each takes the engine's environment as it was when the engine started them)"),
+    "PAGEDSERVE_PROCESS_START_METHOD": (
+        _lower("PAGEDSERVE_PROCESS_START_METHOD", "spawn"),
+        "how an engine core process and tensor-parallel workers start: spawn (a fresh "
+        "interpreter each, default) or forkserver (forked from one helper process that "
+        "imported their modules once: the next one starts about 4 s sooner; each takes its "
+        "engine's environment as it was when the engine started it)"),
     "PAGEDSERVE_CORE_PROFILE": (
         _str("PAGEDSERVE_CORE_PROFILE"),
         "a file: the engine core process runs its loop under cProfile and writes the stats "

@@ -15,7 +15,6 @@ collective fails at once rather than after the group's timeout.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import threading
 import time
 import weakref
@@ -31,6 +30,7 @@ from pagedserve.distributed.parallel_state import abort_distributed
 from pagedserve.executor.progress import StepProgress
 from pagedserve.executor.remote import RankFailures, RemoteRanksExecutor
 from pagedserve.executor.worker import WorkerSpec, join_group, worker_main
+from pagedserve.process_start import handed_environment, start_context
 
 logger = logging.getLogger(__name__)
 
@@ -136,23 +136,6 @@ class WorkerMonitor:
         proc.kill()
 
 
-START_METHODS = ("spawn", "forkserver")
-
-
-def _start_context() -> Any:
-    """The multiprocessing context workers start in (PAGEDSERVE_WORKER_START_METHOD). A
-    forkserver imports the worker's modules once, so a process that starts many engines (the
-    tests) pays for torch's import once, not once a worker."""
-    method = envs.PAGEDSERVE_WORKER_START_METHOD
-    if method not in START_METHODS:
-        raise ValueError(f"PAGEDSERVE_WORKER_START_METHOD must be one of {START_METHODS}, "
-                         f"got {method!r}")
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(["pagedserve.executor.worker"])
-    return ctx
-
-
 class MultiprocExecutor(RemoteRanksExecutor):
     def __init__(self, config: EngineConfig, dtype: torch.dtype,
                  quantization: str | None) -> None:
@@ -160,8 +143,8 @@ class MultiprocExecutor(RemoteRanksExecutor):
         self._init_state(config.tensor_parallel_size)
         world_size = self.world_size
         init_method = free_port_init_method()
-        ctx = _start_context()
-        environ = envs.snapshot() if ctx.get_start_method() == "forkserver" else None
+        ctx = start_context()
+        environ = handed_environment(ctx)
         self.processes: list[Any] = []
         self.commands: list[Connection] = []
         self.replies: list[Connection] = []

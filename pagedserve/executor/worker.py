@@ -23,6 +23,7 @@ from pagedserve.engine.cpu_threads import cpu_threads
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.runner_outputs import PendingStep
 from pagedserve.executor.base import StepMessage
+from pagedserve.process_start import take_environment
 from pagedserve.scheduler import Request
 
 logger = logging.getLogger(__name__)
@@ -174,8 +175,7 @@ def _heartbeat(replies: _Replies, worker: Worker, stop: threading.Event) -> None
 def worker_main(spec: WorkerSpec, commands: Connection, replies: Connection) -> None:
     """A worker process: set up, say ready (or why not), then run commands until None, with a
     heartbeat from "ready" on."""
-    if spec.environ is not None:
-        envs.restore(spec.environ)
+    take_environment(spec.environ)
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s tp{spec.rank} %(levelname)s %(name)s: %(message)s")
     worker = Worker(spec)

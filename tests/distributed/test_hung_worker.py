@@ -15,7 +15,7 @@ from multiprocessing import forkserver
 import httpx
 import pytest
 
-from pagedserve import LLM, SamplingParams, envs
+from pagedserve import LLM, SamplingParams, envs, process_start
 from pagedserve.executor import WorkerError, multiproc
 from pagedserve.executor.progress import StepProgress
 from tests.distributed.hang_hooks import STUCK_AT, worker_main_stuck_at_launch
@@ -120,8 +120,8 @@ def test_worker_stuck_in_a_step_is_a_clear_error(model_path, monkeypatch):
     """Rank 1 still beats, but its 5th step never finishes. The step's number is set after
     the workers' forkserver (the tests') is running: the worker reads it from the engine's
     environment, handed over."""
-    if envs.PAGEDSERVE_WORKER_START_METHOD == "forkserver":
-        multiproc._start_context()  # its preload, as the engines before this one had it
+    if envs.PAGEDSERVE_PROCESS_START_METHOD == "forkserver":
+        process_start.start_context()  # its preload, as the engines before this one had it
         forkserver.ensure_running()
     monkeypatch.setenv(STUCK_AT, "5")
     monkeypatch.setenv("PAGEDSERVE_STEP_TIMEOUT_S", "3")
@@ -180,7 +180,7 @@ def test_stopped_worker_fails_requests_and_health(model_path, monkeypatch, when)
 
     monkeypatch.setenv("PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S", "2")
     monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
-    monkeypatch.setenv("PAGEDSERVE_WORKER_START_METHOD", "spawn")  # the worker: the core's child
+    monkeypatch.setenv("PAGEDSERVE_PROCESS_START_METHOD", "spawn")  # the worker: the core's
     engine = LLMEngine.from_kwargs(model=model_path, tensor_parallel_size=2,
                                    engine_core_process=True, **ENGINE)
     core = engine.client.proc

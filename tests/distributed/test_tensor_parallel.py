@@ -196,7 +196,7 @@ def test_dropped_engine_frees_the_process_for_another():
     code = DROPPED_ENGINE.format(engine=ENGINE)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, cwd=ROOT,  # spawned workers: the product's default
-                         env={**os.environ, "PAGEDSERVE_WORKER_START_METHOD": "spawn"})
+                         env={**os.environ, "PAGEDSERVE_PROCESS_START_METHOD": "spawn"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "second engine ok" in out.stdout
     assert "terminate called" not in out.stderr and "Traceback" not in out.stderr, out.stderr
@@ -387,3 +387,11 @@ def test_guided_decoding_with_two_ranks(tmp_path):
     assert set(json.loads(outputs[2][0][0])) == {"ok", "n"}
     assert outputs[2][1][0] in ("left", "right")
     _no_workers_left()
+
+
+def test_an_unknown_start_method_is_refused(monkeypatch):
+    from pagedserve.process_start import start_context
+
+    monkeypatch.setenv("PAGEDSERVE_PROCESS_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="one of .*'spawn', 'forkserver'.*got 'fork'"):
+        start_context()
