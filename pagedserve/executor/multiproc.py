@@ -35,24 +35,31 @@ from pagedserve.process_start import handed_environment, start_context
 logger = logging.getLogger(__name__)
 
 
-def _stop(processes: list[Any], commands: list[Connection], grace_s: float = 5.0) -> None:
+def _stop(processes: list[Any], commands: list[Connection], lock: threading.Lock,
+          grace_s: float = 5.0) -> None:
     """Ask the workers to exit, then terminate, then kill: none outlives this. The group goes
-    with them (an engine dropped without shutdown() frees the process for the next one)."""
+    with them (an engine dropped without shutdown() frees the process for the next one).
+    Exits are awaited on the sentinels, which reads nothing: a forkserver's child's exit code
+    is one message on its sentinel, and of two threads reading it at once (the monitor's
+    join, this one) the loser records 255; both read it only under `lock`."""
     for conn in commands:
         try:
             conn.send(None)
         except OSError:
             pass
     deadline = time.monotonic() + grace_s
-    for proc in processes:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(2.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    pending = [proc.sentinel for proc in processes]
+    while pending and (left := deadline - time.monotonic()) > 0:
+        for ready in wait(pending, left):
+            pending.remove(ready)
+    with lock:
+        for proc in processes:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
     abort_distributed()
 
 
@@ -63,8 +70,9 @@ class WorkerMonitor:
     collected and its finalizer stops the workers (which ends this thread)."""
 
     def __init__(self, processes: list[Any], replies: list[Connection],
-                 failures: RankFailures) -> None:
+                 failures: RankFailures, lock: threading.Lock) -> None:
         self.processes = processes
+        self.lock = lock  # around reading a worker's exit code (see `_stop`)
         self.replies = replies
         self.failures = failures
         self.loaded: set[int] = set()
@@ -87,9 +95,11 @@ class WorkerMonitor:
                 self.heard.pop(rank, None)
                 self.progress.forget(rank)
                 proc = self.processes[rank - 1]
-                proc.join(0.5)
+                with self.lock:
+                    proc.join(0.5)
+                    code = proc.exitcode
                 self.failures.record(f"tensor-parallel rank {rank} (pid {proc.pid}) exited "
-                                     f"with code {proc.exitcode}")
+                                     f"with code {code}")
             # Only after the pipes that had something are read: a monitor that was itself
             # held up must not blame a worker for words it has not read yet.
             self._check_liveness(time.monotonic())
@@ -164,8 +174,10 @@ class MultiprocExecutor(RemoteRanksExecutor):
         # Workers are stopped, and the group left, even when the engine is dropped without
         # shutdown(): nothing else holds the executor (the monitor thread holds its
         # `WorkerMonitor`), so this runs when the engine is collected, or else at exit.
-        self._stopper = weakref.finalize(self, _stop, list(self.processes), list(self.commands))
-        self.monitor = WorkerMonitor(self.processes, self.replies, self.failures)
+        lock = threading.Lock()
+        self._stopper = weakref.finalize(self, _stop, list(self.processes), list(self.commands),
+                                         lock)
+        self.monitor = WorkerMonitor(self.processes, self.replies, self.failures, lock)
         threading.Thread(target=self.monitor.run, name="pagedserve-tp monitor",
                          daemon=True).start()
         self._while_watching(lambda: join_group(config, 0, world_size, init_method),
