@@ -9,7 +9,6 @@ import collections
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import os
 import shutil
 import sys
@@ -26,6 +25,7 @@ import msgspec
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.core_messages import CoreInfo, CoreRequest, CoreStats, StepOutput
+from pagedserve.process_start import handed_environment, start_context
 from pagedserve.scheduler import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -88,8 +88,9 @@ class InprocClient:
 
 
 class MPClient:
-    """The core in a spawned daemon process; adds and aborts are sent in one message per
-    flush (before each wait for an output), outputs arrive one message per step."""
+    """The core in a daemon process of its own (spawned by default); adds and aborts are sent
+    in one message per flush (before each wait for an output), outputs arrive one message per
+    step."""
 
     idle_poll_s: float | None = 0.2  # an idle front still reads the core's late stats
 
@@ -120,12 +121,13 @@ class MPClient:
         self._output.bind(output_addr)
         self._encoder = encoder()
         self._decoder = decoder(StepMessage)
-        mp = multiprocessing.get_context("spawn")
+        mp = start_context()
         parent_conn, child_conn = mp.Pipe(duplex=False)
         self.proc = mp.Process(
             target=run_engine_core, name="pagedserve-engine-core", daemon=True,
             args=(config, input_addr, output_addr, child_conn,
-                  logging.getLogger("pagedserve").getEffectiveLevel(), log_stats, os.getpid()))
+                  logging.getLogger("pagedserve").getEffectiveLevel(), log_stats, os.getpid(),
+                  handed_environment(mp)))
         self._handle = _CoreHandle(self.proc, self._ctx, self._input, self._encoder, self._dir)
         self.dead: str | None = None  # why the core is gone, once it is
         self._callbacks: list[Callable[[], None]] = []

@@ -38,6 +38,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.core_messages import CoreRequest, CoreStats, StepOutput
 from pagedserve.engine.gc_heap import freeze_startup_heap
+from pagedserve.process_start import take_environment
 from pagedserve.sampling_params import specs_parsed_by_sender
 
 logger = logging.getLogger(__name__)
@@ -111,8 +112,11 @@ def one_line(exc: BaseException) -> str:
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, conn: Connection,
-                    log_level: int, log_stats: bool, parent_pid: int) -> None:
-    """The core process's entry point (a spawned daemon process)."""
+                    log_level: int, log_stats: bool, parent_pid: int,
+                    environ: dict[str, str] | None = None) -> None:
+    """The core process's entry point (a daemon process; `environ`: its front's environment,
+    where it was forked from a forkserver)."""
+    take_environment(environ)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group: the front decides when the core stops.
@@ -132,7 +136,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, con
     conn.send(("ready", info))
     conn.close()
     freeze_startup_heap()
-    loop = CoreLoop(core, input_addr, output_addr, parent_pid)
+    # The process whose exit tells the front's: the front itself, or, forked from a
+    # forkserver, the forkserver, which exits with its front.
+    watched = parent_pid if environ is None else os.getppid()
+    loop = CoreLoop(core, input_addr, output_addr, watched)
     profile_path = envs.PAGEDSERVE_CORE_PROFILE
     if not profile_path:
         loop.run()

@@ -1,4 +1,5 @@
-"""Ranks 1..N-1 in worker processes (spawned), rank 0 in the engine's process.
+"""Ranks 1..N-1 in worker processes (spawned, or forked from a forkserver), rank 0 in the
+engine's process.
 
 Commands go down one pipe per worker (a `StepMessage` per launch, a word per collect);
 answers come up another: "loaded" and "ready" at start-up, the rank's error, and from "ready"
@@ -14,7 +15,6 @@ collective fails at once rather than after the group's timeout.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import threading
 import time
 import weakref
@@ -30,28 +30,36 @@ from pagedserve.distributed.parallel_state import abort_distributed
 from pagedserve.executor.progress import StepProgress
 from pagedserve.executor.remote import RankFailures, RemoteRanksExecutor
 from pagedserve.executor.worker import WorkerSpec, join_group, worker_main
+from pagedserve.process_start import handed_environment, start_context
 
 logger = logging.getLogger(__name__)
 
 
-def _stop(processes: list[Any], commands: list[Connection], grace_s: float = 5.0) -> None:
+def _stop(processes: list[Any], commands: list[Connection], lock: threading.Lock,
+          grace_s: float = 5.0) -> None:
     """Ask the workers to exit, then terminate, then kill: none outlives this. The group goes
-    with them (an engine dropped without shutdown() frees the process for the next one)."""
+    with them (an engine dropped without shutdown() frees the process for the next one).
+    Exits are awaited on the sentinels, which reads nothing: a forkserver's child's exit code
+    is one message on its sentinel, and of two threads reading it at once (the monitor's
+    join, this one) the loser records 255; both read it only under `lock`."""
     for conn in commands:
         try:
             conn.send(None)
         except OSError:
             pass
     deadline = time.monotonic() + grace_s
-    for proc in processes:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(2.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    pending = [proc.sentinel for proc in processes]
+    while pending and (left := deadline - time.monotonic()) > 0:
+        for ready in wait(pending, left):
+            pending.remove(ready)
+    with lock:
+        for proc in processes:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
     abort_distributed()
 
 
@@ -62,8 +70,9 @@ class WorkerMonitor:
     collected and its finalizer stops the workers (which ends this thread)."""
 
     def __init__(self, processes: list[Any], replies: list[Connection],
-                 failures: RankFailures) -> None:
+                 failures: RankFailures, lock: threading.Lock) -> None:
         self.processes = processes
+        self.lock = lock  # around reading a worker's exit code (see `_stop`)
         self.replies = replies
         self.failures = failures
         self.loaded: set[int] = set()
@@ -86,9 +95,11 @@ class WorkerMonitor:
                 self.heard.pop(rank, None)
                 self.progress.forget(rank)
                 proc = self.processes[rank - 1]
-                proc.join(0.5)
+                with self.lock:
+                    proc.join(0.5)
+                    code = proc.exitcode
                 self.failures.record(f"tensor-parallel rank {rank} (pid {proc.pid}) exited "
-                                     f"with code {proc.exitcode}")
+                                     f"with code {code}")
             # Only after the pipes that had something are read: a monitor that was itself
             # held up must not blame a worker for words it has not read yet.
             self._check_liveness(time.monotonic())
@@ -142,12 +153,14 @@ class MultiprocExecutor(RemoteRanksExecutor):
         self._init_state(config.tensor_parallel_size)
         world_size = self.world_size
         init_method = free_port_init_method()
-        ctx = mp.get_context("spawn")
+        ctx = start_context()
+        environ = handed_environment(ctx)
         self.processes: list[Any] = []
         self.commands: list[Connection] = []
         self.replies: list[Connection] = []
         for rank in range(1, world_size):
-            spec = WorkerSpec(config, rank, world_size, init_method, dtype, quantization)
+            spec = WorkerSpec(config, rank, world_size, init_method, dtype, quantization,
+                              environ=environ)
             cmd_recv, cmd_send = ctx.Pipe(duplex=False)
             reply_recv, reply_send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, args=(spec, cmd_recv, reply_send),
@@ -161,8 +174,10 @@ class MultiprocExecutor(RemoteRanksExecutor):
         # Workers are stopped, and the group left, even when the engine is dropped without
         # shutdown(): nothing else holds the executor (the monitor thread holds its
         # `WorkerMonitor`), so this runs when the engine is collected, or else at exit.
-        self._stopper = weakref.finalize(self, _stop, list(self.processes), list(self.commands))
-        self.monitor = WorkerMonitor(self.processes, self.replies, self.failures)
+        lock = threading.Lock()
+        self._stopper = weakref.finalize(self, _stop, list(self.processes), list(self.commands),
+                                         lock)
+        self.monitor = WorkerMonitor(self.processes, self.replies, self.failures, lock)
         threading.Thread(target=self.monitor.run, name="pagedserve-tp monitor",
                          daemon=True).start()
         self._while_watching(lambda: join_group(config, 0, world_size, init_method),

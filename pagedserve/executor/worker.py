@@ -23,6 +23,7 @@ from pagedserve.engine.cpu_threads import cpu_threads
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.runner_outputs import PendingStep
 from pagedserve.executor.base import StepMessage
+from pagedserve.process_start import take_environment
 from pagedserve.scheduler import Request
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,9 @@ class WorkerSpec:
     # The device this rank uses, where the executor places it (a Ray actor sees its one GPU
     # as cuda:0); None: `rank_device`.
     device: str | None = None
+    # The engine's environment, where the worker does not inherit it (forked from a
+    # forkserver started before the engine); None: the worker's own is the engine's.
+    environ: dict[str, str] | None = None
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -171,6 +175,7 @@ def _heartbeat(replies: _Replies, worker: Worker, stop: threading.Event) -> None
 def worker_main(spec: WorkerSpec, commands: Connection, replies: Connection) -> None:
     """A worker process: set up, say ready (or why not), then run commands until None, with a
     heartbeat from "ready" on."""
+    take_environment(spec.environ)
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s tp{spec.rank} %(levelname)s %(name)s: %(message)s")
     worker = Worker(spec)

@@ -7,18 +7,18 @@ and /health. The progress bookkeeping is checked on its own first."""
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import time
+from multiprocessing import forkserver
 
 import httpx
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams, envs, process_start
 from pagedserve.executor import WorkerError, multiproc
 from pagedserve.executor.progress import StepProgress
-from tests.distributed.hang_hooks import worker_main_stuck_at_launch
+from tests.distributed.hang_hooks import STUCK_AT, worker_main_stuck_at_launch
 from tests.distributed.test_tensor_parallel import CONFIGS, ENGINE, PROMPTS, save_model
 from tests.utils.server import app_in_thread, child_pids, pid_alive, pids_gone
 
@@ -117,11 +117,16 @@ def test_stopped_worker_is_a_clear_error(model_path, monkeypatch):
 
 
 def test_worker_stuck_in_a_step_is_a_clear_error(model_path, monkeypatch):
-    """Rank 1 still beats, but its 5th step never finishes."""
+    """Rank 1 still beats, but its 5th step never finishes. The step's number is set after
+    the workers' forkserver (the tests') is running: the worker reads it from the engine's
+    environment, handed over."""
+    if envs.PAGEDSERVE_PROCESS_START_METHOD == "forkserver":
+        process_start.start_context()  # its preload, as the engines before this one had it
+        forkserver.ensure_running()
+    monkeypatch.setenv(STUCK_AT, "5")
     monkeypatch.setenv("PAGEDSERVE_STEP_TIMEOUT_S", "3")
     monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
-    monkeypatch.setattr(multiproc, "worker_main",
-                        functools.partial(worker_main_stuck_at_launch, 5))
+    monkeypatch.setattr(multiproc, "worker_main", worker_main_stuck_at_launch)
     llm = LLM(model=model_path, tensor_parallel_size=2, **ENGINE)
     engine = llm.engine
     (worker,) = engine.runner.processes
@@ -175,6 +180,7 @@ def test_stopped_worker_fails_requests_and_health(model_path, monkeypatch, when)
 
     monkeypatch.setenv("PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT_S", "2")
     monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
+    monkeypatch.setenv("PAGEDSERVE_PROCESS_START_METHOD", "spawn")  # the worker: the core's
     engine = LLMEngine.from_kwargs(model=model_path, tensor_parallel_size=2,
                                    engine_core_process=True, **ENGINE)
     core = engine.client.proc

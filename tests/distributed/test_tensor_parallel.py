@@ -70,16 +70,23 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
+class OneRank(dict):
+    """name -> the model's directory and its one-rank greedy tokens, made on first use (a
+    slow case's model only when it runs)."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, name: str) -> tuple[str, list[list[int]]]:
+        path = save_model(CONFIGS[name](), self.tmp_path_factory.mktemp(name))
+        self[name] = (path, greedy(LLM(model=path, **ENGINE)))
+        return self[name]
+
+
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
-    """Each model's directory and its one-rank greedy tokens."""
-    out = {}
-    for name, make in CONFIGS.items():
-        path = save_model(make(), tmp_path_factory.mktemp(name))
-        llm = LLM(model=path, **ENGINE)
-        out[name] = (path, greedy(llm))
-        del llm
-    return out
+def models(tmp_path_factory) -> OneRank:
+    return OneRank(tmp_path_factory)
 
 
 def _no_workers_left() -> None:
@@ -188,7 +195,8 @@ def test_dropped_engine_frees_the_process_for_another():
     (the second engine still open) exits cleanly."""
     code = DROPPED_ENGINE.format(engine=ENGINE)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+                         timeout=300, cwd=ROOT,  # spawned workers: the product's default
+                         env={**os.environ, "PAGEDSERVE_PROCESS_START_METHOD": "spawn"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "second engine ok" in out.stdout
     assert "terminate called" not in out.stderr and "Traceback" not in out.stderr, out.stderr
@@ -379,3 +387,11 @@ def test_guided_decoding_with_two_ranks(tmp_path):
     assert set(json.loads(outputs[2][0][0])) == {"ok", "n"}
     assert outputs[2][1][0] in ("left", "right")
     _no_workers_left()
+
+
+def test_an_unknown_start_method_is_refused(monkeypatch):
+    from pagedserve.process_start import start_context
+
+    monkeypatch.setenv("PAGEDSERVE_PROCESS_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="one of .*'spawn', 'forkserver'.*got 'fork'"):
+        start_context()

@@ -18,7 +18,8 @@ def test_serve_with_two_ranks(tmp_path):
     server = ServerProcess(["--model", path, "--tensor-parallel-size", "2", "--dtype", "float32",
                             "--device", "cpu", "--kv-cache-memory", "16MiB",
                             "--max-model-len", "128", "--block-size", "4"],
-                           tmp_path / "server.log", wait=False)
+                           tmp_path / "server.log", wait=False,
+                           env={"PAGEDSERVE_PROCESS_START_METHOD": "spawn"})  # the default
     try:
         llm = LLM(model=path, **ENGINE)
         expected = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -344,7 +344,7 @@ def test_core_exits_when_its_front_is_killed(tiny_dir, tmp_path):
 
     script = tmp_path / "front.py"
     script.write_text(ORPHAN_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PAGEDSERVE_PROCESS_START_METHOD": "spawn"}
     front = subprocess.Popen([sys.executable, str(script), tiny_dir], stdout=subprocess.PIPE,
                              text=True, env=env)
     try:

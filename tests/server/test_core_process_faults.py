@@ -96,7 +96,8 @@ def test_real_server_leaves_no_process(tmp_path, how):
     model = str(tiny_chat_model(tmp_path / "tiny"))
     srv = ServerProcess(["--model", model, "--device", "cpu", "--dtype", "float32",
                          "--kv-cache-memory", "16MiB", "--engine-core-process",
-                         "--shutdown-timeout", "2"], tmp_path / "server.log")
+                         "--shutdown-timeout", "2"], tmp_path / "server.log",
+                        env={"PAGEDSERVE_PROCESS_START_METHOD": "spawn"})  # cores: children
     try:
         children = child_pids(srv.proc.pid)
         cores = [p for p in children if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
