@@ -109,7 +109,7 @@ def build(qsl: np.ndarray, slots: np.ndarray, context_lens: np.ndarray, num_pref
     inverse[order] = np.arange(len(order))
 
     def dev(x: np.ndarray) -> torch.Tensor:
-        return array_to_device(np.ascontiguousarray(x, dtype=np.int64), device)
+        return array_to_device(x.astype(np.int64, copy=False), device)
 
     return StateVerify(rest_md, rest_tokens, positions, dev(inverse), dev(reqs), dev(own),
                        dev(kb), dev(base))

@@ -71,20 +71,13 @@ def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def gptq_tensors(w: torch.Tensor, bits: int, group: int, v1: bool) -> dict[str, torch.Tensor]:
     """A GPTQ checkpoint's tensors for the float weight w [N, K]."""
     codes, scales = quantize_symmetric(w, bits, group)
-    n, k = w.shape
-    size = k if group == -1 else group
+    k = w.shape[1]
     zeros = torch.full(scales.shape, (1 << (bits - 1)) - int(v1), dtype=torch.int32,
                        device=w.device)
     return {"qweight": pack_words(codes.t().contiguous(), bits),
             "qzeros": pack_words(zeros, bits).t().contiguous(),  # [G, N / p]: along outputs
             "scales": scales.t().contiguous(),
-            "g_idx": torch.arange(k, device=w.device, dtype=torch.int32) // size}
-
-
-# e2m1's magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: a magnitude takes the code of the bucket between
-# these midpoints (a tie to the smaller).
-E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-MXFP4_BLOCK = 32
+            "g_idx": torch.arange(k, device=w.device, dtype=torch.int32) // (k // scales.shape[1])}
 
 
 def mxfp4_tensors(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,14 +85,18 @@ def mxfp4_tensors(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inputs share 2^e, the smallest power that brings their largest magnitude within e2m1's 6
     (scale byte e + 127); each value the nearest e2m1 code, sign in bit 3; two codes a byte,
     the lower input in the low nibble."""
-    x = rows.float().contiguous().reshape(*rows.shape[:-1], -1, MXFP4_BLOCK)
+    from pagedserve.quantization.mxfp4 import BLOCK, E2M1, E8M0_BIAS
+
+    magnitudes = E2M1[:8]  # codes 0..7; 8..15 are their negatives
+    x = rows.float().contiguous().reshape(*rows.shape[:-1], -1, BLOCK)
     amax = x.abs().amax(-1).clamp(min=2.0 ** -100)
-    e = torch.ceil(torch.log2(amax / 6.0))
+    e = torch.ceil(torch.log2(amax / float(magnitudes[-1])))
     y = x / torch.exp2(e)[..., None]
-    mids = torch.tensor(E2M1_MIDPOINTS, device=x.device)
+    # The nearest magnitude: the bucket between consecutive ones' midpoints (a tie: the smaller).
+    mids = ((magnitudes[1:] + magnitudes[:-1]) / 2).to(x.device)
     mag = torch.bucketize(y.abs(), mids)
     codes = (mag + 8 * ((y < 0) & (mag > 0))).to(torch.uint8)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), (e + 127).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (e + E8M0_BIAS).to(torch.uint8)
 
 
 def _mxfp4_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
