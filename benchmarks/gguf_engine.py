@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from gguf_linear import SHAPES, more_bits
-from quant_engine import decode_seconds_per_token, quality, weight_bytes
+from quant_engine import decode_seconds_per_token, measured_row, quality
 
 from pagedserve import LLM
 from pagedserve.bench import random_prompts
@@ -81,16 +81,13 @@ def run(path: Path, quantization: str | None, args: argparse.Namespace,
     llm = LLM(model=str(path), dtype=args.dtype, quantization=quantization,
               max_model_len=1024, device=args.device)
     row: dict = {"engine": quantization or "dense"}
-    try:
-        vocab = llm.engine.vocab_size
-        row["weight_gb"] = weight_bytes(llm.engine.runner.model) / 1e9
+
+    def measure(vocab: int) -> None:
         row["kl"], row["top1"] = quality(llm, random_prompts(4, 32, vocab, seed=3), 16,
                                          continuation)
         row["decode_s_per_token"] = decode_seconds_per_token(llm, vocab, args.decode_tokens)
-    finally:
-        llm.close()
-    print(json.dumps(row), flush=True)
-    return row
+
+    return measured_row(llm, row, measure)
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,14 +94,25 @@ def engine_of(args: argparse.Namespace, which: str) -> tuple[str, str, str | Non
     return Path(args.quantized.removeprefix("random:")).stem, args.quantized, None
 
 
+def measured_row(llm: LLM, row: dict, measure: Callable[[int], None]) -> dict:
+    """`row` with the engine's weight bytes and what `measure(vocab)` adds to it, printed as
+    JSON; the engine is closed after, whatever happens."""
+    try:
+        row["weight_gb"] = weight_bytes(llm.engine.runner.model) / 1e9
+        measure(llm.engine.vocab_size)
+    finally:
+        llm.close()
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def run(args: argparse.Namespace, which: str, continuation: dict) -> dict:
     label, model, quantization = engine_of(args, which)
     llm = LLM(model=model, quantization=quantization, dtype="bfloat16",
               kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len)
     row: dict = {"quantization": label}
-    try:
-        vocab = llm.engine.loaded.hf_config.vocab_size
-        row["weight_gb"] = weight_bytes(llm.engine.runner.model) / 1e9
+
+    def measure(vocab: int) -> None:
         if "quality" not in args.skip:
             row["kl"], row["top1"] = quality(llm, random_prompts(args.quality_prompts, 64, vocab,
                                                                  seed=3),
@@ -115,10 +127,8 @@ def run(args: argparse.Namespace, which: str, continuation: dict) -> dict:
                 "output_tokens_per_s"]
         if "decode" not in args.skip:
             row["decode_s_per_token"] = decode_seconds_per_token(llm, vocab, args.decode_tokens)
-    finally:
-        llm.close()
-    print(json.dumps(row), flush=True)
-    return row
+
+    return measured_row(llm, row, measure)
 
 
 def main() -> None:
