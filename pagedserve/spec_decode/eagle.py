@@ -119,7 +119,8 @@ class EagleProposer(Proposer):
         act_dev = array_to_device(act, self.device)
         token, hidden = token[act_dev], hidden[act_dev]
         rows = live[act]
-        out[array_to_device(rows, self.device), 0] = token
+        at = array_to_device(rows, self.device)  # the rows still drafting, on the device
+        out[at, 0] = token
         deltas = (np.fromiter((r.mrope_delta for r in step.requests), np.int64, b)
                   if self.head.uses_mrope else None)
         for j in range(1, self.k):
@@ -127,7 +128,8 @@ class EagleProposer(Proposer):
             if not keep.size:
                 break
             keep_dev = array_to_device(keep, self.device)
-            rows, token, hidden = rows[keep], token[keep_dev], hidden[keep_dev]
+            rows, at = rows[keep], at[keep_dev]
+            token, hidden = token[keep_dev], hidden[keep_dev]
             if copied is not None:
                 copied.synchronize()
             n = len(rows)
@@ -137,7 +139,7 @@ class EagleProposer(Proposer):
             turn_by = (None if deltas is None else  # past the prompt: index + delta, all rows
                        self._mrope(runner).build_past_prompts(start[rows] + j - 1, deltas[rows]))
             hidden, token = self._step(runner, common, token, hidden, copied, turn_by)
-            out[array_to_device(rows, self.device), j] = token
+            out[at, j] = token
         drafts.token_ids = out.cpu().numpy()
         drafts.counts = limit.astype(np.int32)
         return drafts
