@@ -12,11 +12,14 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.models.registry import ENCODER_ARCHITECTURES
 from pagedserve.pooling.base_models import is_base_model
 from pagedserve.pooling.st_files import read_sentence_transformer
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +148,7 @@ def _classifier(hf: dict[str, Any], architecture: str, method: str | None,
 POOLING_CUDA_STEP_TOKENS = 16384
 
 
-def default_step_tokens(model: Any, device: Any, default: int) -> int:
+def default_step_tokens(model: Any, device: torch.device, default: int) -> int:
     """The default max_num_batched_tokens for the engine of `model` (a ModelConfig) on
     `device`: a pooling model's on CUDA holds max(16384, its context) tokens, so that any
     input fits its one step and steps are large enough to keep the GPU busy; `default`
@@ -156,7 +159,7 @@ def default_step_tokens(model: Any, device: Any, default: int) -> int:
         pooling = resolve_pooler(model) is not None
     except (ValueError, OSError):
         pooling = False
-    if not pooling or getattr(device, "type", device) != "cuda":
+    if not pooling or device.type != "cuda":
         return default
     context = getattr(model, "max_model_len", None)
     if context is None and (path := _model_dir(model.model)) is not None:
