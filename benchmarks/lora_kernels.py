@@ -59,7 +59,7 @@ def time_us(fn) -> float:
 
 
 SHRINK_SHAPES = [dict(), dict(k_per_split=1024), dict(k_per_split=512)]
-EXPAND_SHAPES = [dict(n_tiles=1), dict(block_n=64), dict(block_n=256, n_tiles=2, expand_warps=8)]
+EXPAND_SHAPES = [dict(n_tiles=1), dict(block_n=128), dict(block_n=256, n_tiles=2, expand_warps=8)]
 
 
 def row(name: str, tokens: int, adapters: int, rank: int, slots: int,
