@@ -3,7 +3,8 @@ carry a GPTQ or MXFP4 `quantization_config`), for timing the 4-bit paths at a re
 without one: each tensor is drawn as the float model draws it (same generator, order and dtype,
 so the bf16 `random:` model of the same shape has the very values these codes round) and
 packed as it is made, so the model loads through the format's method as a downloaded
-checkpoint would.
+checkpoint would: its packed tensors handed over on the host, where a checkpoint's are read
+(the formats unpack them there; drawn on a GPU, they are packed there first).
 
     {"base": "llama3-8b", "quantization_config": {"quant_method": "gptq", "bits": 4,
      "group_size": 128, "sym": true, "desc_act": false}}
@@ -104,8 +105,8 @@ def _mxfp4_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch
     `_blocks` / `_scales` of their rows ([E, 2I, H / 32, 16] ...), an expert at a time (a
     120B layer's experts would not fit their codes' float intermediates at once)."""
     parts = [mxfp4_tensors(tensor[e].t()) for e in range(tensor.shape[0])]
-    yield name + "_blocks", torch.stack([b for b, _ in parts])
-    yield name + "_scales", torch.stack([s for _, s in parts])
+    yield name + "_blocks", torch.stack([b for b, _ in parts]).cpu()
+    yield name + "_scales", torch.stack([s for _, s in parts]).cpu()
 
 
 def random_packed_weights(weights: Iterator[tuple[str, torch.Tensor]], data: dict[str, Any]
@@ -139,4 +140,4 @@ def _gptq_stream(weights: Iterator[tuple[str, torch.Tensor]], bits: int, group: 
             continue
         prefix = name[:-len("weight")]
         for key, value in gptq_tensors(tensor, bits, group, v1).items():
-            yield prefix + key, value
+            yield prefix + key, value.cpu()
