@@ -2,29 +2,38 @@
 
     python benchmarks/int4_linear.py [--shapes 8b] [--tokens 1,4,16,64,256,1024,8192]
         [--group 128] [--act-order] [--bits 4|8] [--json FILE]
+        [--sweep] [--write-tiles FILE]
 
 For each projection (N, K) of Llama-3.1-8B and each token count M it times, with CUDA events
 (median of 20 after 5 warm-ups), on the same random weights:
 - bf16: `F.linear(x, W)` with W the dequantized weight;
 - w4a16: the Triton GEMM that dequantizes in registers (`ops/w4a16_gemm.py`, tiles from its
-  table keyed by M), reading 4-bit codes or, with --bits 8, 8-bit ones (W8A16);
-- dequant + bf16: the whole weight dequantized, then `F.linear` (the large-M alternative that
-  `DEQUANTIZE_ABOVE_M` switches to),
+  table keyed by M, or the sweep's best), reading 4-bit codes or, with --bits 8, 8-bit ones;
+- dequant + bf16: the whole weight dequantized by its kernel, then the dense GEMM (the large-M
+  path that `DEQUANTIZE_ABOVE_M` switches to),
 and prints each path's time, its speed-up over bf16 and the max relative error of w4a16
 against the float32 product. The weight bytes of each form are printed once per shape.
+
+`--sweep` first tries, for each M, a set of launch shapes over all four projections and keeps
+the one with the least summed time (a decoder layer runs each projection once); the table
+above then uses it. `--write-tiles FILE` writes the winners keyed by the largest M each serves
+(the midpoints between the swept M), as `PAGEDSERVE_W4A16_TILES` reads them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.quantization.int_codes import IntCodes
-from pagedserve.quantization.ops.w4a16_gemm import w4a16_layout, w4a16_mm
+from pagedserve.quantization.ops.w4a16_gemm import Tiles, select_tiles, w4a16_layout, w4a16_mm
 
 SHAPES = {"8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                  "down": (4096, 14336)}}
@@ -56,6 +65,45 @@ def _weight(n: int, k: int, group: int, act_order: bool, bits: int) -> IntCodes:
                      index, bits)
 
 
+def _dequantized_path(x: torch.Tensor, weight) -> torch.Tensor:
+    order = x if weight.perm is None else x.index_select(1, weight.perm)
+    return order @ weight.dequantize_in_group_order(x.dtype)
+
+
+def candidates(m: int) -> list[Tiles]:
+    """The launch shapes tried at M rows (4-bit positions per tile at least 16 per dot)."""
+    if m == 1:
+        grid = itertools.product([1], [16, 32, 64], [128, 256, 512], [1], [4], [3], [0, 1])
+    elif m <= 16:
+        grid = itertools.product([16], [32, 64], [128, 256], [1], [4], [3], [0, 1])
+    elif m <= 64:
+        grid = itertools.product([16, 32, 64], [64, 128], [128], [4], [4], [3], [0, 1])
+    else:
+        grid = itertools.product([64, 128], [64, 128, 256], [128], [8], [4, 8], [3], [1])
+    return [Tiles(*t) for t in grid]
+
+
+def sweep(weights: dict, m: int) -> tuple[Tiles, float, float]:
+    """(best tiles, their summed ms over the projections, the built-in table's summed ms)."""
+    xs = {name: torch.randn(m, w.in_features, device="cuda", dtype=torch.bfloat16)
+          for name, w in weights.items()}
+
+    def total(tiles: Tiles | None) -> float:
+        return sum(_time(lambda w=w, x=xs[name]: w4a16_mm(x, w, tiles), iters=10, warmup=3)
+                   for name, w in weights.items())
+
+    best, best_ms = None, float("inf")
+    for tiles in candidates(m):
+        try:
+            ms = total(tiles)
+        except Exception as e:  # a shape that does not compile or fit: skip it, say so
+            print(f"  M={m} {tiles}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+            continue
+        if ms < best_ms:
+            best, best_ms = tiles, ms
+    return best, best_ms, total(None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="8b")
@@ -63,34 +111,61 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--act-order", action="store_true")
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-tokens", default="1,4,16,64,256",
+                        help="the M swept (above DEQUANTIZE_ABOVE_M the dense path runs)")
+    parser.add_argument("--write-tiles")
     parser.add_argument("--json")
     args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    codes = {name: _weight(n, k, args.group, args.act_order, args.bits)
+             for name, (n, k) in SHAPES[args.shapes].items()}
+    weights = {name: w4a16_layout(c.codes, c.zeros, c.scales, c.group, args.bits)
+               for name, c in codes.items()}
+    chosen: dict[int, Tiles] = {}
+    sweeps = []
+    if args.sweep:
+        swept = [int(t) for t in args.sweep_tokens.split(",")]
+        for m in swept:
+            began = time.perf_counter()
+            best, best_ms, table_ms = sweep(weights, m)
+            chosen[m] = best
+            sweeps.append({"m": m, "tiles": dataclasses.asdict(best), "ms": best_ms,
+                           "table_ms": table_ms})
+            print(f"sweep M={m}: best {best} {best_ms:.4f} ms a layer's four projections, "
+                  f"the table's {table_ms:.4f} ({time.perf_counter() - began:.0f} s)")
+        if args.write_tiles:
+            bounds = [(a + b) // 2 for a, b in zip(swept, swept[1:], strict=False)] + ["inf"]
+            with open(args.write_tiles, "w") as f:
+                json.dump({str(b): dataclasses.asdict(chosen[m])
+                           for b, m in zip(bounds, swept, strict=True)}, f, indent=1)
     rows = []
     print(f"{'shape':>8} {'N':>6} {'K':>6} {'M':>5} {'bf16 ms':>8} {'w4a16 ms':>9} "
           f"{'x':>5} {'deq+bf16':>9} {'x':>5} {'rel err':>8}")
-    for name, (n, k) in SHAPES[args.shapes].items():
-        codes = _weight(n, k, args.group, args.act_order, args.bits)
-        weight = w4a16_layout(codes.codes, codes.zeros, codes.scales, codes.group, args.bits)
-        dense = codes.dequantize().to(torch.bfloat16)
-        packed_bytes = sum(t.numel() * t.element_size() for t in
-                           (weight.qweight, weight.scales, weight.zeros, weight.g_idx))
+    for name, weight in weights.items():
+        dense = codes[name].dequantize().to(torch.bfloat16)
+        packed_bytes = sum(t.numel() * t.element_size() for t in weight.tensors().values())
         print(f"{name}: weight bytes bf16 {dense.numel() * 2}, w4a16 {packed_bytes} "
               f"({packed_bytes / (dense.numel() * 2):.3f}x)")
-        for m in (int(t) for t in args.tokens.split(",")):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for m in tokens:
+            x = torch.randn(m, weight.in_features, device="cuda", dtype=torch.bfloat16)
+            tiles = chosen.get(m) or select_tiles(m, x.device)
             bf16 = _time(lambda: F.linear(x, dense))  # noqa: B023
-            w4 = _time(lambda: w4a16_mm(x, weight))  # noqa: B023
-            deq = _time(lambda: F.linear(x, weight.dequantize(torch.bfloat16)))  # noqa: B023
+            w4 = _time(lambda: w4a16_mm(x, weight, tiles))  # noqa: B023
+            deq = _time(lambda: _dequantized_path(x, weight))  # noqa: B023
             want = x.float() @ dense.float().T
-            err = float((w4a16_mm(x, weight).float() - want).abs().max() / want.abs().max())
-            rows.append({"shape": name, "n": n, "k": k, "m": m, "bf16_ms": bf16,
-                         "w4a16_ms": w4, "dequant_bf16_ms": deq, "rel_err": err})
-            print(f"{name:>8} {n:>6} {k:>6} {m:>5} {bf16:>8.4f} {w4:>9.4f} {bf16 / w4:>5.2f} "
-                  f"{deq:>9.4f} {bf16 / deq:>5.2f} {err:>8.1e}")
+            err = float((w4a16_mm(x, weight, tiles).float() - want).abs().max()
+                        / want.abs().max())
+            rows.append({"shape": name, "n": weight.out_features, "k": weight.in_features,
+                         "m": m, "bf16_ms": bf16, "w4a16_ms": w4, "dequant_bf16_ms": deq,
+                         "rel_err": err, "tiles": dataclasses.asdict(tiles)})
+            print(f"{name:>8} {weight.out_features:>6} {weight.in_features:>6} {m:>5} "
+                  f"{bf16:>8.4f} {w4:>9.4f} {bf16 / w4:>5.2f} {deq:>9.4f} {bf16 / deq:>5.2f} "
+                  f"{err:>8.1e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "group": args.group,
-                       "act_order": args.act_order, "bits": args.bits,
+                       "act_order": args.act_order, "bits": args.bits, "sweeps": sweeps,
                        "rows": rows}, f, indent=1)
 
 

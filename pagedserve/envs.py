@@ -91,6 +91,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "for the Triton W4A16 kernel, and MXFP4 / int4 experts theirs for the 4-bit grouped "
         "expert GEMMs (8-bit experts are refused there by name); default 0 (dequantized at "
         "load) until those kernels have passed their GPU tests"),
+    "PAGEDSERVE_W4A16_TILES": (
+        _str("PAGEDSERVE_W4A16_TILES"),
+        "a JSON file of W4A16 launch shapes keyed by the largest M each serves (as written "
+        "by `benchmarks/int4_linear.py --sweep`), used instead of the built-in table; unset: "
+        "the built-in table"),
     "PAGEDSERVE_GGUF_KERNEL": (
         lambda: (os.environ.get("PAGEDSERVE_GGUF_KERNEL") or "0").strip() not in ("", "0"),
         "1: on CUDA, a .gguf model's linears keep their blocks for the Triton GGUF GEMMs "

@@ -31,6 +31,7 @@
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
 # wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 /
 # lora32 / call32 (call32tests, embedphases, lorasweep, lorarows) / call33 / int4engine /
+# int4call (the W4A16 kernel's gpu tests, launch-shape sweep and engine rows) /
 # mxfp4engine / ggufengine / specrows / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
 # shape's prefill launch and throughput without and with them).
@@ -845,6 +846,22 @@ stage_int4engine() {  # issue #50's W4A16 rows, 8B shape: random GPTQ int4 weigh
         --quantized random:/tmp/llama3-8b-gptq.json --skip throughput --quality-prompts 8 \
         --batch-rows 1,16,64,256 --json "$OUT/int4_engine.json" >"$OUT/int4_engine.log" 2>&1
     echo "exit $?" >>"$OUT/int4_engine.log"; grep -v " INFO " "$OUT/int4_engine.log" | tail -14
+}
+
+stage_int4call() {  # #50's W4A16 path after the kernel's rework: its gpu tests, the launch
+    # shape sweep over the 8B projections (M 1..256; the winners to $OUT/w4a16_tiles.json), the
+    # per-projection table, then the engine rows under the swept tiles (TRITON attention:
+    # FlashInfer's modules would compile on a fresh machine; bf16 runs under the same)
+    setup_env
+    timeout 170 python3 -m pytest -q -m gpu tests/quantization/test_w4a16_kernel.py \
+        >"$OUT/w4a16-tests.log" 2>&1
+    echo "exit $?" >>"$OUT/w4a16-tests.log"; tail -3 "$OUT/w4a16-tests.log"
+    timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/int4_linear.py --sweep \
+        --write-tiles "$OUT/w4a16_tiles.json" --json "$OUT/int4_linear.json" \
+        >"$OUT/int4_linear.log" 2>&1
+    echo "exit $?" >>"$OUT/int4_linear.log"; grep -v "^  M=" "$OUT/int4_linear.log" | tail -40
+    [ -f "$OUT/w4a16_tiles.json" ] && export PAGEDSERVE_W4A16_TILES=$OUT/w4a16_tiles.json
+    PAGEDSERVE_ATTENTION_BACKEND=TRITON stage_int4engine
 }
 
 stage_mxfp4engine() {  # issue #50's MXFP4 rows: the gpt-oss-20b shape, random MXFP4 experts

@@ -1,5 +1,6 @@
 """Compile the W4A16 GEMM (`ops/w4a16_gemm.py`) for a GPU architecture on any machine (no GPU
-needed): every M bucket's tiles, 4- and 8-bit codes, bf16 and fp16 activations, and print what
+needed): every M bucket's tiles (split K where the table splits), 4- and 8-bit codes, in order and
+act-order, bf16 activations, and the whole-weight dequantization, and print what
 ptxas reports: registers, spills, shared memory.
 
     python scripts/w4a16_kernel_resources.py [--arch 90]
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -37,23 +39,34 @@ def main() -> None:
     n, k, group = 256, 1024, 128
     failed = 0
     for bits in (4, 8):
-        codes = torch.zeros(n, k, dtype=torch.int32)
-        weight = wg.w4a16_layout(codes, torch.zeros(n, k // group), torch.ones(n, k // group),
-                                 torch.arange(k) // group, bits)
-        for bound, tiles in wg._TILES:
-            for dtype in (torch.bfloat16, torch.float16):
-                m = 1 if bound == 16 else int(min(bound, 512))
-                label = f"{bits}-bit M<={bound} {dtype} {tiles}"
+        for act_order in (False, True):
+            order = torch.randperm(k) if act_order else torch.arange(k)
+            weight = wg.w4a16_layout(torch.zeros(n, k, dtype=torch.int32),
+                                     torch.zeros(n, k // group), torch.ones(n, k // group),
+                                     order // group, bits)
+            for bound, tiles in wg._TILES:
+                # Split K as the GPU would (2 slices where the table says "auto").
+                tiles = replace(tiles, split_k=tiles.split_k or 2)
+                m = int(min(bound, 512))
+                label = f"{bits}-bit act-order {act_order} M<={bound} {tiles}"
 
-                def call(m=m, dtype=dtype, weight=weight, tiles=tiles) -> None:
-                    wg.w4a16_mm(torch.zeros(m, k, dtype=dtype), weight, tiles)
+                def call(m=m, weight=weight, tiles=tiles) -> None:
+                    wg.w4a16_mm(torch.zeros(m, k, dtype=torch.bfloat16), weight, tiles)
 
                 stand_ins = compile_through(wg, ("_w4a16_kernel",), target, call, label)
                 if stand_ins is None:
                     failed += 1
                     continue
-                compiled = stand_ins[0].compiled[0]
-                print(f"{label}: {resources(compiled, args.arch)}")
+                print(f"{label}: {resources(stand_ins[0].compiled[0], args.arch)}")
+        dense = wg.w4a16_layout(torch.zeros(n, k, dtype=torch.int32), torch.zeros(n, 8),
+                                torch.ones(n, 8), torch.arange(k) // group, bits)
+        stand_ins = compile_through(wg, ("_dequantize_kernel",), target,
+                                    lambda w=dense: w.dequantize_in_group_order(torch.bfloat16),
+                                    f"{bits}-bit dequantize")
+        if stand_ins is None:
+            failed += 1
+        else:
+            print(f"{bits}-bit dequantize: {resources(stand_ins[0].compiled[0], args.arch)}")
     sys.exit(1 if failed else 0)
 
 

@@ -48,10 +48,17 @@ def use_kernel(layer: nn.Linear, method: Any, staged: dict[str | None, dict],
                     getattr(layer, "prefix", "a layer"))
         return False
     device = layer.weight.device
-    weight = w4a16_layout(*(torch.cat([getattr(c, f) for _, c in parts]).to(device)
-                            for f in ("codes", "zeros", "scales")), group.to(device),
-                          parts[0][1].bits)  # one format, one width
+    try:
+        weight = w4a16_layout(*(torch.cat([getattr(c, f) for _, c in parts]).to(device)
+                                for f in ("codes", "zeros", "scales")), group.to(device),
+                              parts[0][1].bits)  # one format, one width
+    except ValueError as e:
+        logger.info("%s: %s; dequantized", getattr(layer, "prefix", "a layer"), e)
+        return False
     layer.w4a16 = weight
+    # As buffers the codes count in the module's memory and move with it.
+    for name, tensor in weight.tensors().items():
+        layer.register_buffer(f"w4a16_{name}", tensor, persistent=False)
     del layer.weight
     layer.register_parameter("weight", None)
     return True

@@ -60,6 +60,45 @@ def test_interpreted_kernel_against_the_dequantized_product(m, n, k, group, act_
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,split_k", [(1, 3), (3, 2), (20, 4)])
+def test_split_k_and_one_group_tiles(m, split_k, bits):
+    """Act-order groups of 128 put in order (one scale row a tile) and K cut into slices whose
+    partial sums are added atomically, at one row and in the dot path."""
+    c = _codes(40, 512, 128, True, seed=3, bits=bits)
+    weight = w4a16_layout(c.codes, c.zeros, c.scales, c.group, bits)
+    assert weight.perm is not None and weight.group_size == 128
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(2))
+    tiles = gemm.Tiles(1 if m == 1 else 16, 32, 128, 1, 1, 1, split_k)
+    want = x @ c.dequantize().T
+    torch.testing.assert_close(w4a16_mm(x, weight, tiles), want, rtol=1e-5,
+                               atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("start", [37, 40])
+def test_a_slice_of_k_that_starts_inside_a_group(start):
+    """A tensor-parallel rank's inputs from `start` on, in groups of 64: the first group is
+    short, the layout says by how much, and the kernel and the dequantized weight read it so
+    (a word that straddles two groups, at 37; each word in one group, at 40)."""
+    full = _codes(24, start + 192, 64, False, seed=5)
+    c = IntCodes(full.codes[:, start:], full.zeros, full.scales, full.group[start:], 4)
+    weight = w4a16_layout(c.codes, c.zeros, c.scales, c.group)
+    assert (weight.group_size, weight.group_offset) == (64, start)
+    assert weight.scale_rows(32) == (2 if start % 8 else 1)
+    assert torch.equal(weight.dequantize(torch.float32), c.dequantize())
+    x = torch.randn(2, 192, generator=torch.Generator().manual_seed(4))
+    want = x @ c.dequantize().T
+    torch.testing.assert_close(w4a16_mm(x, weight), want, rtol=1e-5,
+                               atol=1e-5 * float(want.abs().max()))
+
+
+def test_groups_of_different_sizes_are_refused():
+    c = _codes(16, 96, 32, False)
+    uneven = torch.tensor([0] * 32 + [1] * 10 + [2] * 22)
+    with pytest.raises(ValueError, match="input groups are not of one size"):
+        w4a16_layout(c.codes, c.zeros, c.scales[:, :3], uneven)
+
+
 def test_linear_adds_the_bias_and_keeps_leading_dims(monkeypatch):
     c = _codes(48, 96, 32, False)
     weight = w4a16_layout(c.codes, c.zeros, c.scales, c.group)

@@ -3,26 +3,36 @@ y = x W^T with W held as BITS-bit integer codes (4 or 8) and per-group scales an
 dequantized in registers tile by tile (the weight is never written out in 16 bits).
 
 Layout (`W4A16Weight`, built by `w4a16_layout` from any integer format's `IntCodes`):
+- the inputs are put in group order once at load: act-order (GPTQ's `desc_act`) maps inputs to
+  groups in any order, so `perm` [K] (int32, or None when already in order) lists the input
+  each position reads, and then every group is one run of `group_size` consecutive positions
+  (the first run may be shorter by `group_offset`: a tensor-parallel slice of K that starts
+  inside a group). The kernel reads x through `perm`, so no gather of x is launched;
 - `qweight` int32 [ceil(K / p), N], p = 32 / BITS: p codes a word along K, low bits first
-  (code i: input p*r+i), so a tile of BLOCK_K inputs x BLOCK_N outputs is BLOCK_K / p rows of
-  contiguous words;
-- `scales` float32 [G, N] and `zeros` [G, N], one per group and output: uint8 for 4 bits
-  (0..16), int16 for 8 bits (0..256: GPTQ's v1 reads a stored 255 as 256);
-- `g_idx` int32 [K]: each input's group. Act-order checkpoints map inputs to groups in any
-  order; reading the group per input serves them, and tensor-parallel slices of K, unchanged.
+  (code i: position p*r+i), so a tile of BLOCK_K positions x BLOCK_N outputs is BLOCK_K / p rows
+  of contiguous words, each loaded once;
+- `scales` [G, N] as the checkpoint stores them (float16, bfloat16 or float32) and `zeros`
+  [G, N], one per group and output: uint8 for 4 bits (0..16), int16 for 8 bits (0..256:
+  GPTQ's v1 reads a stored 255 as 256).
 
-BITS is a compile-time constant, so the 4-bit kernel is the code it always was and 8 bits a
-second specialisation. One program per BLOCK_M x BLOCK_N output tile walks K by BLOCK_K: it
-loads the x tile, the
-words, each input's group and that group's scales and zeros, forms (code - zero) * scale in
-float32 (exact), rounds it to x's dtype and accumulates the dot in float32. Large M, where the
-product is compute bound and the weight is read once per tile row anyway, may instead
-dequantize the whole weight and call the dense GEMM (`DEQUANTIZE_ABOVE_M`, to be measured on
-the device: `benchmarks/int4_linear.py`).
+BITS is a compile-time constant, so 4 and 8 bits are two specialisations. One program per
+BLOCK_M x BLOCK_N output tile (and per K slice, `split_k`) walks K by BLOCK_K: it loads the
+tile's words once and takes the codes of word bit-field i (positions i, p+i, 2p+i, ...) one
+field at a time, each against the x columns those positions read: p dots of BLOCK_K / p
+inputs. (code - zero) * scale is formed in float32 (exact), rounded to x's dtype, and
+accumulated in float32. A tile reads its scales and zeros once: one row when it lies in one
+group, one row per word when each word does (`W4A16Weight.scale_rows`); only groups that split
+a word (no format writes them; the tests do) read each position's. At one row (batch-1
+decode) the products are summed without tensor cores (`BLOCK_M` 1). Split-K adds the slices'
+float32 partial sums atomically: decode shapes otherwise give fewer programs than the GPU has
+SMs. Large M, where the product is compute bound, instead dequantizes the whole weight with
+`_dequantize_kernel` and calls the dense GEMM (`DEQUANTIZE_ABOVE_M`).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass
 
@@ -34,38 +44,108 @@ from pagedserve.quantization.ops.tile_order import grouped_tile
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K,
-                  stride_xm, stride_qk, stride_sg, stride_zg, stride_ym,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+def _tile_scales(s_ptr, z_ptr, start, K, cols, col_ok, group_size, group_offset, stride_sg,
+                 stride_zg, PER: tl.constexpr, SROWS: tl.constexpr, SCALES: tl.constexpr):
+    """A tile's scales and zeros as float32 [SROWS, BLOCK_N], broadcast against its words: one
+    row (SCALES 0, SROWS 1), one row per word (1, SROWS = R), or none read (2: `_field` reads
+    each position's)."""
+    first = start + tl.arange(0, SROWS) * PER  # each row's first position
+    group = (first + group_offset) // group_size
+    mask = (first < K)[:, None] & col_ok[None, :] & (SCALES != 2)
+    scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :], mask=mask, other=0.0)
+    zero = tl.load(z_ptr + group[:, None] * stride_zg + cols[None, :], mask=mask, other=0)
+    return scale.to(tl.float32), zero.to(tl.float32)
 
+
+@triton.jit
+def _field(words, i: tl.constexpr, pos, pos_ok, scale, zero, s_ptr, z_ptr, cols, col_ok,
+           group_size, group_offset, stride_sg, stride_zg, BITS: tl.constexpr,
+           SCALES: tl.constexpr):
+    """Bit-field i of a tile's words dequantized, float32 [R, BLOCK_N]: positions `pos`."""
+    codes = ((words >> (i * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    if SCALES == 2:
+        group = (pos + group_offset) // group_size
+        mask = pos_ok[:, None] & col_ok[None, :]
+        scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + group[:, None] * stride_zg + cols[None, :], mask=mask,
+                       other=0).to(tl.float32)
+    return (codes - zero) * scale
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N, K, group_size,
+                  group_offset, stride_xm, stride_qk, stride_sg, stride_zg, stride_ym,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, BITS: tl.constexpr,
+                  SCALES: tl.constexpr, PERMUTED: tl.constexpr, IEEE: tl.constexpr):
+    PER: tl.constexpr = 32 // BITS
+    R: tl.constexpr = BLOCK_K // PER
+    SROWS: tl.constexpr = 1 if SCALES == 0 else R
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        tile_ok = k_ok[:, None] & col_ok[None, :]
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        words = tl.load(qw_ptr + (ks // (32 // BITS))[:, None] * stride_qk + cols[None, :],
-                        mask=tile_ok, other=0)
-        codes = (words >> ((ks % (32 // BITS)) * BITS)[:, None]) & ((1 << BITS) - 1)
-        group = tl.load(g_ptr + ks, mask=k_ok, other=0)
-        scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :], mask=tile_ok,
-                        other=0.0)
-        zero = tl.load(z_ptr + group[:, None] * stride_zg + cols[None, :], mask=tile_ok,
-                       other=0)
-        w = ((codes.to(tl.float32) - zero.to(tl.float32)) * scale).to(a.dtype)
-        if IEEE:
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    first = tl.program_id(1) * per_split
+    for t in range(first, tl.minimum(first + per_split, k_tiles)):
+        start = t * BLOCK_K
+        word_rows = start // PER + tl.arange(0, R)
+        words = tl.load(qw_ptr + word_rows[:, None] * stride_qk + cols[None, :],
+                        mask=(word_rows * PER < K)[:, None] & col_ok[None, :], other=0)
+        scale, zero = _tile_scales(s_ptr, z_ptr, start, K, cols, col_ok, group_size,
+                                   group_offset, stride_sg, stride_zg, PER, SROWS, SCALES)
+        for i in tl.static_range(PER):
+            pos = start + tl.arange(0, R) * PER + i
+            pos_ok = pos < K
+            if PERMUTED:
+                src = tl.load(perm_ptr + pos, mask=pos_ok, other=0)
+            else:
+                src = pos
+            a = tl.load(x_ptr + rows[:, None] * stride_xm + src[None, :],
+                        mask=row_ok[:, None] & pos_ok[None, :], other=0.0)
+            w = _field(words, i, pos, pos_ok, scale, zero, s_ptr, z_ptr, cols, col_ok,
+                       group_size, group_offset, stride_sg, stride_zg, BITS,
+                       SCALES).to(a.dtype)
+            if BLOCK_M == 1:
+                acc += tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
+            elif IEEE:
+                acc += tl.dot(a, w, input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
+    out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+@triton.jit
+def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size, group_offset,
+                       stride_qk, stride_sg, stride_zg, stride_wk, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BITS: tl.constexpr, SCALES: tl.constexpr):
+    """The weight in group order, [K, N] in w's dtype (the large-M path)."""
+    PER: tl.constexpr = 32 // BITS
+    R: tl.constexpr = BLOCK_K // PER
+    start = tl.program_id(1) * BLOCK_K
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    word_rows = start // PER + tl.arange(0, R)
+    words = tl.load(qw_ptr + word_rows[:, None] * stride_qk + cols[None, :],
+                    mask=(word_rows * PER < K)[:, None] & col_ok[None, :], other=0)
+    scale, zero = _tile_scales(s_ptr, z_ptr, start, K, cols, col_ok, group_size, group_offset,
+                               stride_sg, stride_zg, PER, R, SCALES)
+    for i in tl.static_range(PER):
+        pos = start + tl.arange(0, R) * PER + i
+        pos_ok = pos < K
+        w = _field(words, i, pos, pos_ok, scale, zero, s_ptr, z_ptr, cols, col_ok,
+                   group_size, group_offset, stride_sg, stride_zg, BITS, SCALES)
+        tl.store(w_ptr + pos[:, None] * stride_wk + cols[None, :],
+                 w.to(w_ptr.dtype.element_ty), mask=pos_ok[:, None] & col_ok[None, :])
 
 
 @dataclass
@@ -75,7 +155,9 @@ class W4A16Weight:
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
-    g_idx: torch.Tensor
+    perm: torch.Tensor | None
+    group_size: int
+    group_offset: int
     in_features: int
     bits: int = 4
 
@@ -83,24 +165,76 @@ class W4A16Weight:
     def out_features(self) -> int:
         return self.qweight.shape[1]
 
+    def scale_rows(self, block_k: int) -> int:
+        """How a tile of `block_k` positions reads its scales (`_tile_scales`' SCALES): 0 one
+        row (the tile lies in one group), 1 one row per word (each word in one group), 2 each
+        position's."""
+        if self.scales.shape[0] == 1 or (self.group_size % block_k == 0
+                                         and self.group_offset % block_k == 0):
+            return 0
+        per_word = 32 // self.bits
+        return 1 if self.group_size % per_word == 0 and self.group_offset % per_word == 0 else 2
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold it (for a module to register as buffers)."""
+        held = {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
+        return held if self.perm is None else {**held, "perm": self.perm}
+
+    def dequantize_in_group_order(self, dtype: torch.dtype) -> torch.Tensor:
+        """[K, N] in `dtype`, row j the input `perm[j]` (j itself without a perm)."""
+        k, n = self.in_features, self.out_features
+        out = torch.empty((k, n), dtype=dtype, device=self.qweight.device)
+        grid = (triton.cdiv(n, 64), triton.cdiv(k, 128))
+        _dequantize_kernel[grid](self.qweight, self.scales, self.zeros, out, n, k,
+                                 self.group_size, self.group_offset, self.qweight.stride(0),
+                                 self.scales.stride(0), self.zeros.stride(0), out.stride(0),
+                                 BLOCK_N=64, BLOCK_K=128, BITS=self.bits,
+                                 SCALES=self.scale_rows(128))
+        return out
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """[N, K] in `dtype` (the large-M path, and the tests' reference)."""
-        k = self.in_features
-        shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=self.qweight.device)
-        mask = (1 << self.bits) - 1
-        codes = ((self.qweight[:, None, :] >> shifts[None, :, None]) & mask).flatten(0, 1)[:k]
-        g = self.g_idx.long()
-        w = (codes.float() - self.zeros.float()[g]) * self.scales[g]
-        return w.t().to(dtype)
+        """[N, K] in `dtype`, inputs in the checkpoint's order (the tests' reference)."""
+        ordered = self.dequantize_in_group_order(dtype)
+        if self.perm is None:
+            return ordered.t()
+        w = torch.empty_like(ordered)
+        w[self.perm.long()] = ordered
+        return w.t()
+
+
+def _contiguous_groups(group: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, int,
+                                                     int] | None:
+    """Inputs in group order: (perm or None, each run's group, the run length, the first run's
+    shortfall), or None when the groups are not runs of one length."""
+    k = group.numel()
+    perm = None
+    if k > 1 and not bool((group[1:] >= group[:-1]).all()):
+        perm = torch.argsort(group, stable=True)
+        group = group[perm]
+    ids, runs = torch.unique_consecutive(group, return_counts=True)
+    size = int(runs.max())
+    if runs.numel() > 2 and bool((runs[1:-1] != size).any()):
+        return None
+    if runs.numel() > 1 and int(runs[-1]) > size:
+        return None
+    return perm, ids, size, size - int(runs[0]) if runs.numel() > 1 else 0
 
 
 def w4a16_layout(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                  group: torch.Tensor, bits: int = 4) -> W4A16Weight:
     """Codes [N, K] (0..2^bits - 1), zeros and scales [N, G], group [K] (`IntCodes`'
-    fields) -> the kernel's layout, on the codes' device."""
+    fields) -> the kernel's layout, on the codes' device. Raises ValueError for groups that
+    are not runs of one size once sorted (no format writes those)."""
     if bits not in (4, 8):
         raise ValueError(f"the W4A16 kernel reads 4- or 8-bit codes, not {bits}-bit")
+    runs = _contiguous_groups(group.long())
+    if runs is None:
+        raise ValueError("the input groups are not of one size; the W4A16 kernel reads "
+                         "groups of one size")
+    perm, ids, size, offset = runs
     n, k = codes.shape
+    if perm is not None:
+        codes = codes[:, perm]
     per_word = 32 // bits
     pad = -k % per_word
     c = torch.nn.functional.pad(codes.t().to(torch.int64), (0, 0, 0, pad))  # [K padded, N]
@@ -109,9 +243,13 @@ def w4a16_layout(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     # A zero of 2^bits (GPTQ v1) needs one bit more than the codes.
     zero_dtype = torch.uint8 if bits == 4 else torch.int16
-    return W4A16Weight(words.contiguous(), scales.t().float().contiguous(),
-                       zeros.t().to(zero_dtype).contiguous(),
-                       group.to(torch.int32).contiguous(), k, bits)
+    ids = ids.to(scales.device)
+    scale_dtype = scales.dtype if scales.dtype in (torch.float16, torch.bfloat16) else \
+        torch.float32
+    return W4A16Weight(words.contiguous(), scales[:, ids].t().to(scale_dtype).contiguous(),
+                       zeros[:, ids].t().to(zero_dtype).contiguous(),
+                       None if perm is None else perm.to(torch.int32).contiguous(), size,
+                       offset, k, bits)
 
 
 @dataclass(frozen=True)
@@ -122,27 +260,60 @@ class Tiles:
     group_m: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # 0: enough K slices to give every SM two programs
 
 
-# Keyed by M. Hopper, chosen by reasoning and not yet swept: at decode the kernel streams the
-# words, so narrow N tiles spread one layer over the SMs; larger M reuses each dequantized
-# tile over taller row tiles.
+# Keyed by M (the largest M each serves). Hopper; see `benchmarks/int4_linear.py --sweep`,
+# whose best tiles a run can try through PAGEDSERVE_W4A16_TILES before they are written here.
 _TILES = (
-    (16, Tiles(16, 64, 128, 1, 4, 4)),
-    (64, Tiles(32, 64, 64, 4, 4, 4)),
-    (256, Tiles(64, 128, 64, 8, 4, 3)),
-    (math.inf, Tiles(128, 128, 64, 8, 8, 3)),
+    (1, Tiles(1, 32, 256, 1, 4, 3, 0)),
+    (16, Tiles(16, 32, 128, 1, 4, 3, 0)),
+    (64, Tiles(32, 64, 128, 4, 4, 3, 0)),
+    (256, Tiles(64, 128, 128, 8, 4, 3)),
+    (math.inf, Tiles(128, 128, 128, 8, 8, 3)),
 )
-INTERPRETER_TILES = Tiles(16, 32, 32, 1, 1, 1)
-# Above this many rows the weight is dequantized whole and the dense GEMM runs (None: never);
-# to be set from benchmarks/int4_linear.py on the device.
-DEQUANTIZE_ABOVE_M: int | None = None
+INTERPRETER_TILES = (
+    (1, Tiles(1, 32, 32, 1, 1, 1)),
+    (math.inf, Tiles(16, 32, 128, 1, 1, 1)),
+)
+# Above this many rows the weight is dequantized whole and the dense GEMM runs (None: never).
+DEQUANTIZE_ABOVE_M: int | None = 1024
+
+
+def _table() -> tuple[tuple[float, Tiles], ...]:
+    from pagedserve import envs
+
+    path = envs.PAGEDSERVE_W4A16_TILES
+    return _TILES if not path else _read_table(path)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_table(path: str) -> tuple[tuple[float, Tiles], ...]:
+    with open(path) as f:
+        rows = json.load(f)
+    return tuple(sorted(((math.inf if b == "inf" else int(b)), Tiles(**t))
+                        for b, t in rows.items()))
 
 
 def select_tiles(m: int, device: torch.device) -> Tiles:
-    if device.type == "cpu":
-        return INTERPRETER_TILES
-    return next(t for bound, t in _TILES if m <= bound)
+    table = INTERPRETER_TILES if device.type == "cpu" else _table()
+    return next(t for bound, t in table if m <= bound)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _split(t: Tiles, m: int, n: int, k: int, device: torch.device) -> int:
+    k_tiles = triton.cdiv(k, t.block_k)
+    if t.split_k:
+        return max(1, min(t.split_k, k_tiles))
+    if device.type != "cuda":
+        return 1
+    programs = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+    sms = _sm_count(device.index)
+    return max(1, min(triton.cdiv(2 * sms, programs), k_tiles, 16))
 
 
 def w4a16_mm(x: torch.Tensor, weight: W4A16Weight, tiles: Tiles | None = None) -> torch.Tensor:
@@ -154,18 +325,23 @@ def w4a16_mm(x: torch.Tensor, weight: W4A16Weight, tiles: Tiles | None = None) -
     if x.stride(-1) != 1:
         x = x.contiguous()
     n = weight.out_features
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
     t = tiles or select_tiles(m, x.device)
-    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
-    _w4a16_kernel[grid](x, weight.qweight, weight.scales, weight.zeros, weight.g_idx, out,
-                        m, n, k, x.stride(0), weight.qweight.stride(0), weight.scales.stride(0),
+    split = _split(t, m, n, k, x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if split == 1 else \
+        torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return out.to(x.dtype)
+    perm = weight.perm if weight.perm is not None else weight.qweight
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
+    _w4a16_kernel[grid](x, weight.qweight, weight.scales, weight.zeros, perm, out, m, n, k,
+                        weight.group_size, weight.group_offset, x.stride(0),
+                        weight.qweight.stride(0), weight.scales.stride(0),
                         weight.zeros.stride(0), out.stride(0), BLOCK_M=t.block_m,
                         BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-                        BITS=weight.bits, IEEE=x.dtype == torch.float32, num_warps=t.num_warps,
-                        num_stages=t.num_stages)
-    return out
+                        SPLIT_K=split, BITS=weight.bits, SCALES=weight.scale_rows(t.block_k),
+                        PERMUTED=weight.perm is not None, IEEE=x.dtype == torch.float32,
+                        num_warps=t.num_warps, num_stages=t.num_stages)
+    return out if split == 1 else out.to(x.dtype)
 
 
 def w4a16_linear(x: torch.Tensor, weight: W4A16Weight, bias: torch.Tensor | None = None
@@ -173,7 +349,9 @@ def w4a16_linear(x: torch.Tensor, weight: W4A16Weight, bias: torch.Tensor | None
     """x [..., K] -> [..., N] in x's dtype, plus `bias`."""
     flat = x.reshape(-1, x.shape[-1])
     if DEQUANTIZE_ABOVE_M is not None and flat.shape[0] > DEQUANTIZE_ABOVE_M:
-        out = torch.nn.functional.linear(flat, weight.dequantize(x.dtype))
+        if weight.perm is not None:
+            flat = flat.index_select(1, weight.perm)
+        out = flat @ weight.dequantize_in_group_order(x.dtype)
     else:
         out = w4a16_mm(flat, weight)
     if bias is not None:
