@@ -73,7 +73,7 @@ def _dequantized_path(x: torch.Tensor, weight) -> torch.Tensor:
 def candidates(m: int) -> list[Tiles]:
     """The launch shapes tried at M rows (4-bit positions per tile at least 16 per dot)."""
     if m == 1:
-        grid = itertools.product([1], [16, 32, 64], [128, 256, 512], [1], [4], [3], [0, 1])
+        grid = itertools.product([1], [16, 32, 64], [128, 256, 512], [1], [4], [3], [0, 1, 4])
     elif m <= 16:
         grid = itertools.product([16], [32, 64], [128, 256], [1], [4], [3], [0, 1])
     elif m <= 64:
