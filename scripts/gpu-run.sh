@@ -862,6 +862,9 @@ stage_int4call() {  # #50's W4A16 path after the kernel's rework: its gpu tests,
     echo "exit $?" >>"$OUT/int4_linear.log"; grep -v "^  M=" "$OUT/int4_linear.log" | tail -40
     [ -f "$OUT/w4a16_tiles.json" ] && export PAGEDSERVE_W4A16_TILES=$OUT/w4a16_tiles.json
     PAGEDSERVE_ATTENTION_BACKEND=TRITON stage_int4engine
+    timeout 100 python3 benchmarks/gguf_linear.py --shape 8b --tokens 1,16 \
+        >"$OUT/gguf_linear.log" 2>&1
+    echo "exit $?" >>"$OUT/gguf_linear.log"; tail -14 "$OUT/gguf_linear.log"
 }
 
 stage_mxfp4engine() {  # issue #50's MXFP4 rows: the gpt-oss-20b shape, random MXFP4 experts
