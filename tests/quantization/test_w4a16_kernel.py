@@ -92,6 +92,25 @@ def test_a_slice_of_k_that_starts_inside_a_group(start):
                                atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("offsets", [False, True])
+def test_symmetric_zeros_are_one_row_and_offsets_add(offsets):
+    """Symmetric codes (every zero 8) keep one row of zeros, read with stride 0; the offset
+    form (GGUF's K types: w = code * scale + offset) reads float offsets per group."""
+    c = _codes(40, 256, 32, False, seed=6)
+    zeros = torch.randn(40, 8) * 0.01 if offsets else torch.full((40, 8), 8)
+    weight = w4a16_layout(c.codes, zeros, c.scales, c.group, offsets=offsets)
+    assert weight.zeros.shape[0] == (8 if offsets else 1)
+    g = c.group
+    scales = c.scales.float()[:, g]
+    want_w = c.codes * scales + zeros[:, g] if offsets else (c.codes - 8) * scales
+    assert torch.equal(weight.dequantize(torch.float32), want_w)
+    for m in (1, 3):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+        want = x @ want_w.T
+        torch.testing.assert_close(w4a16_mm(x, weight), want, rtol=1e-5,
+                                   atol=1e-5 * float(want.abs().max()))
+
+
 def test_groups_of_different_sizes_are_refused():
     c = _codes(16, 96, 32, False)
     uneven = torch.tensor([0] * 32 + [1] * 10 + [2] * 22)

@@ -60,8 +60,9 @@ def _tile_scales(s_ptr, z_ptr, start, K, cols, col_ok, group_size, group_offset,
 @triton.jit
 def _field(words, i: tl.constexpr, pos, pos_ok, scale, zero, s_ptr, z_ptr, cols, col_ok,
            group_size, group_offset, stride_sg, stride_zg, BITS: tl.constexpr,
-           SCALES: tl.constexpr):
-    """Bit-field i of a tile's words dequantized, float32 [R, BLOCK_N]: positions `pos`."""
+           SCALES: tl.constexpr, OFFSETS: tl.constexpr):
+    """Bit-field i of a tile's words dequantized, float32 [R, BLOCK_N]: positions `pos`;
+    (code - zero) * scale, or code * scale + offset (OFFSETS: `zero` holds offsets)."""
     codes = ((words >> (i * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
     if SCALES == 2:
         group = (pos + group_offset) // group_size
@@ -70,7 +71,11 @@ def _field(words, i: tl.constexpr, pos, pos_ok, scale, zero, s_ptr, z_ptr, cols,
                         other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + group[:, None] * stride_zg + cols[None, :], mask=mask,
                        other=0).to(tl.float32)
-    return (codes - zero) * scale
+    if OFFSETS:
+        w = codes * scale + zero
+    else:
+        w = (codes - zero) * scale
+    return w
 
 
 @triton.jit
@@ -78,7 +83,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N, K, group_s
                   group_offset, stride_xm, stride_qk, stride_sg, stride_zg, stride_ym,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, BITS: tl.constexpr,
-                  SCALES: tl.constexpr, PERMUTED: tl.constexpr, IEEE: tl.constexpr):
+                  SCALES: tl.constexpr, OFFSETS: tl.constexpr, PERMUTED: tl.constexpr,
+                  IEEE: tl.constexpr):
     PER: tl.constexpr = 32 // BITS
     R: tl.constexpr = BLOCK_K // PER
     SROWS: tl.constexpr = 1 if SCALES == 0 else R
@@ -108,8 +114,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N, K, group_s
             a = tl.load(x_ptr + rows[:, None] * stride_xm + src[None, :],
                         mask=row_ok[:, None] & pos_ok[None, :], other=0.0)
             w = _field(words, i, pos, pos_ok, scale, zero, s_ptr, z_ptr, cols, col_ok,
-                       group_size, group_offset, stride_sg, stride_zg, BITS,
-                       SCALES).to(a.dtype)
+                       group_size, group_offset, stride_sg, stride_zg, BITS, SCALES,
+                       OFFSETS).to(a.dtype)
             if BLOCK_M == 1:
                 acc += tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
             elif IEEE:
@@ -127,7 +133,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N, K, group_s
 @triton.jit
 def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size, group_offset,
                        stride_qk, stride_sg, stride_zg, stride_wk, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BITS: tl.constexpr, SCALES: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BITS: tl.constexpr, SCALES: tl.constexpr,
+                       OFFSETS: tl.constexpr):
     """The weight in group order, [K, N] in w's dtype (the large-M path)."""
     PER: tl.constexpr = 32 // BITS
     R: tl.constexpr = BLOCK_K // PER
@@ -143,7 +150,7 @@ def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size, group_offs
         pos = start + tl.arange(0, R) * PER + i
         pos_ok = pos < K
         w = _field(words, i, pos, pos_ok, scale, zero, s_ptr, z_ptr, cols, col_ok,
-                   group_size, group_offset, stride_sg, stride_zg, BITS, SCALES)
+                   group_size, group_offset, stride_sg, stride_zg, BITS, SCALES, OFFSETS)
         tl.store(w_ptr + pos[:, None] * stride_wk + cols[None, :],
                  w.to(w_ptr.dtype.element_ty), mask=pos_ok[:, None] & col_ok[None, :])
 
@@ -160,10 +167,16 @@ class W4A16Weight:
     group_offset: int
     in_features: int
     bits: int = 4
+    offsets: bool = False  # `zeros` holds float offsets: w = code * scale + offset
 
     @property
     def out_features(self) -> int:
         return self.qweight.shape[1]
+
+    @property
+    def zero_stride(self) -> int:
+        """0 where every group shares one row of zeros (symmetric formats store it once)."""
+        return 0 if self.zeros.shape[0] == 1 else self.zeros.stride(0)
 
     def scale_rows(self, block_k: int) -> int:
         """How a tile of `block_k` positions reads its scales (`_tile_scales`' SCALES): 0 one
@@ -187,9 +200,9 @@ class W4A16Weight:
         grid = (triton.cdiv(n, 64), triton.cdiv(k, 128))
         _dequantize_kernel[grid](self.qweight, self.scales, self.zeros, out, n, k,
                                  self.group_size, self.group_offset, self.qweight.stride(0),
-                                 self.scales.stride(0), self.zeros.stride(0), out.stride(0),
+                                 self.scales.stride(0), self.zero_stride, out.stride(0),
                                  BLOCK_N=64, BLOCK_K=128, BITS=self.bits,
-                                 SCALES=self.scale_rows(128))
+                                 SCALES=self.scale_rows(128), OFFSETS=self.offsets)
         return out
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -221,10 +234,11 @@ def _contiguous_groups(group: torch.Tensor) -> tuple[torch.Tensor | None, torch.
 
 
 def w4a16_layout(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                 group: torch.Tensor, bits: int = 4) -> W4A16Weight:
+                 group: torch.Tensor, bits: int = 4, offsets: bool = False) -> W4A16Weight:
     """Codes [N, K] (0..2^bits - 1), zeros and scales [N, G], group [K] (`IntCodes`'
-    fields) -> the kernel's layout, on the codes' device. Raises ValueError for groups that
-    are not runs of one size once sorted (no format writes those)."""
+    fields; with `offsets`, `zeros` are float offsets: w = code * scale + offset) -> the
+    kernel's layout, on the codes' device. Raises ValueError for groups that are not runs of
+    one size once sorted (no format writes those)."""
     if bits not in (4, 8):
         raise ValueError(f"the W4A16 kernel reads 4- or 8-bit codes, not {bits}-bit")
     runs = _contiguous_groups(group.long())
@@ -234,22 +248,25 @@ def w4a16_layout(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     perm, ids, size, offset = runs
     n, k = codes.shape
     if perm is not None:
-        codes = codes[:, perm]
+        codes = codes[:, perm.to(codes.device)]
     per_word = 32 // bits
-    pad = -k % per_word
-    c = torch.nn.functional.pad(codes.t().to(torch.int64), (0, 0, 0, pad))  # [K padded, N]
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=codes.device)
-    words = (c.view(-1, per_word, n) << shifts[None, :, None]).sum(1)
+    c = torch.nn.functional.pad(codes.t(), (0, 0, 0, -k % per_word))  # [K padded, N]
+    words = torch.zeros((c.shape[0] // per_word, n), dtype=torch.int64, device=codes.device)
+    for i in range(per_word):  # one field at a time: no temporary larger than the words
+        words |= c[i::per_word].to(torch.int64) << (i * bits)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-    # A zero of 2^bits (GPTQ v1) needs one bit more than the codes.
-    zero_dtype = torch.uint8 if bits == 4 else torch.int16
     ids = ids.to(scales.device)
     scale_dtype = scales.dtype if scales.dtype in (torch.float16, torch.bfloat16) else \
         torch.float32
-    return W4A16Weight(words.contiguous(), scales[:, ids].t().to(scale_dtype).contiguous(),
-                       zeros[:, ids].t().to(zero_dtype).contiguous(),
+    # A zero of 2^bits (GPTQ v1) needs one bit more than the codes.
+    zero_dtype = torch.float32 if offsets else torch.uint8 if bits == 4 else torch.int16
+    zeros = zeros[:, ids].t().to(zero_dtype)
+    if not offsets and bool((zeros == zeros[:1]).all()):
+        zeros = zeros[:1]  # one row for every group: read with stride 0
+    return W4A16Weight(words, scales[:, ids].t().to(scale_dtype).contiguous(),
+                       zeros.contiguous(),
                        None if perm is None else perm.to(torch.int32).contiguous(), size,
-                       offset, k, bits)
+                       offset, k, bits, offsets)
 
 
 @dataclass(frozen=True)
@@ -300,7 +317,7 @@ def select_tiles(m: int, device: torch.device) -> Tiles:
     return next(t for bound, t in table if m <= bound)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -336,9 +353,10 @@ def w4a16_mm(x: torch.Tensor, weight: W4A16Weight, tiles: Tiles | None = None) -
     _w4a16_kernel[grid](x, weight.qweight, weight.scales, weight.zeros, perm, out, m, n, k,
                         weight.group_size, weight.group_offset, x.stride(0),
                         weight.qweight.stride(0), weight.scales.stride(0),
-                        weight.zeros.stride(0), out.stride(0), BLOCK_M=t.block_m,
+                        weight.zero_stride, out.stride(0), BLOCK_M=t.block_m,
                         BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
                         SPLIT_K=split, BITS=weight.bits, SCALES=weight.scale_rows(t.block_k),
+                        OFFSETS=weight.offsets,
                         PERMUTED=weight.perm is not None, IEEE=x.dtype == torch.float32,
                         num_warps=t.num_warps, num_stages=t.num_stages)
     return out if split == 1 else out.to(x.dtype)
