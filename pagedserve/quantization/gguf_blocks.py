@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from pagedserve.quantization.base import LinearMethod, QuantizationConfig
-from pagedserve.quantization.gguf_types import BLOCKS, Q4_1, Q4_K, Q5_K, Q6_K
+from pagedserve.quantization.gguf_types import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from pagedserve.quantization.unquantized import UNQUANTIZED, load_float
 
 if TYPE_CHECKING:  # the kernels' module imports triton: only when a layer keeps its blocks
@@ -112,73 +112,24 @@ def dequantize_array(data: np.ndarray, qtype: int, name: str) -> np.ndarray:
                          "which pagedserve cannot dequantise") from None
 
 
-# The bundled SmolLM2's block types, Q4_0, and the K types (Q4_K_M's, Q5_K_M's), as gguf's numpy
-# dequantizer computes them (the same float32 operations, so the same bits) in a third of its
-# time (Q4_K and Q6_K: 0.6x, one thread): loading the bundled model spent ~1 s there, an 8B
-# Q4_K_M file ~2 minutes on a 2-core machine.
-# Block bytes: fp16 scale d, [fp16 minimum m], then the codes (Q4: element j in the low nibble
-# of byte j, element 16 + j in its high nibble); the K types: below.
-_TORCH_BLOCKS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# The bundled SmolLM2's block types, Q4_0, and the K types (Q4_K_M's, Q5_K_M's), decoded in torch
+# (`gguf_codes`: the same float32 operations as gguf's numpy dequantizer, so the same bits) in a
+# third of its time: loading the bundled model spent ~1 s there, an 8B Q4_K_M file ~2 minutes
+# on a 2-core machine.
+_TORCH_TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q5_K": Q5_K,
+                "Q6_K": Q6_K}
 
 
 def _dequantize_in_torch(data: np.ndarray, type_name: str) -> np.ndarray | None:
-    block_bytes = _TORCH_BLOCKS.get(type_name)
-    if block_bytes is None:
+    qtype = _TORCH_TYPES.get(type_name)
+    if qtype is None:
         return None
-    raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).view(-1, block_bytes)
-    if type_name in ("Q4_K", "Q5_K"):
-        out = _q45_k(raw, type_name == "Q5_K")
-    elif type_name == "Q6_K":
-        out = _q6_k(raw)
-    else:
-        d = raw[:, 0:2].contiguous().view(torch.float16).float()
-        if type_name == "Q8_0":
-            out = d * raw[:, 2:].contiguous().view(torch.int8).float()
-        else:
-            codes = raw[:, block_bytes - 16:]
-            q = torch.cat([codes & 0xF, codes >> 4], dim=1).float()
-            out = d * q + raw[:, 2:4].contiguous().view(torch.float16).float() \
-                if type_name == "Q4_1" else d * (q - 8)
-    return out.numpy().reshape(*data.shape[:-1], -1)
+    from pagedserve.quantization.gguf_codes import gguf_codes
 
-
-def _f16(raw: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 at byte `start` of every block, as float32 [n, 1]."""
-    return raw[:, start:start + 2].contiguous().view(torch.float16).float()
-
-
-def _q45_k(raw: torch.Tensor, fifth_bit: bool) -> torch.Tensor:
-    """Q4_K [n, 144] or Q5_K [n, 176] super-blocks -> [n, 256]: d, dmin, 12 bytes of eight
-    6-bit scales and mins (the first four in the low 6 bits of bytes 0-3 / 4-7, the last
-    four's low nibbles in bytes 8-11 and high bits in the top 2 of bytes 0-7), Q5_K's 32 bytes
-    of fifth bits (bit j of byte l: sub-block j's value l), then 4 x 32 bytes: sub-blocks 2c
-    and 2c + 1 in the low and high nibbles of bytes 32c..32c + 31; w = d sc q - dmin m."""
-    n = raw.shape[0]
-    scales = raw[:, 4:16].reshape(n, 3, 4)
-    dd, mm, md = scales[:, 0], scales[:, 1], scales[:, 2]
-    sc = torch.cat([dd & 0x3F, (md & 0x0F) | ((dd >> 2) & 0x30)], dim=-1).float()
-    mn = torch.cat([mm & 0x3F, (md >> 4) | ((mm >> 2) & 0x30)], dim=-1).float()
-    d, dm = (_f16(raw, 0) * sc).view(n, 8, 1), (_f16(raw, 2) * mn).view(n, 8, 1)
-    codes = raw[:, 48:] if fifth_bit else raw[:, 16:]
-    shift = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
-    q = ((codes.reshape(n, 4, 1, 32) >> shift) & 0x0F).reshape(n, 8, 32)
-    if fifth_bit:
-        bits = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
-        q = q | (((raw[:, 16:48].reshape(n, 1, 1, 32) >> bits) & 0x01).reshape(n, 8, 32) << 4)
-    return (d * q.float() - dm).reshape(n, 256)
-
-
-def _q6_k(raw: torch.Tensor) -> torch.Tensor:
-    """Q6_K super-blocks [n, 210] -> [n, 256]: 128 bytes of low nibbles, 64 of high 2-bit
-    pairs, 16 int8 scales (one per 16 values), then d; w = d scale (q - 32)."""
-    n = raw.shape[0]
-    d = (_f16(raw, 208) * raw[:, 192:208].contiguous().view(torch.int8).float()).view(n, 16, 1)
-    low = (raw[:, :128].reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8)
-           .view(1, 1, 2, 1)) & 0x0F
-    high = (raw[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
-            .view(1, 1, 4, 1)) & 0x03
-    q = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).to(torch.int16) - 32
-    return (d * q.reshape(n, 16, 16).float()).reshape(n, 256)
+    block, size, _ = BLOCKS[qtype]
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).reshape(-1, data.shape[-1])
+    values = gguf_codes(raw, qtype, data.shape[-1] // size * block).dequantize()
+    return values.numpy().reshape(*data.shape[:-1], -1)
 
 
 class GgufLinearMethod(LinearMethod):
