@@ -31,17 +31,15 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pagedserve.quantization.gguf_blocks import random_blocks  # noqa: E402
+from pagedserve.quantization.gguf_codes import gguf_codes  # noqa: E402
 from pagedserve.quantization.gguf_types import Q4_K, Q6_K  # noqa: E402
-from pagedserve.quantization.ops.gguf_gemm import (  # noqa: E402
-    GGUFBlocks,
-    gguf_dequantize,
-    gguf_linear,
-)
+from pagedserve.quantization.ops.w4a16_gemm import W4A16Weight, w4a16_linear  # noqa: E402
 
 # layers, hidden, q rows, kv rows, intermediate, vocab
 SHAPES = {"8b": (32, 4096, 4096, 1024, 14336, 128256),
@@ -55,20 +53,32 @@ def more_bits(layer: int, layers: int) -> bool:
     return layer < eighth or layer >= 7 * layers // 8 or (layer - eighth) % 3 == 2
 
 
-def build(shape: str, device: torch.device) -> list[tuple[str, list[GGUFBlocks]]]:
+@dataclass
+class Blocks:
+    """One part's GGUF bytes as the file holds them, and the kept weight made of them."""
+
+    qtype: int
+    data: torch.Tensor
+    in_features: int
+
+    def kept(self) -> W4A16Weight:
+        return gguf_codes(self.data, self.qtype, self.in_features).w4a16()
+
+
+def build(shape: str, device: torch.device) -> list[tuple[str, list[Blocks]]]:
     """(name, parts) of every projection of a step, in order."""
     layers, hidden, q, kv, inter, vocab = SHAPES[shape]
     g = torch.Generator(device=device).manual_seed(0)
 
-    def blocks(qtype: int, rows: int, cols: int) -> GGUFBlocks:
-        return GGUFBlocks(qtype, random_blocks(qtype, rows, cols, g), cols)
+    def blocks(qtype: int, rows: int, cols: int) -> Blocks:
+        return Blocks(qtype, random_blocks(qtype, rows, cols, g), cols)
 
     step = []
     for i in range(layers):
         wide = Q6_K if more_bits(i, layers) else Q4_K
         qkv = [blocks(Q4_K, q + kv, hidden)] + [blocks(wide, kv, hidden)]
         if wide == Q4_K:  # one type: the parts stack into one weight, as the method does
-            qkv = [GGUFBlocks(Q4_K, torch.cat([p.data for p in qkv]), hidden)]
+            qkv = [Blocks(Q4_K, torch.cat([p.data for p in qkv]), hidden)]
         step += [(f"{i}.qkv", qkv), (f"{i}.o", [blocks(Q4_K, hidden, q)]),
                  (f"{i}.gate_up", [blocks(Q4_K, 2 * inter, hidden)]),
                  (f"{i}.down", [blocks(wide, hidden, inter)])]
@@ -117,14 +127,18 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter's bf16 is broken
     shape = "smoke" if args.smoke else args.shape
-    step = build(shape, device)
-    dense = {name: torch.cat([gguf_dequantize(p, dtype) for p in parts])
+    file_step = build(shape, device)
+    file_bytes = sum(p.data.numel() for _, parts in file_step for p in parts)
+    step = [(name, [p.kept() for p in parts]) for name, parts in file_step]
+    del file_step
+    dense = {name: torch.cat([p.dequantize(dtype) for p in parts]).contiguous()
              for name, parts in step}
-    gguf_bytes = sum(p.data.numel() for _, parts in step for p in parts)
+    gguf_bytes = sum(t.numel() * t.element_size() for _, parts in step for p in parts
+                     for t in p.tensors().values())
     dense_bytes = sum(w.numel() * w.element_size() for w in dense.values())
     print(f"{shape} on {torch.cuda.get_device_name() if cuda else 'CPU (interpreter)'}: weight "
-          f"bytes {dtype} {dense_bytes / 1e6:.1f} MB, gguf {gguf_bytes / 1e6:.1f} MB "
-          f"({gguf_bytes / dense_bytes:.3f}x)")
+          f"bytes {dtype} {dense_bytes / 1e6:.1f} MB, gguf kept {gguf_bytes / 1e6:.1f} MB "
+          f"({gguf_bytes / dense_bytes:.3f}x; the file's blocks {file_bytes / 1e6:.1f} MB)")
     rows = []
     for m in (int(t) for t in args.tokens.split(",")):
         xs = _inputs(step, m, device, dtype)
@@ -136,7 +150,7 @@ def main() -> None:
 
         def run_gguf() -> None:
             for name, parts in step:
-                outs[name] = gguf_linear(xs[parts[0].in_features], parts)  # noqa: B023
+                outs[name] = w4a16_linear(xs[parts[0].in_features], parts)  # noqa: B023
 
         bf16_ms = _replay(run_dense, device)
         want = {k: v.float() for k, v in outs.items()}
@@ -150,6 +164,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": shape, "device": str(device), "gguf_bytes": gguf_bytes,
+                       "file_bytes": file_bytes,
                        "dense_bytes": dense_bytes, "rows": rows}, f, indent=1)
 
 

@@ -1,6 +1,7 @@
-"""Compile the GGUF block GEMMs (`ops/gguf_gemm.py`) for a GPU architecture on any machine (no
-GPU needed), one per block type, as the GEMM (bf16 activations, the device tiles) and as the
-whole-weight decode, and the 4-bit expert GEMMs (`ops/w4_moe_kernels.py`, MXFP4 with clamped
+"""Compile the W4A16 GEMM as kept GGUF weights run it (`gguf_codes.py`: 4- or 8-bit codes,
+groups of 32 or 16, zero points or offsets) for a GPU architecture on any machine (no GPU
+needed), one per block type at every M bucket's tiles (bf16 activations) and as the
+whole-weight dequantization, and the 4-bit expert GEMMs (`ops/w4_moe_kernels.py`, MXFP4 with clamped
 SwiGLU and biases, int4 with SiLU, int4 act-order (group maps, gate's and up's apart) with SiLU,
 at decode and prefill tiles), and print what ptxas reports: registers, spills, shared memory.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -27,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernel_resources import Compile, compile_through, resources  # noqa: E402
 
+from pagedserve.quantization.gguf_blocks import random_blocks  # noqa: E402
+from pagedserve.quantization.gguf_codes import gguf_codes  # noqa: E402
 from pagedserve.quantization.gguf_types import BLOCKS  # noqa: E402
-from pagedserve.quantization.ops import gguf_gemm as gg  # noqa: E402
+from pagedserve.quantization.ops import w4a16_gemm as wg  # noqa: E402
 
 
 def main() -> None:
@@ -36,25 +40,33 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
-    gg._tiles = lambda device: gg.GPU_TILES  # the device's tiles, not the interpreter's
-    print(f"triton {triton.__version__}, sm_{args.arch}a, tiles {gg.GPU_TILES}")
+    print(f"triton {triton.__version__}, sm_{args.arch}a")
     failed = 0
-    for qtype, (block, size, name) in BLOCKS.items():
+    for qtype, (_, _, name) in BLOCKS.items():
         k, n = 1024, 256
-        weight = gg.GGUFBlocks(qtype, torch.zeros(n, k // block * size, dtype=torch.uint8), k)
+        blocks = random_blocks(qtype, n, k, torch.Generator().manual_seed(0))
+        weight = gguf_codes(blocks, qtype, k).w4a16()
+        for bound, tiles in wg._TILES:
+            tiles = replace(tiles, split_k=tiles.split_k or 2)
+            m = int(min(bound, 512))
 
-        def call(weight=weight, k=k) -> None:
-            gg.gguf_mm(torch.zeros(1, k, dtype=torch.bfloat16), weight)
-            gg.gguf_dequantize(weight, torch.bfloat16)
+            def call(weight=weight, k=k, m=m, tiles=tiles) -> None:
+                wg.w4a16_mm(torch.zeros(m, k, dtype=torch.bfloat16), weight, tiles)
 
-        stand_ins = compile_through(gg, ("_gguf_gemm_kernel", "_gguf_dequantize_kernel"),
-                                    target, call, name)
-        if stand_ins is None:  # report every type, then fail
+            label = f"{name} M<={bound} {tiles}"
+            stand_ins = compile_through(wg, ("_w4a16_kernel", "_sum_splits_kernel"), target,
+                                        call, label)
+            if stand_ins is None:  # report every type, then fail
+                failed += 1
+                continue
+            print(f"{label}: {resources(stand_ins[0].compiled[0], args.arch)}")
+        stand_ins = compile_through(wg, ("_dequantize_kernel",), target,
+                                    lambda w=weight: w.dequantize_in_group_order(torch.bfloat16),
+                                    f"{name} dequantize")
+        if stand_ins is None:
             failed += 1
-            continue
-        for what, stand_in in zip(("gemm", "decode"), stand_ins, strict=True):
-            compiled = stand_in.compiled[0]
-            print(f"{name} {what}: {resources(compiled, args.arch)}")
+        else:
+            print(f"{name} dequantize: {resources(stand_ins[0].compiled[0], args.arch)}")
     failed += compile_moe(target, args.arch)
     sys.exit(1 if failed else 0)
 

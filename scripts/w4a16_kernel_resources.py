@@ -53,7 +53,8 @@ def main() -> None:
                 def call(m=m, weight=weight, tiles=tiles) -> None:
                     wg.w4a16_mm(torch.zeros(m, k, dtype=torch.bfloat16), weight, tiles)
 
-                stand_ins = compile_through(wg, ("_w4a16_kernel",), target, call, label)
+                names = ("_w4a16_kernel", "_sum_splits_kernel")
+                stand_ins = compile_through(wg, names, target, call, label)
                 if stand_ins is None:
                     failed += 1
                     continue

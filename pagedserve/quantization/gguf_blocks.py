@@ -1,5 +1,7 @@
-"""GGUF linears kept quantized: each linear holds its checkpoint's blocks, the file's own bytes,
-on the device, and multiplies with the Triton GEMM of its block type (`ops/gguf_gemm.py`).
+"""GGUF linears kept quantized: each linear holds its checkpoint's blocks decoded to integer codes
+with per-group scales (`gguf_codes.py`) in the W4A16 kernel's layout, on the device, and
+multiplies with that kernel (`ops/w4a16_gemm.py`): 4-bit types as 4-bit codes, Q5_K, Q6_K and
+Q8_0 as 8-bit ones.
 
 `--quantization gguf` (or, on CUDA, the default for a .gguf model with
 PAGEDSERVE_GGUF_KERNEL=1) makes the GGUF reader hand every linear's weight over undecoded, as a
@@ -33,8 +35,8 @@ from pagedserve.quantization.base import LinearMethod, QuantizationConfig
 from pagedserve.quantization.gguf_types import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from pagedserve.quantization.unquantized import UNQUANTIZED, load_float
 
-if TYPE_CHECKING:  # the kernels' module imports triton: only when a layer keeps its blocks
-    from pagedserve.quantization.ops.gguf_gemm import GGUFBlocks
+if TYPE_CHECKING:  # the kernel's module imports triton: only when a layer keeps its blocks
+    from pagedserve.quantization.ops.w4a16_gemm import W4A16Weight
 
 
 @dataclass
@@ -182,24 +184,28 @@ class GgufLinearMethod(LinearMethod):
                                         .to(device=device, dtype=layer.model_dtype),
                                         requires_grad=False)
             return
-        self.name = f"gguf {'+'.join(types)} -> Triton GEMM"
-        layer.gguf_blocks = _stack(parts, layer.in_features, device)
+        self.name = f"gguf {'+'.join(types)} -> W4A16 kernel"
+        layer.gguf_types, layer.gguf_w4a16 = _stack(parts, layer.in_features, device)
+        for i, part in enumerate(layer.gguf_w4a16):  # counted in the module's memory
+            for name, tensor in part.tensors().items():
+                layer.register_buffer(f"gguf{i}_{name}", tensor, persistent=False)
         del layer.weight
         layer.register_parameter("weight", None)
 
     def apply(self, layer: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
         if layer.weight is None:
-            from pagedserve.quantization.ops.gguf_gemm import gguf_linear
+            from pagedserve.quantization.ops.w4a16_gemm import w4a16_linear
 
-            return gguf_linear(x, layer.gguf_blocks, bias)
+            return w4a16_linear(x, layer.gguf_w4a16, bias)
         return UNQUANTIZED.apply(layer, x, bias)
 
 
 def _stack(parts: list[tuple[Any, GGUFWeight]], in_features: int, device: torch.device
-           ) -> list[GGUFBlocks]:
-    """Consecutive parts of one block type as one weight (their rows concatenated)."""
-    from pagedserve.quantization.ops.gguf_gemm import GGUFBlocks, check_blocks
+           ) -> tuple[list[str], list[W4A16Weight]]:
+    """Consecutive parts of one block type as one weight (their rows concatenated), decoded
+    on the device into the W4A16 layout: (each weight's block type, the weights)."""
+    from pagedserve.quantization.gguf_codes import check_blocks, gguf_codes
 
     runs: list[list[GGUFWeight]] = []
     for _, weight in parts:
@@ -211,8 +217,8 @@ def _stack(parts: list[tuple[Any, GGUFWeight]], in_features: int, device: torch.
     for run in runs:
         data = torch.from_numpy(np.concatenate([w.data for w in run])).to(device)
         check_blocks(run[0].qtype, data, in_features)
-        stacked.append(GGUFBlocks(run[0].qtype, data.contiguous(), in_features))
-    return stacked
+        stacked.append(gguf_codes(data, run[0].qtype, in_features).w4a16())
+    return [run[0].type_name for run in runs], stacked
 
 
 class GgufConfig(QuantizationConfig):

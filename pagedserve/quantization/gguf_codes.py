@@ -1,7 +1,8 @@
 """GGUF blocks read as integer codes with per-group scales and zero points (or offsets): the
 one decoding of the block bytes, in torch on any device, that both the dequantize-at-load path
-(`gguf_blocks.dequantize_array`) and the W4A16 kernel's layout (`gguf_blocks`' kept weights)
-use.
+(`gguf_blocks.dequantize_array`) and the kept weights use. A kept GGUF weight is these codes in
+the W4A16 kernel's layout (`GGUFCodes.w4a16`): 4-bit types as 4-bit codes, Q5_K, Q6_K and Q8_0
+as 8-bit ones, one dequantizing GEMM for every format.
 
 Each type's values are w = (code - zero) * scale or w = code * scale + offset per group, with the
 very float32 operations gguf's numpy dequantizer does, so both paths give its bits:
@@ -24,10 +25,14 @@ each code times its scale, so the offset form rounds once, as gguf does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve.quantization.gguf_types import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
+
+if TYPE_CHECKING:  # the kernel's module imports triton
+    from pagedserve.quantization.ops.w4a16_gemm import W4A16Weight
 
 
 @dataclass
@@ -41,6 +46,15 @@ class GGUFCodes:
     group_size: int
     bits: int
     offsets: bool
+
+    def w4a16(self) -> W4A16Weight:
+        """The W4A16 kernel's layout of these codes (on their device)."""
+        from pagedserve.quantization.ops.w4a16_gemm import w4a16_layout
+
+        k = self.codes.shape[1]
+        group = torch.arange(k, device=self.codes.device) // self.group_size
+        return w4a16_layout(self.codes, self.zeros, self.scales, group, self.bits,
+                            self.offsets)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: gguf's values, bit for bit."""
@@ -63,6 +77,17 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def _constant(like: torch.Tensor, value: float) -> torch.Tensor:
     return torch.full_like(like, value)
+
+
+def check_blocks(qtype: int, data: torch.Tensor, in_features: int) -> None:
+    """Refuse bytes that are not whole rows of blocks of `in_features` values."""
+    if qtype not in BLOCKS:
+        raise ValueError(f"no GGUF kernel for block type {qtype}")
+    block, size, name = BLOCKS[qtype]
+    if in_features % block or data.dim() != 2 or data.shape[1] != in_features // block * size:
+        raise ValueError(f"{name} weight of {in_features} inputs needs rows of "
+                         f"{in_features // block * size} bytes in blocks of {block}; got "
+                         f"{tuple(data.shape)}")
 
 
 def gguf_codes(data: torch.Tensor, qtype: int, in_features: int) -> GGUFCodes:

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.quantization.gguf_blocks import dequantize_array
 from tests.models.test_gguf_families import qwen_vocab, write_vocab
 from tests.quantization.gguf_writer import write_llama_gguf
 from tests.quantization.test_fp8_tensor_parallel import _as_rank
@@ -55,13 +53,11 @@ def files(tmp_path_factory) -> dict[str, Any]:
 
 
 def _weight(layer: torch.nn.Module) -> torch.Tensor:
-    """What a layer multiplies by: its kept blocks decoded by gguf's dequantizer (parts
-    stacked), or the weight it dequantized at load."""
+    """What a layer multiplies by: its kept codes dequantized by the kernel's own
+    dequantization (parts stacked), or the weight it dequantized at load."""
     if layer.weight is not None:
         return layer.weight
-    return torch.cat([torch.from_numpy(np.asarray(dequantize_array(
-        b.data.numpy(), b.qtype, "kept"), dtype=np.float32).reshape(b.out_features, -1))
-        for b in layer.gguf_blocks])
+    return torch.cat([w.dequantize(torch.float32) for w in layer.gguf_w4a16])
 
 
 def _rank_slices(full: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
@@ -90,7 +86,7 @@ def test_each_rank_holds_its_slices_of_the_blocks(files, monkeypatch):
         _as_rank(monkeypatch, rank)
         model = _load(files["tp"], keep=True)
         layers = model.model.layers
-        assert hasattr(layers[0].self_attn.o_proj, "gguf_blocks")  # Q8_0, 128 inputs kept
+        assert hasattr(layers[0].self_attn.o_proj, "gguf_w4a16")  # Q8_0, 128 inputs kept
         assert layers[1].self_attn.o_proj.weight is not None  # Q5_0: dequantized, sliced
         got = {}
         for i, layer in enumerate(layers):
@@ -123,7 +119,7 @@ def _served(path: str, quantization: str, tensor_parallel_size: int, vocab: int)
     try:
         if tensor_parallel_size == 2:
             head = llm.engine.runner.model.lm_head  # rank 0's: its blocks, half the vocab
-            assert [b.out_features for b in head.gguf_blocks] == [(vocab + 1) // 2]
+            assert [b.out_features for b in head.gguf_w4a16] == [(vocab + 1) // 2]
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert llm.engine.check_blocks_free()
     finally:

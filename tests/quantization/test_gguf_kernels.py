@@ -1,7 +1,9 @@
-"""The GGUF block GEMMs (`ops/gguf_gemm.py`) against gguf's own dequantizer: in the Triton
-interpreter on the CPU (small shapes, float32 activations: the interpreter's bf16 is broken),
-every kept block type decodes bit for bit as `gguf.quants.dequantize` does, and the GEMM equals
-x @ dequantize(W)^T in float32; `gpu` tests over an 8B model's projection shapes."""
+"""Kept GGUF weights (their blocks decoded to codes in the W4A16 kernel's layout,
+`gguf_codes.py`) against gguf's own dequantizer: in the Triton interpreter on the CPU (small
+shapes, float32 activations: the interpreter's bf16 is broken), every kept block type decodes
+bit for bit as `gguf.quants.dequantize` does, through the codes and through the kernel's
+whole-weight dequantization, and the GEMM equals x @ dequantize(W)^T in float32; `gpu` tests
+over an 8B model's projection shapes."""
 
 from __future__ import annotations
 
@@ -14,15 +16,10 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from pagedserve.quantization.gguf_blocks import random_blocks
+from pagedserve.quantization.gguf_codes import check_blocks, gguf_codes
 from pagedserve.quantization.gguf_types import BLOCKS
-from pagedserve.quantization.ops import gguf_gemm
-from pagedserve.quantization.ops.gguf_gemm import (
-    GGUFBlocks,
-    check_blocks,
-    gguf_dequantize,
-    gguf_linear,
-    gguf_mm,
-)
+from pagedserve.quantization.ops import w4a16_gemm
+from pagedserve.quantization.ops.w4a16_gemm import W4A16Weight, w4a16_linear, w4a16_mm
 from tests.quantization.gguf_writer import quantize
 
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -35,13 +32,13 @@ def _reference(blocks: torch.Tensor, qtype: T) -> torch.Tensor:
     return torch.from_numpy(np.array(dequantize(blocks.numpy(), qtype)))
 
 
-def _weight(qtype: T, n: int, k: int, seed: int) -> tuple[GGUFBlocks, torch.Tensor]:
+def _weight(qtype: T, n: int, k: int, seed: int) -> tuple[W4A16Weight, torch.Tensor]:
     """Blocks quantized from a random weight by the writers (gguf's quantizer, or the
     hand-made k-quant ones), and gguf's dequantization of them."""
     g = np.random.default_rng(seed)
     blocks = torch.from_numpy(quantize((g.standard_normal((n, k)) * 0.1).astype(np.float32),
                                        qtype))
-    return GGUFBlocks(int(qtype), blocks, k), _reference(blocks, qtype)
+    return gguf_codes(blocks, int(qtype), k).w4a16(), _reference(blocks, qtype)
 
 
 def test_block_table_matches_gguf():
@@ -66,8 +63,12 @@ def test_written_blocks_are_the_weights_gguf_reads(qtype):
 def test_decode_is_ggufs_bit_for_bit_on_random_bytes(qtype):
     """Every bit pattern of the codes and scale fields (random bytes, finite float16 d)."""
     blocks = random_blocks(int(qtype), 24, 768, torch.Generator().manual_seed(int(qtype)))
-    got = gguf_dequantize(GGUFBlocks(int(qtype), blocks, 768), torch.float32)
-    assert torch.equal(got, _reference(blocks, qtype))
+    codes = gguf_codes(blocks, int(qtype), 768)
+    want = _reference(blocks, qtype)
+    assert torch.equal(codes.dequantize(), want)
+    weight = codes.w4a16()
+    assert weight.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
+    assert torch.equal(weight.dequantize(torch.float32), want)
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
@@ -76,7 +77,7 @@ def test_decode_is_ggufs_bit_for_bit_on_random_bytes(qtype):
 def test_interpreted_gemm_against_the_dequantized_product(qtype, n, k, m):
     weight, dense = _weight(qtype, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    got = gguf_mm(x, weight)
+    got = w4a16_mm(x, weight)
     want = x @ dense.T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
@@ -85,7 +86,7 @@ def test_float16_activations_round_the_weight_to_their_dtype():
     weight, dense = _weight(T.Q4_K, 40, 512, seed=0)
     x = torch.randn(3, 512).to(torch.float16)
     want = x.float() @ dense.to(torch.float16).float().T
-    got = gguf_mm(x, weight)
+    got = w4a16_mm(x, weight)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
 
@@ -98,19 +99,19 @@ def test_a_layer_of_parts_of_different_types_and_the_dense_path(monkeypatch):
     bias = torch.randn(64)
     want = x @ torch.cat([d for _, d in parts]).T + bias
     blocks = [w for w, _ in parts]
-    got = gguf_linear(x, blocks, bias)
+    got = w4a16_linear(x, blocks, bias)
     assert got.shape == (2, 3, 64)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    monkeypatch.setattr(gguf_gemm, "DEQUANTIZE_ABOVE_M", 4)  # 6 rows: the dense path
-    torch.testing.assert_close(gguf_linear(x, blocks, bias), want, rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(w4a16_gemm, "DEQUANTIZE_ABOVE_M", 4)  # 6 rows: the dense path
+    torch.testing.assert_close(w4a16_linear(x, blocks, bias), want, rtol=1e-5, atol=1e-4)
 
 
 def test_wrong_shapes_are_refused():
     weight, _ = _weight(T.Q4_K, 8, 512, seed=0)
-    with pytest.raises(ValueError, match="input has 256 features; the Q4_K weight takes 512"):
-        gguf_mm(torch.randn(1, 256), weight)
+    with pytest.raises(ValueError, match="input has 256 features; the 4-bit weight takes 512"):
+        w4a16_mm(torch.randn(1, 256), weight)
     with pytest.raises(ValueError, match="Q4_K weight of 500 inputs needs rows of"):
-        check_blocks(int(T.Q4_K), weight.data, 500)
+        check_blocks(int(T.Q4_K), torch.zeros(8, 288, dtype=torch.uint8), 500)
 
 
 @pytest.mark.slow
@@ -134,9 +135,9 @@ def test_the_benchmark_runs_its_smoke_shape():
 
 
 @functools.cache
-def _gpu_weight(qtype: T, n: int, k: int) -> tuple[GGUFBlocks, torch.Tensor]:
+def _gpu_weight(qtype: T, n: int, k: int) -> tuple[W4A16Weight, torch.Tensor]:
     blocks = random_blocks(int(qtype), n, k, torch.Generator().manual_seed(0))
-    return GGUFBlocks(int(qtype), blocks.cuda(), k), _reference(blocks, qtype).cuda()
+    return gguf_codes(blocks.cuda(), int(qtype), k).w4a16(), _reference(blocks, qtype).cuda()
 
 
 @pytest.mark.gpu
@@ -146,6 +147,6 @@ def _gpu_weight(qtype: T, n: int, k: int) -> tuple[GGUFBlocks, torch.Tensor]:
 def test_gpu_gemm_against_the_dequantized_product(qtype, n, k, m):
     weight, dense = _gpu_weight(qtype, n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    got = gguf_linear(x, [weight])
+    got = w4a16_linear(x, [weight])
     want = x.float() @ dense.to(torch.bfloat16).float().T
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))

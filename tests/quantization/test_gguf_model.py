@@ -61,10 +61,11 @@ def test_a_gguf_model_keeps_its_blocks_and_its_logits(tmp_path, caplog):
     assert all(isinstance(m.quant_method, GgufLinearMethod) and m.weight is None
                for m in linears)
     qkv = kept.model.layers[0].self_attn.qkv_proj
-    assert [(b.type_name, b.out_features) for b in qkv.gguf_blocks] == [("Q4_K", 256 + 128),
-                                                                      ("Q6_K", 128)]
-    assert "gguf Q4_K+Q6_K -> Triton GEMM: 2 layers" in caplog.text
-    # 5 + 11 + 60 prompt rows: above DEQUANTIZE_ABOVE_M, the decoded weight's dense GEMM.
+    assert [(t, w.out_features, w.bits) for t, w in zip(qkv.gguf_types, qkv.gguf_w4a16,
+                                                        strict=True)] == [
+        ("Q4_K", 256 + 128, 4), ("Q6_K", 128, 8)]
+    assert "gguf Q4_K+Q6_K -> W4A16 kernel: 2 layers" in caplog.text
+    # 5 + 11 + 60 prompt rows (the fused GEMM in tiles of 16 rows).
     prompts = [[int(t) for t in torch.randint(0, 96, (n,), generator=torch.Generator()
                                               .manual_seed(n))] for n in (5, 11, 60)]
     for got, want in zip(run_prefill(kept, prompts), run_prefill(dense, prompts), strict=True):
@@ -84,7 +85,7 @@ def test_a_type_without_a_kernel_is_dequantized_at_load_and_logged(tmp_path, cap
         kept = _load(path, keep=True)
     assert "gguf Q5_0: no kernel, dequantized at load: 2 layers" in caplog.text
     o_proj = kept.model.layers[0].self_attn.o_proj
-    assert o_proj.weight is not None and not hasattr(o_proj, "gguf_blocks")
+    assert o_proj.weight is not None and not hasattr(o_proj, "gguf_w4a16")
     dense = _load(path, keep=False)
     torch.testing.assert_close(o_proj.weight, dense.model.layers[0].self_attn.o_proj.weight)
     prompts = [[1, 2, 3, 4, 5]]
@@ -124,7 +125,7 @@ def test_the_engine_serves_a_gguf_with_the_flag(tmp_path, make_llm):
         llm = make_llm(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
                        quantization=method)
         outputs[method] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        kept = [m for m in llm.engine.runner.model.modules() if hasattr(m, "gguf_blocks")]
+        kept = [m for m in llm.engine.runner.model.modules() if hasattr(m, "gguf_w4a16")]
         assert len(kept) == (9 if method == "gguf" else 0)
     assert outputs["gguf"] == outputs["none"]
 
@@ -141,9 +142,8 @@ def test_the_bundled_smollm2_keeps_its_q4_1_blocks():
     device = torch.device("cuda")
     kept = load_model(path, torch.float32, device, 256, quantization="gguf").model
     dense = load_model(path, torch.float32, device, 256).model
-    linears = [m for m in kept.modules() if hasattr(m, "gguf_blocks")]
-    assert len(linears) == 30 * 4 and {b.type_name for m in linears for b in m.gguf_blocks} \
-        == {"Q4_1"}
+    linears = [m for m in kept.modules() if hasattr(m, "gguf_w4a16")]
+    assert len(linears) == 30 * 4 and {t for m in linears for t in m.gguf_types} == {"Q4_1"}
     prompts = [list(range(100, 180)), [1, 504, 3458, 282, 4649, 314]]
     for got, want in zip(run_prefill(kept, prompts[:1]), run_prefill(dense, prompts[:1]),
                          strict=True):

@@ -16,17 +16,17 @@ Layout (`W4A16Weight`, built by `w4a16_layout` from any integer format's `IntCod
   GPTQ's v1 reads a stored 255 as 256).
 
 BITS is a compile-time constant, so 4 and 8 bits are two specialisations. One program per
-BLOCK_M x BLOCK_N output tile (and per K slice, `split_k`) walks K by BLOCK_K: it loads the
-tile's words once and takes the codes of word bit-field i (positions i, p+i, 2p+i, ...) one
-field at a time, each against the x columns those positions read: p dots of BLOCK_K / p
-inputs. (code - zero) * scale is formed in float32 (exact), rounded to x's dtype, and
-accumulated in float32. A tile reads its scales and zeros once: one row when it lies in one
-group, one row per word when each word does (`W4A16Weight.scale_rows`); only groups that split
-a word (no format writes them; the tests do) read each position's. At one row (batch-1
-decode) the products are summed without tensor cores (`BLOCK_M` 1). Split-K adds the slices'
-float32 partial sums atomically: decode shapes otherwise give fewer programs than the GPU has
-SMs. Large M, where the product is compute bound, instead dequantizes the whole weight with
-`_dequantize_kernel` and calls the dense GEMM (`DEQUANTIZE_ABOVE_M`).
+BLOCK_M x BLOCK_N output tile (and per K slice, `split_k`) walks K by BLOCK_K. Each step loads
+the tile's words once and shifts every code out of its word into a [BLOCK_K, BLOCK_N] tile
+(`_weight_tile`), whose scales and zeros are one row per group where the tile is whole groups
+(`W4A16Weight.tile_groups`), else read per position; (code - zero) * scale, or code * scale +
+offset, is formed in float32 (exact), rounded to x's dtype and fed to one dot, accumulated in
+float32. At one row (batch-1 decode) there is no dot: the products accumulate elementwise in a
+[BLOCK_K, BLOCK_N] float32 tile, summed over K once at the end, and the weight is not rounded.
+Split K (decode shapes otherwise give fewer programs than the GPU has SMs) stores each slice's
+float32 partial product and `_sum_splits_kernel` adds them. Large M, where the product is
+compute bound, instead dequantizes the whole weight with `_dequantize_kernel` and calls the
+dense GEMM (`DEQUANTIZE_ABOVE_M`).
 """
 
 from __future__ import annotations
@@ -44,33 +44,42 @@ from pagedserve.quantization.ops.tile_order import grouped_tile
 
 
 @triton.jit
-def _tile_scales(s_ptr, z_ptr, start, K, cols, col_ok, group_size, group_offset, stride_sg,
-                 stride_zg, PER: tl.constexpr, SROWS: tl.constexpr, SCALES: tl.constexpr):
-    """A tile's scales and zeros as float32 [SROWS, BLOCK_N], broadcast against its words: one
-    row (SCALES 0, SROWS 1), one row per word (1, SROWS = R), or none read (2: `_field` reads
-    each position's)."""
-    first = start + tl.arange(0, SROWS) * PER  # each row's first position
-    group = (first + group_offset) // group_size
-    mask = (first < K)[:, None] & col_ok[None, :] & (SCALES != 2)
-    scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :], mask=mask, other=0.0)
-    zero = tl.load(z_ptr + group[:, None] * stride_zg + cols[None, :], mask=mask, other=0)
-    return scale.to(tl.float32), zero.to(tl.float32)
-
-
-@triton.jit
-def _field(words, i: tl.constexpr, pos, pos_ok, scale, zero, s_ptr, z_ptr, cols, col_ok,
-           group_size, group_offset, stride_sg, stride_zg, BITS: tl.constexpr,
-           SCALES: tl.constexpr, OFFSETS: tl.constexpr):
-    """Bit-field i of a tile's words dequantized, float32 [R, BLOCK_N]: positions `pos`;
-    (code - zero) * scale, or code * scale + offset (OFFSETS: `zero` holds offsets)."""
-    codes = ((words >> (i * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-    if SCALES == 2:
-        group = (pos + group_offset) // group_size
-        mask = pos_ok[:, None] & col_ok[None, :]
+def _weight_tile(qw_ptr, s_ptr, z_ptr, start, K, cols, col_ok, group_size, group_offset,
+                 stride_qk, stride_sg, stride_zg, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BITS: tl.constexpr, SCALES: tl.constexpr,
+                 TILE_GROUPS: tl.constexpr, OFFSETS: tl.constexpr):
+    """Positions start..start + BLOCK_K of the weight, float32 [BLOCK_K, BLOCK_N]: the tile's
+    words loaded once, each code shifted out of its word ([R, PER, BLOCK_N] -> position r *
+    PER + i), then (code - zero) * scale or code * scale + offset (OFFSETS)."""
+    PER: tl.constexpr = 32 // BITS
+    R: tl.constexpr = BLOCK_K // PER
+    word_rows = start // PER + tl.arange(0, R)
+    words = tl.load(qw_ptr + word_rows[:, None] * stride_qk + cols[None, :],
+                    mask=(word_rows * PER < K)[:, None] & col_ok[None, :], other=0)
+    shifts = tl.arange(0, PER) * BITS
+    codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+    codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+    if SCALES == 1:  # the tile is whole groups (or lies in one): one row each, broadcast
+        group = (start + group_offset) // group_size + tl.arange(0, TILE_GROUPS)
+        mask = (group * group_size - group_offset < K)[:, None] & col_ok[None, :]
         scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
+                        other=0.0)
         zero = tl.load(z_ptr + group[:, None] * stride_zg + cols[None, :], mask=mask,
-                       other=0).to(tl.float32)
+                       other=0)
+        if TILE_GROUPS > 1:
+            shape: tl.constexpr = (TILE_GROUPS, BLOCK_K // TILE_GROUPS, BLOCK_N)
+            scale = tl.reshape(tl.broadcast_to(scale[:, None, :], shape), (BLOCK_K, BLOCK_N))
+            zero = tl.reshape(tl.broadcast_to(zero[:, None, :], shape), (BLOCK_K, BLOCK_N))
+    else:  # each position's group
+        pos = start + tl.arange(0, BLOCK_K)
+        group = (pos + group_offset) // group_size
+        mask = (pos < K)[:, None] & col_ok[None, :]
+        scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :], mask=mask,
+                        other=0.0)
+        zero = tl.load(z_ptr + group[:, None] * stride_zg + cols[None, :], mask=mask,
+                       other=0)
+    scale = scale.to(tl.float32)
+    zero = zero.to(tl.float32)
     if OFFSETS:
         w = codes * scale + zero
     else:
@@ -80,79 +89,78 @@ def _field(words, i: tl.constexpr, pos, pos_ok, scale, zero, s_ptr, z_ptr, cols,
 
 @triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N, K, group_size,
-                  group_offset, stride_xm, stride_qk, stride_sg, stride_zg, stride_ym,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, BITS: tl.constexpr,
-                  SCALES: tl.constexpr, OFFSETS: tl.constexpr, PERMUTED: tl.constexpr,
-                  IEEE: tl.constexpr):
-    PER: tl.constexpr = 32 // BITS
-    R: tl.constexpr = BLOCK_K // PER
-    SROWS: tl.constexpr = 1 if SCALES == 0 else R
+                  group_offset, stride_xm, stride_qk, stride_sg, stride_zg, stride_ys,
+                  stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                  BITS: tl.constexpr, SCALES: tl.constexpr, TILE_GROUPS: tl.constexpr,
+                  OFFSETS: tl.constexpr, PERMUTED: tl.constexpr, IEEE: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     first = tl.program_id(1) * per_split
+    if BLOCK_M == 1:  # one row: products summed over K once, at the end (no tensor cores)
+        acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(first, tl.minimum(first + per_split, k_tiles)):
         start = t * BLOCK_K
-        word_rows = start // PER + tl.arange(0, R)
-        words = tl.load(qw_ptr + word_rows[:, None] * stride_qk + cols[None, :],
-                        mask=(word_rows * PER < K)[:, None] & col_ok[None, :], other=0)
-        scale, zero = _tile_scales(s_ptr, z_ptr, start, K, cols, col_ok, group_size,
-                                   group_offset, stride_sg, stride_zg, PER, SROWS, SCALES)
-        for i in tl.static_range(PER):
-            pos = start + tl.arange(0, R) * PER + i
-            pos_ok = pos < K
-            if PERMUTED:
-                src = tl.load(perm_ptr + pos, mask=pos_ok, other=0)
-            else:
-                src = pos
+        w = _weight_tile(qw_ptr, s_ptr, z_ptr, start, K, cols, col_ok, group_size,
+                         group_offset, stride_qk, stride_sg, stride_zg, BLOCK_K, BLOCK_N, BITS,
+                         SCALES, TILE_GROUPS, OFFSETS)
+        pos = start + tl.arange(0, BLOCK_K)
+        pos_ok = pos < K
+        if PERMUTED:
+            src = tl.load(perm_ptr + pos, mask=pos_ok, other=0)
+        else:
+            src = pos
+        if BLOCK_M == 1:
+            a = tl.load(x_ptr + rows * stride_xm + src, mask=pos_ok & (rows < M), other=0.0)
+            acc2 += a.to(tl.float32)[:, None] * w
+        else:
             a = tl.load(x_ptr + rows[:, None] * stride_xm + src[None, :],
                         mask=row_ok[:, None] & pos_ok[None, :], other=0.0)
-            w = _field(words, i, pos, pos_ok, scale, zero, s_ptr, z_ptr, cols, col_ok,
-                       group_size, group_offset, stride_sg, stride_zg, BITS, SCALES,
-                       OFFSETS).to(a.dtype)
-            if BLOCK_M == 1:
-                acc += tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
-            elif IEEE:
-                acc += tl.dot(a, w, input_precision="ieee")
+            if IEEE:
+                acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")
             else:
-                acc += tl.dot(a, w)
-    out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+                acc += tl.dot(a, w.to(a.dtype))
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, 0)[None, :]
+    out = y_ptr + tl.program_id(1) * stride_ys + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym,
+                       SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Split-K's float32 partial products [SPLIT_K, M, N] summed into y (y's dtype)."""
+    row = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(p_ptr + s * stride_ps + row * stride_pm + cols, mask=ok, other=0.0)
+    tl.store(y_ptr + row * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size, group_offset,
                        stride_qk, stride_sg, stride_zg, stride_wk, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, BITS: tl.constexpr, SCALES: tl.constexpr,
-                       OFFSETS: tl.constexpr):
+                       TILE_GROUPS: tl.constexpr, OFFSETS: tl.constexpr):
     """The weight in group order, [K, N] in w's dtype (the large-M path)."""
-    PER: tl.constexpr = 32 // BITS
-    R: tl.constexpr = BLOCK_K // PER
     start = tl.program_id(1) * BLOCK_K
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    word_rows = start // PER + tl.arange(0, R)
-    words = tl.load(qw_ptr + word_rows[:, None] * stride_qk + cols[None, :],
-                    mask=(word_rows * PER < K)[:, None] & col_ok[None, :], other=0)
-    scale, zero = _tile_scales(s_ptr, z_ptr, start, K, cols, col_ok, group_size, group_offset,
-                               stride_sg, stride_zg, PER, R, SCALES)
-    for i in tl.static_range(PER):
-        pos = start + tl.arange(0, R) * PER + i
-        pos_ok = pos < K
-        w = _field(words, i, pos, pos_ok, scale, zero, s_ptr, z_ptr, cols, col_ok,
-                   group_size, group_offset, stride_sg, stride_zg, BITS, SCALES, OFFSETS)
-        tl.store(w_ptr + pos[:, None] * stride_wk + cols[None, :],
-                 w.to(w_ptr.dtype.element_ty), mask=pos_ok[:, None] & col_ok[None, :])
+    w = _weight_tile(qw_ptr, s_ptr, z_ptr, start, K, cols, col_ok, group_size, group_offset,
+                     stride_qk, stride_sg, stride_zg, BLOCK_K, BLOCK_N, BITS, SCALES, TILE_GROUPS,
+                     OFFSETS)
+    pos = start + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + pos[:, None] * stride_wk + cols[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=(pos < K)[:, None] & col_ok[None, :])
 
 
 @dataclass
@@ -178,31 +186,39 @@ class W4A16Weight:
         """0 where every group shares one row of zeros (symmetric formats store it once)."""
         return 0 if self.zeros.shape[0] == 1 else self.zeros.stride(0)
 
-    def scale_rows(self, block_k: int) -> int:
-        """How a tile of `block_k` positions reads its scales (`_tile_scales`' SCALES): 0 one
-        row (the tile lies in one group), 1 one row per word (each word in one group), 2 each
-        position's."""
+    def tile_groups(self, block_k: int) -> int:
+        """The groups a tile of `block_k` positions spans when it is whole groups (or lies
+        in one): 1 or block_k / group_size, each read as one row of scales; 0 where groups
+        do not line up with tiles, and each position's scale is read."""
         if self.scales.shape[0] == 1 or (self.group_size % block_k == 0
                                          and self.group_offset % block_k == 0):
-            return 0
-        per_word = 32 // self.bits
-        return 1 if self.group_size % per_word == 0 and self.group_offset % per_word == 0 else 2
+            return 1
+        if block_k % self.group_size == 0 and self.group_offset == 0:
+            return block_k // self.group_size
+        return 0
+
+    def _scale_args(self, block_k: int) -> dict[str, int]:
+        groups = self.tile_groups(block_k)
+        return {"SCALES": 1 if groups else 2, "TILE_GROUPS": max(groups, 1)}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors that hold it (for a module to register as buffers)."""
         held = {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
         return held if self.perm is None else {**held, "perm": self.perm}
 
-    def dequantize_in_group_order(self, dtype: torch.dtype) -> torch.Tensor:
-        """[K, N] in `dtype`, row j the input `perm[j]` (j itself without a perm)."""
+    def dequantize_in_group_order(self, dtype: torch.dtype, out: torch.Tensor | None = None
+                                  ) -> torch.Tensor:
+        """[K, N] in `dtype`, row j the input `perm[j]` (j itself without a perm); written
+        into `out` ([K, N] with contiguous rows, such as a column slice) when given."""
         k, n = self.in_features, self.out_features
-        out = torch.empty((k, n), dtype=dtype, device=self.qweight.device)
+        if out is None:
+            out = torch.empty((k, n), dtype=dtype, device=self.qweight.device)
         grid = (triton.cdiv(n, 64), triton.cdiv(k, 128))
         _dequantize_kernel[grid](self.qweight, self.scales, self.zeros, out, n, k,
                                  self.group_size, self.group_offset, self.qweight.stride(0),
                                  self.scales.stride(0), self.zero_stride, out.stride(0),
-                                 BLOCK_N=64, BLOCK_K=128, BITS=self.bits,
-                                 SCALES=self.scale_rows(128), OFFSETS=self.offsets)
+                                 BLOCK_N=64, BLOCK_K=128, BITS=self.bits, OFFSETS=self.offsets,
+                                 **self._scale_args(128))
         return out
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -333,8 +349,10 @@ def _split(t: Tiles, m: int, n: int, k: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(2 * sms, programs), k_tiles, 16))
 
 
-def w4a16_mm(x: torch.Tensor, weight: W4A16Weight, tiles: Tiles | None = None) -> torch.Tensor:
-    """x [M, K] (float16, bfloat16 or float32) -> [M, N] in x's dtype."""
+def w4a16_mm(x: torch.Tensor, weight: W4A16Weight, tiles: Tiles | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float16, bfloat16 or float32) -> [M, N] in x's dtype, written into `out` (a
+    [M, N] view with contiguous rows, such as a column slice) when given."""
     m, k = x.shape
     if k != weight.in_features:
         raise ValueError(f"input has {k} features; the {weight.bits}-bit weight takes "
@@ -342,36 +360,57 @@ def w4a16_mm(x: torch.Tensor, weight: W4A16Weight, tiles: Tiles | None = None) -
     if x.stride(-1) != 1:
         x = x.contiguous()
     n = weight.out_features
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
     t = tiles or select_tiles(m, x.device)
     split = _split(t, m, n, k, x.device)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if split == 1 else \
-        torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    if m == 0:
-        return out.to(x.dtype)
+    # Split K: each slice stores its float32 partial product, and one small kernel sums them.
+    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
+                                              device=x.device)
     perm = weight.perm if weight.perm is not None else weight.qweight
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
-    _w4a16_kernel[grid](x, weight.qweight, weight.scales, weight.zeros, perm, out, m, n, k,
+    _w4a16_kernel[grid](x, weight.qweight, weight.scales, weight.zeros, perm, dest, m, n, k,
                         weight.group_size, weight.group_offset, x.stride(0),
                         weight.qweight.stride(0), weight.scales.stride(0),
-                        weight.zero_stride, out.stride(0), BLOCK_M=t.block_m,
-                        BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-                        SPLIT_K=split, BITS=weight.bits, SCALES=weight.scale_rows(t.block_k),
-                        OFFSETS=weight.offsets,
-                        PERMUTED=weight.perm is not None, IEEE=x.dtype == torch.float32,
-                        num_warps=t.num_warps, num_stages=t.num_stages)
-    return out if split == 1 else out.to(x.dtype)
+                        weight.zero_stride, dest.stride(0) if split > 1 else 0,
+                        dest.stride(-2), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                        BLOCK_K=t.block_k, GROUP_M=t.group_m, SPLIT_K=split, BITS=weight.bits,
+                        OFFSETS=weight.offsets, PERMUTED=weight.perm is not None,
+                        IEEE=x.dtype == torch.float32, num_warps=t.num_warps,
+                        num_stages=t.num_stages, **weight._scale_args(t.block_k))
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(n, 1024), m)](dest, out, m, n, dest.stride(0),
+                                                      dest.stride(1), out.stride(0),
+                                                      SPLIT_K=split, BLOCK=1024)
+    return out
 
 
-def w4a16_linear(x: torch.Tensor, weight: W4A16Weight, bias: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype, plus `bias`."""
+def w4a16_linear(x: torch.Tensor, weight: W4A16Weight | list[W4A16Weight],
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype, plus `bias`. `weight` may be a layer's parts
+    stacked along the outputs in order (a GGUF layer's parts of different block types); each
+    writes its own columns."""
+    parts = weight if isinstance(weight, list) else [weight]
     flat = x.reshape(-1, x.shape[-1])
+    n = sum(p.out_features for p in parts)
     if DEQUANTIZE_ABOVE_M is not None and flat.shape[0] > DEQUANTIZE_ABOVE_M:
-        if weight.perm is not None:
-            flat = flat.index_select(1, weight.perm)
-        out = flat @ weight.dequantize_in_group_order(x.dtype)
+        products = [_dense_product(flat, p) for p in parts]
+        out = products[0] if len(products) == 1 else torch.cat(products, dim=1)
     else:
-        out = w4a16_mm(flat, weight)
+        out = torch.empty((flat.shape[0], n), dtype=x.dtype, device=x.device)
+        start = 0
+        for p in parts:
+            w4a16_mm(flat, p, out=out[:, start:start + p.out_features])
+            start += p.out_features
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], weight.out_features)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _dense_product(flat: torch.Tensor, weight: W4A16Weight) -> torch.Tensor:
+    """The large-M path: the whole weight dequantized, then the dense GEMM."""
+    if weight.perm is not None:
+        flat = flat.index_select(1, weight.perm)
+    return flat @ weight.dequantize_in_group_order(flat.dtype)
