@@ -1,5 +1,5 @@
-"""The GGUF block types the GGUF GEMMs read (`ops/gguf_gemm.py`), shared by the method that
-keeps them (`gguf_blocks.py`) and the kernels."""
+"""The GGUF block types kept quantized on CUDA, shared by the method that keeps them
+(`gguf_blocks.py`) and their decoding into integer codes (`gguf_codes.py`)."""
 
 # The block types with a kernel: ggml's type id (gguf.GGMLQuantizationType) -> (values per
 # block, bytes per block, name).
