@@ -87,6 +87,32 @@ def test_texts_tokenized_in_chunks_beside_the_engine(llm, texts, reference, monk
     assert not llm.engine.has_unfinished_requests() and llm.engine.check_blocks_free()
 
 
+def test_collector_paused_through_the_call_and_no_cycles_made(llm, texts, monkeypatch):
+    """LLM.embed's steps run with the cyclic collector paused (engine/gc_heap.py), and it is
+    running again after the call, a failed one too; the call leaves no reference cycles, which
+    the pause would have kept alive until the next collection."""
+    import gc
+
+    embed(llm, texts)  # anything made once, on first use, is made
+    enabled: list[bool] = []
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: enabled.append(gc.isenabled()) or step())
+    assert gc.isenabled()
+    got = embed(llm, texts + [{"prompt_token_ids": [5, 6, 7]}])
+    assert got.shape[0] == len(texts) + 1
+    assert enabled and not any(enabled) and gc.isenabled()
+    with pytest.raises(ValueError, match="out of range"):
+        llm.embed(texts[:3] + [[10 ** 6]])
+    assert gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        embed(llm, texts)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
 def test_tokenizing_through_the_backend_equals_the_tokenizers_call(llm, texts):
     """Without truncation, texts go straight to the fast tokenizer's backend: the same ids as
     transformers' call; a backend that truncates or pads of its own is left to that call."""
