@@ -151,6 +151,34 @@ def test_whole_prompts_under_a_small_token_budget(model_dir, texts, reference):
         assert not llm.engine.scheduler.has_unfinished_requests()
 
 
+def test_async_steps_overlap(model_dir, texts, reference):
+    """With async scheduling each pooling step is launched before the previous one's rows are
+    collected (its outputs feed nothing the next step needs), so the device always has the
+    next step queued while the host turns a step's rows into outputs."""
+    with LLM(str(model_dir), device="cpu", dtype="float32", kv_cache_memory="16MiB",
+             max_model_len=128, max_num_batched_tokens=128, async_scheduling=True) as llm:
+        runner, events = llm.engine.core.runner, []  # (kind, the step's PendingStep)
+        launch, collect = runner.launch, runner.collect
+
+        def launching(batch):
+            events.append(("launch", launch(batch)))
+            return events[-1][1]
+
+        def collecting(pending):
+            events.append(("collect", pending))
+            return collect(pending)
+
+        def at(kind, pending):
+            return next(i for i, (k, p) in enumerate(events) if k == kind and p is pending)
+
+        runner.launch, runner.collect = launching, collecting
+        np.testing.assert_allclose(embed(llm, texts[:16]), reference[:16], atol=TOL, rtol=0)
+        launched = [p for kind, p in events if kind == "launch"]
+        assert len(launched) > 3
+        for before, after in zip(launched, launched[1:]):  # the next launch comes first
+            assert at("launch", after) < at("collect", before)
+
+
 def test_dimensions_truncate_then_normalise(llm, texts, reference):
     got = embed(llm, texts[:6], PoolingParams(dimensions=16))
     want = reference[:6, :16] / np.linalg.norm(reference[:6, :16], axis=1, keepdims=True)
