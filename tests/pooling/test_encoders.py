@@ -175,3 +175,19 @@ def test_gelu_epilogue_on_cuda():
         eager = layer.act(layer.intermediate(x))
     torch.testing.assert_close(got.float(), tanh, rtol=2 ** -7, atol=1e-2)
     torch.testing.assert_close(got, eager, rtol=2 ** -6, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exact_gelu", [False, True])
+def test_bert_on_cuda(tmp_path, texts, exact_gelu, monkeypatch):
+    """bf16 on CUDA (the fused add + LayerNorm kernel, the GELU epilogue unless
+    PAGEDSERVE_EXACT_GELU) against sentence-transformers in float32 on the CPU."""
+    if exact_gelu:
+        monkeypatch.setenv("PAGEDSERVE_EXACT_GELU", "1")
+    path = tiny_encoder_embedder(tmp_path / "bert", "bert", "cls", heads=1)  # head size 64
+    reference = st_encode(path, texts)
+    with LLM(str(path), device="cuda", dtype="bfloat16") as llm:
+        layer = llm.engine.runner.model.layers[0]
+        assert layer.gelu_epilogue != exact_gelu
+        got = embed(llm, texts)
+    np.testing.assert_allclose(got, reference, atol=2e-2, rtol=0)
