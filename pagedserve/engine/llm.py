@@ -360,6 +360,8 @@ class LLM:
                 if output.finished and output.request_id in pending:
                     pending.discard(output.request_id)
                     final[output.request_id] = output
+                    if not use_tqdm:  # no bar to keep (a pooling call's 64 outputs a step)
+                        continue
                     if isinstance(output, RequestOutput):  # not an embedding
                         out_tokens += sum(len(o.token_ids) for o in output.outputs)
                     elapsed = time.perf_counter() - start
