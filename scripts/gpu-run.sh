@@ -804,7 +804,8 @@ stage_embedphases() {  # where LLM.embed's host time goes (bge-base, 10,000 x 25
 }
 
 stage_embed52() {  # #52's embeddings after the host cuts and the encoder's fused kernels: their
-    # gpu tests, then bge-base's LLM.embed with --phases (the device's busy time a step too)
+    # gpu tests, the fused kernels against torch's at a step (encoder_kernels.py), then
+    # bge-base's LLM.embed with --phases (the device's busy time a step too)
     # and once more with the erf GELU unfused (PAGEDSERVE_EXACT_GELU=1), within CALL_LIMIT
     setup_env
     SHARD_TIMEOUT=${WAVE_TIMEOUT:-150}
@@ -813,6 +814,7 @@ stage_embed52() {  # #52's embeddings after the host cuts and the encoder's fuse
         tests/pooling/test_cross_encoders.py
     wait
     tail -3 "$OUT/embed52.log"
+    timeout 60 python3 benchmarks/encoder_kernels.py 2>&1 | tail -7
     local args="--device cuda --dtype bfloat16 --shape bge-base --num-texts 10000 --tokens 256"
     local left=$(( ${CALL_LIMIT:-580} - SECONDS - 5 ))
     [ "$left" -gt 60 ] || { echo "embed52 rows skipped: ${left} s left"; return 0; }
