@@ -154,3 +154,32 @@ def test_flash_attn_encoder_hands_back_the_kernels_output(monkeypatch):
     assert out is made[-1]
     padded = flash_attn_encoder("fa2", q, k, v, md, 0.25, None)  # 3 rows past the tokens
     assert padded.shape == q.shape and torch.equal(padded[:t], made[-1])
+
+
+def test_flashinfer_encoder_hands_back_the_wrappers_output():
+    """FLASHINFER's encoder call (a stand-in planned wrapper): the wrapper's own output when it
+    covers every row; with rows past the step's tokens, a new tensor holding it."""
+    from pagedserve.attention.backends.encoder_gpu import (
+        FlashInferEncoderImpl,
+        RaggedEncoderMetadata,
+    )
+
+    class Impl(FlashInferEncoderImpl):
+        num_heads, value_head_size = 4, 16
+
+    made = []
+
+    class Wrapper:
+        def run(self, q, k, v):
+            made.append(reference(q, k, v, LENGTHS, 0.25))
+            return made[-1]
+
+    torch.manual_seed(0)
+    t = sum(LENGTHS)
+    q, k, v = (torch.randn(t + 3, 4, 16) for _ in range(3))
+    base = EncoderMetadata.from_common(_Common(LENGTHS, "cpu"))
+    md = RaggedEncoderMetadata(base.cu_seqlens, base.cu_seqlens_cpu, base.max_seqlen,
+                               base.num_reqs, base.num_tokens, wrapper=Wrapper())
+    assert Impl().forward_encoder(q[:t], k[:t], v[:t], md) is made[-1]
+    padded = Impl().forward_encoder(q, k, v, md)
+    assert padded.shape == (t + 3, 4, 16) and torch.equal(padded[:t], made[-1])

@@ -79,6 +79,8 @@ class FlashInferEncoderImpl:
                         attn_metadata: RaggedEncoderMetadata,
                         output: torch.Tensor | None = None) -> torch.Tensor:
         n = attn_metadata.num_tokens
+        if output is None and n and n == query.shape[0]:  # every row: the kernel's own output
+            return attn_metadata.wrapper.run(query, key, value)
         if output is None:
             output = query.new_empty(query.shape[0], self.num_heads, self.value_head_size)
         if n:
