@@ -13,6 +13,8 @@ largest difference between the two embeddings.
     ... --profile  # and LLM.embed again under torch.profiler: the GPU's busy share, top kernels
     ... --phases   # where LLM.embed's host time goes: the tokenizer alone, LLM.embed of texts
                    # and of token ids with the engine's step figures, a cProfile of the former
+                   # (with PAGEDSERVE_DEVICE_TIMING=1 the device's busy ms a step too)
+    ... --engine-core-process  # the engine core in its own process, beside the front
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ def main() -> None:
                         help="LLM.embed again under torch.profiler (CUDA): where its time goes")
     parser.add_argument("--phases", action="store_true",
                         help="LLM.embed's host phases: tokenizer, texts against ids, cProfile")
+    parser.add_argument("--engine-core-process", action="store_true",
+                        help="LLM's engine core in a process of its own (the front's work, "
+                             "tokenizing and outputs, then runs beside the core's steps)")
     args = parser.parse_args()
 
     from sentence_transformers import SentenceTransformer
@@ -125,7 +130,8 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
         with LLM(str(path), device=args.device, dtype=args.dtype, max_model_len=args.tokens,
-                 max_num_batched_tokens=args.max_num_batched_tokens) as llm:
+                 max_num_batched_tokens=args.max_num_batched_tokens,
+                 engine_core_process=args.engine_core_process or None) as llm:
             llm.embed(texts[:256])  # warm-up
             t0 = time.perf_counter()
             outputs = llm.embed(texts)

@@ -31,6 +31,7 @@
 # Qwen3-30B-A3B shape's kernel time a step, a quantized KV dtype alone, the MoE tile sweep),
 # wave25 / wave25bench / wave25eagle / wave25embed / vlm / fp8dec / first29 / rerun31 / lora31 /
 # lora32 / call32 (call32tests, embedphases, lorasweep, lorarows) / call33 / int4engine /
+# embed52 (#52: the embeddings' gpu tests, bge-base's LLM.embed with --phases, exact GELU) /
 # int4call (the W4A16 kernel's gpu tests, launch-shape sweep and engine rows) /
 # mxfp4engine / ggufengine / specrows / fp8linear /
 # fp8engine (the last sessions' GPU tests and rows; see each), piecewise (piecewise CUDA graphs: their GPU tests, then the Qwen3-30B-A3B
@@ -800,6 +801,44 @@ stage_embedphases() {  # where LLM.embed's host time goes (bge-base, 10,000 x 25
     echo "exit $?" >>"$OUT/embed-phases.log"
     grep -E "texts/s|phases:|host syncs|^  +[0-9]+  |exit" "$OUT/embed-phases.log"
     grep -A22 "Ordered by" "$OUT/embed-phases.log" | tail -20
+}
+
+stage_embed52() {  # #52's embeddings after the host cuts and the encoder's fused kernels: their
+    # gpu tests, the fused kernels against torch's at a step (encoder_kernels.py), then
+    # bge-base's LLM.embed with --phases (the device's busy time a step too), once more with
+    # the erf GELU unfused (PAGEDSERVE_EXACT_GELU=1) and once with the engine core in its own
+    # process, within CALL_LIMIT
+    setup_env
+    SHARD_TIMEOUT=${WAVE_TIMEOUT:-150}
+    shard embed52 tests/models/test_layer_kernels.py tests/pooling/test_encoders.py \
+        tests/attention/test_encoder_attention.py tests/pooling/test_embed.py \
+        tests/pooling/test_cross_encoders.py
+    wait
+    tail -3 "$OUT/embed52.log"
+    timeout 60 python3 benchmarks/encoder_kernels.py 2>&1 | tail -7
+    local args="--device cuda --dtype bfloat16 --shape bge-base --num-texts 10000 --tokens 256"
+    local left=$(( ${CALL_LIMIT:-580} - SECONDS - 5 ))
+    [ "$left" -gt 60 ] || { echo "embed52 rows skipped: ${left} s left"; return 0; }
+    PAGEDSERVE_ATTENTION_BACKEND=FLASH_ATTN PAGEDSERVE_DEVICE_TIMING=1 timeout "$left" python3 \
+        benchmarks/embed_throughput.py $args --st-batch-sizes 256 --phases \
+        >"$OUT/embed52-phases.log" 2>&1
+    echo "exit $?" >>"$OUT/embed52-phases.log"
+    grep -E "texts/s|phases:|host syncs|^  +[0-9]+  |exit" "$OUT/embed52-phases.log"
+    grep -A22 "Ordered by" "$OUT/embed52-phases.log" | tail -20
+    left=$(( ${CALL_LIMIT:-580} - SECONDS - 5 ))
+    [ "$left" -gt 60 ] || { echo "embed52 exact-GELU row skipped: ${left} s left"; return 0; }
+    PAGEDSERVE_ATTENTION_BACKEND=FLASH_ATTN PAGEDSERVE_EXACT_GELU=1 timeout "$left" python3 \
+        benchmarks/embed_throughput.py $args --st-batch-sizes 256 \
+        >"$OUT/embed52-exact-gelu.log" 2>&1
+    echo "exit $?" >>"$OUT/embed52-exact-gelu.log"
+    grep -E "texts/s|exit" "$OUT/embed52-exact-gelu.log"
+    left=$(( ${CALL_LIMIT:-580} - SECONDS - 5 ))
+    [ "$left" -gt 60 ] || { echo "embed52 core-process row skipped: ${left} s left"; return 0; }
+    PAGEDSERVE_ATTENTION_BACKEND=FLASH_ATTN timeout "$left" python3 \
+        benchmarks/embed_throughput.py $args --st-batch-sizes 256 --engine-core-process \
+        >"$OUT/embed52-core-process.log" 2>&1
+    echo "exit $?" >>"$OUT/embed52-core-process.log"
+    grep -E "texts/s|exit" "$OUT/embed52-core-process.log"
 }
 
 stage_lorasweep() {  # the LoRA kernels' launch shapes at 256 tokens; its last line ("best:")

@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.gc_heap import thaw_heap
+from pagedserve.engine.gc_heap import collector_paused, thaw_heap
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.lora.request import LoRARequest, per_prompt
@@ -185,6 +185,12 @@ class LLM:
     def _pool_prompts(self, prompts: Prompt | Sequence[Prompt],
                       pooling_params: PoolingParams | None,
                       use_tqdm: bool) -> list[PoolingRequestOutput]:
+        with collector_paused():  # gc_heap.py: what a collection would walk here
+            return self._pool_prompts_now(prompts, pooling_params, use_tqdm)
+
+    def _pool_prompts_now(self, prompts: Prompt | Sequence[Prompt],
+                          pooling_params: PoolingParams | None,
+                          use_tqdm: bool) -> list[PoolingRequestOutput]:
         inputs = [_prompt_input(p, i) for i, p in enumerate(_prompt_list(prompts))]
         text_at = [i for i, p in enumerate(inputs) if isinstance(p, str)]
         tokenizing = ChunkedTokenizer(
@@ -221,11 +227,12 @@ class LLM:
               use_tqdm: bool) -> list[PoolingRequestOutput]:
         ids = []
         try:
-            for prompt in token_ids:
-                request_id = str(next(self._ids))
-                self.engine.add_pooling_request(request_id, prompt, params)
-                ids.append(request_id)
-            return self.wait_for(ids, use_tqdm)
+            with collector_paused():  # gc_heap.py
+                for prompt in token_ids:
+                    request_id = str(next(self._ids))
+                    self.engine.add_pooling_request(request_id, prompt, params)
+                    ids.append(request_id)
+                return self.wait_for(ids, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)
             raise
@@ -353,6 +360,8 @@ class LLM:
                 if output.finished and output.request_id in pending:
                     pending.discard(output.request_id)
                     final[output.request_id] = output
+                    if not use_tqdm:  # no bar to keep (a pooling call's 64 outputs a step)
+                        continue
                     if isinstance(output, RequestOutput):  # not an embedding
                         out_tokens += sum(len(o.token_ids) for o in output.outputs)
                     elapsed = time.perf_counter() - start
@@ -394,7 +403,7 @@ def _token_ids(ids: Any, what: str) -> list[int]:
     """Token ids as ints (numpy's and torch's integer scalars too); anything else named."""
     if not isinstance(ids, list | tuple):
         raise TypeError(f"{what} must be a list of token ids, got {type(ids).__name__}")
-    if all(type(t) is int for t in ids):  # the usual list: no per-id ABC check
+    if set(map(type, ids)) <= {int}:  # the usual list: no per-id ABC check (a C loop)
         return list(ids)
     bad = [t for t in ids if not _is_token_id(t)]
     if bad:

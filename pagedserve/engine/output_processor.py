@@ -230,12 +230,15 @@ class OutputProcessor:
     def _make_output(self, state: RequestState, now: float,
                      finished: list[str]) -> RequestOutput:
         completions = []
+        pooled = state.sequences[0].embedding is not None  # its output is the embedding alone
         for seq in state.sequences:
             finish_reason = seq.finish_reason
             if finish_reason is not None and seq.index not in state.finished_seqs:
                 state.finished_seqs.add(seq.index)
                 self.seq_of.pop(seq.seq_id, None)
                 finished.append(seq.seq_id)
+            if pooled:
+                continue
             delta = ""
             sent_to = len(seq.token_ids)
             if seq.detokenizer is not None:
@@ -264,7 +267,7 @@ class OutputProcessor:
         if state.finished:
             state.metrics.finished_time = now
             self.states.pop(state.request_id, None)
-        if state.sequences[0].embedding is not None:
+        if pooled:
             return pooling_output(state.request_id, state.prompt, state.prompt_token_ids,
                                   state.sequences[0].embedding, state.metrics)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,

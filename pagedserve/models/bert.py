@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedserve import envs
 from pagedserve.attention.encoder import ENCODER_ONLY
 from pagedserve.attention.layer import Attention
+from pagedserve.models.layers import fused_kernels
 
 TOKEN_TYPE_SHIFT = 30
 _ID_MASK = (1 << TOKEN_TYPE_SHIFT) - 1
@@ -42,6 +44,40 @@ def activation(config: PretrainedConfig):
         raise ValueError(f"hidden_act {name!r} is not supported (supported: "
                          f"{', '.join(_ACTIVATIONS)})")
     return _ACTIVATIONS[name]
+
+
+# cuBLASLt's GELU epilogue (torch._addmm_activation) is the tanh form: the same function for
+# these, an approximation of the erf form ("gelu") within 4.8e-4.
+_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+_FUSED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None,
+                   norm: nn.LayerNorm) -> torch.Tensor:
+    """norm(x + residual) (norm(x) without one): one Triton kernel on CUDA in 16 bits, which
+    rounds the sum as torch's add does (layer_kernels.layer_norm); torch's add and LayerNorm
+    otherwise."""
+    kernels = fused_kernels(x)
+    if kernels is not None and x.dim() == 2 and norm.bias is not None:
+        return kernels.layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
+    return norm(x if residual is None else x + residual)
+
+
+def gelu_in_epilogue(config: PretrainedConfig) -> bool:
+    """Whether the MLP's GELU runs inside its first projection's GEMM (CUDA, 16 bits), which
+    saves a pass over the [T, intermediate] activations (~11% of the kernels' time in a bge-base
+    step of 64 x 256 tokens on an H100). It applies GELU to the float32 sums, before the one
+    rounding to 16 bits (eager rounds the GEMM's output, then GELU's). Its GELU is the tanh
+    form: for an erf-GELU model that moves a 16-bit value by at most one rounding step (in
+    bf16, ~16% of values of a N(0, 1.5) spread), the size of the rounding the GEMM's output
+    carries anyway; PAGEDSERVE_EXACT_GELU=1 keeps such a model's erf GELU, unfused."""
+    name = getattr(config, "hidden_act", "gelu")
+    return name in _TANH_GELU or (name == "gelu" and not envs.PAGEDSERVE_EXACT_GELU)
+
+
+def epilogue_runs(x: torch.Tensor) -> bool:
+    """Whether a GEMM over `x` takes the GELU epilogue (CUDA, 16 bits, rows of a step)."""
+    return x.is_cuda and x.dtype in _FUSED_DTYPES and x.dim() == 2
 
 
 def check_encoder_config(config: PretrainedConfig) -> None:
@@ -65,9 +101,8 @@ class BertEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ids = input_ids & _ID_MASK
         token_types = input_ids >> TOKEN_TYPE_SHIFT
-        x = (self.word_embeddings(ids) + self.position_embeddings(positions)
-             + self.token_type_embeddings(token_types))
-        return self.LayerNorm(x)
+        x = self.word_embeddings(ids) + self.position_embeddings(positions)
+        return add_layer_norm(x, self.token_type_embeddings(token_types), self.LayerNorm)
 
 
 class BertLayer(nn.Module):
@@ -84,11 +119,20 @@ class BertLayer(nn.Module):
         self.output = nn.Linear(config.intermediate_size, h)
         self.out_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         self.act = activation(config)
+        self.gelu_epilogue = gelu_in_epilogue(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        x = self.attn_norm(x + self.attn_out(self.attn(q, k, v)))
-        return self.out_norm(x + self.output(self.act(self.intermediate(x))))
+        x = add_layer_norm(self.attn_out(self.attn(q, k, v)), x, self.attn_norm)
+        return add_layer_norm(self.output(self.mlp_in(x)), x, self.out_norm)
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        """act(W1 x + b1); on CUDA in 16 bits a GELU rides in the GEMM's epilogue
+        (`gelu_in_epilogue`)."""
+        w1 = self.intermediate
+        if self.gelu_epilogue and w1.bias is not None and epilogue_runs(x):
+            return torch._addmm_activation(w1.bias, x, w1.weight.t(), use_gelu=True)
+        return self.act(w1(x))
 
 
 class BertModel(nn.Module):

@@ -12,10 +12,12 @@ import torch.nn.functional as F
 def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, method: str) -> torch.Tensor:
     """hidden [T, H], cu_seqlens [B + 1] on hidden's device -> float32 [B, H]."""
     starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+    # index_select, not hidden[index]: on the CPU advanced indexing of 64 rows of a
+    # [16384, H] step took ~10 ms (the same gather, ~15 us).
     if method == "last":
-        return hidden[ends - 1].float()
+        return hidden.index_select(0, ends - 1).float()
     if method == "cls":
-        return hidden[starts].float()
+        return hidden.index_select(0, starts).float()
     if method == "mean":
         lengths = ends - starts
         # Each token's request, without a host sync (output_size is T, known here).

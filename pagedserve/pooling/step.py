@@ -24,7 +24,11 @@ from pagedserve.scheduler import SchedulerOutput
 
 class PooledRows:
     """A step's embeddings, float32 [B, hidden] in batch order (a row truncated to a request's
-    `dimensions` is zero past them), copied to the host behind the step's work."""
+    `dimensions` is zero past them), copied to the host behind the step's work.
+
+    On CUDA they land in pinned memory and `wait` hands out a copy in ordinary memory: the
+    outputs keep views of what it returns until the caller drops them, and views of the pinned
+    block would keep it from the allocator's cache, so each step would pin new pages."""
 
     def __init__(self, rows: torch.Tensor) -> None:
         if rows.device.type == "cuda":
@@ -36,9 +40,10 @@ class PooledRows:
             self.host, self.event = rows, None
 
     def wait(self) -> np.ndarray:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.numpy()
+        if self.event is None:
+            return self.host.numpy()
+        self.event.synchronize()
+        return self.host.numpy().copy()
 
 
 class StepPooler:

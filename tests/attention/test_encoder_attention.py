@@ -122,3 +122,64 @@ def test_gpu_backends_encoder_attention(name):
         pytest.skip(why)
     out, ref = run_backend(name, torch.float16, "cuda", head_size=64)
     torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+
+
+def test_flash_attn_encoder_hands_back_the_kernels_output(monkeypatch):
+    """FLASH_ATTN's encoder call (a stand-in `flash_attn` module on the CPU): its varlen kernel
+    gets every request's rows with causal=False, and the kernel's own output comes back, not a
+    copy, when it covers every row; with rows past the step's tokens the result is a new
+    tensor of every row, the tokens' rows the kernel's."""
+    import sys
+    import types
+
+    from pagedserve.attention.backends.encoder_gpu import flash_attn_encoder
+
+    made = []
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               softmax_scale, causal, **extra):
+        assert not causal and torch.equal(cu_seqlens_q, cu_seqlens_k)
+        lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+        assert max_seqlen_q == max(lengths)
+        made.append(reference(q, k, v, lengths, softmax_scale).to(q.dtype))
+        return made[-1]
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(
+        flash_attn_varlen_func=varlen))
+    torch.manual_seed(0)
+    t = sum(LENGTHS)
+    q, k, v = (torch.randn(t + 3, 4, 16) for _ in range(3))
+    md = EncoderMetadata.from_common(_Common(LENGTHS, "cpu"))
+    out = flash_attn_encoder("fa2", q[:t], k[:t], v[:t], md, 0.25, None)
+    assert out is made[-1]
+    padded = flash_attn_encoder("fa2", q, k, v, md, 0.25, None)  # 3 rows past the tokens
+    assert padded.shape == q.shape and torch.equal(padded[:t], made[-1])
+
+
+def test_flashinfer_encoder_hands_back_the_wrappers_output():
+    """FLASHINFER's encoder call (a stand-in planned wrapper): the wrapper's own output when it
+    covers every row; with rows past the step's tokens, a new tensor holding it."""
+    from pagedserve.attention.backends.encoder_gpu import (
+        FlashInferEncoderImpl,
+        RaggedEncoderMetadata,
+    )
+
+    class Impl(FlashInferEncoderImpl):
+        num_heads, value_head_size = 4, 16
+
+    made = []
+
+    class Wrapper:
+        def run(self, q, k, v):
+            made.append(reference(q, k, v, LENGTHS, 0.25))
+            return made[-1]
+
+    torch.manual_seed(0)
+    t = sum(LENGTHS)
+    q, k, v = (torch.randn(t + 3, 4, 16) for _ in range(3))
+    base = EncoderMetadata.from_common(_Common(LENGTHS, "cpu"))
+    md = RaggedEncoderMetadata(base.cu_seqlens, base.cu_seqlens_cpu, base.max_seqlen,
+                               base.num_reqs, base.num_tokens, wrapper=Wrapper())
+    assert Impl().forward_encoder(q[:t], k[:t], v[:t], md) is made[-1]
+    padded = Impl().forward_encoder(q, k, v, md)
+    assert padded.shape == (t + 3, 4, 16) and torch.equal(padded[:t], made[-1])

@@ -87,6 +87,32 @@ def test_texts_tokenized_in_chunks_beside_the_engine(llm, texts, reference, monk
     assert not llm.engine.has_unfinished_requests() and llm.engine.check_blocks_free()
 
 
+def test_collector_paused_through_the_call_and_no_cycles_made(llm, texts, monkeypatch):
+    """LLM.embed's steps run with the cyclic collector paused (engine/gc_heap.py), and it is
+    running again after the call, a failed one too; the call leaves no reference cycles, which
+    the pause would have kept alive until the next collection."""
+    import gc
+
+    embed(llm, texts)  # anything made once, on first use, is made
+    enabled: list[bool] = []
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: enabled.append(gc.isenabled()) or step())
+    assert gc.isenabled()
+    got = embed(llm, texts + [{"prompt_token_ids": [5, 6, 7]}])
+    assert got.shape[0] == len(texts) + 1
+    assert enabled and not any(enabled) and gc.isenabled()
+    with pytest.raises(ValueError, match="out of range"):
+        llm.embed(texts[:3] + [[10 ** 6]])
+    assert gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        embed(llm, texts)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
 def test_tokenizing_through_the_backend_equals_the_tokenizers_call(llm, texts):
     """Without truncation, texts go straight to the fast tokenizer's backend: the same ids as
     transformers' call; a backend that truncates or pads of its own is left to that call."""
@@ -123,6 +149,34 @@ def test_whole_prompts_under_a_small_token_budget(model_dir, texts, reference):
                                                           for r in step.requests]
         assert llm.engine.check_blocks_free()
         assert not llm.engine.scheduler.has_unfinished_requests()
+
+
+def test_async_steps_overlap(model_dir, texts, reference):
+    """With async scheduling each pooling step is launched before the previous one's rows are
+    collected (its outputs feed nothing the next step needs), so the device always has the
+    next step queued while the host turns a step's rows into outputs."""
+    with LLM(str(model_dir), device="cpu", dtype="float32", kv_cache_memory="16MiB",
+             max_model_len=128, max_num_batched_tokens=128, async_scheduling=True) as llm:
+        runner, events = llm.engine.core.runner, []  # (kind, the step's PendingStep)
+        launch, collect = runner.launch, runner.collect
+
+        def launching(batch):
+            events.append(("launch", launch(batch)))
+            return events[-1][1]
+
+        def collecting(pending):
+            events.append(("collect", pending))
+            return collect(pending)
+
+        def at(kind, pending):
+            return next(i for i, (k, p) in enumerate(events) if k == kind and p is pending)
+
+        runner.launch, runner.collect = launching, collecting
+        np.testing.assert_allclose(embed(llm, texts[:16]), reference[:16], atol=TOL, rtol=0)
+        launched = [p for kind, p in events if kind == "launch"]
+        assert len(launched) > 3
+        for before, after in zip(launched, launched[1:], strict=False):  # the next launch comes first
+            assert at("launch", after) < at("collect", before)
 
 
 def test_dimensions_truncate_then_normalise(llm, texts, reference):

@@ -104,3 +104,90 @@ def test_other_backends_through_the_engine(tmp_path, backend):
     with open_llm(path, attention_backend=backend) as llm:
         assert llm.engine.runner.backend.get_name() == backend
         np.testing.assert_allclose(embed(llm, texts), reference, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_fused_encoder_path(tmp_path, family, monkeypatch):
+    """The path a 16-bit CUDA step takes, on the CPU in float32: each residual add and
+    LayerNorm as one Triton kernel (the interpreter), the MLP's first projection and GELU as
+    one torch._addmm_activation (exact GELU on the CPU; cuBLASLt's tanh form on CUDA). The
+    embeddings equal sentence-transformers' as the torch path's do."""
+    from pagedserve.models import bert, layer_kernels
+
+    path = tiny_encoder_embedder(tmp_path / family, family, "cls")
+    texts = mixed_texts(5, seed=3, longest=30)
+    reference = st_encode(path, texts)
+    calls = {"norm": 0, "epilogue": 0}
+
+    def kernels(x):
+        calls["norm"] += 1
+        return layer_kernels
+
+    def epilogue(x):
+        calls["epilogue"] += 1
+        return True
+
+    monkeypatch.setattr(bert, "fused_kernels", kernels)
+    monkeypatch.setattr(bert, "epilogue_runs", epilogue)
+    with open_llm(path) as llm:
+        calls.update(norm=0, epilogue=0)  # start-up's dummy forwards
+        np.testing.assert_allclose(embed(llm, texts), reference, atol=TOL, rtol=0)
+        layers = llm.engine.runner.model.config.num_hidden_layers
+        steps = calls["epilogue"] // layers
+        assert steps >= 1 and calls["epilogue"] == steps * layers
+        assert calls["norm"] == steps * (2 * layers + 1)  # the embeddings' norm too
+
+
+def test_gelu_epilogue_choice(monkeypatch):
+    """The tanh GELUs always take the epilogue; the erf GELU unless PAGEDSERVE_EXACT_GELU is
+    set; any other activation never."""
+    from transformers import BertConfig
+
+    from pagedserve.models.bert import gelu_in_epilogue
+
+    monkeypatch.delenv("PAGEDSERVE_EXACT_GELU", raising=False)
+    chosen = {act: gelu_in_epilogue(BertConfig(hidden_act=act))
+              for act in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")}
+    assert chosen == {"gelu": True, "gelu_new": True, "gelu_pytorch_tanh": True, "relu": False}
+    monkeypatch.setenv("PAGEDSERVE_EXACT_GELU", "1")
+    assert not gelu_in_epilogue(BertConfig(hidden_act="gelu"))
+    assert gelu_in_epilogue(BertConfig(hidden_act="gelu_new"))
+
+
+@pytest.mark.gpu
+def test_gelu_epilogue_on_cuda():
+    """On CUDA in bf16 the epilogue is the tanh GELU of the float32 sums, rounded once: within
+    one bf16 rounding step of eager's erf GELU of the rounded GEMM output."""
+    import torch
+    from transformers import BertConfig
+
+    from pagedserve.models.bert import BertLayer
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4)
+    layer = BertLayer(config, 0).to("cuda", torch.bfloat16)
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    assert layer.gelu_epilogue
+    with torch.no_grad():
+        got = layer.mlp_in(x)
+        tanh = torch.nn.functional.gelu(x.float() @ layer.intermediate.weight.float().t()
+                                        + layer.intermediate.bias.float(), approximate="tanh")
+        eager = layer.act(layer.intermediate(x))
+    torch.testing.assert_close(got.float(), tanh, rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(got, eager, rtol=2 ** -6, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exact_gelu", [False, True])
+def test_bert_on_cuda(tmp_path, texts, exact_gelu, monkeypatch):
+    """bf16 on CUDA (the fused add + LayerNorm kernel, the GELU epilogue unless
+    PAGEDSERVE_EXACT_GELU) against sentence-transformers in float32 on the CPU."""
+    if exact_gelu:
+        monkeypatch.setenv("PAGEDSERVE_EXACT_GELU", "1")
+    path = tiny_encoder_embedder(tmp_path / "bert", "bert", "cls", heads=1)  # head size 64
+    reference = st_encode(path, texts)
+    with LLM(str(path), device="cuda", dtype="bfloat16") as llm:
+        layer = llm.engine.runner.model.layers[0]
+        assert layer.gelu_epilogue != exact_gelu
+        got = embed(llm, texts)
+    np.testing.assert_allclose(got, reference, atol=2e-2, rtol=0)

@@ -16,10 +16,14 @@ from pagedserve.attention.encoder import EncoderMetadata
 
 def flash_attn_encoder(implementation: str, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, md: EncoderMetadata, scale: float,
-                       output: torch.Tensor, window: int | None = None) -> torch.Tensor:
+                       output: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
     """FlashAttention's varlen forward with causal=False, cu_seqlens for both Q and K; a
-    window as (w - 1, w - 1)."""
+    window as (w - 1, w - 1). Without `output`, the kernel's own output is returned when it
+    covers every row (a pooling step's: no padding), not copied into a new tensor: a pass over
+    [T, H, D] less a layer."""
     n = md.num_tokens
+    if output is None and (n == 0 or n != query.shape[0]):
+        output = torch.empty_like(query)
     if n == 0:
         return output
     q, k, v = query[:n], key[:n], value[:n]
@@ -37,6 +41,8 @@ def flash_attn_encoder(implementation: str, query: torch.Tensor, key: torch.Tens
         out = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                  max_seqlen_k=longest, softmax_scale=scale, causal=False, **extra)
         out = out[0] if isinstance(out, tuple) else out
+    if output is None:
+        return out
     output[:n].copy_(out)
     return output
 
@@ -73,6 +79,8 @@ class FlashInferEncoderImpl:
                         attn_metadata: RaggedEncoderMetadata,
                         output: torch.Tensor | None = None) -> torch.Tensor:
         n = attn_metadata.num_tokens
+        if output is None and n and n == query.shape[0]:  # every row: the kernel's own output
+            return attn_metadata.wrapper.run(query, key, value)
         if output is None:
             output = query.new_empty(query.shape[0], self.num_heads, self.value_head_size)
         if n:

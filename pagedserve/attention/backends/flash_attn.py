@@ -432,8 +432,6 @@ class FlashAttentionImpl(AttentionImpl):
         """Encoder-only layers: the implementation's varlen call, causal=False."""
         from pagedserve.attention.backends.encoder_gpu import flash_attn_encoder
 
-        if output is None:
-            output = torch.empty_like(query)
         return flash_attn_encoder(self.implementation, query, key, value, attn_metadata,
                                   self.scale, output, self.sliding_window)
 
