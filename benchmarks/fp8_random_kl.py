@@ -1,8 +1,10 @@
-"""What FP8 rounding alone does to a random-weight model's next-token distributions, emulated in
-float32 on the CPU: the reference for `fp8_engine.py`'s KL(bf16 || fp8) and top-1 agreement on
-the same `random:` shape, which the GPU measures through the engine's kernels.
+"""What FP8 (or 4-bit GPTQ) rounding alone does to a random-weight model's next-token
+distributions, emulated in float32 on the CPU: the reference for `quant_engine.py`'s
+KL(bf16 || quantized) and top-1 agreement on the same `random:` shape, which the GPU measures
+through the engine's kernels.
 
     python benchmarks/fp8_random_kl.py [--shape llama3-8b] [--layers 32] [--tokens 64]
+        [--quantized fp8|gptq4]
 
 A Llama-family decoder of the preset's shape, its weights drawn as `random:` draws them
 (normal, std 0.02; norms 1), layer by layer so that no more than one layer's weights are held.
@@ -12,7 +14,10 @@ One random sequence runs three ways in lockstep, each layer's weights shared:
   bf16 (the bf16 engine's numerics, up to its kernels' summation order);
 - FP8 as `--quantization fp8` runs a `random:` model: each projection's weight in e4m3 with
   one scale per output row, its input in e4m3 with one scale per token (dynamic), the product
-  in float32 times both scales, the output in bf16; embeddings, norms and the head in bf16.
+  in float32 times both scales, the output in bf16; embeddings, norms and the head in bf16;
+  or, with `--quantized gptq4`, each projection's weight as the random GPTQ checkpoint packs it
+  (`random_packed.quantize_symmetric`: 4-bit symmetric codes, groups of 128, float16 scales)
+  with bf16 inputs and outputs.
 Printed: KL(float32 || bf16), KL(bf16 || fp8) in nats per position and the top-1 agreement of
 each pair, and how flat the reference's logits are (their spread, the top-1 margin, the
 entropy): near-flat logits turn any rounding into a different argmax and a large KL.
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.models.random_models import RANDOM_INIT_STD, RANDOM_PRESETS
+from pagedserve.quantization.random_packed import quantize_symmetric
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -42,11 +48,20 @@ def fp8_rows(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).to(FP8).float() * scale
 
 
+def gptq4(w: torch.Tensor) -> torch.Tensor:
+    """w as the random GPTQ int4 checkpoint (groups of 128) dequantizes it."""
+    codes, scales = quantize_symmetric(w, 4, 128)
+    n, k = w.shape
+    return ((codes.view(n, k // 128, 128) - 8) * scales.float()[..., None]).view(n, k)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
     if mode == "fp32":
         return x @ w.T
     if mode == "bf16":
         return bf16(bf16(x) @ bf16(w).T)
+    if mode == "gptq4":
+        return bf16(bf16(x) @ bf16(gptq4(bf16(w))).T)
     return bf16(fp8_rows(bf16(x)) @ fp8_rows(bf16(w)).T)  # FP8 codes of the bf16 model's
 
 
@@ -99,6 +114,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="default: the shape's")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantized", default="fp8", choices=("fp8", "gptq4"))
     args = parser.parse_args()
     cfg = dict(RANDOM_PRESETS[args.shape])
     if cfg.get("model_type", "llama") not in ("llama", "mistral", "qwen2", "qwen3"):
@@ -112,7 +128,8 @@ def main() -> None:
     embed = draw((cfg["vocab_size"], hidden), gen)
     h32 = embed[ids]
     del embed
-    states = {"fp32": h32, "bf16": bf16(h32), "fp8": bf16(h32)}
+    quant = args.quantized
+    states = {"fp32": h32, "bf16": bf16(h32), quant: bf16(h32)}
     for i in range(layers):
         w = {"q": draw((heads * d, hidden), gen), "k": draw((kv * d, hidden), gen),
              "v": draw((kv * d, hidden), gen), "o": draw((hidden, heads * d), gen),
@@ -120,8 +137,8 @@ def main() -> None:
              "down": draw((hidden, inter), gen)}
         states = {mode: layer(h, w, cfg, mode) for mode, h in states.items()}
         if (i + 1) % 8 == 0 or i + 1 == layers:
-            rel = ((states["fp8"] - states["bf16"]).norm() / states["bf16"].norm()).item()
-            print(f"after layer {i + 1}: |fp8 - bf16| / |bf16| of the residual {rel:.4f}")
+            rel = ((states[quant] - states["bf16"]).norm() / states["bf16"].norm()).item()
+            print(f"after layer {i + 1}: |{quant} - bf16| / |bf16| of the residual {rel:.4f}")
     head = draw((cfg["vocab_size"], hidden), gen)
     logits = {}
     for mode, h in states.items():
@@ -134,7 +151,7 @@ def main() -> None:
           f"{(top2[:, 0] - top2[:, 1]).mean():.4f} (mean), entropy "
           f"{-(logp.exp() * logp).sum(-1).mean():.2f} nats (uniform: "
           f"{math.log(cfg['vocab_size']):.2f})")
-    for p, q in (("fp32", "bf16"), ("bf16", "fp8")):
+    for p, q in (("fp32", "bf16"), ("bf16", quant)):
         lp, lq = logits[p].log_softmax(-1), logits[q].log_softmax(-1)
         kl = (lp.exp() * (lp - lq)).sum(-1).mean().item()
         agree = (logits[p].argmax(-1) == logits[q].argmax(-1)).float().mean().item()

@@ -175,7 +175,7 @@ def test_async_steps_overlap(model_dir, texts, reference):
         np.testing.assert_allclose(embed(llm, texts[:16]), reference[:16], atol=TOL, rtol=0)
         launched = [p for kind, p in events if kind == "launch"]
         assert len(launched) > 3
-        for before, after in zip(launched, launched[1:], strict=False):  # the next launch comes first
+        for before, after in zip(launched, launched[1:], strict=False):
             assert at("launch", after) < at("collect", before)
 
 
