@@ -85,10 +85,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "1: on CUDA the engine times each step's device work with CUDA events (two a step) "
         "and its stats report the GPU's busy seconds (`bench throughput` prints the busy "
         "share); default 0"),
-    "PAGEDSERVE_EXACT_GELU": (
-        lambda: (os.environ.get("PAGEDSERVE_EXACT_GELU") or "0").strip() not in ("", "0"),
-        "1: an encoder's erf GELU (BERT's hidden_act gelu) runs as its own kernel on CUDA in "
-        "16 bits; unset: inside the GEMM's epilogue, in the tanh form (models/bert.py)"),
+    "PAGEDSERVE_APPROXIMATE_GELU": (
+        lambda: (os.environ.get("PAGEDSERVE_APPROXIMATE_GELU") or "0").strip() not in ("", "0"),
+        "1: on CUDA in 16 bits an encoder's erf GELU (BERT's hidden_act gelu) runs inside its "
+        "GEMM's epilogue in the tanh form (faster; within one 16-bit rounding step); unset: "
+        "the model's own erf GELU, as its own kernel (models/bert.py)"),
     "PAGEDSERVE_W4A16_KERNEL": (
         lambda: (os.environ.get("PAGEDSERVE_W4A16_KERNEL") or "0").strip() not in ("", "0"),
         "1: on CUDA, AWQ / GPTQ / compressed-tensors int4 and int8 linears keep their codes "

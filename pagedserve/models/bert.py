@@ -68,11 +68,13 @@ def gelu_in_epilogue(config: PretrainedConfig) -> bool:
     saves a pass over the [T, intermediate] activations (~11% of the kernels' time in a bge-base
     step of 64 x 256 tokens on an H100). It applies GELU to the float32 sums, before the one
     rounding to 16 bits (eager rounds the GEMM's output, then GELU's). Its GELU is the tanh
-    form: for an erf-GELU model that moves a 16-bit value by at most one rounding step (in
-    bf16, ~16% of values of a N(0, 1.5) spread), the size of the rounding the GEMM's output
-    carries anyway; PAGEDSERVE_EXACT_GELU=1 keeps such a model's erf GELU, unfused."""
+    form, which is the model's own for `gelu_new` / `gelu_pytorch_tanh`. An erf-GELU model
+    (`gelu`, bge's and e5's) keeps its GELU unfused unless PAGEDSERVE_APPROXIMATE_GELU=1: the
+    tanh form moves a 16-bit value by at most one rounding step (in bf16, ~16% of values of a
+    N(0, 1.5) spread), the size of the rounding the GEMM's output carries anyway, but it is not
+    the model's function, so it is asked for, not assumed."""
     name = getattr(config, "hidden_act", "gelu")
-    return name in _TANH_GELU or (name == "gelu" and not envs.PAGEDSERVE_EXACT_GELU)
+    return name in _TANH_GELU or (name == "gelu" and envs.PAGEDSERVE_APPROXIMATE_GELU)
 
 
 def epilogue_runs(x: torch.Tensor) -> bool:

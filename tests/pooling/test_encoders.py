@@ -110,10 +110,12 @@ def test_other_backends_through_the_engine(tmp_path, backend):
 def test_fused_encoder_path(tmp_path, family, monkeypatch):
     """The path a 16-bit CUDA step takes, on the CPU in float32: each residual add and
     LayerNorm as one Triton kernel (the interpreter), the MLP's first projection and GELU as
-    one torch._addmm_activation (exact GELU on the CPU; cuBLASLt's tanh form on CUDA). The
-    embeddings equal sentence-transformers' as the torch path's do."""
+    one torch._addmm_activation (asked for an erf model with PAGEDSERVE_APPROXIMATE_GELU;
+    exact GELU on the CPU, cuBLASLt's tanh form on CUDA). The embeddings equal
+    sentence-transformers' as the torch path's do."""
     from pagedserve.models import bert, layer_kernels
 
+    monkeypatch.setenv("PAGEDSERVE_APPROXIMATE_GELU", "1")
     path = tiny_encoder_embedder(tmp_path / family, family, "cls")
     texts = mixed_texts(5, seed=3, longest=30)
     reference = st_encode(path, texts)
@@ -139,19 +141,19 @@ def test_fused_encoder_path(tmp_path, family, monkeypatch):
 
 
 def test_gelu_epilogue_choice(monkeypatch):
-    """The tanh GELUs always take the epilogue; the erf GELU unless PAGEDSERVE_EXACT_GELU is
-    set; any other activation never."""
+    """The tanh GELUs always take the epilogue; the erf GELU only with
+    PAGEDSERVE_APPROXIMATE_GELU; any other activation never."""
     from transformers import BertConfig
 
     from pagedserve.models.bert import gelu_in_epilogue
 
-    monkeypatch.delenv("PAGEDSERVE_EXACT_GELU", raising=False)
+    monkeypatch.delenv("PAGEDSERVE_APPROXIMATE_GELU", raising=False)
     chosen = {act: gelu_in_epilogue(BertConfig(hidden_act=act))
               for act in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")}
-    assert chosen == {"gelu": True, "gelu_new": True, "gelu_pytorch_tanh": True, "relu": False}
-    monkeypatch.setenv("PAGEDSERVE_EXACT_GELU", "1")
-    assert not gelu_in_epilogue(BertConfig(hidden_act="gelu"))
-    assert gelu_in_epilogue(BertConfig(hidden_act="gelu_new"))
+    assert chosen == {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "relu": False}
+    monkeypatch.setenv("PAGEDSERVE_APPROXIMATE_GELU", "1")
+    assert gelu_in_epilogue(BertConfig(hidden_act="gelu"))
+    assert not gelu_in_epilogue(BertConfig(hidden_act="relu"))
 
 
 @pytest.mark.gpu
@@ -164,7 +166,8 @@ def test_gelu_epilogue_on_cuda():
     from pagedserve.models.bert import BertLayer
 
     torch.manual_seed(0)
-    config = BertConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4)
+    config = BertConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+                        hidden_act="gelu_pytorch_tanh")
     layer = BertLayer(config, 0).to("cuda", torch.bfloat16)
     x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
     assert layer.gelu_epilogue
@@ -180,10 +183,11 @@ def test_gelu_epilogue_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("exact_gelu", [False, True])
 def test_bert_on_cuda(tmp_path, texts, exact_gelu, monkeypatch):
-    """bf16 on CUDA (the fused add + LayerNorm kernel, the GELU epilogue unless
-    PAGEDSERVE_EXACT_GELU) against sentence-transformers in float32 on the CPU."""
-    if exact_gelu:
-        monkeypatch.setenv("PAGEDSERVE_EXACT_GELU", "1")
+    """bf16 on CUDA (the fused add + LayerNorm kernel; the erf GELU, or the tanh one in the
+    epilogue with PAGEDSERVE_APPROXIMATE_GELU) against sentence-transformers in float32 on the
+    CPU."""
+    if not exact_gelu:
+        monkeypatch.setenv("PAGEDSERVE_APPROXIMATE_GELU", "1")
     path = tiny_encoder_embedder(tmp_path / "bert", "bert", "cls", heads=1)  # head size 64
     reference = st_encode(path, texts)
     with LLM(str(path), device="cuda", dtype="bfloat16") as llm:
