@@ -108,14 +108,15 @@ def test_other_backends_through_the_engine(tmp_path, backend):
 
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
 def test_fused_encoder_path(tmp_path, family, monkeypatch):
-    """The path a 16-bit CUDA step takes, on the CPU in float32: each residual add and
-    LayerNorm as one Triton kernel (the interpreter), the MLP's first projection and GELU as
-    one torch._addmm_activation (asked for an erf model with PAGEDSERVE_APPROXIMATE_GELU;
-    exact GELU on the CPU, cuBLASLt's tanh form on CUDA). The embeddings equal
-    sentence-transformers' as the torch path's do."""
+    """The fused path of a 16-bit CUDA step, on the CPU in float32: each residual add and
+    LayerNorm as one Triton kernel (the interpreter; off by default), the MLP's first
+    projection and GELU as one torch._addmm_activation (asked for an erf model with
+    PAGEDSERVE_APPROXIMATE_GELU; exact GELU on the CPU, cuBLASLt's tanh form on CUDA). The
+    embeddings equal sentence-transformers' as the torch path's do."""
     from pagedserve.models import bert, layer_kernels
 
     monkeypatch.setenv("PAGEDSERVE_APPROXIMATE_GELU", "1")
+    monkeypatch.setattr(bert, "FUSED_ADD_NORM", True)
     path = tiny_encoder_embedder(tmp_path / family, family, "cls")
     texts = mixed_texts(5, seed=3, longest=30)
     reference = st_encode(path, texts)
