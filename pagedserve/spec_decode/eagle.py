@@ -33,7 +33,7 @@ import torch
 
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
-from pagedserve.device import array_to_device
+from pagedserve.device import array_to_device, arrays_to_device
 from pagedserve.multimodal.mrope import MRopeStepPositions
 from pagedserve.spec_decode.draft_graphs import DraftGraphs, make_draft_graphs
 from pagedserve.spec_decode.eagle_head import load_head
@@ -66,6 +66,7 @@ class EagleProposer(Proposer):
         self.max_model_len = max_model_len
         self.graphs: DraftGraphs | None = None  # its one-token steps' CUDA graphs
         self.mrope: MRopeStepPositions | None = None  # an M-RoPE head's positions (lazily)
+        self._tokens: torch.Tensor | None = None  # a proposal's drafts, column by column
 
     def setup_graphs(self, runner: Any, capture: bool = True) -> None:
         positions = None
@@ -114,22 +115,29 @@ class EagleProposer(Proposer):
         limit = np.zeros(b, dtype=np.int64)
         limit[live] = np.where(step.eligible[live], np.clip(capacity[live] - start[live], 0,
                                                             self.k), 0)
-        out = torch.zeros(b, self.k, dtype=torch.int64, device=self.device)
         act = np.flatnonzero(limit[live] > 0)  # indices into live
-        act_dev = array_to_device(act, self.device)
-        token, hidden = token[act_dev], hidden[act_dev]
+        if act.size < live.size:  # (most steps: every row drafts, no gather needed)
+            act_dev = array_to_device(act, self.device)
+            token, hidden = token[act_dev], hidden[act_dev]
         rows = live[act]
-        at = array_to_device(rows, self.device)  # the rows still drafting, on the device
-        out[at, 0] = token
+        # Each draft step's tokens, for `rows` then, go into a slice of one device buffer
+        # (a graph's outputs are rewritten by its next replay), copied to the host at the end
+        # and placed there: no index lists uploaded, nothing scattered on the device.
+        if self._tokens is None or self._tokens.shape[0] < b * self.k:
+            self._tokens = torch.empty(max(runner.max_num_reqs, b) * self.k,
+                                       dtype=torch.int64, device=self.device)
+        columns = [rows]
+        self._tokens[:rows.size].copy_(token)
+        filled = rows.size
         deltas = (np.fromiter((r.mrope_delta for r in step.requests), np.int64, b)
                   if self.head.uses_mrope else None)
         for j in range(1, self.k):
             keep = np.flatnonzero(limit[rows] > j)
             if not keep.size:
                 break
-            keep_dev = array_to_device(keep, self.device)
-            rows, at = rows[keep], at[keep_dev]
-            token, hidden = token[keep_dev], hidden[keep_dev]
+            if keep.size < rows.size:
+                keep_dev = array_to_device(keep, self.device)
+                rows, token, hidden = rows[keep], token[keep_dev], hidden[keep_dev]
             if copied is not None:
                 copied.synchronize()
             n = len(rows)
@@ -139,8 +147,14 @@ class EagleProposer(Proposer):
             turn_by = (None if deltas is None else  # past the prompt: index + delta, all rows
                        self._mrope(runner).build_past_prompts(start[rows] + j - 1, deltas[rows]))
             hidden, token = self._step(runner, common, token, hidden, copied, turn_by)
-            out[at, j] = token
-        drafts.token_ids = out.cpu().numpy()
+            self._tokens[filled:filled + n].copy_(token)
+            columns.append(rows)
+            filled += n
+        flat = self._tokens[:filled].cpu().numpy()  # (waits for the drafts)
+        at = 0
+        for j, rows_j in enumerate(columns):
+            drafts.token_ids[rows_j, j] = flat[at:at + rows_j.size]
+            at += rows_j.size
         drafts.counts = limit.astype(np.int32)
         return drafts
 
@@ -165,7 +179,9 @@ class EagleProposer(Proposer):
         within = np.arange(int(ml.sum())) - np.repeat(np.cumsum(ml) - ml, ml)
         positions = c[live][req] + within
         ids = runner.input_batch.token_ids[step.rows[live][req], positions + 1]
-        rows_hidden = array_to_device(first_hidden[live][req] + within, self.device)
+        # One copy for the step's index arrays (each copy costs the host a launch).
+        rows_hidden, ids_dev, last = arrays_to_device(
+            [first_hidden[live][req] + within, ids, np.cumsum(ml) - 1], self.device)
         common = runner.common_builder.build(step.rows[live], c[live].astype(np.int32),
                                              ml.astype(np.int32), num_prefills,
                                              runner.input_batch.block_table.table)
@@ -174,9 +190,7 @@ class EagleProposer(Proposer):
             turn_by = self._mrope(runner).build([step.requests[i] for i in live], c[live], ml,
                                                 np.cumsum(ml) - ml, positions)
         hidden = self.head.combine(step.captured[rows_hidden])
-        ids_dev = array_to_device(ids, self.device)
         out = self._run(runner, common, ids_dev, hidden, copied, turn_by)
-        last = array_to_device(np.cumsum(ml) - 1, self.device)
         out = out[last]
         return live, out, self.head.draft_ids(out)
 
