@@ -15,16 +15,25 @@ scheduler with drafts, the verify layout, the rejection sampler's bookkeeping, t
 loop's metadata and launches, update_from_output. Prints the host work per step at each batch
 size, by phase (the run of least host work of `--repeats`), and with `--profile N` the N
 functions of most own time (cProfile) in one more run of the first batch size.
+
+On a GPU the model passes run as graph replays, but each torch op the host queues outside
+them costs a launch: a last run at each batch size counts them (outside the padded path's
+replays), by phase.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
+
+# One thread, set before torch loads its thread pools: the model passes are tiny, and a
+# second thread's spin-waits against whatever else the machine runs swamp the host work.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
 import collections
 import cProfile
 import functools
 import json
-import os
 import pstats
 import sys
 import tempfile
@@ -34,11 +43,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-# One thread: the model passes are tiny, and the engine's default (a thread per core) spins
-# against whatever else the machine runs, which swamps the host work measured.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 
@@ -80,12 +87,78 @@ def owner(engine: Any, path: str) -> Any:
     return obj
 
 
-def instrument(llm: LLM, totals: collections.Counter) -> None:
+class OpCounter(TorchDispatchMode):
+    """The torch ops the host queues outside graph replays, by phase: on a GPU each is a
+    kernel launch (and its dispatch), of some microseconds of host time each; a replay of the
+    padded path (capture off here) counts as one."""
+
+    def __init__(self, by_line: bool = False) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+        # (phase, the innermost line of ours and the op) when asked: slow, a traceback each
+        self.lines: collections.Counter | None = collections.Counter() if by_line else None
+        self.labels = ["between the phases"]
+        self.in_replay = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if not self.in_replay and not func.is_view:  # (a view launches nothing)
+            self.counts[self.labels[-1]] += 1
+            if self.lines is not None:
+                self.lines[self.labels[-1], _our_line(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def phase(self, label: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.labels.append(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.labels.pop()
+        return wrapper
+
+    def replay(self, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not self.in_replay:
+                self.counts[self.labels[-1]] += 1
+                if self.lines is not None:
+                    self.lines[self.labels[-1], _our_line(fn.__qualname__)] += 1
+            self.in_replay += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.in_replay -= 1
+        return wrapper
+
+
+def _our_line(what: Any) -> str:
+    import traceback
+
+    ours = [f for f in traceback.extract_stack()[:-2]
+            if "pagedserve" in f.filename and "spec_host" not in f.filename]
+    at = f"{ours[-1].filename.split('pagedserve/')[-1]}:{ours[-1].lineno}" if ours else "?"
+    return f"{at} {what}"
+
+
+def instrument(llm: LLM, totals: collections.Counter, ops: OpCounter) -> None:
     """Time the phases, and every model pass (outermost calls only) under DEVICE_WORK."""
     engine = llm.engine
     for path, method, label in PHASES:
         obj = owner(engine, path)
-        setattr(obj, method, timed(totals, label, getattr(obj, method)))
+        setattr(obj, method, timed(totals, label, ops.phase(label, getattr(obj, method))))
+    from pagedserve.engine.cuda_graphs import DecodeGraphs
+
+    DecodeGraphs.replay = ops.replay(DecodeGraphs.replay)  # type: ignore[method-assign]
+    # Host-to-device copies are no ops on the CPU: each call of the copy helpers counts one
+    # (on a GPU a pinned staging copy and a launch), wherever they were imported.
+    for module in list(sys.modules.values()):
+        for name in ("array_to_device", "arrays_to_device", "to_device_async"):
+            fn = getattr(module, name, None) if (module.__name__ or "").startswith(
+                "pagedserve") else None
+            if fn is not None:
+                setattr(module, name, ops.replay(fn))
     runner = engine.core.runner
     depth = [0]
 
@@ -159,6 +232,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5,
                         help="runs per batch size; the one of least host work is shown (a "
                              "shared machine's stolen time inflates some)")
+    parser.add_argument("--ops-by-line", type=int, default=0, metavar="N",
+                        help="the N lines of ours that queue the most ops a step")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="first, one more run of the first batch size under cProfile")
     args = parser.parse_args()
@@ -177,8 +252,10 @@ def main() -> None:
         padded_graph_paths()
     llm = make_llm(target, head, args.k, args.rate, max(args.batch_sizes),
                    args.attention_backend)
+    torch.set_num_threads(1)  # (whatever the engine chose)
     totals: collections.Counter = collections.Counter()
-    instrument(llm, totals)
+    ops = OpCounter(bool(args.ops_by_line))
+    instrument(llm, totals, ops)
     vocab = llm.engine.core.runner.vocab_size
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -210,8 +287,18 @@ def main() -> None:
         print(f"batch {batch}: {steps} steps, {spent['whole step'] / steps * 1e3:.3f} ms a "
               f"step, of which model passes {spent[DEVICE_WORK] / steps * 1e3:.3f} ms, host "
               f"work {host * 1e3:.3f} ms (the least of {args.repeats} runs)")
+        ops.counts.clear()
+        with ops:
+            llm.generate(prompts, params, use_tqdm=False)
         for _, _, label in PHASES:
-            print(f"  {label:40s} {spent.get(label, 0.0) / steps * 1e3:8.3f} ms a step")
+            print(f"  {label:40s} {spent.get(label, 0.0) / steps * 1e3:8.3f} ms a step "
+                  f"{ops.counts[label] / steps:7.1f} ops a step")
+        print(f"  torch ops queued outside graph replays: {ops.counts.total() / steps:.1f} a "
+              "step (the phases' own; nested phases counted in theirs alone)")
+        if ops.lines is not None:
+            for (label, line), n in ops.lines.most_common(args.ops_by_line):
+                print(f"    {n / steps:6.2f}  {label.strip():24s} {line}")
+            ops.lines.clear()
 
 if __name__ == "__main__":
     main()

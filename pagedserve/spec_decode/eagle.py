@@ -73,8 +73,10 @@ class EagleProposer(Proposer):
         if self.head.uses_mrope:  # the graphs read the M-RoPE buffer's first columns
             buffer = self._mrope(runner)
             positions = lambda flat: buffer.device[:, :flat.shape[0]]  # noqa: E731
+        # (an M-RoPE head's catch-up turns by positions the graphs' buffer does not hold)
         self.graphs = make_draft_graphs(runner, self.head, self.head, self.head.logits,
-                                        self.head.hidden_size, capture, positions)
+                                        self.head.hidden_size, capture, positions,
+                                        catch_up=not self.head.uses_mrope)
 
     def _mrope(self, runner: Any) -> MRopeStepPositions:
         if self.mrope is None:  # a step's tokens (catch-up pass) or rows (one-token steps)
@@ -171,6 +173,10 @@ class EagleProposer(Proposer):
         live = np.flatnonzero(m > 0)
         if not live.size:
             return None, torch.empty(0), torch.empty(0)
+        if live.size == len(m) and (s == self.k + 1).all():
+            uniform = self._catch_up_uniform(runner, step, c, m, copied)
+            if uniform is not None:
+                return uniform
         live = live[np.argsort(m[live] == 1, kind="stable")]
         num_prefills = int((m[live] > 1).sum())
         ml = m[live]
@@ -193,6 +199,37 @@ class EagleProposer(Proposer):
         out = self._run(runner, common, ids_dev, hidden, copied, turn_by)
         out = out[last]
         return live, out, self.head.draft_ids(out)
+
+    def _catch_up_uniform(self, runner: Any, step: StepTokens, c: np.ndarray, m: np.ndarray,
+                          copied: torch.cuda.Event | None
+                          ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor] | None:
+        """The catch-up pass of a uniform verify step (every row current, 1+K tokens) from
+        the catch-up graphs, over all 1+K positions of each row, its kept ones and those past
+        them: None where it has no graph. The real rows read only the positions before theirs,
+        as the eager pass's do, so their hidden states are the same; the K/V written past a
+        row's newest token is rewritten before it is read (by the draft steps, or the next
+        step's pass, from that position on)."""
+        graphs = self.graphs
+        if graphs is None or not graphs.catches_up:
+            return None
+        b, q = len(m), self.k + 1
+        table = runner.input_batch.block_table.table
+        common = runner.common_builder.build(step.rows, c.astype(np.int32),
+                                             np.full(b, q, dtype=np.int32), b, table)
+        size = graphs.prepare(common)
+        if size is None:
+            return None
+        # Each position's next token (the last position's is past the verified ones: any
+        # id within the table).
+        ahead = np.minimum(c[:, None] + np.arange(1, q + 1), self.max_model_len - 1)
+        ids = runner.input_batch.token_ids[step.rows[:, None], ahead]
+        ids_dev, last = arrays_to_device([ids, np.arange(b) * q + m - 1], self.device)
+        hidden = self.head.combine(step.captured[:b * q])
+        if copied is not None:
+            copied.record()
+        out, _ = graphs.replay(size, ids_dev.view(-1), hidden, num_reqs=b)
+        out = out[last]
+        return np.arange(b), out, self.head.draft_ids(out)
 
     def _step(self, runner: Any, common: Any, ids: torch.Tensor, hidden: torch.Tensor,
               copied: torch.cuda.Event | None, turn_by: torch.Tensor | None = None
