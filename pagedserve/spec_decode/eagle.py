@@ -152,11 +152,24 @@ class EagleProposer(Proposer):
             self._tokens[filled:filled + n].copy_(token)
             columns.append(rows)
             filled += n
-        flat = self._tokens[:filled].cpu().numpy()  # (waits for the drafts)
-        at = 0
-        for j, rows_j in enumerate(columns):
-            drafts.token_ids[rows_j, j] = flat[at:at + rows_j.size]
-            at += rows_j.size
+        host = self._tokens[:filled].to("cpu", non_blocking=True)  # pinned on CUDA
+        done = torch.cuda.Event() if copied is not None else None
+        if done is not None:
+            done.record()
+
+        def place() -> None:  # once the scheduler reads them (after the step's samples)
+            if done is not None:
+                done.synchronize()
+            flat = host.numpy()
+            at = 0
+            for j, rows_j in enumerate(columns):
+                drafts.token_ids[rows_j, j] = flat[at:at + rows_j.size]
+                at += rows_j.size
+
+        if done is None:
+            place()  # (the CPU's copy is done already)
+        else:
+            drafts.pending = place
         drafts.counts = limit.astype(np.int32)
         return drafts
 
