@@ -149,8 +149,11 @@ def instrument(llm: LLM, totals: collections.Counter, ops: OpCounter) -> None:
         obj = owner(engine, path)
         setattr(obj, method, timed(totals, label, ops.phase(label, getattr(obj, method))))
     from pagedserve.engine.cuda_graphs import DecodeGraphs
+    from pagedserve.engine.head_graphs import HeadGraphs
 
     DecodeGraphs.replay = ops.replay(DecodeGraphs.replay)  # type: ignore[method-assign]
+    for name in ("greedy_tokens", "head_logits"):  # the head's graphs after a replay
+        setattr(HeadGraphs, name, ops.replay(getattr(HeadGraphs, name)))
     # Host-to-device copies are no ops on the CPU: each call of the copy helpers counts one
     # (on a GPU a pinned staging copy and a launch), wherever they were imported.
     for module in list(sys.modules.values()):
@@ -288,6 +291,8 @@ def main() -> None:
               f"step, of which model passes {spent[DEVICE_WORK] / steps * 1e3:.3f} ms, host "
               f"work {host * 1e3:.3f} ms (the least of {args.repeats} runs)")
         ops.counts.clear()
+        if ops.lines is not None:
+            ops.lines.clear()
         with ops:
             llm.generate(prompts, params, use_tqdm=False)
         for _, _, label in PHASES:
@@ -298,7 +303,6 @@ def main() -> None:
         if ops.lines is not None:
             for (label, line), n in ops.lines.most_common(args.ops_by_line):
                 print(f"    {n / steps:6.2f}  {label.strip():24s} {line}")
-            ops.lines.clear()
 
 if __name__ == "__main__":
     main()
