@@ -116,7 +116,9 @@ class DraftGraphs:
         self.decode = setup_decode_graphs(self.inputs, runner.backend, runner.config,
                                           runner.max_model_len)
         if self.decode is not None and self.catch_up_sizes:  # (failing alone: logged there)
-            setup_verify_graphs(self.decode, runner.backend, runner.config)
+            if setup_verify_graphs(self.decode, runner.backend, runner.config) is not None:
+                logger.info("the head's catch-up passes after uniform verify steps replay "
+                            "CUDA graphs of %s requests", self.catch_up_sizes)
         return self.decode is not None
 
     # ---- per step -------------------------------------------------------------------------

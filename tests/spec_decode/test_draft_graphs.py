@@ -211,3 +211,6 @@ def test_cuda_draft_graphs_replay_the_eager_drafts(tmp_path_factory, make_llm, m
     assert captured[0].decode.head is not None  # the greedy ids come from the head graphs
     assert seen["calls"] > 0 and seen["replays"] > 0
     assert stats.spec_decode_num_draft_tokens > 0
+    if method == "eagle3":  # its catch-up passes after uniform verify steps: graphs too
+        catch_up = captured[0].decode.verify
+        assert catch_up is not None and sum(catch_up.replays.values()) > 0
