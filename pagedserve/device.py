@@ -21,3 +21,21 @@ def array_to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
     """A numpy array (an index list, a step's small metadata) on `device`, as
     `to_device_async`: a step's path never waits for the device to copy one."""
     return to_device_async(torch.from_numpy(np.ascontiguousarray(a)), device)
+
+
+def arrays_to_device(arrays: list[np.ndarray], device: torch.device | str
+                     ) -> list[torch.Tensor]:
+    """Several int64 arrays on `device` through one staging buffer and one copy (each copy
+    costs the host a pinned allocation and a launch): views of it, one per array, each of
+    its array's shape."""
+    flat = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
+    staged = torch.from_numpy(np.concatenate(flat) if flat else np.zeros(0, np.int64))
+    if torch.device(device).type != "cuda":
+        whole = staged  # a fresh array already: nothing on the host shares it
+    else:
+        whole = staged.pin_memory().to(device, non_blocking=True)
+    out, start = [], 0
+    for a, f in zip(arrays, flat, strict=True):
+        out.append(whole[start:start + f.size].view(np.shape(a)))
+        start += f.size
+    return out

@@ -198,8 +198,9 @@ class InputIds:
 
     def pad(self, start: int, end: int) -> None:
         """Zero entries [start, end) (a CUDA graph's padding tokens) on both sides."""
-        self.host[start:end] = 0
-        self.upload(start, end)
+        if end > start:  # (a step of a captured size has none: no fill queued)
+            self.host[start:end] = 0
+            self.upload(start, end)
 
     def queue_patch(self, prev_batch: SchedulerOutput, prev_rows: np.ndarray,
                     batch: SchedulerOutput, rows: np.ndarray,

@@ -30,7 +30,6 @@ from pagedserve.attention.registry import get_backend_cls
 from pagedserve.attention.state import StateLayer, StateMetadataBuilder
 from pagedserve.attention.state_verify import StateVerify, commit_accepted
 from pagedserve.config import EngineConfig
-from pagedserve.device import array_to_device
 from pagedserve.distributed import broadcast_, tp_rank, tp_world_size
 from pagedserve.engine import guided, kv_cache_setup, runner_warmup, scoring
 from pagedserve.engine.batch_sampling import BatchSampling
@@ -377,8 +376,7 @@ class ModelRunner:
         verify = (self.speculator.layout(batch, self._common.query_start_loc_cpu)
                   if self.speculator else None)
         if verify is not None:  # the last 1+K hidden states of a request with K drafts
-            logits = self.model.compute_logits(
-                hidden[array_to_device(verify.hidden_rows, self.device)])
+            logits = self.model.compute_logits(hidden[verify.hidden_rows_dev])
         elif greedy is None and logits is None:  # each request's last new token's hidden state
             last = (slice(batch.num_reqs) if self._common.max_query_len == 1  # decodes only
                     else self._common.query_start_loc[1:].long() - 1)  # from the cu_seqlens

@@ -44,6 +44,8 @@ class Scheduler:
         # Drafts are verified only while fewer requests than this run (None: always).
         self.disable_by_batch_size = disable_by_batch_size
         self._drafting = False  # this step's: decided once, as it starts
+        # The last completed step's drafts, given to its requests as the next step starts.
+        self._pending_drafts: tuple[SchedulerOutput, Drafts] | None = None
         # LoRA's cap on distinct adapters per step (pagedserve.lora.step_cap; None: LoRA off).
         self.lora_cap = None
         # Images: the encoder cache's budget (multimodal.encoder_cache; None: a text model).
@@ -123,6 +125,7 @@ class Scheduler:
         leaves a placeholder for its sample, so with async scheduling the following step can be
         scheduled before this one's samples are back (the runner puts them into the next
         step's inputs before launching it)."""
+        self._keep_pending_drafts()
         budget = self.config.max_num_batched_tokens
         self._drafting = self.speculating
         step = _StepPlan()
@@ -295,8 +298,16 @@ class Scheduler:
         else:
             results = self._update_sampled(output, sampled_token_ids)
         if drafts is not None:
-            self._keep_drafts(output, drafts)
+            # Kept as they are until the next schedule(): drafts still on the device arrive
+            # while the engine records this step's outputs (and the front processes them).
+            self._keep_pending_drafts()
+            self._pending_drafts = (output, drafts)
         return results
+
+    def _keep_pending_drafts(self) -> None:
+        if self._pending_drafts is not None:
+            pending, self._pending_drafts = self._pending_drafts, None
+            self._keep_drafts(*pending)
 
     def _update_sampled(self, output: SchedulerOutput,
                         sampled_token_ids: np.ndarray) -> list[tuple[Request, int | None]]:
@@ -376,13 +387,14 @@ class Scheduler:
         return results
 
     def _keep_drafts(self, output: SchedulerOutput, drafts: Drafts) -> None:
-        """Each live request's drafts for its next step (none for the ones that got none)."""
-        if self.spec_stats is not None:
-            self.spec_stats.propose_seconds += drafts.seconds
+        """Each live request's drafts for its next step (none for the ones that got none, or
+        finished since): drafts still on the device (`Drafts.pending`) are waited for here."""
         for i in np.flatnonzero(drafts.counts).tolist():
             request = output.requests[i]
             if not request.status.is_finished and request.status == RequestStatus.RUNNING:
                 request.spec_token_ids = drafts.row(i)
+        if self.spec_stats is not None:  # (the wait included)
+            self.spec_stats.propose_seconds += drafts.seconds
 
 
 class _StepPlan:

@@ -17,6 +17,12 @@ buffers, which the target's steps share: a draft step pads its metadata into the
 before its replay, and `propose_from` waits (its `copied` event, and the runner's
 `_inputs_copied` for the launched step) until the copies queued from their pinned host side
 have run before it rewrites them. Steps of more rows than the largest size run eagerly.
+
+A head's catch-up pass after a uniform verify step (every request 1+K tokens) replays graphs
+of that query length (the target's verify graphs' machinery, engine/verify_graphs.py) over
+all 1+K positions of each request, its kept ones and those of its rejected drafts: the pass's
+eager launches, a few hundred kernels at batch 1, become one replay. The K/V it writes past a
+request's newest token is rewritten before anything reads it (see spec_decode/eagle.py).
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ from pagedserve.engine.cuda_graphs import (
     setup_decode_graphs,
 )
 from pagedserve.engine.input_batch import InputIds
+from pagedserve.engine.verify_graphs import (
+    setup_verify_graphs,
+    verify_batch_sizes,
+    verify_query_len,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +65,20 @@ class DraftGraphs:
     def __init__(self, runner: Any, module: torch.nn.Module, forward: DraftForward,
                  logits: Callable[[torch.Tensor], torch.Tensor],
                  hidden_size: int | None = None, capture: bool = True,
-                 positions: GraphPositions | None = None) -> None:
+                 positions: GraphPositions | None = None, catch_up: bool = False) -> None:
         n, device = runner.max_num_reqs, runner.device
+        config = runner.config
+        # A head's catch-up pass over a uniform verify step (1+K tokens a request) replays
+        # graphs of that query length too (`catch_up`): its buffers hold their tokens.
+        q = verify_query_len(config) if catch_up else None
+        self.catch_up_sizes = verify_batch_sizes(config, q) if q is not None else []
+        tokens = max([n, *(q * s for s in self.catch_up_sizes[-1:])])
         self._runner = runner
         self._forward = forward
         self._positions = positions
-        self.ids = InputIds(n, n, device)
+        self.ids = InputIds(tokens, n, device)
         self.hidden = (None if hidden_size is None
-                       else torch.zeros(n, hidden_size, dtype=runner.dtype, device=device))
+                       else torch.zeros(tokens, hidden_size, dtype=runner.dtype, device=device))
         # Only the draft's own layers' metadata (the target's builders may differ).
         keys = {m.metadata_key for m in module.modules() if isinstance(m, Attention)}
         builders = {key: b for key, b in runner.builders.items() if key in keys}
@@ -70,12 +87,14 @@ class DraftGraphs:
             runner.num_blocks, runner.vocab_size,
             amplifies_rounding=amplifies_rounding(module),
             compute_logits=logits)
-        config = runner.config
         self.sizes = graph_batch_sizes(config.scheduler.max_num_seqs,
                                        config.scheduler.max_num_batched_tokens,
                                        config.cuda_graph_sizes)
         # Without capture the padded path runs at once; with it, `capture` fills this in.
         self.decode = None if capture else DecodeGraphs(self.inputs, self.sizes, capture=False)
+        if self.decode is not None and self.catch_up_sizes and q <= runner.block_size:
+            self.decode.verify = DecodeGraphs(self.inputs, self.catch_up_sizes, capture=False,
+                                              query_len=q)
 
     def _run_model(self, metadata: dict[Any, Any], num_tokens: int) -> torch.Tensor:
         """The draft over the first `num_tokens` persistent ids, positions (the common
@@ -96,28 +115,39 @@ class DraftGraphs:
             self.hidden.copy_(torch.randn(self.hidden.shape, generator=g))
         self.decode = setup_decode_graphs(self.inputs, runner.backend, runner.config,
                                           runner.max_model_len)
+        if self.decode is not None and self.catch_up_sizes:  # (failing alone: logged there)
+            if setup_verify_graphs(self.decode, runner.backend, runner.config) is not None:
+                logger.info("the head's catch-up passes after uniform verify steps replay "
+                            "CUDA graphs of %s requests", self.catch_up_sizes)
         return self.decode is not None
 
     # ---- per step -------------------------------------------------------------------------
 
     def prepare(self, common: CommonAttentionMetadata) -> int | None:
-        """Pad the one-token step `common` into the graph buffers (host work and copies only);
-        the size to replay, or None when it runs eagerly (then nothing was written)."""
+        """Pad the one-token step `common` (or a catch-up pass of 1+K tokens a request, with
+        its graphs) into the graph buffers (host work and copies only); the size to replay,
+        or None when it runs eagerly (then nothing was written)."""
         return None if self.decode is None else self.decode.prepare([common])
 
-    def replay(self, size: int, ids: torch.Tensor, hidden: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @property
+    def catches_up(self) -> bool:
+        """Whether a uniform catch-up pass (1+K tokens a request) may replay a graph."""
+        return self.decode is not None and self.decode.verify is not None
+
+    def replay(self, size: int, ids: torch.Tensor, hidden: torch.Tensor | None = None,
+               num_reqs: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prepared step over `ids` [n] (and a head's `hidden` inputs [n, H]): its hidden
         states [n, H] and greedy ids [n] of the draft's own vocabulary (None without the head
-        graphs). Both are views of the graph's outputs, rewritten by the next replay: read
-        them in work queued before it."""
+        graphs, as for a catch-up pass of `num_reqs` requests). Both are views of the graph's
+        outputs, rewritten by the next replay: read them in work queued before it."""
         assert self.decode is not None
         n = len(ids)
         self.ids.device[:n].copy_(ids)
         if self.hidden is not None:
             self.hidden[:n].copy_(hidden)
-        out = self.decode.replay(size, n)
-        return out, self.decode.greedy_tokens(n)
+        reqs = n if num_reqs is None else num_reqs
+        out = self.decode.replay(size, reqs)
+        return out, self.decode.greedy_tokens(reqs)
 
     @property
     def replays(self) -> int:
@@ -127,11 +157,14 @@ class DraftGraphs:
 def make_draft_graphs(runner: Any, module: torch.nn.Module, forward: DraftForward,
                       logits: Callable[[torch.Tensor], torch.Tensor],
                       hidden_size: int | None = None, capture: bool = True,
-                      positions: GraphPositions | None = None) -> DraftGraphs | None:
+                      positions: GraphPositions | None = None,
+                      catch_up: bool = False) -> DraftGraphs | None:
     """The proposer's draft graphs, or None where its steps run eagerly: on the CPU (unless
     `capture` is off, for tests), with --enforce-eager, a backend without graphs, or a failed
-    capture or check (logged)."""
-    graphs = DraftGraphs(runner, module, forward, logits, hidden_size, capture, positions)
+    capture or check (logged). `catch_up`: a head's catch-up passes over uniform verify steps
+    get graphs too, where the target's verify steps could."""
+    graphs = DraftGraphs(runner, module, forward, logits, hidden_size, capture, positions,
+                         catch_up)
     if not capture:
         return graphs
     if not graphs.capture():

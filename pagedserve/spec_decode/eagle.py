@@ -33,7 +33,7 @@ import torch
 
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import Attention
-from pagedserve.device import array_to_device
+from pagedserve.device import array_to_device, arrays_to_device
 from pagedserve.multimodal.mrope import MRopeStepPositions
 from pagedserve.spec_decode.draft_graphs import DraftGraphs, make_draft_graphs
 from pagedserve.spec_decode.eagle_head import load_head
@@ -66,14 +66,17 @@ class EagleProposer(Proposer):
         self.max_model_len = max_model_len
         self.graphs: DraftGraphs | None = None  # its one-token steps' CUDA graphs
         self.mrope: MRopeStepPositions | None = None  # an M-RoPE head's positions (lazily)
+        self._tokens: torch.Tensor | None = None  # a proposal's drafts, column by column
 
     def setup_graphs(self, runner: Any, capture: bool = True) -> None:
         positions = None
         if self.head.uses_mrope:  # the graphs read the M-RoPE buffer's first columns
             buffer = self._mrope(runner)
             positions = lambda flat: buffer.device[:, :flat.shape[0]]  # noqa: E731
+        # (an M-RoPE head's catch-up turns by positions the graphs' buffer does not hold)
         self.graphs = make_draft_graphs(runner, self.head, self.head, self.head.logits,
-                                        self.head.hidden_size, capture, positions)
+                                        self.head.hidden_size, capture, positions,
+                                        catch_up=not self.head.uses_mrope)
 
     def _mrope(self, runner: Any) -> MRopeStepPositions:
         if self.mrope is None:  # a step's tokens (catch-up pass) or rows (one-token steps)
@@ -114,22 +117,29 @@ class EagleProposer(Proposer):
         limit = np.zeros(b, dtype=np.int64)
         limit[live] = np.where(step.eligible[live], np.clip(capacity[live] - start[live], 0,
                                                             self.k), 0)
-        out = torch.zeros(b, self.k, dtype=torch.int64, device=self.device)
         act = np.flatnonzero(limit[live] > 0)  # indices into live
-        act_dev = array_to_device(act, self.device)
-        token, hidden = token[act_dev], hidden[act_dev]
+        if act.size < live.size:  # (most steps: every row drafts, no gather needed)
+            act_dev = array_to_device(act, self.device)
+            token, hidden = token[act_dev], hidden[act_dev]
         rows = live[act]
-        at = array_to_device(rows, self.device)  # the rows still drafting, on the device
-        out[at, 0] = token
+        # Each draft step's tokens, for `rows` then, go into a slice of one device buffer
+        # (a graph's outputs are rewritten by its next replay), copied to the host at the end
+        # and placed there: no index lists uploaded, nothing scattered on the device.
+        if self._tokens is None or self._tokens.shape[0] < b * self.k:
+            self._tokens = torch.empty(max(runner.max_num_reqs, b) * self.k,
+                                       dtype=torch.int64, device=self.device)
+        columns = [rows]
+        self._tokens[:rows.size].copy_(token)
+        filled = rows.size
         deltas = (np.fromiter((r.mrope_delta for r in step.requests), np.int64, b)
                   if self.head.uses_mrope else None)
         for j in range(1, self.k):
             keep = np.flatnonzero(limit[rows] > j)
             if not keep.size:
                 break
-            keep_dev = array_to_device(keep, self.device)
-            rows, at = rows[keep], at[keep_dev]
-            token, hidden = token[keep_dev], hidden[keep_dev]
+            if keep.size < rows.size:
+                keep_dev = array_to_device(keep, self.device)
+                rows, token, hidden = rows[keep], token[keep_dev], hidden[keep_dev]
             if copied is not None:
                 copied.synchronize()
             n = len(rows)
@@ -139,8 +149,27 @@ class EagleProposer(Proposer):
             turn_by = (None if deltas is None else  # past the prompt: index + delta, all rows
                        self._mrope(runner).build_past_prompts(start[rows] + j - 1, deltas[rows]))
             hidden, token = self._step(runner, common, token, hidden, copied, turn_by)
-            out[at, j] = token
-        drafts.token_ids = out.cpu().numpy()
+            self._tokens[filled:filled + n].copy_(token)
+            columns.append(rows)
+            filled += n
+        host = self._tokens[:filled].to("cpu", non_blocking=True)  # pinned on CUDA
+        done = torch.cuda.Event() if copied is not None else None
+        if done is not None:
+            done.record()
+
+        def place() -> None:  # once the scheduler reads them (after the step's samples)
+            if done is not None:
+                done.synchronize()
+            flat = host.numpy()
+            at = 0
+            for j, rows_j in enumerate(columns):
+                drafts.token_ids[rows_j, j] = flat[at:at + rows_j.size]
+                at += rows_j.size
+
+        if done is None:
+            place()  # (the CPU's copy is done already)
+        else:
+            drafts.pending = place
         drafts.counts = limit.astype(np.int32)
         return drafts
 
@@ -157,6 +186,10 @@ class EagleProposer(Proposer):
         live = np.flatnonzero(m > 0)
         if not live.size:
             return None, torch.empty(0), torch.empty(0)
+        if live.size == len(m) and (s == self.k + 1).all():
+            uniform = self._catch_up_uniform(runner, step, c, m, copied)
+            if uniform is not None:
+                return uniform
         live = live[np.argsort(m[live] == 1, kind="stable")]
         num_prefills = int((m[live] > 1).sum())
         ml = m[live]
@@ -165,7 +198,9 @@ class EagleProposer(Proposer):
         within = np.arange(int(ml.sum())) - np.repeat(np.cumsum(ml) - ml, ml)
         positions = c[live][req] + within
         ids = runner.input_batch.token_ids[step.rows[live][req], positions + 1]
-        rows_hidden = array_to_device(first_hidden[live][req] + within, self.device)
+        # One copy for the step's index arrays (each copy costs the host a launch).
+        rows_hidden, ids_dev, last = arrays_to_device(
+            [first_hidden[live][req] + within, ids, np.cumsum(ml) - 1], self.device)
         common = runner.common_builder.build(step.rows[live], c[live].astype(np.int32),
                                              ml.astype(np.int32), num_prefills,
                                              runner.input_batch.block_table.table)
@@ -174,11 +209,40 @@ class EagleProposer(Proposer):
             turn_by = self._mrope(runner).build([step.requests[i] for i in live], c[live], ml,
                                                 np.cumsum(ml) - ml, positions)
         hidden = self.head.combine(step.captured[rows_hidden])
-        ids_dev = array_to_device(ids, self.device)
         out = self._run(runner, common, ids_dev, hidden, copied, turn_by)
-        last = array_to_device(np.cumsum(ml) - 1, self.device)
         out = out[last]
         return live, out, self.head.draft_ids(out)
+
+    def _catch_up_uniform(self, runner: Any, step: StepTokens, c: np.ndarray, m: np.ndarray,
+                          copied: torch.cuda.Event | None
+                          ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor] | None:
+        """The catch-up pass of a uniform verify step (every row current, 1+K tokens) from
+        the catch-up graphs, over all 1+K positions of each row, its kept ones and those past
+        them: None where it has no graph. The real rows read only the positions before theirs,
+        as the eager pass's do, so their hidden states are the same; the K/V written past a
+        row's newest token is rewritten before it is read (by the draft steps, or the next
+        step's pass, from that position on)."""
+        graphs = self.graphs
+        if graphs is None or not graphs.catches_up:
+            return None
+        b, q = len(m), self.k + 1
+        table = runner.input_batch.block_table.table
+        common = runner.common_builder.build(step.rows, c.astype(np.int32),
+                                             np.full(b, q, dtype=np.int32), b, table)
+        size = graphs.prepare(common)
+        if size is None:
+            return None
+        # Each position's next token (the last position's is past the verified ones: any
+        # id within the table).
+        ahead = np.minimum(c[:, None] + np.arange(1, q + 1), self.max_model_len - 1)
+        ids = runner.input_batch.token_ids[step.rows[:, None], ahead]
+        ids_dev, last = arrays_to_device([ids, np.arange(b) * q + m - 1], self.device)
+        hidden = self.head.combine(step.captured[:b * q])
+        if copied is not None:
+            copied.record()
+        out, _ = graphs.replay(size, ids_dev.view(-1), hidden, num_reqs=b)
+        out = out[last]
+        return np.arange(b), out, self.head.draft_ids(out)
 
     def _step(self, runner: Any, common: Any, ids: torch.Tensor, hidden: torch.Tensor,
               copied: torch.cuda.Event | None, turn_by: torch.Tensor | None = None

@@ -3,6 +3,8 @@ hook declared here (and its default), as the attention backends' base classes do
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +20,21 @@ class Drafts:
     token_ids: np.ndarray
     counts: np.ndarray
     seconds: float = 0.0  # host wall time the proposal took (device work waited for)
+    # Drafts still on their way from the device (counts are known): fills `token_ids`, called
+    # once, when a row is first read. The host does the step's other bookkeeping meanwhile.
+    pending: Callable[[], None] | None = None
+
+    def resolve(self) -> Drafts:
+        """Wait for the drafts still on the device, if any (the wait counts in `seconds`)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            start = time.perf_counter()
+            pending()
+            self.seconds += time.perf_counter() - start
+        return self
 
     def row(self, i: int) -> list[int]:
+        self.resolve()
         return self.token_ids[i, :int(self.counts[i])].tolist()
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.device import array_to_device
+from pagedserve.device import arrays_to_device
 
 
 @dataclass
@@ -30,6 +30,7 @@ class VerifyLayout:
     num_drafts_dev: torch.Tensor
     row_start_dev: torch.Tensor
     req_of_row: torch.Tensor  # int64 [N]
+    hidden_rows_dev: torch.Tensor  # int64 [N]: `hidden_rows` on the device
     # Per request: further positions, after this step's first, at which min_tokens still bans
     # end tokens (set by the runner only when a request has min_tokens left).
     min_tokens_left: np.ndarray | None = None
@@ -62,8 +63,6 @@ def build_layout(num_drafts: np.ndarray, draft_token_ids: list[list[int]],
         mask = np.arange(kmax)[None, :] < num_drafts[:, None]
         drafts[mask] = np.fromiter((t for ids in draft_token_ids for t in ids), np.int64,
                                    int(num_drafts.sum()))
-    return VerifyLayout(num_drafts, row_start, hidden_rows, drafts,
-                        array_to_device(drafts, device),
-                        array_to_device(num_drafts, device),
-                        array_to_device(row_start, device),
-                        array_to_device(req, device))
+    # One copy for all five (a verify step's path: each copy costs the host a launch).
+    on_device = arrays_to_device([drafts, num_drafts, row_start, req, hidden_rows], device)
+    return VerifyLayout(num_drafts, row_start, hidden_rows, drafts, *on_device)

@@ -113,6 +113,31 @@ def test_padded_draft_steps_equal_eager_ones(tmp_path_factory, make_llm, monkeyp
     assert stats.spec_decode_num_draft_tokens == eager_stats.spec_decode_num_draft_tokens > 0
     if method == "draft_model":  # (a random EAGLE-3 head's drafts are all rejected)
         assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    else:  # its catch-up passes over uniform verify steps padded too
+        assert sum(made[0].decode.verify.replays.values()) > 0
+
+
+def test_padded_catch_up_keeps_the_eager_drafts(tmp_path_factory, make_llm, monkeypatch):
+    """An EAGLE-3 head's catch-up pass after uniform verify steps, over all 1+K positions of
+    each request (padded to 2, 4 or 8 requests), gives the eager pass's drafts at every
+    proposal, with each request keeping 0 to K drafts (synthetic acceptance: the head's
+    drafts would all be rejected), so the first draft comes from every position."""
+    target, spec = _spec("eagle3", tmp_path_factory)
+    spec |= {"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.6}
+    made = _install(monkeypatch, "eagle3", capture=False)
+    seen = _check_against_eager(monkeypatch, "eagle3")
+    kept = []
+    from pagedserve.spec_decode.eagle import EagleProposer
+
+    uniform = EagleProposer._catch_up_uniform
+    monkeypatch.setattr(EagleProposer, "_catch_up_uniform", lambda self, runner, step, c, m,
+                        copied: kept.extend(m.tolist()) or uniform(self, runner, step, c, m,
+                                                                    copied))
+    prompts = _prompts()[:5]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    _run(make_llm, target, prompts, params, spec, **SMALL_CACHE)
+    assert seen["calls"] > 0 and sum(made[0].decode.verify.replays.values()) > 0
+    assert set(kept) == {1, 2, 3, 4}  # m: kept drafts + 1, each case seen
 
 
 @pytest.mark.parametrize("method", ["draft_model",
@@ -186,3 +211,6 @@ def test_cuda_draft_graphs_replay_the_eager_drafts(tmp_path_factory, make_llm, m
     assert captured[0].decode.head is not None  # the greedy ids come from the head graphs
     assert seen["calls"] > 0 and seen["replays"] > 0
     assert stats.spec_decode_num_draft_tokens > 0
+    if method == "eagle3":  # its catch-up passes after uniform verify steps: graphs too
+        catch_up = captured[0].decode.verify
+        assert catch_up is not None and sum(catch_up.replays.values()) > 0
