@@ -296,21 +296,24 @@ class Tiles:
     split_k: int = 1  # 0: enough K slices to give every SM two programs
 
 
-# Keyed by M (the largest M each serves). Hopper; see `benchmarks/int4_linear.py --sweep`,
-# whose best tiles a run can try through PAGEDSERVE_W4A16_TILES before they are written here.
+# Keyed by M (the largest M each serves): `benchmarks/int4_linear.py --sweep` on an H100 80GB
+# (2026-12-08, 38fd502; CUDA graphs over eight distinct 8B layers, 4-bit g128), a layer's four
+# projections: M = 1 0.135 ms (bf16 0.168), 4 and 16 0.172 (0.17), 64 0.180 (0.17), 256
+# 0.572 (0.199; the dequantized path 0.413, so above DEQUANTIZE_ABOVE_M it runs instead).
 _TILES = (
-    (1, Tiles(1, 32, 256, 1, 4, 3, 0)),
-    (16, Tiles(16, 32, 128, 1, 4, 3, 0)),
-    (64, Tiles(32, 64, 128, 4, 4, 3, 0)),
-    (256, Tiles(64, 128, 128, 8, 4, 3)),
-    (math.inf, Tiles(128, 128, 128, 8, 8, 3)),
+    (2, Tiles(1, 32, 128, 1, 4, 3, 4)),
+    (40, Tiles(16, 64, 128, 1, 4, 3, 0)),
+    (160, Tiles(64, 128, 64, 4, 4, 3, 0)),
+    (math.inf, Tiles(128, 64, 64, 8, 4, 3, 1)),
 )
 INTERPRETER_TILES = (
     (1, Tiles(1, 32, 32, 1, 1, 1)),
     (math.inf, Tiles(16, 32, 128, 1, 1, 1)),
 )
-# Above this many rows the weight is dequantized whole and the dense GEMM runs (None: never).
-DEQUANTIZE_ABOVE_M: int | None = 1024
+# Above this many rows the weight is dequantized whole and the dense GEMM runs (None: never):
+# at 64 rows the fused GEMM took 0.18 ms a layer against the dequantized path's 0.37, at 256
+# 0.57 against 0.41 (H100, the sweep above); 128 lies between, not measured.
+DEQUANTIZE_ABOVE_M: int | None = 128
 
 
 def _table() -> tuple[tuple[float, Tiles], ...]:
