@@ -453,9 +453,11 @@ class ModelRunner:
             self.speculator.propose_after(self, pending, self._wants_logits)
         if self._in_flight is pending:
             self._in_flight = None
-        t0 = time.perf_counter()
-        pooled = host_rows(pending.pooled)  # a pooling step's rows: waits for the device
-        self.wait_seconds += time.perf_counter() - t0
+        pooled = None
+        if pending.pooled is not None:  # a pooling step's rows: waits for the device
+            t0 = time.perf_counter()
+            pooled = host_rows(pending.pooled)
+            self.wait_seconds += time.perf_counter() - t0
         return ModelRunnerOutput(pending.sampled, pending.logprobs, pending.prompt_logprobs,
                                  pending.forced, pending.score_logprobs,
                                  draft_token_ids=pending.drafts, pooled=pooled)
