@@ -92,8 +92,10 @@ def _dequantized_path(x: torch.Tensor, weight) -> torch.Tensor:
 
 def candidates(m: int) -> list[Tiles]:
     """The launch shapes tried at M rows (4-bit positions per tile at least 16 per dot)."""
-    if m == 1:
-        grid = itertools.product([1], [16, 32, 64], [128, 256], [1], [4, 8], [3], [0, 1, 4])
+    if m == 1:  # the one-row path, and the GEMV kernel that keeps the words' shape
+        grid = itertools.chain(
+            itertools.product([1], [16, 32, 64], [128, 256], [1], [4, 8], [3], [0, 1, 4]),
+            itertools.product([1], [32, 64], [128, 256], [1], [4], [3], [0, 4], [True]))
     elif m <= 16:
         grid = itertools.product([16], [32, 64], [64, 128, 256], [1], [4], [3], [0, 1])
     elif m <= 64:

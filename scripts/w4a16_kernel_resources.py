@@ -44,7 +44,8 @@ def main() -> None:
             weight = wg.w4a16_layout(torch.zeros(n, k, dtype=torch.int32),
                                      torch.zeros(n, k // group), torch.ones(n, k // group),
                                      order // group, bits)
-            for bound, tiles in wg._TILES:
+            gemv = wg.Tiles(1, 32, 128, 1, 4, 3, 4, gemv=True)  # the sweep's alternative
+            for bound, tiles in (*wg._TILES, (1, gemv)):
                 # Split K as the GPU would (2 slices where the table says "auto").
                 tiles = replace(tiles, split_k=tiles.split_k or 2)
                 m = int(min(bound, 512))
@@ -53,7 +54,8 @@ def main() -> None:
                 def call(m=m, weight=weight, tiles=tiles) -> None:
                     wg.w4a16_mm(torch.zeros(m, k, dtype=torch.bfloat16), weight, tiles)
 
-                names = ("_w4a16_kernel", "_sum_splits_kernel")
+                names = ("_w4a16_gemv_kernel" if tiles.gemv else "_w4a16_kernel",
+                         "_sum_splits_kernel")
                 stand_ins = compile_through(wg, names, target, call, label)
                 if stand_ins is None:
                     failed += 1

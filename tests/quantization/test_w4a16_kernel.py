@@ -75,6 +75,22 @@ def test_split_k_and_one_group_tiles(m, split_k, bits):
                                atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("n,k,group,act_order", SHAPES + [(40, 512, 128, True)])
+def test_one_row_gemv_in_the_words_shape(n, k, group, act_order, split_k, bits):
+    """`_w4a16_gemv_kernel` (tiles' gemv), a program per row: equal to the float32 product
+    where groups are whole words, and the default path's where they are not (group 50)."""
+    c = _codes(n, k, group, act_order, seed=7, bits=bits)
+    weight = w4a16_layout(c.codes, c.zeros, c.scales, c.group, bits)
+    assert weight.whole_word_groups == (group % (32 // bits) == 0 or k == group)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(8))
+    tiles = gemm.Tiles(1, 32, 64, 1, 1, 1, split_k, gemv=True)
+    want = x @ c.dequantize().T
+    torch.testing.assert_close(w4a16_mm(x, weight, tiles), want, rtol=1e-5,
+                               atol=1e-5 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("start", [37, 32])
 def test_a_slice_of_k_that_starts_inside_a_group(start):
     """A tensor-parallel rank's inputs from `start` on, in groups of 64: the first group is
