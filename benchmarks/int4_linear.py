@@ -96,12 +96,18 @@ def candidates(m: int) -> list[Tiles]:
         grid = itertools.chain(
             itertools.product([1], [16, 32, 64], [128, 256], [1], [4, 8], [3], [0, 1, 4]),
             itertools.product([1], [32, 64], [128, 256], [1], [4], [3], [0, 4], [True]))
-    elif m <= 16:
-        grid = itertools.product([16], [32, 64], [64, 128, 256], [1], [4], [3], [0, 1])
+    elif m <= 16:  # and a dot per bit-field (no tile reshaped)
+        grid = itertools.chain(
+            itertools.product([16], [32, 64], [64, 128, 256], [1], [4], [3], [0, 1]),
+            itertools.product([16], [32, 64], [128], [1], [4], [3], [0, 1], [False], [True]))
     elif m <= 64:
-        grid = itertools.product([16, 32, 64], [64, 128], [64, 128], [4], [4], [3], [0, 1])
+        grid = itertools.chain(
+            itertools.product([16, 32, 64], [64, 128], [64, 128], [4], [4], [3], [0, 1]),
+            itertools.product([32, 64], [64, 128], [128], [4], [4], [3], [0], [False], [True]))
     else:
-        grid = itertools.product([64, 128], [64, 128, 256], [64, 128], [8], [4, 8], [3], [1])
+        grid = itertools.chain(
+            itertools.product([64, 128], [64, 128, 256], [64, 128], [8], [4, 8], [3], [1]),
+            itertools.product([64, 128], [128], [128], [8], [4, 8], [3], [1], [False], [True]))
     return [Tiles(*t) for t in grid]
 
 

@@ -44,8 +44,10 @@ def main() -> None:
             weight = wg.w4a16_layout(torch.zeros(n, k, dtype=torch.int32),
                                      torch.zeros(n, k // group), torch.ones(n, k // group),
                                      order // group, bits)
-            gemv = wg.Tiles(1, 32, 128, 1, 4, 3, 4, gemv=True)  # the sweep's alternative
-            for bound, tiles in (*wg._TILES, (1, gemv)):
+            # The sweep's alternatives: the one-row GEMV and a dot per bit-field.
+            gemv = wg.Tiles(1, 32, 128, 1, 4, 3, 4, gemv=True)
+            dots = wg.Tiles(64, 128, 128, 4, 4, 3, 1, field_dots=True)
+            for bound, tiles in (*wg._TILES, (1, gemv), (64, dots)):
                 # Split K as the GPU would (2 slices where the table says "auto").
                 tiles = replace(tiles, split_k=tiles.split_k or 2)
                 m = int(min(bound, 512))
@@ -54,8 +56,9 @@ def main() -> None:
                 def call(m=m, weight=weight, tiles=tiles) -> None:
                     wg.w4a16_mm(torch.zeros(m, k, dtype=torch.bfloat16), weight, tiles)
 
-                names = ("_w4a16_gemv_kernel" if tiles.gemv else "_w4a16_kernel",
-                         "_sum_splits_kernel")
+                kernel = "_w4a16_gemv_kernel" if tiles.gemv else \
+                    "_w4a16_field_dots_kernel" if tiles.field_dots else "_w4a16_kernel"
+                names = (kernel, "_sum_splits_kernel")
                 stand_ins = compile_through(wg, names, target, call, label)
                 if stand_ins is None:
                     failed += 1

@@ -91,6 +91,21 @@ def test_one_row_gemv_in_the_words_shape(n, k, group, act_order, split_k, bits):
                                atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group,act_order", SHAPES + [(40, 512, 128, True)])
+def test_field_dots_against_the_dequantized_product(n, k, group, act_order, bits):
+    """`_w4a16_field_dots_kernel` (tiles' field_dots): a dot per bit-field, float32 and
+    float16 inputs, K in two slices where it has two tiles."""
+    c = _codes(n, k, group, act_order, seed=9, bits=bits)
+    weight = w4a16_layout(c.codes, c.zeros, c.scales, c.group, bits)
+    tiles = gemm.Tiles(16, 32, 16 * (32 // bits), 1, 1, 1, 2, field_dots=True)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        x = torch.randn(20, k, generator=torch.Generator().manual_seed(10)).to(dtype)
+        want = x.float() @ c.dequantize().to(dtype).float().T
+        got = w4a16_mm(x, weight, tiles).float()
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("start", [37, 32])
 def test_a_slice_of_k_that_starts_inside_a_group(start):
     """A tensor-parallel rank's inputs from `start` on, in groups of 64: the first group is

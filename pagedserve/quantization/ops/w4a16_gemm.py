@@ -185,6 +185,63 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N, K, gr
 
 
 @triton.jit
+def _w4a16_field_dots_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N, K,
+                             group_size, group_offset, stride_xm, stride_qk, stride_sg,
+                             stride_zg, stride_ys, stride_ym, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, BITS: tl.constexpr,
+                             OFFSETS: tl.constexpr, PERMUTED: tl.constexpr,
+                             IEEE: tl.constexpr):
+    """`_w4a16_kernel` without the tile's reshape: a K step's words give one [R, BLOCK_N]
+    operand per bit-field i (positions r * PER + i), each dotted with the x columns it
+    reads, PER dots of R inputs (R >= 16); scales and zeros one row per word row (groups are
+    whole words)."""
+    PER: tl.constexpr = 32 // BITS
+    R: tl.constexpr = BLOCK_K // PER
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    first = tl.program_id(1) * per_split
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(first, tl.minimum(first + per_split, k_tiles)):
+        start = t * BLOCK_K
+        word_rows = start // PER + tl.arange(0, R)
+        rows_ok = word_rows * PER < K
+        mask = rows_ok[:, None] & col_ok[None, :]
+        words = tl.load(qw_ptr + word_rows[:, None] * stride_qk + cols[None, :], mask=mask,
+                        other=0)
+        group = (word_rows * PER + group_offset) // group_size
+        scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + group[:, None] * stride_zg + cols[None, :], mask=mask,
+                       other=0).to(tl.float32)
+        for i in tl.static_range(PER):
+            codes = ((words >> (i * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+            if OFFSETS:
+                w = codes * scale + zero
+            else:
+                w = (codes - zero) * scale
+            pos = word_rows * PER + i
+            pos_ok = pos < K
+            if PERMUTED:
+                src = tl.load(perm_ptr + pos, mask=pos_ok, other=0)
+            else:
+                src = pos
+            a = tl.load(x_ptr + rows[:, None] * stride_xm + src[None, :],
+                        mask=row_ok[:, None] & pos_ok[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")
+            else:
+                acc += tl.dot(a, w.to(a.dtype))
+    out = y_ptr + tl.program_id(1) * stride_ys + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _sum_splits_kernel(p_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym,
                        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """Split-K's float32 partial products [SPLIT_K, M, N] summed into y (y's dtype)."""
@@ -355,6 +412,9 @@ class Tiles:
     # At one row: `_w4a16_gemv_kernel` (codes kept in their words' shape) where the groups are
     # whole words; not yet measured against the default one-row path.
     gemv: bool = False
+    # At 16 rows and more: `_w4a16_field_dots_kernel` (a dot per bit-field, no tile reshaped)
+    # where the groups are whole words; not yet measured against the default.
+    field_dots: bool = False
 
 
 # Keyed by M (the largest M each serves): `benchmarks/int4_linear.py --sweep` on an H100 80GB
@@ -441,6 +501,16 @@ def w4a16_mm(x: torch.Tensor, weight: W4A16Weight, tiles: Tiles | None = None,
             weight.scales.stride(0), weight.zero_stride, dest.stride(0) if split > 1 else 0,
             dest.stride(-2), BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=split,
             BITS=weight.bits, OFFSETS=weight.offsets, PERMUTED=weight.perm is not None,
+            num_warps=t.num_warps, num_stages=t.num_stages)
+    elif t.field_dots and t.block_m >= 16 and weight.whole_word_groups:
+        grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
+        _w4a16_field_dots_kernel[grid](
+            x, weight.qweight, weight.scales, weight.zeros, perm, dest, m, n, k,
+            weight.group_size, weight.group_offset, x.stride(0), weight.qweight.stride(0),
+            weight.scales.stride(0), weight.zero_stride, dest.stride(0) if split > 1 else 0,
+            dest.stride(-2), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+            GROUP_M=t.group_m, SPLIT_K=split, BITS=weight.bits, OFFSETS=weight.offsets,
+            PERMUTED=weight.perm is not None, IEEE=x.dtype == torch.float32,
             num_warps=t.num_warps, num_stages=t.num_stages)
     else:
         grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
