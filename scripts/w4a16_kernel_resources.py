@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernel_resources import compile_through, resources  # noqa: E402
 
+from pagedserve.quantization.ops import w4a16_alternatives as wa  # noqa: E402
 from pagedserve.quantization.ops import w4a16_gemm as wg  # noqa: E402
 
 
@@ -44,8 +45,8 @@ def main() -> None:
             weight = wg.w4a16_layout(torch.zeros(n, k, dtype=torch.int32),
                                      torch.zeros(n, k // group), torch.ones(n, k // group),
                                      order // group, bits)
-            # The sweep's alternatives: the one-row GEMV and a dot per bit-field.
-            gemv = wg.Tiles(1, 32, 128, 1, 4, 3, 4, gemv=True)
+            # The sweep's alternatives (w4a16_alternatives.py), in one K slice.
+            gemv = wg.Tiles(1, 32, 128, 1, 4, 3, 1, gemv=True)
             dots = wg.Tiles(64, 128, 128, 4, 4, 3, 1, field_dots=True)
             for bound, tiles in (*wg._TILES, (1, gemv), (64, dots)):
                 # Split K as the GPU would (2 slices where the table says "auto").
@@ -56,10 +57,12 @@ def main() -> None:
                 def call(m=m, weight=weight, tiles=tiles) -> None:
                     wg.w4a16_mm(torch.zeros(m, k, dtype=torch.bfloat16), weight, tiles)
 
-                kernel = "_w4a16_gemv_kernel" if tiles.gemv else \
-                    "_w4a16_field_dots_kernel" if tiles.field_dots else "_w4a16_kernel"
-                names = (kernel, "_sum_splits_kernel")
-                stand_ins = compile_through(wg, names, target, call, label)
+                if tiles.gemv or tiles.field_dots:
+                    module = wa
+                    names = ("_w4a16_gemv_kernel" if tiles.gemv else "_w4a16_field_dots_kernel",)
+                else:
+                    module, names = wg, ("_w4a16_kernel", "_sum_splits_kernel")
+                stand_ins = compile_through(module, names, target, call, label)
                 if stand_ins is None:
                     failed += 1
                     continue
