@@ -24,7 +24,6 @@ from transformers import PretrainedConfig
 from pagedserve import envs
 from pagedserve.attention.encoder import ENCODER_ONLY
 from pagedserve.attention.layer import Attention
-from pagedserve.models.layers import fused_kernels
 
 TOKEN_TYPE_SHIFT = 30
 _ID_MASK = (1 << TOKEN_TYPE_SHIFT) - 1
@@ -50,23 +49,6 @@ def activation(config: PretrainedConfig):
 # these, an approximation of the erf form ("gelu") within 4.8e-4.
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
-
-
-# The fused add + LayerNorm kernel is off: on an H100 at a bge-base step (16,384 x 768, bf16) it
-# ran in 65.2 us against torch's add and norm in 65.6, and its launch cost the host 38.8 us a
-# call against 19.4 (`benchmarks/encoder_kernels.py`), in a step the host bounds.
-FUSED_ADD_NORM = False
-
-
-def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None,
-                   norm: nn.LayerNorm) -> torch.Tensor:
-    """norm(x + residual) (norm(x) without one): with FUSED_ADD_NORM one Triton kernel on CUDA
-    in 16 bits, which rounds the sum as torch's add does (layer_kernels.layer_norm); torch's
-    add and LayerNorm otherwise."""
-    kernels = fused_kernels(x) if FUSED_ADD_NORM else None
-    if kernels is not None and x.dim() == 2 and norm.bias is not None:
-        return kernels.layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
-    return norm(x if residual is None else x + residual)
 
 
 def gelu_in_epilogue(config: PretrainedConfig) -> bool:
@@ -109,8 +91,9 @@ class BertEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ids = input_ids & _ID_MASK
         token_types = input_ids >> TOKEN_TYPE_SHIFT
-        x = self.word_embeddings(ids) + self.position_embeddings(positions)
-        return add_layer_norm(x, self.token_type_embeddings(token_types), self.LayerNorm)
+        x = (self.word_embeddings(ids) + self.position_embeddings(positions)
+             + self.token_type_embeddings(token_types))
+        return self.LayerNorm(x)
 
 
 class BertLayer(nn.Module):
@@ -131,8 +114,8 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        x = add_layer_norm(self.attn_out(self.attn(q, k, v)), x, self.attn_norm)
-        return add_layer_norm(self.output(self.mlp_in(x)), x, self.out_norm)
+        x = self.attn_norm(x + self.attn_out(self.attn(q, k, v)))
+        return self.out_norm(x + self.output(self.mlp_in(x)))
 
     def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
         """act(W1 x + b1); on CUDA in 16 bits a GELU rides in the GEMM's epilogue

@@ -11,9 +11,6 @@ order of the float32 sum of squares in the norm):
 - `rotary_embedding_`: in place on strided q/k views (a split of the fused qkv output), rotate-
   half convention: (x1, x2) -> (dt(dt(x1 c) - dt(x2 s)), dt(dt(x2 c) + dt(x1 s))).
 - `silu_and_mul`: [T, 2I] (gate | up) -> dt(dt(silu(gate)) * up), silu in float32.
-- `layer_norm`: an encoder's post-norm step (BERT), out = dt(LN(dt(x + residual)) * w + b),
-  the sum rounded as torch's add, the statistics and the affine in float32 as torch's
-  LayerNorm: one pass over the rows instead of an add and a LayerNorm kernel.
 
 Grids: one program per token (norm, rotary: all heads of the token) or per (token, column
 block) (silu). Float32 models keep the torch path (`layers.fused_kernels` decides), so CPU and
@@ -72,45 +69,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """(RMSNorm(x + residual) * weight, x + residual); `residual` is updated in place to the
     sum (the layer's residual stream) and returned as the second value."""
     return _norm(x, residual, weight, eps), residual
-
-
-@triton.jit
-def _layer_norm_kernel(x_ptr, res_ptr, out_ptr, w_ptr, b_ptr, stride_x, stride_r, stride_o, eps,
-                       N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    if ADD:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    z = x.to(tl.float32)
-    mean = tl.sum(z, 0) / N
-    centred = tl.where(ok, z - mean, 0.0)
-    rstd = tl.rsqrt(tl.sum(centred * centred, 0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (centred * rstd * w + b).to(x.dtype), mask=ok)
-
-
-def layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-               bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, N] -> LayerNorm(x + residual) * weight + bias in x's dtype (`residual` None: of x
-    alone). The sum is not kept: a post-norm layer reads only the normalised rows."""
-    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
-        raise ValueError("layer_norm needs rows with contiguous channels")
-    if residual is not None and residual.dtype != x.dtype:
-        raise ValueError("layer_norm's residual must have x's dtype")
-    n = x.shape[-1]
-    out = torch.empty_like(x)
-    if x.shape[0] == 0:
-        return out
-    block = triton.next_power_of_2(n)
-    res = x if residual is None else residual
-    _layer_norm_kernel[(x.shape[0],)](
-        x, res, out, weight, bias, x.stride(0), res.stride(0), out.stride(0), eps, N=n,
-        BLOCK=block, ADD=residual is not None, num_warps=min(16, max(1, block // 256)))
-    return out
 
 
 @triton.jit

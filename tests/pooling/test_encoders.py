@@ -108,37 +108,29 @@ def test_other_backends_through_the_engine(tmp_path, backend):
 
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
 def test_fused_encoder_path(tmp_path, family, monkeypatch):
-    """The fused path of a 16-bit CUDA step, on the CPU in float32: each residual add and
-    LayerNorm as one Triton kernel (the interpreter; off by default), the MLP's first
-    projection and GELU as one torch._addmm_activation (asked for an erf model with
+    """The fused path of a 16-bit CUDA step, on the CPU in float32: the MLP's first projection
+    and GELU as one torch._addmm_activation (asked for an erf model with
     PAGEDSERVE_APPROXIMATE_GELU; exact GELU on the CPU, cuBLASLt's tanh form on CUDA). The
     embeddings equal sentence-transformers' as the torch path's do."""
-    from pagedserve.models import bert, layer_kernels
+    from pagedserve.models import bert
 
     monkeypatch.setenv("PAGEDSERVE_APPROXIMATE_GELU", "1")
-    monkeypatch.setattr(bert, "FUSED_ADD_NORM", True)
     path = tiny_encoder_embedder(tmp_path / family, family, "cls")
     texts = mixed_texts(5, seed=3, longest=30)
     reference = st_encode(path, texts)
-    calls = {"norm": 0, "epilogue": 0}
-
-    def kernels(x):
-        calls["norm"] += 1
-        return layer_kernels
+    calls = {"epilogue": 0}
 
     def epilogue(x):
         calls["epilogue"] += 1
         return True
 
-    monkeypatch.setattr(bert, "fused_kernels", kernels)
     monkeypatch.setattr(bert, "epilogue_runs", epilogue)
     with open_llm(path) as llm:
-        calls.update(norm=0, epilogue=0)  # start-up's dummy forwards
+        calls.update(epilogue=0)  # start-up's dummy forwards
         np.testing.assert_allclose(embed(llm, texts), reference, atol=TOL, rtol=0)
         layers = llm.engine.runner.model.config.num_hidden_layers
         steps = calls["epilogue"] // layers
         assert steps >= 1 and calls["epilogue"] == steps * layers
-        assert calls["norm"] == steps * (2 * layers + 1)  # the embeddings' norm too
 
 
 def test_gelu_epilogue_choice(monkeypatch):
@@ -184,9 +176,8 @@ def test_gelu_epilogue_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("exact_gelu", [False, True])
 def test_bert_on_cuda(tmp_path, texts, exact_gelu, monkeypatch):
-    """bf16 on CUDA (the fused add + LayerNorm kernel; the erf GELU, or the tanh one in the
-    epilogue with PAGEDSERVE_APPROXIMATE_GELU) against sentence-transformers in float32 on the
-    CPU."""
+    """bf16 on CUDA (the erf GELU, or the tanh one in the GEMM's epilogue with
+    PAGEDSERVE_APPROXIMATE_GELU) against sentence-transformers in float32 on the CPU."""
     if not exact_gelu:
         monkeypatch.setenv("PAGEDSERVE_APPROXIMATE_GELU", "1")
     path = tiny_encoder_embedder(tmp_path / "bert", "bert", "cls", heads=1)  # head size 64
