@@ -29,11 +29,9 @@ def arrays_to_device(arrays: list[np.ndarray], device: torch.device | str
     costs the host a pinned allocation and a launch): views of it, one per array, each of
     its array's shape."""
     flat = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
-    staged = torch.from_numpy(np.concatenate(flat) if flat else np.zeros(0, np.int64))
-    if torch.device(device).type != "cuda":
-        whole = staged  # a fresh array already: nothing on the host shares it
-    else:
-        whole = staged.pin_memory().to(device, non_blocking=True)
+    # A fresh array: on the CPU nothing on the host shares it, so it is used as it is.
+    whole = to_device_async(torch.from_numpy(np.concatenate(flat) if flat
+                                             else np.zeros(0, np.int64)), device)
     out, start = [], 0
     for a, f in zip(arrays, flat, strict=True):
         out.append(whole[start:start + f.size].view(np.shape(a)))

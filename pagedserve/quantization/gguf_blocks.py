@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from pagedserve.quantization.base import LinearMethod, QuantizationConfig
-from pagedserve.quantization.gguf_types import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
+from pagedserve.quantization.gguf_types import BLOCKS, Q4_1, Q4_K, Q5_K, Q6_K
 from pagedserve.quantization.unquantized import UNQUANTIZED, load_float
 
 if TYPE_CHECKING:  # the kernel's module imports triton: only when a layer keeps its blocks
@@ -117,9 +117,8 @@ def dequantize_array(data: np.ndarray, qtype: int, name: str) -> np.ndarray:
 # The bundled SmolLM2's block types, Q4_0, and the K types (Q4_K_M's, Q5_K_M's), decoded in torch
 # (`gguf_codes`: the same float32 operations as gguf's numpy dequantizer, so the same bits) in a
 # third of its time: loading the bundled model spent ~1 s there, an 8B Q4_K_M file ~2 minutes
-# on a 2-core machine.
-_TORCH_TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q5_K": Q5_K,
-                "Q6_K": Q6_K}
+# on a 2-core machine. These are the types kept on CUDA too (gguf_types.BLOCKS).
+_TORCH_TYPES = {name: qtype for qtype, (_, _, name) in BLOCKS.items()}
 
 
 def _dequantize_in_torch(data: np.ndarray, type_name: str) -> np.ndarray | None:
