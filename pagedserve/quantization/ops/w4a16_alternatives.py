@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.quantization.ops.tile_order import grouped_tile
+from pagedserve.quantization.ops.tile_order import grouped_tile, k_slice
 
 
 @triton.jit
@@ -38,12 +38,10 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N, K, gr
     row = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
     cols = (tl.program_id(0) % tl.cdiv(N, BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    first = tl.program_id(1) * per_split
+    first, last = k_slice(K, BLOCK_K, SPLIT_K)
     shifts = tl.arange(0, PER) * BITS
     acc = tl.zeros((R, PER, BLOCK_N), dtype=tl.float32)
-    for t in range(first, tl.minimum(first + per_split, k_tiles)):
+    for t in range(first, last):
         start = t * BLOCK_K
         word_rows = start // PER + tl.arange(0, R)
         rows_ok = word_rows * PER < K
@@ -92,11 +90,9 @@ def _w4a16_field_dots_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N,
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    first = tl.program_id(1) * per_split
+    first, last = k_slice(K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(first, tl.minimum(first + per_split, k_tiles)):
+    for t in range(first, last):
         start = t * BLOCK_K
         word_rows = start // PER + tl.arange(0, R)
         rows_ok = word_rows * PER < K
@@ -130,32 +126,21 @@ def _w4a16_field_dots_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N,
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def launch(t: Any, x: torch.Tensor, weight: Any, perm: torch.Tensor, dest: torch.Tensor,
-           split: int) -> bool:
-    """Run the alternative `t` (`w4a16_gemm.Tiles`) asks for, where it applies, with
-    `weight` (a `w4a16_gemm.W4A16Weight`: that module imports this one) into `dest`
-    (`w4a16_mm`'s output or split-K partials); False where neither applies (the default
+def launch(t: Any, args: tuple, weight: Any, split: int) -> bool:
+    """Run the alternative `t` (`w4a16_gemm.Tiles`) asks for, where it applies to `weight` (a
+    `w4a16_gemm.W4A16Weight`: that module imports this one), with `w4a16_mm`'s leading kernel
+    arguments `args` (x first, m and n at 6 and 7); False where neither applies (the default
     kernel runs)."""
-    m, k = x.shape
-    n = weight.out_features
+    x, m, n = args[0], args[6], args[7]
+    common = {"BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "SPLIT_K": split, "BITS": weight.bits,
+              "OFFSETS": weight.offsets, "PERMUTED": weight.perm is not None,
+              "num_warps": t.num_warps, "num_stages": t.num_stages}
     if t.gemv and t.block_m == 1 and weight.whole_word_groups:
-        _w4a16_gemv_kernel[(m * triton.cdiv(n, t.block_n), split)](
-            x, weight.qweight, weight.scales, weight.zeros, perm, dest, m, n, k,
-            weight.group_size, weight.group_offset, x.stride(0), weight.qweight.stride(0),
-            weight.scales.stride(0), weight.zero_stride, dest.stride(0) if split > 1 else 0,
-            dest.stride(-2), BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=split,
-            BITS=weight.bits, OFFSETS=weight.offsets, PERMUTED=weight.perm is not None,
-            num_warps=t.num_warps, num_stages=t.num_stages)
+        _w4a16_gemv_kernel[(m * triton.cdiv(n, t.block_n), split)](*args, **common)
     elif t.field_dots and t.block_m >= 16 and weight.whole_word_groups:
         grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
-        _w4a16_field_dots_kernel[grid](
-            x, weight.qweight, weight.scales, weight.zeros, perm, dest, m, n, k,
-            weight.group_size, weight.group_offset, x.stride(0), weight.qweight.stride(0),
-            weight.scales.stride(0), weight.zero_stride, dest.stride(0) if split > 1 else 0,
-            dest.stride(-2), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-            GROUP_M=t.group_m, SPLIT_K=split, BITS=weight.bits, OFFSETS=weight.offsets,
-            PERMUTED=weight.perm is not None, IEEE=x.dtype == torch.float32,
-            num_warps=t.num_warps, num_stages=t.num_stages)
+        _w4a16_field_dots_kernel[grid](*args, BLOCK_M=t.block_m, GROUP_M=t.group_m,
+                                       IEEE=x.dtype == torch.float32, **common)
     else:
         return False
     return True

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.quantization.ops import w4a16_alternatives as alternatives
-from pagedserve.quantization.ops.tile_order import grouped_tile
+from pagedserve.quantization.ops.tile_order import grouped_tile, k_slice
 
 
 @triton.jit
@@ -100,14 +100,12 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N, K, group_s
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    first = tl.program_id(1) * per_split
+    first, last = k_slice(K, BLOCK_K, SPLIT_K)
     if BLOCK_M == 1:  # one row: products summed over K once, at the end (no tensor cores)
         acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(first, tl.minimum(first + per_split, k_tiles)):
+    for t in range(first, last):
         start = t * BLOCK_K
         w = _weight_tile(qw_ptr, s_ptr, z_ptr, start, K, cols, col_ok, group_size,
                          group_offset, stride_qk, stride_sg, stride_zg, BLOCK_K, BLOCK_N, BITS,
@@ -385,18 +383,18 @@ def w4a16_mm(x: torch.Tensor, weight: W4A16Weight, tiles: Tiles | None = None,
     dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
                                               device=x.device)
     perm = weight.perm if weight.perm is not None else weight.qweight
-    if not alternatives.launch(t, x, weight, perm, dest, split):
+    # Every kernel's leading arguments (`w4a16_alternatives`' take the same).
+    args = (x, weight.qweight, weight.scales, weight.zeros, perm, dest, m, n, k,
+            weight.group_size, weight.group_offset, x.stride(0), weight.qweight.stride(0),
+            weight.scales.stride(0), weight.zero_stride, dest.stride(0) if split > 1 else 0,
+            dest.stride(-2))
+    if not alternatives.launch(t, args, weight, split):
         grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
-        _w4a16_kernel[grid](x, weight.qweight, weight.scales, weight.zeros, perm, dest, m, n,
-                            k, weight.group_size, weight.group_offset, x.stride(0),
-                            weight.qweight.stride(0), weight.scales.stride(0),
-                            weight.zero_stride, dest.stride(0) if split > 1 else 0,
-                            dest.stride(-2), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                            BLOCK_K=t.block_k, GROUP_M=t.group_m, SPLIT_K=split,
-                            BITS=weight.bits, OFFSETS=weight.offsets,
-                            PERMUTED=weight.perm is not None, IEEE=x.dtype == torch.float32,
-                            num_warps=t.num_warps, num_stages=t.num_stages,
-                            **weight._scale_args(t.block_k))
+        _w4a16_kernel[grid](*args, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                            GROUP_M=t.group_m, SPLIT_K=split, BITS=weight.bits,
+                            OFFSETS=weight.offsets, PERMUTED=weight.perm is not None,
+                            IEEE=x.dtype == torch.float32, num_warps=t.num_warps,
+                            num_stages=t.num_stages, **weight._scale_args(t.block_k))
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024), m)](dest, out, m, n, dest.stride(0),
                                                       dest.stride(1), out.stride(0),
